@@ -1,0 +1,154 @@
+"""The compressor contract: pure tensor code, no process group, no Lightning.
+
+A compressor turns one parameter's gradient into a :class:`Packet`. Only ``Packet.payload`` crosses the
+wire; everything a receiver needs to decode it either travels inside the payload or is known identically
+on every rank (the shape, a shared scaler agreed through ``local_statistic``), so a rank decodes a remote
+payload with its own local context (:meth:`Packet.with_payload`).
+
+Two ways to travel:
+
+* ``Aggregation.SUM``: payloads of all ranks can be added element-wise (all-reduce); the compressor's
+  ``decompress`` is linear in the payload, so decoding the sum gives the sum of the decoded tensors.
+* ``Aggregation.GATHER``: payloads must be all-gathered and each decoded separately.
+"""
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+
+class Aggregation(str, enum.Enum):
+    """How packets of different ranks are combined on the wire."""
+
+    SUM = "sum"
+    GATHER = "gather"
+
+
+@dataclass
+class Packet:
+    """One compressed tensor.
+
+    Attributes:
+        payload: a 1-D tensor, exactly the bytes that cross the wire for this tensor.
+        shape: shape of the original tensor (local decode context).
+        dtype: dtype of the original tensor (local decode context).
+        ctx: any further local decode context, e.g. a scaler every rank already agreed on.
+        stats: per-tensor statistics as 0-d tensors on the payload's device (no host sync).
+    """
+
+    payload: Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    ctx: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Exact number of bytes this packet puts on the wire."""
+        return self.payload.numel() * self.payload.element_size()
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the original tensor."""
+        return self.shape.numel()
+
+    def with_payload(self, payload: Tensor) -> "Packet":
+        """A packet with another rank's (or a summed) payload and this rank's local decode context."""
+        return replace(self, payload=payload, stats={})
+
+
+class Compressor(ABC):
+    """Base class of all gradient compressors.
+
+    Subclasses set :attr:`aggregation` and implement :meth:`compress` and :meth:`decompress`. A compressor
+    whose decode needs a value agreed by all ranks (TernGrad's shared scaler) returns it from
+    :meth:`local_statistic`; the hook reduces it with ``MAX`` over ranks before calling :meth:`compress`.
+
+    Compressors may hold per-rank state (a random generator, thresholds); :meth:`setup` is called once with
+    this rank's place in the group, and :meth:`state_dict` / :meth:`load_state_dict` round-trip that state.
+    """
+
+    #: how payloads of different ranks are combined
+    aggregation: Aggregation = Aggregation.GATHER
+    #: whether what was not sent is kept as a residual and added to the next gradient (error feedback)
+    uses_memory: bool = False
+
+    def __init__(self) -> None:
+        self.rank = 0
+        self.world_size = 1
+
+    def setup(self, rank: int, world_size: int, device: torch.device) -> None:
+        """Called once before the first step with this rank's place in the process group.
+
+        Args:
+            rank: this rank's index in the group that exchanges the packets.
+            world_size: number of ranks in that group.
+            device: the device gradients live on.
+        """
+        self.rank = rank
+        self.world_size = world_size
+
+    def aggregation_for(self, world_size: int) -> Aggregation:
+        """How this compressor travels in a group of ``world_size`` ranks (default: :attr:`aggregation`)."""
+        return self.aggregation
+
+    def local_statistic(self, tensor: Tensor, name: str) -> Optional[Tensor]:
+        """A small float32 tensor to be max-reduced over ranks before :meth:`compress`, or ``None``.
+
+        Args:
+            tensor: the gradient (after transforms and residual) of parameter ``name``.
+            name: the parameter's name.
+        """
+        return None
+
+    @abstractmethod
+    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
+        """Compress ``tensor`` (the gradient of parameter ``name``) into a packet.
+
+        Args:
+            tensor: the gradient to compress; not modified.
+            name: the parameter's name, for per-layer settings and state.
+            shared: the max over ranks of :meth:`local_statistic`; ``None`` when used standalone, in which case
+                the local statistic is used.
+        """
+
+    @abstractmethod
+    def decompress(self, packet: Packet) -> Tensor:
+        """Decode one packet to a dense tensor of ``packet.shape`` and ``packet.dtype``.
+
+        For ``Aggregation.SUM`` compressors this must be linear in ``packet.payload``.
+        """
+
+    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
+        """The sum of the decoded packets, in the given (rank) order.
+
+        Every rank calls this with the same packets in the same order, so the result is bit-identical
+        everywhere. Subclasses may override it with a cheaper exact equivalent.
+        """
+        total = self.decompress(packets[0]).clone()
+        for packet in packets[1:]:
+            total.add_(self.decompress(packet))
+        return total
+
+    def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
+        """What this rank effectively contributed for ``tensor`` (its own packet decoded).
+
+        Used for error feedback: ``residual = tensor - sent``. Override where an exact form is cheaper.
+        """
+        return self.decompress(packet)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank state to checkpoint (random generator state, adaptive thresholds)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def describe(self) -> dict[str, Any]:
+        """The compressor's settings, for logs and the run config."""
+        return {"compressor": type(self).__name__}

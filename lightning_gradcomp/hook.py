@@ -1,0 +1,217 @@
+"""The DDP communication hook: per-parameter compression inside each bucket, overlapping backward.
+
+For each bucket DDP hands us (in the order buckets become ready, identical on every rank):
+
+1. per parameter, by name: layer transforms (clipping, momentum correction), then error feedback;
+2. one small max all-reduce of the compressors' local statistics (TernGrad's shared scaler), waited for;
+3. compress every parameter; update residuals; record statistics (as tensors, no host sync);
+4. one collective per channel, in a fixed order: an all-reduce per payload dtype for summable packets, and
+   one all-gather of the byte-concatenated packets that must be gathered;
+5. when they complete: decode, average, and write into the bucket's buffer in place.
+
+Collectives are only launched here, never from ``.then`` callbacks (see :mod:`lightning_gradcomp.comm`).
+"""
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gradcomp import comm
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.pipeline import LayerTransform
+
+
+@dataclass
+class LayerRecord:
+    """What the hook last did for one parameter (tensors stay on device until someone logs them)."""
+
+    nbytes: int
+    numel: int
+    aggregation: Aggregation
+    stats: dict[str, Tensor]
+
+
+@dataclass
+class GradCompState:
+    """Hyper-parameters and mutable state of :func:`gradcomp_hook`.
+
+    Attributes:
+        compressor: compresses every parameter not kept in float.
+        names: parameter object id -> parameter name (DDP hands the module's own parameter objects).
+        float_names: names of parameters sent uncompressed (fp32 all-reduce).
+        transforms: per-layer transforms applied before compression, in order.
+        process_group: the group to exchange with (``None``: the default group).
+        world_size: ranks in ``process_group``.
+        memory: residuals for compressors with error feedback.
+        records: the latest :class:`LayerRecord` per parameter name.
+        shared_stat_bytes: bytes of the statistic all-reduce in the latest round per bucket index.
+        collectives: how many collectives of each kind ran since the last reset.
+        hook_calls: number of bucket hook calls since construction.
+    """
+
+    compressor: Compressor
+    names: dict[int, str]
+    float_names: frozenset[str] = frozenset()
+    transforms: Sequence[LayerTransform] = ()
+    process_group: Optional[dist.ProcessGroup] = None
+    world_size: int = 1
+    identity: Compressor = field(default_factory=Identity)
+    memory: ResidualMemory = field(default_factory=ResidualMemory)
+    records: dict[str, LayerRecord] = field(default_factory=dict)
+    shared_stat_bytes: dict[int, int] = field(default_factory=dict)
+    collectives: Counter = field(default_factory=Counter)
+    hook_calls: int = 0
+
+    def compressor_for(self, name: str) -> Compressor:
+        return self.identity if name in self.float_names else self.compressor
+
+    def bytes_per_step(self) -> int:
+        """Bytes this rank contributed to the collectives of one full backward (payloads + shared statistics)."""
+        return sum(r.nbytes for r in self.records.values()) + sum(self.shared_stat_bytes.values())
+
+    def dense_bytes_per_step(self) -> int:
+        """What plain fp32 DDP would have contributed for the same parameters."""
+        return sum(4 * r.numel for r in self.records.values())
+
+
+def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str]) -> list[Tensor]:
+    """Transforms and error feedback, per parameter; returns what each compressor will see."""
+    inputs = []
+    for grad, name in zip(grads, names):
+        x = grad
+        for transform in state.transforms:
+            x = transform.before_compress(x, name)
+        if state.compressor_for(name).uses_memory:
+            x = state.memory.compensate(x, name)
+        inputs.append(x)
+    return inputs
+
+
+def _shared_statistics(
+    state: GradCompState, bucket_index: int, inputs: Sequence[Tensor], names: Sequence[str]
+) -> list[Optional[Tensor]]:
+    """Each compressor's local statistic, max-reduced over ranks in one small collective per bucket."""
+    local = [state.compressor_for(n).local_statistic(x, n) for x, n in zip(inputs, names)]
+    present = [s.reshape(-1).float() for s in local if s is not None]
+    if not present:
+        state.shared_stat_bytes[bucket_index] = 0
+        return local
+    flat = torch.cat(present)
+    if state.world_size > 1:
+        comm.all_reduce_max_(flat, state.process_group)
+        state.collectives["allreduce_max"] += 1
+    state.shared_stat_bytes[bucket_index] = flat.numel() * flat.element_size()
+    shared: list[Optional[Tensor]] = []
+    offset = 0
+    for s in local:
+        if s is None:
+            shared.append(None)
+        else:
+            shared.append(flat[offset : offset + s.numel()].view_as(s))
+            offset += s.numel()
+    return shared
+
+
+def _as_bytes(payload: Tensor) -> Tensor:
+    return payload.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _from_bytes(raw: Tensor, dtype: torch.dtype) -> Tensor:
+    # a slice of the gathered byte buffer may be misaligned for wider dtypes: copy before reinterpreting
+    return raw if dtype == torch.uint8 else raw.clone().view(dtype)
+
+
+def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook that compresses each parameter of ``bucket`` and exchanges the packets.
+
+    Register with ``ddp_model.register_comm_hook(state, gradcomp_hook)``. Every rank ends with the same
+    averaged, decoded gradient in ``bucket.buffer()``.
+    """
+    state.hook_calls += 1
+    grads = bucket.gradients()
+    names = [state.names[id(p)] for p in bucket.parameters()]
+    world = state.world_size
+
+    inputs = _prepare(state, grads, names)
+    shared = _shared_statistics(state, bucket.index(), inputs, names)
+
+    packets: list[Packet] = []
+    for x, name, s in zip(inputs, names, shared):
+        compressor = state.compressor_for(name)
+        packet = compressor.compress(x, name, s)
+        if compressor.uses_memory or state.transforms:
+            sent = compressor.sent(x, packet)
+            if compressor.uses_memory:
+                state.memory.update(name, x, sent)
+            for transform in state.transforms:
+                transform.after_compress(name, x, sent)
+        packets.append(packet)
+        state.records[name] = LayerRecord(
+            nbytes=packet.nbytes,
+            numel=x.numel(),
+            aggregation=compressor.aggregation_for(world),
+            stats=packet.stats,
+        )
+
+    # channels: summable payloads grouped by dtype (one all-reduce each), the rest as bytes (one all-gather)
+    sum_groups: dict[torch.dtype, list[int]] = {}
+    gather_idx: list[int] = []
+    for i, (name, packet) in enumerate(zip(names, packets)):
+        if state.compressor_for(name).aggregation_for(world) is Aggregation.SUM:
+            sum_groups.setdefault(packet.payload.dtype, []).append(i)
+        else:
+            gather_idx.append(i)
+
+    futures = []
+    sum_buffers: list[tuple[list[int], Tensor]] = []
+    for dtype in sorted(sum_groups, key=str):  # same order on every rank
+        idx = sum_groups[dtype]
+        flat = torch.cat([packets[i].payload.reshape(-1) for i in idx])
+        if world > 1:
+            futures.append(comm.all_reduce_sum(flat, state.process_group))
+            state.collectives[f"allreduce_{str(dtype).removeprefix('torch.')}"] += 1
+        sum_buffers.append((idx, flat))
+
+    gathered: Optional[Tensor] = None
+    if gather_idx:
+        flat = torch.cat([_as_bytes(packets[i].payload) for i in gather_idx])
+        if world > 1:
+            fut, gathered = comm.all_gather(flat, state.process_group, world)
+            futures.append(fut)
+            state.collectives["allgather"] += 1
+        else:
+            gathered = flat.unsqueeze(0)
+
+    def decode(_: object) -> Tensor:
+        for idx, flat in sum_buffers:
+            offset = 0
+            for i in idx:
+                packet = packets[i]
+                n = packet.payload.numel()
+                total = state.compressor_for(names[i]).decompress(packet.with_payload(flat[offset : offset + n]))
+                grads[i].copy_(total.div_(world) if total.is_floating_point() else total.float() / world)
+                offset += n
+        if gather_idx:
+            assert gathered is not None
+            offset = 0
+            for i in gather_idx:
+                packet = packets[i]
+                n = packet.nbytes
+                per_rank = [
+                    packet.with_payload(_from_bytes(gathered[r, offset : offset + n], packet.payload.dtype))
+                    for r in range(world)
+                ]
+                grads[i].copy_(state.compressor_for(names[i]).decompress_sum(per_rank).div_(world))
+                offset += n
+        return bucket.buffer()
+
+    if not futures:
+        return comm.completed(decode(None))
+    return torch.futures.collect_all(futures).then(lambda fut: decode(fut.wait()))

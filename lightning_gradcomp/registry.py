@@ -1,0 +1,47 @@
+"""Names for compressors and the strategies registered in Lightning's ``StrategyRegistry``.
+
+Lightning has no entry point for external strategies, so importing :mod:`lightning_gradcomp` registers
+every name here (``Trainer(strategy="terngrad")``). Unknown names fail loudly: a typo never becomes a default.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.compressors.terngrad import TernGrad
+
+#: registered name -> (factory of a fresh compressor, one-line description)
+COMPRESSORS: dict[str, tuple[Callable[[], Compressor], str]] = {
+    "terngrad": (TernGrad, "TernGrad: stochastic ternary gradients, shared layer-wise scalers, 2.5-sigma clipping"),
+    "fp32": (Identity, "fp32 gradients through the gradcomp hook (the identity compressor)"),
+}
+
+
+def compressor_names() -> list[str]:
+    """All registered compressor names."""
+    return sorted(COMPRESSORS)
+
+
+def make_compressor(name: str) -> Compressor:
+    """A fresh compressor with the paper's defaults for a registered name."""
+    key = name.lower()
+    if key not in COMPRESSORS:
+        raise ValueError(f"Expected `compressor` to be one of {compressor_names()}, but got {name!r}.")
+    return COMPRESSORS[key][0]()
+
+
+def register_compressor(name: str, factory: Callable[[], Compressor], description: str) -> None:
+    """Add a compressor name; call :func:`register_strategies` afterwards to expose it as a strategy."""
+    COMPRESSORS[name.lower()] = (factory, description)
+
+
+def register_strategies(strategy_cls: type, strategy_registry: Any = None) -> None:
+    """Register every compressor name as a Lightning strategy name (lower-cased, as Lightning looks them up)."""
+    if strategy_registry is None:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        strategy_registry = StrategyRegistry
+    for name, (_, description) in COMPRESSORS.items():
+        # the name, not an instance, goes into init_params: each Trainer must get a fresh, unshared compressor
+        strategy_registry.register(name, strategy_cls, description=description, override=True, compressor=name)

@@ -1,0 +1,192 @@
+"""``GradCompStrategy``: Lightning's DDP with our compression hook installed on CPU (Gloo) and GPU (NCCL)."""
+
+import fnmatch
+import inspect
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+import lightning_gradcomp.registry as registry
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.validation import check_int
+
+log = logging.getLogger(__name__)
+
+# DDPStrategy arguments that would replace or bypass our hook; jsonargparse passes them as explicit None
+_HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+_DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
+    "self",
+    "module",
+    "device_ids",
+    "output_device",
+    "process_group",
+}
+
+
+class GradCompStrategy(DDPStrategy):
+    """Data-parallel training with compressed gradient exchange inside DDP's communication hook.
+
+    Args:
+        compressor: a :class:`~lightning_gradcomp.compressors.Compressor` instance, or a registered name
+            (``"terngrad"``, ``"fp32"``, ...).
+        exclude: parameter-name patterns (``fnmatch`` globs, e.g. ``"classifier.*"``) sent uncompressed in
+            fp32; every pattern must match at least one parameter.
+        min_numel: parameters with fewer elements are sent uncompressed (the TernGrad AlexNet script's
+            ``size_to_binarize``; 1 compresses everything).
+        find_unused_parameters: as in ``DistributedDataParallel``.
+        static_graph: as in ``DistributedDataParallel``.
+        gradient_as_bucket_view: as in ``DistributedDataParallel``.
+        bucket_cap_mb: DDP bucket size in MiB (``None``: DDP's default).
+        broadcast_buffers: as in ``DistributedDataParallel``.
+        accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
+        parallel_devices: see ``DDPStrategy``.
+        cluster_environment: see ``DDPStrategy``.
+        checkpoint_io: see ``DDPStrategy``.
+        precision_plugin: see ``DDPStrategy``.
+        process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
+        timeout: collective timeout.
+        start_method: how Lightning launches local processes (``"popen"``, ``"spawn"``, ...).
+        **kwargs: further ``DistributedDataParallel`` options.
+    """
+
+    strategy_name = "gradcomp"
+
+    def __init__(
+        self,
+        compressor: Union[Compressor, str] = "terngrad",
+        exclude: Optional[Sequence[str]] = None,
+        min_numel: int = 1,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: Optional[float] = None,
+        broadcast_buffers: bool = True,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        for key in _HOOK_ARGUMENTS:
+            if kwargs.pop(key, None) is not None:
+                raise ValueError(
+                    f"Expected `{key}` to be None: GradCompStrategy installs its own communication hook. "
+                    f"Fix: use `strategy='ddp'` for a custom DDP hook, or a Compressor for custom compression."
+                )
+        unknown = sorted(set(kwargs) - _DDP_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"Unknown option(s) {unknown} for GradCompStrategy. Fix: compressor options go to the compressor, "
+                f"e.g. `GradCompStrategy(compressor=TernGrad(clip_factor=2.5))`; DDP options are "
+                f"{sorted(_DDP_OPTIONS)}."
+            )
+        self.compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
+        if not isinstance(self.compressor, Compressor):
+            raise ValueError(
+                f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
+                f"Fix: use one of {registry.compressor_names()}."
+            )
+        self.exclude = list(exclude or [])
+        check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
+        self.min_numel = min_numel
+        ddp_kwargs: dict[str, Any] = dict(
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            broadcast_buffers=broadcast_buffers,
+            **kwargs,
+        )
+        if bucket_cap_mb is not None:
+            ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **ddp_kwargs,
+        )
+        self._transforms: list[LayerTransform] = []
+        self.comm_state: Optional[GradCompState] = None
+
+    def add_transform(self, transform: LayerTransform) -> None:
+        """Attach a per-layer transform (called by callbacks at setup, before DDP wraps the model)."""
+        if self.comm_state is not None:
+            raise RuntimeError(
+                "Transforms must be attached before the model is wrapped in DDP. Fix: attach it from a callback's "
+                "`setup` hook, or add the callback to the Trainer's `callbacks`."
+            )
+        if any(type(t) is type(transform) for t in self._transforms):
+            raise ValueError(
+                f"A {type(transform).__name__} transform is already attached. Fix: pass one such callback to the Trainer."
+            )
+        self._transforms.append(transform)
+
+    @property
+    def transforms(self) -> tuple[LayerTransform, ...]:
+        """The per-layer transforms, in the order they run."""
+        return tuple(self._transforms)
+
+    def _float_names(self, named: dict[str, torch.nn.Parameter]) -> frozenset[str]:
+        chosen: set[str] = set()
+        for pattern in self.exclude:
+            matched = {n for n in named if fnmatch.fnmatchcase(n, pattern)}
+            if not matched:
+                raise ValueError(
+                    f"Expected every `exclude` pattern to match a parameter, but {pattern!r} matches none. "
+                    f"Fix: use fnmatch globs over these names: {sorted(named)}."
+                )
+            chosen |= matched
+        chosen |= {n for n, p in named.items() if p.numel() < self.min_numel}
+        return frozenset(chosen)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers comm hooks only on CUDA; ours must run on CPU/Gloo too.
+        assert isinstance(self.model, DistributedDataParallel)
+        named = {n: p for n, p in self.lightning_module.named_parameters() if p.requires_grad}
+        float_names = self._float_names(named)
+        group = self.model.process_group
+        world_size = self.world_size
+        self.compressor.setup(self.global_rank, world_size, self.root_device)
+        for transform in self._transforms:
+            transform.setup(sorted(named), self.global_rank, world_size)
+        self.comm_state = GradCompState(
+            compressor=self.compressor,
+            names={id(p): n for n, p in named.items()},
+            float_names=float_names,
+            transforms=tuple(self._transforms),
+            process_group=group,
+            world_size=world_size,
+        )
+        log.info(
+            "gradcomp: %s on %d ranks, %d of %d tensors kept in fp32",
+            self.compressor.describe(),
+            world_size,
+            len(float_names),
+            len(named),
+        )
+        self.model.register_comm_hook(self.comm_state, gradcomp_hook)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        registry.register_strategies(cls, strategy_registry)

@@ -1,0 +1,54 @@
+"""Argument checks with one wording: the argument, the value, what was expected and how to fix it.
+
+Every public constructor validates eagerly with these helpers, so a bad configuration fails before any
+process group exists and never gets silently clamped.
+"""
+
+import math
+from collections.abc import Iterable
+from typing import Any, Optional
+
+
+def _fail(name: str, value: Any, expected: str, fix: Optional[str]) -> ValueError:
+    message = f"Expected `{name}` to be {expected}, but got {value!r}."
+    if fix:
+        message += f" Fix: {fix}."
+    return ValueError(message)
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    minimum: Optional[float] = None,
+    maximum: Optional[float] = None,
+    min_open: bool = False,
+    max_open: bool = False,
+    fix: Optional[str] = None,
+) -> None:
+    """Raise ``ValueError`` unless ``value`` is a finite real number within the given bounds."""
+    lo = "" if minimum is None else ("> " if min_open else ">= ") + f"{minimum:g}"
+    hi = "" if maximum is None else ("< " if max_open else "<= ") + f"{maximum:g}"
+    expected = "a finite number" + (f" {lo}" if lo else "") + (" and" if lo and hi else "") + (f" {hi}" if hi else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _fail(name, value, expected, fix)
+    if minimum is not None and (value <= minimum if min_open else value < minimum):
+        raise _fail(name, value, expected, fix)
+    if maximum is not None and (value >= maximum if max_open else value > maximum):
+        raise _fail(name, value, expected, fix)
+
+
+def check_int(name: str, value: Any, *, minimum: Optional[int] = None, fix: Optional[str] = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is an ``int`` (not a bool) at least ``minimum``."""
+    expected = "an integer" + ("" if minimum is None else f" >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(name, value, expected, fix)
+    if minimum is not None and value < minimum:
+        raise _fail(name, value, expected, fix)
+
+
+def check_choice(name: str, value: Any, choices: Iterable[str], fix: Optional[str] = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
+    options = tuple(choices)
+    if value not in options:
+        raise _fail(name, value, "one of " + ", ".join(repr(c) for c in options), fix or f"pick one of {options}")

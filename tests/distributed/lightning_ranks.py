@@ -1,0 +1,62 @@
+"""Rank bodies that run a Lightning ``Trainer`` (joined through torchrun-style environment variables)."""
+
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+
+
+class TinyClassifier(pl.LightningModule):
+    def __init__(self, lr: float = 0.1, momentum: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+        self.lr, self.momentum = lr, momentum
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
+
+
+def random_loader(n: int = 256, batch_size: int = 16) -> DataLoader:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 20, generator=gen)
+    y = (x[:, :5].argmax(dim=1)).long()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def fit_tiny(
+    rank: int, world_size: int, strategy: Any, max_steps: int = 5, callbacks: Optional[list] = None
+) -> dict[str, Any]:
+    model = TinyClassifier()
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, random_loader())
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    state = getattr(trainer.strategy, "comm_state", None)
+    return {
+        "params": params,
+        "strategy": type(trainer.strategy).__name__,
+        "compressor": type(getattr(trainer.strategy, "compressor", None)).__name__,
+        "bytes_per_step": state.bytes_per_step() if state else None,
+        "dense_bytes": state.dense_bytes_per_step() if state else None,
+    }

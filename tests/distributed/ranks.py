@@ -1,0 +1,59 @@
+"""Rank bodies shared by the distributed tests (module level so spawned ranks can import them)."""
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gradcomp import GradCompState, gradcomp_hook, registry
+
+
+def small_mlp() -> nn.Module:
+    torch.manual_seed(1234)  # same initial replica on every rank
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+
+
+def train_raw_ddp(
+    rank: int,
+    world_size: int,
+    compressor: Optional[str],
+    steps: int = 4,
+    compressor_kwargs: Optional[dict] = None,
+) -> dict[str, Any]:
+    """Plain torch DDP (``compressor=None``) or DDP with our hook; returns parameters after every step."""
+    dist.init_process_group("gloo")
+    try:
+        model = small_mlp()
+        # tiny buckets: several buckets per step, so ordering across buckets is exercised
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+        state = None
+        if compressor is not None:
+            comp = registry.COMPRESSORS[compressor][0](**(compressor_kwargs or {}))
+            comp.setup(rank, world_size, torch.device("cpu"))
+            names = {id(p): n for n, p in model.named_parameters()}
+            state = GradCompState(compressor=comp, names=names, world_size=world_size)
+            ddp.register_comm_hook(state, gradcomp_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank
+        history = []
+        for _ in range(steps):
+            x = torch.randn(16, 20, generator=gen)
+            y = torch.randint(0, 5, (16,), generator=gen)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            history.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+        out: dict[str, Any] = {"params": history}
+        if state is not None:
+            out["bytes_per_step"] = state.bytes_per_step()
+            out["dense_bytes"] = state.dense_bytes_per_step()
+            out["collectives"] = dict(state.collectives)
+            out["hook_calls"] = state.hook_calls
+        # release DDP (its reducer holds the group) on every rank before tearing the group down together
+        del ddp, opt
+        dist.barrier()
+        return out
+    finally:
+        dist.destroy_process_group()
