@@ -34,6 +34,25 @@ _DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).par
 }
 
 
+def select_float_names(named: dict[str, torch.nn.Parameter], exclude: Sequence[str], min_numel: int) -> frozenset[str]:
+    """Names of the parameters sent uncompressed: those matching an ``exclude`` glob or below ``min_numel``.
+
+    Raises:
+        ValueError: a pattern matches no parameter (a typo would otherwise silently compress everything).
+    """
+    chosen: set[str] = set()
+    for pattern in exclude:
+        matched = {n for n in named if fnmatch.fnmatchcase(n, pattern)}
+        if not matched:
+            raise ValueError(
+                f"Expected every `exclude` pattern to match a parameter, but {pattern!r} matches none. "
+                f"Fix: use fnmatch globs over these names: {sorted(named)}."
+            )
+        chosen |= matched
+    chosen |= {n for n, p in named.items() if p.numel() < min_numel}
+    return frozenset(chosen)
+
+
 class GradCompStrategy(DDPStrategy):
     """Data-parallel training with compressed gradient exchange inside DDP's communication hook.
 
@@ -146,17 +165,7 @@ class GradCompStrategy(DDPStrategy):
         return tuple(self._transforms)
 
     def _float_names(self, named: dict[str, torch.nn.Parameter]) -> frozenset[str]:
-        chosen: set[str] = set()
-        for pattern in self.exclude:
-            matched = {n for n in named if fnmatch.fnmatchcase(n, pattern)}
-            if not matched:
-                raise ValueError(
-                    f"Expected every `exclude` pattern to match a parameter, but {pattern!r} matches none. "
-                    f"Fix: use fnmatch globs over these names: {sorted(named)}."
-                )
-            chosen |= matched
-        chosen |= {n for n, p in named.items() if p.numel() < self.min_numel}
-        return frozenset(chosen)
+        return select_float_names(named, self.exclude, self.min_numel)
 
     @override
     def _register_ddp_hooks(self) -> None:
