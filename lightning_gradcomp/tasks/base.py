@@ -27,7 +27,8 @@ def regularized_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def l2_penalty(parameters: Iterable[Tensor]) -> Tensor:
     """``sum(0.5 * ||w||^2)``, TF's ``tf.nn.l2_loss`` summed over ``parameters``."""
-    return sum((0.5 * p.pow(2).sum() for p in parameters), torch.zeros(()))
+    squares = [p.pow(2).sum() for p in parameters]
+    return 0.5 * torch.stack(squares).sum() if squares else torch.zeros(())
 
 
 class TrainingTask(LightningModule):

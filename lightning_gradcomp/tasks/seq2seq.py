@@ -1,6 +1,5 @@
 """Sequence-to-sequence training (translation-like), teacher-forced, with optional greedy BLEU."""
 
-import math
 from typing import Any, Optional
 
 import torch.nn.functional as F
@@ -113,7 +112,7 @@ class Seq2SeqTask(TrainingTask):
 
     def _log_ppl(self, stage: str) -> None:
         loss = (self.val_loss if stage == "val" else self.test_loss).compute()
-        self.log(f"{stage}_ppl", loss.exp() if loss.numel() else math.nan)
+        self.log(f"{stage}_ppl", loss.exp())
 
     @override
     def validation_step(self, batch: Any, batch_idx: int) -> None:
