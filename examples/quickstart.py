@@ -63,7 +63,10 @@ def main() -> None:
             out = Path(tmp) / f"{name}.json"
             start = time.perf_counter()
             cmd = [sys.executable, __file__, "--strategy", name, "--out", str(out), "--epochs", str(args.epochs)]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            print(f"training with strategy={name!r} on 2 CPU processes ...", flush=True)
+            run = subprocess.run(cmd, capture_output=True, text=True)
+            if run.returncode != 0:
+                sys.exit(f"the {name} run failed:\n{run.stderr[-5000:]}")
             rows.append((name, json.loads(out.read_text()), time.perf_counter() - start))
     print(f"\n{'strategy':<10} {'val accuracy':>12} {'bytes/rank/step':>16} {'compression':>12} {'wall s':>7}")
     for name, r, wall in rows:
