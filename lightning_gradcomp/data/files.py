@@ -66,8 +66,11 @@ def extract_archive(archive: PathLike, destination: PathLike) -> None:
             handle.extractall(destination)
     elif tarfile.is_tarfile(archive):
         with tarfile.open(archive) as handle:
-            # the "data" filter refuses absolute paths and links that escape the destination
-            handle.extractall(destination, filter="data")
+            if hasattr(tarfile, "data_filter"):
+                # refuses absolute paths and links that escape the destination (Python >= 3.10.12 / 3.11.4)
+                handle.extractall(destination, filter="data")
+            else:
+                handle.extractall(destination)
     elif archive.suffix == ".gz":
         with gzip.open(archive, "rb") as src, open(destination / archive.stem, "wb") as dst:
             shutil.copyfileobj(src, dst)

@@ -14,7 +14,8 @@ class LeNet(nn.Module):
 
     NOTES.md §1.4: TernGrad's ``slim/models.lenet`` uses SAME padding, so fc3 sees 7*7*50 inputs
     (7*7*50*500 = 1,225,000 weights, 1,256,080 parameters in all); Caffe's VALID padding gives 4*4*50 inputs
-    (431,080 parameters, AdaComp's 1.7 MB MNIST-CNN). As in the TF code there is no ReLU after the convs.
+    (431,080 parameters, AdaComp's 1.7 MB MNIST-CNN). TernGrad's ``ops.conv2d`` applies ReLU after each conv
+    (its default activation); Caffe's LeNet has none (``conv_relu=False``).
 
     Args:
         num_classes: output logits.
@@ -23,6 +24,7 @@ class LeNet(nn.Module):
         padding: ``"same"`` (TernGrad) or ``"valid"`` (Caffe).
         init: ``"tf"`` (truncated normal, std 0.05 convs, 0.048 fc3, 0.0767 logits; biases 0, as in the
             TernGrad code), ``"caffe"`` (xavier weights, zero biases) or ``"torch"`` (PyTorch defaults).
+        conv_relu: ReLU after each conv (TernGrad's TF code) or not (Caffe).
     """
 
     def __init__(
@@ -32,6 +34,7 @@ class LeNet(nn.Module):
         image_size: int = 28,
         padding: Literal["same", "valid"] = "same",
         init: Literal["tf", "caffe", "torch"] = "tf",
+        conv_relu: bool = True,
     ) -> None:
         super().__init__()
         check_int("num_classes", num_classes, minimum=1)
@@ -49,13 +52,14 @@ class LeNet(nn.Module):
         self.pool2 = SameMaxPool2d(2, 2) if padding == "same" else nn.MaxPool2d(2, 2)
         self.fc3 = nn.Linear(50 * size * size, 500)
         self.fc4 = nn.Linear(500, num_classes)
+        self.act = nn.ReLU() if conv_relu else nn.Identity()
         if init != "torch":
             for layer, std in ((self.conv1, 0.05), (self.conv2, 0.05), (self.fc3, 0.048), (self.fc4, 0.0767)):
                 trunc_normal_tf_(layer.weight, std) if init == "tf" else caffe_xavier_(layer.weight)
                 nn.init.zeros_(layer.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.pool2(self.conv2(self.pool1(self.conv1(x))))
+        x = self.pool2(self.act(self.conv2(self.pool1(self.act(self.conv1(x))))))
         return self.fc4(torch.relu(self.fc3(x.flatten(1))))
 
     def regularized_parameters(self) -> list[nn.Parameter]:
@@ -64,7 +68,8 @@ class LeNet(nn.Module):
 
 
 class MnistCNN(LeNet):
-    """AdaComp's MNIST-CNN (Table 2: 2 conv 5x5, 2 FC, 1.7 MB): Caffe's LeNet, VALID padding, xavier init.
+    """AdaComp's MNIST-CNN (Table 2: 2 conv 5x5, 2 FC, 1.7 MB): Caffe's LeNet (VALID padding, xavier init, no
+    ReLU after the convs).
 
     Args:
         num_classes: output logits.
@@ -80,4 +85,4 @@ class MnistCNN(LeNet):
         image_size: int = 28,
         init: Literal["tf", "caffe", "torch"] = "caffe",
     ) -> None:
-        super().__init__(num_classes, in_channels, image_size, padding="valid", init=init)
+        super().__init__(num_classes, in_channels, image_size, padding="valid", init=init, conv_relu=False)

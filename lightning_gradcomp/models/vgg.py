@@ -2,7 +2,7 @@
 
 from torch import Tensor, nn
 
-from lightning_gradcomp.models.layers import weights
+from lightning_gradcomp.models.layers import CenterOnlyBatchNorm2d, weights
 from lightning_gradcomp.validation import check_int, check_number
 
 CONFIG_A = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
@@ -20,7 +20,8 @@ class VGGA(nn.Module):
         image_size: input height = width (224 ImageNet, 32 CIFAR-10).
         classifier_width: hidden fc width (4096 in the paper).
         dropout: dropout ratio before the two hidden fc layers.
-        batch_norm: BN after every conv (VGG-A-BN); the paper has none.
+        batch_norm: BN after every conv, as TernGrad's TF-slim VGG-A does (``normalizer_fn=slim.batch_norm``:
+            shift only, no scale, eps 1e-3); Simonyan & Zisserman have none.
     """
 
     def __init__(
@@ -45,7 +46,7 @@ class VGGA(nn.Module):
                 continue
             layers.append(nn.Conv2d(channels, int(item), 3, padding=1, bias=not batch_norm))
             if batch_norm:
-                layers.append(nn.BatchNorm2d(int(item)))
+                layers.append(CenterOnlyBatchNorm2d(int(item), eps=1e-3))
             layers.append(nn.ReLU(inplace=True))
             channels = int(item)
         self.features = nn.Sequential(*layers)

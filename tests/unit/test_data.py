@@ -178,6 +178,11 @@ def test_cifar10_reads_pickle_batches(tmp_path: Path) -> None:
     assert torch.equal(center.test_set[2][0], (torch.from_numpy(test_data[2].reshape(3, 32, 32)).float() / 255)[:, 4:28, 4:28])
     xb, _ = next(iter(dm.train_dataloader()))
     assert xb.shape == (4, 3, 24, 24)
+    # worker processes receive the dataset by pickling (spawn) or fork: both must work
+    pickle.loads(pickle.dumps(dm.train_set))
+    workers = CIFAR10DataModule(str(tmp_path), batch_size=5, val_size=0, num_workers=1)
+    workers.setup("fit")
+    assert sum(len(x) for x, _ in workers.train_dataloader()) == 15
 
 
 def test_cifar10_download_from_archive(tmp_path: Path) -> None:
@@ -216,6 +221,7 @@ def test_image_folder_decodes_jpeg_and_transforms(tmp_path: Path) -> None:
     assert torch.allclose(pixel, torch.tensor([200, 150, 30]) / 255, atol=0.03)
     xb, yb = next(iter(dm.train_dataloader()))
     assert xb.shape == (2, 3, 16, 16)
+    pickle.loads(pickle.dumps(dm.train_set))
 
 
 def test_random_resized_crop_output_size() -> None:

@@ -43,12 +43,15 @@ CASES = [
     (lambda: LeNet(padding="valid", init="caffe"), (2, 1, 28, 28), 10),
     (lambda: LeNet(image_size=8, num_classes=5), (2, 1, 8, 8), 5),
     (lambda: MnistCNN(), (2, 1, 28, 28), 10),
+    (lambda: LeNet(conv_relu=False, init="torch"), (2, 1, 28, 28), 10),
     (lambda: CifarNet(), (2, 3, 24, 24), 10),
     (lambda: Cifar10CNN(), (2, 3, 32, 32), 10),
     (lambda: AlexNet(num_classes=7, dropout=0.2), (2, 3, 67, 67), 7),
     (lambda: AlexNet(num_classes=7, batch_norm=False, groups=1, init="torch"), (2, 3, 67, 67), 7),
     (lambda: GoogLeNet(num_classes=7, dropout=0.08), (2, 3, 32, 32), 7),
+    (lambda: GoogLeNet(num_classes=7, slim=False), (2, 3, 32, 32), 7),
     (lambda: VGGA(num_classes=10, image_size=32, classifier_width=64), (2, 3, 32, 32), 10),
+    (lambda: VGGA(num_classes=10, image_size=32, classifier_width=64, batch_norm=True), (2, 3, 32, 32), 10),
     (lambda: ResNet18(num_classes=7), (2, 3, 32, 32), 7),
     (lambda: ResNet18(num_classes=10, cifar_stem=True), (2, 3, 8, 8), 10),
     (lambda: ResNet50(num_classes=7, zero_init_residual=True), (2, 3, 32, 32), 7),
@@ -103,7 +106,8 @@ def test_paper_parameter_counts() -> None:
         assert count(ResNet50()) == 25_557_032  # AdaComp "98 MB"
         assert count(VGGA()) == 132_863_336
         assert count(AlexNet()) == 60_965_224  # BN without scale (inception slim)
-        assert count(GoogLeNet()) == 7_005_832
+        assert count(GoogLeNet()) == 6_617_624  # TF-slim inception_v1 without aux heads, BN without scale
+        assert count(GoogLeNet(slim=False)) == 7_005_832
 
 
 def test_lenet_tf_initialisation() -> None:
