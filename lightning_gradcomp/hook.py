@@ -91,6 +91,7 @@ def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str]
             if transform.applies_to_float or not is_float:
                 x = transform.before_compress(x, name)
         if state.compressor_for(name).uses_memory:
+            state.compressor_for(name).observe_gradient(x, name)
             x = state.memory.compensate(x, name)
         inputs.append(x)
     return inputs

@@ -7,7 +7,9 @@ every name here (``Trainer(strategy="terngrad")``). Unknown names fail loudly: a
 from collections.abc import Callable
 from typing import Any
 
+from lightning_gradcomp.compressors.adacomp import AdaComp
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.graddrop import GradientDropping
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.terngrad import TernGrad
 
@@ -15,6 +17,8 @@ from lightning_gradcomp.compressors.terngrad import TernGrad
 COMPRESSORS: dict[str, tuple[Callable[[], Compressor], str]] = {
     "terngrad": (TernGrad, "TernGrad: stochastic ternary gradients, shared layer-wise scalers, 2.5-sigma clipping"),
     "fp32": (Identity, "fp32 gradients through the gradcomp hook (the identity compressor)"),
+    "graddrop": (GradientDropping, "Gradient Dropping: drop the 99% smallest |g| into a residual, send the rest sparse"),
+    "adacomp": (AdaComp, "AdaComp: per-bin soft-threshold selection, sign x layer scale, 8/16-bit bin-relative wire"),
 }
 
 
