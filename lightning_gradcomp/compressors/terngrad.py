@@ -16,6 +16,7 @@ so an int8 all-reduce of the ternary values (n bytes, summable) is an alternativ
 payloads; ``collective`` picks one, ``"auto"`` by the ring traffic of each (see :meth:`TernGrad.aggregation_for`).
 """
 
+import zlib
 from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
@@ -82,7 +83,9 @@ class TernGrad(Compressor):
         self.packing: Packing = packing
         self.collective = collective
         self.seed = seed
-        self._generator: Optional[torch.Generator] = None
+        # one random stream per parameter name: a single stream consumed in bucket order would depend on DDP's
+        # bucket layout (which DDP rebuilds after step 0), so a resumed run would not repeat the uninterrupted one
+        self._generators: dict[str, torch.Generator] = {}
         self._device = torch.device("cpu")
 
     # -- setup and state --------------------------------------------------------------------------------
@@ -94,22 +97,26 @@ class TernGrad(Compressor):
                 f"{world_size}. Use `collective='allgather'` or `'auto'`."
             )
         self._device = device
-        self._generator = torch.Generator(device=device)
-        # distinct, reproducible stream per rank: identical streams would correlate the ranks' rounding
-        self._generator.manual_seed(self.seed * 1_000_003 + rank)
+        self._generators = {}
 
-    def _rng(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._device != device:
+    def _rng(self, device: torch.device, name: str = "") -> torch.Generator:
+        if self._device != device:
             self.setup(self.rank, self.world_size, device)
-        assert self._generator is not None
-        return self._generator
+        generator = self._generators.get(name)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            # distinct, reproducible stream per rank and parameter: identical streams would correlate the ranks'
+            # rounding; crc32 (not hash()) is stable across processes
+            generator.manual_seed(((self.seed * 1_000_003 + self.rank) * 4_294_967_311 + zlib.crc32(name.encode())) % 2**63)
+            self._generators[name] = generator
+        return generator
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self._generator.get_state() if self._generator is not None else None}
+        return {"generators": {name: g.get_state() for name, g in self._generators.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("generator") is not None:
-            self._rng(self._device).set_state(state["generator"])
+        for name, generator_state in state.get("generators", {}).items():
+            self._rng(self._device, name).set_state(generator_state)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -188,16 +195,17 @@ class TernGrad(Compressor):
             return None
         return self._clipped_and_scaler(tensor)[1]
 
-    def ternarize(self, tensor: Tensor, scaler: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    def ternarize(self, tensor: Tensor, scaler: Optional[Tensor] = None, name: str = "") -> tuple[Tensor, Tensor]:
         """Ternary values (int8, the tensor's flat length) and the scalers used (float32, one per chunk).
 
         Args:
             tensor: the gradient.
             scaler: scalers shared by all ranks (one per chunk); ``None`` uses this rank's own.
+            name: the parameter's name, which selects its random stream.
         """
         chunks, local = self._clipped_and_scaler(tensor)
         s = local if scaler is None else scaler.to(chunks.device, torch.float32)
-        rnd = torch.rand(chunks.shape, generator=self._rng(chunks.device), device=chunks.device)
+        rnd = torch.rand(chunks.shape, generator=self._rng(chunks.device, name), device=chunks.device)
         # b ~ Bernoulli(|g|/s), drawn as U[0,1)*s < |g|: no division, exact at s == 0 (nothing is sent) and
         # |g| >= s always sent (the original code's implicit clipping)
         keep = rnd.mul_(s[:, None]) < chunks.abs()
@@ -205,7 +213,7 @@ class TernGrad(Compressor):
         return ternary.reshape(-1)[: tensor.numel()], s
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        ternary, s = self.ternarize(tensor, shared if self.scaler_share == "max" else None)
+        ternary, s = self.ternarize(tensor, shared if self.scaler_share == "max" else None, name)
         stats = {"sparsity": (ternary == 0).float().mean(), "scaler": s.max()}
         ctx: dict[str, Any] = {}
         if self.aggregation_for(self.world_size) is Aggregation.SUM:
