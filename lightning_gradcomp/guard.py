@@ -70,11 +70,14 @@ def bucket_is_nonfinite(state: "GradCompState", buffer: Tensor, grads: Sequence[
         return False
     if state.nonfinite == "raise":
         local = [n for g, n in zip(grads, names) if not bool(torch.isfinite(g).all())]
-        where = f"`{local[0]}` (and {local[1:]}) on this rank {rank}" if local else "this bucket"
+        where = (
+            f"`{local[0]}` on rank {rank}" + (f" (also {local[1:]})" if local[1:] else "")
+            if local
+            else f"the bucket {list(names)} on rank {worst - 1}"
+        )
         raise NonFiniteGradientError(
-            f"Non-finite gradient (NaN or Inf) in {where}; rank {worst - 1} has one in the same bucket "
-            f"{list(names)}. Every rank stops here. Fix: lower the learning rate, check the data, or pass "
-            f"`GradCompStrategy(nonfinite='skip')` to skip such steps on every rank."
+            f"Non-finite gradient (NaN or Inf) in {where}; every rank stops here. Fix: lower the learning rate, "
+            f"check the data, or pass `GradCompStrategy(nonfinite='skip')` to skip such steps on every rank."
         )
     state.step_nonfinite = True
     state.skipped_steps += 1

@@ -99,9 +99,11 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
         # reliability options (lightning_gradcomp.resilience), validated before anything else is built
         self._init_resilience(check_replicas_every, nonfinite, resume_compression, timeout)
         for key in _HOOK_ARGUMENTS:
-            if kwargs.pop(key, None) is not None:
+            value = kwargs.pop(key, None)
+            if value is not None:
                 raise ValueError(
-                    f"Expected `{key}` to be None: GradCompStrategy installs its own communication hook. "
+                    f"Expected `{key}` to be None (GradCompStrategy installs its own communication hook), but got "
+                    f"{value!r}. "
                     f"Fix: use `strategy='ddp'` for a custom DDP hook, or a Compressor for custom compression."
                 )
         unknown = sorted(set(kwargs) - _DDP_OPTIONS)

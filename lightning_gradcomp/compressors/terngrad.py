@@ -74,7 +74,7 @@ class TernGrad(Compressor):
         if collective == "allreduce_int8" and scaler_share != "max":
             raise ValueError(
                 f"`collective='allreduce_int8'` sums ternary values, which needs one scaler shared by all ranks, "
-                f"but got `scaler_share={scaler_share!r}`. Use `scaler_share='max'` or `collective='allgather'`."
+                f"but got `scaler_share={scaler_share!r}`. Fix: use `scaler_share='max'` or `collective='allgather'`."
             )
         self.clip_factor = float(clip_factor)
         self.clip_mode = clip_mode
@@ -94,7 +94,7 @@ class TernGrad(Compressor):
         if self.collective == "allreduce_int8" and world_size > _INT8_MAX_RANKS:
             raise ValueError(
                 f"`collective='allreduce_int8'` overflows int8 beyond {_INT8_MAX_RANKS} ranks, but the world size is "
-                f"{world_size}. Use `collective='allgather'` or `'auto'`."
+                f"{world_size}. Fix: use `collective='allgather'` or `'auto'`."
             )
         self._device = device
         self._generators = {}
