@@ -98,7 +98,8 @@ class ResilienceMixin:
                 f"gradcomp: the checkpoint {checkpoint_path} holds no compression state (written without "
                 f"GradCompStrategy?); residuals, generators and transforms start afresh."
             )
-        self._restore_pending()
+        if self.restore_checkpoint_after_setup:  # type: ignore[attr-defined]
+            self._restore_pending()  # the hook of this run exists already; otherwise it is applied at DDP wrap
         return checkpoint
 
     # -- replica check and non-finite steps ------------------------------------------------------------------
