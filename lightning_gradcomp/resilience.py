@@ -10,7 +10,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
-import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
