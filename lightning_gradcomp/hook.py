@@ -54,6 +54,8 @@ class GradCompState:
         shared_stat_bytes: bytes of the statistic all-reduce in the latest round per bucket index.
         collectives: how many collectives of each kind ran since the last reset.
         hook_calls: number of bucket hook calls since construction.
+        per_rank: when not ``None``, each gathered parameter's per-rank decoded gradients (in rank order) are
+            kept here by name after every exchange (WeightGrad's serial per-worker application needs them).
     """
 
     compressor: Compressor
@@ -68,6 +70,7 @@ class GradCompState:
     shared_stat_bytes: dict[int, int] = field(default_factory=dict)
     collectives: Counter = field(default_factory=Counter)
     hook_calls: int = 0
+    per_rank: Optional[dict[str, list[Tensor]]] = None
 
     def compressor_for(self, name: str) -> Compressor:
         return self.identity if name in self.float_names else self.compressor
@@ -225,6 +228,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
                     per_rank.append(packet.with_payload(_from_bytes(raw, packet.payload.dtype)))
                     starts[r] += sizes[r][k]
                 grads[i].copy_(state.compressor_for(names[i]).decompress_sum(per_rank).div_(world))
+                if state.per_rank is not None:
+                    state.per_rank[names[i]] = [state.compressor_for(names[i]).decompress(q) for q in per_rank]
         return bucket.buffer()
 
     if not futures:

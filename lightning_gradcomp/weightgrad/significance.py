@@ -1,0 +1,103 @@
+"""The Gradient Synchronizer's significance filter with the dynamic threshold G_thresh (WeightGrad App. A.2).
+
+Per layer (interpretations, see ``docs/weightgrad.md``):
+
+* G_thresh starts at ``||g||_2 / ||g||_inf`` of the first site-averaged gradient of the layer.
+* Eq. 13, ``G <- delta_eta * Delta_nu * G``, with both "changes" read as ratios between consecutive steps:
+  ``delta_eta = lr_t / lr_{t-1}`` and ``Delta_nu = ||nu_t|| / ||nu_{t-1}||``, where ``nu`` is the
+  momentum-correction velocity ``u <- m*u + g`` of the site gradient, bias-corrected (divided by its gain
+  ``(1 - m^t) / (1 - m)``) so that the accumulator's warm-up does not raise the threshold. Ratios telescope,
+  so ``G_t = G_0 * (lr_t / lr_0) * (||nu_t|| / ||nu_0||)`` whether it is applied per step or per epoch.
+* Significance compares the site's accumulated update ``g_u`` with the current update (Alg. 4's
+  ``g_u / g_max``), both in weight units so that any optimizer fits: ``scope="element"`` marks element k
+  significant when ``|g_u[k]| >= G * max|step|``; ``scope="layer"`` sends the whole layer when
+  ``||g_u||_2 >= G * ||step||_2`` (Alg. 3's ratio as a norm ratio). For plain SGD, ``step = -lr * g`` and the
+  element rule is exactly ``|sum g| / max|g| >= G``.
+* A fixed ``threshold`` replaces the dynamic rule; ``threshold=0`` makes everything significant.
+"""
+
+from typing import Any, Literal, Optional
+
+import torch
+from torch import Tensor
+
+Scope = Literal["element", "layer"]
+
+
+class SignificanceFilter:
+    """Per-layer G_thresh and the significance mask of accumulated updates.
+
+    Args:
+        threshold: a fixed G_thresh, or ``None`` for the dynamic rule (initial ``||g||_2/||g||_inf``, Eq. 13).
+        scope: ``"element"`` (per element, Gaia-style) or ``"layer"`` (all or nothing per layer).
+        momentum: m of the momentum-correction velocity whose change drives Eq. 13.
+    """
+
+    def __init__(self, threshold: Optional[float] = None, scope: Scope = "element", momentum: float = 0.9) -> None:
+        self.threshold = threshold
+        self.scope = scope
+        self.momentum = momentum
+        self.g_thresh: dict[str, Tensor] = {}
+        self._velocity: dict[str, Tensor] = {}
+        self._nu_norm: dict[str, Tensor] = {}
+        self._lr: dict[str, float] = {}
+        self._steps: dict[str, int] = {}
+
+    def observe(self, name: str, grad: Tensor, lr: float) -> None:
+        """Feed the layer's site-averaged gradient of this step and the learning rate it was applied with."""
+        if self.threshold is not None:
+            self.g_thresh[name] = torch.tensor(float(self.threshold))
+            return
+        g = grad.detach().float()
+        m = self.momentum
+        velocity = self._velocity.get(name)
+        velocity = g.clone() if velocity is None else velocity.mul_(m).add_(g)
+        self._velocity[name] = velocity
+        steps = self._steps.get(name, 0) + 1
+        self._steps[name] = steps
+        gain = float(steps) if m == 1.0 else (1.0 - m**steps) / (1.0 - m)
+        nu_norm = velocity.norm() / gain
+        current = self.g_thresh.get(name)
+        if current is None:
+            gmax = g.abs().max()
+            if bool(gmax > 0):  # an all-zero first gradient says nothing; start at the next one
+                self.g_thresh[name] = g.norm() / gmax
+                self._lr[name] = lr
+                self._nu_norm[name] = nu_norm
+            return
+        prev_lr, prev_nu = self._lr[name], self._nu_norm[name]
+        lr_ratio = lr / prev_lr if prev_lr > 0 else 1.0
+        nu_ratio = nu_norm / prev_nu if bool(prev_nu > 0) else torch.ones(())
+        self.g_thresh[name] = current * lr_ratio * nu_ratio
+        self._lr[name] = lr
+        self._nu_norm[name] = nu_norm
+
+    def threshold_of(self, name: str) -> Tensor:
+        """The layer's current G_thresh (0 before the first non-zero gradient: everything is significant)."""
+        if self.threshold is not None:
+            return torch.tensor(float(self.threshold))
+        return self.g_thresh.get(name, torch.zeros(()))
+
+    def mask(self, name: str, pending: Tensor, step: Tensor) -> Tensor:
+        """Boolean mask of the significant part of ``pending`` (the accumulated update) given this step's update."""
+        g = self.threshold_of(name).to(pending.device)
+        if self.scope == "layer":
+            keep = pending.float().norm() >= g * step.float().norm()
+            return keep.expand(pending.shape)
+        return pending.abs() >= g * step.abs().max()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "g_thresh": dict(self.g_thresh),
+            "velocity": {k: v.clone() for k, v in self._velocity.items()},
+            "nu_norm": dict(self._nu_norm),
+            "lr": dict(self._lr),
+            "steps": dict(self._steps),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.g_thresh = dict(state["g_thresh"])
+        self._velocity = {k: v.clone() for k, v in state["velocity"].items()}
+        self._nu_norm = dict(state["nu_norm"])
+        self._lr = dict(state["lr"])
+        self._steps = dict(state["steps"])
