@@ -8,11 +8,14 @@ Per layer (interpretations, see ``docs/weightgrad.md``):
   momentum-correction velocity ``u <- m*u + g`` of the site gradient, bias-corrected (divided by its gain
   ``(1 - m^t) / (1 - m)``) so that the accumulator's warm-up does not raise the threshold. Ratios telescope,
   so ``G_t = G_0 * (lr_t / lr_0) * (||nu_t|| / ||nu_0||)`` whether it is applied per step or per epoch.
-* Significance compares the site's accumulated update ``g_u`` with the current update (Alg. 4's
-  ``g_u / g_max``), both in weight units so that any optimizer fits: ``scope="element"`` marks element k
-  significant when ``|g_u[k]| >= G * max|step|``; ``scope="layer"`` sends the whole layer when
-  ``||g_u||_2 >= G * ||step||_2`` (Alg. 3's ratio as a norm ratio). For plain SGD, ``step = -lr * g`` and the
-  element rule is exactly ``|sum g| / max|g| >= G``.
+* Significance compares the site's accumulated update ``g_u`` with the largest element of the current update
+  (Alg. 4's ``g_u / g_max``), both in weight units so that any optimizer fits (for plain SGD ``step = -lr*g``
+  and the ratios are exactly the paper's gradient ratios). ``scope="layer"`` (default) sends the whole layer
+  when ``||g_u||_2 / max|step| >= G``: the only reading whose units match the initial value
+  ``||g||_2 / ||g||_inf`` (at the first step ``g_u`` is the step and the ratio *is* that value).
+  ``scope="element"`` is the literal per-element reading ``|g_u[k]| / max|step| >= G``; with
+  ``G ~ ||g||_2/||g||_inf`` it asks each element to accumulate about the whole layer's L2 norm, so very little
+  is ever sent (measured in ``docs/weightgrad.md``).
 * A fixed ``threshold`` replaces the dynamic rule; ``threshold=0`` makes everything significant.
 """
 
@@ -29,11 +32,11 @@ class SignificanceFilter:
 
     Args:
         threshold: a fixed G_thresh, or ``None`` for the dynamic rule (initial ``||g||_2/||g||_inf``, Eq. 13).
-        scope: ``"element"`` (per element, Gaia-style) or ``"layer"`` (all or nothing per layer).
+        scope: ``"layer"`` (all or nothing per layer) or ``"element"`` (per element, Gaia-style).
         momentum: m of the momentum-correction velocity whose change drives Eq. 13.
     """
 
-    def __init__(self, threshold: Optional[float] = None, scope: Scope = "element", momentum: float = 0.9) -> None:
+    def __init__(self, threshold: Optional[float] = None, scope: Scope = "layer", momentum: float = 0.9) -> None:
         self.threshold = threshold
         self.scope = scope
         self.momentum = momentum
@@ -81,10 +84,11 @@ class SignificanceFilter:
     def mask(self, name: str, pending: Tensor, step: Tensor) -> Tensor:
         """Boolean mask of the significant part of ``pending`` (the accumulated update) given this step's update."""
         g = self.threshold_of(name).to(pending.device)
+        reference = step.abs().max()
         if self.scope == "layer":
-            keep = pending.float().norm() >= g * step.float().norm()
+            keep = pending.float().norm() >= g * reference
             return keep.expand(pending.shape)
-        return pending.abs() >= g * step.abs().max()
+        return pending.abs() >= g * reference
 
     def state_dict(self) -> dict[str, Any]:
         return {

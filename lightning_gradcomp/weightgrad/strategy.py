@@ -54,7 +54,8 @@ class WeightGradStrategy(GradCompStrategy):
         staleness_seconds: optionally also force a round when a leader has not had one for this many seconds.
         threshold: a fixed G_thresh; ``None`` (default) uses the dynamic rule (initial ``||g||_2/||g||_inf``,
             updated by Eq. 13); 0 makes every update significant.
-        significance: ``"element"`` (per-element significance) or ``"layer"`` (whole layers).
+        significance: ``"layer"`` (a whole layer is significant or not: ``||g_u||_2 / max|step| >= G``) or
+            ``"element"`` (per element: ``|g_u[k]| / max|step| >= G``).
         threshold_momentum: m of the momentum-correction velocity whose norm change drives Eq. 13.
         trigger: ``"bound"``: WAN rounds every ``staleness_bound`` steps; ``"significance"``: also as soon as any
             site has a significant update (costs a one-byte WAN consensus each step).
@@ -83,7 +84,7 @@ class WeightGradStrategy(GradCompStrategy):
         staleness_bound: int = 4,
         staleness_seconds: Optional[float] = None,
         threshold: Optional[float] = None,
-        significance: str = "element",
+        significance: str = "layer",
         threshold_momentum: float = 0.9,
         trigger: str = "bound",
         flush_at_bound: bool = False,

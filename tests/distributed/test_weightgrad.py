@@ -25,7 +25,7 @@ CONFIGS: list[dict[str, Any]] = [
     {"steps": 5, "momentum": 0.0, "lr": 0.2, "strategy": "ddp"},
     # 5: serial with TernGrad, stochastic ternary WAN, layer significance, significance trigger, time bound
     {"steps": STEPS, "weightgrad": {"site_sizes": [2, 2], "staleness_bound": 4, "aggregation": "serial",
-                                    "wan_quantization": "terngrad", "significance": "layer",
+                                    "wan_quantization": "terngrad", "significance": "element",
                                     "trigger": "significance", "staleness_seconds": 60.0}},
 ]
 

@@ -139,10 +139,11 @@ def test_significance_masks() -> None:
     pending = torch.tensor([0.5, -2.0, 0.1])
     step = torch.tensor([0.1, -0.5, 0.0])
     assert SignificanceFilter(threshold=0.0).mask("w", pending, step).all()
-    assert SignificanceFilter(threshold=3.0).mask("w", pending, step).tolist() == [False, True, False]
-    layer = SignificanceFilter(threshold=3.0, scope="layer")
+    element = SignificanceFilter(threshold=3.0, scope="element")
+    assert element.mask("w", pending, step).tolist() == [False, True, False]  # |g_u| >= 3 * 0.5
+    layer = SignificanceFilter(threshold=3.0)  # ||g_u||_2 = 2.06... >= 3 * 0.5
     assert layer.mask("w", pending, step).all()
-    assert not layer.mask("w", pending / 10, step).any()
+    assert not layer.mask("w", pending / 2, step).any()
 
 
 # -- error feedback across a WAN round (one rank, one site) -------------------------------------------------
