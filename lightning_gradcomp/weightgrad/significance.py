@@ -16,6 +16,9 @@ Per layer (interpretations, see ``docs/weightgrad.md``):
   ``scope="element"`` is the literal per-element reading ``|g_u[k]| / max|step| >= G``; with
   ``G ~ ||g||_2/||g||_inf`` it asks each element to accumulate about the whole layer's L2 norm, so very little
   is ever sent (measured in ``docs/weightgrad.md``).
+* ``scope="relative"`` is Gaia's significance function instead: element k is significant when
+  ``|g_u[k]| >= G * |w[k]|`` (the update changes the weight by at least the fraction G); G starts at
+  ``relative_start`` (0.01, Gaia's 1%: an assumption, the Gaia paper was not read) and follows Eq. 13.
 * A fixed ``threshold`` replaces the dynamic rule; ``threshold=0`` makes everything significant.
 """
 
@@ -24,7 +27,10 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
-Scope = Literal["element", "layer"]
+Scope = Literal["layer", "element", "relative"]
+
+#: Gaia's significance threshold, 1% relative change (assumed, see NOTES 4.5)
+RELATIVE_START = 0.01
 
 
 class SignificanceFilter:
@@ -32,7 +38,8 @@ class SignificanceFilter:
 
     Args:
         threshold: a fixed G_thresh, or ``None`` for the dynamic rule (initial ``||g||_2/||g||_inf``, Eq. 13).
-        scope: ``"layer"`` (all or nothing per layer) or ``"element"`` (per element, Gaia-style).
+        scope: ``"layer"`` (all or nothing per layer), ``"element"`` (per element) or ``"relative"`` (per element,
+            relative to the weight, Gaia's filter).
         momentum: m of the momentum-correction velocity whose change drives Eq. 13.
     """
 
@@ -64,7 +71,8 @@ class SignificanceFilter:
         if current is None:
             gmax = g.abs().max()
             if bool(gmax > 0):  # an all-zero first gradient says nothing; start at the next one
-                self.g_thresh[name] = g.norm() / gmax
+                start = torch.tensor(RELATIVE_START) if self.scope == "relative" else g.norm() / gmax
+                self.g_thresh[name] = start
                 self._lr[name] = lr
                 self._nu_norm[name] = nu_norm
             return
@@ -81,9 +89,19 @@ class SignificanceFilter:
             return torch.tensor(float(self.threshold))
         return self.g_thresh.get(name, torch.zeros(()))
 
-    def mask(self, name: str, pending: Tensor, step: Tensor) -> Tensor:
-        """Boolean mask of the significant part of ``pending`` (the accumulated update) given this step's update."""
+    def mask(self, name: str, pending: Tensor, step: Tensor, weight: Optional[Tensor] = None) -> Tensor:
+        """Boolean mask of the significant part of ``pending`` (the accumulated update).
+
+        Args:
+            name: the layer.
+            pending: the site's accumulated update ``g_u``.
+            step: this step's local update (the reference of ``"layer"`` and ``"element"``).
+            weight: the layer's weights at the last synchronization (the reference of ``"relative"``).
+        """
         g = self.threshold_of(name).to(pending.device)
+        if self.scope == "relative":
+            assert weight is not None, "the relative significance needs the weights"
+            return pending.abs() >= g * weight.abs()
         reference = step.abs().max()
         if self.scope == "layer":
             keep = pending.float().norm() >= g * reference

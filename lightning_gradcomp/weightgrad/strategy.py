@@ -54,8 +54,9 @@ class WeightGradStrategy(GradCompStrategy):
         staleness_seconds: optionally also force a round when a leader has not had one for this many seconds.
         threshold: a fixed G_thresh; ``None`` (default) uses the dynamic rule (initial ``||g||_2/||g||_inf``,
             updated by Eq. 13); 0 makes every update significant.
-        significance: ``"layer"`` (a whole layer is significant or not: ``||g_u||_2 / max|step| >= G``) or
-            ``"element"`` (per element: ``|g_u[k]| / max|step| >= G``).
+        significance: ``"layer"`` (a whole layer is significant or not: ``||g_u||_2 / max|step| >= G``),
+            ``"element"`` (per element: ``|g_u[k]| / max|step| >= G``) or ``"relative"`` (Gaia's filter,
+            ``|g_u[k]| >= G * |w[k]|``, G starting at 1%).
         threshold_momentum: m of the momentum-correction velocity whose norm change drives Eq. 13.
         trigger: ``"bound"``: WAN rounds every ``staleness_bound`` steps; ``"significance"``: also as soon as any
             site has a significant update (costs a one-byte WAN consensus each step).
@@ -70,7 +71,8 @@ class WeightGradStrategy(GradCompStrategy):
         site_view: ``"global"``: after a round every site's weights are the global weights (sites identical);
             ``"gaia"``: a site also keeps its own not-yet-sent updates in its weights.
         seed: seed of the WAN's stochastic ternarization.
-        **kwargs: :class:`~lightning_gradcomp.GradCompStrategy` arguments (``exclude``, ``min_numel``, DDP options).
+        **kwargs: :class:`~lightning_gradcomp.GradCompStrategy` arguments (``exclude``, ``min_numel``: those layers
+            stay fp32 both inside the site and over the WAN; DDP options).
     """
 
     strategy_name = "weightgrad"
@@ -109,7 +111,7 @@ class WeightGradStrategy(GradCompStrategy):
             check_number("staleness_seconds", staleness_seconds, minimum=0.0, min_open=True, fix="use None for no time bound")
         if threshold is not None:
             check_number("threshold", threshold, minimum=0.0, fix="use None for the dynamic G_thresh, 0 to send everything")
-        check_choice("significance", significance, ("element", "layer"))
+        check_choice("significance", significance, ("layer", "element", "relative"))
         check_number("threshold_momentum", threshold_momentum, minimum=0.0, maximum=1.0, max_open=True, fix="use 0.9 (DGC)")
         check_choice("trigger", trigger, ("bound", "significance"))
         check_choice("aggregation", aggregation, ("average", "serial"))
@@ -210,6 +212,7 @@ class WeightGradStrategy(GradCompStrategy):
             second_moment=self._second_moment,
             learning_rate=self._learning_rate,
             seed=self.seed,
+            float_names=float_names,
         )
         log.info(
             "weightgrad: rank %d in site %d of %s (leader %d), in-site %s",

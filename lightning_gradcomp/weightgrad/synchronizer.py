@@ -68,6 +68,7 @@ class GradientSynchronizer:
             ``None`` when it has none (plain ternary).
         learning_rate: parameter name -> the learning rate of its optimizer group.
         seed: seed of the stochastic ternarization (one stream per site, identical on the site's ranks).
+        float_names: layers that cross the WAN unquantized (the strategy's ``exclude`` / ``min_numel``).
     """
 
     def __init__(
@@ -85,8 +86,10 @@ class GradientSynchronizer:
         second_moment: Callable[[str], Optional[Tensor]],
         learning_rate: Callable[[str], float],
         seed: int = 0,
+        float_names: frozenset[str] = frozenset(),
     ) -> None:
         self.params = params
+        self.float_names = float_names
         self.names = sorted(params)  # the same layer order on every rank
         self.buffers = list(buffers)
         self.groups = groups
@@ -163,11 +166,11 @@ class GradientSynchronizer:
         return out if hidden is None else out + hidden
 
     def _mask(self, name: str) -> Tensor:
-        return self.significance.mask(name, self.pending(name), self._step_update[name])
+        return self.significance.mask(name, self.pending(name), self._step_update[name], self.anchor[name])
 
     # -- a WAN round ------------------------------------------------------------------------------------
     def _quantize(self, name: str, x: Tensor) -> tuple[Optional[Tensor], Tensor]:
-        if self.wan_quantization == "none":
+        if self.wan_quantization == "none" or name in self.float_names:
             return None, x.float()
         if self.wan_quantization == "terngrad":
             return quantize.stochastic_ternary(x, self._generator)

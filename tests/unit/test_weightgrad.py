@@ -144,11 +144,16 @@ def test_significance_masks() -> None:
     layer = SignificanceFilter(threshold=3.0)  # ||g_u||_2 = 2.06... >= 3 * 0.5
     assert layer.mask("w", pending, step).all()
     assert not layer.mask("w", pending / 2, step).any()
+    relative = SignificanceFilter(threshold=0.1, scope="relative")  # Gaia: |g_u| >= 10% of |w|
+    weight = torch.tensor([1.0, 100.0, 0.5])
+    assert relative.mask("w", pending, step, weight).tolist() == [True, False, True]
 
 
 # -- error feedback across a WAN round (one rank, one site) -------------------------------------------------
-@pytest.mark.parametrize("quantization", ["loss_aware", "terngrad", "none"])
-def test_round_keeps_what_it_did_not_send(quantization: str) -> None:
+@pytest.mark.parametrize(
+    ("quantization", "view"), [("loss_aware", "global"), ("terngrad", "global"), ("none", "global"), ("loss_aware", "gaia")]
+)
+def test_round_keeps_what_it_did_not_send(quantization: str, view: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         layout = site_layout(1)
@@ -157,7 +162,7 @@ def test_round_keeps_what_it_did_not_send(quantization: str) -> None:
         sync = GradientSynchronizer(
             params, [], new_site_groups(layout, 0), SignificanceFilter(threshold=1.5), staleness_bound=2,
             staleness_seconds=None, trigger="bound", flush_at_bound=False, wan_quantization=quantization,
-            site_view="global", second_moment=lambda n: None, learning_rate=lambda n: 0.1,
+            site_view=view, second_moment=lambda n: None, learning_rate=lambda n: 0.1,
         )
         start = {n: p.detach().clone() for n, p in params.items()}
         for step in range(2):
@@ -169,9 +174,14 @@ def test_round_keeps_what_it_did_not_send(quantization: str) -> None:
             ran = sync.after_local_step()
             assert ran == (step == 1)
         for n, p in params.items():
-            # what the site accumulated == what reached the global weights + what it still holds
-            torch.testing.assert_close(sync.anchor[n] + sync.hidden[n], start[n] + before[n])
-            assert torch.equal(p.detach(), sync.anchor[n])  # global view: weights are the global weights
+            if view == "global":
+                # what the site accumulated == what reached the global weights + what it still holds
+                torch.testing.assert_close(sync.anchor[n] + sync.hidden[n], start[n] + before[n])
+                assert torch.equal(p.detach(), sync.anchor[n])  # the weights are the global weights
+            else:
+                # Gaia's view: a lone site keeps all of its own progress in its weights
+                torch.testing.assert_close(p.detach(), start[n] + before[n])
+                torch.testing.assert_close(sync.pending(n), before[n] - (sync.anchor[n] - start[n]))
         assert int(sync.stats["wan_rounds"]) == 1 and int(sync.stats["staleness"]) == 0
     finally:
         dist.destroy_process_group()
