@@ -166,9 +166,9 @@ def _print_table(rows: list[dict[str, Any]], args: argparse.Namespace, world: in
     print(f"\n# weightgrad_wan: {args.dataset}, MLP hidden {args.hidden}, {world} ranks in {args.sites} sites, "
           f"target {args.target:.2%}, batch {args.batch_size}/rank, lr {args.lr}, weightgrad options {args.wg or 'defaults'}")
     print(f"# machine: {platform.node()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}")
-    print(f"# command: {' '.join(sys.argv)}")
+    print(f"# command: {os.environ.get('WEIGHTGRAD_WAN_COMMAND') or ' '.join(['python', *sys.argv])}")
     base = next((r["time_to_target_s"] for r in rows if r["strategy"] == "ddp"), None)
-    print("| strategy | time to target (s) | vs ddp | epochs | steps | WAN rounds | final acc | rank-0 bytes/step, WAN (ddp/terngrad: all) | rank-0 LAN bytes/step |")
+    print("| strategy | time to target (s) | vs ddp | epochs | steps | WAN rounds | final acc | rank-0 WAN bytes/step (ddp, terngrad: all it sends) | rank-0 LAN bytes/step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["time_to_target_s"]
@@ -185,7 +185,8 @@ def _launch(args: argparse.Namespace, argv: list[str]) -> None:
     procs = []
     for rank in range(args.nproc):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                   WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc), NODE_RANK="0", OMP_NUM_THREADS="1")
+                   WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc), NODE_RANK="0", OMP_NUM_THREADS="1",
+                   WEIGHTGRAD_WAN_COMMAND=" ".join(["python", *sys.argv]))
         out = None if rank == 0 else subprocess.DEVNULL
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *argv], env=env, stdout=out, stderr=out))
     codes = [p.wait() for p in procs]

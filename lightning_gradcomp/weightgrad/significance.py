@@ -8,6 +8,10 @@ Per layer (interpretations, see ``docs/weightgrad.md``):
   momentum-correction velocity ``u <- m*u + g`` of the site gradient, bias-corrected (divided by its gain
   ``(1 - m^t) / (1 - m)``) so that the accumulator's warm-up does not raise the threshold. Ratios telescope,
   so ``G_t = G_0 * (lr_t / lr_0) * (||nu_t|| / ||nu_0||)`` whether it is applied per step or per epoch.
+  The paper says the threshold *decreases* with the loss; the literal ratio rises whenever the gradient norm
+  rises, and then locks layers out of the WAN while the site's momentum keeps growing (a run with T = 1
+  diverged, ``docs/weightgrad.md``). So by default (``rule="capped"``) G never rises above its start
+  ``G_0``, the level at which one fresh step is significant: ``G_t = G_0 * min(1, lr ratio * nu ratio)``.
 * Significance compares the site's accumulated update ``g_u`` with the largest element of the current update
   (Alg. 4's ``g_u / g_max``), both in weight units so that any optimizer fits (for plain SGD ``step = -lr*g``
   and the ratios are exactly the paper's gradient ratios). ``scope="layer"`` (default) sends the whole layer
@@ -28,6 +32,7 @@ import torch
 from torch import Tensor
 
 Scope = Literal["layer", "element", "relative"]
+Rule = Literal["capped", "eq13"]
 
 #: Gaia's significance threshold, 1% relative change (assumed, see NOTES 4.5)
 RELATIVE_START = 0.01
@@ -41,16 +46,20 @@ class SignificanceFilter:
         scope: ``"layer"`` (all or nothing per layer), ``"element"`` (per element) or ``"relative"`` (per element,
             relative to the weight, Gaia's filter).
         momentum: m of the momentum-correction velocity whose change drives Eq. 13.
+        rule: ``"capped"`` (default): Eq. 13, but G never rises above its start; ``"eq13"``: the literal ratio,
+            which rises whenever the gradient norm rises.
     """
 
-    def __init__(self, threshold: Optional[float] = None, scope: Scope = "layer", momentum: float = 0.9) -> None:
+    def __init__(
+        self, threshold: Optional[float] = None, scope: Scope = "layer", momentum: float = 0.9, rule: Rule = "capped"
+    ) -> None:
         self.threshold = threshold
+        self.rule = rule
         self.scope = scope
         self.momentum = momentum
         self.g_thresh: dict[str, Tensor] = {}
         self._velocity: dict[str, Tensor] = {}
-        self._nu_norm: dict[str, Tensor] = {}
-        self._lr: dict[str, float] = {}
+        self._start: dict[str, tuple[Tensor, float, Tensor]] = {}
         self._steps: dict[str, int] = {}
 
     def observe(self, name: str, grad: Tensor, lr: float) -> None:
@@ -67,21 +76,19 @@ class SignificanceFilter:
         self._steps[name] = steps
         gain = float(steps) if m == 1.0 else (1.0 - m**steps) / (1.0 - m)
         nu_norm = velocity.norm() / gain
-        current = self.g_thresh.get(name)
-        if current is None:
+        if name not in self._start:
             gmax = g.abs().max()
             if bool(gmax > 0):  # an all-zero first gradient says nothing; start at the next one
                 start = torch.tensor(RELATIVE_START) if self.scope == "relative" else g.norm() / gmax
+                self._start[name] = (start, lr, nu_norm)
                 self.g_thresh[name] = start
-                self._lr[name] = lr
-                self._nu_norm[name] = nu_norm
             return
-        prev_lr, prev_nu = self._lr[name], self._nu_norm[name]
-        lr_ratio = lr / prev_lr if prev_lr > 0 else 1.0
-        nu_ratio = nu_norm / prev_nu if bool(prev_nu > 0) else torch.ones(())
-        self.g_thresh[name] = current * lr_ratio * nu_ratio
-        self._lr[name] = lr
-        self._nu_norm[name] = nu_norm
+        # Eq. 13 with ratios telescopes to the change since the start
+        start, lr0, nu0 = self._start[name]
+        factor = (lr / lr0 if lr0 > 0 else 1.0) * (nu_norm / nu0 if bool(nu0 > 0) else torch.ones(()))
+        if self.rule == "capped":  # follows the LR and the gradients down, never above where it started
+            factor = torch.clamp(torch.as_tensor(factor), max=1.0)
+        self.g_thresh[name] = start * factor
 
     def threshold_of(self, name: str) -> Tensor:
         """The layer's current G_thresh (0 before the first non-zero gradient: everything is significant)."""
@@ -112,14 +119,12 @@ class SignificanceFilter:
         return {
             "g_thresh": dict(self.g_thresh),
             "velocity": {k: v.clone() for k, v in self._velocity.items()},
-            "nu_norm": dict(self._nu_norm),
-            "lr": dict(self._lr),
+            "start": dict(self._start),
             "steps": dict(self._steps),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.g_thresh = dict(state["g_thresh"])
         self._velocity = {k: v.clone() for k, v in state["velocity"].items()}
-        self._nu_norm = dict(state["nu_norm"])
-        self._lr = dict(state["lr"])
+        self._start = dict(state["start"])
         self._steps = dict(state["steps"])

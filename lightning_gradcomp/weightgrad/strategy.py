@@ -58,6 +58,7 @@ class WeightGradStrategy(GradCompStrategy):
             ``"element"`` (per element: ``|g_u[k]| / max|step| >= G``) or ``"relative"`` (Gaia's filter,
             ``|g_u[k]| >= G * |w[k]|``, G starting at 1%).
         threshold_momentum: m of the momentum-correction velocity whose norm change drives Eq. 13.
+        threshold_rule: ``"capped"`` (Eq. 13, but G never rises above its initial value) or ``"eq13"`` (literal).
         trigger: ``"bound"``: WAN rounds every ``staleness_bound`` steps; ``"significance"``: also as soon as any
             site has a significant update (costs a one-byte WAN consensus each step).
         flush_at_bound: send the whole accumulated update (not only its significant part) at rounds forced by
@@ -88,6 +89,7 @@ class WeightGradStrategy(GradCompStrategy):
         threshold: Optional[float] = None,
         significance: str = "layer",
         threshold_momentum: float = 0.9,
+        threshold_rule: str = "capped",
         trigger: str = "bound",
         flush_at_bound: bool = False,
         aggregation: str = "average",
@@ -113,6 +115,7 @@ class WeightGradStrategy(GradCompStrategy):
             check_number("threshold", threshold, minimum=0.0, fix="use None for the dynamic G_thresh, 0 to send everything")
         check_choice("significance", significance, ("layer", "element", "relative"))
         check_number("threshold_momentum", threshold_momentum, minimum=0.0, maximum=1.0, max_open=True, fix="use 0.9 (DGC)")
+        check_choice("threshold_rule", threshold_rule, ("capped", "eq13"))
         check_choice("trigger", trigger, ("bound", "significance"))
         check_choice("aggregation", aggregation, ("average", "serial"))
         check_choice("wan_quantization", wan_quantization, ("loss_aware", "terngrad", "none"))
@@ -132,6 +135,7 @@ class WeightGradStrategy(GradCompStrategy):
         self.threshold = None if threshold is None else float(threshold)
         self.significance = significance
         self.threshold_momentum = float(threshold_momentum)
+        self.threshold_rule = threshold_rule
         self.trigger = trigger
         self.flush_at_bound = flush_at_bound
         self.aggregation = aggregation
@@ -202,7 +206,9 @@ class WeightGradStrategy(GradCompStrategy):
             params=named,
             buffers=[b for b in module.buffers() if b.is_floating_point()],
             groups=g,
-            significance=SignificanceFilter(self.threshold, self.significance, self.threshold_momentum),  # type: ignore[arg-type]
+            significance=SignificanceFilter(
+                self.threshold, self.significance, self.threshold_momentum, self.threshold_rule  # type: ignore[arg-type]
+            ),
             staleness_bound=self.staleness_bound,
             staleness_seconds=self.staleness_seconds,
             trigger=self.trigger,  # type: ignore[arg-type]

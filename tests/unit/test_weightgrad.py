@@ -135,6 +135,17 @@ def test_dynamic_threshold_starts_at_norm_ratio_and_follows_eq13() -> None:
     assert float(f.threshold_of("w")) < float(start / 2)
 
 
+def test_capped_threshold_never_rises_above_its_start() -> None:
+    g = torch.tensor([3.0, -4.0, 0.0, 1.0])
+    capped, literal = SignificanceFilter(), SignificanceFilter(rule="eq13")
+    for f in (capped, literal):
+        f.observe("w", g, lr=0.1)
+        f.observe("w", 10 * g, lr=0.1)  # the gradient norm rises
+    start = g.norm() / g.abs().max()
+    torch.testing.assert_close(capped.threshold_of("w"), start)
+    assert float(literal.threshold_of("w")) > 2 * float(start)
+
+
 def test_significance_masks() -> None:
     pending = torch.tensor([0.5, -2.0, 0.1])
     step = torch.tensor([0.1, -0.5, 0.0])
