@@ -27,6 +27,8 @@ CONFIGS: list[dict[str, Any]] = [
     {"steps": STEPS, "weightgrad": {"site_sizes": [2, 2], "staleness_bound": 4, "aggregation": "serial",
                                     "wan_quantization": "terngrad", "significance": "element",
                                     "trigger": "significance", "staleness_seconds": 60.0}},
+    # 6: the registered name with its defaults: one site per node (here one node, so one site of 4)
+    {"steps": 3, "strategy": "weightgrad"},
 ]
 
 
@@ -88,3 +90,10 @@ def test_serial_terngrad_with_significance_trigger(results: list[list[dict[str, 
     runs = [results[r][5] for r in range(4)]
     rounds = _check_sites(runs, bound=4)
     assert rounds >= STEPS // 4
+
+
+def test_registered_name_defaults_to_one_site_per_node(results: list[list[dict[str, Any]]]) -> None:
+    runs = [results[r][6] for r in range(4)]
+    for step in range(3):
+        assert all(torch.equal(runs[0]["params"][step], runs[r]["params"][step]) for r in range(4))
+    assert int(runs[0]["stats"][-1]["wan_bytes"]) == 0  # a single site has nobody to talk to over a WAN
