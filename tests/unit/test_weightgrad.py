@@ -196,3 +196,34 @@ def test_round_keeps_what_it_did_not_send(quantization: str, view: str) -> None:
         assert int(sync.stats["wan_rounds"]) == 1 and int(sync.stats["staleness"]) == 0
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"staleness_seconds": 1e-9}, [True, True, True]),  # the clock forces a round every step
+        ({"trigger": "significance"}, [True, True, True]),  # threshold 0: always significant
+        ({}, [False, False, True]),  # only the bound T = 3
+    ],
+)
+def test_round_triggers(options: dict, expected: list[bool]) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        layer = nn.Linear(3, 2)
+        params = dict(layer.named_parameters())
+        kwargs = dict(staleness_seconds=None, trigger="bound") | options
+        sync = GradientSynchronizer(
+            params, [], new_site_groups(site_layout(1), 0), SignificanceFilter(threshold=0.0), staleness_bound=3,
+            flush_at_bound=False, wan_quantization="none", site_view="global", second_moment=lambda n: None,
+            learning_rate=lambda n: 0.1, **kwargs,
+        )
+        ran = []
+        for _ in range(3):
+            with torch.no_grad():
+                for p in params.values():
+                    p.add_(0.1)
+                    p.grad = torch.ones_like(p)
+            ran.append(sync.after_local_step())
+        assert ran == expected
+    finally:
+        dist.destroy_process_group()
