@@ -60,6 +60,8 @@ class GradCompState:
         step_nonfinite: whether the current (or last) step was found non-finite and skipped.
         skipped_steps: steps skipped for non-finite gradients since construction.
         residual_undo: residuals replaced so far in this step, to roll back if the step is skipped.
+        per_rank: when not ``None``, each gathered parameter's per-rank decoded gradients (in rank order) are
+            kept here by name after every exchange (WeightGrad's serial per-worker application needs them).
     """
 
     compressor: Compressor
@@ -79,6 +81,7 @@ class GradCompState:
     step_nonfinite: bool = False
     skipped_steps: int = 0
     residual_undo: dict[str, Optional[Tensor]] = field(default_factory=dict)
+    per_rank: Optional[dict[str, list[Tensor]]] = None
 
     def compressor_for(self, name: str) -> Compressor:
         return self.identity if name in self.float_names else self.compressor
@@ -244,6 +247,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
                     per_rank.append(packet.with_payload(_from_bytes(raw, packet.payload.dtype)))
                     starts[r] += sizes[r][k]
                 grads[i].copy_(state.compressor_for(names[i]).decompress_sum(per_rank).div_(world))
+                if state.per_rank is not None:
+                    state.per_rank[names[i]] = [state.compressor_for(names[i]).decompress(q) for q in per_rank]
         return bucket.buffer()
 
     if not futures:
