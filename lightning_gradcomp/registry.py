@@ -25,7 +25,7 @@ COMPRESSORS: dict[str, tuple[Callable[[], Compressor], str]] = {
     "powersgd": (PowerSGD, "PowerSGD: rank-1 power iteration, warm start, error feedback; no .then() collectives"),
     "topk": (TopK, "Top-k sparsification (0.1% kept) with error feedback"),
     "dgc": (DGC, "Deep Gradient Compression's sampled top-k threshold (0.1% kept), error feedback"),
-    "onebit": (OneBit, "1-bit SGD with error feedback: sign + two reconstruction values, bit-packed"),
+    "onebit": (OneBit, "1-bit SGD with error feedback: sign + two reconstruction values per row, bit-packed"),
     "qsgd": (QSGD, "QSGD: 7 stochastic levels per 512-element bucket, unbiased, 4 bits per element"),
 }
 

@@ -109,6 +109,8 @@ class MomentumCorrection(PipelineCallback):
         self.masking = bool(masking)
         self.weight_decay = float(weight_decay)
         self._decay_buffers: dict[torch.nn.Parameter, Tensor] = {}
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._pending: dict[str, Tensor] = {}
 
     @override
     def make_transform(self, strategy: "GradCompStrategy") -> LayerTransform:
@@ -147,6 +149,12 @@ class MomentumCorrection(PipelineCallback):
     ) -> None:
         if not self.weight_decay:
             return
+        self._optimizer = optimizer
+        if self._pending:  # restored from a checkpoint: attach to this optimizer's parameters
+            for key, (_, p) in self._indexed(optimizer).items():
+                if key in self._pending:
+                    self._decay_buffers[p] = self._pending[key].to(p.device)
+            self._pending = {}
         # the parameters are identical on every rank, so are these buffers: replicas cannot diverge
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -158,3 +166,20 @@ class MomentumCorrection(PipelineCallback):
                     buf = decay.clone() if buf is None else buf.mul_(self.momentum).add_(decay)
                     self._decay_buffers[p] = buf
                     p.grad.add_(decay + buf * self.momentum if self.nesterov else buf)
+
+    @staticmethod
+    def _indexed(optimizer: torch.optim.Optimizer) -> dict[str, tuple[int, torch.nn.Parameter]]:
+        return {f"{g}.{i}": (g, p) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # the weight-decay buffers depend only on the parameters, identical on every rank: rank 0's copy suffices
+        if self._optimizer is None:
+            return {"decay_buffers": dict(self._pending)}
+        return {"decay_buffers": {key: self._decay_buffers[p].detach().cpu().clone()
+                                  for key, (_, p) in self._indexed(self._optimizer).items() if p in self._decay_buffers}}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = dict(state_dict.get("decay_buffers", {}))
+        self._decay_buffers = {}

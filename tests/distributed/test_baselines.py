@@ -37,7 +37,7 @@ def test_bytes_on_the_wire(baselines: list[dict]) -> None:
     dense = r["fp32"]["dense_bytes"]
     assert r["fp32"]["bytes"][-1] == dense
     assert r["fp16"]["bytes"][-1] == r["bf16"]["bytes"][-1] == dense // 2
-    assert r["onebit"]["bytes"][-1] < dense / 20
+    assert r["onebit"]["bytes"][-1] < dense / 5  # 1 bit + two fp32 per row of 20-64 elements
     assert r["qsgd"]["bytes"][-1] < dense / 7
     assert r["topk"]["bytes"][-1] < dense / 10 and r["dgc"]["bytes"][-1] < dense / 10
     assert r["powersgd"]["bytes"][-1] < dense / 5

@@ -114,3 +114,21 @@ def test_schedule_fails_before_training_on_a_bad_attribute_or_value() -> None:
         CompressionSchedule("ratio", [])
     CompressionSchedule("ratio", [0.25, 0.001]).setup(_FakeTrainer(strategy), None, "fit")  # type: ignore[arg-type]
     assert strategy.compressor.ratio == 0.25  # the first value holds from the start
+
+
+def test_weight_decay_buffers_round_trip_through_the_callback_state() -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    first = MomentumCorrection(momentum=0.9, weight_decay=0.1)
+    for _ in range(2):
+        p.grad = torch.zeros(3)
+        first.on_before_optimizer_step(None, None, opt)  # type: ignore[arg-type]
+    state = first.state_dict()
+    resumed = MomentumCorrection(momentum=0.9, weight_decay=0.1)
+    resumed.load_state_dict(state)
+    p.grad = torch.zeros(3)
+    first.on_before_optimizer_step(None, None, opt)  # type: ignore[arg-type]
+    expected = p.grad.clone()
+    p.grad = torch.zeros(3)
+    resumed.on_before_optimizer_step(None, None, opt)  # type: ignore[arg-type]
+    assert torch.equal(p.grad, expected) and expected[0] > 0.1  # momentum of the decay carried over
