@@ -38,7 +38,9 @@ def orthogonalize_(matrix: Tensor, epsilon: float = 0.0) -> Tensor:
     if rank <= 2 or matrix.dtype in (torch.float16, torch.bfloat16):
         for i in range(rank):
             col = matrix[:, i : i + 1]
-            col /= torch.norm(col, dim=0, keepdim=True) + epsilon
+            # torch divides by the bare norm (NaN for an all-zero column, e.g. a layer with no gradient this step);
+            # clamping at the smallest normal float changes nothing else and sends zeros instead
+            col /= torch.norm(col, dim=0, keepdim=True).clamp_min(torch.finfo(col.dtype).tiny) + epsilon
             if i + 1 < rank:
                 rest = matrix[:, i + 1 :]
                 rest -= torch.sum(col * rest, dim=0, keepdim=True) * col

@@ -96,7 +96,7 @@ class TopK(Compressor):
         indices = self.select(flat.abs())
         values = flat[indices].to(_VALUE_DTYPES[self.value_dtype])
         payload = torch.cat((values.view(torch.uint8), indices.to(torch.int32).view(torch.uint8)))
-        stats = {"density": torch.tensor(indices.numel() / max(1, flat.numel()))}
+        stats = {"density": flat.new_tensor(indices.numel() / max(1, flat.numel()), dtype=torch.float32)}
         return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
 
     def _values_indices(self, packet: Packet) -> tuple[Tensor, Tensor]:

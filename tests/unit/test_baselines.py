@@ -157,3 +157,9 @@ def test_bad_arguments_name_the_argument(name: str) -> None:
         return
     with pytest.raises(ValueError, match=next(iter(bad))):
         cls(**bad)
+
+
+def test_powersgd_survives_a_layer_without_gradient() -> None:
+    compressor = _ready(PowerSGD(rank=1))
+    zero = torch.zeros(32, 16)
+    assert torch.equal(compressor.decompress(compressor.compress(zero, "w")), zero)  # torch's maths would give NaN
