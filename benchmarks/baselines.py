@@ -17,7 +17,6 @@ the paper's sparsity warm-up over the first epochs, and local gradient clipping.
 import argparse
 import hashlib
 import os
-import pickle
 import platform
 import socket
 import sys
