@@ -157,6 +157,13 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
     Register with ``ddp_model.register_comm_hook(state, gradcomp_hook)``. Every rank ends with the same
     averaged, decoded gradient in ``bucket.buffer()``.
     """
+    # backward can run under the user's autocast (manual optimization); compression maths must keep the dtypes
+    # it chose (autocast's type promotion rejects e.g. torch.cat of fp16 payloads under CPU bf16 autocast)
+    with torch.autocast(bucket.buffer().device.type, enabled=False):
+        return _exchange_bucket(state, bucket)
+
+
+def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     state.hook_calls += 1
     grads = bucket.gradients()
     names = [state.names[id(p)] for p in bucket.parameters()]
