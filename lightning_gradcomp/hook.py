@@ -15,7 +15,7 @@ Collectives are only launched here, never from ``.then`` callbacks (see :mod:`li
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ class GradCompState:
         shared_stat_bytes: bytes of the statistic all-reduce in the latest round per bucket index.
         collectives: how many collectives of each kind ran since the last reset.
         hook_calls: number of bucket hook calls since construction.
+        planner: a :class:`~lightning_gradcomp.planner.CollectivePlanner` that picks each bucket's collective
+            from a cost model of the link (``None``: always compress, the compressor's own collective).
+        plain_names: names the planner currently sends as plain fp32 (compression would not pay).
     """
 
     compressor: Compressor
@@ -68,9 +71,11 @@ class GradCompState:
     shared_stat_bytes: dict[int, int] = field(default_factory=dict)
     collectives: Counter = field(default_factory=Counter)
     hook_calls: int = 0
+    planner: Optional[Any] = None
+    plain_names: set[str] = field(default_factory=set)
 
     def compressor_for(self, name: str) -> Compressor:
-        return self.identity if name in self.float_names else self.compressor
+        return self.identity if name in self.float_names or name in self.plain_names else self.compressor
 
     def bytes_per_step(self) -> int:
         """Bytes this rank contributed to the collectives of one full backward (payloads + shared statistics)."""
@@ -138,6 +143,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
     grads = bucket.gradients()
     names = [state.names[id(p)] for p in bucket.parameters()]
     world = state.world_size
+    if state.planner is not None:  # may run one small agreed all-reduce the first time it sees this bucket
+        state.planner.apply(state, names, grads)
 
     inputs = _prepare(state, grads, names)
     shared = _shared_statistics(state, bucket.index(), inputs, names)

@@ -17,8 +17,10 @@ from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.planner import CollectivePlanner
 from lightning_gradcomp.validation import check_int
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,12 @@ class GradCompStrategy(DDPStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
         timeout: collective timeout.
         start_method: how Lightning launches local processes (``"popen"``, ``"spawn"``, ...).
+        link: the network between ranks (``"1gbit"``, ``"100mbit@2ms"``, a
+            :class:`~lightning_gradcomp.costmodel.Link` or ``Network``); when given, a cost model picks per
+            bucket between plain fp32 all-reduce and the compressor's collectives (logged at INFO, counted in
+            ``comm_state.collectives``). ``None`` (default): always compress.
+        compression_cost: compress/decode seconds per element for that choice; ``None`` measures them on the
+            first step (max over ranks).
         **kwargs: further ``DistributedDataParallel`` options.
     """
 
@@ -80,6 +88,8 @@ class GradCompStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        link: Optional[Union[str, Link, Network]] = None,
+        compression_cost: Optional[CompressionCost] = None,
         **kwargs: Any,
     ) -> None:
         for key in _HOOK_ARGUMENTS:
@@ -104,6 +114,8 @@ class GradCompStrategy(DDPStrategy):
         self.exclude = list(exclude or [])
         check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
         self.min_numel = min_numel
+        # parsed now so a bad spec fails before any process group exists
+        self.planner = None if link is None else CollectivePlanner(link, compression_cost)
         ddp_kwargs: dict[str, Any] = dict(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
@@ -176,6 +188,7 @@ class GradCompStrategy(DDPStrategy):
             transforms=tuple(self._transforms),
             process_group=group,
             world_size=world_size,
+            planner=self.planner,
         )
         log.info(
             "gradcomp: %s on %d ranks, %d of %d tensors kept in fp32",
