@@ -208,7 +208,13 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cores": os.cpu_count(), "cpu": cpu, "kernel": platform.release(), "torch": torch.__version__}
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "kernel": platform.release(),
+        "torch": torch.__version__,
+        "loadavg_at_start": os.getloadavg(),
+    }
 
 
 def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
@@ -246,10 +252,11 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
             report["runs"].append({"nproc": nproc, "link": link, **data})
             print_table(report["runs"][-1:], header=False)
     report["wall_s"] = time.time() - started
+    report["loadavg_at_end"] = os.getloadavg()
     print()
     print(f"command: {command}")
     print(f"machine: {info['cores']} cores, {info['cpu']}, Linux {info['kernel']}, torch {info['torch']}")
-    print(f"wall: {report['wall_s']:.0f} s")
+    print(f"wall: {report['wall_s']:.0f} s; load average at start {info['loadavg_at_start']}, at end {report['loadavg_at_end']}")
     print_table(report["runs"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

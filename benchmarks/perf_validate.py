@@ -1,0 +1,91 @@
+"""Validate the performance model (lightning_gradcomp.perfmodel) against the emulated-cluster step times.
+
+Reads the JSON written by ``benchmarks/step_time.py``, profiles each model's compute (one process, one thread,
+one worker's batch) and TernGrad's codec on this machine, predicts every measured configuration and prints
+measured vs predicted step time with the relative error.
+
+    python benchmarks/perf_validate.py docs/data/step_time.json
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from lightning_gradcomp import registry  # noqa: E402
+from lightning_gradcomp.costmodel import Link, Network, parse_rate  # noqa: E402
+from lightning_gradcomp.perfmodel import fp32_codec, measure_codec, predict, profile_compute  # noqa: E402
+from step_time import BATCH, build_model, input_shape  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("measured", help="JSON from benchmarks/step_time.py")
+    parser.add_argument("--json", default=None, help="write predictions here")
+    args = parser.parse_args()
+    report = json.loads(Path(args.measured).read_text())
+    torch.set_num_threads(1)  # each emulated rank runs with OMP_NUM_THREADS=1
+    cores = os.cpu_count() or 1
+    width = 4096
+    compute: dict[str, float] = {}
+    shapes: dict[str, list] = {}
+    for name in ("mlp", "lenet"):
+        model = build_model(name, width)
+        compute[name] = profile_compute(model, BATCH[name], input_shape(name), steps=3, warmup=1)
+        shapes[name] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        print(f"profiled {name}: {compute[name] * 1e3:.1f} ms forward+backward+update (batch {BATCH[name]}, 1 thread)")
+    codecs: dict[tuple[str, int], object] = {}
+    rows = []
+    for run in report["runs"]:
+        n = run["nproc"]
+        probe = run["link_probe"]
+        nominal = parse_rate(run["link"])
+        bandwidth = nominal if math.isfinite(nominal) else probe["bandwidth_bit_s"]
+        network = Network(Link(bandwidth, probe["latency_s"]))
+        share = min(1.0, cores / n)
+        for r in run["results"]:
+            model, strategy = r["model"], r["strategy"]
+            numel = r["params"]
+            buckets = max(1, math.ceil(4 * numel / (25 * 2**20)))
+            planned_off = r.get("plans") == ["allreduce_fp32"]
+            if strategy in ("ddp", "fp32") or planned_off:
+                codec = fp32_codec(numel)
+            elif strategy == "ddp_bf16":
+                codec = fp32_codec(numel, 2.0)
+            elif strategy.split("+")[0] == "terngrad":
+                key = (model, n)
+                if key not in codecs:
+                    codecs[key] = measure_codec(registry.make_compressor("terngrad"), shapes[model], n)
+                codec = codecs[key]
+            else:
+                continue
+            p = predict(compute[model], codec, n, network, BATCH[model], buckets, cpu_share=share)
+            err = (p.step_s - r["median_s"]) / r["median_s"]
+            rows.append({"nproc": n, "link": run["link"], "model": model, "strategy": strategy,
+                         "measured_s": r["median_s"], "predicted_s": p.step_s, "error": err,
+                         "compute_s": p.compute_s, "codec_s": p.codec_s, "comm_s": p.comm_s})
+    print()
+    print(f"command: python benchmarks/perf_validate.py {args.measured}")
+    print("| N | link | model | strategy | measured ms | predicted ms | error | compute / codec / comm ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['nproc']} | {row['link']} | {row['model']} | {row['strategy']} | {row['measured_s'] * 1e3:.0f} | "
+              f"{row['predicted_s'] * 1e3:.0f} | {row['error'] * 100:+.0f}% | "
+              f"{row['compute_s'] * 1e3:.0f} / {row['codec_s'] * 1e3:.0f} / {row['comm_s'] * 1e3:.0f} |")
+    errors = [abs(r["error"]) for r in rows]
+    if errors:
+        print(f"\nmedian |error| {statistics.median(errors) * 100:.0f}%, max {max(errors) * 100:.0f}% over {len(rows)} configurations")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"compute_s": compute, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
