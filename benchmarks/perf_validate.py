@@ -51,6 +51,8 @@ def main() -> None:
         bandwidth = nominal if math.isfinite(nominal) else probe["bandwidth_bit_s"]
         network = Network(Link(bandwidth, probe["latency_s"]))
         share = min(1.0, cores / n)
+        in_situ = {r["model"]: r["compute_s"] for r in run["results"] if "compute_s" in r}
+        in_situ_codec = {r["model"]: r["codec_s"] for r in run["results"] if "codec_s" in r}
         for r in run["results"]:
             model, strategy = r["model"], r["strategy"]
             numel = r["params"]
@@ -67,22 +69,35 @@ def main() -> None:
                 codec = codecs[key]
             else:
                 continue
+            # profiled alone on one machine, scaled by the ranks' share of the cores
             p = predict(compute[model], codec, n, network, BATCH[model], buckets, cpu_share=share)
-            err = (p.step_s - r["median_s"]) / r["median_s"]
-            rows.append({"nproc": n, "link": run["link"], "model": model, "strategy": strategy,
-                         "measured_s": r["median_s"], "predicted_s": p.step_s, "error": err,
-                         "compute_s": p.compute_s, "codec_s": p.codec_s, "comm_s": p.comm_s})
+            row = {"nproc": n, "link": run["link"], "model": model, "strategy": strategy, "measured_s": r["median_s"],
+                   "profiled_s": p.step_s, "profiled_error": (p.step_s - r["median_s"]) / r["median_s"]}
+            if model in in_situ:
+                # compute (and codec) timed on the cluster itself, under the same load: isolates the comm model
+                if codec.encode_s + codec.decode_s > 0 and model in in_situ_codec:
+                    codec = type(codec)(codec.nbytes, codec.aggregation, in_situ_codec[model], 0.0, codec.rounds)
+                    q = predict(in_situ[model], codec, n, network, BATCH[model], buckets)
+                else:
+                    q = predict(in_situ[model], codec, n, network, BATCH[model], buckets)
+                p = q
+            row.update(predicted_s=p.step_s, error=(p.step_s - r["median_s"]) / r["median_s"],
+                       compute_s=p.compute_s, codec_s=p.codec_s, comm_s=p.comm_s)
+            rows.append(row)
     print()
     print(f"command: python benchmarks/perf_validate.py {args.measured}")
-    print("| N | link | model | strategy | measured ms | predicted ms | error | compute / codec / comm ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| N | link | model | strategy | measured ms | predicted ms | error | compute / codec / comm ms | profiled-alone prediction ms (error) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['nproc']} | {row['link']} | {row['model']} | {row['strategy']} | {row['measured_s'] * 1e3:.0f} | "
               f"{row['predicted_s'] * 1e3:.0f} | {row['error'] * 100:+.0f}% | "
-              f"{row['compute_s'] * 1e3:.0f} / {row['codec_s'] * 1e3:.0f} / {row['comm_s'] * 1e3:.0f} |")
-    errors = [abs(r["error"]) for r in rows]
-    if errors:
-        print(f"\nmedian |error| {statistics.median(errors) * 100:.0f}%, max {max(errors) * 100:.0f}% over {len(rows)} configurations")
+              f"{row['compute_s'] * 1e3:.0f} / {row['codec_s'] * 1e3:.0f} / {row['comm_s'] * 1e3:.0f} | "
+              f"{row['profiled_s'] * 1e3:.0f} ({row['profiled_error'] * 100:+.0f}%) |")
+    for key, label in (("error", "predicted"), ("profiled_error", "profiled-alone")):
+        errors = [abs(r[key]) for r in rows]
+        if errors:
+            print(f"{label}: median |error| {statistics.median(errors) * 100:.0f}%, max {max(errors) * 100:.0f}% "
+                  f"over {len(rows)} configurations")
     if args.json:
         Path(args.json).write_text(json.dumps({"compute_s": compute, "rows": rows}, indent=1))
 

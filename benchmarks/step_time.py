@@ -164,6 +164,26 @@ def _run_one(model_name: str, strategy: str, args: argparse.Namespace, link: dic
         out["collectives"] = {k: v for k, v in state.collectives.items()}
         if state.planner is not None:
             out["plans"] = sorted({p.choice for p in state.planner.plans.values()})
+    if args.profile_compute and base == "ddp":
+        # the same steps without communication, on this rank's share of the machine: the perf model's compute
+        ctimes = []
+        for _ in range(args.warmup + args.steps):
+            t = time.perf_counter()
+            with ddp.no_sync():
+                opt.zero_grad(set_to_none=False)
+                nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            ctimes.append(time.perf_counter() - t)
+        c = torch.tensor(ctimes[args.warmup :], dtype=torch.float64)
+        dist.all_reduce(c, op=dist.ReduceOp.MAX)
+        out["compute_s"] = statistics.median(c.tolist())
+    if args.profile_compute and base == "terngrad":
+        from lightning_gradcomp.perfmodel import measure_codec
+
+        codec = measure_codec(registry.make_compressor("terngrad"), [(n, tuple(p.shape)) for n, p in model.named_parameters()], world)
+        c = torch.tensor([codec.encode_s + codec.decode_s], dtype=torch.float64)
+        dist.all_reduce(c, op=dist.ReduceOp.MAX)
+        out["codec_s"] = c.item()
     del ddp, opt
     dist.barrier()
     return out
@@ -245,6 +265,7 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
                 cmd += ["--models", *args.models, "--strategies", *strategies]
                 cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
                 cmd += ["--mlp-width", str(args.mlp_width), "--bucket-cap-mb", str(args.bucket_cap_mb)]
+                cmd += ["--profile-compute"] if args.profile_compute else []
                 print(f"== {cluster.describe()}", flush=True)
                 env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
                 run_on_cluster(cluster, cmd, timeout=args.timeout, env=env, out=sys.stdout if args.verbose else open(os.devnull, "w"))
@@ -298,6 +319,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per cluster before every rank is killed")
     p.add_argument("--quick", action="store_true", help="3 timed steps after 1 warm-up")
     p.add_argument("--json", default=None, help="write all numbers here")
+    p.add_argument(
+        "--profile-compute",
+        action="store_true",
+        help="also time compute alone (ddp without sync) and TernGrad's codec on each cluster, for perf_validate.py",
+    )
     p.add_argument("--verbose", action="store_true", help="stream the ranks' output")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
