@@ -30,11 +30,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("measured", help="JSON from benchmarks/step_time.py")
     parser.add_argument("--json", default=None, help="write predictions here")
+    parser.add_argument("--mlp-width", type=int, default=4096, help="as given to step_time.py")
     args = parser.parse_args()
     report = json.loads(Path(args.measured).read_text())
     torch.set_num_threads(1)  # each emulated rank runs with OMP_NUM_THREADS=1
     cores = os.cpu_count() or 1
-    width = 4096
+    width = args.mlp_width
     compute: dict[str, float] = {}
     shapes: dict[str, list] = {}
     for name in ("mlp", "lenet"):
@@ -57,6 +58,8 @@ def main() -> None:
         for r in run["results"]:
             model, strategy = r["model"], r["strategy"]
             numel = r["params"]
+            if numel != sum(math.prod(s) for _, s in shapes[model]):
+                raise SystemExit(f"{model} has {numel} parameters in {args.measured}: pass the --mlp-width it ran with")
             buckets = max(1, math.ceil(4 * numel / (25 * 2**20)))
             planned_off = r.get("plans") == ["allreduce_fp32"]
             if strategy in ("ddp", "fp32") or planned_off:
