@@ -89,7 +89,7 @@ def main() -> None:
                        compute_s=p.compute_s, codec_s=p.codec_s, comm_s=p.comm_s)
             rows.append(row)
     print()
-    print(f"command: python benchmarks/perf_validate.py {args.measured}")
+    print("command: python benchmarks/perf_validate.py " + " ".join(sys.argv[1:]))
     print("| N | link | model | strategy | measured ms | predicted ms | error | compute / codec / comm ms | profiled-alone prediction ms (error) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:

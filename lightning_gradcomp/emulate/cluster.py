@@ -34,8 +34,13 @@ class EmulationUnavailable(RuntimeError):
     """The machine cannot host an emulated cluster (not root, no iproute2, no namespace support)."""
 
 
-def check_available() -> None:
-    """Raise :class:`EmulationUnavailable` with the reason and the fix when namespaces cannot be created."""
+def check_available(probe: bool = True) -> None:
+    """Raise :class:`EmulationUnavailable` with the reason and the fix when namespaces cannot be created.
+
+    Args:
+        probe: also create (and delete) a throwaway namespace with a ``tbf`` qdisc, which catches containers
+            that run as root without ``CAP_NET_ADMIN`` or without the ``sch_tbf`` module.
+    """
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise EmulationUnavailable(
@@ -47,6 +52,22 @@ def check_available() -> None:
             "The emulated cluster creates network namespaces, veth pairs and tc qdiscs, which needs root "
             f"(running as uid {os.geteuid()}). Fix: run as root (e.g. `sudo -E python -m lightning_gradcomp.emulate ...`)."
         )
+    if probe:
+        name = f"{PREFIX}{os.getpid()}probe"
+        steps = [
+            ["ip", "netns", "add", name],
+            ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", *_tbf(1e9)],
+        ]
+        try:
+            for step in steps:
+                proc = subprocess.run(step, capture_output=True, text=True)
+                if proc.returncode != 0:
+                    raise EmulationUnavailable(
+                        f"`{' '.join(step)}` failed: {proc.stderr.strip()}. The emulated cluster needs network "
+                        f"namespaces and tc's tbf qdisc. Fix: run as root with CAP_NET_ADMIN (e.g. a privileged container)."
+                    )
+        finally:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
 def _run(*args: str) -> None:
@@ -136,7 +157,7 @@ class Cluster:
 
     def create(self) -> "Cluster":
         """Build the namespaces, bridges, links and rate limits (cleans up what it made if a step fails)."""
-        check_available()
+        check_available(probe=False)
         try:
             self._add_namespace(self.switch)
             sw = self.switch
