@@ -15,7 +15,7 @@ Collectives are only launched here, never from ``.then`` callbacks (see :mod:`li
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,9 @@ class GradCompState:
             a dense warm-up (:class:`~lightning_gradcomp.callbacks.CompressionSchedule`). It must be set
             identically on every rank before the step's backward. Residuals are neither added nor cleared
             while it is set.
+        planner: a :class:`~lightning_gradcomp.planner.CollectivePlanner` that picks each bucket's collective
+            from a cost model of the link (``None``: always compress, the compressor's own collective).
+        plain_names: names the planner currently sends as plain fp32 (compression would not pay).
     """
 
     compressor: Compressor
@@ -88,9 +91,13 @@ class GradCompState:
     residual_undo: dict[str, Optional[Tensor]] = field(default_factory=dict)
     per_rank: Optional[dict[str, list[Tensor]]] = None
     dense: bool = False
+    planner: Optional[Any] = None
+    plain_names: set[str] = field(default_factory=set)
 
     def compressor_for(self, name: str) -> Compressor:
-        return self.identity if self.dense or name in self.float_names else self.compressor
+        if self.dense or name in self.float_names or name in self.plain_names:
+            return self.identity
+        return self.compressor
 
     def bytes_per_step(self) -> int:
         """Bytes this rank contributed to the collectives of one full backward (payloads + shared statistics)."""
@@ -168,6 +175,8 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
     grads = bucket.gradients()
     names = [state.names[id(p)] for p in bucket.parameters()]
     world = state.world_size
+    if state.planner is not None:  # may run one small agreed all-reduce the first time it sees this bucket
+        state.planner.apply(state, names, grads)
 
     # non-finite guard: decided identically on every rank before transforms and residuals see the gradient
     if bucket.index() == 0:
