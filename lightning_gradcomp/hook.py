@@ -12,6 +12,7 @@ For each bucket DDP hands us (in the order buckets become ready, identical on ev
 Collectives are only launched here, never from ``.then`` callbacks (see :mod:`lightning_gradcomp.comm`).
 """
 
+import contextlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.stats import NO_TIMER, HookStats
 
 
 @dataclass
@@ -54,6 +56,7 @@ class GradCompState:
         shared_stat_bytes: bytes of the statistic all-reduce in the latest round per bucket index.
         collectives: how many collectives of each kind ran since the last reset.
         hook_calls: number of bucket hook calls since construction.
+        stats: where the hook records times and captured statistics for a monitor (``None``: not monitored).
     """
 
     compressor: Compressor
@@ -68,6 +71,7 @@ class GradCompState:
     shared_stat_bytes: dict[int, int] = field(default_factory=dict)
     collectives: Counter = field(default_factory=Counter)
     hook_calls: int = 0
+    stats: Optional[HookStats] = None
 
     def compressor_for(self, name: str) -> Compressor:
         return self.identity if name in self.float_names else self.compressor
@@ -90,6 +94,8 @@ def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str]
         for transform in state.transforms:
             if transform.applies_to_float or not is_float:
                 x = transform.before_compress(x, name)
+        if state.stats is not None:
+            state.stats.observe_input(name, grad, x, state.compressor_for(name))
         if state.compressor_for(name).uses_memory:
             x = state.memory.compensate(x, name)
         inputs.append(x)
@@ -107,7 +113,8 @@ def _shared_statistics(
         return local
     flat = torch.cat(present)
     if state.world_size > 1:
-        comm.all_reduce_max_(flat, state.process_group)
+        with _waiting(state):
+            comm.all_reduce_max_(flat, state.process_group)
         state.collectives["allreduce_max"] += 1
     state.shared_stat_bytes[bucket_index] = flat.numel() * flat.element_size()
     shared: list[Optional[Tensor]] = []
@@ -119,6 +126,11 @@ def _shared_statistics(
             shared.append(flat[offset : offset + s.numel()].view_as(s))
             offset += s.numel()
     return shared
+
+
+def _waiting(state: GradCompState) -> contextlib.AbstractContextManager[None]:
+    """Times a collective the hook body blocks on, when monitored."""
+    return state.stats.blocking() if state.stats is not None else contextlib.nullcontext()
 
 
 def _as_bytes(payload: Tensor) -> Tensor:
@@ -137,6 +149,7 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
     averaged, decoded gradient in ``bucket.buffer()``.
     """
     state.hook_calls += 1
+    timer = state.stats.start_bucket() if state.stats is not None else NO_TIMER
     grads = bucket.gradients()
     names = [state.names[id(p)] for p in bucket.parameters()]
     world = state.world_size
@@ -148,6 +161,7 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
     for x, name, s in zip(inputs, names, shared):
         compressor = state.compressor_for(name)
         packet = compressor.compress(x, name, s)
+        sent: Optional[Tensor] = None
         if compressor.uses_memory or state.transforms:
             sent = compressor.sent(x, packet)
             if compressor.uses_memory:
@@ -155,6 +169,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
             for transform in state.transforms:
                 if transform.applies_to_float or name not in state.float_names:
                     transform.after_compress(name, x, sent)
+        if state.stats is not None:
+            state.stats.observe_packet(name, compressor, x, packet, sent)
         packets.append(packet)
         state.records[name] = LayerRecord(
             nbytes=packet.nbytes,
@@ -189,8 +205,9 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
         flat = torch.cat([_as_bytes(packets[i].payload) for i in gather_idx])
         if world > 1 and not all(state.compressor_for(names[i]).fixed_size for i in gather_idx):
             # variable-size payloads: sizes first (waited for), then every rank pads to the largest total
-            table = comm.all_gather_sizes(torch.tensor(own, dtype=torch.int64, device=flat.device),
-                                          state.process_group, world)
+            with _waiting(state):
+                table = comm.all_gather_sizes(torch.tensor(own, dtype=torch.int64, device=flat.device),
+                                              state.process_group, world)
             state.collectives["allgather_sizes"] += 1
             sizes = table.tolist()
             longest = max(sum(row) for row in sizes)
@@ -205,7 +222,10 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
         else:
             gathered = flat.new_zeros((world, 0)) if flat.numel() == 0 else flat.unsqueeze(0)
 
+    timer.launched()
+
     def decode(_: object) -> Tensor:
+        timer.decode_started()
         for idx, flat in sum_buffers:
             offset = 0
             for i in idx:
@@ -213,6 +233,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
                 n = packet.payload.numel()
                 total = state.compressor_for(names[i]).decompress(packet.with_payload(flat[offset : offset + n]))
                 grads[i].copy_(total.div_(world) if total.is_floating_point() else total.float() / world)
+                if state.stats is not None:
+                    state.stats.observe_averaged(names[i], grads[i])
                 offset += n
         if gather_idx:
             assert gathered is not None
@@ -225,6 +247,9 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
                     per_rank.append(packet.with_payload(_from_bytes(raw, packet.payload.dtype)))
                     starts[r] += sizes[r][k]
                 grads[i].copy_(state.compressor_for(names[i]).decompress_sum(per_rank).div_(world))
+                if state.stats is not None:
+                    state.stats.observe_averaged(names[i], grads[i])
+        timer.decode_done()
         return bucket.buffer()
 
     if not futures:

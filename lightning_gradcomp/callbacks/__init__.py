@@ -2,5 +2,6 @@
 
 from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.clipping import SigmaClip, SigmaClipping
+from lightning_gradcomp.callbacks.monitor import CompressionMonitor
 
-__all__ = ["PipelineCallback", "SigmaClip", "SigmaClipping"]
+__all__ = ["PipelineCallback", "SigmaClip", "SigmaClipping", "CompressionMonitor"]
