@@ -39,10 +39,11 @@ _Mark = Union[float, "torch.cuda.Event"]
 
 
 def histogram(tensor: Tensor, bins: int) -> tuple[Tensor, Tensor]:
-    """Counts and edges of ``tensor``'s values over its own range, on its device, without a host sync.
+    """Counts and edges of ``tensor``'s values over its own range, computed on its device.
 
-    ``torch.histc`` needs its range as Python numbers (a sync), so the values are first mapped onto
-    [0, 1] with device-side min and max. Every finite element is counted: the counts sum to ``numel``.
+    ``torch.histc`` needs its range as Python numbers. On an accelerator reading them would be a host sync
+    inside the hook, so the values are first mapped onto [0, 1] with device-side min and max; on CPU the
+    range is read directly. Every finite element is counted: the counts sum to ``numel``.
 
     Args:
         tensor: any floating-point tensor.
@@ -52,6 +53,18 @@ def histogram(tensor: Tensor, bins: int) -> tuple[Tensor, Tensor]:
         ``(counts, edges)``: float32 tensors of ``bins`` and ``bins + 1`` elements.
     """
     flat = tensor.detach().reshape(-1).float()
+    if flat.device.type == "cpu":
+        # on CPU reading the range costs nothing (no device to wait for) and saves two passes over the tensor
+        lo_t, hi_t = torch.aminmax(flat)
+        lo_f, hi_f = lo_t.item(), hi_t.item()
+        top = hi_f if hi_f > lo_f else lo_f + max(abs(lo_f), 1.0) * 1e-3
+        counts = torch.histc(flat, bins=bins, min=lo_f, max=top)
+        return counts, torch.linspace(lo_f, top, bins + 1)
+    return _device_histogram(flat, bins)
+
+
+def _device_histogram(flat: Tensor, bins: int) -> tuple[Tensor, Tensor]:
+    """:func:`histogram` without reading anything back to the host (for accelerators)."""
     lo, hi = torch.aminmax(flat)
     # a constant tensor still gets distinct edges (all its values land in the first bin)
     width = torch.where(hi > lo, hi - lo, lo.abs().clamp_min(1.0) * 1e-3)

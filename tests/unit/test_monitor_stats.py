@@ -7,13 +7,14 @@ import torch
 from lightning_gradcomp.callbacks import CompressionMonitor
 from lightning_gradcomp.callbacks.monitor import layer_key, residual_statistics
 from lightning_gradcomp.compressors import TernGrad
-from lightning_gradcomp.stats import HookStats, histogram
+from lightning_gradcomp.stats import HookStats, _device_histogram, histogram
 
 
 @pytest.mark.parametrize("values", [torch.randn(1000) * 3 + 1, torch.full((17,), 0.25), torch.zeros(5),
                                     torch.tensor([-1.0, 1.0]), torch.randn(4, 7).double()])
-def test_histogram_counts_every_element_within_its_edges(values: torch.Tensor) -> None:
-    counts, edges = histogram(values, bins=16)
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-range", "device-range"])
+def test_histogram_counts_every_element_within_its_edges(values: torch.Tensor, on_device: bool) -> None:
+    counts, edges = _device_histogram(values.reshape(-1).float(), 16) if on_device else histogram(values, bins=16)
     assert counts.shape == (16,) and edges.shape == (17,)
     assert counts.sum().item() == values.numel()
     assert torch.all(edges[1:] > edges[:-1])
