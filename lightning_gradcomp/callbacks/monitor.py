@@ -120,6 +120,7 @@ class CompressionMonitor(Callback):
         self._seen_calls = 0
         self._steps = 0  # steps whose hook ran since the last log
         self._wandb_defined: dict[int, set[str]] = {}
+        self._shown_ratio: Optional[float] = None
 
     # -- setup ----------------------------------------------------------------------------------------------
     @override
@@ -225,11 +226,10 @@ class CompressionMonitor(Callback):
             return  # not rank 0, or an accumulation micro-batch: the hook did not run
         self._seen_calls = state.hook_calls
         self._steps += 1
-        dense, sent = state.dense_bytes_per_step(), state.bytes_per_step()
-        if self.progress_bar and sent:
-            pl_module.log(PROGRESS_BAR_KEY, dense / sent, prog_bar=True, logger=False, on_step=True, on_epoch=False,
-                          rank_zero_only=True)
-        if self._armed_at is None or state.hook_calls == self._armed_at:
+        logging_step = self._armed_at is not None and state.hook_calls != self._armed_at
+        if self.progress_bar:
+            self._show_ratio(state, pl_module, force=logging_step or batch_idx == 0)
+        if not logging_step:
             return
         metrics = self._collect(state, self.stats)
         wandb_extra = self._histograms(self.stats)
@@ -242,6 +242,18 @@ class CompressionMonitor(Callback):
                 logger.log_metrics(metrics, step=step)
         self.stats.clear_capture()
         self._armed_at = None
+
+    def _show_ratio(self, state: GradCompState, pl_module: "pl.LightningModule", force: bool) -> None:
+        # the progress bar keeps the last value it got, and `self.log` costs tens of microseconds: send changes
+        # only (a fixed-size compressor's ratio never changes), and refresh on logging steps and epoch starts
+        sent = state.bytes_per_step()
+        if not sent:
+            return
+        ratio = state.dense_bytes_per_step() / sent
+        if force or ratio != self._shown_ratio:
+            pl_module.log(PROGRESS_BAR_KEY, ratio, prog_bar=True, logger=False, on_step=True, on_epoch=False,
+                          rank_zero_only=True)
+            self._shown_ratio = ratio
 
     # -- reading the statistics -----------------------------------------------------------------------------
     def _collect(self, state: GradCompState, stats: HookStats) -> dict[str, float]:
