@@ -102,16 +102,46 @@ def _trials(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
         def on_train_end(self, *_: Any) -> None:
             self.marks.append(time.perf_counter())
 
+    class TimedMonitor(CompressionMonitor):
+        """The monitor, with the time spent in its callbacks and in the hook's HookStats calls added up."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.spent = 0.0
+
+        def _timed(self, fn: Any) -> Any:
+            def call(*a: Any, **k: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.spent += time.perf_counter() - start
+            return call
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            super().on_fit_start(trainer, pl_module)
+            if self.stats is not None:
+                for name in ("start_bucket", "blocking", "observe_input", "observe_packet", "observe_averaged"):
+                    setattr(self.stats, name, self._timed(getattr(self.stats, name)))
+
+        def on_train_batch_start(self, *a: Any) -> None:
+            self._timed(super().on_train_batch_start)(*a)
+
+        def on_train_batch_end(self, *a: Any) -> None:
+            self._timed(super().on_train_batch_end)(*a)
+
     gen = torch.Generator().manual_seed(rank)
     n = args.batch_size * (args.steps + 1) * world_size  # the distributed sampler splits it over ranks
     data = TensorDataset(torch.randn(n, 784, generator=gen), torch.randint(0, 10, (n,), generator=gen))
     tmp = tempfile.mkdtemp(prefix="monitor_overhead_")
     results: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    results.update({f"{arm} (in monitor)": [] for arm in ARMS if arm.endswith("+monitor")})
     for trial in range(args.trials):
         order = ARMS[trial % len(ARMS):] + ARMS[: trial % len(ARMS)]
         for arm in order:
             timer = StepTimer()
-            callbacks: list = [timer] + ([CompressionMonitor()] if arm.endswith("+monitor") else [])
+            monitor = TimedMonitor() if arm.endswith("+monitor") else None
+            callbacks: list = [timer] + ([monitor] if monitor is not None else [])
             logger = (WandbLogger(offline=True, save_dir=tmp, project="overhead") if arm.startswith("wandb")
                       else CSVLogger(tmp, name=arm))
             trainer = pl.Trainer(strategy=GradCompStrategy("terngrad"), accelerator="cpu", devices=world_size,
@@ -124,6 +154,8 @@ def _trials(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
                 wandb.finish()
             steps = [b - a for a, b in zip(timer.marks, timer.marks[1:])][args.warmup:]
             results[arm].append(sum(steps) / len(steps))
+            if monitor is not None:  # whole run, warm-up included: an upper bound
+                results[f"{arm} (in monitor)"].append(monitor.spent / args.steps)
     return results
 
 
@@ -162,14 +194,22 @@ def main() -> None:
           f"({params / 1e6:.2f}M parameters), batch {args.batch_size}, log_every_n_steps=50, "
           f"{args.trials} trials x {args.steps} steps ({args.warmup} warm-up steps left out)")
     print()
-    print(f"| arm | median step time (ms) | per-trial means (ms) | overhead vs baseline |")
-    print(f"|---|---:|---|---:|")
+    print("| arm | median step time (ms) | per-trial means (ms) | overhead vs baseline |")
+    print("|---|---:|---|---:|")
     medians = {arm: statistics.median(values) for arm, values in results.items()}
     for arm in ARMS:
         base = BASELINE.get(arm)
         overhead = f"{100 * (medians[arm] / medians[base] - 1):+.2f}%" if base else "(baseline)"
         trials = ", ".join(f"{1e3 * v:.2f}" for v in results[arm])
         print(f"| {arm} | {1e3 * medians[arm]:.2f} | {trials} | {overhead} |")
+    print()
+    print("Time spent inside the monitor (its callbacks and the hook's HookStats calls) per step, rank 0:")
+    print()
+    print("| arm | median ms per step in the monitor | share of the baseline's median step time |")
+    print("|---|---:|---:|")
+    for arm, base in BASELINE.items():
+        spent = medians[f"{arm} (in monitor)"]
+        print(f"| {arm} | {1e3 * spent:.3f} | {100 * spent / medians[base]:.2f}% |")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Make the pictures of docs/monitoring.md: two short runs on scikit-learn's digits, then ``gradcomp report``.
 
 * ``terngrad``: TernGrad with the paper's settings (healthy);
-* ``topk``: a deliberately too aggressive top-0.1% sparsifier with error feedback and a large learning rate,
-  whose residuals keep growing (unhealthy). The compressor lives here, not in the library: it exists only to
+* ``topk``: a deliberately too aggressive top-0.1% sparsifier with error feedback, whose residuals keep
+  growing (unhealthy). The compressor lives here, not in the library: it exists only to
   show what an unhealthy run looks like.
 
 Run from the repository root (about a minute on 2 cores)::
@@ -76,7 +76,6 @@ def _rank(rank: int, world_size: int, port: int, run: str, log_dir: str, steps: 
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
     y = torch.tensor(digits.target)
-    lr = 0.05 if run == "terngrad" else 0.5
 
     class Mlp(pl.LightningModule):
         def __init__(self) -> None:
@@ -90,7 +89,7 @@ def _rank(rank: int, world_size: int, port: int, run: str, log_dir: str, steps: 
             return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     compressor = TernGrad() if run == "terngrad" else TopKWithFeedback(density=0.001)
     trainer = pl.Trainer(strategy=GradCompStrategy(compressor), accelerator="cpu", devices=world_size,
@@ -104,12 +103,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--runs", nargs="+", default=["terngrad", "topk"], choices=["terngrad", "topk"])
     args = parser.parse_args()
     from lightning_gradcomp import report
 
     log_dir = tempfile.mkdtemp(prefix="gradcomp_demo_")
     ctx = mp.get_context("spawn")
-    for run in ("terngrad", "topk"):
+    for run in args.runs:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

@@ -274,8 +274,12 @@ class CompressionMonitor(Callback):
                 norm, peak, p95 = residual_statistics(residual)
                 layer.update(residual_norm=norm, residual_max=peak, residual_p95=p95)
             for statistic, value in layer.items():
+                if not isinstance(value, Tensor):
+                    metrics[layer_key(statistic, name)] = float(value)
+                    continue
+                value = value.detach().float()
                 keys.append(layer_key(statistic, name))
-                tensors.append(value.detach().float().reshape(()))
+                tensors.append(value.reshape(()) if value.numel() == 1 else value.mean())  # per-chunk stats: mean
             metrics[layer_key("bytes", name)] = float(record.nbytes)
             metrics[layer_key("bits_per_element", name)] = 8.0 * record.nbytes / record.numel
             if record.nbytes:  # an empty payload (nothing sent) has no finite ratio

@@ -76,3 +76,15 @@ def test_layer_key_and_argument_errors() -> None:
         CompressionMonitor(histogram_bins=0)
     with pytest.raises(ValueError, match=r"Fix: use \['fc\.\*'\]"):
         CompressionMonitor(histogram_layers="fc.*")
+
+
+def test_report_cli_rejects_a_missing_or_empty_log(tmp_path, capsys) -> None:
+    from lightning_gradcomp import report
+
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(tmp_path / "nope")])
+    assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
+    (tmp_path / "metrics.csv").write_text("step,loss\n0,1.0\n")
+    with pytest.raises(SystemExit):
+        report.main([str(tmp_path)])
+    assert "CompressionMonitor" in capsys.readouterr().err
