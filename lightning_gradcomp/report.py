@@ -152,7 +152,7 @@ def render(run: Path, out_dir: Optional[Path] = None, layers: Optional[Sequence[
         means = [sum(v for _, v in ratios[n]) / len(ratios[n]) for n in names]
         fig, ax = plt.subplots(figsize=(8, max(2.5, 0.35 * len(names) + 1)))
         ax.barh(names, means, color="tab:blue")
-        ax.invert_yaxis()  # parameters top to bottom in model order
+        ax.invert_yaxis()  # first key at the top
         ax.set_xlabel("mean compression ratio over the run")
         ax.set_title("compression ratio by layer")
         ax.grid(axis="x", alpha=0.3)
