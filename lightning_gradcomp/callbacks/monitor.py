@@ -153,6 +153,8 @@ class CompressionMonitor(Callback):
             raise RuntimeError("CompressionMonitor found no communication hook state: the model was not wrapped in DDP.")
         self._state = state
         self._seen_calls = state.hook_calls
+        self._steps = 0
+        self._shown_ratio = None
         if not trainer.is_global_zero:
             return
         # histograms only go to W&B: nobody else would read them
