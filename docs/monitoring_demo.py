@@ -1,4 +1,5 @@
-"""Make the pictures of docs/monitoring.md: two short runs on scikit-learn's digits, then ``gradcomp report``.
+"""Make the pictures of docs/monitoring.md: two short runs on scikit-learn's digits (TensorBoard logs), then
+``gradcomp report``.
 
 * ``terngrad``: TernGrad with the paper's settings (healthy);
 * ``topk``: a deliberately too aggressive top-0.1% sparsifier with error feedback, whose residuals keep
@@ -65,7 +66,7 @@ def _rank(rank: int, world_size: int, port: int, run: str, log_dir: str, steps: 
                       NODE_RANK="0", WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     import lightning.pytorch as pl
-    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers import TensorBoardLogger
     from sklearn.datasets import load_digits
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -93,7 +94,7 @@ def _rank(rank: int, world_size: int, port: int, run: str, log_dir: str, steps: 
 
     compressor = TernGrad() if run == "terngrad" else TopKWithFeedback(density=0.001)
     trainer = pl.Trainer(strategy=GradCompStrategy(compressor), accelerator="cpu", devices=world_size,
-                         max_steps=steps, logger=CSVLogger(log_dir, name=run, version=0), log_every_n_steps=5,
+                         max_steps=steps, logger=TensorBoardLogger(log_dir, name=run, version=0), log_every_n_steps=5,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[CompressionMonitor()])
     trainer.fit(Mlp(), DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True))

@@ -3,7 +3,8 @@
 For people without W&B. ``RUN`` is a ``CSVLogger`` or ``TensorBoardLogger`` directory (a version directory,
 or any directory above one: the most recently written log below it is used) or a ``metrics.csv`` file.
 Writes one PNG per per-layer statistic (one line per layer over steps: TernGrad Fig. 4c, AdaComp Fig. 5),
-the time split per step, and the compression ratio by layer (AdaComp Fig. 7). Needs the ``report`` extra
+the time split per step, the compression ratio by layer (AdaComp Fig. 7) and, from TensorBoard logs, the
+histograms of each layer's original, clipped, compressed and averaged gradient (TernGrad Fig. 2). Needs the ``report`` extra
 (matplotlib; tensorboard to read TensorBoard logs)::
 
     pip install "lightning_gradcomp[report]"
@@ -36,6 +37,7 @@ STATISTICS = {
 # spread over orders of magnitude: plotted on a log axis when every value is positive
 _LOG_SCALE = {"scaler", "residual_norm", "residual_max", "residual_p95", "bytes"}
 _PHASES = ("compress", "collective_wait", "decompress")
+_HISTOGRAM_KINDS = ("original", "clipped", "compressed", "averaged")
 
 Series = dict[str, list[tuple[int, float]]]
 
@@ -78,6 +80,27 @@ def load_scalars(log: Path) -> Series:
             if tag.startswith(PREFIX):
                 series[tag] = [(e.step, e.value) for e in accumulator.Scalars(tag)]
     return {k: sorted(v) for k, v in series.items()}
+
+
+def load_histograms(log: Path) -> dict[str, list[tuple[int, list[float], list[float]]]]:
+    """``gradcomp/histogram/...`` histograms of a TensorBoard log: ``{tag: [(step, edges, counts), ...]}``.
+
+    CSV logs hold no histograms: an empty dict.
+    """
+    if log.is_file():
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log), size_guidance={"histograms": 0})
+    accumulator.Reload()
+    out = {}
+    for tag in accumulator.Tags().get("histograms", []):
+        if tag.startswith(f"{PREFIX}histogram/"):
+            out[tag] = [
+                (e.step, [e.histogram_value.min, *e.histogram_value.bucket_limit], list(e.histogram_value.bucket))
+                for e in accumulator.Histograms(tag)
+            ]
+    return out
 
 
 def _by_layer(series: Series, statistic: str, layers: Optional[Sequence[str]]) -> dict[str, list[tuple[int, float]]]:
@@ -145,6 +168,25 @@ def render(run: Path, out_dir: Optional[Path] = None, layers: Optional[Sequence[
         ax.legend(loc="upper left")
         ax.grid(alpha=0.3)
         written.append(_save(fig, out / "time_split.png", plt))
+
+    # TernGrad Fig. 2: the four stages of one layer's gradient at the last logged step, side by side
+    by_layer: dict[str, dict[str, list]] = defaultdict(dict)
+    for tag, events in load_histograms(log).items():
+        layer, kind = tag[len(f"{PREFIX}histogram/") :].rsplit("/", 1)
+        if layers is None or any(fnmatch.fnmatchcase(layer, p) for p in layers):
+            by_layer[layer][kind] = events[-1]
+    for layer, kinds in sorted(by_layer.items()):
+        order = [k for k in _HISTOGRAM_KINDS if k in kinds]
+        fig, axes = plt.subplots(1, len(order), figsize=(3.2 * len(order), 3.2), squeeze=False)
+        for ax, kind in zip(axes[0], order):
+            step, edges, counts = kinds[kind]
+            widths = [b - a for a, b in zip(edges, edges[1:])]
+            ax.bar(edges[:-1], counts, width=widths, align="edge", color="tab:blue")
+            ax.set_yscale("log")
+            ax.set_title(f"{kind} (step {step})", fontsize=9)
+            ax.tick_params(labelsize=7)
+        fig.suptitle(f"gradient histograms of {layer}", fontsize=10)
+        written.append(_save(fig, out / f"histograms_{layer}.png", plt))
 
     ratios = {k: v for k, v in _by_layer(series, "compression_ratio", layers).items() if k != "total"}
     if ratios:

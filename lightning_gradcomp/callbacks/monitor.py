@@ -11,7 +11,8 @@ On logging steps, rank 0 sends one dict per step to each logger (``for logger in
 * the time split per step, ``gradcomp/time_ms/{compress,collective_wait,decompress}`` (see
   :mod:`lightning_gradcomp.stats`);
 * with a ``WandbLogger``, in the same dict: ``gradcomp/histogram/<parameter name>/<kind>`` for ``kind`` in
-  original, clipped, compressed, averaged (TernGrad Fig. 2).
+  original, clipped, compressed, averaged (TernGrad Fig. 2); a ``TensorBoardLogger`` gets the same
+  histograms under the same tags (``add_histogram_raw``), so ``gradcomp report`` can draw them.
 
 Scalar statistics stay device tensors inside the hook; the monitor reads them with one transfer on logging
 steps only.
@@ -24,7 +25,7 @@ from typing import Any, Optional
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from torch import Tensor
 from typing_extensions import override
 
@@ -80,13 +81,14 @@ class CompressionMonitor(Callback):
     """Log what compression does to each layer, on logging steps, to every attached logger.
 
     Needs a :class:`~lightning_gradcomp.GradCompStrategy` and at least one logger. Runs on rank 0 only; the
-    other ranks' hooks are not instrumented. With a ``WandbLogger`` it also logs histograms, defines the step
+    other ranks' hooks are not instrumented. With a ``WandbLogger`` (or TensorBoard) it also logs histograms; with W&B it defines the step
     axis and summaries of every statistic, and the run config records the compressor's settings (every
     logger receives them through ``log_hyperparams``).
 
     Args:
         logging_interval: log every this many optimizer steps; ``None`` follows ``Trainer(log_every_n_steps)``.
-        histogram_layers: fnmatch patterns of the parameters whose histograms W&B receives (``[]``: none).
+        histogram_layers: fnmatch patterns of the parameters whose histograms W&B and TensorBoard receive
+            (``[]``: none).
         histogram_bins: bins per histogram.
         progress_bar: show the current compression ratio (``comp_ratio``) in the progress bar.
 
@@ -157,9 +159,9 @@ class CompressionMonitor(Callback):
         self._shown_ratio = None
         if not trainer.is_global_zero:
             return
-        # histograms only go to W&B: nobody else would read them
-        wandb_attached = any(isinstance(logger, WandbLogger) for logger in trainer.loggers)
-        layers = self.histogram_layers if wandb_attached else ()
+        # histograms only go to W&B and TensorBoard: the other loggers take scalars only
+        histograms_wanted = any(isinstance(logger, (WandbLogger, TensorBoardLogger)) for logger in trainer.loggers)
+        layers = self.histogram_layers if histograms_wanted else ()
         self.stats = HookStats(layers, self.histogram_bins, trainer.strategy.root_device)
         state.stats = self.stats
         config = self._config(trainer)
@@ -234,14 +236,17 @@ class CompressionMonitor(Callback):
         if not logging_step:
             return
         metrics = self._collect(state, self.stats)
-        wandb_extra = self._histograms(self.stats)
+        histograms = self._read_histograms(self.stats)
         step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs this batch's metrics at
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
+                wandb_extra = self._wandb_histograms(histograms)
                 self._define_wandb_metrics(logger, iter([*metrics, *wandb_extra]))
                 logger.log_metrics({**metrics, **wandb_extra}, step=step)
             else:
                 logger.log_metrics(metrics, step=step)
+                if isinstance(logger, TensorBoardLogger):
+                    self._tensorboard_histograms(logger, histograms, step)
         self.stats.clear_capture()
         self._armed_at = None
 
@@ -303,14 +308,39 @@ class CompressionMonitor(Callback):
         return metrics
 
     @staticmethod
-    def _histograms(stats: HookStats) -> dict[str, Any]:
-        if not stats.histograms:
+    def _read_histograms(stats: HookStats) -> dict[str, tuple[Any, Any]]:
+        """Key -> (counts as int64, edges as float64) numpy arrays."""
+        out: dict[str, tuple[Any, Any]] = {}
+        for name in sorted(stats.histograms):
+            for kind, (counts, edges) in stats.histograms[name].items():
+                out[layer_key("histogram", name) + f"/{kind}"] = (
+                    counts.cpu().round().long().numpy(),
+                    edges.cpu().double().numpy(),
+                )
+        return out
+
+    @staticmethod
+    def _wandb_histograms(histograms: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
+        if not histograms:
             return {}
         import wandb
 
-        out: dict[str, Any] = {}
-        for name in sorted(stats.histograms):
-            for kind, (counts, edges) in stats.histograms[name].items():
-                np_hist = (counts.cpu().round().long().numpy(), edges.cpu().double().numpy())
-                out[layer_key("histogram", name) + f"/{kind}"] = wandb.Histogram(np_histogram=np_hist)
-        return out
+        return {key: wandb.Histogram(np_histogram=value) for key, value in histograms.items()}
+
+    @staticmethod
+    def _tensorboard_histograms(logger: TensorBoardLogger, histograms: dict[str, tuple[Any, Any]], step: int) -> None:
+        writer = logger.experiment
+        for key, (counts, edges) in histograms.items():
+            centres = (edges[:-1] + edges[1:]) / 2
+            writer.add_histogram_raw(
+                key,
+                min=float(edges[0]),
+                max=float(edges[-1]),
+                num=int(counts.sum()),
+                # TensorBoard wants these for its mean/std; the exact values are not kept, bin centres stand in
+                sum=float((counts * centres).sum()),
+                sum_squares=float((counts * centres**2).sum()),
+                bucket_limits=edges[1:].tolist(),
+                bucket_counts=counts.tolist(),
+                global_step=step,
+            )

@@ -142,3 +142,11 @@ def test_residual_statistics_and_report(runs, tmp_path: Path) -> None:
         names = {p.name for p in written}
         assert {"residual_norm.png", "sparsity.png", "time_split.png", "compression_by_layer.png"} <= names
         assert all(p.stat().st_size > 1000 for p in written)
+        if name == "tb":  # TensorBoard also got the four histograms of every layer (CSV cannot hold them)
+            histograms = report.load_histograms(report.find_log(Path(source)))
+            for layer, n in results[0]["numel"].items():
+                for kind in _KINDS:
+                    events = histograms[_key("histogram", layer) + f"/{kind}"]
+                    assert [e[0] for e in events] == [1, 3, 5]
+                    assert all(sum(counts) == n and len(edges) == len(counts) + 1 for _, edges, counts in events)
+            assert f"histograms_{_key('h', 'net.0.weight').split('/')[-1]}.png" in names
