@@ -35,6 +35,13 @@ def all_gather(tensor: Tensor, group: ProcessGroup, world_size: int) -> tuple[Fu
     return work.get_future(), out.view(world_size, -1)
 
 
+def all_gather_sizes(sizes: Tensor, group: ProcessGroup, world_size: int) -> Tensor:
+    """All-gather a small int64 vector of payload sizes, waited for: payloads are sized from it."""
+    out = sizes.new_empty(world_size * sizes.numel())
+    dist.all_gather_single(out, sizes, group=group)
+    return out.view(world_size, -1)
+
+
 def completed(value: Tensor) -> Future:
     """An already completed future, for buckets that need no communication."""
     fut: Future = torch.futures.Future()

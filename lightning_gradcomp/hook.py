@@ -86,8 +86,10 @@ def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str]
     inputs = []
     for grad, name in zip(grads, names):
         x = grad
+        is_float = name in state.float_names
         for transform in state.transforms:
-            x = transform.before_compress(x, name)
+            if transform.applies_to_float or not is_float:
+                x = transform.before_compress(x, name)
         if state.compressor_for(name).uses_memory:
             x = state.memory.compensate(x, name)
         inputs.append(x)
@@ -151,7 +153,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
             if compressor.uses_memory:
                 state.memory.update(name, x, sent)
             for transform in state.transforms:
-                transform.after_compress(name, x, sent)
+                if transform.applies_to_float or name not in state.float_names:
+                    transform.after_compress(name, x, sent)
         packets.append(packet)
         state.records[name] = LayerRecord(
             nbytes=packet.nbytes,
@@ -180,14 +183,27 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
         sum_buffers.append((idx, flat))
 
     gathered: Optional[Tensor] = None
+    sizes: list[list[int]] = []  # per rank, the byte length of each gathered packet
     if gather_idx:
+        own = [packets[i].nbytes for i in gather_idx]
         flat = torch.cat([_as_bytes(packets[i].payload) for i in gather_idx])
-        if world > 1:
+        if world > 1 and not all(state.compressor_for(names[i]).fixed_size for i in gather_idx):
+            # variable-size payloads: sizes first (waited for), then every rank pads to the largest total
+            table = comm.all_gather_sizes(torch.tensor(own, dtype=torch.int64, device=flat.device),
+                                          state.process_group, world)
+            state.collectives["allgather_sizes"] += 1
+            sizes = table.tolist()
+            longest = max(sum(row) for row in sizes)
+            if flat.numel() < longest:
+                flat = torch.cat((flat, flat.new_zeros(longest - flat.numel())))
+        else:
+            sizes = [own] * world
+        if world > 1 and flat.numel() > 0:
             fut, gathered = comm.all_gather(flat, state.process_group, world)
             futures.append(fut)
             state.collectives["allgather"] += 1
         else:
-            gathered = flat.unsqueeze(0)
+            gathered = flat.new_zeros((world, 0)) if flat.numel() == 0 else flat.unsqueeze(0)
 
     def decode(_: object) -> Tensor:
         for idx, flat in sum_buffers:
@@ -200,16 +216,15 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
                 offset += n
         if gather_idx:
             assert gathered is not None
-            offset = 0
-            for i in gather_idx:
+            starts = [0] * world
+            for k, i in enumerate(gather_idx):
                 packet = packets[i]
-                n = packet.nbytes
-                per_rank = [
-                    packet.with_payload(_from_bytes(gathered[r, offset : offset + n], packet.payload.dtype))
-                    for r in range(world)
-                ]
+                per_rank = []
+                for r in range(world):
+                    raw = gathered[r, starts[r] : starts[r] + sizes[r][k]]
+                    per_rank.append(packet.with_payload(_from_bytes(raw, packet.payload.dtype)))
+                    starts[r] += sizes[r][k]
                 grads[i].copy_(state.compressor_for(names[i]).decompress_sum(per_rank).div_(world))
-                offset += n
         return bucket.buffer()
 
     if not futures:

@@ -18,6 +18,10 @@ class LayerTransform:
     stateful transforms (momentum correction) can clear what left.
     """
 
+    #: whether the transform also runs on parameters the strategy keeps in fp32 (``exclude``/``min_numel``);
+    #: clipping does not (TernGrad's code neither clips nor ternarizes those), momentum correction does
+    applies_to_float: bool = False
+
     def setup(self, names: list[str], rank: int, world_size: int) -> None:
         """Called once with the names of all parameters that go through the hook."""
 

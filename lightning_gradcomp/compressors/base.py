@@ -77,6 +77,9 @@ class Compressor(ABC):
     aggregation: Aggregation = Aggregation.GATHER
     #: whether what was not sent is kept as a residual and added to the next gradient (error feedback)
     uses_memory: bool = False
+    #: whether the payload size depends only on the tensor's shape; sparse encodings set False, and the hook
+    #: then exchanges sizes first (a rank may send an empty payload)
+    fixed_size: bool = True
 
     def __init__(self) -> None:
         self.rank = 0

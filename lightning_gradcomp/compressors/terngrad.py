@@ -6,6 +6,8 @@ Per tensor (or per chunk of ``bucket_size`` elements), worker i:
    uses the max-norm of the clipped tensor as its scaler; ``clip_mode="code"`` is what the original
    TensorFlow code does: the scaler is c*sigma_i itself and clipping is implicit at the shared scaler
    (elements with |g| >= s always become +-s). sigma is the population standard deviation (mean-subtracted).
+   Deviation: a constant chunk (sigma = 0, e.g. a one-element tensor) is not clipped; the original code
+   would send it as zeros forever.
 2. scaler sharing (Eq. 4): s = max_i s_i, agreed through a max all-reduce before ternarizing
    (``scaler_share="max"``), or each worker keeps its own scaler and sends it (``"per_worker"``).
 3. ternarize (Eq. 1-3): t = sign(g) * b, b ~ Bernoulli(|g| / s), so E[s * t] = g (for |g| <= s).
@@ -32,6 +34,8 @@ Collective = Literal["auto", "allgather", "allreduce_int8"]
 
 # int8 sums of N ternaries stay in [-N, N]; beyond 127 ranks they would overflow.
 _INT8_MAX_RANKS = 127
+# relative size of the float32 rounding noise in a standard deviation of a constant tensor
+_SIGMA_NOISE = 16 * torch.finfo(torch.float32).eps
 
 
 class TernGrad(Compressor):
@@ -177,7 +181,13 @@ class TernGrad(Compressor):
         chunks = self._chunked(tensor)
         if self.clip_factor == 0.0:
             return chunks, chunks.abs().amax(dim=1)
-        threshold = self.clip_factor * self._sigma(chunks, tensor.numel())
+        sigma = self._sigma(chunks, tensor.numel())
+        maxabs = chunks.abs().amax(dim=1)
+        # a constant chunk (e.g. a one-element bias) has sigma = 0: clipping at c*sigma would zero its gradient
+        # forever (as the original code does); such a chunk has no outliers, so it is not clipped
+        # (sigma below float32 rounding noise of the mean counts as 0)
+        constant = sigma <= _SIGMA_NOISE * maxabs
+        threshold = torch.where(constant, maxabs, self.clip_factor * sigma)
         if self.clip_mode == "code":
             return chunks, threshold
         clipped = torch.maximum(torch.minimum(chunks, threshold[:, None]), -threshold[:, None])

@@ -30,7 +30,12 @@ def train_raw_ddp(
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
         state = None
         if compressor is not None:
-            comp = registry.COMPRESSORS[compressor][0](**(compressor_kwargs or {}))
+            if compressor == "sparse_probe":
+                from tests.distributed.sparse_probe import RankSparseProbe
+
+                comp = RankSparseProbe()
+            else:
+                comp = registry.COMPRESSORS[compressor][0](**(compressor_kwargs or {}))
             comp.setup(rank, world_size, torch.device("cpu"))
             names = {id(p): n for n, p in model.named_parameters()}
             state = GradCompState(compressor=comp, names=names, world_size=world_size)
@@ -38,11 +43,17 @@ def train_raw_ddp(
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank
         history = []
+        local_grads = None
         for _ in range(steps):
             x = torch.randn(16, 20, generator=gen)
             y = torch.randint(0, 5, (16,), generator=gen)
             opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            if state is not None:  # this rank's own gradient, for checking what the hook averaged
+                local_grads = torch.cat(
+                    [g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)]
+                )
+            loss.backward()
             opt.step()
             history.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
         out: dict[str, Any] = {"params": history}
@@ -51,6 +62,8 @@ def train_raw_ddp(
             out["dense_bytes"] = state.dense_bytes_per_step()
             out["collectives"] = dict(state.collectives)
             out["hook_calls"] = state.hook_calls
+            out["grads"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            out["local_grads"] = local_grads
         # release DDP (its reducer holds the group) on every rank before tearing the group down together
         del ddp, opt
         dist.barrier()

@@ -42,3 +42,12 @@ def test_terngrad_int8_allreduce_equals_allgather() -> None:
     assert summed[0]["collectives"].get("allreduce_int8", 0) > 0 and "allgather" not in summed[0]["collectives"]
     for a, b in zip(gathered[0]["params"], summed[0]["params"]):
         assert torch.equal(a, b)
+
+
+def test_variable_size_gather_with_an_empty_rank() -> None:
+    """Sizes travel first; a rank that sends nothing neither hangs nor corrupts the average."""
+    results = run_ranks(train_raw_ddp, 2, "sparse_probe", 2)
+    _assert_identical_replicas(results)
+    assert results[0]["collectives"]["allgather_sizes"] > 0
+    # rank 0 sends every entry, rank 1 nothing: the average is rank 0's gradient / 2
+    torch.testing.assert_close(results[0]["grads"], results[0]["local_grads"] / 2)

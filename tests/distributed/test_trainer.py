@@ -22,3 +22,13 @@ def test_fp32_through_hook_matches_stock_ddp() -> None:
     ours = run_ranks(fit_tiny, 2, "fp32")
     torch.testing.assert_close(stock[0]["params"], ours[0]["params"], rtol=1e-5, atol=1e-6)
     assert torch.equal(ours[0]["params"], ours[1]["params"])
+
+
+def test_sigma_clipping_callback_runs_inside_the_hook() -> None:
+    from lightning_gradcomp import GradCompStrategy
+    from lightning_gradcomp.callbacks import SigmaClipping
+
+    plain = run_ranks(fit_tiny, 2, GradCompStrategy(compressor="fp32"))
+    clipped = run_ranks(fit_tiny, 2, GradCompStrategy(compressor="fp32"), 5, [SigmaClipping(0.5)])
+    assert torch.equal(clipped[0]["params"], clipped[1]["params"])
+    assert not torch.allclose(plain[0]["params"], clipped[0]["params"]), "clipping changed nothing"

@@ -1,0 +1,74 @@
+"""GradCompStrategy configuration: names, DDP options, validation before training."""
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_gradcomp
+from lightning_gradcomp import GradCompStrategy, Identity, TernGrad
+from lightning_gradcomp.registry import compressor_names
+
+
+def test_import_registers_names_with_fresh_compressors() -> None:
+    assert {"terngrad", "fp32"} <= set(StrategyRegistry.available_strategies())
+    a, b = StrategyRegistry.get("terngrad"), StrategyRegistry.get("terngrad")
+    assert isinstance(a, GradCompStrategy) and isinstance(a.compressor, TernGrad)
+    assert a.compressor is not b.compressor, "two Trainers must not share a stateful compressor"
+    assert isinstance(StrategyRegistry.get("fp32").compressor, Identity)
+
+
+def test_trainer_accepts_the_registered_name() -> None:
+    trainer = Trainer(strategy="terngrad", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, GradCompStrategy)
+    assert isinstance(trainer.strategy.compressor, TernGrad)
+
+
+def test_ddp_options_reach_ddp() -> None:
+    s = GradCompStrategy(
+        "terngrad", find_unused_parameters=True, static_graph=True, gradient_as_bucket_view=True, bucket_cap_mb=5
+    )
+    assert s._ddp_kwargs == {
+        "find_unused_parameters": True,
+        "static_graph": True,
+        "gradient_as_bucket_view": True,
+        "broadcast_buffers": True,
+        "bucket_cap_mb": 5,
+    }
+    assert GradCompStrategy("fp32", process_group_backend="gloo").process_group_backend == "gloo"
+
+
+def test_unknown_option_is_a_value_error_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"clip_factr.*compressor=TernGrad\(clip_factor=2.5\)"):
+        GradCompStrategy("terngrad", clip_factr=2.5)
+
+
+def test_unknown_compressor_name_lists_the_choices() -> None:
+    with pytest.raises(ValueError, match="terngrd") as info:
+        GradCompStrategy("terngrd")
+    assert all(name in str(info.value) for name in compressor_names())
+
+
+def test_custom_hook_arguments_are_refused_but_explicit_none_is_fine() -> None:
+    GradCompStrategy("fp32", ddp_comm_hook=None, ddp_comm_state=None)  # what jsonargparse passes
+    with pytest.raises(ValueError, match="ddp_comm_hook"):
+        GradCompStrategy("fp32", ddp_comm_hook=lambda s, b: None)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True])
+def test_min_numel_must_be_a_positive_integer(bad: object) -> None:
+    with pytest.raises(ValueError, match="min_numel"):
+        GradCompStrategy("terngrad", min_numel=bad)  # type: ignore[arg-type]
+
+
+def test_exclusion_patterns_and_min_numel_select_float_tensors() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    named = dict(model.named_parameters())
+    s = GradCompStrategy("terngrad", exclude=["1.*"], min_numel=9)
+    assert s._float_names(named) == {"1.weight", "1.bias", "0.bias"}
+    with pytest.raises(ValueError, match=r"'classifier\.\*' matches none.*0\.weight"):
+        GradCompStrategy("terngrad", exclude=["classifier.*"])._float_names(named)
+
+
+def test_version() -> None:
+    assert lightning_gradcomp.__version__
