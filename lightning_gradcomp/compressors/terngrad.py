@@ -25,12 +25,14 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.terngrad_fused import FusedTernGrad
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.wire import PACKINGS, Packing, pack_ternary, packed_nbytes, unpack_ternary
 
 ClipMode = Literal["paper", "code"]
 ScalerShare = Literal["max", "per_worker"]
 Collective = Literal["auto", "allgather", "allreduce_int8"]
+Backend = Literal["auto", "torch", "fused"]
 
 # int8 sums of N ternaries stay in [-N, N]; beyond 127 ranks they would overflow.
 _INT8_MAX_RANKS = 127
@@ -53,6 +55,11 @@ class TernGrad(Compressor):
             ``scaler_share="max"``), or ``"auto"`` to pick by ring traffic for the world size.
         seed: seed of this compressor's random stream; rank r draws from seed and r, so ranks differ and
             runs repeat.
+        backend: ``"torch"`` (this module's torch ops with ``torch.Generator``, the reference), ``"fused"``
+            (:mod:`lightning_gradcomp.kernels`: one statistics pass, one ternarize + pack pass with a
+            counter-based random stream, fused decode; compiled on CPU, torch ops elsewhere) or ``"auto"``
+            (fused on CPU when the kernels compile here, else torch). Both draw the same Bernoulli
+            probabilities from different random streams; decoding is bit-identical.
     """
 
     def __init__(
@@ -64,6 +71,7 @@ class TernGrad(Compressor):
         packing: Packing = "2bit",
         collective: Collective = "auto",
         seed: int = 0,
+        backend: Backend = "auto",
     ) -> None:
         super().__init__()
         check_number("clip_factor", clip_factor, minimum=0.0, fix="use 2.5 (the paper) or 0 to disable clipping")
@@ -74,6 +82,7 @@ class TernGrad(Compressor):
         check_choice("packing", packing, PACKINGS)
         check_choice("collective", collective, ("auto", "allgather", "allreduce_int8"))
         check_int("seed", seed, minimum=0)
+        check_choice("backend", backend, ("auto", "torch", "fused"))
         if collective == "allreduce_int8" and scaler_share != "max":
             raise ValueError(
                 f"`collective='allreduce_int8'` sums ternary values, which needs one scaler shared by all ranks, "
@@ -86,6 +95,8 @@ class TernGrad(Compressor):
         self.packing: Packing = packing
         self.collective = collective
         self.seed = seed
+        self.backend = backend
+        self._fused = FusedTernGrad(self)
         self._generator: Optional[torch.Generator] = None
         self._device = torch.device("cpu")
 
@@ -109,11 +120,15 @@ class TernGrad(Compressor):
         return self._generator
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self._generator.get_state() if self._generator is not None else None}
+        return {
+            "generator": self._generator.get_state() if self._generator is not None else None,
+            **self._fused.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("generator") is not None:
             self._rng(self._device).set_state(state["generator"])
+        self._fused.load_state_dict(state)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -125,6 +140,7 @@ class TernGrad(Compressor):
             "packing": self.packing,
             "collective": self.collective,
             "seed": self.seed,
+            "backend": self.backend,
         }
 
     # -- how it travels ---------------------------------------------------------------------------------
@@ -196,6 +212,8 @@ class TernGrad(Compressor):
     def local_statistic(self, tensor: Tensor, name: str) -> Optional[Tensor]:
         if self.scaler_share != "max":
             return None
+        if self._fused.enabled(tensor.device):
+            return self._fused.local_statistic(tensor, name)
         return self._clipped_and_scaler(tensor)[1]
 
     def ternarize(self, tensor: Tensor, scaler: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -205,6 +223,8 @@ class TernGrad(Compressor):
             tensor: the gradient.
             scaler: scalers shared by all ranks (one per chunk); ``None`` uses this rank's own.
         """
+        if self._fused.enabled(tensor.device):
+            return self._fused.ternarize(tensor, "", scaler)
         chunks, local = self._clipped_and_scaler(tensor)
         s = local if scaler is None else scaler.to(chunks.device, torch.float32)
         rnd = torch.rand(chunks.shape, generator=self._rng(chunks.device), device=chunks.device)
@@ -215,6 +235,8 @@ class TernGrad(Compressor):
         return ternary.reshape(-1)[: tensor.numel()], s
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
+        if self._fused.enabled(tensor.device):
+            return self._fused.compress(tensor, name, shared)
         ternary, s = self.ternarize(tensor, shared if self.scaler_share == "max" else None)
         stats = {"sparsity": (ternary == 0).float().mean(), "scaler": s.max()}
         ctx: dict[str, Any] = {}
@@ -248,12 +270,16 @@ class TernGrad(Compressor):
         return out.to(packet.dtype).view(packet.shape)
 
     def decompress(self, packet: Packet) -> Tensor:
+        if self._fused.decodes(packet):
+            return self._fused.decompress(packet)
         values, scale = self._values_and_scale(packet)
         return self._scaled(values, scale, packet)
 
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         if "scale" not in packets[0].ctx:
             return super().decompress_sum(packets)
+        if all(self._fused.decodes(p) for p in packets):
+            return self._fused.decompress_sum(packets)
         # shared scaler: add the integer ternaries exactly, scale once
         total = self._values_and_scale(packets[0])[0].to(torch.int32)
         for packet in packets[1:]:

@@ -140,17 +140,19 @@ torch::Tensor terngrad_stats(torch::Tensor g, int64_t bucket) {
 // ---------------------------------------------------------------------------------------------------------
 // TernGrad ternarize: codes c = t + 1 in {0,1,2}; keep ~ Bernoulli(min(|g|, clip) / s) as u*s < min(|g|, clip)
 
-LGC_CLONES void ternary_codes(const float* x, int64_t len, uint32_t base, float s, float clip, uint32_t k0,
-                              uint32_t k1, uint8_t* codes) {
-  for (int64_t i = 0; i < len; ++i) {
+LGC_CLONES void ternary_codes(const float* __restrict x, int64_t len, uint32_t base, float s, float clip, uint32_t k0,
+                              uint32_t k1, uint8_t* __restrict codes) {
+  // int loop counter and branch-free arithmetic: what GCC's vectoriser needs here (len <= kTile)
+  const int n = (int)len;
+  for (int i = 0; i < n; ++i) {
     float v = x[i];
     float a = std::fabs(v);
     a = a < clip ? a : clip;
     uint32_t h = hash_index(base + (uint32_t)i, k0, k1);
-    float u = (float)(h >> 8) * 5.9604644775390625e-08f;  // 2^-24: the 24-bit uniform of torch.rand
-    bool keep = u * s < a;
-    uint8_t sign = v > 0.0f ? 2 : 0;
-    codes[i] = keep ? sign : (uint8_t)1;
+    float u = (float)(int32_t)(h >> 8) * 5.9604644775390625e-08f;  // 2^-24: the 24-bit uniform of torch.rand
+    int32_t keep = u * s < a;
+    int32_t neg = v < 0.0f;
+    codes[i] = (uint8_t)(1 + keep - 2 * (keep & neg));  // keep ? sign(v) + 1 : 1 (v != 0 when kept)
   }
 }
 

@@ -9,6 +9,8 @@ shorter than 2**32 elements never repeats a draw. The uniform is the top 24 bits
 ``torch.rand`` for float32.
 """
 
+import hashlib
+
 import torch
 from torch import Tensor
 
@@ -25,10 +27,17 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def stream_key(seed: int, rank: int, counter: int) -> tuple[int, int]:
-    """The two 32-bit keys of the stream for tensor number ``counter`` of ``rank`` under ``seed``."""
-    x = _splitmix64(_splitmix64(_splitmix64(seed & MASK64) ^ (rank & MASK64)) ^ (counter & MASK64))
+def stream_key(seed: int, rank: int, counter: int, stream: int = 0) -> tuple[int, int]:
+    """The two 32-bit keys for draw number ``counter`` of ``stream`` (e.g. a parameter) of ``rank``."""
+    x = _splitmix64(seed & MASK64)
+    for part in (rank, stream, counter):
+        x = _splitmix64(x ^ (part & MASK64))
     return x & MASK32, x >> 32
+
+
+def stream_id(name: str) -> int:
+    """A 64-bit stream number for a name (a parameter's), the same in every process."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:

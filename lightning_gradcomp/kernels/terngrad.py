@@ -63,17 +63,18 @@ def terngrad_stats(tensor: Tensor, bucket: int) -> tuple[Tensor, Tensor]:
 
 
 def terngrad_scaler(
-    sigma: Tensor, absmax: Tensor, clip_factor: float, clip_mode: str
+    sigma: Tensor, absmax: Tensor, clip_factor: float, clip_mode: str, sigma_noise: float = 0.0
 ) -> tuple[Tensor, Optional[Tensor]]:
     """This rank's scaler per chunk and the clip threshold to apply while ternarizing (``None``: no clip).
 
     ``clip_factor == 0``: scaler max|g|, no clipping. ``"paper"``: clip at c*sigma, and since
     max|clip(g, c*sigma)| = min(max|g|, c*sigma) the scaler needs no second pass. ``"code"``: scaler c*sigma,
-    clipping implicit (|g| >= s is always sent).
+    clipping implicit (|g| >= s is always sent). A chunk with sigma <= ``sigma_noise`` * max|g| counts as
+    constant and is not clipped (threshold max|g|), as in :class:`~lightning_gradcomp.compressors.TernGrad`.
     """
     if clip_factor == 0.0:
         return absmax, None
-    threshold = sigma * clip_factor  # float32, as the reference computes it
+    threshold = torch.where(sigma <= sigma_noise * absmax, absmax, sigma * clip_factor)
     if clip_mode == "code":
         return threshold, None
     return torch.minimum(absmax, threshold), threshold
