@@ -258,7 +258,7 @@ class TernGrad(Compressor):
         if "scale" in packet.ctx:
             return unpack_ternary(packet.payload, numel, self.packing), packet.ctx["scale"]
         nbytes = packed_nbytes(numel, self.packing)
-        scale = packet.payload[nbytes:].contiguous().view(torch.float32)
+        scale = packet.payload[nbytes:].clone().view(torch.float32)
         return unpack_ternary(packet.payload[:nbytes], numel, self.packing), scale
 
     def _scaled(self, values: Tensor, scale: Tensor, packet: Packet) -> Tensor:

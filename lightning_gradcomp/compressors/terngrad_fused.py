@@ -121,7 +121,7 @@ class FusedTernGrad:
         if "scale" in packet.ctx:
             return packet.payload, packet.ctx["scale"]
         nbytes = packed_nbytes(packet.numel, "2bit")
-        return packet.payload[:nbytes], packet.payload[nbytes:].contiguous().view(torch.float32)
+        return packet.payload[:nbytes], packet.payload[nbytes:].clone().view(torch.float32)
 
     def decompress(self, packet: Packet) -> Tensor:
         packed, scale = self._packed_and_scale(packet)

@@ -5,7 +5,7 @@ extension directory). Where compilation is unavailable the same functions run as
 results, after one logged warning. On CUDA tensors the torch-ops path runs (unmeasured so far).
 """
 
-from lightning_gradcomp.kernels._build import cpu_extension
+from lightning_gradcomp.kernels._build import cpu_extension, torch_ops
 from lightning_gradcomp.kernels.rng import stream_key
 from lightning_gradcomp.kernels.selection import (
     AdaCompSelection,
@@ -50,4 +50,5 @@ __all__ = [
     "ternarize_pack",
     "terngrad_scaler",
     "terngrad_stats",
+    "torch_ops",
 ]

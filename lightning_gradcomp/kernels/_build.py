@@ -10,6 +10,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Optional
 
@@ -24,11 +26,25 @@ _tried = False
 load_seconds: Optional[float] = None
 #: why the extension is unavailable, None when it loaded
 unavailable_reason: Optional[str] = None
+_forced_torch = threading.local()
+
+
+@contextmanager
+def torch_ops() -> Iterator[None]:
+    """Within this block (this thread), every kernel takes its torch-ops path: for references and tests."""
+    previous = getattr(_forced_torch, "on", False)
+    _forced_torch.on = True
+    try:
+        yield
+    finally:
+        _forced_torch.on = previous
 
 
 def cpu_extension() -> Optional[ModuleType]:
     """The compiled CPU kernels, or ``None`` (after one warning) when they cannot be built here."""
     global _module, _tried, load_seconds, unavailable_reason
+    if getattr(_forced_torch, "on", False):
+        return None
     if _tried:
         return _module
     with _lock:

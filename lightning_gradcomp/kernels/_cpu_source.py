@@ -495,29 +495,35 @@ std::vector<torch::Tensor> adacomp_select(torch::Tensor G, torch::Tensor H, int6
 // dense float32[n] = sum over payloads, in the given (rank) order, of values scattered at indices.
 // The order over payloads is fixed (and within a payload, repeated indices add in order), so every rank
 // gets the same bits.
+template <typename I>
+void scatter_add(float* out, int64_t n, const I* ip, const float* vp, int64_t k, size_t r) {
+  bool ascending = true;
+  for (int64_t j = 0; j < k; ++j) {
+    TORCH_CHECK(ip[j] >= 0 && (int64_t)ip[j] < n, "index ", (int64_t)ip[j], " out of range [0, ", n, ") in payload ", r);
+    ascending &= j == 0 || ip[j] > ip[j - 1];
+  }
+  if (ascending) {  // distinct indices: threads never touch the same element
+    at::parallel_for(0, k, 16384, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) out[ip[j]] += vp[j];
+    });
+  } else {  // repeated indices add up in payload order, as index_add_ does on CPU
+    for (int64_t j = 0; j < k; ++j) out[ip[j]] += vp[j];
+  }
+}
+
 torch::Tensor sparse_decode_sum(int64_t n, std::vector<torch::Tensor> indices, std::vector<torch::Tensor> values) {
   TORCH_CHECK(indices.size() == values.size(), "indices and values differ in count");
   auto out = torch::zeros({n}, torch::kFloat32);
   float* op = out.data_ptr<float>();
   for (size_t r = 0; r < indices.size(); ++r) {
-    auto idx = indices[r].to(torch::kInt64).contiguous();
+    auto idx = indices[r].contiguous();
+    if (idx.scalar_type() != torch::kInt32) idx = idx.to(torch::kInt64);
     auto val = values[r].to(torch::kFloat32).contiguous();
     TORCH_CHECK(idx.numel() == val.numel(), "payload ", r, ": indices and values differ in length");
-    const int64_t* ip = idx.data_ptr<int64_t>();
-    const float* vp = val.data_ptr<float>();
-    const int64_t k = idx.numel();
-    bool ascending = true;
-    for (int64_t j = 0; j < k; ++j) {
-      TORCH_CHECK(ip[j] >= 0 && ip[j] < n, "index ", ip[j], " out of range [0, ", n, ") in payload ", r);
-      ascending &= j == 0 || ip[j] > ip[j - 1];
-    }
-    if (ascending) {  // distinct indices: threads never touch the same element
-      at::parallel_for(0, k, 4096, [&](int64_t b, int64_t e) {
-        for (int64_t j = b; j < e; ++j) op[ip[j]] += vp[j];
-      });
-    } else {  // repeated indices add up in payload order, as index_add_ does on CPU
-      for (int64_t j = 0; j < k; ++j) op[ip[j]] += vp[j];
-    }
+    if (idx.scalar_type() == torch::kInt32)
+      scatter_add(op, n, idx.data_ptr<int32_t>(), val.data_ptr<float>(), idx.numel(), r);
+    else
+      scatter_add(op, n, idx.data_ptr<int64_t>(), val.data_ptr<float>(), idx.numel(), r);
   }
   return out;
 }
