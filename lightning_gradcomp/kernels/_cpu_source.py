@@ -31,7 +31,6 @@ CPU_SOURCE = r"""
 namespace {
 
 constexpr int64_t kTile = 16384;  // elements per tile (input side)
-constexpr int kLanes = 16;
 
 inline uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16;
@@ -53,33 +52,48 @@ void check_f32(const torch::Tensor& t, const char* name) {
 // ---------------------------------------------------------------------------------------------------------
 // TernGrad statistics: per tile sum, sum of squares (double lanes) and max|g| (float lanes)
 
+// GCC vector extensions: explicit 8-wide lanes that each target_clones variant lowers to its own registers
+// (one ymm on AVX2, halves of a zmm on AVX-512, two xmm on the SSE2 baseline).
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8v __attribute__((vector_size(32)));
+typedef double d8 __attribute__((vector_size(64)));
+
+inline f8 load8(const float* p) {
+  f8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline f8 abs8(f8 v) {
+  i8v bits = (i8v)v & 0x7fffffff;
+  return (f8)bits;
+}
+
 LGC_CLONES void stats_tile(const float* x, int64_t n, double* out3) {
-  double s[kLanes] = {0}, q[kLanes] = {0};
-  float m[kLanes] = {0};
+  d8 s = {0}, q = {0};
+  f8 m = {0};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      float v = x[i + l];
-      double d = (double)v;
-      s[l] += d;
-      q[l] += d * d;
-      float a = std::fabs(v);
-      m[l] = m[l] > a ? m[l] : a;
-    }
-  }
-  for (; i < n; ++i) {
-    double d = (double)x[i];
-    s[0] += d;
-    q[0] += d * d;
-    float a = std::fabs(x[i]);
-    m[0] = m[0] > a ? m[0] : a;
+  for (; i + 8 <= n; i += 8) {
+    f8 v = load8(x + i);
+    f8 a = abs8(v);
+    m = m > a ? m : a;
+    d8 d = __builtin_convertvector(v, d8);
+    s += d;
+    q += d * d;
   }
   double S = 0, Q = 0;
   float M = 0;
-  for (int l = 0; l < kLanes; ++l) {
+  for (int l = 0; l < 8; ++l) {
     S += s[l];
     Q += q[l];
     M = M > m[l] ? M : m[l];
+  }
+  for (; i < n; ++i) {
+    double d = (double)x[i];
+    S += d;
+    Q += d * d;
+    float a = std::fabs(x[i]);
+    M = M > a ? M : a;
   }
   out3[0] = S;
   out3[1] = Q;
@@ -214,6 +228,15 @@ std::vector<torch::Tensor> terngrad_ternarize_pack(torch::Tensor g, torch::Tenso
   return {out, torch::tensor({nonzero}, torch::kInt64)};
 }
 
+LGC_CLONES int64_t codes_to_values(const uint8_t* __restrict codes, int len, int8_t* __restrict out) {
+  int32_t cnt = 0;
+  for (int i = 0; i < len; ++i) {
+    out[i] = (int8_t)(codes[i] - 1);
+    cnt += codes[i] != 1;
+  }
+  return cnt;
+}
+
 // the int8 form (values in {-1,0,1}) for the summable all-reduce. Returns (int8[n], int64 nonzero count).
 std::vector<torch::Tensor> terngrad_ternarize_int8(torch::Tensor g, torch::Tensor scale, torch::Tensor clip,
                                                    int64_t bucket, int64_t k0, int64_t k1) {
@@ -230,17 +253,11 @@ std::vector<torch::Tensor> terngrad_ternarize_int8(torch::Tensor g, torch::Tenso
   const int64_t tiles = (n + kTile - 1) / kTile;
   std::vector<int64_t> nz(tiles, 0);
   at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
+    std::vector<uint8_t> codes(kTile);
     for (int64_t t = tb; t < te; ++t) {
       int64_t b = t * kTile, e = std::min(n, b + kTile);
-      uint8_t* codes = reinterpret_cast<uint8_t*>(op + b);
-      codes_range(x, n, b, e, bucket, sp, cp, (uint32_t)k0, (uint32_t)k1, codes);
-      int64_t cnt = 0;
-      for (int64_t i = 0; i < e - b; ++i) {  // code -> value in place
-        int8_t v = (int8_t)codes[i] - 1;
-        op[b + i] = v;
-        cnt += v != 0;
-      }
-      nz[t] = cnt;
+      codes_range(x, n, b, e, bucket, sp, cp, (uint32_t)k0, (uint32_t)k1, codes.data());
+      nz[t] = codes_to_values(codes.data(), (int)(e - b), op + b);
     }
   });
   int64_t total = 0;
@@ -364,10 +381,37 @@ double kth_smallest(torch::Tensor sample, int64_t k) {
   return (double)v[k];
 }
 
-LGC_CLONES int any_above(const float* x, int64_t len, float thr) {
-  int any = 0;
-  for (int64_t i = 0; i < len; ++i) any |= std::fabs(x[i]) > thr;
-  return any;
+// indices base + i of |x[i]| > thr (ge: >=) for i < len, ascending, into out (room for len); returns the count.
+// Groups of 16 are tested at vector speed and scanned only when one of them is selected.
+template <bool ge>
+inline int select_tile_impl(const float* x, int len, float thr, int32_t base, int32_t* out) {
+  const f8 tv = f8{} + thr;
+  int c = 0, g = 0;
+  for (; g + 16 <= len; g += 16) {
+    f8 a0 = abs8(load8(x + g)), a1 = abs8(load8(x + g + 8));
+    i8v hit = ge ? ((a0 >= tv) | (a1 >= tv)) : ((a0 > tv) | (a1 > tv));
+    uint64_t words[4];
+    std::memcpy(words, &hit, sizeof words);
+    if (!(words[0] | words[1] | words[2] | words[3])) continue;
+    for (int j = g; j < g + 16; ++j) {  // branch-free compaction: no mispredicted branches
+      float a = std::fabs(x[j]);
+      out[c] = base + j;
+      c += ge ? a >= thr : a > thr;
+    }
+  }
+  for (; g < len; ++g) {
+    float a = std::fabs(x[g]);
+    if (ge ? a >= thr : a > thr) out[c++] = base + g;
+  }
+  return c;
+}
+
+LGC_CLONES int select_tile_gt(const float* x, int len, float thr, int32_t base, int32_t* out) {
+  return select_tile_impl<false>(x, len, thr, base, out);
+}
+
+LGC_CLONES int select_tile_ge(const float* x, int len, float thr, int32_t base, int32_t* out) {
+  return select_tile_impl<true>(x, len, thr, base, out);
 }
 
 // (int32 index, float32 value) of |x| > threshold, in ascending index order
@@ -383,12 +427,8 @@ std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold) {
     for (int64_t t = tb; t < te; ++t) {
       int64_t b = t * kTile, e = std::min(n, b + kTile);
       auto& v = idx[t];
-      for (int64_t g = b; g < e; g += 64) {  // skip groups with nothing selected at vector speed
-        int64_t ge = std::min(e, g + 64);
-        if (!any_above(xp + g, ge - g, thr)) continue;
-        for (int64_t i = g; i < ge; ++i)
-          if (std::fabs(xp[i]) > thr) v.push_back((int32_t)i);
-      }
+      v.resize(e - b);
+      v.resize(select_tile_gt(xp + b, (int)(e - b), thr, (int32_t)b, v.data()));
     }
   });
   std::vector<int64_t> start(tiles + 1, 0);
@@ -410,16 +450,15 @@ std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold) {
 }
 
 LGC_CLONES float absmax(const float* x, int64_t len) {
-  float m[kLanes] = {0};
+  f8 m = {0};
   int64_t i = 0;
-  for (; i + kLanes <= len; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) {
-      float a = std::fabs(x[i + l]);
-      m[l] = m[l] > a ? m[l] : a;
-    }
+  for (; i + 8 <= len; i += 8) {
+    f8 a = abs8(load8(x + i));
+    m = m > a ? m : a;
+  }
   float M = 0;
+  for (int l = 0; l < 8; ++l) M = M > m[l] ? M : m[l];
   for (; i < len; ++i) M = M > std::fabs(x[i]) ? M : std::fabs(x[i]);
-  for (int l = 0; l < kLanes; ++l) M = M > m[l] ? M : m[l];
   return M;
 }
 
@@ -434,12 +473,6 @@ torch::Tensor bin_absmax(torch::Tensor x, int64_t bin) {
     for (int64_t b = bb; b < be; ++b) op[b] = absmax(xp + b * bin, std::min(n, (b + 1) * bin) - b * bin);
   });
   return out;
-}
-
-LGC_CLONES int any_at_least(const float* h, int64_t len, float thr) {
-  int any = 0;
-  for (int64_t i = 0; i < len; ++i) any |= std::fabs(h[i]) >= thr;
-  return any;
 }
 
 // AdaComp in one pass per bin: gmax = max|G| over the bin, select |H| >= gmax.
@@ -468,13 +501,10 @@ std::vector<torch::Tensor> adacomp_select(torch::Tensor G, torch::Tensor H, int6
         float thr = absmax(gp + s, e - s);
         mp[b] = thr;
         size_t before = v.size();
-        for (int64_t i = s; i < e; i += 64) {
-          int64_t ie = std::min(e, i + 64);
-          if (!any_at_least(hp + i, ie - i, thr)) continue;
-          for (int64_t j = i; j < ie; ++j)
-            if (std::fabs(hp[j]) >= thr) v.push_back((int32_t)j);
-        }
-        cp[b] = (int32_t)(v.size() - before);
+        v.resize(before + (e - s));
+        int c = select_tile_ge(hp + s, (int)(e - s), thr, (int32_t)s, v.data() + before);
+        v.resize(before + c);
+        cp[b] = c;
       }
     }
   });
