@@ -32,6 +32,12 @@ namespace {
 
 constexpr int64_t kTile = 16384;  // elements per tile (input side)
 
+// at least this many elements per thread: small tensors stay on one thread, where a fork/join (and, on a
+// busy machine, waiting for a descheduled sibling thread) would cost more than the work
+inline int64_t grain(int64_t elems_per_item) {
+  return std::max<int64_t>(1, (8 * kTile) / std::max<int64_t>(1, elems_per_item));
+}
+
 inline uint32_t lowbias32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7feb352dU;
@@ -125,7 +131,7 @@ torch::Tensor terngrad_stats(torch::Tensor g, int64_t bucket) {
   Items items(n, bucket);
   std::vector<double> part(items.count() * 3, 0.0);
   const float* x = g.data_ptr<float>();
-  at::parallel_for(0, items.count(), 1, [&](int64_t wb, int64_t we) {
+  at::parallel_for(0, items.count(), grain(std::min(bucket, kTile)), [&](int64_t wb, int64_t we) {
     for (int64_t w = wb; w < we; ++w) {
       int64_t b, e;
       items.range(w, &b, &e);
@@ -213,7 +219,7 @@ std::vector<torch::Tensor> terngrad_ternarize_pack(torch::Tensor g, torch::Tenso
   const int64_t T = kTile / 4;  // output bytes per tile
   const int64_t tiles = (m + T - 1) / T;
   std::vector<int64_t> ones(tiles, 0);
-  at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
+  at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
     std::vector<uint8_t> buf(4 * T);
     for (int64_t t = tb; t < te; ++t) {
       int64_t kb = t * T, ke = std::min(m, kb + T), len = ke - kb;
@@ -252,7 +258,7 @@ std::vector<torch::Tensor> terngrad_ternarize_int8(torch::Tensor g, torch::Tenso
   int8_t* op = out.data_ptr<int8_t>();
   const int64_t tiles = (n + kTile - 1) / kTile;
   std::vector<int64_t> nz(tiles, 0);
-  at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
+  at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
     std::vector<uint8_t> codes(kTile);
     for (int64_t t = tb; t < te; ++t) {
       int64_t b = t * kTile, e = std::min(n, b + kTile);
@@ -313,7 +319,7 @@ torch::Tensor terngrad_decode(torch::Tensor packed, int64_t n, torch::Tensor sca
   float* op = out.data_ptr<float>();
   const int64_t T = kTile / 4;
   const int64_t tiles = (m + T - 1) / T;
-  at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
+  at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
     for (int64_t t = tb; t < te; ++t) {
       int64_t kb = t * T, ke = std::min(m, kb + T);
       for_segments(n, m, bucket, kb, ke, [&](int j, int64_t k, int64_t len, int64_t i, int64_t c) {
@@ -340,7 +346,7 @@ torch::Tensor terngrad_decode_sum(std::vector<torch::Tensor> packed, int64_t n, 
   float* op = out.data_ptr<float>();
   const int64_t T = kTile / 4;
   const int64_t tiles = (m + T - 1) / T;
-  at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
+  at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
     std::vector<int32_t> acc(4 * T);
     for (int64_t t = tb; t < te; ++t) {
       int64_t kb = t * T, ke = std::min(m, kb + T), len = ke - kb;
@@ -423,7 +429,7 @@ std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold) {
   const float thr = (float)threshold;
   const int64_t tiles = (n + kTile - 1) / kTile;
   std::vector<std::vector<int32_t>> idx(tiles);
-  at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
+  at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
     for (int64_t t = tb; t < te; ++t) {
       int64_t b = t * kTile, e = std::min(n, b + kTile);
       auto& v = idx[t];
@@ -437,7 +443,7 @@ std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold) {
   auto ov = torch::empty({start[tiles]}, torch::kFloat32);
   int32_t* oip = oi.data_ptr<int32_t>();
   float* ovp = ov.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
+  at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
     for (int64_t t = tb; t < te; ++t) {
       const auto& v = idx[t];
       for (size_t r = 0; r < v.size(); ++r) {
@@ -469,7 +475,7 @@ torch::Tensor bin_absmax(torch::Tensor x, int64_t bin) {
   auto out = torch::empty({bins}, torch::kFloat32);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, bins, std::max<int64_t>(1, kTile / bin), [&](int64_t bb, int64_t be) {
+  at::parallel_for(0, bins, grain(bin), [&](int64_t bb, int64_t be) {
     for (int64_t b = bb; b < be; ++b) op[b] = absmax(xp + b * bin, std::min(n, (b + 1) * bin) - b * bin);
   });
   return out;
@@ -493,7 +499,7 @@ std::vector<torch::Tensor> adacomp_select(torch::Tensor G, torch::Tensor H, int6
   float* mp = gmax.data_ptr<float>();
   int32_t* cp = counts.data_ptr<int32_t>();
   std::vector<std::vector<int32_t>> idx(groups);
-  at::parallel_for(0, groups, 1, [&](int64_t gb, int64_t ge) {
+  at::parallel_for(0, groups, grain(per_group * bin), [&](int64_t gb, int64_t ge) {
     for (int64_t g = gb; g < ge; ++g) {
       auto& v = idx[g];
       for (int64_t b = g * per_group; b < std::min(bins, (g + 1) * per_group); ++b) {
@@ -533,7 +539,7 @@ void scatter_add(float* out, int64_t n, const I* ip, const float* vp, int64_t k,
     ascending &= j == 0 || ip[j] > ip[j - 1];
   }
   if (ascending) {  // distinct indices: threads never touch the same element
-    at::parallel_for(0, k, 16384, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, k, 8 * kTile, [&](int64_t b, int64_t e) {
       for (int64_t j = b; j < e; ++j) out[ip[j]] += vp[j];
     });
   } else {  // repeated indices add up in payload order, as index_add_ does on CPU

@@ -89,11 +89,11 @@ def select_above(tensor: Tensor, threshold: "Tensor | float") -> tuple[Tensor, T
     The count is ``indices.numel()``.
     """
     flat = _flat32(tensor)
-    thr = float(threshold)
     ext = _ext(flat)
     if ext is not None:
-        index, values = ext.select_above(flat, thr)
+        index, values = ext.select_above(flat, float(threshold))
         return index, values
+    thr = threshold.to(flat.device) if isinstance(threshold, Tensor) else threshold  # no host sync on CUDA
     index = torch.nonzero(flat.abs() > thr).reshape(-1)
     return index.to(torch.int32), flat[index]
 
