@@ -127,6 +127,7 @@ def kernel_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Ca
         thr = kernels.sample_threshold(kernels.sample_abs(g, sample_size, "random", key), drop)
     H = g + 0.1 * torch.randn(n, generator=gen).to(device)
     bin_len = 64
+    out = torch.empty(n, device=device)  # a reused output buffer (no fresh pages)
     sel = [kernels.select_above(g * (1 + 0.01 * r), thr) for r in range(world)]
 
     def graddrop() -> Any:
@@ -155,6 +156,16 @@ def kernel_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Ca
         ("graddrop sample+select", as_torch(graddrop), graddrop),
         ("adacomp bin max", as_torch(lambda: kernels.bin_absmax(g, bin_len)), lambda: kernels.bin_absmax(g, bin_len)),
         ("adacomp select", as_torch(lambda: kernels.adacomp_select(g, H, bin_len)), lambda: kernels.adacomp_select(g, H, bin_len)),
+        (
+            "terngrad decode into out",
+            lambda: ref_tg.decompress(ref_packet),
+            lambda: kernels.decode(fused_packet.payload, n, fused_packet.ctx["scale"], n, out=out),
+        ),
+        (
+            f"sparse decode_sum x{world} out",
+            as_torch(lambda: kernels.sparse_decode_sum(n, [i for i, _ in sel], [v for _, v in sel], out=out)),
+            lambda: kernels.sparse_decode_sum(n, [i for i, _ in sel], [v for _, v in sel], out=out),
+        ),
         (
             f"sparse decode_sum x{world}",
             as_torch(lambda: kernels.sparse_decode_sum(n, [i for i, _ in sel], [v for _, v in sel])),

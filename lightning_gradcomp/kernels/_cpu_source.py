@@ -55,6 +55,15 @@ void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// the caller's output buffer (float32, n elements, contiguous), or a new one when it passes an empty tensor:
+// writing into a reused buffer skips the page faults of a fresh allocation
+torch::Tensor output(torch::Tensor out, int64_t n) {
+  if (out.numel() == 0 && n != 0) return torch::empty({n}, torch::kFloat32);
+  check_f32(out, "out");
+  TORCH_CHECK(out.numel() == n, "out has ", out.numel(), " elements, expected ", n);
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // TernGrad statistics: per tile sum, sum of squares (double lanes) and max|g| (float lanes)
 
@@ -308,12 +317,12 @@ void for_segments(int64_t n, int64_t m, int64_t bucket, int64_t kb, int64_t ke, 
   }
 }
 
-torch::Tensor terngrad_decode(torch::Tensor packed, int64_t n, torch::Tensor scale, int64_t bucket) {
+torch::Tensor terngrad_decode(torch::Tensor packed, int64_t n, torch::Tensor scale, int64_t bucket, torch::Tensor out_) {
   check_f32(scale, "scale");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
   const int64_t m = (n + 3) / 4;
   TORCH_CHECK(packed.numel() == m, "packed has ", packed.numel(), " bytes, expected ", m);
-  auto out = torch::empty({n}, torch::kFloat32);
+  auto out = output(out_, n);
   const uint8_t* p = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -331,7 +340,8 @@ torch::Tensor terngrad_decode(torch::Tensor packed, int64_t n, torch::Tensor sca
 }
 
 // sum over payloads (rank order irrelevant: integer accumulation is exact), scaled once
-torch::Tensor terngrad_decode_sum(std::vector<torch::Tensor> packed, int64_t n, torch::Tensor scale, int64_t bucket) {
+torch::Tensor terngrad_decode_sum(std::vector<torch::Tensor> packed, int64_t n, torch::Tensor scale, int64_t bucket,
+                                  torch::Tensor out_) {
   check_f32(scale, "scale");
   const int64_t m = (n + 3) / 4;
   std::vector<const uint8_t*> ptrs;
@@ -341,7 +351,7 @@ torch::Tensor terngrad_decode_sum(std::vector<torch::Tensor> packed, int64_t n, 
     ptrs.push_back(t.data_ptr<uint8_t>());
   }
   const int32_t offset = (int32_t)ptrs.size();  // each code is t + 1
-  auto out = torch::empty({n}, torch::kFloat32);
+  auto out = output(out_, n);
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t T = kTile / 4;
@@ -547,9 +557,11 @@ void scatter_add(float* out, int64_t n, const I* ip, const float* vp, int64_t k,
   }
 }
 
-torch::Tensor sparse_decode_sum(int64_t n, std::vector<torch::Tensor> indices, std::vector<torch::Tensor> values) {
+torch::Tensor sparse_decode_sum(int64_t n, std::vector<torch::Tensor> indices, std::vector<torch::Tensor> values,
+                                torch::Tensor out_) {
   TORCH_CHECK(indices.size() == values.size(), "indices and values differ in count");
-  auto out = torch::zeros({n}, torch::kFloat32);
+  auto out = output(out_, n);
+  out.zero_();
   float* op = out.data_ptr<float>();
   for (size_t r = 0; r < indices.size(); ++r) {
     auto idx = indices[r].contiguous();

@@ -15,7 +15,7 @@ the same float sums (scatter-adds happen payload by payload in the given order).
 """
 
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -157,20 +157,26 @@ def adacomp_select(G: Tensor, H: Tensor, bin_len: int) -> AdaCompSelection:
     return AdaCompSelection(gmax, counts, index, index % bin_len, values)
 
 
-def sparse_decode_sum(numel: int, indices: Sequence[Tensor], values: Sequence[Tensor]) -> Tensor:
+def sparse_decode_sum(
+    numel: int, indices: Sequence[Tensor], values: Sequence[Tensor], out: Optional[Tensor] = None
+) -> Tensor:
     """Dense float32 sum of sparse payloads: ``values[r]`` scatter-added at ``indices[r]``, r in the given order.
 
     Every rank passes the payloads in rank order, so the float sums, and hence the result, are bit-identical
-    on every rank.
+    on every rank. ``out`` (contiguous float32, ``numel`` elements) is overwritten if given.
     """
     check_int("numel", numel, minimum=0)
     if len(indices) != len(values):
         raise ValueError(f"Expected as many `values` as `indices` ({len(indices)}), but got {len(values)}.")
+    device = indices[0].device if indices else (out.device if out is not None else torch.device("cpu"))
+    if out is not None and not (out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel):
+        raise ValueError(f"Expected `out` to be a contiguous float32 tensor of {numel} elements, but got {out.dtype} "
+                         f"{tuple(out.shape)}. Pass None to allocate one.")
     ext = _ext(*indices, *values) if indices else None
     if ext is not None:
-        return ext.sparse_decode_sum(numel, list(indices), list(values))
-    device = indices[0].device if indices else torch.device("cpu")
-    out = torch.zeros(numel, dtype=torch.float32, device=device)
+        buffer = torch.empty(0, dtype=torch.float32) if out is None else out
+        return ext.sparse_decode_sum(numel, list(indices), list(values), buffer)
+    out = torch.zeros(numel, dtype=torch.float32, device=device) if out is None else out.zero_()
     for index, vals in zip(indices, values):
         out.index_add_(0, index.reshape(-1).long(), vals.reshape(-1).float())
     return out

@@ -136,23 +136,43 @@ def ternarize_int8(
     return t, (t != 0).sum().reshape(1)
 
 
-def decode(packed: Tensor, numel: int, scale: Tensor, bucket: int) -> Tensor:
-    """float32 ``values * scale`` of one 2-bit payload (flat, ``numel`` elements)."""
+def _check_out(out: Optional[Tensor], numel: int, device: torch.device) -> None:
+    if out is not None and not (
+        out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel and out.device == device
+    ):
+        raise ValueError(
+            f"Expected `out` to be a contiguous float32 tensor of {numel} elements on {device}, but got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}. Pass None to allocate one."
+        )
+
+
+def _no_out(device: torch.device) -> Tensor:
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+def decode(packed: Tensor, numel: int, scale: Tensor, bucket: int, out: Optional[Tensor] = None) -> Tensor:
+    """float32 ``values * scale`` of one 2-bit payload (flat, ``numel`` elements), into ``out`` if given."""
     s = scale.reshape(-1).to(packed.device, torch.float32).contiguous()
+    _check_out(out, numel, packed.device)
     ext = _ext(packed)
     if ext is not None:
-        return ext.terngrad_decode(packed.contiguous(), numel, s, bucket)
+        return ext.terngrad_decode(packed.contiguous(), numel, s, bucket, _no_out(packed.device) if out is None else out)
     values = unpack_ternary(packed, numel, "2bit")
-    return values.float() * _per_element(s, bucket, numel)
+    return torch.mul(values.float(), _per_element(s, bucket, numel), out=out)
 
 
-def decode_sum(packed: Sequence[Tensor], numel: int, scale: Tensor, bucket: int) -> Tensor:
+def decode_sum(
+    packed: Sequence[Tensor], numel: int, scale: Tensor, bucket: int, out: Optional[Tensor] = None
+) -> Tensor:
     """float32 sum of several 2-bit payloads sharing one scaler: integer sum, scaled once (exact)."""
-    s = scale.reshape(-1).to(packed[0].device, torch.float32).contiguous()
+    device = packed[0].device
+    s = scale.reshape(-1).to(device, torch.float32).contiguous()
+    _check_out(out, numel, device)
     ext = _ext(*packed)
     if ext is not None:
-        return ext.terngrad_decode_sum([p.contiguous() for p in packed], numel, s, bucket)
+        payloads = [p.contiguous() for p in packed]
+        return ext.terngrad_decode_sum(payloads, numel, s, bucket, _no_out(device) if out is None else out)
     total = unpack_ternary(packed[0], numel, "2bit").to(torch.int32)
     for p in packed[1:]:
         total = total + unpack_ternary(p, numel, "2bit")
-    return total.float() * _per_element(s, bucket, numel)
+    return torch.mul(total.float(), _per_element(s, bucket, numel), out=out)

@@ -72,6 +72,13 @@ def test_decode_and_decode_sum_are_bit_identical_to_the_reference(compiled: bool
     assert torch.equal(kernels.decode_sum(payloads, n, scale, b), total.float() * per_elem)  # type: ignore[union-attr]
     with kernels.torch_ops():
         assert torch.equal(kernels.decode_sum(payloads, n, scale, b), total.float() * per_elem)  # type: ignore[union-attr]
+    out = torch.full((n,), float("nan"))  # decoding into a reused buffer overwrites all of it
+    assert kernels.decode(payloads[1], n, scale, b, out=out) is out
+    assert torch.equal(out, ternaries[1].float() * per_elem)
+    kernels.decode_sum(payloads, n, scale, b, out=out)
+    assert torch.equal(out, total.float() * per_elem)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="out"):
+        kernels.decode(payloads[0], n, scale, b, out=torch.empty(n + 1))
 
 
 def test_statistics_match_torch_std_and_max_including_a_partial_tail(compiled: bool) -> None:
@@ -260,6 +267,8 @@ def test_sparse_decode_sums_in_rank_order_bit_identically(compiled: bool) -> Non
     assert torch.equal(kernels.sparse_decode_sum(n, indices, values), expected)
     with kernels.torch_ops():
         assert torch.equal(kernels.sparse_decode_sum(n, indices, values), expected)
+    out = torch.full((n,), 7.0)
+    assert kernels.sparse_decode_sum(n, indices, values, out=out) is out and torch.equal(out, expected)
     # repeated and unsorted indices within one payload add up in payload order
     idx = torch.tensor([5, 3, 5, 5], dtype=torch.int64)
     val = torch.tensor([1.0, 2.0, 1e8, -1e8])
