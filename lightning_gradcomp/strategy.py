@@ -17,8 +17,12 @@ from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.guard import NonFinite
 from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.planner import CollectivePlanner
+from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
 from lightning_gradcomp.validation import check_int
 
 log = logging.getLogger(__name__)
@@ -34,7 +38,26 @@ _DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).par
 }
 
 
-class GradCompStrategy(DDPStrategy):
+def select_float_names(named: dict[str, torch.nn.Parameter], exclude: Sequence[str], min_numel: int) -> frozenset[str]:
+    """Names of the parameters sent uncompressed: those matching an ``exclude`` glob or below ``min_numel``.
+
+    Raises:
+        ValueError: a pattern matches no parameter (a typo would otherwise silently compress everything).
+    """
+    chosen: set[str] = set()
+    for pattern in exclude:
+        matched = {n for n in named if fnmatch.fnmatchcase(n, pattern)}
+        if not matched:
+            raise ValueError(
+                f"Expected every `exclude` pattern to match a parameter, but {pattern!r} matches none. "
+                f"Fix: use fnmatch globs over these names: {sorted(named)}."
+            )
+        chosen |= matched
+    chosen |= {n for n, p in named.items() if p.numel() < min_numel}
+    return frozenset(chosen)
+
+
+class GradCompStrategy(ResilienceMixin, DDPStrategy):
     """Data-parallel training with compressed gradient exchange inside DDP's communication hook.
 
     Args:
@@ -55,8 +78,23 @@ class GradCompStrategy(DDPStrategy):
         checkpoint_io: see ``DDPStrategy``.
         precision_plugin: see ``DDPStrategy``.
         process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
-        timeout: collective timeout.
+        timeout: collective timeout (a positive ``timedelta``): how long a rank waits for a peer that stopped
+            answering before it fails. A peer that dies is usually detected at once (Gloo: connection closed).
         start_method: how Lightning launches local processes (``"popen"``, ``"spawn"``, ...).
+        check_replicas_every: every k optimizer steps, compare a checksum of all parameters across ranks and
+            stop with an error naming the first diverging parameter (0: never). Costs one all-gather of
+            16 bytes per parameter tensor.
+        nonfinite: a NaN/Inf gradient on any rank: ``"skip"`` the step on every rank (residuals untouched),
+            ``"raise"`` on every rank naming the parameter, or ``"ignore"`` (no check). See
+            :mod:`lightning_gradcomp.guard`.
+        resume_compression: ``"exact"`` restores every rank's compression state from the checkpoint (and refuses
+            a checkpoint written by another world size); ``"reset"`` starts it afresh.
+        link: the network between ranks (``"1gbit"``, ``"100mbit@2ms"``, a
+            :class:`~lightning_gradcomp.costmodel.Link` or ``Network``); when given, a cost model picks per
+            bucket between plain fp32 all-reduce and the compressor's collectives (logged at INFO, counted in
+            ``comm_state.collectives``). ``None`` (default): always compress.
+        compression_cost: compress/decode seconds per element for that choice; ``None`` measures them on the
+            first step (max over ranks).
         **kwargs: further ``DistributedDataParallel`` options.
     """
 
@@ -80,12 +118,21 @@ class GradCompStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        check_replicas_every: int = 0,
+        nonfinite: NonFinite = "skip",
+        resume_compression: ResumeCompression = "exact",
+        link: Optional[Union[str, Link, Network]] = None,
+        compression_cost: Optional[CompressionCost] = None,
         **kwargs: Any,
     ) -> None:
+        # reliability options (lightning_gradcomp.resilience), validated before anything else is built
+        self._init_resilience(check_replicas_every, nonfinite, resume_compression, timeout)
         for key in _HOOK_ARGUMENTS:
-            if kwargs.pop(key, None) is not None:
+            value = kwargs.pop(key, None)
+            if value is not None:
                 raise ValueError(
-                    f"Expected `{key}` to be None: GradCompStrategy installs its own communication hook. "
+                    f"Expected `{key}` to be None (GradCompStrategy installs its own communication hook), but got "
+                    f"{value!r}. "
                     f"Fix: use `strategy='ddp'` for a custom DDP hook, or a Compressor for custom compression."
                 )
         unknown = sorted(set(kwargs) - _DDP_OPTIONS)
@@ -101,9 +148,16 @@ class GradCompStrategy(DDPStrategy):
                 f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
                 f"Fix: use one of {registry.compressor_names()}."
             )
+        if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude or ()):
+            raise ValueError(
+                f"Expected `exclude` to be a list of parameter-name patterns, but got {exclude!r}. "
+                f"Fix: wrap a single pattern in a list, e.g. `exclude=['classifier.*']`."
+            )
         self.exclude = list(exclude or [])
         check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
         self.min_numel = min_numel
+        # parsed now so a bad spec fails before any process group exists
+        self.planner = None if link is None else CollectivePlanner(link, compression_cost)
         ddp_kwargs: dict[str, Any] = dict(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
@@ -146,17 +200,7 @@ class GradCompStrategy(DDPStrategy):
         return tuple(self._transforms)
 
     def _float_names(self, named: dict[str, torch.nn.Parameter]) -> frozenset[str]:
-        chosen: set[str] = set()
-        for pattern in self.exclude:
-            matched = {n for n in named if fnmatch.fnmatchcase(n, pattern)}
-            if not matched:
-                raise ValueError(
-                    f"Expected every `exclude` pattern to match a parameter, but {pattern!r} matches none. "
-                    f"Fix: use fnmatch globs over these names: {sorted(named)}."
-                )
-            chosen |= matched
-        chosen |= {n for n, p in named.items() if p.numel() < self.min_numel}
-        return frozenset(chosen)
+        return select_float_names(named, self.exclude, self.min_numel)
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -176,6 +220,7 @@ class GradCompStrategy(DDPStrategy):
             transforms=tuple(self._transforms),
             process_group=group,
             world_size=world_size,
+            planner=self.planner,
         )
         log.info(
             "gradcomp: %s on %d ranks, %d of %d tensors kept in fp32",
@@ -184,6 +229,7 @@ class GradCompStrategy(DDPStrategy):
             len(float_names),
             len(named),
         )
+        self._attach_resilience(self.comm_state)  # non-finite mode, pending checkpoint restore
         self.model.register_comm_hook(self.comm_state, gradcomp_hook)
 
     @classmethod

@@ -100,6 +100,14 @@ class Compressor(ABC):
         """How this compressor travels in a group of ``world_size`` ranks (default: :attr:`aggregation`)."""
         return self.aggregation
 
+    def observe_gradient(self, grad: Tensor, name: str) -> None:
+        """Called by the hook, for compressors with :attr:`uses_memory`, with this rank's gradient of ``name``
+        (after transforms, before the residual is added) just before the compensated tensor is compressed.
+
+        Compressors whose selection looks at the fresh gradient apart from the residual (AdaComp's
+        ``H = residue + 2 dW``) keep a reference here; the default ignores it.
+        """
+
     def local_statistic(self, tensor: Tensor, name: str) -> Optional[Tensor]:
         """A small float32 tensor to be max-reduced over ranks before :meth:`compress`, or ``None``.
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.compressors.terngrad_fused import FusedTernGrad
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.wire import PACKINGS, Packing, pack_ternary, packed_nbytes, unpack_ternary
@@ -86,7 +87,7 @@ class TernGrad(Compressor):
         if collective == "allreduce_int8" and scaler_share != "max":
             raise ValueError(
                 f"`collective='allreduce_int8'` sums ternary values, which needs one scaler shared by all ranks, "
-                f"but got `scaler_share={scaler_share!r}`. Use `scaler_share='max'` or `collective='allgather'`."
+                f"but got `scaler_share={scaler_share!r}`. Fix: use `scaler_share='max'` or `collective='allgather'`."
             )
         self.clip_factor = float(clip_factor)
         self.clip_mode = clip_mode
@@ -97,7 +98,7 @@ class TernGrad(Compressor):
         self.seed = seed
         self.backend = backend
         self._fused = FusedTernGrad(self)
-        self._generator: Optional[torch.Generator] = None
+        self._streams = RandomStreams(seed)
         self._device = torch.device("cpu")
 
     # -- setup and state --------------------------------------------------------------------------------
@@ -106,28 +107,17 @@ class TernGrad(Compressor):
         if self.collective == "allreduce_int8" and world_size > _INT8_MAX_RANKS:
             raise ValueError(
                 f"`collective='allreduce_int8'` overflows int8 beyond {_INT8_MAX_RANKS} ranks, but the world size is "
-                f"{world_size}. Use `collective='allgather'` or `'auto'`."
+                f"{world_size}. Fix: use `collective='allgather'` or `'auto'`."
             )
         self._device = device
-        self._generator = torch.Generator(device=device)
-        # distinct, reproducible stream per rank: identical streams would correlate the ranks' rounding
-        self._generator.manual_seed(self.seed * 1_000_003 + rank)
-
-    def _rng(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._device != device:
-            self.setup(self.rank, self.world_size, device)
-        assert self._generator is not None
-        return self._generator
+        self._streams.reset(rank)
+        self._fused.load_state_dict({})  # the fused backend's counters start afresh too
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "generator": self._generator.get_state() if self._generator is not None else None,
-            **self._fused.state_dict(),
-        }
+        return {"streams": self._streams.state_dict(), **self._fused.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("generator") is not None:
-            self._rng(self._device).set_state(state["generator"])
+        self._streams.load_state_dict(state.get("streams", {}))
         self._fused.load_state_dict(state)
 
     def describe(self) -> dict[str, Any]:
@@ -216,18 +206,19 @@ class TernGrad(Compressor):
             return self._fused.local_statistic(tensor, name)
         return self._clipped_and_scaler(tensor)[1]
 
-    def ternarize(self, tensor: Tensor, scaler: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    def ternarize(self, tensor: Tensor, scaler: Optional[Tensor] = None, name: str = "") -> tuple[Tensor, Tensor]:
         """Ternary values (int8, the tensor's flat length) and the scalers used (float32, one per chunk).
 
         Args:
             tensor: the gradient.
             scaler: scalers shared by all ranks (one per chunk); ``None`` uses this rank's own.
+            name: the parameter's name, which selects its random stream.
         """
         if self._fused.enabled(tensor.device):
-            return self._fused.ternarize(tensor, "", scaler)
+            return self._fused.ternarize(tensor, name, scaler)
         chunks, local = self._clipped_and_scaler(tensor)
         s = local if scaler is None else scaler.to(chunks.device, torch.float32)
-        rnd = torch.rand(chunks.shape, generator=self._rng(chunks.device), device=chunks.device)
+        rnd = torch.rand(chunks.shape, generator=self._streams.get(name, chunks.device), device=chunks.device)
         # b ~ Bernoulli(|g|/s), drawn as U[0,1)*s < |g|: no division, exact at s == 0 (nothing is sent) and
         # |g| >= s always sent (the original code's implicit clipping)
         keep = rnd.mul_(s[:, None]) < chunks.abs()
@@ -237,7 +228,7 @@ class TernGrad(Compressor):
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
         if self._fused.enabled(tensor.device):
             return self._fused.compress(tensor, name, shared)
-        ternary, s = self.ternarize(tensor, shared if self.scaler_share == "max" else None)
+        ternary, s = self.ternarize(tensor, shared if self.scaler_share == "max" else None, name)
         stats = {"sparsity": (ternary == 0).float().mean(), "scaler": s.max()}
         ctx: dict[str, Any] = {}
         if self.aggregation_for(self.world_size) is Aggregation.SUM:

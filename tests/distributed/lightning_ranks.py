@@ -28,29 +28,40 @@ class TinyClassifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
-def random_loader(n: int = 256, batch_size: int = 16) -> DataLoader:
+def random_loader(n: int = 256, batch_size: int = 16, shard: tuple[int, int] = (0, 1)) -> DataLoader:
+    """Deterministic data; ``shard=(r, N)`` keeps samples r, r+N, ... (what tower r of N sees)."""
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(n, 20, generator=gen)
     y = (x[:, :5].argmax(dim=1)).long()
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+    r, world = shard
+    return DataLoader(TensorDataset(x[r::world], y[r::world]), batch_size=batch_size)
 
 
 def fit_tiny(
-    rank: int, world_size: int, strategy: Any, max_steps: int = 5, callbacks: Optional[list] = None
+    rank: int,
+    world_size: int,
+    strategy: Any,
+    max_steps: int = 5,
+    callbacks: Optional[list] = None,
+    batch_size: int = 16,
+    devices: Optional[int] = None,
+    shard_by_rank: bool = False,
 ) -> dict[str, Any]:
     model = TinyClassifier()
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=world_size,
+        devices=world_size if devices is None else devices,
         max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,
+        use_distributed_sampler=not shard_by_rank,
     )
-    trainer.fit(model, random_loader())
+    shard = (rank, world_size) if shard_by_rank else (0, 1)
+    trainer.fit(model, random_loader(batch_size=batch_size, shard=shard))
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     state = getattr(trainer.strategy, "comm_state", None)
     return {

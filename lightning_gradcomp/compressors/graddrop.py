@@ -1,0 +1,358 @@
+"""Gradient Dropping (Aji & Heafield, EMNLP 2017): send only the largest R% complement, keep the rest as a residual.
+
+Per tensor x (the gradient plus this rank's residual, added by the hook's error feedback):
+
+1. a threshold such that a fraction ``drop_ratio`` of |x| is at or below it, selected on a sample: a 0.1%
+   random sample (the paper), at most 100k elements at a fixed stride from index 0 (the original Marian
+   code), or all elements (``"exact"``). With k = floor(R * m) for a sample of m values, the threshold is the
+   k-th smallest sampled |x| (Marian's ``max(0, m*R - 1)``-th element, 2017-06 code); k = 0 means only exact
+   zeros are dropped.
+2. drop |x| <= threshold (Marian's rule); the survivors travel as a sparse vector, the dropped values stay in
+   the residual (the hook's :class:`~lightning_gradcomp.memory.ResidualMemory`).
+3. optionally (paper Sec. 5.4) quantize the survivors: to +-threshold (Strom), to the per-column or global
+   mean of each sign (Dryden), or with 2 bits that separate large movers from small ones.
+
+Scope ``"layer"`` selects a threshold per tensor. ``"global"`` approximates Marian's single threshold over
+the whole concatenated gradient: the hook compresses bucket by bucket while backward still runs, so the whole
+model's gradient never exists before the first bucket must go out. Each tensor therefore contributes its
+sample to a whole-model pool, and every tensor of step t uses the threshold selected on the pool of step
+t - 1 (weighted so each sample stands for its share of the model); the first step, with no pool yet, uses
+per-layer thresholds. ``benchmarks/graddrop_global_threshold.py`` measures how far this is from a truly
+global threshold (see ``docs/compressors.md``).
+"""
+
+import math
+from typing import Any, Literal, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.streams import RandomStreams
+from lightning_gradcomp.sparse import (
+    INDEX_ENCODINGS,
+    VALUE_FORMATS,
+    IndexEncoding,
+    ValueFormat,
+    decode_indices,
+    decode_sparse,
+    encode_indices,
+    encode_sparse,
+    pack_codes,
+    packed_codes_nbytes,
+    unpack_codes,
+)
+from lightning_gradcomp.validation import check_choice, check_int, check_number
+
+Sample = Literal["random", "strided", "exact"]
+Scope = Literal["layer", "global"]
+Quantize = Literal["none", "threshold", "column_mean", "global_mean", "2bit"]
+QUANTIZERS: tuple[str, ...] = ("none", "threshold", "column_mean", "global_mean", "2bit")
+
+# guards floor(R * m) against R's binary rounding (0.29 * 100 = 28.999999999999996)
+_FLOOR_EPS = 1e-9
+
+
+def drop_count(ratio: float, m: int) -> int:
+    """How many of ``m`` sampled values the threshold must cover: floor(ratio * m)."""
+    return int(math.floor(ratio * m + _FLOOR_EPS))
+
+
+def select_threshold(sample: Tensor, ratio: float) -> Tensor:
+    """The k-th smallest value of ``sample`` with k = floor(ratio * m); 0 when k = 0 (a 0-d float32 tensor)."""
+    k = drop_count(ratio, sample.numel())
+    if k == 0:
+        return sample.new_zeros(())
+    return torch.kthvalue(sample.float(), k).values
+
+
+def select_weighted_threshold(samples: list[Tensor], weights: list[float], ratio: float) -> Tensor:
+    """The threshold over a pool of samples where each sampled value stands for ``weight`` elements.
+
+    Returns the smallest pooled value v such that the represented elements with |x| <= v number at least
+    floor(ratio * total), i.e. :func:`select_threshold` when every weight is 1.
+    """
+    values = torch.cat([s.float().reshape(-1) for s in samples])
+    w = torch.cat([torch.full((s.numel(),), float(wt), device=values.device) for s, wt in zip(samples, weights)])
+    total = sum(s.numel() * wt for s, wt in zip(samples, weights))
+    k = drop_count(ratio, int(round(total)))
+    if k == 0 or values.numel() == 0:
+        return values.new_zeros(())
+    order = torch.argsort(values)
+    cum = torch.cumsum(w[order].double(), 0)
+    # the first sorted position whose cumulative weight reaches k (clamped: float sums may fall a hair short)
+    pos = torch.searchsorted(cum, torch.tensor([k - 1e-6], dtype=torch.float64, device=cum.device))
+    pos = pos.clamp_(max=values.numel() - 1)
+    return values[order][pos].reshape(())
+
+
+class GradientDropping(Compressor):
+    """Gradient Dropping: the R% smallest |x| stay in the residual, the rest travel as a sparse vector.
+
+    Args:
+        drop_ratio: R, the fraction of values dropped, in [0, 1) (paper: 0.99). At 0 every non-zero value is
+            sent, so training matches plain DDP.
+        sample: how the threshold is selected: ``"random"`` (``sample_fraction`` of the tensor drawn with
+            replacement, the paper), ``"strided"`` (at most ``max_sample`` values at a fixed stride from index 0,
+            the original Marian code) or ``"exact"`` (all values).
+        scope: ``"layer"`` (a threshold per tensor) or ``"global"`` (one threshold for the whole model, taken
+            from the previous step's whole-model sample; see the module docstring).
+        sample_fraction: fraction sampled by ``sample="random"`` (paper: 0.001).
+        min_sample: the random sample has at least this many values; a tensor no larger is selected exactly
+            (0.1% of a small tensor would be a handful of values).
+        max_sample: the stride sample's size cap (Marian: 100000).
+        quantize: ``"none"``; ``"threshold"`` (1 bit, survivors become +-threshold); ``"column_mean"`` (1 bit,
+            each column's survivors of each sign become their mean; columns are the second dimension of the
+            tensor viewed as ``[shape[0], -1]``, a 1-D tensor is one column); ``"global_mean"`` (1 bit, one mean
+            per sign); ``"2bit"`` (sign and whether |x| exceeds the mean |survivor|, four means).
+        index_encoding: ``"coo32"`` (32-bit absolute indices, the original) or ``"delta16"`` (16-bit gaps).
+        values: wire format of unquantized values: ``"fp32"`` (the original), ``"bf16"`` or ``"fp16"`` (values
+            beyond fp16's range stay in the residual; the ``overflow`` statistic counts them).
+        seed: seed of the random sample; rank r draws from seed and r.
+    """
+
+    aggregation = Aggregation.GATHER
+    uses_memory = True
+    fixed_size = False
+
+    def __init__(
+        self,
+        drop_ratio: float = 0.99,
+        sample: Sample = "random",
+        scope: Scope = "layer",
+        sample_fraction: float = 0.001,
+        min_sample: int = 1000,
+        max_sample: int = 100_000,
+        quantize: Quantize = "none",
+        index_encoding: IndexEncoding = "coo32",
+        values: ValueFormat = "fp32",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        check_number(
+            "drop_ratio", drop_ratio, minimum=0.0, maximum=1.0, max_open=True,
+            fix="use 0.99 (the paper), 0.9 or 0.999; 0 sends every value",
+        )
+        check_choice("sample", sample, ("random", "strided", "exact"))
+        check_choice("scope", scope, ("layer", "global"), fix="use 'layer' (per tensor) or 'global' (whole model)")
+        check_number(
+            "sample_fraction", sample_fraction, minimum=0.0, maximum=1.0, min_open=True,
+            fix="use 0.001 (the paper's 0.1%)",
+        )
+        check_int("min_sample", min_sample, minimum=1, fix="use 1000")
+        check_int("max_sample", max_sample, minimum=1, fix="use 100000 (the original code)")
+        check_choice("quantize", quantize, QUANTIZERS)
+        check_choice("index_encoding", index_encoding, INDEX_ENCODINGS)
+        check_choice("values", values, VALUE_FORMATS)
+        check_int("seed", seed, minimum=0)
+        if quantize != "none" and values != "fp32":
+            raise ValueError(
+                f"Expected `values='fp32'` with `quantize={quantize!r}` (quantized survivors travel as codes, "
+                f"not values), but got `values={values!r}`. Fix: drop `values` or set `quantize='none'`."
+            )
+        if quantize == "threshold" and drop_ratio == 0.0:
+            raise ValueError(
+                "Expected `drop_ratio` > 0 with `quantize='threshold'` (at 0 the threshold is 0 and every "
+                "survivor would be sent as 0), but got 0. Fix: use `drop_ratio=0.99` or another quantizer."
+            )
+        self.drop_ratio = float(drop_ratio)
+        self.sample = sample
+        self.scope = scope
+        self.sample_fraction = float(sample_fraction)
+        self.min_sample = min_sample
+        self.max_sample = max_sample
+        self.quantize = quantize
+        self.index_encoding: IndexEncoding = index_encoding
+        self.values: ValueFormat = values
+        self.seed = seed
+        self._streams = RandomStreams(seed)
+        self._device = torch.device("cpu")
+        # global scope: the latest sample (and the elements each value stands for) per parameter name, the
+        # names seen in the current step, and the threshold selected on the previous step's pool
+        self._pool: dict[str, tuple[Tensor, float]] = {}
+        self._seen: set[str] = set()
+        self._global_threshold: Optional[Tensor] = None
+
+    # -- setup and state --------------------------------------------------------------------------------
+    def setup(self, rank: int, world_size: int, device: torch.device) -> None:
+        super().setup(rank, world_size, device)
+        self._device = device
+        self._streams.reset(rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "streams": self._streams.state_dict(),
+            "pool": {n: (s.detach().cpu().clone(), w) for n, (s, w) in self._pool.items()},
+            "seen": sorted(self._seen),
+            "global_threshold": None if self._global_threshold is None else self._global_threshold.cpu(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._streams.load_state_dict(state.get("streams", {}))
+        self._pool = {n: (s.to(self._device), w) for n, (s, w) in state.get("pool", {}).items()}
+        self._seen = set(state.get("seen", []))
+        thr = state.get("global_threshold")
+        self._global_threshold = None if thr is None else thr.to(self._device)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "compressor": "GradientDropping",
+            "drop_ratio": self.drop_ratio,
+            "sample": self.sample,
+            "scope": self.scope,
+            "sample_fraction": self.sample_fraction,
+            "min_sample": self.min_sample,
+            "max_sample": self.max_sample,
+            "quantize": self.quantize,
+            "index_encoding": self.index_encoding,
+            "values": self.values,
+            "seed": self.seed,
+        }
+
+    # -- threshold --------------------------------------------------------------------------------------
+    def threshold_sample(self, magnitudes: Tensor, name: str = "") -> tuple[Tensor, float]:
+        """The sampled |x| of one flat tensor and how many elements each sampled value stands for."""
+        n = magnitudes.numel()
+        if self.sample == "exact" or n == 0:
+            return magnitudes, 1.0
+        if self.sample == "strided":
+            # Marian: sortSize = min(100000, len); tmp[j] = |data[j * (len / sortSize)]|
+            size = min(self.max_sample, n)
+            stride = n // size
+            return magnitudes[: stride * size : stride], n / size
+        size = max(self.min_sample, math.ceil(self.sample_fraction * n))
+        if size >= n:
+            return magnitudes, 1.0
+        idx = torch.randint(n, (size,), generator=self._streams.get(name, magnitudes.device), device=magnitudes.device)
+        return magnitudes[idx], n / size
+
+    def threshold(self, magnitudes: Tensor, name: str) -> Tensor:
+        """The drop threshold for one flat tensor of |x| (updates the global pool in global scope)."""
+        sample, weight = self.threshold_sample(magnitudes, name)
+        if self.scope == "layer":
+            return select_threshold(sample, self.drop_ratio)
+        if name in self._seen:  # a name comes back: a new step began, select on the previous step's pool
+            names = sorted(self._pool)
+            self._global_threshold = select_weighted_threshold(
+                [self._pool[n][0] for n in names], [self._pool[n][1] for n in names], self.drop_ratio
+            )
+            self._seen.clear()
+        self._seen.add(name)
+        # a copy: the sample may be a view of a tensor the hook reuses
+        self._pool[name] = (sample.clone(), weight)
+        if self._global_threshold is None:  # first step: no whole-model pool yet
+            return select_threshold(sample, self.drop_ratio)
+        return self._global_threshold.to(magnitudes.device)
+
+    # -- compress ---------------------------------------------------------------------------------------
+    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
+        flat = tensor.detach().reshape(-1).float()
+        n = flat.numel()
+        magnitudes = flat.abs()
+        thr = self.threshold(magnitudes, name)
+        keep = magnitudes > thr
+        overflow = flat.new_zeros(())
+        if self.quantize == "none" and self.values == "fp16":
+            # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
+            fits = magnitudes <= torch.finfo(torch.float16).max
+            overflow = (keep & ~fits).sum().float()
+            keep &= fits
+        idx = torch.nonzero(keep).reshape(-1)
+        kept = flat[idx]
+        if self.quantize == "none":
+            payload = encode_sparse(idx, kept, self.index_encoding, self.values)
+        else:
+            payload = self._encode_quantized(idx, kept, thr, tensor.shape, n)
+        nbytes = payload.numel()
+        dev = flat.device
+        stats = {
+            "sparsity": torch.tensor(1.0 - idx.numel() / max(n, 1), device=dev),
+            "threshold": thr.detach().float().reshape(()),
+            "sent": torch.tensor(float(idx.numel()), device=dev),
+            # bytes fp32 would take over bytes sent (an empty payload counts as 1 byte, to stay finite)
+            "compression_rate": torch.tensor(4.0 * n / max(nbytes, 1), device=dev),
+        }
+        if self.values == "fp16":
+            stats["overflow"] = overflow
+        return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
+
+    # -- quantized survivors (paper Sec. 5.4) -----------------------------------------------------------
+    @staticmethod
+    def _columns(shape: torch.Size, n: int) -> int:
+        return 1 if len(shape) < 2 or n == 0 else n // shape[0]
+
+    def _levels(self, idx: Tensor, kept: Tensor, thr: Tensor, shape: torch.Size, n: int) -> tuple[Tensor, Tensor]:
+        """Codes per survivor and the float levels they select (the decode table)."""
+        positive = kept > 0
+        mag = kept.abs()
+        if self.quantize == "threshold":
+            return positive.long(), thr.float().reshape(1)
+        if self.quantize == "global_mean":
+            return positive.long(), torch.stack((_mean(mag[~positive]), _mean(mag[positive])))
+        if self.quantize == "column_mean":
+            cols = self._columns(shape, n)
+            col = idx % cols
+            group = col * 2 + positive.long()  # [neg, pos] per column
+            sums = torch.zeros(2 * cols, device=kept.device).index_add_(0, group, mag)
+            counts = torch.zeros(2 * cols, device=kept.device).index_add_(0, group, torch.ones_like(mag))
+            return positive.long(), torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)
+        # 2bit: bit 0 the sign, bit 1 "large mover" (above the mean |survivor|); a mean per (size, sign) group
+        large = mag > _mean(mag)
+        code = positive.long() + 2 * large.long()
+        sums = torch.zeros(4, device=kept.device).index_add_(0, code, mag)
+        counts = torch.zeros(4, device=kept.device).index_add_(0, code, torch.ones_like(mag))
+        return code, torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)
+
+    def _encode_quantized(self, idx: Tensor, kept: Tensor, thr: Tensor, shape: torch.Size, n: int) -> Tensor:
+        # [uint32 K][float32 levels][packed codes][indices]: K sizes the rest, the index section goes last
+        if idx.numel() == 0:
+            return torch.zeros(0, dtype=torch.uint8, device=kept.device)
+        codes, levels = self._levels(idx, kept, thr, shape, n)
+        count = torch.tensor([idx.numel()], dtype=torch.int32, device=kept.device)
+        bits = 2 if self.quantize == "2bit" else 1
+        return torch.cat(
+            (
+                count.view(torch.uint8),
+                levels.float().contiguous().view(torch.uint8),
+                pack_codes(codes, bits),
+                encode_indices(idx, self.index_encoding),
+            )
+        )
+
+    def _num_levels(self, shape: torch.Size, n: int) -> int:
+        return {"threshold": 1, "global_mean": 2, "2bit": 4}.get(self.quantize, 2 * self._columns(shape, n))
+
+    def _decode_quantized(self, payload: Tensor, shape: torch.Size, n: int) -> tuple[Tensor, Tensor]:
+        k = int(payload[:4].clone().view(torch.int32)[0])
+        n_levels = self._num_levels(shape, n)
+        levels = payload[4 : 4 + 4 * n_levels].clone().view(torch.float32)
+        start = 4 + 4 * n_levels
+        bits = 2 if self.quantize == "2bit" else 1
+        code_bytes = packed_codes_nbytes(k, bits)
+        codes = unpack_codes(payload[start : start + code_bytes], k, bits)
+        idx = decode_indices(payload[start + code_bytes :], k, self.index_encoding)
+        sign = torch.where(codes % 2 == 1, 1.0, -1.0)
+        if self.quantize == "threshold":
+            return idx, sign * levels[0]
+        if self.quantize == "column_mean":
+            group = (idx % self._columns(shape, n)) * 2 + codes
+            return idx, sign * levels[group]
+        return idx, sign * levels[codes]
+
+    def decompress(self, packet: Packet) -> Tensor:
+        n = packet.numel
+        out = torch.zeros(n, dtype=torch.float32, device=packet.payload.device)
+        if packet.payload.numel() > 0:
+            if self.quantize == "none":
+                idx, val = decode_sparse(packet.payload, self.index_encoding, self.values)
+            else:
+                idx, val = self._decode_quantized(packet.payload, packet.shape, n)
+            out[idx] = val
+        return out.to(packet.dtype).view(packet.shape)
+
+
+def _mean(values: Tensor) -> Tensor:
+    """Mean of a possibly empty tensor (0 when empty), as a 0-d tensor."""
+    if values.numel() == 0:
+        return values.new_zeros(())
+    return values.mean()

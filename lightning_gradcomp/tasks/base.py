@@ -1,0 +1,133 @@
+"""Optimisation shared by the tasks: optimizer choice, L2 inside the loss, and the LR schedule."""
+
+from collections.abc import Iterable
+from typing import Any, Literal, Optional
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_gradcomp.schedules import Constant, PolynomialDecay, StaircaseExponentialDecay
+from lightning_gradcomp.validation import check_choice, check_int, check_number
+
+OptimizerName = Literal["sgd", "momentum", "adam", "adagrad"]
+ScheduleName = Literal["constant", "poly", "staircase"]
+
+
+def regularized_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters a model's reference code puts under L2 decay.
+
+    A model may define ``regularized_parameters()`` (LeNet: all weights; CifarNet: fc3/fc4 weights only);
+    otherwise every parameter with more than one dimension (weights, not biases or norm scales).
+    """
+    chooser = getattr(model, "regularized_parameters", None)
+    return list(chooser()) if callable(chooser) else [p for p in model.parameters() if p.ndim > 1]
+
+
+def l2_penalty(parameters: Iterable[Tensor]) -> Tensor:
+    """``sum(0.5 * ||w||^2)``, TF's ``tf.nn.l2_loss`` summed over ``parameters``."""
+    squares = [p.pow(2).sum() for p in parameters]
+    return 0.5 * torch.stack(squares).sum() if squares else torch.zeros(())
+
+
+class TrainingTask(LightningModule):
+    """Base LightningModule holding ``model`` and configuring its optimizer and LR schedule.
+
+    Args:
+        model: the network (any ``nn.Module``; under LightningCLI a ``class_path``/``init_args`` object).
+        optimizer: ``"sgd"`` (vanilla), ``"momentum"`` (SGD with ``momentum``, TF's MomentumOptimizer),
+            ``"adam"`` (TF defaults: betas 0.9/0.999, eps 1e-8) or ``"adagrad"``.
+        lr: base learning rate.
+        momentum: momentum of ``"momentum"``.
+        weight_decay: L2 coefficient, applied to :func:`regularized_parameters` only.
+        weight_decay_in_loss: add ``weight_decay * sum(0.5 * ||w||^2)`` to the loss (TernGrad's code) so the
+            decay gradient travels inside the compressed gradient; otherwise the optimizer applies it after
+            the exchange.
+        lr_schedule: ``"constant"``, ``"poly"`` (polynomial decay to 0 over ``max_steps`` with ``poly_power``)
+            or ``"staircase"`` (multiply by ``decay_rate`` every ``decay_steps`` steps or ``decay_epochs`` epochs).
+        max_steps: steps of the polynomial decay (``None``: the Trainer's estimated total steps).
+        poly_power: exponent of the polynomial decay (0.5 in TernGrad and WeightGrad).
+        decay_steps: steps between staircase decays.
+        decay_epochs: epochs between staircase decays (used when ``decay_steps`` is ``None``).
+        decay_rate: staircase multiplier.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerName = "momentum",
+        lr: float = 0.01,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        weight_decay_in_loss: bool = False,
+        lr_schedule: ScheduleName = "constant",
+        max_steps: Optional[int] = None,
+        poly_power: float = 0.5,
+        decay_steps: Optional[int] = None,
+        decay_epochs: Optional[float] = None,
+        decay_rate: float = 0.1,
+    ) -> None:
+        super().__init__()
+        check_choice("optimizer", optimizer, ("sgd", "momentum", "adam", "adagrad"))
+        check_number("lr", lr, minimum=0.0, min_open=True)
+        check_number("momentum", momentum, minimum=0.0, maximum=1.0, max_open=True)
+        check_number("weight_decay", weight_decay, minimum=0.0)
+        check_choice("lr_schedule", lr_schedule, ("constant", "poly", "staircase"))
+        if max_steps is not None:
+            check_int("max_steps", max_steps, minimum=1)
+        check_number("poly_power", poly_power, minimum=0.0, min_open=True)
+        if decay_steps is not None:
+            check_int("decay_steps", decay_steps, minimum=1)
+        if decay_epochs is not None:
+            check_number("decay_epochs", decay_epochs, minimum=0.0, min_open=True)
+        if lr_schedule == "staircase" and decay_steps is None and decay_epochs is None:
+            raise ValueError(
+                "Expected `decay_steps` or `decay_epochs` with `lr_schedule='staircase'`, but got neither. "
+                "Fix: set one of them (TernGrad AlexNet: decay_epochs=20)."
+            )
+        check_number("decay_rate", decay_rate, minimum=0.0, maximum=1.0, min_open=True)
+        self.model = model
+        self.optimizer_name, self.lr, self.momentum = optimizer, lr, momentum
+        self.weight_decay, self.weight_decay_in_loss = weight_decay, weight_decay_in_loss
+        self.lr_schedule, self.max_steps, self.poly_power = lr_schedule, max_steps, poly_power
+        self.decay_steps, self.decay_epochs, self.decay_rate = decay_steps, decay_epochs, decay_rate
+
+    def regularization(self) -> Tensor:
+        """``weight_decay * sum(0.5 * ||w||^2)`` when the decay lives in the loss, else 0."""
+        if not self.weight_decay_in_loss or self.weight_decay == 0.0:
+            return torch.zeros((), device=self.device)
+        return self.weight_decay * l2_penalty(regularized_parameters(self.model)).to(self.device)
+
+    def _lr_lambda(self) -> Any:
+        if self.lr_schedule == "poly":
+            steps = self.max_steps or int(self.trainer.estimated_stepping_batches)
+            return PolynomialDecay(steps, self.poly_power)
+        if self.lr_schedule == "staircase":
+            steps = self.decay_steps
+            if steps is None:
+                self.trainer.estimated_stepping_batches  # noqa: B018  (loads the train loader to count batches)
+                per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
+                steps = max(1, round(float(self.decay_epochs or 0.0) * per_epoch))
+            return StaircaseExponentialDecay(steps, self.decay_rate)
+        return Constant()
+
+    @override
+    def configure_optimizers(self) -> Any:
+        decayed = {id(p) for p in regularized_parameters(self.model)}
+        optimizer_decay = 0.0 if self.weight_decay_in_loss else self.weight_decay
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if id(p) in decayed], "weight_decay": optimizer_decay},
+            {"params": [p for p in params if id(p) not in decayed], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        if self.optimizer_name == "adam":
+            optimizer: torch.optim.Optimizer = torch.optim.Adam(groups, lr=self.lr, betas=(0.9, 0.999), eps=1e-8)
+        elif self.optimizer_name == "adagrad":
+            optimizer = torch.optim.Adagrad(groups, lr=self.lr)
+        else:
+            momentum = self.momentum if self.optimizer_name == "momentum" else 0.0
+            optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=momentum)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_lambda())
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,94 @@
+"""Character-level language modelling (next-character cross-entropy)."""
+
+import math
+from typing import Any, Optional
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lightning_gradcomp.tasks.base import OptimizerName, ScheduleName, TrainingTask
+
+
+class CharLanguageModel(TrainingTask):
+    """Trains a model mapping ``(B, T)`` character ids to ``(B, T, V)`` logits on next-character targets.
+
+    Logs ``train_loss``; ``val_loss``, ``val_bpc`` (bits per character) and ``val_acc`` (next-character
+    accuracy); the same with ``test_``. Per-character averages are weighted by the characters in each batch.
+
+    Args:
+        model: e.g. :class:`~lightning_gradcomp.models.CharLSTM`.
+        optimizer: see :class:`~lightning_gradcomp.tasks.base.TrainingTask` (also for the remaining args;
+            char-rnn uses ``"adam"``-like RMSprop at 2e-3 with gradient clipping 5: set the Trainer's
+            ``gradient_clip_val``).
+        lr: base learning rate.
+        momentum: momentum.
+        weight_decay: L2 coefficient.
+        weight_decay_in_loss: L2 inside the loss.
+        lr_schedule: ``"constant"``, ``"poly"`` or ``"staircase"``.
+        max_steps: polynomial decay length.
+        poly_power: polynomial exponent.
+        decay_steps: staircase period in steps.
+        decay_epochs: staircase period in epochs.
+        decay_rate: staircase multiplier.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerName = "adam",
+        lr: float = 2e-3,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        weight_decay_in_loss: bool = False,
+        lr_schedule: ScheduleName = "constant",
+        max_steps: Optional[int] = None,
+        poly_power: float = 0.5,
+        decay_steps: Optional[int] = None,
+        decay_epochs: Optional[float] = None,
+        decay_rate: float = 0.1,
+    ) -> None:
+        super().__init__(
+            model, optimizer, lr, momentum, weight_decay, weight_decay_in_loss, lr_schedule,
+            max_steps, poly_power, decay_steps, decay_epochs, decay_rate,
+        )  # fmt: skip
+        self.save_hyperparameters(ignore=["model"])
+        self.val_loss, self.val_acc = MeanMetric(), MeanMetric()
+        self.test_loss, self.test_acc = MeanMetric(), MeanMetric()
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, prog_bar=True)
+        return loss + self.regularization()
+
+    def _evaluate(self, batch: Any, stage: str) -> None:
+        x, y = batch
+        logits = self.model(x).flatten(0, 1)
+        loss_metric, acc_metric = (self.val_loss, self.val_acc) if stage == "val" else (self.test_loss, self.test_acc)
+        loss_metric(F.cross_entropy(logits, y.flatten()), weight=y.numel())
+        acc_metric((logits.argmax(-1) == y.flatten()).float().mean(), weight=y.numel())
+        self.log(f"{stage}_loss", loss_metric, prog_bar=True)
+        self.log(f"{stage}_acc", acc_metric)
+
+    @override
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self.log("val_bpc", self.val_loss.compute() / math.log(2.0))
+
+    @override
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self.log("test_bpc", self.test_loss.compute() / math.log(2.0))

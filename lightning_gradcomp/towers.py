@@ -1,0 +1,160 @@
+"""N emulated workers in one process, for worker counts beyond the machine's cores.
+
+TernGrad's experiments use up to 64 workers with a total batch of 64; the original code emulates them by
+splitting each batch into N "towers" in one process. :class:`TowerStrategy` does the same with the real
+compressors: each tower is a worker r of N with its own compressor state (random stream seeded from r, its
+own residuals), the shared statistic is the max over towers, and packets are combined exactly as the hook
+combines them (payload sums in rank order for summable encodings, ``decompress_sum`` in rank order for
+gathered ones), then averaged.
+
+Relation to a real multi-process run with N ranks and per-rank batch M/N: tower r takes the samples
+``batch[r::N]``, which are the samples a ``DistributedSampler`` (no shuffling) gives rank r, so the same
+data, seeds and decoding produce the same update; only fp32 sums of summable payloads may differ in the last
+bits (a ring all-reduce adds in another order). ``tests/integration/test_towers.py`` checks agreement at N=2.
+"""
+
+import copy
+from typing import Any, Optional, Union
+
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from typing_extensions import override
+
+import lightning_gradcomp.registry as registry
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.hook import LayerRecord
+from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.strategy import select_float_names
+from lightning_gradcomp.validation import check_int
+
+
+def _tower_slice(batch: Any, tower: int, towers: int) -> Any:
+    if isinstance(batch, Tensor):
+        if batch.shape[0] < towers:
+            raise ValueError(
+                f"Expected a batch of at least `num_workers={towers}` samples, but got {batch.shape[0]}. "
+                f"Fix: raise the batch size to a multiple of the number of emulated workers."
+            )
+        return batch[tower::towers]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_tower_slice(b, tower, towers) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _tower_slice(v, tower, towers) for k, v in batch.items()}
+    return batch
+
+
+class TowerStrategy(SingleDeviceStrategy):
+    """Emulate ``num_workers`` data-parallel workers with gradient compression in a single process.
+
+    Args:
+        num_workers: N, the number of emulated workers; each batch is split into N towers.
+        compressor: a compressor instance (copied per worker) or a registered name.
+        exclude: parameter-name globs sent uncompressed (as in :class:`~lightning_gradcomp.GradCompStrategy`).
+        min_numel: parameters with fewer elements are sent uncompressed.
+        device: the device to train on.
+        accelerator: see :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
+        checkpoint_io: see ``SingleDeviceStrategy``.
+        precision_plugin: see ``SingleDeviceStrategy``.
+    """
+
+    strategy_name = "towers"
+
+    def __init__(
+        self,
+        num_workers: int,
+        compressor: Union[Compressor, str] = "terngrad",
+        exclude: Optional[list[str]] = None,
+        min_numel: int = 1,
+        device: Union[str, torch.device] = "cpu",
+        accelerator: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+    ) -> None:
+        super().__init__(
+            device=device, accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+        )
+        check_int("num_workers", num_workers, minimum=1)
+        check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
+        self.num_workers = num_workers
+        self.compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
+        self.exclude = list(exclude or [])
+        self.min_numel = min_numel
+        self._workers: list[Compressor] = []
+        self._memories: list[ResidualMemory] = []
+        self._float_names: frozenset[str] = frozenset()
+        self._identity = Identity()
+        #: the latest record per parameter name (bytes are those of ONE worker, as in the hook)
+        self.records: dict[str, LayerRecord] = {}
+        self._stat_bytes: dict[str, int] = {}
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        named = {n: p for n, p in self.lightning_module.named_parameters() if p.requires_grad}
+        self._float_names = select_float_names(named, self.exclude, self.min_numel)
+        self._workers = []
+        for rank in range(self.num_workers):
+            worker = copy.deepcopy(self.compressor)
+            worker.setup(rank, self.num_workers, self.root_device)
+            self._workers.append(worker)
+        self._memories = [ResidualMemory() for _ in range(self.num_workers)]
+
+    def _exchange(self, name: str, grads: list[Tensor]) -> Tensor:
+        """What every worker's hook would write for parameter ``name``: the decoded average."""
+        n = self.num_workers
+        workers = [self._identity] * n if name in self._float_names else self._workers
+        xs = grads
+        if workers[0].uses_memory:
+            for w, g in zip(workers, grads):
+                w.observe_gradient(g, name)
+            xs = [self._memories[r].compensate(g, name) for r, g in enumerate(grads)]
+        local = [w.local_statistic(x, name) for w, x in zip(workers, xs)]
+        shared = None
+        self._stat_bytes[name] = 0 if local[0] is None else 4 * local[0].numel()
+        if local[0] is not None:
+            shared = torch.stack([s.float() for s in local]).amax(dim=0)  # type: ignore[union-attr]
+        packets = [w.compress(x, name, shared) for w, x in zip(workers, xs)]
+        if workers[0].uses_memory:
+            for r, (w, x, p) in enumerate(zip(workers, xs, packets)):
+                self._memories[r].update(name, x, w.sent(x, p))
+        aggregation = workers[0].aggregation_for(n)
+        self.records[name] = LayerRecord(packets[0].nbytes, grads[0].numel(), aggregation, packets[0].stats)
+        if aggregation is Aggregation.SUM:
+            total = packets[0].payload.clone()
+            for p in packets[1:]:
+                total += p.payload
+            decoded = workers[0].decompress(packets[0].with_payload(total))
+            return decoded.div_(n) if decoded.is_floating_point() else decoded.float() / n
+        return workers[0].decompress_sum(packets).div_(n)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        module = self.lightning_module
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
+        batch, rest = args[0], args[1:]
+        losses: list[Tensor] = []
+        per_tower: list[list[Tensor]] = []
+        output: STEP_OUTPUT = None
+        with self.precision_plugin.train_step_context():
+            for tower in range(self.num_workers):
+                output = module.training_step(_tower_slice(batch, tower, self.num_workers), *rest, **kwargs)
+                loss = output["loss"] if isinstance(output, dict) else output
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+                per_tower.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
+                losses.append(loss.detach())
+            averaged = [self._exchange(name, [g[j] for g in per_tower]) for j, (name, _) in enumerate(named)]
+            # a surrogate whose gradient is exactly the exchanged average and whose value is the mean tower
+            # loss, so Lightning's own backward, clipping and optimizer step run unchanged
+            surrogate = sum((p * g.to(p.dtype)).sum() for p, g in zip(params, averaged))
+            loss_out = surrogate - surrogate.detach() + torch.stack(losses).mean()
+        if isinstance(output, dict):
+            return {**output, "loss": loss_out}
+        return loss_out
+
+    def bytes_per_step(self) -> int:
+        """Bytes one emulated worker contributes per step: payloads plus shared statistics, as in the hook."""
+        return sum(r.nbytes for r in self.records.values()) + sum(self._stat_bytes.values())

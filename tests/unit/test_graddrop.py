@@ -1,0 +1,167 @@
+"""Gradient Dropping: thresholds, drop rule, scopes, quantized survivors, wire sizes and argument checks."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors.graddrop import GradientDropping, select_threshold, select_weighted_threshold
+from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.sparse import delta16_nbytes
+from tests.unit.feedback import feedback_step
+
+
+def test_exact_threshold_drops_the_smallest_ratio_with_marians_rule() -> None:
+    x = torch.arange(1, 1001, dtype=torch.float32) * torch.where(torch.arange(1000) % 2 == 0, 1.0, -1.0)
+    comp = GradientDropping(drop_ratio=0.99, sample="exact")
+    packet = comp.compress(x, "w")
+    sent = comp.decompress(packet)
+    # k = floor(0.99 * 1000) = 990: the 990th smallest |x| is 990, dropped (|x| <= thr); 991..1000 survive
+    assert float(packet.stats["threshold"]) == 990.0
+    assert torch.equal(torch.nonzero(sent).reshape(-1), torch.arange(990, 1000))
+    assert torch.equal(sent[990:], x[990:])
+    assert packet.nbytes == 10 * 8  # coo32: 32-bit index + 32-bit value
+
+
+def test_strided_sample_is_marians() -> None:
+    comp = GradientDropping(sample="strided", max_sample=1000)
+    mags = torch.arange(2500, dtype=torch.float32)
+    sample, weight = comp.threshold_sample(mags)
+    # sortSize = 1000, stride = 2500 // 1000 = 2, from index 0
+    assert torch.equal(sample, torch.arange(0, 2000, 2, dtype=torch.float32)) and weight == 2.5
+
+
+def test_random_sample_size_and_small_tensors_exact() -> None:
+    comp = GradientDropping(sample="random", sample_fraction=0.001, min_sample=1000)
+    comp.setup(0, 1, torch.device("cpu"))
+    sample, weight = comp.threshold_sample(torch.rand(3_000_000))
+    assert sample.numel() == 3000 and weight == 1000.0
+    small = torch.rand(500)
+    sample, weight = comp.threshold_sample(small)
+    assert sample is small and weight == 1.0
+    # a 0.1% sample of a large tensor lands near the exact quantile
+    x = torch.randn(2_000_000)
+    sampled = float(select_threshold(comp.threshold_sample(x.abs())[0], 0.99))
+    exact = float(select_threshold(x.abs(), 0.99))
+    assert abs(sampled - exact) / exact < 0.05
+
+
+def test_drop_ratio_zero_sends_every_nonzero_value() -> None:
+    x = torch.randn(40, 30)
+    x[0, :5] = 0.0
+    comp = GradientDropping(drop_ratio=0.0)
+    sent = comp.decompress(comp.compress(x, "w"))
+    assert torch.equal(sent, x)
+
+
+def test_weighted_threshold_matches_exact_on_the_concatenation() -> None:
+    parts = [torch.rand(1000) * s for s in (1.0, 10.0, 0.1)]
+    together = select_threshold(torch.cat(parts), 0.9)
+    assert torch.equal(select_weighted_threshold(parts, [1.0, 1.0, 1.0], 0.9), together)
+
+
+def test_global_scope_uses_the_previous_steps_whole_model_threshold() -> None:
+    comp = GradientDropping(drop_ratio=0.9, sample="exact", scope="global")
+    small, large = torch.rand(1000), torch.rand(1000) * 100
+    p0a = comp.compress(small, "a")
+    p0b = comp.compress(large, "b")
+    # step 0: per-layer thresholds (no pool yet)
+    assert torch.equal(p0a.stats["threshold"], select_threshold(small.abs(), 0.9))
+    p1a = comp.compress(small, "a")  # "a" again: step 1 uses the pool of step 0
+    expected = select_threshold(torch.cat((small, large)).abs(), 0.9)
+    assert torch.equal(p1a.stats["threshold"], expected)
+    # a global threshold sends nothing of the small-scale layer and 20% of the large one
+    assert int(p1a.stats["sent"]) == 0
+    assert int(comp.compress(large, "b").stats["sent"]) == 200
+
+
+def test_global_state_round_trips() -> None:
+    comp = GradientDropping(scope="global", seed=3)
+    comp.setup(0, 1, torch.device("cpu"))
+    for name in ("a", "b", "a"):
+        comp.compress(torch.randn(5000), name)
+    state = comp.state_dict()
+    clone = GradientDropping(scope="global", seed=3)
+    clone.setup(0, 1, torch.device("cpu"))
+    clone.load_state_dict(state)
+    x = torch.randn(5000)
+    assert torch.equal(comp.compress(x, "b").payload, clone.compress(x, "b").payload)
+
+
+@pytest.mark.parametrize("quantize", ["threshold", "column_mean", "global_mean", "2bit"])
+@pytest.mark.parametrize("index_encoding", ["coo32", "delta16"])
+def test_quantized_survivors(quantize: str, index_encoding: str) -> None:
+    x = torch.randn(64, 100) * torch.linspace(0.1, 3.0, 100)  # columns on different scales
+    comp = GradientDropping(drop_ratio=0.9, sample="exact", quantize=quantize, index_encoding=index_encoding)
+    packet = comp.compress(x, "w")
+    sent = comp.decompress(packet)
+    keep = x.abs() > packet.stats["threshold"]
+    assert torch.equal(sent != 0, keep) and torch.equal(torch.sign(sent[keep]), torch.sign(x[keep]))
+    k = int(keep.sum())
+    idx = torch.nonzero(keep.reshape(-1)).reshape(-1)
+    levels = {"threshold": 1, "global_mean": 2, "2bit": 4, "column_mean": 200}[quantize]
+    bits = 2 if quantize == "2bit" else 1
+    index_bytes = 4 * k if index_encoding == "coo32" else delta16_nbytes(idx, "fp32") - 4 - 4 * k
+    assert packet.nbytes == 4 + 4 * levels + math.ceil(k * bits / 8) + index_bytes
+    if quantize == "threshold":
+        assert torch.all(sent[keep].abs() == packet.stats["threshold"])
+    if quantize == "global_mean":
+        pos = x[keep & (x > 0)]
+        torch.testing.assert_close(sent[keep & (x > 0)], torch.full_like(pos, float(pos.mean())))
+    if quantize == "column_mean":
+        col = 7
+        members = x[:, col][keep[:, col] & (x[:, col] < 0)]
+        torch.testing.assert_close(sent[:, col][keep[:, col] & (x[:, col] < 0)], torch.full_like(members, float(members.mean())))
+    if quantize == "2bit":
+        assert sent[keep & (x > 0)].unique().numel() == 2  # small and large movers apart
+
+
+def test_narrow_values_and_fp16_overflow_stays_in_residual() -> None:
+    x = torch.randn(1000) * 10
+    x[5] = 1e6  # beyond fp16
+    comp = GradientDropping(drop_ratio=0.9, sample="exact", values="fp16")
+    memory = ResidualMemory()
+    old, xc, packet, sent = feedback_step(comp, memory, x, "w")
+    assert sent[5] == 0 and memory.residuals["w"][5] == 1e6 and float(packet.stats["overflow"]) == 1.0
+    keep = (x.abs() > packet.stats["threshold"]) & (x.abs() < 65504)
+    assert torch.equal(sent[keep], x[keep].half().float())
+    bf = GradientDropping(drop_ratio=0.9, sample="exact", values="bf16", index_encoding="delta16")
+    p = bf.compress(x, "w")
+    assert p.nbytes == 4 + 100 * 2 + 2 * 100  # count, bf16 values, one gap code each (gaps < 65536)
+
+
+@pytest.mark.parametrize(
+    "kwargs, argument",
+    [
+        ({"drop_ratio": 1.0}, "drop_ratio"),
+        ({"drop_ratio": -0.1}, "drop_ratio"),
+        ({"drop_ratio": float("nan")}, "drop_ratio"),
+        ({"scope": "bucket"}, "scope"),
+        ({"sample": "median"}, "sample"),
+        ({"sample_fraction": 0.0}, "sample_fraction"),
+        ({"min_sample": 0}, "min_sample"),
+        ({"max_sample": 0}, "max_sample"),
+        ({"quantize": "1bit"}, "quantize"),
+        ({"index_encoding": "varint"}, "index_encoding"),
+        ({"values": "int8"}, "values"),
+        ({"quantize": "2bit", "values": "bf16"}, "values"),
+        ({"quantize": "threshold", "drop_ratio": 0.0}, "drop_ratio"),
+    ],
+)
+def test_bad_arguments_name_argument_and_fix(kwargs: dict, argument: str) -> None:
+    with pytest.raises(ValueError, match=f"`{argument}`") as info:
+        GradientDropping(**kwargs)
+    assert "Fix" in str(info.value)
+
+
+def test_registered_names_make_fresh_compressors() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+    from lightning_gradcomp import registry
+    from lightning_gradcomp.compressors import AdaComp
+
+    assert isinstance(registry.make_compressor("graddrop"), GradientDropping)
+    assert isinstance(registry.make_compressor("AdaComp"), AdaComp)
+    assert registry.make_compressor("graddrop") is not registry.make_compressor("graddrop")
+    assert "graddrop" in StrategyRegistry and "adacomp" in StrategyRegistry
