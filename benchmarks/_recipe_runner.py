@@ -7,7 +7,7 @@ each printed row corresponds to a command line that the runner also prints.
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -24,7 +24,7 @@ def command_line(recipe: str, overrides: list[str]) -> str:
     return " ".join(["gradcomp fit --config", recipe, *overrides])
 
 
-def run_recipe(recipe: str, overrides: list[str], quiet: bool = True) -> dict[str, Any]:
+def run_recipe(recipe: str, overrides: list[str], quiet: bool = True, callbacks: Optional[list[Any]] = None) -> dict[str, Any]:
     """Fit ``recipe`` with ``overrides``, validate once more at the end, and return metrics and wall time.
 
     Returns a dict with the final ``callback_metrics`` after validation (floats), ``seconds`` of ``fit``, and
@@ -37,6 +37,7 @@ def run_recipe(recipe: str, overrides: list[str], quiet: bool = True) -> dict[st
         LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
         args=args, run=False, save_config_kwargs={"overwrite": True},
     )
+    cli.trainer.callbacks.extend(callbacks or [])
     start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     seconds = time.perf_counter() - start
