@@ -24,6 +24,7 @@ from torch import Tensor
 from lightning_gradcomp import comm
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.guard import NonFinite, begin_step, bucket_is_nonfinite, remember_residual
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
 
@@ -54,6 +55,11 @@ class GradCompState:
         shared_stat_bytes: bytes of the statistic all-reduce in the latest round per bucket index.
         collectives: how many collectives of each kind ran since the last reset.
         hook_calls: number of bucket hook calls since construction.
+        nonfinite: what a NaN/Inf gradient on any rank does: ``"skip"`` the step everywhere, ``"raise"``, or
+            ``"ignore"`` (see :mod:`lightning_gradcomp.guard`).
+        step_nonfinite: whether the current (or last) step was found non-finite and skipped.
+        skipped_steps: steps skipped for non-finite gradients since construction.
+        residual_undo: residuals replaced so far in this step, to roll back if the step is skipped.
     """
 
     compressor: Compressor
@@ -68,6 +74,11 @@ class GradCompState:
     shared_stat_bytes: dict[int, int] = field(default_factory=dict)
     collectives: Counter = field(default_factory=Counter)
     hook_calls: int = 0
+    # -- non-finite guard (lightning_gradcomp.guard) --
+    nonfinite: NonFinite = "skip"
+    step_nonfinite: bool = False
+    skipped_steps: int = 0
+    residual_undo: dict[str, Optional[Tensor]] = field(default_factory=dict)
 
     def compressor_for(self, name: str) -> Compressor:
         return self.identity if name in self.float_names else self.compressor
@@ -142,6 +153,12 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
     names = [state.names[id(p)] for p in bucket.parameters()]
     world = state.world_size
 
+    # non-finite guard: decided identically on every rank before transforms and residuals see the gradient
+    if bucket.index() == 0:
+        begin_step(state)
+    if bucket_is_nonfinite(state, bucket.buffer(), grads, names):
+        return comm.completed(bucket.buffer().fill_(float("nan")))
+
     inputs = _prepare(state, grads, names)
     shared = _shared_statistics(state, bucket.index(), inputs, names)
 
@@ -152,6 +169,7 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
         if compressor.uses_memory or state.transforms:
             sent = compressor.sent(x, packet)
             if compressor.uses_memory:
+                remember_residual(state, name)
                 state.memory.update(name, x, sent)
             for transform in state.transforms:
                 if transform.applies_to_float or name not in state.float_names:

@@ -31,7 +31,10 @@ def make_compressor(name: str) -> Compressor:
     """A fresh compressor with the paper's defaults for a registered name."""
     key = name.lower()
     if key not in COMPRESSORS:
-        raise ValueError(f"Expected `compressor` to be one of {compressor_names()}, but got {name!r}.")
+        raise ValueError(
+            f"Expected `compressor` to be one of {compressor_names()}, but got {name!r}. "
+            f"Fix: use a registered name or pass a Compressor instance."
+        )
     return COMPRESSORS[key][0]()
 
 

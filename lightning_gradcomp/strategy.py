@@ -18,7 +18,9 @@ from typing_extensions import override
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.guard import NonFinite
 from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
 from lightning_gradcomp.validation import check_int
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ def select_float_names(named: dict[str, torch.nn.Parameter], exclude: Sequence[s
     return frozenset(chosen)
 
 
-class GradCompStrategy(DDPStrategy):
+class GradCompStrategy(ResilienceMixin, DDPStrategy):
     """Data-parallel training with compressed gradient exchange inside DDP's communication hook.
 
     Args:
@@ -74,8 +76,17 @@ class GradCompStrategy(DDPStrategy):
         checkpoint_io: see ``DDPStrategy``.
         precision_plugin: see ``DDPStrategy``.
         process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
-        timeout: collective timeout.
+        timeout: collective timeout (a positive ``timedelta``): how long a rank waits for a peer that stopped
+            answering before it fails. A peer that dies is usually detected at once (Gloo: connection closed).
         start_method: how Lightning launches local processes (``"popen"``, ``"spawn"``, ...).
+        check_replicas_every: every k optimizer steps, compare a checksum of all parameters across ranks and
+            stop with an error naming the first diverging parameter (0: never). Costs one all-gather of
+            16 bytes per parameter tensor.
+        nonfinite: a NaN/Inf gradient on any rank: ``"skip"`` the step on every rank (residuals untouched),
+            ``"raise"`` on every rank naming the parameter, or ``"ignore"`` (no check). See
+            :mod:`lightning_gradcomp.guard`.
+        resume_compression: ``"exact"`` restores every rank's compression state from the checkpoint (and refuses
+            a checkpoint written by another world size); ``"reset"`` starts it afresh.
         **kwargs: further ``DistributedDataParallel`` options.
     """
 
@@ -99,12 +110,19 @@ class GradCompStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        check_replicas_every: int = 0,
+        nonfinite: NonFinite = "skip",
+        resume_compression: ResumeCompression = "exact",
         **kwargs: Any,
     ) -> None:
+        # reliability options (lightning_gradcomp.resilience), validated before anything else is built
+        self._init_resilience(check_replicas_every, nonfinite, resume_compression, timeout)
         for key in _HOOK_ARGUMENTS:
-            if kwargs.pop(key, None) is not None:
+            value = kwargs.pop(key, None)
+            if value is not None:
                 raise ValueError(
-                    f"Expected `{key}` to be None: GradCompStrategy installs its own communication hook. "
+                    f"Expected `{key}` to be None (GradCompStrategy installs its own communication hook), but got "
+                    f"{value!r}. "
                     f"Fix: use `strategy='ddp'` for a custom DDP hook, or a Compressor for custom compression."
                 )
         unknown = sorted(set(kwargs) - _DDP_OPTIONS)
@@ -119,6 +137,11 @@ class GradCompStrategy(DDPStrategy):
             raise ValueError(
                 f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
                 f"Fix: use one of {registry.compressor_names()}."
+            )
+        if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude or ()):
+            raise ValueError(
+                f"Expected `exclude` to be a list of parameter-name patterns, but got {exclude!r}. "
+                f"Fix: wrap a single pattern in a list, e.g. `exclude=['classifier.*']`."
             )
         self.exclude = list(exclude or [])
         check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
@@ -193,6 +216,7 @@ class GradCompStrategy(DDPStrategy):
             len(float_names),
             len(named),
         )
+        self._attach_resilience(self.comm_state)  # non-finite mode, pending checkpoint restore
         self.model.register_comm_hook(self.comm_state, gradcomp_hook)
 
     @classmethod

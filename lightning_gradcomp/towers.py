@@ -108,6 +108,8 @@ class TowerStrategy(SingleDeviceStrategy):
         workers = [self._identity] * n if name in self._float_names else self._workers
         xs = grads
         if workers[0].uses_memory:
+            for w, g in zip(workers, grads):
+                w.observe_gradient(g, name)
             xs = [self._memories[r].compensate(g, name) for r, g in enumerate(grads)]
         local = [w.local_statistic(x, name) for w, x in zip(workers, xs)]
         shared = None

@@ -10,10 +10,8 @@ from typing import Any, Optional
 
 
 def _fail(name: str, value: Any, expected: str, fix: Optional[str]) -> ValueError:
-    message = f"Expected `{name}` to be {expected}, but got {value!r}."
-    if fix:
-        message += f" Fix: {fix}."
-    return ValueError(message)
+    # every message carries a fix; without a specific one, the expectation itself is the fix
+    return ValueError(f"Expected `{name}` to be {expected}, but got {value!r}. Fix: {fix or 'pass ' + expected}.")
 
 
 def check_number(

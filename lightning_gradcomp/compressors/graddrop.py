@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.sparse import (
     INDEX_ENCODINGS,
     VALUE_FORMATS,
@@ -164,7 +165,7 @@ class GradientDropping(Compressor):
         self.index_encoding: IndexEncoding = index_encoding
         self.values: ValueFormat = values
         self.seed = seed
-        self._generator: Optional[torch.Generator] = None
+        self._streams = RandomStreams(seed)
         self._device = torch.device("cpu")
         # global scope: the latest sample (and the elements each value stands for) per parameter name, the
         # names seen in the current step, and the threshold selected on the previous step's pool
@@ -176,26 +177,18 @@ class GradientDropping(Compressor):
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
         self._device = device
-        self._generator = torch.Generator(device=device)
-        self._generator.manual_seed(self.seed * 1_000_003 + rank)
-
-    def _rng(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._device != device:
-            self.setup(self.rank, self.world_size, device)
-        assert self._generator is not None
-        return self._generator
+        self._streams.reset(rank)
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "generator": self._generator.get_state() if self._generator is not None else None,
+            "streams": self._streams.state_dict(),
             "pool": {n: (s.detach().cpu().clone(), w) for n, (s, w) in self._pool.items()},
             "seen": sorted(self._seen),
             "global_threshold": None if self._global_threshold is None else self._global_threshold.cpu(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("generator") is not None:
-            self._rng(self._device).set_state(state["generator"])
+        self._streams.load_state_dict(state.get("streams", {}))
         self._pool = {n: (s.to(self._device), w) for n, (s, w) in state.get("pool", {}).items()}
         self._seen = set(state.get("seen", []))
         thr = state.get("global_threshold")
@@ -217,7 +210,7 @@ class GradientDropping(Compressor):
         }
 
     # -- threshold --------------------------------------------------------------------------------------
-    def threshold_sample(self, magnitudes: Tensor) -> tuple[Tensor, float]:
+    def threshold_sample(self, magnitudes: Tensor, name: str = "") -> tuple[Tensor, float]:
         """The sampled |x| of one flat tensor and how many elements each sampled value stands for."""
         n = magnitudes.numel()
         if self.sample == "exact" or n == 0:
@@ -230,12 +223,12 @@ class GradientDropping(Compressor):
         size = max(self.min_sample, math.ceil(self.sample_fraction * n))
         if size >= n:
             return magnitudes, 1.0
-        idx = torch.randint(n, (size,), generator=self._rng(magnitudes.device), device=magnitudes.device)
+        idx = torch.randint(n, (size,), generator=self._streams.get(name, magnitudes.device), device=magnitudes.device)
         return magnitudes[idx], n / size
 
     def threshold(self, magnitudes: Tensor, name: str) -> Tensor:
         """The drop threshold for one flat tensor of |x| (updates the global pool in global scope)."""
-        sample, weight = self.threshold_sample(magnitudes)
+        sample, weight = self.threshold_sample(magnitudes, name)
         if self.scope == "layer":
             return select_threshold(sample, self.drop_ratio)
         if name in self._seen:  # a name comes back: a new step began, select on the previous step's pool

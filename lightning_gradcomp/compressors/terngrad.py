@@ -18,7 +18,6 @@ so an int8 all-reduce of the ternary values (n bytes, summable) is an alternativ
 payloads; ``collective`` picks one, ``"auto"`` by the ring traffic of each (see :meth:`TernGrad.aggregation_for`).
 """
 
-import hashlib
 from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
@@ -26,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.wire import PACKINGS, Packing, pack_ternary, packed_nbytes, unpack_ternary
 
@@ -78,7 +78,7 @@ class TernGrad(Compressor):
         if collective == "allreduce_int8" and scaler_share != "max":
             raise ValueError(
                 f"`collective='allreduce_int8'` sums ternary values, which needs one scaler shared by all ranks, "
-                f"but got `scaler_share={scaler_share!r}`. Use `scaler_share='max'` or `collective='allgather'`."
+                f"but got `scaler_share={scaler_share!r}`. Fix: use `scaler_share='max'` or `collective='allgather'`."
             )
         self.clip_factor = float(clip_factor)
         self.clip_mode = clip_mode
@@ -87,8 +87,7 @@ class TernGrad(Compressor):
         self.packing: Packing = packing
         self.collective = collective
         self.seed = seed
-        # one random stream per parameter name: draws do not depend on the order DDP's buckets arrive in
-        self._generators: dict[str, torch.Generator] = {}
+        self._streams = RandomStreams(seed)
         self._device = torch.device("cpu")
 
     # -- setup and state --------------------------------------------------------------------------------
@@ -97,30 +96,16 @@ class TernGrad(Compressor):
         if self.collective == "allreduce_int8" and world_size > _INT8_MAX_RANKS:
             raise ValueError(
                 f"`collective='allreduce_int8'` overflows int8 beyond {_INT8_MAX_RANKS} ranks, but the world size is "
-                f"{world_size}. Use `collective='allgather'` or `'auto'`."
+                f"{world_size}. Fix: use `collective='allgather'` or `'auto'`."
             )
         self._device = device
-        self._generators = {}
-
-    def _rng(self, device: torch.device, name: str) -> torch.Generator:
-        gen = self._generators.get(name)
-        if gen is None or gen.device != device:
-            gen = torch.Generator(device=device)
-            # distinct, reproducible stream per (seed, rank, parameter): identical streams on two ranks would
-            # correlate their rounding. Hashed, because the CPU generator keeps only the low 32 bits of a seed.
-            digest = hashlib.blake2b(f"{self.seed}/{self.rank}/{name}".encode(), digest_size=8).digest()
-            gen.manual_seed(int.from_bytes(digest, "little") >> 1)
-            self._generators[name] = gen
-            self._device = device
-        return gen
+        self._streams.reset(rank)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generators": {name: gen.get_state() for name, gen in self._generators.items()}}
+        return {"streams": self._streams.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._generators = {}  # streams absent from the state start afresh from the seed
-        for name, gen_state in state.get("generators", {}).items():
-            self._rng(self._device, name).set_state(gen_state)
+        self._streams.load_state_dict(state.get("streams", {}))
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -215,7 +200,7 @@ class TernGrad(Compressor):
         """
         chunks, local = self._clipped_and_scaler(tensor)
         s = local if scaler is None else scaler.to(chunks.device, torch.float32)
-        rnd = torch.rand(chunks.shape, generator=self._rng(chunks.device, name), device=chunks.device)
+        rnd = torch.rand(chunks.shape, generator=self._streams.get(name, chunks.device), device=chunks.device)
         # b ~ Bernoulli(|g|/s), drawn as U[0,1)*s < |g|: no division, exact at s == 0 (nothing is sent) and
         # |g| >= s always sent (the original code's implicit clipping)
         keep = rnd.mul_(s[:, None]) < chunks.abs()

@@ -152,3 +152,16 @@ def test_bad_arguments_name_argument_and_fix(kwargs: dict, argument: str) -> Non
     with pytest.raises(ValueError, match=f"`{argument}`") as info:
         GradientDropping(**kwargs)
     assert "Fix" in str(info.value)
+
+
+def test_registered_names_make_fresh_compressors() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+    from lightning_gradcomp import registry
+    from lightning_gradcomp.compressors import AdaComp
+
+    assert isinstance(registry.make_compressor("graddrop"), GradientDropping)
+    assert isinstance(registry.make_compressor("AdaComp"), AdaComp)
+    assert registry.make_compressor("graddrop") is not registry.make_compressor("graddrop")
+    assert "graddrop" in StrategyRegistry and "adacomp" in StrategyRegistry

@@ -1,0 +1,136 @@
+"""Compression state is training state: gather every rank's part into the checkpoint and give it back on resume.
+
+Residuals, momentum-correction buffers, a compressor's random generator and its adaptive thresholds are per
+rank, but Lightning writes checkpoints from rank 0 only. So at save time every rank's part travels to rank 0
+(one ``gather_object``) and is stored under ``checkpoint["gradcomp"]``; at resume each rank takes the entry of
+its own rank. A checkpoint written by another number of ranks cannot be split back exactly (residuals are
+per-rank quantities), so it is refused unless it holds no state at all or the user asks for a reset.
+"""
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_gradcomp.hook import GradCompState
+
+#: key of the compression state in a Lightning checkpoint
+CHECKPOINT_KEY = "gradcomp"
+#: bumped when the layout below changes
+FORMAT_VERSION = 1
+
+
+def _to_cpu(value: Any) -> Any:
+    """A copy of nested containers with every tensor detached, cloned and on the CPU (picklable, device-free)."""
+    if isinstance(value, Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, Mapping):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def _is_empty(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return all(_is_empty(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_is_empty(v) for v in value)
+    return value is None
+
+
+def rank_state(state: "GradCompState") -> dict[str, Any]:
+    """This rank's compression state, on the CPU: compressor, residuals and every transform, by class name."""
+    return {
+        "compressor_class": type(state.compressor).__qualname__,
+        "compressor": _to_cpu(state.compressor.state_dict()),
+        "memory": state.memory.state_dict(),
+        "transforms": [(type(t).__qualname__, _to_cpu(t.state_dict())) for t in state.transforms],
+    }
+
+
+def has_state(entry: Mapping[str, Any]) -> bool:
+    """Whether one rank's entry carries anything to restore."""
+    return not (
+        _is_empty(entry["compressor"]) and not entry["memory"] and all(_is_empty(s) for _, s in entry["transforms"])
+    )
+
+
+def gather_into(checkpoint: dict[str, Any], state: "GradCompState", rank: int, world_size: int) -> None:
+    """Collect every rank's :func:`rank_state` into ``checkpoint[CHECKPOINT_KEY]`` on rank 0.
+
+    A collective over the default group: every rank must call it (Lightning's ``save_checkpoint`` runs on all).
+    """
+    own = rank_state(state)
+    if world_size > 1:
+        gathered: Optional[list[Any]] = [None] * world_size if rank == 0 else None
+        dist.gather_object(own, gathered, dst=0)
+    else:
+        gathered = [own]
+    if rank == 0:
+        assert gathered is not None
+        checkpoint[CHECKPOINT_KEY] = {"version": FORMAT_VERSION, "world_size": world_size, "ranks": gathered}
+
+
+def select(checkpoint: Mapping[str, Any], rank: int, world_size: int, reset: bool) -> Optional[dict[str, Any]]:
+    """This rank's entry of a checkpoint, or ``None`` when there is nothing to restore.
+
+    Raises:
+        ValueError: the checkpoint was written by another number of ranks and holds per-rank state, and
+            ``reset`` is not set; or its layout version is unknown.
+    """
+    saved = checkpoint.get(CHECKPOINT_KEY)
+    if saved is None or reset:
+        return None
+    if saved.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"Expected the checkpoint's `{CHECKPOINT_KEY}` state to have version {FORMAT_VERSION}, but got "
+            f"{saved.get('version')!r}. Fix: resume with the lightning_gradcomp version that wrote it, or pass "
+            f"`GradCompStrategy(resume_compression='reset')` to start the compression state afresh."
+        )
+    entries = saved["ranks"]
+    if saved["world_size"] != world_size:
+        if not any(has_state(e) for e in entries):
+            return None  # nothing per-rank was saved (e.g. fp32): any world size resumes exactly
+        raise ValueError(
+            f"Expected to resume on the {saved['world_size']} ranks that wrote the checkpoint's compression state "
+            f"(residuals, generators, transform buffers are per rank and cannot be split exactly), but the world size "
+            f"is {world_size}. Fix: resume with devices x num_nodes = {saved['world_size']}, or pass "
+            f"`GradCompStrategy(resume_compression='reset')` to start the compression state afresh."
+        )
+    return entries[rank]
+
+
+def restore(state: "GradCompState", entry: Mapping[str, Any], device: torch.device) -> None:
+    """Load one rank's entry into the live hook state, refusing anything that would restore only in part.
+
+    Raises:
+        ValueError: the compressor class, the transforms or the parameter names differ from the checkpoint's.
+    """
+    fix = "resume with the same compressor, callbacks and model, or pass `GradCompStrategy(resume_compression='reset')`"
+    compressor = type(state.compressor).__qualname__
+    if entry["compressor_class"] != compressor:
+        raise ValueError(
+            f"Expected the compressor to be {entry['compressor_class']} as in the checkpoint, but got {compressor}. "
+            f"Fix: {fix}."
+        )
+    saved_transforms = [name for name, _ in entry["transforms"]]
+    live_transforms = [type(t).__qualname__ for t in state.transforms]
+    if saved_transforms != live_transforms:
+        raise ValueError(
+            f"Expected the gradient transforms {saved_transforms} as in the checkpoint, but got {live_transforms}. "
+            f"Fix: {fix}."
+        )
+    unknown = sorted(set(entry["memory"]) - set(state.names.values()))
+    if unknown:
+        raise ValueError(
+            f"Expected the checkpoint's residuals to belong to this model's parameters, but {unknown} are not among "
+            f"them. Fix: {fix}."
+        )
+    state.compressor.load_state_dict(entry["compressor"])
+    state.memory.load_state_dict(entry["memory"], device)
+    for transform, (_, saved) in zip(state.transforms, entry["transforms"]):
+        transform.load_state_dict(saved)

@@ -1,0 +1,90 @@
+"""Non-finite gradients: one decision for all ranks, taken before anything stateful sees the gradient.
+
+A NaN or Inf on one rank would otherwise enter that rank's residual (poisoning every later step), its
+momentum-correction buffers, and a shared scaler; and whether the averaged gradient comes out finite
+would depend on the compressor. So per bucket, before transforms and error feedback, each rank scans the
+bucket buffer once and the ranks agree with one 4-byte all-reduce (MAX of ``rank + 1`` where non-finite):
+
+* ``"skip"``: the bucket and every later bucket of the step are neither transformed, compressed nor sent;
+  residuals written earlier in the step are rolled back; the buckets are filled with NaN on every rank, so a
+  ``GradScaler`` (fp16 AMP) skips the step and backs off, and otherwise the strategy drops every gradient
+  (the optimizer then skips every parameter). Identical on all ranks, so replicas stay identical.
+* ``"raise"``: every rank raises :class:`NonFiniteGradientError` naming the parameter and the rank.
+* ``"ignore"``: no check (the compressor sees the NaN; use only when something upstream guarantees finiteness).
+
+Steps are delimited by DDP itself: it launches buckets in index order, so bucket 0 starts a step.
+"""
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_gradcomp.hook import GradCompState
+
+NonFinite = Literal["skip", "raise", "ignore"]
+NONFINITE_MODES = ("skip", "raise", "ignore")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf on some rank (raised identically on every rank)."""
+
+
+def begin_step(state: "GradCompState") -> None:
+    """Forget the previous step's decision and residual snapshot (called at bucket 0)."""
+    state.step_nonfinite = False
+    state.residual_undo.clear()
+
+
+def remember_residual(state: "GradCompState", name: str) -> None:
+    """Keep the residual a step is about to replace, so a skipped step can put it back."""
+    if state.nonfinite == "skip" and name not in state.residual_undo:
+        state.residual_undo[name] = state.memory.residuals.get(name)
+
+
+def _flag(buffer: Tensor, rank: int) -> Tensor:
+    bad = ~torch.isfinite(buffer).all()
+    return (bad.to(torch.float32) * (rank + 1)).reshape(1)
+
+
+def bucket_is_nonfinite(state: "GradCompState", buffer: Tensor, grads: Sequence[Tensor], names: Sequence[str]) -> bool:
+    """Whether this bucket must be skipped on every rank; raises in ``"raise"`` mode.
+
+    Issues one all-reduce per bucket (none once the step is already known to be skipped: that decision is
+    the same on every rank, so every rank leaves it out).
+    """
+    if state.nonfinite == "ignore":
+        return False
+    if state.step_nonfinite:
+        return True
+    rank = dist.get_rank(state.process_group) if state.world_size > 1 else 0
+    flag = _flag(buffer, rank)
+    if state.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.process_group)
+        state.collectives["allreduce_nonfinite"] += 1
+    worst = int(flag.item())
+    if worst == 0:
+        return False
+    if state.nonfinite == "raise":
+        local = [n for g, n in zip(grads, names) if not bool(torch.isfinite(g).all())]
+        where = (
+            f"`{local[0]}` on rank {rank}" + (f" (also {local[1:]})" if local[1:] else "")
+            if local
+            else f"the bucket {list(names)} on rank {worst - 1}"
+        )
+        raise NonFiniteGradientError(
+            f"Non-finite gradient (NaN or Inf) in {where}; every rank stops here. Fix: lower the learning rate, "
+            f"check the data, or pass `GradCompStrategy(nonfinite='skip')` to skip such steps on every rank."
+        )
+    state.step_nonfinite = True
+    state.skipped_steps += 1
+    for name, old in state.residual_undo.items():
+        if old is None:
+            state.memory.residuals.pop(name, None)
+        else:
+            state.memory.residuals[name] = old
+    state.residual_undo.clear()
+    return True

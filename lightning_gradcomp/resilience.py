@@ -1,0 +1,150 @@
+"""The strategy's reliability hooks: exact resume, replica checks, non-finite steps, clear collective failures.
+
+Kept apart from :mod:`lightning_gradcomp.strategy` (which wires the compression pipeline) as a mixin placed
+before ``DDPStrategy`` in :class:`~lightning_gradcomp.GradCompStrategy`'s bases; it expects the strategy to
+set ``comm_state`` when it registers the hook and to call :meth:`_init_resilience` from its constructor.
+"""
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.utilities.exceptions import _augment_message
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gradcomp import checkpoint as ckpt
+from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite
+from lightning_gradcomp.replicas import check_replicas
+from lightning_gradcomp.validation import check_choice, check_int
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_gradcomp.hook import GradCompState
+
+log = logging.getLogger(__name__)
+
+ResumeCompression = Literal["exact", "reset"]
+
+# how a collective reports a peer that died (Gloo) or a peer that stopped answering (timeouts)
+_PEER_FAILURE = r".*(Connection closed by peer|Connection reset by peer|timed out|Timeout|Broken pipe|ECONNRESET).*"
+
+
+class ResilienceMixin:
+    """Checkpointed compression state, an optional replica check, and non-finite handling for a DDP strategy."""
+
+    comm_state: Optional["GradCompState"]
+
+    def _init_resilience(
+        self,
+        check_replicas_every: int,
+        nonfinite: NonFinite,
+        resume_compression: ResumeCompression,
+        timeout: Any,
+    ) -> None:
+        check_int("check_replicas_every", check_replicas_every, minimum=0, fix="use 0 to disable or k > 0 to check every k optimizer steps")
+        check_choice("nonfinite", nonfinite, NONFINITE_MODES)
+        check_choice("resume_compression", resume_compression, ("exact", "reset"))
+        if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
+            raise ValueError(
+                f"Expected `timeout` to be a positive datetime.timedelta, but got {timeout!r}. Fix: e.g. "
+                f"`timeout=timedelta(minutes=2)`: a collective waits this long for a dead peer before failing."
+            )
+        self.check_replicas_every = check_replicas_every
+        self.nonfinite: NonFinite = nonfinite
+        self.resume_compression: ResumeCompression = resume_compression
+        self._pending_restore: Optional[dict[str, Any]] = None
+        self._optimizer_steps = 0
+        self._nonfinite_seen = 0
+
+    def _attach_resilience(self, state: "GradCompState") -> None:
+        """Called by the strategy right after it created the hook state (at DDP wrap time)."""
+        state.nonfinite = self.nonfinite
+        self._nonfinite_seen = state.skipped_steps
+        self._optimizer_steps = 0
+        self._restore_pending()
+
+    # -- checkpoint: every rank's state into rank 0's file, each rank's part back on resume ------------------
+    def _restore_pending(self) -> None:
+        """Apply a loaded entry once the hook state exists (the hook is created when DDP wraps the model)."""
+        if self._pending_restore is None or self.comm_state is None:
+            return
+        ckpt.restore(self.comm_state, self._pending_restore, self.root_device)  # type: ignore[attr-defined]
+        self._pending_restore = None
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        # runs on every rank (Trainer.save_checkpoint, ModelCheckpoint): gather, then rank 0 writes
+        if self.comm_state is not None:
+            ckpt.gather_into(checkpoint, self.comm_state, self.global_rank, self.world_size)  # type: ignore[attr-defined]
+        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        reset = self.resume_compression == "reset"
+        self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset)  # type: ignore[attr-defined]
+        if reset and ckpt.CHECKPOINT_KEY in checkpoint:
+            rank_zero_warn("gradcomp: `resume_compression='reset'`: residuals, generators and transforms start afresh.")
+        elif ckpt.CHECKPOINT_KEY not in checkpoint:
+            rank_zero_warn(
+                f"gradcomp: the checkpoint {checkpoint_path} holds no compression state (written without "
+                f"GradCompStrategy?); residuals, generators and transforms start afresh."
+            )
+        if self.restore_checkpoint_after_setup:  # type: ignore[attr-defined]
+            self._restore_pending()  # the hook of this run exists already; otherwise it is applied at DDP wrap
+        return checkpoint
+
+    # -- replica check and non-finite steps ------------------------------------------------------------------
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        self._optimizer_steps += 1
+        if self.check_replicas_every and self._optimizer_steps % self.check_replicas_every == 0:
+            module = self.lightning_module  # type: ignore[attr-defined]
+            named = list(module.named_parameters())
+            check_replicas([n for n, _ in named], [p for _, p in named], self.world_size, module.trainer.global_step)  # type: ignore[attr-defined]
+        return output
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)  # type: ignore[misc]
+        state = self.comm_state
+        if state is None or state.skipped_steps == self._nonfinite_seen:
+            return
+        self._nonfinite_seen = state.skipped_steps
+        log.warning("gradcomp: non-finite gradient on some rank; step skipped on every rank (%d so far)", state.skipped_steps)
+        if getattr(self.precision_plugin, "scaler", None) is not None:  # type: ignore[attr-defined]
+            return  # the NaN buckets make the GradScaler skip this step and lower its scale
+        for p in self.lightning_module.parameters():  # type: ignore[attr-defined]
+            p.grad = None  # optimizers skip parameters without a gradient: no update, no momentum, no decay
+
+    @override
+    def teardown(self) -> None:
+        self._pending_restore = None
+        super().teardown()  # type: ignore[misc]
+
+    # -- faults ------------------------------------------------------------------------------------------------
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)  # type: ignore[misc]
+        _augment_message(
+            exception,
+            pattern=_PEER_FAILURE,
+            new_message=(
+                f"gradcomp: a collective failed on rank {self.global_rank}: another rank died or stopped answering "  # type: ignore[attr-defined]
+                f"(see its log for the cause); this rank stops too. Original error: {exception}"
+            ),
+        )

@@ -1,0 +1,41 @@
+"""Invalid GradCompStrategy configurations (constructor, and the hook set-up that runs before step 0)."""
+
+from datetime import timedelta
+
+import torch
+
+from lightning_gradcomp import GradCompStrategy
+from tests.bad_configs import BadConfig
+
+
+def _exclude_matching_nothing() -> None:
+    # what _register_ddp_hooks does at DDP wrap time, before the first step
+    GradCompStrategy(exclude=["classifier.*"])._float_names({"net.0.weight": torch.nn.Parameter(torch.ones(2))})
+
+
+def _custom_hook(state: object, bucket: object) -> None:
+    return None
+
+
+BAD_CONFIGS = [
+    BadConfig("strategy-compressor-typo", lambda: GradCompStrategy(compressor="terngrd"), "compressor", "'terngrd'"),
+    BadConfig("strategy-compressor-int", lambda: GradCompStrategy(compressor=3), "compressor", "3"),
+    BadConfig("strategy-compressor-class", lambda: GradCompStrategy(compressor=torch.nn.Linear), "compressor", "Linear"),
+    BadConfig("strategy-min-numel-zero", lambda: GradCompStrategy(min_numel=0), "min_numel", "0"),
+    BadConfig("strategy-min-numel-float", lambda: GradCompStrategy(min_numel=1.5), "min_numel", "1.5"),
+    BadConfig("strategy-min-numel-bool", lambda: GradCompStrategy(min_numel=True), "min_numel", "True"),
+    BadConfig("strategy-exclude-str", lambda: GradCompStrategy(exclude="classifier.*"), "exclude", "'classifier.*'"),
+    BadConfig("strategy-exclude-int", lambda: GradCompStrategy(exclude=[3]), "exclude", "[3]"),
+    BadConfig("strategy-exclude-no-match", _exclude_matching_nothing, "exclude", "'classifier.*'"),
+    BadConfig("strategy-comm-hook", lambda: GradCompStrategy(ddp_comm_hook=_custom_hook), "ddp_comm_hook", "_custom_hook"),
+    BadConfig("strategy-model-averaging", lambda: GradCompStrategy(model_averaging_period=4), "model_averaging_period", "4"),
+    BadConfig("strategy-unknown-option", lambda: GradCompStrategy(clip_factor=2.5), "clip_factor", "clip_factor"),
+    BadConfig("strategy-replicas-negative", lambda: GradCompStrategy(check_replicas_every=-1), "check_replicas_every", "-1"),
+    BadConfig("strategy-replicas-float", lambda: GradCompStrategy(check_replicas_every=1.5), "check_replicas_every", "1.5"),
+    BadConfig("strategy-replicas-str", lambda: GradCompStrategy(check_replicas_every="10"), "check_replicas_every", "'10'"),
+    BadConfig("strategy-nonfinite", lambda: GradCompStrategy(nonfinite="nan"), "nonfinite", "'nan'"),
+    BadConfig("strategy-nonfinite-bool", lambda: GradCompStrategy(nonfinite=True), "nonfinite", "True"),
+    BadConfig("strategy-resume", lambda: GradCompStrategy(resume_compression="strict"), "resume_compression", "'strict'"),
+    BadConfig("strategy-timeout-int", lambda: GradCompStrategy(timeout=30), "timeout", "30"),
+    BadConfig("strategy-timeout-zero", lambda: GradCompStrategy(timeout=timedelta(0)), "timeout", "timedelta(0)"),
+]

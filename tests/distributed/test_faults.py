@@ -1,0 +1,59 @@
+"""A rank that dies mid-training: the survivors stop with a clear error, well within two minutes."""
+
+import pickle
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+from tests.distributed.reliability_ranks import survivor_run
+from tests.harness import _worker, free_port
+
+pytestmark = pytest.mark.distributed
+
+#: the issue's bound for survivors to exit once a peer died (measured inside the survivor)
+EXIT_WITHIN_S = 120.0
+#: hard timeout of the whole run: start-up of the spawned ranks (slow on a busy 2-core machine) plus the bound
+HARD_TIMEOUT_S = 120.0 + EXIT_WITHIN_S
+
+
+def run_with_victim(world_size: int, victim: int, timeout_s: float) -> dict[int, tuple[str, object]]:
+    """Spawn ``world_size`` ranks of :func:`survivor_run`; collect the survivors' reports under a hard timeout."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(survivor_run, r, world_size, port, {}, queue, ("fp32", victim, timeout_s)),
+                    daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    reports: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + HARD_TIMEOUT_S
+    try:
+        while len(reports) < world_size - 1 and time.monotonic() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:
+                break
+            reports[rank] = (status, pickle.loads(value) if status == "ok" else value)
+    finally:
+        for p in procs:
+            p.join(timeout=1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return reports
+
+
+def test_survivor_of_a_killed_rank_stops_with_a_clear_error() -> None:
+    """Rank 0 (which also hosts the rendezvous store) is SIGKILLed at step 2; rank 1 must stop by itself."""
+    reports = run_with_victim(2, victim=0, timeout_s=60)
+    assert set(reports) == {1}, f"the survivor did not report within {HARD_TIMEOUT_S}s: {reports}"
+    status, outcome = reports[1]
+    assert status == "ok", outcome
+    assert outcome["raised"] is not None, "the survivor finished training as if nothing happened"
+    kind, message = outcome["raised"]
+    assert "another rank died or stopped answering" in message, message
+    assert outcome["seconds"] < EXIT_WITHIN_S

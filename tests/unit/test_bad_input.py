@@ -1,0 +1,22 @@
+"""Every invalid configuration of every module raises a ValueError naming the argument, the value and the fix."""
+
+import pytest
+
+from tests.bad_configs import BadConfig, collect
+
+CASES = collect()
+
+
+def test_the_table_is_large_and_ids_are_unique() -> None:
+    assert len(CASES) >= 40
+    assert len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_configuration_is_refused_with_argument_value_and_fix(case: BadConfig) -> None:
+    with pytest.raises(ValueError) as info:
+        case.build()
+    message = str(info.value)
+    assert case.argument in message, f"the message does not name the argument `{case.argument}`: {message}"
+    assert case.value in message, f"the message does not show the value {case.value}: {message}"
+    assert "Fix:" in message, f"the message gives no fix: {message}"

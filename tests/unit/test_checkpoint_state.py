@@ -1,0 +1,84 @@
+"""The checkpoint layout of the compression state, without a process group."""
+
+import pytest
+import torch
+
+from lightning_gradcomp import TernGrad
+from lightning_gradcomp.checkpoint import CHECKPOINT_KEY, rank_state, restore, select
+from lightning_gradcomp.hook import GradCompState
+from lightning_gradcomp.pipeline import LayerTransform
+
+
+def _state(compressor=None) -> GradCompState:
+    compressor = compressor or TernGrad()
+    compressor.setup(0, 2, torch.device("cpu"))
+    return GradCompState(compressor=compressor, names={1: "w", 2: "b"}, world_size=2)
+
+
+def _checkpoint(world_size: int, with_state: bool = True) -> dict:
+    entry = rank_state(_state())
+    if with_state:
+        entry["memory"] = {"w": torch.ones(3)}
+    return {CHECKPOINT_KEY: {"version": 1, "world_size": world_size, "ranks": [entry] * world_size}}
+
+
+def test_each_rank_takes_its_own_entry_and_restores_it() -> None:
+    ckpt = _checkpoint(2)
+    ckpt[CHECKPOINT_KEY]["ranks"] = [dict(ckpt[CHECKPOINT_KEY]["ranks"][0], memory={"w": torch.full((3,), float(r))})
+                                     for r in range(2)]
+    state = _state()
+    restore(state, select(ckpt, 1, 2, reset=False), torch.device("cpu"))
+    assert torch.equal(state.memory.residuals["w"], torch.ones(3))
+
+
+def test_another_world_size_is_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"resume with devices x num_nodes = 4.*resume_compression='reset'"):
+        select(_checkpoint(4), 0, 2, reset=False)
+    assert select(_checkpoint(4), 0, 2, reset=True) is None
+
+
+def test_a_stateless_checkpoint_resumes_on_any_world_size() -> None:
+    from lightning_gradcomp import Identity
+
+    entry = rank_state(_state(Identity()))
+    ckpt = {CHECKPOINT_KEY: {"version": 1, "world_size": 4, "ranks": [entry] * 4}}
+    assert select(ckpt, 0, 2, reset=False) is None
+
+
+def test_a_partial_restore_is_refused() -> None:
+    entry = select(_checkpoint(2), 0, 2, reset=False)
+    from lightning_gradcomp import Identity
+
+    with pytest.raises(ValueError, match="Expected the compressor to be TernGrad"):
+        restore(_state(Identity()), entry, torch.device("cpu"))
+    state = _state()
+    state.transforms = (LayerTransform(),)
+    with pytest.raises(ValueError, match="Expected the gradient transforms"):
+        restore(state, entry, torch.device("cpu"))
+    state = _state()
+    state.names = {1: "other"}
+    with pytest.raises(ValueError, match=r"\['w'\] are not among"):
+        restore(state, entry, torch.device("cpu"))
+
+
+def test_an_unknown_layout_version_is_refused() -> None:
+    ckpt = _checkpoint(2)
+    ckpt[CHECKPOINT_KEY]["version"] = 99
+    with pytest.raises(ValueError, match="version 1"):
+        select(ckpt, 0, 2, reset=False)
+
+
+def test_terngrad_streams_are_per_parameter_and_restorable() -> None:
+    """Randomness per parameter name: the draws of one layer do not depend on which layers came before."""
+    a, b = TernGrad(), TernGrad()
+    for c in (a, b):
+        c.setup(0, 2, torch.device("cpu"))
+    g = torch.randn(1000)
+    a.compress(torch.randn(50), "other")  # a consumed another layer's stream first
+    assert torch.equal(a.compress(g, "w").payload, b.compress(g, "w").payload)
+    saved = a.state_dict()
+    expected = a.compress(g, "w").payload
+    c = TernGrad()
+    c.setup(0, 2, torch.device("cpu"))
+    c.load_state_dict(saved)
+    assert torch.equal(c.compress(g, "w").payload, expected)
