@@ -11,6 +11,11 @@ from lightning_gradcomp.strategy import GradCompStrategy
 
 _registry.register_strategies(GradCompStrategy)
 
+from lightning_gradcomp.weightgrad import WeightGradStrategy  # noqa: E402  (needs the modules above)
+from lightning_gradcomp.weightgrad import register as _register_weightgrad  # noqa: E402
+
+_register_weightgrad()
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -21,5 +26,6 @@ __all__ = [
     "LayerTransform",
     "Packet",
     "TernGrad",
+    "WeightGradStrategy",
     "gradcomp_hook",
 ]

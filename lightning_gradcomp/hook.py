@@ -25,6 +25,7 @@ from lightning_gradcomp import comm
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.guard import NonFinite, begin_step, bucket_is_nonfinite, remember_residual
+from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
 
@@ -60,6 +61,12 @@ class GradCompState:
         step_nonfinite: whether the current (or last) step was found non-finite and skipped.
         skipped_steps: steps skipped for non-finite gradients since construction.
         residual_undo: residuals replaced so far in this step, to roll back if the step is skipped.
+        per_rank: when not ``None``, each gathered parameter's per-rank decoded gradients (in rank order) are
+            kept here by name after every exchange (WeightGrad's serial per-worker application needs them).
+        dense: when set, every parameter is sent uncompressed (fp32 all-reduce) until it is cleared, e.g. for
+            a dense warm-up (:class:`~lightning_gradcomp.callbacks.CompressionSchedule`). It must be set
+            identically on every rank before the step's backward. Residuals are neither added nor cleared
+            while it is set.
     """
 
     compressor: Compressor
@@ -79,9 +86,11 @@ class GradCompState:
     step_nonfinite: bool = False
     skipped_steps: int = 0
     residual_undo: dict[str, Optional[Tensor]] = field(default_factory=dict)
+    per_rank: Optional[dict[str, list[Tensor]]] = None
+    dense: bool = False
 
     def compressor_for(self, name: str) -> Compressor:
-        return self.identity if name in self.float_names else self.compressor
+        return self.identity if self.dense or name in self.float_names else self.compressor
 
     def bytes_per_step(self) -> int:
         """Bytes this rank contributed to the collectives of one full backward (payloads + shared statistics)."""
@@ -158,6 +167,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
         begin_step(state)
     if bucket_is_nonfinite(state, bucket.buffer(), grads, names):
         return comm.completed(bucket.buffer().fill_(float("nan")))
+    if isinstance(state.compressor, MultiRoundCompressor) and not state.dense:
+        return _multiround_exchange(state, bucket, grads, names)
 
     inputs = _prepare(state, grads, names)
     shared = _shared_statistics(state, bucket.index(), inputs, names)
@@ -244,8 +255,59 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
                     per_rank.append(packet.with_payload(_from_bytes(raw, packet.payload.dtype)))
                     starts[r] += sizes[r][k]
                 grads[i].copy_(state.compressor_for(names[i]).decompress_sum(per_rank).div_(world))
+                if state.per_rank is not None:
+                    state.per_rank[names[i]] = [state.compressor_for(names[i]).decompress(q) for q in per_rank]
         return bucket.buffer()
 
     if not futures:
         return comm.completed(decode(None))
     return torch.futures.collect_all(futures).then(lambda fut: decode(fut.wait()))
+
+
+# -- multi-round compressors (PowerSGD) ------------------------------------------------------------------------
+# A separate path: it leaves the one-shot path above untouched. Every round is a blocking all-reduce issued from
+# the hook body, in the order the compressor calls it (which depends only on shapes and names), so the sequence
+# of collectives is identical on every rank whatever the number of buckets. Nothing is left for ``.then``.
+
+
+def _multiround_exchange(
+    state: GradCompState, bucket: dist.GradBucket, grads: Sequence[Tensor], names: Sequence[str]
+) -> torch.futures.Future[torch.Tensor]:
+    """Transforms and error feedback, then fp32 layers in one all-reduce, then the compressor's rounds."""
+    compressor = state.compressor
+    assert isinstance(compressor, MultiRoundCompressor)
+    world = state.world_size
+    inputs = _prepare(state, grads, names)
+
+    def all_reduce(tensor: Tensor) -> Tensor:
+        if world > 1:
+            comm.all_reduce_sum(tensor, state.process_group).wait()
+            state.collectives["allreduce_round"] += 1
+        return tensor
+
+    def finish(i: int, mean: Tensor, sent: Tensor, nbytes: int, stats: dict[str, Tensor]) -> None:
+        name, x = names[i], inputs[i]
+        is_float = name in state.float_names
+        if state.compressor_for(name).uses_memory:
+            state.memory.update(name, x, sent)
+        for transform in state.transforms:
+            if transform.applies_to_float or not is_float:
+                transform.after_compress(name, x, sent)
+        state.records[name] = LayerRecord(nbytes=nbytes, numel=x.numel(), aggregation=Aggregation.SUM, stats=stats)
+        grads[i].copy_(mean)
+
+    float_idx = [i for i, n in enumerate(names) if n in state.float_names]
+    if float_idx:
+        flat = all_reduce(torch.cat([inputs[i].reshape(-1) for i in float_idx]))
+        offset = 0
+        for i in float_idx:
+            n = inputs[i].numel()
+            finish(i, flat[offset : offset + n].view_as(inputs[i]) / world, inputs[i], n * inputs[i].element_size(), {})
+            offset += n
+    compressed_idx = [i for i, n in enumerate(names) if n not in state.float_names]
+    if compressed_idx:
+        results = compressor.exchange([inputs[i] for i in compressed_idx], [names[i] for i in compressed_idx], all_reduce)
+        for i, result in zip(compressed_idx, results):
+            finish(i, result.mean, result.sent, result.nbytes, result.stats)
+    state.shared_stat_bytes[bucket.index()] = 0
+    return comm.completed(bucket.buffer())

@@ -12,6 +12,11 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.graddrop import GradientDropping
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.terngrad import TernGrad
+from lightning_gradcomp.compressors.cast import BF16, FP16
+from lightning_gradcomp.compressors.onebit import OneBit
+from lightning_gradcomp.compressors.powersgd import PowerSGD
+from lightning_gradcomp.compressors.qsgd import QSGD
+from lightning_gradcomp.compressors.topk import DGC, TopK
 
 #: registered name -> (factory of a fresh compressor, one-line description)
 COMPRESSORS: dict[str, tuple[Callable[[], Compressor], str]] = {
@@ -19,6 +24,13 @@ COMPRESSORS: dict[str, tuple[Callable[[], Compressor], str]] = {
     "fp32": (Identity, "fp32 gradients through the gradcomp hook (the identity compressor)"),
     "graddrop": (GradientDropping, "Gradient Dropping: drop the 99% smallest |g| into a residual, send the rest sparse"),
     "adacomp": (AdaComp, "AdaComp: per-bin soft-threshold selection, sign x layer scale, 8/16-bit bin-relative wire"),
+    "fp16": (FP16, "fp16 gradients summed by all-reduce (as torch's fp16_compress_hook)"),
+    "bf16": (BF16, "bf16 gradients summed by all-reduce (as torch's bf16_compress_hook)"),
+    "powersgd": (PowerSGD, "PowerSGD: rank-1 power iteration, warm start, error feedback; no .then() collectives"),
+    "topk": (TopK, "Top-k sparsification (0.1% kept) with error feedback"),
+    "dgc": (DGC, "Deep Gradient Compression's sampled top-k threshold (0.1% kept), error feedback"),
+    "onebit": (OneBit, "1-bit SGD with error feedback: sign + two reconstruction values per row, bit-packed"),
+    "qsgd": (QSGD, "QSGD: 7 stochastic levels per 512-element bucket, unbiased, 4 bits per element"),
 }
 
 

@@ -1,0 +1,58 @@
+"""Half-precision casting baselines: fp16 and bf16 gradients summed by all-reduce.
+
+As torch's ``fp16_compress_hook`` / ``bf16_compress_hook``: each rank divides its gradient by the world size
+*before* casting, so the all-reduce sums values already scaled to the mean and fp16 does not overflow where
+the fp32 sum would not. The payload is the cast tensor (2 bytes per element), summed in the cast dtype.
+"""
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+
+
+class Cast(Compressor):
+    """Send gradients cast to a 16-bit float dtype; the sum over ranks is taken in that dtype.
+
+    Args:
+        dtype: ``torch.float16`` or ``torch.bfloat16``.
+    """
+
+    aggregation = Aggregation.SUM
+
+    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
+        super().__init__()
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"Expected `dtype` to be torch.float16 or torch.bfloat16, but got {dtype!r}. "
+                f"Fix: use the 'fp16' or 'bf16' compressor, or 'fp32' for uncompressed gradients."
+            )
+        self.dtype = dtype
+
+    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
+        # pre-divide (as torch's compress hooks do) so the summed payload is the mean and stays in range
+        payload = (tensor.detach().reshape(-1) / self.world_size).to(self.dtype)
+        return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype)
+
+    def decompress(self, packet: Packet) -> Tensor:
+        # linear in the payload; the hook divides the decoded sum by the world size again
+        return (packet.payload.to(packet.dtype) * self.world_size).view(packet.shape)
+
+    def describe(self) -> dict[str, Any]:
+        return {"compressor": type(self).__name__, "dtype": str(self.dtype).removeprefix("torch.")}
+
+
+class FP16(Cast):
+    """fp16 gradients (torch's ``fp16_compress_hook``)."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.float16)
+
+
+class BF16(Cast):
+    """bf16 gradients (torch's ``bf16_compress_hook``): fp32's range, 8 bits of mantissa."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.bfloat16)

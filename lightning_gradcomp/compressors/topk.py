@@ -1,0 +1,225 @@
+"""Top-k sparsification with error feedback, and DGC's sampled threshold (Lin et al., ICLR 2018).
+
+``TopK`` sends the ``ceil(ratio * n)`` largest-magnitude elements of each tensor exactly. ``DGC`` selects them
+as the official DGC code does (``dgc/compression.py``): estimate the threshold from a strided random sample
+of about 1% of the magnitudes, adapt it up to 10 times (exact top-k among the selected when more than 1.3x
+the target count survive, threshold * 0.8 when fewer than 0.8x), then keep at most ``ceil(ratio * n)``.
+What is not sent stays in the per-rank residual (error feedback; with
+:class:`~lightning_gradcomp.callbacks.MomentumCorrection` that residual is DGC's accumulator v).
+
+``ratio`` is the kept fraction (1 - sparsity) and may be changed between steps by a
+:class:`~lightning_gradcomp.callbacks.CompressionSchedule` (DGC's sparsity warm-up,
+:data:`DGC_PAPER_WARMUP`).
+
+On the wire (exact), gathered: per sent element its value (float32, or float16 with ``value_dtype="fp16"``)
+and its int32 index (DGC's code sends fp32 + int64 by default, fp16 + int32 as an option). Tensors with
+``dim() <= 1`` (biases, norms) are sent dense as float32 values when ``dense_1d`` (DGC's code compresses only
+``dim() > 1``).
+"""
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.validation import check_choice, check_int, check_number
+
+ValueDtype = Literal["fp32", "fp16"]
+_VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+#: the DGC paper's sparsity warm-up as kept fractions: 75%, 93.75%, 98.4375%, 99.6%, 99.9% sparsity
+#: (one value per warm-up epoch, the last one kept afterwards; 99.6% is taken as 1 - 4**-4 = 99.609%)
+DGC_PAPER_WARMUP: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625, 0.001)
+
+
+def dgc_code_warmup(ratio: float, warmup_epochs: int) -> list[float]:
+    """The schedule the official DGC code computes (``base**((e+1)/(E+1))``), not the paper's.
+
+    For ``ratio=0.001, warmup_epochs=5``: 0.316, 0.1, 0.0316, 0.01, 0.00316, then 0.001.
+    """
+    check_number("ratio", ratio, minimum=0.0, maximum=1.0, min_open=True)
+    check_int("warmup_epochs", warmup_epochs, minimum=0)
+    coeff = ratio ** (1.0 / (warmup_epochs + 1))
+    return [max(coeff ** (e + 1), ratio) for e in range(warmup_epochs)] + [ratio]
+
+
+class TopK(Compressor):
+    """Send the ``ceil(ratio * n)`` largest-magnitude elements of each tensor, keep the rest as residual.
+
+    Args:
+        ratio: kept fraction of each tensor, in (0, 1] (DGC: 0.001).
+        value_dtype: ``"fp32"`` or ``"fp16"`` values on the wire.
+        dense_1d: send tensors with ``dim() <= 1`` dense (DGC's code); otherwise sparsify them too.
+    """
+
+    aggregation = Aggregation.GATHER
+    uses_memory = True
+
+    def __init__(self, ratio: float = 0.001, value_dtype: ValueDtype = "fp32", dense_1d: bool = True) -> None:
+        super().__init__()
+        check_number("ratio", ratio, minimum=0.0, maximum=1.0, min_open=True, fix="use 0.001 (DGC) or 0.01")
+        check_choice("value_dtype", value_dtype, tuple(_VALUE_DTYPES))
+        self._ratio = float(ratio)
+        self.value_dtype: ValueDtype = value_dtype
+        self.dense_1d = bool(dense_1d)
+
+    @property
+    def ratio(self) -> float:
+        """Kept fraction of each tensor; settable between steps (identically on every rank)."""
+        return self._ratio
+
+    @ratio.setter
+    def ratio(self, value: float) -> None:
+        check_number("ratio", value, minimum=0.0, maximum=1.0, min_open=True, fix="use a kept fraction such as 0.001")
+        self._ratio = float(value)
+
+    def num_selects(self, numel: int) -> int:
+        """How many elements of a tensor of ``numel`` elements are sent (at most)."""
+        return max(1, math.ceil(numel * self._ratio))
+
+    def is_dense(self, shape: torch.Size) -> bool:
+        return self.dense_1d and len(shape) <= 1
+
+    def select(self, importance: Tensor) -> Tensor:
+        """Indices (int64) of the elements to send, given their magnitudes."""
+        k = min(self.num_selects(importance.numel()), importance.numel())
+        return torch.topk(importance, k, sorted=False).indices
+
+    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
+        flat = tensor.detach().reshape(-1)
+        if self.is_dense(tensor.shape):
+            payload = flat.float().view(torch.uint8)
+            return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats={"density": flat.new_ones(())})
+        indices = self.select(flat.abs())
+        values = flat[indices].to(_VALUE_DTYPES[self.value_dtype])
+        payload = torch.cat((values.view(torch.uint8), indices.to(torch.int32).view(torch.uint8)))
+        stats = {"density": flat.new_tensor(indices.numel() / max(1, flat.numel()), dtype=torch.float32)}
+        return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
+
+    def _values_indices(self, packet: Packet) -> tuple[Tensor, Tensor]:
+        value_size = _VALUE_DTYPES[self.value_dtype].itemsize
+        k = packet.payload.numel() // (value_size + 4)
+        # clone: slices at odd byte offsets cannot be reinterpreted as wider dtypes in place
+        values = packet.payload[: k * value_size].clone().view(_VALUE_DTYPES[self.value_dtype])
+        indices = packet.payload[k * value_size :].clone().view(torch.int32).long()
+        return values, indices
+
+    def decompress(self, packet: Packet) -> Tensor:
+        if self.is_dense(packet.shape):
+            return packet.payload.clone().view(torch.float32).to(packet.dtype).view(packet.shape)
+        values, indices = self._values_indices(packet)
+        out = torch.zeros(packet.numel, dtype=packet.dtype, device=packet.payload.device)
+        out[indices] = values.to(packet.dtype)
+        return out.view(packet.shape)
+
+    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
+        if self.is_dense(packets[0].shape):
+            return super().decompress_sum(packets)
+        first = packets[0]
+        out = torch.zeros(first.numel, dtype=first.dtype, device=first.payload.device)
+        for packet in packets:  # rank order, identical on every rank
+            values, indices = self._values_indices(packet)
+            out.index_add_(0, indices, values.to(first.dtype))
+        return out.view(first.shape)
+
+    def describe(self) -> dict[str, Any]:
+        return {"compressor": type(self).__name__, "ratio": self._ratio, "value_dtype": self.value_dtype,
+                "dense_1d": self.dense_1d}
+
+
+class DGC(TopK):
+    """Top-k with DGC's sampled, adapted threshold (the official code's selection).
+
+    Args:
+        ratio: kept fraction (DGC: 0.001).
+        sample_ratio: fraction of magnitudes sampled to estimate the threshold (DGC: 0.01).
+        upper_bound: when more than ``upper_bound * k`` elements pass, take an exact top-k of those (1.3).
+        lower_bound: when fewer than ``lower_bound * k`` pass, multiply the threshold by it and retry (0.8).
+        max_adaptation_iters: threshold adaptations at most (10).
+        value_dtype: ``"fp32"`` or ``"fp16"`` values on the wire.
+        dense_1d: send tensors with ``dim() <= 1`` dense (DGC's code).
+        seed: seed of the sampling offsets; rank r draws from seed and r.
+    """
+
+    fixed_size = False  # the number of selected elements differs across ranks
+
+    def __init__(
+        self,
+        ratio: float = 0.001,
+        sample_ratio: float = 0.01,
+        upper_bound: float = 1.3,
+        lower_bound: float = 0.8,
+        max_adaptation_iters: int = 10,
+        value_dtype: ValueDtype = "fp32",
+        dense_1d: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(ratio, value_dtype, dense_1d)
+        check_number("sample_ratio", sample_ratio, minimum=0.0, maximum=1.0, min_open=True, fix="use 0.01 (DGC)")
+        check_number("upper_bound", upper_bound, minimum=1.0, fix="use 1.3 (DGC)")
+        check_number("lower_bound", lower_bound, minimum=0.0, maximum=1.0, min_open=True, fix="use 0.8 (DGC)")
+        check_int("max_adaptation_iters", max_adaptation_iters, minimum=0, fix="use 10 (DGC)")
+        check_int("seed", seed, minimum=0)
+        self.sample_ratio = float(sample_ratio)
+        self.upper_bound = float(upper_bound)
+        self.lower_bound = float(lower_bound)
+        self.max_adaptation_iters = max_adaptation_iters
+        self.seed = seed
+        self._generator = torch.Generator()
+
+    def setup(self, rank: int, world_size: int, device: torch.device) -> None:
+        super().setup(rank, world_size, device)
+        self._generator.manual_seed(self.seed * 1_000_003 + rank)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("generator") is not None:
+            self._generator.set_state(state["generator"])
+
+    def sampling(self, numel: int) -> tuple[int, int, int]:
+        """(sample stride, number of samples, top-k of the samples), as DGC's code computes them."""
+        if self.sample_ratio >= 1.0 or numel <= math.ceil(2 / self._ratio):
+            stride, samples = 1, numel
+        else:
+            wanted = max(math.ceil(numel * self.sample_ratio), math.ceil(2 / self._ratio))
+            stride = math.ceil(numel / wanted / 32) * 32 + 1
+            samples = numel // stride
+            while samples < wanted and stride > 1:
+                stride = max(1, stride - 8)
+                samples = numel // stride
+        return stride, samples, max(1, math.ceil(samples * self._ratio))
+
+    def select(self, importance: Tensor) -> Tensor:
+        numel = importance.numel()
+        num_selects = min(self.num_selects(numel), numel)
+        stride, num_samples, top_k_samples = self.sampling(numel)
+        if stride == 1:
+            samples = importance
+        else:
+            start = int(torch.randint(0, stride, (1,), generator=self._generator))
+            samples = importance[start::stride]
+        top_k_samples = min(top_k_samples, samples.numel())
+        threshold = torch.topk(samples, top_k_samples, sorted=False).values.min()
+        indices = torch.nonzero(importance >= threshold).view(-1)
+        if stride > 1:
+            for _ in range(self.max_adaptation_iters):
+                count = indices.numel()
+                if count > num_selects:
+                    if count > self.upper_bound * num_selects:
+                        top = torch.topk(importance[indices], num_selects, sorted=False).indices
+                        indices = indices[top]
+                    break
+                if count >= self.lower_bound * num_selects:
+                    break
+                threshold = threshold * self.lower_bound
+                indices = torch.nonzero(importance >= threshold).view(-1)
+        return indices[:num_selects]
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "sample_ratio": self.sample_ratio, "upper_bound": self.upper_bound,
+                "lower_bound": self.lower_bound, "max_adaptation_iters": self.max_adaptation_iters, "seed": self.seed}

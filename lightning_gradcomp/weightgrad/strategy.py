@@ -1,0 +1,326 @@
+"""``WeightGradStrategy`` (``strategy="weightgrad"``): TernGrad inside each site, significant ternary updates between.
+
+Inside a site (the LAN), every step: DDP over the site's process group, with the gradcomp hook exchanging
+TernGrad ternary gradients (with TernGrad's local clipping, plus whatever layer transforms the strategy holds,
+e.g. momentum correction) among the site's ranks only; then the local optimizer step, identical on every rank
+of the site. Between sites (the WAN), after that step: the :class:`GradientSynchronizer`.
+
+Where the WAN step runs: in :meth:`WeightGradStrategy.optimizer_step`, right after the local update. By then
+DDP's backward (and every hook collective) has finished on all ranks, so the WAN collectives, issued from the
+main thread in a fixed order on every rank, cannot interleave with the hook's; and the weights the next
+forward sees already include the round's global update.
+"""
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.validation import check_choice, check_int, check_number
+from lightning_gradcomp.weightgrad.significance import SignificanceFilter
+from lightning_gradcomp.weightgrad.sites import SiteGroups, SiteLayout, new_site_groups, site_layout
+from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer
+
+log = logging.getLogger(__name__)
+
+
+class GatheredFP32(Identity):
+    """fp32 gradients all-gathered instead of summed, so each worker's gradient stays visible (serial mode)."""
+
+    aggregation = Aggregation.GATHER
+
+
+class WeightGradStrategy(GradCompStrategy):
+    """WeightGrad (Akter & Adnan, KDD 2020): two-level LAN/WAN training with ternary gradients and weights.
+
+    Args:
+        compressor: the in-site gradient compressor (default TernGrad with 2.5-sigma local clipping; ``"fp32"`` to
+            switch in-site quantization off).
+        site_size: ranks per site (all sites equal). With neither this nor ``site_sizes``, each node is a site.
+        site_sizes: the size of each site, in global-rank order.
+        allow_single_rank_sites: allow sites of one rank (no LAN exchange).
+        staleness_bound: T: every site is synchronized with the others at least every T local steps.
+        staleness_seconds: optionally also force a round when a leader has not had one for this many seconds.
+        threshold: a fixed G_thresh; ``None`` (default) uses the dynamic rule (initial ``||g||_2/||g||_inf``,
+            updated by Eq. 13); 0 makes every update significant.
+        significance: ``"layer"`` (a whole layer is significant or not: ``||g_u||_2 / max|step| >= G``),
+            ``"element"`` (per element: ``|g_u[k]| / max|step| >= G``) or ``"relative"`` (Gaia's filter,
+            ``|g_u[k]| >= G * |w[k]|``, G starting at 1%).
+        threshold_momentum: m of the momentum-correction velocity whose norm change drives Eq. 13.
+        threshold_rule: ``"capped"`` (Eq. 13, but G never rises above its initial value) or ``"eq13"`` (literal).
+        trigger: ``"bound"``: WAN rounds every ``staleness_bound`` steps; ``"significance"``: also as soon as any
+            site has a significant update (costs a one-byte WAN consensus each step).
+        flush_at_bound: send the whole accumulated update (not only its significant part) at rounds forced by
+            the bound.
+        aggregation: ``"average"`` (Algorithm 3: one step with the site's average gradient) or ``"serial"``
+            (Algorithm 4: one optimizer step per worker's gradient, in site-rank order, each at the full LR).
+        wan_quantization: what crosses the WAN and comes down to the workers: ``"loss_aware"`` (ternary weight
+            updates with a per-layer scale, loss-aware with the optimizer's second moments when it has them,
+            e.g. Adam's ``exp_avg_sq``, plain ternary otherwise), ``"terngrad"`` (unbiased stochastic ternary) or
+            ``"none"`` (fp32).
+        site_view: ``"global"``: after a round every site's weights are the global weights (sites identical);
+            ``"gaia"``: a site also keeps its own not-yet-sent updates in its weights.
+        seed: seed of the WAN's stochastic ternarization.
+        **kwargs: :class:`~lightning_gradcomp.GradCompStrategy` arguments (``exclude``, ``min_numel``: those layers
+            stay fp32 both inside the site and over the WAN; DDP options).
+    """
+
+    strategy_name = "weightgrad"
+
+    def __init__(
+        self,
+        compressor: Union[Compressor, str] = "terngrad",
+        site_size: Optional[int] = None,
+        site_sizes: Optional[Sequence[int]] = None,
+        allow_single_rank_sites: bool = False,
+        staleness_bound: int = 4,
+        staleness_seconds: Optional[float] = None,
+        threshold: Optional[float] = None,
+        significance: str = "layer",
+        threshold_momentum: float = 0.9,
+        threshold_rule: str = "capped",
+        trigger: str = "bound",
+        flush_at_bound: bool = False,
+        aggregation: str = "average",
+        wan_quantization: str = "loss_aware",
+        site_view: str = "global",
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        if site_size is not None:
+            check_int("site_size", site_size, minimum=1, fix="use the number of ranks per site, e.g. 2")
+        if site_sizes is not None:
+            if site_size is not None:
+                raise ValueError(
+                    f"Expected one of `site_size` and `site_sizes`, but got both ({site_size!r}, {list(site_sizes)!r}). "
+                    f"Fix: pass `site_size` for equal sites or `site_sizes` for a list."
+                )
+            for i, size in enumerate(site_sizes):
+                check_int(f"site_sizes[{i}]", size, minimum=1, fix="every site needs at least one rank")
+        check_int("staleness_bound", staleness_bound, minimum=1, fix="T counts local steps between WAN rounds; use 1 to sync every step")
+        if staleness_seconds is not None:
+            check_number("staleness_seconds", staleness_seconds, minimum=0.0, min_open=True, fix="use None for no time bound")
+        if threshold is not None:
+            check_number("threshold", threshold, minimum=0.0, fix="use None for the dynamic G_thresh, 0 to send everything")
+        check_choice("significance", significance, ("layer", "element", "relative"))
+        check_number("threshold_momentum", threshold_momentum, minimum=0.0, maximum=1.0, max_open=True, fix="use 0.9 (DGC)")
+        check_choice("threshold_rule", threshold_rule, ("capped", "eq13"))
+        check_choice("trigger", trigger, ("bound", "significance"))
+        check_choice("aggregation", aggregation, ("average", "serial"))
+        check_choice("wan_quantization", wan_quantization, ("loss_aware", "terngrad", "none"))
+        check_choice("site_view", site_view, ("global", "gaia"))
+        check_int("seed", seed, minimum=0)
+        for flag_name, flag in (("allow_single_rank_sites", allow_single_rank_sites), ("flush_at_bound", flush_at_bound)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"Expected `{flag_name}` to be a bool, but got {flag!r}.")
+        super().__init__(compressor=compressor, **kwargs)
+        if aggregation == "serial" and type(self.compressor) is Identity:
+            self.compressor = GatheredFP32()
+        self.site_size = site_size
+        self.site_sizes = None if site_sizes is None else list(site_sizes)
+        self.allow_single_rank_sites = allow_single_rank_sites
+        self.staleness_bound = staleness_bound
+        self.staleness_seconds = None if staleness_seconds is None else float(staleness_seconds)
+        self.threshold = None if threshold is None else float(threshold)
+        self.significance = significance
+        self.threshold_momentum = float(threshold_momentum)
+        self.threshold_rule = threshold_rule
+        self.trigger = trigger
+        self.flush_at_bound = flush_at_bound
+        self.aggregation = aggregation
+        self.wan_quantization = wan_quantization
+        self.site_view = site_view
+        self.seed = seed
+        self.layout: Optional[SiteLayout] = None
+        self.groups: Optional[SiteGroups] = None
+        self.synchronizer: Optional[GradientSynchronizer] = None
+        self._groups_by_param: Optional[dict[int, int]] = None
+        #: monitor statistics of the latest step (tensors): ``lan_bytes``, ``wan_bytes``, ``wan_rounds``,
+        #: ``staleness``, ``fraction_significant/<layer>``, ``g_thresh/<layer>``
+        self.stats: dict[str, Tensor] = {}
+
+    # -- sites and groups -------------------------------------------------------------------------------
+    def make_layout(self, world_size: int) -> SiteLayout:
+        """The site layout for ``world_size`` ranks (validates; raises ``ValueError`` on a bad configuration)."""
+        return site_layout(
+            world_size,
+            num_nodes=self.num_nodes,
+            site_size=self.site_size,
+            site_sizes=self.site_sizes,
+            allow_single_rank_sites=self.allow_single_rank_sites,
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        # validate before the process group exists: a bad layout fails fast, identically on every rank
+        self.layout = self.make_layout(self.num_nodes * self.num_processes)
+        super().setup_environment()
+        self.groups = new_site_groups(self.layout, self.global_rank)
+        # DDP itself runs inside the site: its parameter broadcast, buffer broadcast and gradient hook stay on the LAN
+        self._ddp_kwargs["process_group"] = self.groups.site_group
+        if self.aggregation == "serial" and self.compressor.aggregation_for(self.groups.site_size) is not Aggregation.GATHER:
+            raise ValueError(
+                f"Expected a compressor whose packets are gathered for `aggregation='serial'` (each worker's gradient is "
+                f"applied on its own), but {type(self.compressor).__name__} sums them in a site of "
+                f"{self.groups.site_size}. Fix: use `TernGrad(collective='allgather')`, or `aggregation='average'`."
+            )
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
+        assert self.groups is not None
+        module = self.lightning_module
+        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        float_names = self._float_names(named)
+        g = self.groups
+        # DDP broadcast the initial weights inside each site only: make all sites start from global rank 0's
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+        self.compressor.setup(self.global_rank, g.site_size, self.root_device)  # global rank: distinct random streams
+        for transform in self._transforms:
+            transform.setup(sorted(named), g.site_rank, g.site_size)
+        self.comm_state = GradCompState(
+            compressor=self.compressor,
+            names={id(p): n for n, p in named.items()},
+            float_names=float_names,
+            transforms=tuple(self._transforms),
+            process_group=g.site_group,
+            world_size=g.site_size,
+            identity=GatheredFP32() if self.aggregation == "serial" else Identity(),
+            per_rank={} if self.aggregation == "serial" else None,
+        )
+        self.model.register_comm_hook(self.comm_state, gradcomp_hook)
+        self.synchronizer = GradientSynchronizer(
+            params=named,
+            buffers=[b for b in module.buffers() if b.is_floating_point()],
+            groups=g,
+            significance=SignificanceFilter(
+                self.threshold, self.significance, self.threshold_momentum, self.threshold_rule  # type: ignore[arg-type]
+            ),
+            staleness_bound=self.staleness_bound,
+            staleness_seconds=self.staleness_seconds,
+            trigger=self.trigger,  # type: ignore[arg-type]
+            flush_at_bound=self.flush_at_bound,
+            wan_quantization=self.wan_quantization,  # type: ignore[arg-type]
+            site_view=self.site_view,  # type: ignore[arg-type]
+            second_moment=self._second_moment,
+            learning_rate=self._learning_rate,
+            seed=self.seed,
+            float_names=float_names,
+        )
+        log.info(
+            "weightgrad: rank %d in site %d of %s (leader %d), in-site %s",
+            self.global_rank,
+            g.site,
+            list(g.layout.sizes),
+            g.leader,
+            self.compressor.describe(),
+        )
+
+    # -- optimizer access (by parameter name) -----------------------------------------------------------
+    def _optimizer(self) -> Optimizer:
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"Expected exactly one optimizer with strategy='weightgrad', but got {len(self.optimizers)}. "
+                f"Fix: return a single optimizer from `configure_optimizers`."
+            )
+        opt = self.optimizers[0]
+        return opt.optimizer if isinstance(opt, LightningOptimizer) else opt
+
+    def _param_group(self, name: str) -> dict[str, Any]:
+        assert self.synchronizer is not None
+        groups = self._optimizer().param_groups
+        if self._groups_by_param is None:
+            self._groups_by_param = {id(p): i for i, group in enumerate(groups) for p in group["params"]}
+        return groups[self._groups_by_param.get(id(self.synchronizer.params[name]), 0)]
+
+    def _learning_rate(self, name: str) -> float:
+        return float(self._param_group(name)["lr"])
+
+    def _second_moment(self, name: str) -> Optional[Tensor]:
+        assert self.synchronizer is not None
+        state = self._optimizer().state.get(self.synchronizer.params[name], {})
+        v = state.get("exp_avg_sq")
+        return v if isinstance(v, Tensor) else None
+
+    # -- the step ---------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> Any:
+        self._optimizer()  # one optimizer, checked on the first step before anything moves
+        if self.aggregation == "serial":
+            output = self._serial_step(optimizer, closure, model, **kwargs)
+        else:
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.synchronizer is not None and self.comm_state is not None
+        self.synchronizer.after_local_step()
+        self._update_stats()
+        return output
+
+    def _serial_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any], **kwargs: Any) -> Any:
+        """Algorithm 4: the site applies each worker's gradient in turn (one optimizer step each)."""
+        assert self.comm_state is not None and self.comm_state.per_rank is not None and self.synchronizer is not None
+        per_rank = self.comm_state.per_rank
+        params = self.synchronizer.params
+        averages: dict[str, Tensor] = {}
+
+        def first_worker() -> Any:
+            result = closure()  # forward + backward: the hook fills per_rank
+            for name, grads in per_rank.items():
+                grad = params[name].grad
+                if grad is not None:
+                    averages[name] = grad.clone()
+                    grad.copy_(grads[0])
+            return result
+
+        output = super().optimizer_step(optimizer, first_worker, model, **kwargs)
+        for i in range(1, self.groups.site_size if self.groups else 1):
+            for name in averages:
+                params[name].grad.copy_(per_rank[name][i])  # type: ignore[union-attr]
+            optimizer.step()
+        for name, grad in averages.items():  # the site average, for the threshold's statistics
+            params[name].grad.copy_(grad)  # type: ignore[union-attr]
+        return output
+
+    def _update_stats(self) -> None:
+        assert self.synchronizer is not None and self.comm_state is not None
+        sync = self.synchronizer.stats
+        hook_bytes = self.comm_state.bytes_per_step() if self.groups and self.groups.site_size > 1 else 0
+        self.stats = dict(sync)
+        self.stats["lan_bytes"] = torch.tensor(hook_bytes) + sync["round_lan_bytes"]
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register(strategy_registry)
+
+
+def register(strategy_registry: Any = None) -> None:
+    """Register ``strategy="weightgrad"`` in Lightning's ``StrategyRegistry``."""
+    if strategy_registry is None:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        strategy_registry = StrategyRegistry
+    strategy_registry.register(
+        "weightgrad",
+        WeightGradStrategy,
+        description="WeightGrad: TernGrad inside each site, significant ternary updates between sites (KDD 2020)",
+        override=True,
+    )

@@ -1,0 +1,99 @@
+"""WeightGrad on 4 real Gloo ranks in 2 sites of 2 (one spawned world runs every configuration)."""
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.weightgrad_ranks import fit_configs
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 7
+CONFIGS: list[dict[str, Any]] = [
+    # 0: the default system (TernGrad in site, dynamic G_thresh, loss-aware ternary WAN with Adam's v), T = 3
+    {"model": "adam", "steps": STEPS, "weightgrad": {"site_size": 2, "staleness_bound": 3}},
+    # 1-2: parity: threshold 0, T = 1, quantization off  vs  plain DDP over all 4 ranks
+    {"steps": 5, "weightgrad": {"site_size": 2, "staleness_bound": 1, "threshold": 0.0, "compressor": "fp32",
+                                "wan_quantization": "none"}},
+    {"steps": 5, "strategy": "ddp"},
+    # 3-4: serial per-worker application (Alg. 4) under plain SGD == DDP with the LR times the site size
+    {"steps": 5, "momentum": 0.0, "weightgrad": {"site_size": 2, "staleness_bound": 1, "threshold": 0.0,
+                                                 "compressor": "fp32", "wan_quantization": "none",
+                                                 "aggregation": "serial"}},
+    {"steps": 5, "momentum": 0.0, "lr": 0.2, "strategy": "ddp"},
+    # 5: serial with TernGrad, stochastic ternary WAN, layer significance, significance trigger, time bound
+    {"steps": STEPS, "weightgrad": {"site_sizes": [2, 2], "staleness_bound": 4, "aggregation": "serial",
+                                    "wan_quantization": "terngrad", "significance": "element",
+                                    "trigger": "significance", "staleness_seconds": 60.0}},
+    # 6: the registered name with its defaults: one site per node (here one node, so one site of 4)
+    {"steps": 3, "strategy": "weightgrad"},
+]
+
+
+@pytest.fixture(scope="module")
+def results() -> list[list[dict[str, Any]]]:
+    return run_ranks(fit_configs, 4, CONFIGS, timeout=240.0)
+
+
+def _check_sites(runs: list[dict[str, Any]], bound: int) -> int:
+    """Workers of a site identical every step; all ranks identical after every WAN round. Returns the rounds."""
+    rounds = 0
+    for step in range(len(runs[0]["params"])):
+        p = [runs[r]["params"][step] for r in range(4)]
+        assert torch.equal(p[0], p[1]) and torch.equal(p[2], p[3]), f"site replicas differ at step {step}"
+        staleness = int(runs[0]["stats"][step]["staleness"])
+        assert staleness < bound
+        if staleness == 0:
+            rounds += 1
+            assert torch.equal(p[0], p[2]), f"sites differ right after the round at step {step}"
+    assert rounds == int(runs[0]["stats"][-1]["wan_rounds"])
+    return rounds
+
+
+def test_default_weightgrad_sites_agree(results: list[list[dict[str, Any]]]) -> None:
+    runs = [results[r][0] for r in range(4)]
+    rounds = _check_sites(runs, bound=3)
+    assert rounds == STEPS // 3
+    # between rounds the sites train on their own data and drift apart
+    assert not torch.equal(runs[0]["params"][0], runs[2]["params"][0])
+    round_step = max(i for i, s in enumerate(runs[0]["stats"]) if int(s["staleness"]) == 0)
+    last = [runs[r]["stats"][round_step] for r in range(4)]
+    wan = [int(s["wan_bytes"]) for s in last]
+    assert all(int(runs[r]["stats"][round_step + 1]["wan_bytes"]) == 0 for r in range(4)), "no WAN between rounds"
+    assert wan[0] > 0 and wan[2] > 0 and wan[1] == 0 and wan[3] == 0, "only leaders talk over the WAN"
+    dense = 4 * runs[0]["params"][0].numel()
+    assert wan[0] < dense / 8, "ternary WAN message should be far below fp32"
+    assert all(int(s["lan_bytes"]) > 0 for s in last)
+    fractions = [v for k, v in last[0].items() if k.startswith("fraction_significant/")]
+    thresholds = [v for k, v in last[0].items() if k.startswith("g_thresh/")]
+    assert fractions and all(0.0 <= float(f) <= 1.0 for f in fractions)
+    assert thresholds and all(float(t) > 0 for t in thresholds)
+
+
+def test_threshold_zero_bound_one_unquantized_matches_ddp(results: list[list[dict[str, Any]]]) -> None:
+    for r in range(4):
+        ours, ddp = results[r][1]["params"], results[r][2]["params"]
+        for step, (a, b) in enumerate(zip(ours, ddp)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"rank {r} step {step}")
+    _check_sites([results[r][1] for r in range(4)], bound=1)
+
+
+def test_serial_application_is_one_step_per_worker(results: list[list[dict[str, Any]]]) -> None:
+    for r in range(4):
+        for a, b in zip(results[r][3]["params"], results[r][4]["params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_serial_terngrad_with_significance_trigger(results: list[list[dict[str, Any]]]) -> None:
+    runs = [results[r][5] for r in range(4)]
+    rounds = _check_sites(runs, bound=4)
+    assert rounds >= STEPS // 4
+
+
+def test_registered_name_defaults_to_one_site_per_node(results: list[list[dict[str, Any]]]) -> None:
+    runs = [results[r][6] for r in range(4)]
+    for step in range(3):
+        assert all(torch.equal(runs[0]["params"][step], runs[r]["params"][step]) for r in range(4))
+    assert int(runs[0]["stats"][-1]["wan_bytes"]) == 0  # a single site has nobody to talk to over a WAN

@@ -1,0 +1,229 @@
+"""WeightGrad pieces in one process: site layouts, argument checks, quantizers, encoding, G_thresh, feedback."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gradcomp.weightgrad import (
+    GradientSynchronizer,
+    SignificanceFilter,
+    WeightGradStrategy,
+    decode,
+    encode,
+    loss_aware_ternary,
+    new_site_groups,
+    site_layout,
+    stochastic_ternary,
+)
+from tests.harness import free_port
+
+
+# -- sites ----------------------------------------------------------------------------------------------
+def test_site_layouts() -> None:
+    assert site_layout(8, num_nodes=2).sizes == (4, 4)
+    assert site_layout(6, site_size=3).sizes == (3, 3)
+    layout = site_layout(5, site_sizes=[2, 3])
+    assert layout.leaders == (0, 2) and layout.ranks(1) == [2, 3, 4] and layout.site_of(4) == 1
+    assert site_layout(3, site_sizes=[1, 2], allow_single_rank_sites=True).sizes == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"world_size": 4, "site_size": 3}, "`site_size` to divide the world size 4"),
+        ({"world_size": 4, "site_sizes": [2, 3]}, "`site_sizes` to add up to the world size 4"),
+        ({"world_size": 4, "site_sizes": [1, 3]}, "at least 2 ranks"),
+        ({"world_size": 4, "site_size": 1}, "allow_single_rank_sites=True"),
+        ({"world_size": 4, "site_size": 2, "site_sizes": [2, 2]}, "one of `site_size` and `site_sizes`"),
+        ({"world_size": 4, "site_sizes": [2, 0, 2]}, r"site_sizes\[1\]"),
+        ({"world_size": 6, "num_nodes": 4}, "multiple of the number of nodes"),
+    ],
+)
+def test_bad_site_layouts_name_the_argument(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        site_layout(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"staleness_bound": 0}, "`staleness_bound` to be an integer >= 1"),
+        ({"staleness_seconds": 0.0}, "`staleness_seconds`"),
+        ({"threshold": -1.0}, "`threshold`"),
+        ({"significance": "row"}, "`significance`"),
+        ({"aggregation": "sum"}, "`aggregation`"),
+        ({"wan_quantization": "int8"}, "`wan_quantization`"),
+        ({"site_view": "local"}, "`site_view`"),
+        ({"site_size": 0}, "`site_size`"),
+        ({"threshold_momentum": 1.0}, "`threshold_momentum`"),
+    ],
+)
+def test_bad_strategy_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        WeightGradStrategy(**kwargs)
+
+
+def test_strategy_layout_is_checked_against_the_world_before_training() -> None:
+    with pytest.raises(ValueError, match="divide the world size 4"):
+        WeightGradStrategy(site_size=3).make_layout(4)
+    assert WeightGradStrategy(site_size=2).make_layout(4).sizes == (2, 2)
+
+
+def test_registered_name() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_gradcomp  # noqa: F401
+
+    assert StrategyRegistry["weightgrad"]["strategy"] is WeightGradStrategy
+
+
+# -- quantizers and wire format ------------------------------------------------------------------------
+def _weighted_error(x: torch.Tensor, d: torch.Tensor, alpha: torch.Tensor, b: torch.Tensor) -> float:
+    return float((d * (x - alpha * b.float()) ** 2).sum())
+
+
+def test_loss_aware_ternary_fits_the_metric() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2000, generator=gen)
+    alpha, b = loss_aware_ternary(x)
+    assert set(b.unique().tolist()) <= {-1, 0, 1} and float(alpha) > 0
+    kept = b != 0
+    assert torch.allclose(alpha, x.abs()[kept].mean())  # D = 1: alpha is the mean magnitude of what it keeps
+    assert torch.equal(b[kept].float(), torch.sign(x[kept]))
+    # a metric that weighs the large elements heavily: its own solution beats the unweighted one under it
+    d = torch.where(x.abs() > 1.5, torch.full_like(x, 50.0), torch.ones_like(x))
+    alpha_d, b_d = loss_aware_ternary(x, d)
+    assert _weighted_error(x, d, alpha_d, b_d) < _weighted_error(x, d, alpha, b)
+    zero_alpha, zero_b = loss_aware_ternary(torch.zeros(7))
+    assert float(zero_alpha) == 0 and not zero_b.any()
+
+
+def test_stochastic_ternary_is_unbiased() -> None:
+    x = torch.tensor([0.5, -0.25, 0.0, 1.0, -1.0])
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([s * b.float() for s, b in (stochastic_ternary(x, gen) for _ in range(4000))])
+    torch.testing.assert_close(draws.mean(0), x, atol=0.04, rtol=0)
+
+
+def test_encoding_round_trip_and_exact_sizes() -> None:
+    dense_b = torch.tensor([1, -1, 0, 1, 0, 0, -1, 1], dtype=torch.int8).repeat(100)  # 800 values, many non-zero
+    sparse_b = torch.zeros(800, dtype=torch.int8)
+    sparse_b[[5, 700]] = torch.tensor([1, -1], dtype=torch.int8)
+    fp = torch.zeros(50)
+    fp[3] = 2.5
+    layers = [(torch.tensor(0.5), dense_b), (torch.tensor(2.0), sparse_b), (None, fp), (torch.tensor(1.0), torch.zeros(9, dtype=torch.int8))]
+    message = encode(layers)
+    header = 4 * 2 * 4
+    assert message.numel() == header + (4 + 200) + (4 + 2 * 4) + 8
+    out = decode(message, [800, 800, 50, 9])
+    assert torch.equal(out[0], 0.5 * dense_b.float())
+    assert torch.equal(out[1], 2.0 * sparse_b.float())
+    assert torch.equal(out[2], fp) and not out[3].any()
+
+
+# -- G_thresh ------------------------------------------------------------------------------------------
+def test_dynamic_threshold_starts_at_norm_ratio_and_follows_eq13() -> None:
+    g = torch.tensor([3.0, -4.0, 0.0, 1.0])
+    f = SignificanceFilter(momentum=0.9)
+    f.observe("w", g, lr=0.1)
+    start = g.norm() / g.abs().max()
+    torch.testing.assert_close(f.threshold_of("w"), start)
+    f.observe("w", g, lr=0.05)  # same gradient (bias-corrected velocity unchanged), LR halved
+    torch.testing.assert_close(f.threshold_of("w"), start / 2)
+    f.observe("w", g / 4, lr=0.05)  # gradients shrink: the velocity norm falls and so does G
+    assert float(f.threshold_of("w")) < float(start / 2)
+
+
+def test_capped_threshold_never_rises_above_its_start() -> None:
+    g = torch.tensor([3.0, -4.0, 0.0, 1.0])
+    capped, literal = SignificanceFilter(), SignificanceFilter(rule="eq13")
+    for f in (capped, literal):
+        f.observe("w", g, lr=0.1)
+        f.observe("w", 10 * g, lr=0.1)  # the gradient norm rises
+    start = g.norm() / g.abs().max()
+    torch.testing.assert_close(capped.threshold_of("w"), start)
+    assert float(literal.threshold_of("w")) > 2 * float(start)
+
+
+def test_significance_masks() -> None:
+    pending = torch.tensor([0.5, -2.0, 0.1])
+    step = torch.tensor([0.1, -0.5, 0.0])
+    assert SignificanceFilter(threshold=0.0).mask("w", pending, step).all()
+    element = SignificanceFilter(threshold=3.0, scope="element")
+    assert element.mask("w", pending, step).tolist() == [False, True, False]  # |g_u| >= 3 * 0.5
+    layer = SignificanceFilter(threshold=3.0)  # ||g_u||_2 = 2.06... >= 3 * 0.5
+    assert layer.mask("w", pending, step).all()
+    assert not layer.mask("w", pending / 2, step).any()
+    relative = SignificanceFilter(threshold=0.1, scope="relative")  # Gaia: |g_u| >= 10% of |w|
+    weight = torch.tensor([1.0, 100.0, 0.5])
+    assert relative.mask("w", pending, step, weight).tolist() == [True, False, True]
+
+
+# -- error feedback across a WAN round (one rank, one site) -------------------------------------------------
+@pytest.mark.parametrize(
+    ("quantization", "view"), [("loss_aware", "global"), ("terngrad", "global"), ("none", "global"), ("loss_aware", "gaia")]
+)
+def test_round_keeps_what_it_did_not_send(quantization: str, view: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        layout = site_layout(1)
+        layer = nn.Linear(6, 4)
+        params = dict(layer.named_parameters())
+        sync = GradientSynchronizer(
+            params, [], new_site_groups(layout, 0), SignificanceFilter(threshold=1.5), staleness_bound=2,
+            staleness_seconds=None, trigger="bound", flush_at_bound=False, wan_quantization=quantization,
+            site_view=view, second_moment=lambda n: None, learning_rate=lambda n: 0.1,
+        )
+        start = {n: p.detach().clone() for n, p in params.items()}
+        for step in range(2):
+            with torch.no_grad():
+                for p in params.values():
+                    p.add_(torch.randn_like(p) * 0.1)
+                    p.grad = torch.randn_like(p)
+            before = {n: sync.pending(n).clone() for n in params}
+            ran = sync.after_local_step()
+            assert ran == (step == 1)
+        for n, p in params.items():
+            if view == "global":
+                # what the site accumulated == what reached the global weights + what it still holds
+                torch.testing.assert_close(sync.anchor[n] + sync.hidden[n], start[n] + before[n])
+                assert torch.equal(p.detach(), sync.anchor[n])  # the weights are the global weights
+            else:
+                # Gaia's view: a lone site keeps all of its own progress in its weights
+                torch.testing.assert_close(p.detach(), start[n] + before[n])
+                torch.testing.assert_close(sync.pending(n), before[n] - (sync.anchor[n] - start[n]))
+        assert int(sync.stats["wan_rounds"]) == 1 and int(sync.stats["staleness"]) == 0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"staleness_seconds": 1e-9}, [True, True, True]),  # the clock forces a round every step
+        ({"trigger": "significance"}, [True, True, True]),  # threshold 0: always significant
+        ({}, [False, False, True]),  # only the bound T = 3
+    ],
+)
+def test_round_triggers(options: dict, expected: list[bool]) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        layer = nn.Linear(3, 2)
+        params = dict(layer.named_parameters())
+        kwargs = dict(staleness_seconds=None, trigger="bound") | options
+        sync = GradientSynchronizer(
+            params, [], new_site_groups(site_layout(1), 0), SignificanceFilter(threshold=0.0), staleness_bound=3,
+            flush_at_bound=False, wan_quantization="none", site_view="global", second_moment=lambda n: None,
+            learning_rate=lambda n: 0.1, **kwargs,
+        )
+        ran = []
+        for _ in range(3):
+            with torch.no_grad():
+                for p in params.values():
+                    p.add_(0.1)
+                    p.grad = torch.ones_like(p)
+            ran.append(sync.after_local_step())
+        assert ran == expected
+    finally:
+        dist.destroy_process_group()
