@@ -13,7 +13,8 @@ What runs (kept under ~3 minutes on 2 CPU cores):
   listed next to them; every compressor family (TernGrad, towers, fp32 DDP, Gradient Dropping global/per-layer
   and 1-bit, AdaComp on conv, FC and LSTM layers) and every datamodule format is covered. The big ImageNet models
   are NOT trained here (their recipes only parse and instantiate); the image-folder format is trained through
-  ResNet-18 at 32x32.
+  ResNet-18 at 32x32. WeightGradStrategy recipes parse and instantiate only: they need two or more sites of
+  processes (its own distributed tests train it on real Gloo ranks); their DDP baseline recipe is trained here.
 
 Recipes whose compressor or strategy class is not on this branch yet are skipped with the reason.
 """
