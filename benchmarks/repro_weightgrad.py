@@ -4,7 +4,8 @@ Runs ``gradcomp fit`` (a subprocess per run, 4 real Gloo processes on this machi
 ``recipes/weightgrad/cifarnet_cifar10_4workers_{baseline,terngrad,weightgrad}.yaml`` with these overrides:
 Fashion-MNIST instead of CIFAR-10 (the offline dataset here), LeNet (Caffe VALID, 431K parameters) instead of
 CifarNet (CifarNet takes 24x24 RGB crops), ``--steps`` instead of 50k, and a CSV logger whose last ``val_acc``
-(the 10K test set, EMA parameters) is printed. Total batch 128 = 4 x 32, 2 sites of 2 as in the recipe.
+(the 10K test set, EMA parameters) is printed, with the WAN/LAN MiB rank 0 sent
+(``benchmarks/_wan_meter.py``; a flat strategy's traffic all counts as WAN). Total batch 128 = 4 x 32, 2 sites of 2 as in the recipe.
 
 Usage: python benchmarks/repro_weightgrad.py [--steps 300] [--runs baseline terngrad weightgrad]
 """
@@ -34,6 +35,7 @@ def overrides(steps: int, log_dir: str) -> list[str]:
         f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={steps}", "--trainer.accelerator=cpu",
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={log_dir}",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        "--trainer.callbacks+=_wan_meter.WanBytes",  # benchmarks/_wan_meter.py (PYTHONPATH=benchmarks)
     ]
 
 
@@ -56,7 +58,7 @@ def main() -> None:
         recipe = f"recipes/weightgrad/cifarnet_cifar10_4workers_{name}.yaml"
         with tempfile.TemporaryDirectory() as log_dir:
             ov = overrides(args.steps, log_dir)
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}")
             start = time.perf_counter()
             out = subprocess.run([sys.executable, "-m", "lightning_gradcomp.cli", "fit", "--config", recipe, *ov],
                                  cwd=ROOT, env=env, capture_output=True, text=True)
@@ -65,14 +67,16 @@ def main() -> None:
                 print(out.stderr[-3000:])
                 raise SystemExit(f"{name} failed")
             acc, loss = last_metric(log_dir, "val_acc"), last_metric(log_dir, "val_loss")
+            wan, lan = last_metric(log_dir, "wan_mb"), last_metric(log_dir, "lan_mb")
         shown = [o if "save_dir" not in o else "--trainer.logger.init_args.save_dir=LOGS" for o in ov]
         print(f"# gradcomp fit --config {recipe} {' '.join(shown)}", flush=True)
-        print(f"{name:10s} test_acc={acc:.4f} test_loss={loss:.4f} wall_s={seconds:.0f}", flush=True)
-        rows.append((name, acc, loss, seconds))
-    print("\n| run | steps | test acc (EMA) | test loss | wall s (4 processes) |")
-    print("|---|---:|---:|---:|---:|")
-    for name, acc, loss, sec in rows:
-        print(f"| {name} | {args.steps} | {100 * acc:.2f}% | {loss:.4f} | {sec:.0f} |")
+        print(f"{name:10s} test_acc={acc:.4f} test_loss={loss:.4f} rank0_wan_MiB={wan:.1f} rank0_lan_MiB={lan:.1f} "
+              f"wall_s={seconds:.0f}", flush=True)
+        rows.append((name, acc, loss, wan, lan, seconds))
+    print("\n| run | steps | test acc (EMA) | test loss | rank 0 WAN MiB | rank 0 LAN MiB | wall s (4 processes) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, acc, loss, wan, lan, sec in rows:
+        print(f"| {name} | {args.steps} | {100 * acc:.2f}% | {loss:.4f} | {wan:.1f} | {lan:.1f} | {sec:.0f} |")
 
 
 if __name__ == "__main__":
