@@ -7,7 +7,7 @@ CifarNet (CifarNet takes 24x24 RGB crops), ``--steps`` instead of 50k, and a CSV
 (the 10K test set, EMA parameters) is printed, with the WAN/LAN MiB rank 0 sent
 (``benchmarks/_wan_meter.py``; a flat strategy's traffic all counts as WAN). Total batch 128 = 4 x 32, 2 sites of 2 as in the recipe.
 
-Usage: python benchmarks/repro_weightgrad.py [--steps 300] [--runs baseline terngrad weightgrad]
+Usage: python benchmarks/repro_weightgrad.py [--steps 300] [--runs baseline terngrad weightgrad] [--extra=OVERRIDE ...]
 """
 
 import argparse
@@ -51,13 +51,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--runs", nargs="+", default=["baseline", "terngrad", "weightgrad"])
+    parser.add_argument("--extra", nargs="*", default=[], help="more overrides for every run, e.g. "
+                        "--extra=--trainer.strategy.init_args.staleness_bound=1")
     args = parser.parse_args()
     print(f"# machine: {os.uname().nodename}, {os.cpu_count()} CPUs; 4 Gloo processes per run")
     rows = []
     for name in args.runs:
         recipe = f"recipes/weightgrad/cifarnet_cifar10_4workers_{name}.yaml"
         with tempfile.TemporaryDirectory() as log_dir:
-            ov = overrides(args.steps, log_dir)
+            ov = overrides(args.steps, log_dir) + list(args.extra)
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}")
             start = time.perf_counter()
             out = subprocess.run([sys.executable, "-m", "lightning_gradcomp.cli", "fit", "--config", recipe, *ov],
