@@ -13,7 +13,9 @@ from lightning.pytorch.cli import LightningCLI
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 
 # subcommands that are not LightningCLI's: name -> "module:function" taking argv
-_EXTRA_COMMANDS: dict[str, str] = {}
+_EXTRA_COMMANDS: dict[str, str] = {
+    "report": "lightning_gradcomp.report:main",  # gradcomp report RUN: PNG plots from CSV/TensorBoard logs
+}
 
 
 def main(args: Optional[list[str]] = None) -> None:

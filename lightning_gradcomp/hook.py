@@ -12,10 +12,11 @@ For each bucket DDP hands us (in the order buckets become ready, identical on ev
 Collectives are only launched here, never from ``.then`` callbacks (see :mod:`lightning_gradcomp.comm`).
 """
 
+import contextlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from lightning_gradcomp.guard import NonFinite, begin_step, bucket_is_nonfinite,
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.stats import NO_TIMER, HookStats
 
 
 @dataclass
@@ -67,6 +69,10 @@ class GradCompState:
             a dense warm-up (:class:`~lightning_gradcomp.callbacks.CompressionSchedule`). It must be set
             identically on every rank before the step's backward. Residuals are neither added nor cleared
             while it is set.
+        planner: a :class:`~lightning_gradcomp.planner.CollectivePlanner` that picks each bucket's collective
+            from a cost model of the link (``None``: always compress, the compressor's own collective).
+        plain_names: names the planner currently sends as plain fp32 (compression would not pay).
+        stats: where the hook records times and captured statistics for a monitor (``None``: not monitored).
     """
 
     compressor: Compressor
@@ -88,9 +94,14 @@ class GradCompState:
     residual_undo: dict[str, Optional[Tensor]] = field(default_factory=dict)
     per_rank: Optional[dict[str, list[Tensor]]] = None
     dense: bool = False
+    planner: Optional[Any] = None
+    plain_names: set[str] = field(default_factory=set)
+    stats: Optional[HookStats] = None
 
     def compressor_for(self, name: str) -> Compressor:
-        return self.identity if self.dense or name in self.float_names else self.compressor
+        if self.dense or name in self.float_names or name in self.plain_names:
+            return self.identity
+        return self.compressor
 
     def bytes_per_step(self) -> int:
         """Bytes this rank contributed to the collectives of one full backward (payloads + shared statistics)."""
@@ -110,6 +121,8 @@ def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str]
         for transform in state.transforms:
             if transform.applies_to_float or not is_float:
                 x = transform.before_compress(x, name)
+        if state.stats is not None:
+            state.stats.observe_input(name, grad, x, state.compressor_for(name))
         if state.compressor_for(name).uses_memory:
             state.compressor_for(name).observe_gradient(x, name)
             x = state.memory.compensate(x, name)
@@ -128,7 +141,8 @@ def _shared_statistics(
         return local
     flat = torch.cat(present)
     if state.world_size > 1:
-        comm.all_reduce_max_(flat, state.process_group)
+        with _waiting(state):
+            comm.all_reduce_max_(flat, state.process_group)
         state.collectives["allreduce_max"] += 1
     state.shared_stat_bytes[bucket_index] = flat.numel() * flat.element_size()
     shared: list[Optional[Tensor]] = []
@@ -140,6 +154,11 @@ def _shared_statistics(
             shared.append(flat[offset : offset + s.numel()].view_as(s))
             offset += s.numel()
     return shared
+
+
+def _waiting(state: GradCompState) -> contextlib.AbstractContextManager[None]:
+    """Times a collective the hook body blocks on, when monitored."""
+    return state.stats.blocking() if state.stats is not None else contextlib.nullcontext()
 
 
 def _as_bytes(payload: Tensor) -> Tensor:
@@ -157,10 +176,20 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
     Register with ``ddp_model.register_comm_hook(state, gradcomp_hook)``. Every rank ends with the same
     averaged, decoded gradient in ``bucket.buffer()``.
     """
+    # backward can run under the user's autocast (manual optimization); compression maths must keep the dtypes
+    # it chose (autocast's type promotion rejects e.g. torch.cat of fp16 payloads under CPU bf16 autocast)
+    with torch.autocast(bucket.buffer().device.type, enabled=False):
+        return _exchange_bucket(state, bucket)
+
+
+def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     state.hook_calls += 1
+    timer = state.stats.start_bucket() if state.stats is not None else NO_TIMER
     grads = bucket.gradients()
     names = [state.names[id(p)] for p in bucket.parameters()]
     world = state.world_size
+    if state.planner is not None:  # may run one small agreed all-reduce the first time it sees this bucket
+        state.planner.apply(state, names, grads)
 
     # non-finite guard: decided identically on every rank before transforms and residuals see the gradient
     if bucket.index() == 0:
@@ -177,6 +206,7 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
     for x, name, s in zip(inputs, names, shared):
         compressor = state.compressor_for(name)
         packet = compressor.compress(x, name, s)
+        sent: Optional[Tensor] = None
         if compressor.uses_memory or state.transforms:
             sent = compressor.sent(x, packet)
             if compressor.uses_memory:
@@ -185,6 +215,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
             for transform in state.transforms:
                 if transform.applies_to_float or name not in state.float_names:
                     transform.after_compress(name, x, sent)
+        if state.stats is not None:
+            state.stats.observe_packet(name, compressor, x, packet, sent)
         packets.append(packet)
         state.records[name] = LayerRecord(
             nbytes=packet.nbytes,
@@ -219,8 +251,9 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
         flat = torch.cat([_as_bytes(packets[i].payload) for i in gather_idx])
         if world > 1 and not all(state.compressor_for(names[i]).fixed_size for i in gather_idx):
             # variable-size payloads: sizes first (waited for), then every rank pads to the largest total
-            table = comm.all_gather_sizes(torch.tensor(own, dtype=torch.int64, device=flat.device),
-                                          state.process_group, world)
+            with _waiting(state):
+                table = comm.all_gather_sizes(torch.tensor(own, dtype=torch.int64, device=flat.device),
+                                              state.process_group, world)
             state.collectives["allgather_sizes"] += 1
             sizes = table.tolist()
             longest = max(sum(row) for row in sizes)
@@ -235,7 +268,10 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
         else:
             gathered = flat.new_zeros((world, 0)) if flat.numel() == 0 else flat.unsqueeze(0)
 
+    timer.launched()
+
     def decode(_: object) -> Tensor:
+        timer.decode_started()
         for idx, flat in sum_buffers:
             offset = 0
             for i in idx:
@@ -243,6 +279,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
                 n = packet.payload.numel()
                 total = state.compressor_for(names[i]).decompress(packet.with_payload(flat[offset : offset + n]))
                 grads[i].copy_(total.div_(world) if total.is_floating_point() else total.float() / world)
+                if state.stats is not None:
+                    state.stats.observe_averaged(names[i], grads[i])
                 offset += n
         if gather_idx:
             assert gathered is not None
@@ -257,6 +295,9 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
                 grads[i].copy_(state.compressor_for(names[i]).decompress_sum(per_rank).div_(world))
                 if state.per_rank is not None:
                     state.per_rank[names[i]] = [state.compressor_for(names[i]).decompress(q) for q in per_rank]
+                if state.stats is not None:
+                    state.stats.observe_averaged(names[i], grads[i])
+        timer.decode_done()
         return bucket.buffer()
 
     if not futures:

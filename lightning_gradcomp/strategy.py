@@ -17,9 +17,11 @@ from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.guard import NonFinite
 from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.planner import CollectivePlanner
 from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
 from lightning_gradcomp.validation import check_int
 
@@ -87,6 +89,12 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
             :mod:`lightning_gradcomp.guard`.
         resume_compression: ``"exact"`` restores every rank's compression state from the checkpoint (and refuses
             a checkpoint written by another world size); ``"reset"`` starts it afresh.
+        link: the network between ranks (``"1gbit"``, ``"100mbit@2ms"``, a
+            :class:`~lightning_gradcomp.costmodel.Link` or ``Network``); when given, a cost model picks per
+            bucket between plain fp32 all-reduce and the compressor's collectives (logged at INFO, counted in
+            ``comm_state.collectives``). ``None`` (default): always compress.
+        compression_cost: compress/decode seconds per element for that choice; ``None`` measures them on the
+            first step (max over ranks).
         **kwargs: further ``DistributedDataParallel`` options.
     """
 
@@ -113,6 +121,8 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
         check_replicas_every: int = 0,
         nonfinite: NonFinite = "skip",
         resume_compression: ResumeCompression = "exact",
+        link: Optional[Union[str, Link, Network]] = None,
+        compression_cost: Optional[CompressionCost] = None,
         **kwargs: Any,
     ) -> None:
         # reliability options (lightning_gradcomp.resilience), validated before anything else is built
@@ -146,6 +156,8 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
         self.exclude = list(exclude or [])
         check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
         self.min_numel = min_numel
+        # parsed now so a bad spec fails before any process group exists
+        self.planner = None if link is None else CollectivePlanner(link, compression_cost)
         ddp_kwargs: dict[str, Any] = dict(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
@@ -208,6 +220,7 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
             transforms=tuple(self._transforms),
             process_group=group,
             world_size=world_size,
+            planner=self.planner,
         )
         log.info(
             "gradcomp: %s on %d ranks, %d of %d tensors kept in fp32",

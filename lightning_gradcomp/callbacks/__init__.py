@@ -4,12 +4,14 @@ from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.clipping import SigmaClip, SigmaClipping
 from lightning_gradcomp.callbacks.clipping import Clip, ClippingCallback, LocalGradientClipping, NormClip
 from lightning_gradcomp.callbacks.ema import ExponentialMovingAverage
+from lightning_gradcomp.callbacks.monitor import CompressionMonitor
 from lightning_gradcomp.callbacks.momentum import MomentumCorrect, MomentumCorrection
 from lightning_gradcomp.callbacks.schedule import CompressionSchedule
 
 __all__ = [
     "Clip",
     "ClippingCallback",
+    "CompressionMonitor",
     "CompressionSchedule",
     "ExponentialMovingAverage",
     "LocalGradientClipping",

@@ -179,13 +179,18 @@ class PowerSGD(MultiRoundCompressor):
         return (p @ q.t()).to(packet.dtype).view(packet.shape)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"q_memory": {n: q.detach().cpu().clone() for n, q in self.q_memory.items()},
-                "seeds": self._seeds.get_state()}
+        # numpy's MT19937 state as tensors and ints: Lightning loads checkpoints with torch.load(weights_only=True)
+        kind, keys, pos, has_gauss, cached = self._seeds.get_state()
+        seeds = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                 "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        return {"q_memory": {n: q.detach().cpu().clone() for n, q in self.q_memory.items()}, "seeds": seeds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.q_memory = dict(state.get("q_memory", {}))
         if "seeds" in state:
-            self._seeds.set_state(state["seeds"])
+            seeds = state["seeds"]
+            keys = seeds["keys"].numpy().astype("uint32")
+            self._seeds.set_state((seeds["kind"], keys, seeds["pos"], seeds["has_gauss"], seeds["cached_gaussian"]))
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": "PowerSGD", "rank": self.approximation_rank, "warm_start": self.warm_start,

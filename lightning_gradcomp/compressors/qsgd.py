@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.validation import check_int
 
 
@@ -38,7 +39,7 @@ class QSGD(Compressor):
         self.levels = levels
         self.bucket_size = bucket_size
         self.seed = seed
-        self._generator: Optional[torch.Generator] = None
+        self._streams = RandomStreams(seed)
 
     @property
     def levels(self) -> int:
@@ -56,21 +57,13 @@ class QSGD(Compressor):
 
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
-        self._generator = torch.Generator(device=device)
-        self._generator.manual_seed(self.seed * 1_000_003 + rank)
-
-    def _rng(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self.setup(self.rank, self.world_size, device)
-        assert self._generator is not None
-        return self._generator
+        self._streams.reset(rank)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self._generator.get_state() if self._generator is not None else None}
+        return {"streams": self._streams.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("generator") is not None:
-            self._rng(torch.device("cpu")).set_state(state["generator"])
+        self._streams.load_state_dict(state.get("streams", {}))
 
     def payload_nbytes(self, numel: int) -> int:
         """Exact bytes of one packet: packed sign+level codes and one float32 norm per bucket."""
@@ -82,20 +75,20 @@ class QSGD(Compressor):
             flat = torch.cat((flat, flat.new_zeros(pad)))
         return flat.view(-1, self.bucket_size)
 
-    def quantize(self, tensor: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def quantize(self, tensor: Tensor, name: str = "") -> tuple[Tensor, Tensor, Tensor]:
         """Signs (bool, negative), levels (int32 in [0, s]) and bucket norms (float32) of ``tensor``."""
         flat = tensor.detach().reshape(-1).float()
         buckets = self._buckets(flat)
         norms = buckets.norm(dim=1)
         scaled = buckets.abs() * (self.levels / torch.where(norms > 0, norms, 1.0))[:, None]
         lower = scaled.floor()
-        rnd = torch.rand(scaled.shape, generator=self._rng(flat.device), device=flat.device)
+        rnd = torch.rand(scaled.shape, generator=self._streams.get(name, flat.device), device=flat.device)
         level = (lower + (rnd < scaled - lower).float()).clamp_(max=self.levels)  # float error guard at r == s
         n = flat.numel()
         return (buckets < 0).reshape(-1)[:n], level.reshape(-1)[:n].to(torch.int32), norms
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        negative, level, norms = self.quantize(tensor)
+        negative, level, norms = self.quantize(tensor, name)
         codes = level * 2 + negative.to(torch.int32)
         payload = torch.cat((pack_bits(codes, self.width), norms.view(torch.uint8)))
         stats = {"sparsity": (level == 0).float().mean(), "norm": norms.max()}

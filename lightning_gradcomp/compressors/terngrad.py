@@ -252,3 +252,14 @@ class TernGrad(Compressor):
         for packet in packets[1:]:
             total = total + self._values_and_scale(packet)[0]
         return self._scaled(total, packets[0].ctx["scale"], packets[0])
+
+    def clipped(self, tensor: Tensor) -> Tensor:
+        """``tensor`` after this rank's own c*sigma clipping, as float32 (for monitoring; draws no randomness).
+
+        With ``clip_mode="code"`` the clipping is implicit at the shared scaler; this shows it at this rank's
+        own c*sigma.
+        """
+        chunks, threshold = self._clipped_and_scaler(tensor)
+        if self.clip_mode == "code" and self.clip_factor:
+            chunks = torch.maximum(torch.minimum(chunks, threshold[:, None]), -threshold[:, None])
+        return chunks.reshape(-1)[: tensor.numel()].view(tensor.shape)

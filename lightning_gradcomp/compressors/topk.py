@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 ValueDtype = Literal["fp32", "fp16"]
@@ -83,7 +84,7 @@ class TopK(Compressor):
     def is_dense(self, shape: torch.Size) -> bool:
         return self.dense_1d and len(shape) <= 1
 
-    def select(self, importance: Tensor) -> Tensor:
+    def select(self, importance: Tensor, name: str = "") -> Tensor:
         """Indices (int64) of the elements to send, given their magnitudes."""
         k = min(self.num_selects(importance.numel()), importance.numel())
         return torch.topk(importance, k, sorted=False).indices
@@ -93,7 +94,7 @@ class TopK(Compressor):
         if self.is_dense(tensor.shape):
             payload = flat.float().view(torch.uint8)
             return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats={"density": flat.new_ones(())})
-        indices = self.select(flat.abs())
+        indices = self.select(flat.abs(), name)
         values = flat[indices].to(_VALUE_DTYPES[self.value_dtype])
         payload = torch.cat((values.view(torch.uint8), indices.to(torch.int32).view(torch.uint8)))
         stats = {"density": flat.new_tensor(indices.numel() / max(1, flat.numel()), dtype=torch.float32)}
@@ -168,18 +169,17 @@ class DGC(TopK):
         self.lower_bound = float(lower_bound)
         self.max_adaptation_iters = max_adaptation_iters
         self.seed = seed
-        self._generator = torch.Generator()
+        self._streams = RandomStreams(seed)
 
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
-        self._generator.manual_seed(self.seed * 1_000_003 + rank)
+        self._streams.reset(rank)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self._generator.get_state()}
+        return {"streams": self._streams.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("generator") is not None:
-            self._generator.set_state(state["generator"])
+        self._streams.load_state_dict(state.get("streams", {}))
 
     def sampling(self, numel: int) -> tuple[int, int, int]:
         """(sample stride, number of samples, top-k of the samples), as DGC's code computes them."""
@@ -194,14 +194,14 @@ class DGC(TopK):
                 samples = numel // stride
         return stride, samples, max(1, math.ceil(samples * self._ratio))
 
-    def select(self, importance: Tensor) -> Tensor:
+    def select(self, importance: Tensor, name: str = "") -> Tensor:
         numel = importance.numel()
         num_selects = min(self.num_selects(numel), numel)
         stride, num_samples, top_k_samples = self.sampling(numel)
         if stride == 1:
             samples = importance
         else:
-            start = int(torch.randint(0, stride, (1,), generator=self._generator))
+            start = int(torch.randint(0, stride, (1,), generator=self._streams.get(name, torch.device("cpu"))))
             samples = importance[start::stride]
         top_k_samples = min(top_k_samples, samples.numel())
         threshold = torch.topk(samples, top_k_samples, sorted=False).values.min()

@@ -1,0 +1,451 @@
+"""The TernGrad-style performance model (Wen et al., NIPS 2017, section 5): step time and throughput.
+
+Lightweight profiling on one machine plus an analytical communication model:
+
+* **compute**: forward + backward + update of one worker's batch, profiled here (:func:`profile_compute`) or
+  estimated from a FLOP count and a device's effective FLOP/s (:class:`Device`, for GPUs we do not have);
+* **codec**: compression and decoding, measured on random tensors of every parameter's shape
+  (:func:`measure_codec`), which also gives the exact bytes on the wire;
+* **communication**: :mod:`lightning_gradcomp.costmodel` (ring collectives, alpha-beta, N ranks, one or two
+  levels), with DDP's buckets each paying the per-message latency.
+
+``step = compute + codec + communication`` (no overlap of communication with backward: an upper bound, as in the
+paper's model), ``throughput = N * batch / step``. The paper's own formulas are in its supplementary material,
+which we could not read (NOTES.md section 1.6), so this is our reconstruction; its error against the emulated
+cluster is reported in docs/benchmarks.md.
+
+Command line (``gradcomp-perf`` or ``python -m lightning_gradcomp.perfmodel``)::
+
+    gradcomp-perf predict --model alexnet --compressor terngrad --nproc 8 --link 1gbit --device gtx1080
+    gradcomp-perf fig5 --out docs/img
+
+The AlexNet, GoogLeNet and VGG-A parameter shapes and FLOP counts are tables in this module (from the
+published layer shapes), so predictions need neither the models nor a GPU.
+"""
+
+import argparse
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.costmodel import (
+    Link,
+    Network,
+    hierarchical_allreduce_seconds,
+    ring_allgather_seconds,
+    ring_allreduce_seconds,
+)
+from lightning_gradcomp.validation import check_int
+
+Shapes = list[tuple[str, tuple[int, ...]]]
+
+# -- parameter tables of the paper's models ------------------------------------------------------------------
+
+
+def _conv(name: str, cin: int, cout: int, k: int, groups: int = 1) -> Shapes:
+    return [(f"{name}.weight", (cout, cin // groups, k, k)), (f"{name}.bias", (cout,))]
+
+
+def _fc(name: str, cin: int, cout: int) -> Shapes:
+    return [(f"{name}.weight", (cout, cin)), (f"{name}.bias", (cout,))]
+
+
+def alexnet_shapes() -> Shapes:
+    """Krizhevsky et al. 2012 (two towers: conv2, conv4, conv5 grouped), 1000 classes: 61.0M parameters."""
+    return (
+        _conv("conv1", 3, 96, 11) + _conv("conv2", 96, 256, 5, 2) + _conv("conv3", 256, 384, 3)
+        + _conv("conv4", 384, 384, 3, 2) + _conv("conv5", 384, 256, 3, 2)
+        + _fc("fc6", 9216, 4096) + _fc("fc7", 4096, 4096) + _fc("fc8", 4096, 1000)
+    )
+
+
+def vgg_a_shapes() -> Shapes:
+    """VGG configuration A (11 weight layers), 1000 classes: 132.9M parameters."""
+    shapes: Shapes = []
+    cin = 3
+    for i, cout in enumerate((64, 128, 256, 256, 512, 512, 512, 512)):
+        shapes += _conv(f"conv{i + 1}", cin, cout, 3)
+        cin = cout
+    return shapes + _fc("fc6", 512 * 7 * 7, 4096) + _fc("fc7", 4096, 4096) + _fc("fc8", 4096, 1000)
+
+
+_INCEPTION = {  # in, 1x1, 3x3 reduce, 3x3, 5x5 reduce, 5x5, pool proj (Szegedy et al. 2015, Table 1)
+    "3a": (192, 64, 96, 128, 16, 32, 32), "3b": (256, 128, 128, 192, 32, 96, 64),
+    "4a": (480, 192, 96, 208, 16, 48, 64), "4b": (512, 160, 112, 224, 24, 64, 64),
+    "4c": (512, 128, 128, 256, 24, 64, 64), "4d": (512, 112, 144, 288, 32, 64, 64),
+    "4e": (528, 256, 160, 320, 32, 128, 128), "5a": (832, 256, 160, 320, 32, 128, 128),
+    "5b": (832, 384, 192, 384, 48, 128, 128),
+}
+
+
+def googlenet_shapes() -> Shapes:
+    """GoogLeNet (Inception v1) without auxiliary classifiers, 1000 classes: 7.0M parameters."""
+    shapes = _conv("conv1", 3, 64, 7) + _conv("conv2_reduce", 64, 64, 1) + _conv("conv2", 64, 192, 3)
+    for name, (cin, b1, r3, b3, r5, b5, bp) in _INCEPTION.items():
+        p = f"inception{name}"
+        shapes += _conv(f"{p}.1x1", cin, b1, 1) + _conv(f"{p}.3x3_reduce", cin, r3, 1) + _conv(f"{p}.3x3", r3, b3, 3)
+        shapes += _conv(f"{p}.5x5_reduce", cin, r5, 1) + _conv(f"{p}.5x5", r5, b5, 5) + _conv(f"{p}.pool_proj", cin, bp, 1)
+    return shapes + _fc("fc", 1024, 1000)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as the performance model sees it: parameter shapes, forward MACs per image, the paper's batch."""
+
+    shapes: Callable[[], Shapes]
+    forward_macs: float
+    batch: int
+
+
+#: the models of the paper's Fig. 5; MACs per 224x224 (AlexNet 227x227) image, per-GPU batch of Fig. 5
+PAPER_MODELS: dict[str, ModelSpec] = {
+    "alexnet": ModelSpec(alexnet_shapes, 0.72e9, 128),
+    "googlenet": ModelSpec(googlenet_shapes, 1.5e9, 64),
+    "vgg_a": ModelSpec(vgg_a_shapes, 7.6e9, 32),
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU for FLOP-count compute estimates (we cannot profile it here: an assumption, not a measurement).
+
+    Attributes:
+        flops: peak fp32 FLOP/s.
+        efficiency: fraction of peak reached by training (cuDNN-era convnets: about 0.4-0.5).
+        memory_bandwidth: bytes/s, bounds the compression kernels (read 4 bytes, write a fraction, per element).
+    """
+
+    flops: float
+    efficiency: float = 0.45
+    memory_bandwidth: float = 300e9
+
+    def train_seconds(self, forward_macs: float, batch: int) -> float:
+        # 2 FLOP per MAC, backward about twice the forward
+        return 3 * 2 * forward_macs * batch / (self.flops * self.efficiency)
+
+    def codec_seconds_per_element(self) -> float:
+        return 8.0 / self.memory_bandwidth  # read the fp32 gradient, write/read the packed codes
+
+
+DEVICES = {
+    "gtx1080": Device(8.9e12, 0.45, 320e9),
+    "p100": Device(10.6e12, 0.45, 732e9),
+}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """GPUs per node joined inside a node by ``intra`` and across nodes by ``inter`` (one NIC per node)."""
+
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+    device: str
+
+    def network(self, world_size: int) -> Network:
+        if world_size <= self.gpus_per_node:
+            return Network(self.intra)
+        return Network(self.intra, sites=max(1, world_size // self.gpus_per_node), wan=self.inter)
+
+
+#: Fig. 5: (a) 4x GTX 1080 per node on one PCI switch, 1 Gbps Ethernet; (b) 4x P100 per node, NVLink, 100 Gbps
+#: InfiniBand (NOTES.md section 1.6). Link latencies and the PCIe/NVLink rates are our assumptions.
+PAPER_CLUSTERS: dict[str, ClusterSpec] = {
+    "a": ClusterSpec(4, Link(80e9, 10e-6), Link(1e9, 50e-6), "gtx1080"),
+    "b": ClusterSpec(4, Link(320e9, 5e-6), Link(100e9, 5e-6), "p100"),
+}
+
+
+# -- measurements on this machine ------------------------------------------------------------------------------
+def profile_compute(
+    model: nn.Module, batch: int, input_shape: Sequence[int], classes: int = 10, steps: int = 3, warmup: int = 1
+) -> float:
+    """Median seconds of forward + backward + SGD update of ``model`` on one batch, on this machine's threads."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, *input_shape, generator=gen)
+    y = torch.randint(0, classes, (batch,), generator=gen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    times = []
+    for _ in range(warmup + steps):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:])
+
+
+@dataclass(frozen=True)
+class Codec:
+    """What a compressor puts on the wire per step and what it costs to compute, for one world size.
+
+    Attributes:
+        nbytes: bytes per rank per step (exact: the compressor's own packets for every parameter shape).
+        aggregation: how the packets travel.
+        encode_s: compression seconds per step (measured here, or from a device model).
+        decode_s: decoding seconds per step (all N packets for an all-gather, one for an all-reduce).
+        rounds: small blocking all-reduces per bucket before the payload (shared scalers).
+    """
+
+    nbytes: float
+    aggregation: Aggregation
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    rounds: int = 0
+
+
+def fp32_codec(numel: int, bytes_per_element: float = 4.0) -> Codec:
+    """Plain all-reduce (DDP): no compute, ``bytes_per_element`` per gradient element (2 for bf16)."""
+    return Codec(bytes_per_element * numel, Aggregation.SUM)
+
+
+def measure_codec(compressor: Compressor, shapes: Shapes, world_size: int, timed: bool = True) -> Codec:
+    """Compress random tensors of every shape with ``compressor`` (set up as rank 0 of ``world_size``).
+
+    Bytes are exact; times are this machine's (``timed=False`` skips decoding and reports 0 s).
+    """
+    check_int("world_size", world_size, minimum=1)
+    compressor.setup(0, world_size, torch.device("cpu"))
+    aggregation = compressor.aggregation_for(world_size)
+    gen = torch.Generator().manual_seed(0)
+    grads = [(name, torch.randn(*shape, generator=gen) * 1e-3) for name, shape in shapes]
+    start = time.perf_counter()
+    packets = [compressor.compress(g, name, None) for name, g in grads]
+    encode = time.perf_counter() - start
+    decode = 0.0
+    if timed:
+        start = time.perf_counter()
+        for p in packets:
+            if aggregation is Aggregation.GATHER:
+                compressor.decompress_sum([p] * world_size)
+            else:
+                compressor.decompress(p)
+        decode = time.perf_counter() - start
+    rounds = 1 if compressor.local_statistic(grads[0][1], grads[0][0]) is not None else 0
+    return Codec(float(sum(p.nbytes for p in packets)), aggregation, encode if timed else 0.0, decode, rounds)
+
+
+# -- prediction ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted step of one configuration."""
+
+    world_size: int
+    compute_s: float
+    codec_s: float
+    comm_s: float
+    batch: int
+    collective: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.codec_s + self.comm_s
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second over all workers."""
+        return self.world_size * self.batch / self.step_s
+
+
+def comm_seconds(codec: Codec, world_size: int, network: Network, buckets: int = 1) -> float:
+    """Seconds to exchange one step's payloads in ``buckets`` collectives (each pays the latency terms)."""
+    if world_size <= 1:
+        return 0.0
+    b = max(1, buckets)
+    if codec.aggregation is Aggregation.SUM:
+        flat = ring_allreduce_seconds(codec.nbytes / b, world_size, network)
+        two_level = hierarchical_allreduce_seconds(codec.nbytes / b, world_size, network)
+        per_bucket = min(flat, two_level)
+    else:
+        per_bucket = ring_allgather_seconds(codec.nbytes / b, world_size, network)
+    stat = codec.rounds * ring_allreduce_seconds(4.0, world_size, network)
+    return b * (per_bucket + stat)
+
+
+def predict(
+    compute_s: float,
+    codec: Codec,
+    world_size: int,
+    network: Network,
+    batch: int,
+    buckets: int = 1,
+    cpu_share: float = 1.0,
+    collective: str = "",
+) -> Prediction:
+    """Step time and throughput of one configuration.
+
+    Args:
+        compute_s: forward + backward + update of one worker's batch, alone on its device.
+        codec: the compressor's bytes and compute per step.
+        world_size: N workers.
+        network: the links between them.
+        batch: samples per worker per step.
+        buckets: DDP buckets per step (each collective pays the latency).
+        cpu_share: fraction of a device each worker gets (N ranks emulated on fewer cores: cores / N).
+        collective: a label for the report.
+    """
+    slow = 1.0 / cpu_share
+    return Prediction(
+        world_size,
+        compute_s * slow,
+        (codec.encode_s + codec.decode_s) * slow,
+        comm_seconds(codec, world_size, network, buckets),
+        batch,
+        collective or codec.aggregation.value,
+    )
+
+
+def best_terngrad_codec(
+    numel: int, world_size: int, network: Network, per_element_s: float, buckets: int, wide_sums: bool = False
+) -> tuple[str, Codec]:
+    """TernGrad's cheapest collective, as the planner picks it: packed all-gather, int8 all-reduce (N <= 127),
+    or plain fp32 all-reduce where compression would not pay.
+
+    ``wide_sums`` adds an int16 all-reduce of the ternary sums beyond 127 ranks: a what-if (the library's hook
+    has no int16 form), to show what the paper's large-scale points need.
+    """
+    packed = Codec(numel / 4 + 0.0, Aggregation.GATHER, per_element_s * numel, per_element_s * numel * world_size / 4, 1)
+    options = {"allgather": packed, "allreduce_fp32": fp32_codec(numel)}
+    if world_size <= 127:
+        options["allreduce_int8"] = Codec(float(numel), Aggregation.SUM, per_element_s * numel, per_element_s * numel, 1)
+    elif wide_sums:
+        options["allreduce_int16"] = Codec(2.0 * numel, Aggregation.SUM, per_element_s * numel, per_element_s * numel, 1)
+    name = min(options, key=lambda k: comm_seconds(options[k], world_size, network, buckets) + options[k].encode_s + options[k].decode_s)
+    return name, options[name]
+
+
+def paper_curve(model: str, cluster: str, workers: Sequence[int], method: str) -> list[Prediction]:
+    """Fig. 5 points: throughput of ``method`` for each number of GPUs.
+
+    ``method``: ``"fp32"``, ``"terngrad"`` (the library's collectives, as the planner picks them) or
+    ``"terngrad_int16"`` (the same plus int16 sums beyond 127 ranks, a what-if).
+    """
+    spec = PAPER_MODELS[model]
+    setting = PAPER_CLUSTERS[cluster]
+    device = DEVICES[setting.device]
+    numel = sum(math.prod(s) for _, s in spec.shapes())
+    compute = device.train_seconds(spec.forward_macs, spec.batch)
+    buckets = max(1, math.ceil(4 * numel / (25 * 2**20)))  # DDP's 25 MiB buckets
+    points = []
+    for n in workers:
+        net = setting.network(n)
+        if method == "fp32":
+            codec, name = fp32_codec(numel), "allreduce_fp32"
+        else:
+            wide = method == "terngrad_int16"
+            name, codec = best_terngrad_codec(numel, n, net, device.codec_seconds_per_element(), buckets, wide)
+        points.append(predict(compute, codec, n, net, spec.batch, buckets, collective=name))
+    return points
+
+
+def draw_fig5(out_dir: str, workers: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)) -> list[str]:
+    """Fig. 5-style plots (throughput vs GPUs, fp32 vs TernGrad) for both clusters; returns the PNG paths."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for cluster, title in (("a", "(a) 4x GTX 1080 per node, PCIe, 1 Gbps Ethernet"), ("b", "(b) 4x P100 per node, NVLink, 100 Gbps IB")):
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        for ax, model in zip(axes, PAPER_MODELS):
+            labels = {"fp32": "FP32", "terngrad": "TernGrad", "terngrad_int16": "TernGrad + int16 sums (what-if)"}
+            for method, style in (("fp32", "o-"), ("terngrad_int16", "^:"), ("terngrad", "s--")):
+                pts = paper_curve(model, cluster, workers, method)
+                ax.plot(list(workers), [p.throughput for p in pts], style, label=labels[method])
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(model)
+            ax.set_xlabel("GPUs")
+            ax.set_ylabel("images/s")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"Predicted throughput {title} (lightning_gradcomp.perfmodel)")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"fig5{cluster}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _fig5_table(workers: Sequence[int]) -> None:
+    print("| cluster | model | GPUs | FP32 img/s | TernGrad img/s | speed-up | TernGrad collective | +int16 what-if speed-up |")
+    print("|---|---|---|---|---|---|---|---|")
+    for cluster in PAPER_CLUSTERS:
+        for model in PAPER_MODELS:
+            fp = paper_curve(model, cluster, workers, "fp32")
+            tg = paper_curve(model, cluster, workers, "terngrad")
+            wide = paper_curve(model, cluster, workers, "terngrad_int16")
+            for a, b, c in zip(fp, tg, wide):
+                print(f"| {cluster} | {model} | {a.world_size} | {a.throughput:.0f} | {b.throughput:.0f} | "
+                      f"{b.throughput / a.throughput:.2f} | {b.collective} | {c.throughput / a.throughput:.2f} |")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``gradcomp-perf``: predict one configuration, or draw the Fig. 5-style curves."""
+    from lightning_gradcomp import registry
+
+    parser = argparse.ArgumentParser(prog="gradcomp-perf", description="TernGrad-style performance model")
+    sub = parser.add_subparsers(dest="command", required=True)
+    pr = sub.add_parser("predict", help="step time and throughput of one configuration")
+    pr.add_argument("--model", choices=sorted(PAPER_MODELS), required=True)
+    pr.add_argument("--compressor", default="terngrad", help="a registered compressor name, or fp32-ddp / bf16-ddp")
+    pr.add_argument("--nproc", type=int, nargs="+", default=[8])
+    pr.add_argument("--link", default="1gbit", help="link per worker, e.g. 1gbit or 1gbit@50us")
+    pr.add_argument("--gpus-per-node", type=int, default=1, help="workers behind one node link (intra: --intra)")
+    pr.add_argument("--intra", default="80gbit@10us", help="link between workers of a node")
+    pr.add_argument("--device", choices=sorted(DEVICES), default="gtx1080")
+    pr.add_argument("--batch", type=int, default=None, help="per worker (default: the paper's)")
+    fg = sub.add_parser("fig5", help="Fig. 5-style curves for AlexNet, GoogLeNet and VGG-A")
+    fg.add_argument("--out", default="docs/img")
+    args = parser.parse_args(argv)
+    workers = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    if args.command == "fig5":
+        for path in draw_fig5(args.out, workers):
+            print(f"wrote {path}")
+        _fig5_table(workers)
+        return
+    spec = PAPER_MODELS[args.model]
+    device = DEVICES[args.device]
+    batch = args.batch or spec.batch
+    shapes = spec.shapes()
+    numel = sum(math.prod(s) for _, s in shapes)
+    buckets = max(1, math.ceil(4 * numel / (25 * 2**20)))
+    compute = device.train_seconds(spec.forward_macs, batch)
+    link = Link.parse(args.link)
+    print(f"{args.model}: {numel / 1e6:.1f}M parameters, {compute * 1e3:.1f} ms compute per step on {args.device} (batch {batch})")
+    print("| N | method | collective | compute ms | codec ms | comm ms | step ms | img/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in args.nproc:
+        if n <= args.gpus_per_node or args.gpus_per_node == 1:
+            net = Network(link if args.gpus_per_node == 1 else Link.parse(args.intra))
+        else:
+            net = Network(Link.parse(args.intra), sites=n // args.gpus_per_node, wan=link)
+        if args.compressor in ("fp32-ddp", "bf16-ddp"):
+            codec, name = fp32_codec(numel, 4.0 if args.compressor == "fp32-ddp" else 2.0), "allreduce"
+        elif args.compressor == "terngrad":
+            name, codec = best_terngrad_codec(numel, n, net, device.codec_seconds_per_element(), buckets)
+        else:
+            measured = measure_codec(registry.make_compressor(args.compressor), shapes, n, timed=False)
+            per = device.codec_seconds_per_element() * numel
+            codec = Codec(measured.nbytes, measured.aggregation, per, per, measured.rounds)
+            name = measured.aggregation.value
+        p = predict(compute, codec, n, net, batch, buckets, collective=name)
+        print(f"| {n} | {args.compressor} | {p.collective} | {p.compute_s * 1e3:.1f} | {p.codec_s * 1e3:.1f} | "
+              f"{p.comm_s * 1e3:.1f} | {p.step_s * 1e3:.1f} | {p.throughput:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

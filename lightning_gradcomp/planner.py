@@ -1,0 +1,184 @@
+"""Per-bucket choice of collective from the cost model: compress only where it pays on this link.
+
+The hook consults a :class:`CollectivePlanner` at the top of each bucket. The first time a bucket (a tuple of
+parameter names) is seen, the planner probes a copy of the compressor on the bucket's gradients (exact bytes
+on the wire and measured compress/decode seconds, or the supplied per-element cost), agrees the numbers with
+the other ranks (one small max all-reduce, issued from the hook body like every collective), and asks
+:func:`lightning_gradcomp.costmodel.choose` for the fastest of:
+
+* ``allreduce_fp32``: compression off for this bucket (plain all-reduce of the float gradient);
+* ``allgather``: all-gather of packed payloads (gather-only compressors, TernGrad's packed form);
+* ``allreduce_<dtype>``: all-reduce of summable payloads (TernGrad's int8 sums with a shared scaler, ...).
+
+The choice is cached per bucket, logged once at INFO and counted in ``GradCompState.collectives`` as
+``plan_<choice>`` on every call. Every rank sees the same agreed numbers, so every rank makes the same choice
+(replicas never diverge, collectives always match).
+"""
+
+import copy
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.costmodel import ALLREDUCE_FP32, Candidate, CompressionCost, Link, Network, choose
+
+if TYPE_CHECKING:
+    from lightning_gradcomp.hook import GradCompState
+
+log = logging.getLogger(__name__)
+
+# TernGrad-style compressors expose `collective="auto"`; the planner picks the concrete one per bucket
+_SWITCHABLE = {"allgather": "allgather", "allreduce_int8": "allreduce_int8"}
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """What the planner decided for one bucket."""
+
+    choice: str
+    override: Optional[str]  # value set on the compressor's `collective` attribute, if switchable
+    seconds: dict[str, float]
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+class CollectivePlanner:
+    """Chooses per bucket between plain fp32 all-reduce and the compressor's collectives.
+
+    Args:
+        network: the links between ranks: a :class:`~lightning_gradcomp.costmodel.Network`, a
+            :class:`~lightning_gradcomp.costmodel.Link`, or a spec such as ``"1gbit"`` / ``"100mbit@2ms"``.
+        cost: compress/decode seconds per element; ``None`` measures them on the first step (each bucket's
+            compression is timed once on a copy of the compressor, the max over ranks is used).
+    """
+
+    def __init__(self, network: Union[str, Link, Network], cost: Optional[CompressionCost] = None) -> None:
+        self.network = Network.parse(network)
+        if cost is not None and not isinstance(cost, CompressionCost):
+            raise ValueError(f"Expected `cost` to be a CompressionCost or None, but got {cost!r}.")
+        self.cost = cost
+        self.plans: dict[tuple[str, ...], BucketPlan] = {}
+        self._switchable: Optional[bool] = None
+
+    def _is_switchable(self, compressor: Compressor) -> bool:
+        if self._switchable is None:
+            # only a compressor left on "auto" is switched: an explicit user choice is kept
+            self._switchable = getattr(compressor, "collective", None) == "auto"
+        return self._switchable
+
+    def apply(self, state: "GradCompState", names: Sequence[str], grads: Sequence[Tensor]) -> Optional[BucketPlan]:
+        """Decide (first time) and apply (every time) the plan of the bucket holding ``names``.
+
+        Called from the hook body, before anything else, identically on every rank.
+        """
+        key = tuple(names)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = self._decide(state, names, grads)
+            if plan is None:
+                return None
+            self.plans[key] = plan
+        compressed = [n for n in names if n not in state.float_names]
+        if plan.choice == ALLREDUCE_FP32:
+            state.plain_names.update(compressed)
+        else:
+            state.plain_names.difference_update(compressed)
+            if plan.override is not None:
+                state.compressor.collective = plan.override  # type: ignore[attr-defined]
+        state.collectives[f"plan_{plan.choice}"] += 1
+        return plan
+
+    # -- decision -------------------------------------------------------------------------------------
+    def _variants(self, state: "GradCompState") -> list[Optional[str]]:
+        compressor = state.compressor
+        if not self._is_switchable(compressor):
+            return [None]
+        variants: list[Optional[str]] = ["allgather"]
+        if getattr(compressor, "scaler_share", "max") == "max" and state.world_size <= 127:
+            variants.append("allreduce_int8")
+        return variants
+
+    def _probe(self, state: "GradCompState", override: Optional[str], inputs: Sequence[Tensor], names: Sequence[str]) -> tuple[str, str, float, float, float, int]:
+        """One variant on a copy of the compressor: (name, collective, bytes, encode s, decode s, rounds)."""
+        try:
+            probe = copy.deepcopy(state.compressor)
+        except Exception:  # a compressor holding something uncopyable: a fresh set-up copy is equivalent
+            probe = copy.copy(state.compressor)
+        probe.setup(state.compressor.rank, state.world_size, inputs[0].device)
+        if override is not None:
+            probe.collective = override  # type: ignore[attr-defined]
+        aggregation = probe.aggregation_for(state.world_size)
+        # warm-up on a small slice: first calls pay one-time costs (allocator, lookup tables) that would
+        # dominate a small bucket's timing
+        head = inputs[0].reshape(-1)[:1024]
+        warm = probe.compress(head, names[0], None)
+        probe.decompress_sum([warm] * state.world_size) if aggregation is Aggregation.GATHER else probe.decompress(warm)
+        start = _now()
+        packets = [probe.compress(x, n, None) for x, n in zip(inputs, names)]
+        encode = _now() - start
+        start = _now()
+        for packet in packets:
+            if aggregation is Aggregation.GATHER:
+                probe.decompress_sum([packet] * state.world_size)
+            else:
+                probe.decompress(packet)
+        decode = _now() - start
+        nbytes = sum(p.nbytes for p in packets)
+        rounds = 1 if any(probe.local_statistic(x, n) is not None for x, n in zip(inputs[:1], names[:1])) else 0
+        if aggregation is Aggregation.GATHER:
+            label, collective = "allgather", "allgather"
+        else:
+            dtype = str(packets[0].payload.dtype).removeprefix("torch.")
+            label, collective = f"allreduce_{dtype}", "allreduce"
+        return label, collective, float(nbytes), encode, decode, rounds
+
+    def _decide(self, state: "GradCompState", names: Sequence[str], grads: Sequence[Tensor]) -> Optional[BucketPlan]:
+        idx = [i for i, n in enumerate(names) if n not in state.float_names]
+        if not idx:
+            return None
+        inputs = [grads[i].detach() for i in idx]
+        sub_names = [names[i] for i in idx]
+        numel = sum(x.numel() for x in inputs)
+        variants = self._variants(state)
+        probes = [self._probe(state, v, inputs, sub_names) for v in variants]
+        numbers = []
+        for label, collective, nbytes, encode, decode, _ in probes:
+            if self.cost is not None:
+                encode = self.cost.encode * numel
+                decode = self.cost.decode * numel * (state.world_size if collective == "allgather" else 1)
+            numbers += [nbytes, encode + decode]
+        agreed = torch.tensor(numbers, dtype=torch.float64)
+        if state.world_size > 1:
+            # timings (and data-dependent sizes) differ per rank: decide on the max so every rank agrees
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=state.process_group)
+            state.collectives["allreduce_max"] += 1
+        values = agreed.tolist()
+        candidates = [Candidate(ALLREDUCE_FP32, "allreduce", 4.0 * numel)]
+        for k, (label, collective, _, _, _, rounds) in enumerate(probes):
+            candidates.append(Candidate(label, collective, values[2 * k], values[2 * k + 1], rounds))
+        plan = choose(candidates, state.world_size, self.network)
+        override = None
+        if plan.choice != ALLREDUCE_FP32 and variants != [None]:
+            override = variants[[p[0] for p in probes].index(plan.choice)]
+        log.info(
+            "gradcomp: bucket of %d tensors (%d elements) on %s, %d ranks -> %s",
+            len(sub_names),
+            numel,
+            self.network,
+            state.world_size,
+            plan.describe(),
+        )
+        return BucketPlan(plan.choice, override, plan.seconds)
+
+    def describe(self) -> dict[str, Any]:
+        """Settings, for logs and the run config."""
+        return {"network": str(self.network), "cost": None if self.cost is None else vars(self.cost)}
