@@ -11,7 +11,7 @@ through the same LightningCLI parser as ``gradcomp fit``, with these overrides (
 Printed per run: test accuracy (10K test set), and the measured compression: fp32 bytes over the bytes one
 worker put on the wire, summed over all steps, overall and per layer type (conv / fc, AdaComp's ``layer_kind``).
 
-Usage: python benchmarks/repro_sparse.py graddrop [--steps 200] [--hidden 512]
+Usage: python benchmarks/repro_sparse.py graddrop [--steps 200] [--hidden 512] [--only RUN ...]
        python benchmarks/repro_sparse.py adacomp [--steps 300]
 """
 
@@ -55,11 +55,14 @@ def tower_strategy(recipe: str, workers: int) -> str:
 
 GRADDROP = ["baseline", "drop90_global", "drop99_global", "drop999_global", "drop90_layer", "drop99_layer",
             "drop999_layer"]
+#: also runnable with --only: Fig. 4's layer norm and the 1-bit variants of Sec. 5.4
+GRADDROP_MORE = ["drop99_global_layernorm", "drop99_1bit_threshold", "drop99_1bit_column_mean",
+                 "drop99_1bit_global_mean"]
 
 
 def graddrop_runs(steps: int, hidden: int) -> list[tuple[str, str, list[str]]]:
     runs = []
-    for name in GRADDROP:
+    for name in GRADDROP + GRADDROP_MORE:
         # per-layer runs at 90% and 99.9% reuse the 99% per-layer recipe with the drop ratio changed
         base = "drop99_layer" if name.endswith("_layer") else name
         recipe = f"recipes/graddrop/mlp_mnist_{base}.yaml"
@@ -99,7 +102,7 @@ def main() -> None:
         runs = adacomp_runs(args.steps or 300)
     rows = []
     for name, recipe, ov in runs:
-        if args.only and name not in args.only:
+        if name not in (args.only or GRADDROP + ["baseline", "adacomp"]):
             continue
         meter = WireBytes()
         res = run_recipe(recipe, ov, callbacks=[meter])
