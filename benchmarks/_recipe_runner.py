@@ -5,17 +5,21 @@ each printed row corresponds to a command line that the runner also prints.
 """
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
-
-import lightning_gradcomp  # noqa: F401  (registers the strategy names)
-
 ROOT = Path(__file__).resolve().parents[1]
+# run from a checkout: the package next to this folder, not an installed copy (an editable install may point
+# at another checkout)
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from lightning.pytorch import LightningDataModule, LightningModule  # noqa: E402
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+
+import lightning_gradcomp  # noqa: E402, F401  (registers the strategy names)
 FASHION = "lightning_gradcomp.data.FashionMNISTDataModule"
 
 
@@ -55,4 +59,5 @@ def run_recipe(recipe: str, overrides: list[str], quiet: bool = True, callbacks:
 
 def machine() -> str:
     """One line describing where the numbers were measured."""
-    return f"{os.uname().nodename}, {os.cpu_count()} CPUs, torch {torch.__version__}, threads {torch.get_num_threads()}"
+    return (f"{os.uname().nodename}, {os.cpu_count()} CPUs, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+            f"lightning_gradcomp from {Path(lightning_gradcomp.__file__).parent}")
