@@ -49,13 +49,17 @@ def rank_state(state: "GradCompState") -> dict[str, Any]:
         "compressor": _to_cpu(state.compressor.state_dict()),
         "memory": state.memory.state_dict(),
         "transforms": [(type(t).__qualname__, _to_cpu(t.state_dict())) for t in state.transforms],
+        "extra": {name: _to_cpu(obj.state_dict()) for name, obj in state.extra.items()},
     }
 
 
 def has_state(entry: Mapping[str, Any]) -> bool:
     """Whether one rank's entry carries anything to restore."""
     return not (
-        _is_empty(entry["compressor"]) and not entry["memory"] and all(_is_empty(s) for _, s in entry["transforms"])
+        _is_empty(entry["compressor"])
+        and not entry["memory"]
+        and all(_is_empty(s) for _, s in entry["transforms"])
+        and all(_is_empty(s) for s in entry.get("extra", {}).values())
     )
 
 
@@ -130,7 +134,15 @@ def restore(state: "GradCompState", entry: Mapping[str, Any], device: torch.devi
             f"Expected the checkpoint's residuals to belong to this model's parameters, but {unknown} are not among "
             f"them. Fix: {fix}."
         )
+    saved_extra = sorted(entry.get("extra", {}))
+    if saved_extra != sorted(state.extra):
+        raise ValueError(
+            f"Expected the further compression state {saved_extra} as in the checkpoint, but got {sorted(state.extra)}. "
+            f"Fix: {fix}."
+        )
     state.compressor.load_state_dict(entry["compressor"])
     state.memory.load_state_dict(entry["memory"], device)
     for transform, (_, saved) in zip(state.transforms, entry["transforms"]):
         transform.load_state_dict(saved)
+    for name, obj in state.extra.items():
+        obj.load_state_dict(entry["extra"][name])

@@ -96,6 +96,9 @@ class GradCompState:
     dense: bool = False
     planner: Optional[Any] = None
     plain_names: set[str] = field(default_factory=set)
+    #: further per-rank state saved with the checkpoint: name -> object with ``state_dict``/``load_state_dict``
+    #: (e.g. WeightGrad's synchronizer: accumulators, staleness counters, G_thresh)
+    extra: dict[str, Any] = field(default_factory=dict)
     stats: Optional[HookStats] = None
 
     def compressor_for(self, name: str) -> Compressor:

@@ -26,12 +26,14 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
 from lightning_gradcomp.compressors.streams import RandomStreams
+from lightning_gradcomp.compressors.terngrad_fused import FusedTernGrad
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.wire import PACKINGS, Packing, pack_ternary, packed_nbytes, unpack_ternary
 
 ClipMode = Literal["paper", "code"]
 ScalerShare = Literal["max", "per_worker"]
 Collective = Literal["auto", "allgather", "allreduce_int8"]
+Backend = Literal["auto", "torch", "fused"]
 
 # int8 sums of N ternaries stay in [-N, N]; beyond 127 ranks they would overflow.
 _INT8_MAX_RANKS = 127
@@ -54,6 +56,11 @@ class TernGrad(Compressor):
             ``scaler_share="max"``), or ``"auto"`` to pick by ring traffic for the world size.
         seed: seed of this compressor's random stream; rank r draws from seed and r, so ranks differ and
             runs repeat.
+        backend: ``"torch"`` (this module's torch ops with ``torch.Generator``, the reference), ``"fused"``
+            (:mod:`lightning_gradcomp.kernels`: one statistics pass, one ternarize + pack pass with a
+            counter-based random stream, fused decode; compiled on CPU, torch ops elsewhere) or ``"auto"``
+            (fused on CPU when the kernels compile here, else torch). Both draw the same Bernoulli
+            probabilities from different random streams; decoding is bit-identical.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class TernGrad(Compressor):
         packing: Packing = "2bit",
         collective: Collective = "auto",
         seed: int = 0,
+        backend: Backend = "auto",
     ) -> None:
         super().__init__()
         check_number("clip_factor", clip_factor, minimum=0.0, fix="use 2.5 (the paper) or 0 to disable clipping")
@@ -75,6 +83,7 @@ class TernGrad(Compressor):
         check_choice("packing", packing, PACKINGS)
         check_choice("collective", collective, ("auto", "allgather", "allreduce_int8"))
         check_int("seed", seed, minimum=0)
+        check_choice("backend", backend, ("auto", "torch", "fused"))
         if collective == "allreduce_int8" and scaler_share != "max":
             raise ValueError(
                 f"`collective='allreduce_int8'` sums ternary values, which needs one scaler shared by all ranks, "
@@ -87,6 +96,8 @@ class TernGrad(Compressor):
         self.packing: Packing = packing
         self.collective = collective
         self.seed = seed
+        self.backend = backend
+        self._fused = FusedTernGrad(self)
         self._streams = RandomStreams(seed)
         self._device = torch.device("cpu")
 
@@ -100,12 +111,14 @@ class TernGrad(Compressor):
             )
         self._device = device
         self._streams.reset(rank)
+        self._fused.load_state_dict({})  # the fused backend's counters start afresh too
 
     def state_dict(self) -> dict[str, Any]:
-        return {"streams": self._streams.state_dict()}
+        return {"streams": self._streams.state_dict(), **self._fused.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._streams.load_state_dict(state.get("streams", {}))
+        self._fused.load_state_dict(state)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -117,6 +130,7 @@ class TernGrad(Compressor):
             "packing": self.packing,
             "collective": self.collective,
             "seed": self.seed,
+            "backend": self.backend,
         }
 
     # -- how it travels ---------------------------------------------------------------------------------
@@ -188,6 +202,8 @@ class TernGrad(Compressor):
     def local_statistic(self, tensor: Tensor, name: str) -> Optional[Tensor]:
         if self.scaler_share != "max":
             return None
+        if self._fused.enabled(tensor.device):
+            return self._fused.local_statistic(tensor, name)
         return self._clipped_and_scaler(tensor)[1]
 
     def ternarize(self, tensor: Tensor, scaler: Optional[Tensor] = None, name: str = "") -> tuple[Tensor, Tensor]:
@@ -198,6 +214,8 @@ class TernGrad(Compressor):
             scaler: scalers shared by all ranks (one per chunk); ``None`` uses this rank's own.
             name: the parameter's name, which selects its random stream.
         """
+        if self._fused.enabled(tensor.device):
+            return self._fused.ternarize(tensor, name, scaler)
         chunks, local = self._clipped_and_scaler(tensor)
         s = local if scaler is None else scaler.to(chunks.device, torch.float32)
         rnd = torch.rand(chunks.shape, generator=self._streams.get(name, chunks.device), device=chunks.device)
@@ -208,6 +226,8 @@ class TernGrad(Compressor):
         return ternary.reshape(-1)[: tensor.numel()], s
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
+        if self._fused.enabled(tensor.device):
+            return self._fused.compress(tensor, name, shared)
         ternary, s = self.ternarize(tensor, shared if self.scaler_share == "max" else None, name)
         stats = {"sparsity": (ternary == 0).float().mean(), "scaler": s.max()}
         ctx: dict[str, Any] = {}
@@ -229,7 +249,7 @@ class TernGrad(Compressor):
         if "scale" in packet.ctx:
             return unpack_ternary(packet.payload, numel, self.packing), packet.ctx["scale"]
         nbytes = packed_nbytes(numel, self.packing)
-        scale = packet.payload[nbytes:].contiguous().view(torch.float32)
+        scale = packet.payload[nbytes:].clone().view(torch.float32)
         return unpack_ternary(packet.payload[:nbytes], numel, self.packing), scale
 
     def _scaled(self, values: Tensor, scale: Tensor, packet: Packet) -> Tensor:
@@ -241,12 +261,16 @@ class TernGrad(Compressor):
         return out.to(packet.dtype).view(packet.shape)
 
     def decompress(self, packet: Packet) -> Tensor:
+        if self._fused.decodes(packet):
+            return self._fused.decompress(packet)
         values, scale = self._values_and_scale(packet)
         return self._scaled(values, scale, packet)
 
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         if "scale" not in packets[0].ctx:
             return super().decompress_sum(packets)
+        if all(self._fused.decodes(p) for p in packets):
+            return self._fused.decompress_sum(packets)
         # shared scaler: add the integer ternaries exactly, scale once
         total = self._values_and_scale(packets[0])[0].to(torch.int32)
         for packet in packets[1:]:

@@ -220,6 +220,9 @@ class WeightGradStrategy(GradCompStrategy):
             seed=self.seed,
             float_names=float_names,
         )
+        # the synchronizer's accumulators, staleness counter and G_thresh are training state: checkpointed per rank
+        self.comm_state.extra["weightgrad"] = self.synchronizer
+        self._attach_resilience(self.comm_state)
         log.info(
             "weightgrad: rank %d in site %d of %s (leader %d), in-site %s",
             self.global_rank,

@@ -232,8 +232,14 @@ class GradientSynchronizer:
 
     # -- checkpointing ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Per-site state (identical on the ranks of a site)."""
+        """Per-site state (identical on the ranks of a site).
+
+        Includes the site's current weights: between WAN rounds sites differ, and Lightning's checkpoint holds
+        only rank 0's model. (Optimizer state is still rank 0's: with optimizer momentum, a resumed site other
+        than site 0 restarts from site 0's buffers.)
+        """
         return {
+            "params": {k: p.detach().cpu().clone() for k, p in self.params.items()},
             "anchor": {k: v.detach().cpu().clone() for k, v in self.anchor.items()},
             "hidden": {k: v.detach().cpu().clone() for k, v in self.hidden.items()},
             "steps_since_round": self.steps_since_round,
@@ -243,6 +249,9 @@ class GradientSynchronizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for k, v in state.get("params", {}).items():
+                self.params[k].copy_(v)
         for k, v in state["anchor"].items():
             self.anchor[k].copy_(v)
         self.hidden = {k: v.to(self.anchor[k].device) for k, v in state["hidden"].items()}

@@ -356,3 +356,24 @@ def survivor_run(rank: int, world_size: int, name: str, victim: int, timeout_s: 
         outcome = {"raised": (type(exc).__name__, str(exc))}
     outcome["seconds"] = time.perf_counter() - started
     return outcome
+
+
+# -- WeightGrad: accumulators, staleness counter, G_thresh and per-site weights survive a resume -------------
+def weightgrad_resume(rank: int, world_size: int, tmpdir: str, total: int, at: int) -> dict[str, Any]:
+    """4 ranks in 2 sites, a WAN round every 2 steps, checkpoint mid-cycle at ``at``: uninterrupted vs resumed,
+    and a resume that drops the compression state (the control: it must differ)."""
+    from lightning_gradcomp.weightgrad import WeightGradStrategy
+
+    def strategy(**kwargs: Any) -> WeightGradStrategy:
+        return WeightGradStrategy(site_size=2, staleness_bound=2, **kwargs)
+
+    saver = ModelCheckpoint(dirpath=tmpdir, every_n_train_steps=at, save_top_k=-1)
+    run = dict(loader=step_loader())
+    full, _ = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.0),
+                  enable_checkpointing=True, callbacks=[saver], **run)
+    path = os.path.join(tmpdir, f"epoch=0-step={at}.ckpt")
+    resumed, trainer = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.0), ckpt_path=path, **run)
+    reset, _ = fit(world_size, strategy(resume_compression="reset"), total, StepDataClassifier(momentum=0.0),
+                   ckpt_path=path, **run)
+    return {"full": flat_params(full), "resumed": flat_params(resumed), "reset": flat_params(reset),
+            "rounds": trainer.strategy.synchronizer.rounds}

@@ -1,0 +1,54 @@
+"""Fused compress/decompress kernels: a compiled CPU path and a torch-ops path (fallback and CUDA).
+
+The CPU kernels are C++ compiled on first use (:mod:`lightning_gradcomp.kernels._build`, cached in torch's
+extension directory). Where compilation is unavailable the same functions run as torch ops with the same
+results, after one logged warning. On CUDA tensors the torch-ops path runs (unmeasured so far).
+"""
+
+from lightning_gradcomp.kernels._build import cpu_extension, torch_ops
+from lightning_gradcomp.kernels.rng import stream_key
+from lightning_gradcomp.kernels.selection import (
+    AdaCompSelection,
+    adacomp_select,
+    bin_absmax,
+    quantile_rank,
+    sample_abs,
+    sample_threshold,
+    select_above,
+    sparse_decode_sum,
+)
+from lightning_gradcomp.kernels.terngrad import (
+    decode,
+    decode_sum,
+    ternarize_int8,
+    ternarize_pack,
+    terngrad_scaler,
+    terngrad_stats,
+)
+
+
+def fused_available() -> bool:
+    """Whether the compiled CPU kernels load on this machine (compiles them on the first call)."""
+    return cpu_extension() is not None
+
+
+__all__ = [
+    "AdaCompSelection",
+    "adacomp_select",
+    "bin_absmax",
+    "cpu_extension",
+    "decode",
+    "decode_sum",
+    "fused_available",
+    "quantile_rank",
+    "sample_abs",
+    "sample_threshold",
+    "select_above",
+    "sparse_decode_sum",
+    "stream_key",
+    "ternarize_int8",
+    "ternarize_pack",
+    "terngrad_scaler",
+    "terngrad_stats",
+    "torch_ops",
+]
