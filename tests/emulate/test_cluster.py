@@ -1,7 +1,6 @@
 """The emulated cluster: ranks in network namespaces behind rate-limited links (needs root and iproute2)."""
 
 import io
-import os
 import re
 import sys
 from pathlib import Path

@@ -64,7 +64,7 @@ def test_global_scope_uses_the_previous_steps_whole_model_threshold() -> None:
     comp = GradientDropping(drop_ratio=0.9, sample="exact", scope="global")
     small, large = torch.rand(1000), torch.rand(1000) * 100
     p0a = comp.compress(small, "a")
-    p0b = comp.compress(large, "b")
+    comp.compress(large, "b")
     # step 0: per-layer thresholds (no pool yet)
     assert torch.equal(p0a.stats["threshold"], select_threshold(small.abs(), 0.9))
     p1a = comp.compress(small, "a")  # "a" again: step 1 uses the pool of step 0

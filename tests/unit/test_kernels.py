@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from lightning_gradcomp import TernGrad, kernels
-from lightning_gradcomp.kernels import terngrad as kt
 from lightning_gradcomp.wire import pack_ternary, packed_nbytes, unpack_ternary
 
 REPO = Path(__file__).resolve().parents[2]
