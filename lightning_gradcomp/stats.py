@@ -159,6 +159,8 @@ class HookStats:
         self.bins = bins
         #: set by the monitor before a logging step; histograms and fallbacks are computed only then
         self.capture = False
+        #: whether the captured step also takes histograms (the monitor's ``histogram_every``)
+        self.capture_histograms = True
         self._clock = _Clock(device)
         self._lock = threading.Lock()  # decode callbacks may run on the collective backend's threads
         self._totals = dict.fromkeys(PHASES, 0.0)
@@ -182,6 +184,8 @@ class HookStats:
         return self._current.blocking() if self._current is not None else contextlib.nullcontext()
 
     def wants_histogram(self, name: str) -> bool:
+        if not self.capture_histograms:
+            return False
         wanted = self._wants.get(name)
         if wanted is None:
             wanted = self._wants[name] = any(fnmatch.fnmatchcase(name, p) for p in self.histogram_layers)

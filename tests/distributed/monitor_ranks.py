@@ -50,13 +50,13 @@ def monitored_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     """Fail fast without a logger; TernGrad to W&B + CSV; the same run unmonitored; fp16 feedback to CSV + TB."""
     out: dict[str, Any] = {}
     try:
-        _fit(world_size, GradCompStrategy("terngrad"), False, [CompressionMonitor()], steps=1)
+        _fit(world_size, GradCompStrategy("terngrad"), False, [CompressionMonitor(histogram_every=1)], steps=1)
     except ValueError as exc:
         out["no_logger_error"] = str(exc)
 
     wandb_logger = WandbLogger(offline=True, save_dir=tmp, project="gradcomp-test")
     csv_logger = CSVLogger(tmp, name="terngrad")
-    monitored = _fit(world_size, GradCompStrategy("terngrad"), [wandb_logger, csv_logger], [CompressionMonitor()])
+    monitored = _fit(world_size, GradCompStrategy("terngrad"), [wandb_logger, csv_logger], [CompressionMonitor(histogram_every=1)])
     out["params"] = monitored.params  # type: ignore[attr-defined]
     out["progress_bar"] = {k: float(v) for k, v in monitored.progress_bar_metrics.items()}
     state = monitored.strategy.comm_state  # type: ignore[attr-defined]
@@ -73,7 +73,7 @@ def monitored_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
     half_csv = CSVLogger(tmp, name="half")
     half_tb = TensorBoardLogger(tmp, name="half_tb")
-    half = _fit(world_size, GradCompStrategy(HalfWithFeedback()), [half_csv, half_tb], [CompressionMonitor()])
+    half = _fit(world_size, GradCompStrategy(HalfWithFeedback()), [half_csv, half_tb], [CompressionMonitor(histogram_every=1)])
     residuals = half.strategy.comm_state.memory.residuals  # type: ignore[attr-defined]
     out["half_residual_norms"] = {n: float(r.norm()) for n, r in residuals.items()}
     out["half_residual_max"] = {n: float(r.abs().max()) for n, r in residuals.items()}

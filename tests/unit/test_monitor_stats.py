@@ -58,6 +58,10 @@ def test_capture_only_when_armed() -> None:
     assert clipped_edges[-1] <= g.max() and clipped_counts.sum() == 32
     stats.clear_capture()
     assert not stats.capture and stats.histograms == {}
+    # a logging step without histograms (the monitor's histogram_every) still captures scalars, no histograms
+    stats.capture, stats.capture_histograms = True, False
+    stats.observe_input("fc.weight", g, g, TernGrad())
+    assert stats.histograms == {}
 
 
 def test_terngrad_clipped_matches_its_clipping() -> None:
@@ -74,6 +78,8 @@ def test_layer_key_and_argument_errors() -> None:
         CompressionMonitor(logging_interval=0)
     with pytest.raises(ValueError, match="histogram_bins"):
         CompressionMonitor(histogram_bins=0)
+    with pytest.raises(ValueError, match="histogram_every"):
+        CompressionMonitor(histogram_every=0)
     with pytest.raises(ValueError, match=r"Fix: use \['fc\.\*'\]"):
         CompressionMonitor(histogram_layers="fc.*")
 
