@@ -1,13 +1,13 @@
 """Image (or any) classification with cross-entropy and accuracy metrics."""
 
-from typing import Any, Optional
+from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from lightning_gradcomp.tasks.base import OptimizerName, ScheduleName, TrainingTask
+from lightning_gradcomp.tasks.base import OptimizerName, TrainingTask
 from lightning_gradcomp.validation import check_int
 
 
@@ -22,15 +22,8 @@ class ImageClassifier(TrainingTask):
         top_k: also report top-k accuracy for this k (1: only top-1).
         optimizer: see :class:`~lightning_gradcomp.tasks.base.TrainingTask` (also for the remaining args).
         lr: base learning rate.
-        momentum: momentum.
-        weight_decay: L2 coefficient.
-        weight_decay_in_loss: L2 inside the loss (inside the compressed gradient).
-        lr_schedule: ``"constant"``, ``"poly"`` or ``"staircase"``.
-        max_steps: polynomial decay length.
-        poly_power: polynomial exponent.
-        decay_steps: staircase period in steps.
-        decay_epochs: staircase period in epochs.
-        decay_rate: staircase multiplier.
+        **kwargs: the remaining :class:`~lightning_gradcomp.tasks.base.TrainingTask` options (learning
+            rate schedule, weight decay, ...), forwarded unchanged.
     """
 
     def __init__(
@@ -40,20 +33,9 @@ class ImageClassifier(TrainingTask):
         top_k: int = 1,
         optimizer: OptimizerName = "momentum",
         lr: float = 0.01,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        weight_decay_in_loss: bool = False,
-        lr_schedule: ScheduleName = "constant",
-        max_steps: Optional[int] = None,
-        poly_power: float = 0.5,
-        decay_steps: Optional[int] = None,
-        decay_epochs: Optional[float] = None,
-        decay_rate: float = 0.1,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            model, optimizer, lr, momentum, weight_decay, weight_decay_in_loss, lr_schedule,
-            max_steps, poly_power, decay_steps, decay_epochs, decay_rate,
-        )  # fmt: skip
+        super().__init__(model, optimizer, lr, **kwargs)
         check_int("num_classes", num_classes, minimum=2)
         check_int("top_k", top_k, minimum=1)
         if top_k > num_classes:

@@ -1,14 +1,14 @@
 """Character-level language modelling (next-character cross-entropy)."""
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_gradcomp.tasks.base import OptimizerName, ScheduleName, TrainingTask
+from lightning_gradcomp.tasks.base import OptimizerName, TrainingTask
 
 
 class CharLanguageModel(TrainingTask):
@@ -23,15 +23,8 @@ class CharLanguageModel(TrainingTask):
             char-rnn uses ``"adam"``-like RMSprop at 2e-3 with gradient clipping 5: set the Trainer's
             ``gradient_clip_val``).
         lr: base learning rate.
-        momentum: momentum.
-        weight_decay: L2 coefficient.
-        weight_decay_in_loss: L2 inside the loss.
-        lr_schedule: ``"constant"``, ``"poly"`` or ``"staircase"``.
-        max_steps: polynomial decay length.
-        poly_power: polynomial exponent.
-        decay_steps: staircase period in steps.
-        decay_epochs: staircase period in epochs.
-        decay_rate: staircase multiplier.
+        **kwargs: the remaining :class:`~lightning_gradcomp.tasks.base.TrainingTask` options (learning
+            rate schedule, weight decay, ...), forwarded unchanged.
     """
 
     def __init__(
@@ -39,20 +32,9 @@ class CharLanguageModel(TrainingTask):
         model: nn.Module,
         optimizer: OptimizerName = "adam",
         lr: float = 2e-3,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        weight_decay_in_loss: bool = False,
-        lr_schedule: ScheduleName = "constant",
-        max_steps: Optional[int] = None,
-        poly_power: float = 0.5,
-        decay_steps: Optional[int] = None,
-        decay_epochs: Optional[float] = None,
-        decay_rate: float = 0.1,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            model, optimizer, lr, momentum, weight_decay, weight_decay_in_loss, lr_schedule,
-            max_steps, poly_power, decay_steps, decay_epochs, decay_rate,
-        )  # fmt: skip
+        super().__init__(model, optimizer, lr, **kwargs)
         self.save_hyperparameters(ignore=["model"])
         self.val_loss, self.val_acc = MeanMetric(), MeanMetric()
         self.test_loss, self.test_acc = MeanMetric(), MeanMetric()

@@ -1,6 +1,6 @@
 """Sequence-to-sequence training (translation-like), teacher-forced, with optional greedy BLEU."""
 
-from typing import Any, Optional
+from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -8,7 +8,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.text import BLEUScore
 from typing_extensions import override
 
-from lightning_gradcomp.tasks.base import OptimizerName, ScheduleName, TrainingTask
+from lightning_gradcomp.tasks.base import OptimizerName, TrainingTask
 from lightning_gradcomp.validation import check_int, check_number
 
 PAD_ID, EOS_ID = 0, 3  # lightning_gradcomp.data.parallel_text.Vocab
@@ -39,15 +39,8 @@ class Seq2SeqTask(TrainingTask):
         max_decode_len: longest greedy output.
         optimizer: see :class:`~lightning_gradcomp.tasks.base.TrainingTask` (also for the remaining args).
         lr: base learning rate.
-        momentum: momentum.
-        weight_decay: L2 coefficient.
-        weight_decay_in_loss: L2 inside the loss.
-        lr_schedule: ``"constant"``, ``"poly"`` or ``"staircase"``.
-        max_steps: polynomial decay length.
-        poly_power: polynomial exponent.
-        decay_steps: staircase period in steps.
-        decay_epochs: staircase period in epochs.
-        decay_rate: staircase multiplier.
+        **kwargs: the remaining :class:`~lightning_gradcomp.tasks.base.TrainingTask` options (learning
+            rate schedule, weight decay, ...), forwarded unchanged.
     """
 
     def __init__(
@@ -58,20 +51,9 @@ class Seq2SeqTask(TrainingTask):
         max_decode_len: int = 60,
         optimizer: OptimizerName = "adam",
         lr: float = 1e-3,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        weight_decay_in_loss: bool = False,
-        lr_schedule: ScheduleName = "constant",
-        max_steps: Optional[int] = None,
-        poly_power: float = 0.5,
-        decay_steps: Optional[int] = None,
-        decay_epochs: Optional[float] = None,
-        decay_rate: float = 0.1,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            model, optimizer, lr, momentum, weight_decay, weight_decay_in_loss, lr_schedule,
-            max_steps, poly_power, decay_steps, decay_epochs, decay_rate,
-        )  # fmt: skip
+        super().__init__(model, optimizer, lr, **kwargs)
         check_number("label_smoothing", label_smoothing, minimum=0.0, maximum=1.0, max_open=True)
         check_int("max_decode_len", max_decode_len, minimum=1)
         self.save_hyperparameters(ignore=["model"])
