@@ -5,7 +5,6 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
-import lightning_gradcomp
 from lightning_gradcomp import GradCompStrategy, Identity, TernGrad
 from lightning_gradcomp.registry import compressor_names
 
@@ -68,7 +67,3 @@ def test_exclusion_patterns_and_min_numel_select_float_tensors() -> None:
     assert s._float_names(named) == {"1.weight", "1.bias", "0.bias"}
     with pytest.raises(ValueError, match=r"'classifier\.\*' matches none.*0\.weight"):
         GradCompStrategy("terngrad", exclude=["classifier.*"])._float_names(named)
-
-
-def test_version() -> None:
-    assert lightning_gradcomp.__version__
