@@ -107,6 +107,8 @@ class GradCompState:
     extra: dict[str, Any] = field(default_factory=dict)
     stats: Optional[HookStats] = None
     pipeline_bytes: Optional[int] = None
+    #: reused concatenation and all-gather buffers (see :class:`~lightning_gradcomp.comm.Scratch`)
+    scratch: comm.Scratch = field(default_factory=comm.Scratch)
 
     def compressor_for(self, name: str) -> Compressor:
         if self.dense or name in self.float_names or name in self.plain_names:
@@ -220,7 +222,8 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
         # compression overlaps this chunk's transfer
         for i in chunk:
             packets[i] = _compress_one(state, inputs[i], names[i], shared[i])
-        chunk_futures, decoder = _launch(state, chunk, [packets[i] for i in chunk], names, grads)  # type: ignore[misc]
+        key = (bucket.index(), len(decoders))
+        chunk_futures, decoder = _launch(state, key, chunk, [packets[i] for i in chunk], names, grads)  # type: ignore[misc]
         futures.extend(chunk_futures)
         decoders.append(decoder)
     timer.launched()
@@ -280,12 +283,28 @@ def _compress_one(state: GradCompState, x: Tensor, name: str, shared: Optional[T
     return packet
 
 
+def _concat(state: GradCompState, key: tuple[object, ...], parts: Sequence[Tensor], numel: int) -> Tensor:
+    """``parts`` (1-D, one dtype) concatenated into a reused buffer of ``numel >= sum`` elements, zero-padded."""
+    used = sum(p.numel() for p in parts)
+    flat = state.scratch.take(key, numel, parts[0].dtype, parts[0].device)
+    torch.cat(parts, out=flat[:used])
+    if numel > used:
+        flat[used:].zero_()
+    return flat
+
+
 def _launch(
-    state: GradCompState, chunk: Sequence[int], packets: Sequence[Packet], names: Sequence[str], grads: Sequence[Tensor]
+    state: GradCompState,
+    key: tuple[int, int],
+    chunk: Sequence[int],
+    packets: Sequence[Packet],
+    names: Sequence[str],
+    grads: Sequence[Tensor],
 ) -> tuple[list[torch.futures.Future], Callable[[], None]]:
     """Start the collectives of one group of packets; returns their futures and the decoder to run after them.
 
     Channels: summable payloads grouped by dtype (one all-reduce each), the rest as bytes (one all-gather).
+    ``key`` (bucket index, group index) names the group's reused buffers.
     """
     world = state.world_size
     sum_groups: dict[torch.dtype, list[int]] = {}
@@ -300,7 +319,8 @@ def _launch(
     sum_buffers: list[tuple[list[int], Tensor]] = []
     for dtype in sorted(sum_groups, key=str):  # same order on every rank
         idx = sum_groups[dtype]
-        flat = torch.cat([packets[k].payload.reshape(-1) for k in idx])
+        parts = [packets[k].payload.reshape(-1) for k in idx]
+        flat = _concat(state, (*key, "sum", dtype), parts, sum(p.numel() for p in parts))
         if world > 1:
             futures.append(comm.all_reduce_sum(flat, state.process_group))
             state.collectives[f"allreduce_{str(dtype).removeprefix('torch.')}"] += 1
@@ -310,21 +330,22 @@ def _launch(
     sizes: list[list[int]] = []  # per rank, the byte length of each gathered packet
     if gather_idx:
         own = [packets[k].nbytes for k in gather_idx]
-        flat = torch.cat([_as_bytes(packets[k].payload) for k in gather_idx])
+        parts = [_as_bytes(packets[k].payload) for k in gather_idx]
+        longest = sum(own)
         if world > 1 and not all(state.compressor_for(names[chunk[k]]).fixed_size for k in gather_idx):
             # variable-size payloads: sizes first (waited for), then every rank pads to the largest total
             with _waiting(state):
-                table = comm.all_gather_sizes(torch.tensor(own, dtype=torch.int64, device=flat.device),
+                table = comm.all_gather_sizes(torch.tensor(own, dtype=torch.int64, device=parts[0].device),
                                               state.process_group, world)
             state.collectives["allgather_sizes"] += 1
             sizes = table.tolist()
             longest = max(sum(row) for row in sizes)
-            if flat.numel() < longest:
-                flat = torch.cat((flat, flat.new_zeros(longest - flat.numel())))
         else:
             sizes = [own] * world
+        flat = _concat(state, (*key, "gather"), parts, longest)
         if world > 1 and flat.numel() > 0:
-            fut, gathered = comm.all_gather(flat, state.process_group, world)
+            out = state.scratch.take((*key, "gathered"), world * flat.numel(), flat.dtype, flat.device)
+            fut, gathered = comm.all_gather(flat, state.process_group, world, out=out)
             futures.append(fut)
             state.collectives["allgather"] += 1
         else:
