@@ -134,6 +134,7 @@ def _run_one(model_name: str, strategy: str, args: argparse.Namespace, link: dic
             names={id(p): n for n, p in model.named_parameters()},
             world_size=world,
             planner=planner,
+            pipeline_bytes=int(args.pipeline_mb * 2**20) if args.pipeline_mb > 0 else None,
         )
         ddp.register_comm_hook(state, gradcomp_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
@@ -267,10 +268,13 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
                 cmd += ["--models", *args.models, "--strategies", *strategies]
                 cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
                 cmd += ["--mlp-width", str(args.mlp_width), "--bucket-cap-mb", str(args.bucket_cap_mb)]
-                cmd += ["--batch", str(args.batch)] + (["--gradient-as-bucket-view"] if args.gradient_as_bucket_view else [])
+                cmd += ["--batch", str(args.batch), "--pipeline-mb", str(args.pipeline_mb)]
+                cmd += ["--gradient-as-bucket-view"] if args.gradient_as_bucket_view else []
                 cmd += ["--profile-compute"] if args.profile_compute else []
                 print(f"== {cluster.describe()}", flush=True)
                 env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+                if args.thp:
+                    env["THP_MEM_ALLOC_ENABLE"] = "1"
                 run_on_cluster(cluster, cmd, timeout=args.timeout, env=env, out=sys.stdout if args.verbose else open(os.devnull, "w"))
                 data = json.loads(Path(out).read_text())
             report["runs"].append({"nproc": nproc, "link": link, **data})
@@ -319,6 +323,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--mlp-width", type=int, default=4096)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument(
+        "--pipeline-mb", type=float, default=8.0,
+        help="the gradcomp hook's pipelined group size in MiB (GradCompStrategy's default; 0: one group per bucket)",
+    )
+    p.add_argument(
+        "--thp",
+        action="store_true",
+        help="THP_MEM_ALLOC_ENABLE=1 in every rank (torch backs large CPU tensors with transparent huge pages)",
+    )
     p.add_argument("--batch", type=int, default=0, help="per-rank batch size (0: mlp 32, lenet 64)")
     p.add_argument(
         "--gradient-as-bucket-view",
