@@ -9,12 +9,13 @@ What runs (the datasets are tiny files in each dataset's real format, written by
   generated files (``setup("fit")``) and yields a batch.
 * ``test_every_recipe_fits`` (every recipe, 63 today): trains each recipe on the generated data with its own
   model class, task, optimizer, callbacks, compressor or strategy and their options, through
-  ``recipe_fit.py`` (one subprocess per launch below; each fits its recipes one after another). The plan of each
-  recipe is ``fit_plan``:
+  ``recipe_fit.py`` (subprocesses that each fit their recipes one after another). ``fit_plan`` gives each recipe's
+  launch and overrides:
 
   - ``[1proc]`` every recipe that is not WeightGradStrategy (55): one CPU process, ``devices=1`` (a TowerStrategy
-    recipe keeps its emulated workers), ``--trainer.fast_dev_run=2`` (2 training and 2 validation batches).
-    Under GradCompStrategy the DDP hook compresses and decodes every bucket even on one rank.
+    recipe keeps its emulated workers), ``--trainer.fast_dev_run=2`` (2 training and 2 validation batches);
+    ``SHARDS`` such processes at once. Under GradCompStrategy the DDP hook compresses and decodes every bucket even
+    on one rank.
   - ``[4proc]`` the CifarNet and VGG-A WeightGradStrategy recipes (6): 4 real ranks (``torch.distributed.run``,
     Gloo; Lightning reads torchrun's environment), 2 sites of 2. The 8-worker recipes (2 sites of 4) run as 2 sites
     of 2 (``site_size=2``): 8 processes would cost far more than 4 on 2 cores (WEIGHTGRAD_RANKS says how much).
@@ -22,7 +23,7 @@ What runs (the datasets are tiny files in each dataset's real format, written by
     ``allow_single_rank_sites=true``), because of AlexNet's memory (WEIGHTGRAD_RANKS_BY_MODEL says why).
 
   WeightGradStrategy fits run ``staleness_bound`` (T = 4) steps, so that their last step is a WAN round. The
-  only other overrides are ``MODEL_OVERRIDES`` (the MLP, the NMT model, the char-LSTM and VGG-A's fc layers are
+  only other overrides are ``MODEL_OVERRIDES`` (the MLP, the NMT model and VGG-A's fc layers are
   narrowed through their constructors) and ``DATA_OVERRIDES`` (batch sizes the tiny datasets hold; ImageNet
   images at 64x64, where AlexNet, GoogLeNet and ResNet-18/50 run at full width). After each fit every rank
   checks: ``global_step`` is the requested count; every parameter is finite; the compressor ran (the gradcomp
@@ -86,9 +87,11 @@ DATA_OVERRIDES: dict[str, list[str]] = {
 WEIGHTGRAD_RANKS = 4
 #: ...except AlexNet (61M parameters, 38M of them in fc6; no width argument): under WeightGrad a rank holds its
 #: weights, gradients, DDP buckets, EMA, the synchronizer's anchor, accumulators and the round's quantization
-#: buffers, 3.8 GB at peak (one rank, 13 s for its 4 steps), which rules out 4 ranks on a 24 GB CI machine. Its 2
-#: recipes run on 2 ranks as 2 sites of 1 (``allow_single_rank_sites``): the WAN between processes is real, the
-#: in-site TernGrad runs on one rank (the CifarNet and VGG-A recipes, same strategy block, run it between 2 ranks)
+#: buffers: 3.8 GB peak RSS on one rank and 13 s for its 4 steps (``/usr/bin/time -f "%e s %M KB" python -m
+#: tests.integration.recipe_fit DATA recipes/weightgrad/alexnet_imagenet_weightgrad.yaml::<its overrides>``), which
+#: rules out 4 ranks on a 24 GB CI machine. Its 2 recipes run on 2 ranks as 2 sites of 1 (``allow_single_rank_sites``):
+#: the WAN between processes is real, the in-site TernGrad runs on one rank (the CifarNet and VGG-A recipes, with the
+#: same strategy block, run it between 2 ranks)
 WEIGHTGRAD_RANKS_BY_MODEL: dict[str, int] = {"AlexNet": 2}
 
 
@@ -191,12 +194,14 @@ def test_recipe_parses_and_instantiates(recipe: Path, data_root: Path, monkeypat
     assert len(batch) >= 2
 
 
-#: one subprocess per number of processes; each fits its recipes one after another
+#: one launch per number of processes; each subprocess fits its recipes one after another
 LAUNCHES = (1, WEIGHTGRAD_RANKS, *sorted(set(WEIGHTGRAD_RANKS_BY_MODEL.values())))
+#: the one-process recipes are split over this many subprocesses running at once (one thread each; CI has 2 cores)
+SHARDS = 2
 
 
 @pytest.mark.parametrize("processes", LAUNCHES, ids=lambda n: f"{n}proc")
-def test_every_recipe_fits(processes: int, data_root: Path) -> None:
+def test_every_recipe_fits(processes: int, data_root: Path, tmp_path: Path) -> None:
     specs = []
     for recipe in RECIPES:
         ranks, overrides = fit_plan(recipe)
@@ -206,11 +211,22 @@ def test_every_recipe_fits(processes: int, data_root: Path) -> None:
         pytest.skip(f"no recipe on this branch runs on {processes} processes")
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    out = subprocess.run(
-        [sys.executable, *launcher, "-m", "tests.integration.recipe_fit", str(data_root), *specs],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-    fitted = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("FIT-OK")]
-    assert fitted == [s.split("::")[0] for s in specs]
+    shards = [specs[i::SHARDS] for i in range(SHARDS)] if processes == 1 else [specs]
+    runs = []
+    for i, shard in enumerate(shards):
+        log = tmp_path / f"shard{i}.log"
+        with open(log, "w") as out:  # a file, not a pipe: a shard must never wait for the test to read its output
+            command = [sys.executable, *launcher, "-m", "tests.integration.recipe_fit", str(data_root), *shard]
+            runs.append((shard, log, subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)))
+    try:
+        for shard, log, proc in runs:
+            code = proc.wait(timeout=600)
+            text = log.read_text()
+            assert code == 0, text[-8000:]
+            fitted = [line.split()[1] for line in text.splitlines() if line.startswith("FIT-OK")]
+            assert fitted == [s.split("::")[0] for s in shard]
+    finally:
+        for _, _, proc in runs:
+            if proc.poll() is None:
+                proc.kill()
     assert lightning_gradcomp.__version__
