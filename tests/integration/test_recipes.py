@@ -217,7 +217,8 @@ def test_every_recipe_fits(processes: int, data_root: Path, tmp_path: Path) -> N
         log = tmp_path / f"shard{i}.log"
         with open(log, "w") as out:  # a file, not a pipe: a shard must never wait for the test to read its output
             command = [sys.executable, *launcher, "-m", "tests.integration.recipe_fit", str(data_root), *shard]
-            runs.append((shard, log, subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)))
+            proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        runs.append((shard, log, proc))
     try:
         for shard, log, proc in runs:
             code = proc.wait(timeout=600)
