@@ -37,18 +37,18 @@ def write_datasets(root: Path) -> Path:
         write_idx(mnist / f"{prefix}-labels-idx1-ubyte.gz", (np.arange(n) % 10).astype(np.uint8))
     cifar = root / "cifar10" / "cifar-10-batches-py"
     cifar.mkdir(parents=True)
-    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-        entry = {b"batch_label": name.encode(), b"labels": [i % 10 for i in range(8)],
-                 b"data": rng.integers(0, 256, (8, 3072), dtype=np.uint8)}
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:  # 80 training images: 4 ranks x 5 x 4
+        entry = {b"batch_label": name.encode(), b"labels": [i % 10 for i in range(16)],
+                 b"data": rng.integers(0, 256, (16, 3072), dtype=np.uint8)}
         with open(cifar / name, "wb") as handle:
             pickle.dump(entry, handle, protocol=2)
     from PIL import Image
 
-    for split in ("train", "val"):
+    for split, n in (("train", 8), ("val", 4)):  # 16 training images: 2 ranks x 4 steps x batch 2 (AlexNet WeightGrad)
         for c, wnid in enumerate(("n01440764", "n01443537")):
             folder = root / "imagenet" / split / wnid
             folder.mkdir(parents=True)
-            for i in range(4):
+            for i in range(n):
                 pixels = rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)
                 Image.fromarray(pixels).save(folder / f"{wnid}_{i}.JPEG", quality=90)
     shakespeare = root / "tinyshakespeare"
