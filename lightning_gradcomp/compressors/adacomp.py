@@ -29,13 +29,14 @@ bit per entry. A layer that sends nothing sends 0 bytes.
 """
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.sparse_fused import BACKENDS, Backend, FusedAdaComp, decode_sum, fused_enabled
 from lightning_gradcomp.sparse import (
     bin_word_bits,
     decode_bin_relative,
@@ -78,6 +79,10 @@ class AdaComp(Compressor):
             ``local_count`` largest |G| per bin).
         local_count: entries per bin sent by ``selection="local"``.
         wire: ``"paper"`` (8/16-bit bin-relative words) or ``"index32"`` (int32 indices + sign bits).
+        backend: ``"torch"`` (torch ops: the reference), ``"fused"`` (:mod:`lightning_gradcomp.kernels`: bin
+            maxima and selection in one pass per bin, the sum of all ranks' payloads decoded into one dense
+            tensor; compiled on CPU, torch ops elsewhere) or ``"auto"`` (fused on CPU when the kernels compile
+            here, else torch). Both send the same bytes; ``selection="local"`` always selects with torch ops.
     """
 
     aggregation = Aggregation.GATHER
@@ -94,6 +99,7 @@ class AdaComp(Compressor):
         selection: Selection = "adaptive",
         local_count: int = 1,
         wire: Wire = "paper",
+        backend: Backend = "auto",
     ) -> None:
         super().__init__()
         check_int("bin_size_conv", bin_size_conv, minimum=1, fix="use 50 (the paper)")
@@ -106,6 +112,7 @@ class AdaComp(Compressor):
         check_choice("selection", selection, ("adaptive", "local"))
         check_int("local_count", local_count, minimum=1, fix="use 1 (one entry per bin)")
         check_choice("wire", wire, ("paper", "index32"))
+        check_choice("backend", backend, BACKENDS, fix="use 'auto' (fused on CPU when the kernels compile), 'torch' or 'fused'")
         if wire == "paper":
             for size in (bin_size_conv, bin_size_fc, *overrides.values()):
                 bin_word_bits(size)  # raises for L_T > 16384, which 14-bit offsets cannot address
@@ -117,6 +124,8 @@ class AdaComp(Compressor):
         self.selection = selection
         self.local_count = local_count
         self.wire = wire
+        self.backend = backend
+        self._fused = FusedAdaComp(self)
         self._gradients: dict[str, Tensor] = {}
         #: per parameter name: layer type and L_T, filled at first compression
         self.layer_kinds: dict[str, LayerKind] = {}
@@ -133,6 +142,7 @@ class AdaComp(Compressor):
             "selection": self.selection,
             "local_count": self.local_count,
             "wire": self.wire,
+            "backend": self.backend,
         }
 
     def bin_size(self, name: str, shape: torch.Size) -> int:
@@ -166,6 +176,8 @@ class AdaComp(Compressor):
         n = g.numel()
         if n == 0:
             return g.new_zeros(0, dtype=torch.long), g.new_zeros(0, dtype=torch.long), g.new_zeros(())
+        if self.selection == "adaptive" and fused_enabled(self.backend, g.device):
+            return self._fused.select(g, dw, size)
         bins = self._bins(g, size)
         mag = bins.abs()
         gmax = mag.amax(dim=1)
@@ -241,4 +253,11 @@ class AdaComp(Compressor):
             idx, val = self._decode(packet.payload, packet.ctx["bin_size"])
             out[idx] = val
         return out.to(packet.dtype).view(packet.shape)
+
+    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
+        first = packets[0]
+        # float32 only: the torch backend adds decoded tensors in the gradient's dtype
+        if first.dtype != torch.float32 or not fused_enabled(self.backend, first.payload.device):
+            return super().decompress_sum(packets)
+        return decode_sum(packets, lambda p: self._decode(p.payload, p.ctx["bin_size"]))
 
