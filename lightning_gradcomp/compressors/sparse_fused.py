@@ -29,7 +29,7 @@ What is exactly the same as the torch backend, and what is not:
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -137,12 +137,26 @@ class FusedAdaComp:
 
     def __init__(self, owner: "AdaComp") -> None:
         self.owner = owner
+        # H lives here between its computation and the selection: one buffer the size of the largest parameter,
+        # reused, because a fresh one per tensor costs its page faults (as much as the selection itself)
+        self._scratch: Optional[Tensor] = None
+
+    def _look_ahead(self, g: Tensor, dw: Tensor) -> Tensor:
+        """H = G + (scale_factor - 1) dW, bit for bit the torch backend's ``g + (c - 1) * dw``."""
+        n = g.numel()
+        if self._scratch is None or self._scratch.numel() < n or self._scratch.device != g.device:
+            self._scratch = torch.empty(n, dtype=torch.float32, device=g.device)
+        h = self._scratch[:n]
+        factor = self.owner.scale_factor - 1.0
+        if factor == 1.0:  # the paper's H = G + dW (an fma by 1 rounds once, like the plain sum)
+            return torch.add(g, dw, out=h)
+        torch.mul(dw, factor, out=h)
+        return h.add_(g)  # (c - 1) dW + G: float addition commutes
 
     def select(self, g: Tensor, dw: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`AdaComp.select` for ``selection="adaptive"``: the sent indices, ternary values and scale."""
         owner = self.owner
-        h = g + (owner.scale_factor - 1.0) * dw  # the torch backend's H, element for element
-        sel = kernels.adacomp_select(g, h, size)
+        sel = kernels.adacomp_select(g, self._look_ahead(g, dw), size)
         scale = sel.gmax.mean()
         keep = sel.values != 0  # G = 0 is never sent
         if owner.quantizer == "ternary":
