@@ -117,7 +117,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats per row (medians)")
     parser.add_argument("--world", type=int, default=4, help="ranks whose payloads decompress_sum adds")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (step_time.py's ranks: 1)")
-    parser.add_argument("--json", default="benchmarks/results/sparse_compressors.json", help="where to write the results")
+    parser.add_argument(
+        "--json", default="benchmarks/results/sparse_compressors.json", help="where to write the results"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if not kernels.fused_available():
@@ -126,7 +128,8 @@ def main() -> None:
     machine = f"{_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
     print(f"command: {command}")
     print(f"machine: {machine}")
-    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (1/5/15 min; other processes share these cores)")
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"load average before: {load} (1/5/15 min; other processes share these cores)")
     gen = torch.Generator().manual_seed(0)
     # rank r's compensated gradient (gradient plus residual) and its fresh gradient dW
     grads = [{n: torch.randn(s, generator=gen) * 3 for n, s in MLP} for _ in range(args.world)]

@@ -35,6 +35,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
+from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
 from lightning_gradcomp.compressors.sparse_fused import BACKENDS, Backend, FusedAdaComp, decode_sum, fused_enabled
 from lightning_gradcomp.sparse import (
@@ -112,7 +113,9 @@ class AdaComp(Compressor):
         check_choice("selection", selection, ("adaptive", "local"))
         check_int("local_count", local_count, minimum=1, fix="use 1 (one entry per bin)")
         check_choice("wire", wire, ("paper", "index32"))
-        check_choice("backend", backend, BACKENDS, fix="use 'auto' (fused on CPU when the kernels compile), 'torch' or 'fused'")
+        check_choice(
+            "backend", backend, BACKENDS, fix="use 'auto' (fused on CPU when the kernels compile), 'torch' or 'fused'"
+        )
         if wire == "paper":
             for size in (bin_size_conv, bin_size_fc, *overrides.values()):
                 bin_word_bits(size)  # raises for L_T > 16384, which 14-bit offsets cannot address
@@ -230,6 +233,8 @@ class AdaComp(Compressor):
             return torch.zeros(0, dtype=torch.uint8, device=scale.device)
         head = scale.float().reshape(1).view(torch.uint8)
         if self.wire == "paper":
+            if fused_enabled(self.backend, idx.device):
+                return torch.cat((head, kernels.bin_words_encode(idx, values + 1, size)))
             return torch.cat((head, encode_bin_relative(idx, values + 1, size)))
         count = torch.tensor([idx.numel()], dtype=torch.int32, device=idx.device).view(torch.uint8)
         return torch.cat(
@@ -259,5 +264,8 @@ class AdaComp(Compressor):
         # float32 only: the torch backend adds decoded tensors in the gradient's dtype
         if first.dtype != torch.float32 or not fused_enabled(self.backend, first.payload.device):
             return super().decompress_sum(packets)
+        if self.wire == "paper":  # decoded and scatter-added in one pass per payload
+            out = torch.empty(first.numel, dtype=torch.float32, device=first.payload.device)
+            size = first.ctx["bin_size"]
+            return kernels.bin_words_decode_sum(first.numel, [p.payload for p in packets], size, out=out).view(first.shape)
         return decode_sum(packets, lambda p: self._decode(p.payload, p.ctx["bin_size"]))
-

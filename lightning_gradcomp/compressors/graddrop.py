@@ -29,7 +29,13 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
-from lightning_gradcomp.compressors.sparse_fused import BACKENDS, Backend, FusedGradientDropping, decode_sum, fused_enabled
+from lightning_gradcomp.compressors.sparse_fused import (
+    BACKENDS,
+    Backend,
+    FusedGradientDropping,
+    decode_sum,
+    fused_enabled,
+)
 from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.sparse import (
     INDEX_ENCODINGS,
@@ -154,7 +160,9 @@ class GradientDropping(Compressor):
         check_choice("index_encoding", index_encoding, INDEX_ENCODINGS)
         check_choice("values", values, VALUE_FORMATS)
         check_int("seed", seed, minimum=0)
-        check_choice("backend", backend, BACKENDS, fix="use 'auto' (fused on CPU when the kernels compile), 'torch' or 'fused'")
+        check_choice(
+            "backend", backend, BACKENDS, fix="use 'auto' (fused on CPU when the kernels compile), 'torch' or 'fused'"
+        )
         if quantize != "none" and values != "fp32":
             raise ValueError(
                 f"Expected `values='fp32'` with `quantize={quantize!r}` (quantized survivors travel as codes, "

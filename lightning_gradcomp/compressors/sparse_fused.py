@@ -165,5 +165,7 @@ class FusedAdaComp:
         return sel.index[keep].long(), torch.sign(values).long(), scale
 
 
-__all__ = ["BACKENDS", "Backend", "FusedAdaComp", "FusedGradientDropping", "decode_sum", "fused_enabled", "kth_threshold"]
+__all__ = [
+    "BACKENDS", "Backend", "FusedAdaComp", "FusedGradientDropping", "decode_sum", "fused_enabled", "kth_threshold",
+]
 

@@ -6,6 +6,7 @@ results, after one logged warning. On CUDA tensors the torch-ops path runs (unme
 """
 
 from lightning_gradcomp.kernels._build import cpu_extension, torch_ops
+from lightning_gradcomp.kernels.binwords import bin_words_decode_sum, bin_words_encode
 from lightning_gradcomp.kernels.rng import stream_key
 from lightning_gradcomp.kernels.selection import (
     AdaCompSelection,
@@ -37,6 +38,8 @@ __all__ = [
     "AdaCompSelection",
     "adacomp_select",
     "bin_absmax",
+    "bin_words_decode_sum",
+    "bin_words_encode",
     "cpu_extension",
     "decode",
     "decode_sum",

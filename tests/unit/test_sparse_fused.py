@@ -190,3 +190,43 @@ def test_backend_is_validated_and_auto_follows_the_kernels(make: type) -> None:
     cpu = torch.device("cpu")
     assert fused_enabled("auto", cpu) == kernels.fused_available()
     assert fused_enabled("fused", cpu) and not fused_enabled("torch", cpu)
+
+
+@pytest.mark.parametrize("bin_len", [1, 7, 63, 64, 500, 16384])
+def test_bin_words_equal_the_wire_module_with_long_gaps(compiled: bool, bin_len: int) -> None:
+    from lightning_gradcomp.sparse import decode_bin_relative, encode_bin_relative
+
+    gen = torch.Generator().manual_seed(bin_len)
+    n = 64 * 16384 * 2 + 5  # 16-bit words at bin_len 64: 32768 bins, more than one marker (16383 bins) can skip
+    payloads, expected = [], torch.zeros(n)
+    for r, count in enumerate((0, 1, 300, 3000)):
+        idx = torch.randperm(n, generator=gen)[:count].sort().values
+        if count == 1:  # the last element: an advance of (n - 1) // bin_len bins, several markers
+            idx = torch.tensor([n - 1])
+        if count == 300:  # a tail cluster: a gap across many bins, then adjacent bins and equal offsets
+            idx = torch.cat((idx[idx < n // 3], torch.arange(n - 40, n, 2)))
+        codes = torch.randint(0, 3, (idx.numel(),), generator=gen)
+        words = kernels.bin_words_encode(idx, codes, bin_len)
+        assert torch.equal(words, encode_bin_relative(idx, codes, bin_len)), f"payload {r}"
+        back, back_codes = decode_bin_relative(words, bin_len)
+        assert torch.equal(back, idx) and torch.equal(back_codes, codes)
+        scale = torch.rand(1, generator=gen) * 10 ** r
+        payloads.append(torch.cat((scale.view(torch.uint8), words)) if count else torch.zeros(0, dtype=torch.uint8))
+        expected.index_add_(0, idx, (codes - 1).float() * scale)
+    assert torch.equal(kernels.bin_words_decode_sum(n, payloads, bin_len), expected)
+    out = torch.full((n,), 3.0)
+    assert kernels.bin_words_decode_sum(n, payloads, bin_len, out=out) is out and torch.equal(out, expected)
+
+
+def test_bin_words_reject_what_they_cannot_encode() -> None:
+    if not kernels.fused_available():
+        pytest.skip("the CPU extension does not compile here")
+    with pytest.raises(RuntimeError, match="ascending"):
+        kernels.bin_words_encode(torch.tensor([5, 3]), torch.tensor([0, 2]), 50)
+    with pytest.raises(RuntimeError, match="codes"):
+        kernels.bin_words_encode(torch.tensor([5]), torch.tensor([3]), 50)
+    payload = torch.cat((torch.ones(1).view(torch.uint8), kernels.bin_words_encode(torch.tensor([99]), torch.tensor([2]), 50)))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.bin_words_decode_sum(60, [payload], 50)
+    with pytest.raises(ValueError, match="bin_size"):
+        kernels.bin_words_encode(torch.tensor([5]), torch.tensor([2]), 20000)
