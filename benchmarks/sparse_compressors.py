@@ -7,7 +7,8 @@ Run from the repository root:
 
 What one rank's hook does per parameter with a gathering compressor, minus the collectives: ``compress``
 its compensated gradient, then ``decompress_sum`` of the N ranks' payloads (``--world``, default 4; the
-payloads are those N ranks' compressors made of N different gradients). Rows are the weight shapes of
+payloads are those N ranks' compressors made of N different gradients: G ~ N(0, 9), and for AdaComp
+dW ~ N(0, 1), or dW = G in ``adacomp-step0``, a first step without residue, where AdaComp sends ~10%). Rows are the weight shapes of
 ``benchmarks/step_time.py``'s MLP (784x4096, 4096x4096, 4096x10) and the whole model (all 8 tensors, biases
 included, 36.8M elements). GB/s are of fp32 input (numel * 4 bytes / time); "clone" is ``torch.clone`` of an
 fp32 tensor of that size (fresh pages, as the decoded sum pays). Each repeat times clone, the torch backend
@@ -39,7 +40,10 @@ CONFIGS: dict[str, Callable[[str], Compressor]] = {
     "graddrop-2bit": lambda b: GradientDropping(quantize="2bit", index_encoding="delta16", backend=b),
     "adacomp": lambda b: AdaComp(backend=b),  # L_T 500 (fully connected), binary, the paper's wire
     "adacomp-ternary": lambda b: AdaComp(quantizer="ternary", backend=b),
+    "adacomp-step0": lambda b: AdaComp(backend=b),  # a first step: no residue yet, dW = G (sends ~10%)
 }
+#: configurations whose fresh gradient dW is G itself (residue 0); the others get dW ~ N(0, 1), G ~ N(0, 9)
+FIRST_STEP = {"adacomp-step0"}
 #: the MLP of benchmarks/step_time.py (width 4096): (name, shape)
 MLP = [
     ("1.weight", (4096, 784)), ("1.bias", (4096,)),
@@ -142,7 +146,8 @@ def main() -> None:
     rows = []
     for config in args.configs.split(","):
         make = CONFIGS[config]
-        ref, fused = Case(make, "torch", grads, fresh), Case(make, "fused", grads, fresh)
+        dw = grads if config in FIRST_STEP else fresh
+        ref, fused = Case(make, "torch", grads, dw), Case(make, "fused", grads, dw)
         for row, names in ROWS.items():
             m = measure(ref, fused, names, args.repeats)
             print(f"{config:<17}{row:>11}{m['clone_gbps']:>11.2f}{m['torch_gbps']:>11.3f}{m['fused_gbps']:>11.3f}"
