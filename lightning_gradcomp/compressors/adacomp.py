@@ -253,6 +253,10 @@ class AdaComp(Compressor):
         return idx, torch.where(signs == 1, 1.0, -1.0) * scale
 
     def decompress(self, packet: Packet) -> Tensor:
+        if self.wire == "paper" and packet.payload.numel() > 0 and fused_enabled(self.backend, packet.payload.device):
+            # one pass; sent values are +-scale, never 0, so this equals the assignment below bit for bit
+            decoded = kernels.bin_words_decode_sum(packet.numel, [packet.payload], packet.ctx["bin_size"])
+            return decoded.to(packet.dtype).view(packet.shape)
         out = torch.zeros(packet.numel, dtype=torch.float32, device=packet.payload.device)
         if packet.payload.numel() > 0:
             idx, val = self._decode(packet.payload, packet.ctx["bin_size"])

@@ -8,9 +8,11 @@ The same maths as the torch backend (the compressors' own torch ops), with fewer
   pass (:func:`~lightning_gradcomp.kernels.select_above`) instead of |x|, a mask, ``nonzero`` and a gather.
 * AdaComp: bin maxima and the selection |H| >= gmax(bin) in one pass per bin
   (:func:`~lightning_gradcomp.kernels.adacomp_select`) instead of padded copies, |G|, |H|, two masks and
-  ``nonzero``; the G = 0 and ternary rules then filter the few selected entries.
+  ``nonzero``; the G = 0 and ternary rules then filter the few selected entries. The paper's wire words are
+  written in one pass (:func:`~lightning_gradcomp.kernels.bin_words_encode`).
 * Decoding the sum of N ranks' payloads: one dense output, each payload scatter-added in rank order
-  (:func:`~lightning_gradcomp.kernels.sparse_decode_sum`) instead of N dense decodes and N - 1 dense adds.
+  (:func:`~lightning_gradcomp.kernels.sparse_decode_sum`; AdaComp's paper wire decoded in the same pass,
+  :func:`~lightning_gradcomp.kernels.bin_words_decode_sum`) instead of N dense decodes and N - 1 dense adds.
 
 What is exactly the same as the torch backend, and what is not:
 
