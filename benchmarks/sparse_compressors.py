@@ -8,9 +8,9 @@ Run from the repository root:
 What one rank's hook does per parameter with a gathering compressor, minus the collectives: ``compress``
 its compensated gradient, then ``decompress_sum`` of the N ranks' payloads (``--world``, default 4; the
 payloads are those N ranks' compressors made of N different gradients: G ~ N(0, 9), and for AdaComp
-dW ~ N(0, 1), or dW = G in ``adacomp-step0``, a first step without residue, where AdaComp sends ~10%). Rows are the weight shapes of
-``benchmarks/step_time.py``'s MLP (784x4096, 4096x4096, 4096x10) and the whole model (all 8 tensors, biases
-included, 36.8M elements). GB/s are of fp32 input (numel * 4 bytes / time); "clone" is ``torch.clone`` of an
+dW ~ N(0, 1), or dW = G in ``adacomp-step0``, a first step without residue, where AdaComp sends ~10%). Rows
+are the weight shapes of ``benchmarks/step_time.py``'s MLP (784x4096, 4096x4096, 4096x10) and the whole model
+(all 8 tensors, biases included, 36.8M elements). GB/s are of fp32 input (numel * 4 bytes / time); "clone" is ``torch.clone`` of an
 fp32 tensor of that size (fresh pages, as the decoded sum pays). Each repeat times clone, the torch backend
 and the fused backend back to back; speed-ups and ratios are medians of per-repeat ratios, so load from other
 processes shifts both sides together. Threads default to 1, as in step_time.py's ranks.

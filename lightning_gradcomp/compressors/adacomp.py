@@ -271,5 +271,6 @@ class AdaComp(Compressor):
         if self.wire == "paper":  # decoded and scatter-added in one pass per payload
             out = torch.empty(first.numel, dtype=torch.float32, device=first.payload.device)
             size = first.ctx["bin_size"]
-            return kernels.bin_words_decode_sum(first.numel, [p.payload for p in packets], size, out=out).view(first.shape)
+            total = kernels.bin_words_decode_sum(first.numel, [p.payload for p in packets], size, out=out)
+            return total.view(first.shape)
         return decode_sum(packets, lambda p: self._decode(p.payload, p.ctx["bin_size"]))

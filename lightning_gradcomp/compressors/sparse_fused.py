@@ -1,4 +1,4 @@
-"""The fused backend of the sparse compressors: Gradient Dropping and AdaComp through :mod:`lightning_gradcomp.kernels`.
+"""The sparse compressors' fused backend: Gradient Dropping and AdaComp through :mod:`lightning_gradcomp.kernels`.
 
 The same maths as the torch backend (the compressors' own torch ops), with fewer passes over the tensor:
 
@@ -30,8 +30,8 @@ What is exactly the same as the torch backend, and what is not:
 """
 
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 from torch import Tensor

@@ -225,7 +225,8 @@ def test_bin_words_reject_what_they_cannot_encode() -> None:
         kernels.bin_words_encode(torch.tensor([5, 3]), torch.tensor([0, 2]), 50)
     with pytest.raises(RuntimeError, match="codes"):
         kernels.bin_words_encode(torch.tensor([5]), torch.tensor([3]), 50)
-    payload = torch.cat((torch.ones(1).view(torch.uint8), kernels.bin_words_encode(torch.tensor([99]), torch.tensor([2]), 50)))
+    words = kernels.bin_words_encode(torch.tensor([99]), torch.tensor([2]), 50)
+    payload = torch.cat((torch.ones(1).view(torch.uint8), words))
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.bin_words_decode_sum(60, [payload], 50)
     with pytest.raises(ValueError, match="bin_size"):
