@@ -114,7 +114,9 @@ def _run_one(model_name: str, strategy: str, args: argparse.Namespace, link: dic
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(model_name, args.mlp_width)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
+    ddp = DistributedDataParallel(
+        model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view
+    )
     state: Optional[GradCompState] = None
     base, _, plan = strategy.partition("+")
     if base == "ddp_bf16":
@@ -132,12 +134,14 @@ def _run_one(model_name: str, strategy: str, args: argparse.Namespace, link: dic
             names={id(p): n for n, p in model.named_parameters()},
             world_size=world,
             planner=planner,
+            pipeline_bytes=int(args.pipeline_mb * 2**20) if args.pipeline_mb > 0 else None,
         )
         ddp.register_comm_hook(state, gradcomp_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(BATCH[model_name], *input_shape(model_name), generator=gen)
-    y = torch.randint(0, 10, (BATCH[model_name],), generator=gen)
+    batch = args.batch or BATCH[model_name]
+    x = torch.randn(batch, *input_shape(model_name), generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
     times = []
     for _ in range(args.warmup + args.steps):
         t = time.perf_counter()
@@ -264,9 +268,13 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
                 cmd += ["--models", *args.models, "--strategies", *strategies]
                 cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
                 cmd += ["--mlp-width", str(args.mlp_width), "--bucket-cap-mb", str(args.bucket_cap_mb)]
+                cmd += ["--batch", str(args.batch), "--pipeline-mb", str(args.pipeline_mb)]
+                cmd += ["--gradient-as-bucket-view"] if args.gradient_as_bucket_view else []
                 cmd += ["--profile-compute"] if args.profile_compute else []
                 print(f"== {cluster.describe()}", flush=True)
                 env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+                if args.thp:
+                    env["THP_MEM_ALLOC_ENABLE"] = "1"
                 run_on_cluster(cluster, cmd, timeout=args.timeout, env=env, out=sys.stdout if args.verbose else open(os.devnull, "w"))
                 data = json.loads(Path(out).read_text())
             report["runs"].append({"nproc": nproc, "link": link, **data})
@@ -315,6 +323,21 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--mlp-width", type=int, default=4096)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument(
+        "--pipeline-mb", type=float, default=8.0,
+        help="the gradcomp hook's pipelined group size in MiB (GradCompStrategy's default; 0: one group per bucket)",
+    )
+    p.add_argument(
+        "--thp",
+        action="store_true",
+        help="THP_MEM_ALLOC_ENABLE=1 in every rank (torch backs large CPU tensors with transparent huge pages)",
+    )
+    p.add_argument("--batch", type=int, default=0, help="per-rank batch size (0: mlp 32, lenet 64)")
+    p.add_argument(
+        "--gradient-as-bucket-view",
+        action="store_true",
+        help="DDP(gradient_as_bucket_view=True) for every strategy: gradients live in the buckets, one copy less",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per cluster before every rank is killed")
     p.add_argument("--quick", action="store_true", help="3 timed steps after 1 warm-up")
     p.add_argument("--json", default=None, help="write all numbers here")

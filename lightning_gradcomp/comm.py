@@ -25,12 +25,22 @@ def all_reduce_sum(tensor: Tensor, group: ProcessGroup) -> Future:
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
 
 
-def all_gather(tensor: Tensor, group: ProcessGroup, world_size: int) -> tuple[Future, Tensor]:
+def all_gather(
+    tensor: Tensor, group: ProcessGroup, world_size: int, out: Optional[Tensor] = None
+) -> tuple[Future, Tensor]:
     """Start an all-gather of equal-size 1-D tensors; returns the future and the ``[world_size, n]`` output.
 
     Read the output tensor, not the future's value: with Gloo the future holds per-rank chunks.
+
+    Args:
+        tensor: this rank's 1-D contribution.
+        group: the process group.
+        world_size: ranks in ``group``.
+        out: a contiguous 1-D tensor of ``world_size * tensor.numel()`` elements to gather into (e.g. from
+            :class:`Scratch`); ``None`` allocates one.
     """
-    out = tensor.new_empty(world_size * tensor.numel())  # Gloo wants the flat concatenated form
+    if out is None:
+        out = tensor.new_empty(world_size * tensor.numel())  # Gloo wants the flat concatenated form
     work = dist.all_gather_single(out, tensor.reshape(-1), group=group, async_op=True)
     return work.get_future(), out.view(world_size, -1)
 
@@ -40,6 +50,32 @@ def all_gather_sizes(sizes: Tensor, group: ProcessGroup, world_size: int) -> Ten
     out = sizes.new_empty(world_size * sizes.numel())
     dist.all_gather_single(out, sizes, group=group)
     return out.view(world_size, -1)
+
+
+class Scratch:
+    """Grow-only communication buffers reused from step to step, one per key (bucket, group, channel).
+
+    A fresh large CPU allocation is page-faulted in again on every step: glibc maps blocks above 32 MiB
+    afresh each time, and on the 2-core VM of docs/benchmarks.md writing a fresh 147 MB tensor took 3x as
+    long as rewriting a reused one. The hook therefore concatenates payloads and gathers into these buffers.
+    Reuse is safe because DDP waits for every bucket's future (and so every decode) before backward returns,
+    and the next step's hook is the next writer. Costs the largest size seen per key, kept for the run.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[object, ...], Tensor] = {}
+
+    def take(self, key: tuple[object, ...], numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A contiguous 1-D tensor of ``numel`` elements (contents undefined), reused under ``key``."""
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype or buffer.device != device:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buffer
+        return buffer[:numel]
+
+    def clear(self) -> None:
+        """Release every buffer."""
+        self._buffers.clear()
 
 
 def completed(value: Tensor) -> Future:

@@ -4,17 +4,21 @@ For each bucket DDP hands us (in the order buckets become ready, identical on ev
 
 1. per parameter, by name: layer transforms (clipping, momentum correction), then error feedback;
 2. one small max all-reduce of the compressors' local statistics (TernGrad's shared scaler), waited for;
-3. compress every parameter; update residuals; record statistics (as tensors, no host sync);
-4. one collective per channel, in a fixed order: an all-reduce per payload dtype for summable packets, and
-   one all-gather of the byte-concatenated packets that must be gathered;
-5. when they complete: decode, average, and write into the bucket's buffer in place.
+3. in pipelined groups of consecutive parameters (``pipeline_bytes`` of input each; one group by default):
+   compress every parameter of the group, update residuals, record statistics (as tensors, no host sync),
+   then launch the group's collectives before compressing the next group, so compression of one group
+   overlaps the transfer of the previous;
+4. one collective per channel and group, in a fixed order: an all-reduce per payload dtype for summable
+   packets, and one all-gather of the byte-concatenated packets that must be gathered;
+5. when all of them complete: decode, average, and write into the bucket's buffer in place (compressors
+   that can decode straight into the bucket view do, see ``Compressor.decompress_sum_into``).
 
 Collectives are only launched here, never from ``.then`` callbacks (see :mod:`lightning_gradcomp.comm`).
 """
 
 import contextlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -73,6 +77,8 @@ class GradCompState:
             from a cost model of the link (``None``: always compress, the compressor's own collective).
         plain_names: names the planner currently sends as plain fp32 (compression would not pay).
         stats: where the hook records times and captured statistics for a monitor (``None``: not monitored).
+        pipeline_bytes: bytes of input per pipelined group within a bucket (``None``: the whole bucket in one
+            group). Each group gets its own collectives; results are identical either way.
     """
 
     compressor: Compressor
@@ -100,6 +106,9 @@ class GradCompState:
     #: (e.g. WeightGrad's synchronizer: accumulators, staleness counters, G_thresh)
     extra: dict[str, Any] = field(default_factory=dict)
     stats: Optional[HookStats] = None
+    pipeline_bytes: Optional[int] = None
+    #: reused concatenation and all-gather buffers (see :class:`~lightning_gradcomp.comm.Scratch`)
+    scratch: comm.Scratch = field(default_factory=comm.Scratch)
 
     def compressor_for(self, name: str) -> Compressor:
         if self.dense or name in self.float_names or name in self.plain_names:
@@ -190,7 +199,6 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
     timer = state.stats.start_bucket() if state.stats is not None else NO_TIMER
     grads = bucket.gradients()
     names = [state.names[id(p)] for p in bucket.parameters()]
-    world = state.world_size
     if state.planner is not None:  # may run one small agreed all-reduce the first time it sees this bucket
         state.planner.apply(state, names, grads)
 
@@ -205,43 +213,114 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
     inputs = _prepare(state, grads, names)
     shared = _shared_statistics(state, bucket.index(), inputs, names)
 
-    packets: list[Packet] = []
-    for x, name, s in zip(inputs, names, shared):
-        compressor = state.compressor_for(name)
-        packet = compressor.compress(x, name, s)
-        sent: Optional[Tensor] = None
-        if compressor.uses_memory or state.transforms:
-            sent = compressor.sent(x, packet)
-            if compressor.uses_memory:
-                remember_residual(state, name)
-                state.memory.update(name, x, sent)
-            for transform in state.transforms:
-                if transform.applies_to_float or name not in state.float_names:
-                    transform.after_compress(name, x, sent)
-        if state.stats is not None:
-            state.stats.observe_packet(name, compressor, x, packet, sent)
-        packets.append(packet)
-        state.records[name] = LayerRecord(
-            nbytes=packet.nbytes,
-            numel=x.numel(),
-            aggregation=compressor.aggregation_for(world),
-            stats=packet.stats,
-        )
+    chunks = pipeline_chunks([x.numel() * x.element_size() for x in inputs], state.pipeline_bytes)
+    packets: list[Optional[Packet]] = [None] * len(inputs)
+    decoders = []
+    futures: list[torch.futures.Future] = []
+    for chunk in chunks:
+        # compress one chunk, then launch its collectives before compressing the next: the next chunk's
+        # compression overlaps this chunk's transfer
+        for i in chunk:
+            packets[i] = _compress_one(state, inputs[i], names[i], shared[i])
+        key = (bucket.index(), len(decoders))
+        chunk_futures, decoder = _launch(state, key, chunk, [packets[i] for i in chunk], names, grads)  # type: ignore[misc]
+        futures.extend(chunk_futures)
+        decoders.append(decoder)
+    timer.launched()
 
-    # channels: summable payloads grouped by dtype (one all-reduce each), the rest as bytes (one all-gather)
+    def decode(_: object) -> Tensor:
+        timer.decode_started()
+        for decoder in decoders:
+            decoder()
+        timer.decode_done()
+        return bucket.buffer()
+
+    if not futures:
+        return comm.completed(decode(None))
+    return torch.futures.collect_all(futures).then(lambda fut: decode(fut.wait()))
+
+
+def pipeline_chunks(nbytes: Sequence[int], limit: Optional[int]) -> list[list[int]]:
+    """Consecutive parameter indices grouped so each group holds about ``limit`` bytes of input.
+
+    A group closes once it reaches ``limit``; a parameter is never split. ``None`` (or 0): one group. Sizes
+    are the same on every rank, so every rank forms the same groups and issues the same collectives.
+    """
+    if not limit:
+        return [list(range(len(nbytes)))] if nbytes else []
+    chunks: list[list[int]] = [[]]
+    filled = 0
+    for i, n in enumerate(nbytes):
+        if chunks[-1] and filled >= limit:
+            chunks.append([])
+            filled = 0
+        chunks[-1].append(i)
+        filled += n
+    return chunks
+
+
+def _compress_one(state: GradCompState, x: Tensor, name: str, shared: Optional[Tensor]) -> Packet:
+    """Compress one parameter; update its residual and the transforms; record what was sent."""
+    compressor = state.compressor_for(name)
+    packet = compressor.compress(x, name, shared)
+    sent: Optional[Tensor] = None
+    if compressor.uses_memory or state.transforms:
+        sent = compressor.sent(x, packet)
+        if compressor.uses_memory:
+            remember_residual(state, name)
+            state.memory.update(name, x, sent)
+        for transform in state.transforms:
+            if transform.applies_to_float or name not in state.float_names:
+                transform.after_compress(name, x, sent)
+    if state.stats is not None:
+        state.stats.observe_packet(name, compressor, x, packet, sent)
+    state.records[name] = LayerRecord(
+        nbytes=packet.nbytes,
+        numel=x.numel(),
+        aggregation=compressor.aggregation_for(state.world_size),
+        stats=packet.stats,
+    )
+    return packet
+
+
+def _concat(state: GradCompState, key: tuple[object, ...], parts: Sequence[Tensor], numel: int) -> Tensor:
+    """``parts`` (1-D, one dtype) concatenated into a reused buffer of ``numel >= sum`` elements, zero-padded."""
+    used = sum(p.numel() for p in parts)
+    flat = state.scratch.take(key, numel, parts[0].dtype, parts[0].device)
+    torch.cat(parts, out=flat[:used])
+    if numel > used:
+        flat[used:].zero_()
+    return flat
+
+
+def _launch(
+    state: GradCompState,
+    key: tuple[int, int],
+    chunk: Sequence[int],
+    packets: Sequence[Packet],
+    names: Sequence[str],
+    grads: Sequence[Tensor],
+) -> tuple[list[torch.futures.Future], Callable[[], None]]:
+    """Start the collectives of one group of packets; returns their futures and the decoder to run after them.
+
+    Channels: summable payloads grouped by dtype (one all-reduce each), the rest as bytes (one all-gather).
+    ``key`` (bucket index, group index) names the group's reused buffers.
+    """
+    world = state.world_size
     sum_groups: dict[torch.dtype, list[int]] = {}
     gather_idx: list[int] = []
-    for i, (name, packet) in enumerate(zip(names, packets)):
-        if state.compressor_for(name).aggregation_for(world) is Aggregation.SUM:
-            sum_groups.setdefault(packet.payload.dtype, []).append(i)
+    for k, (i, packet) in enumerate(zip(chunk, packets)):
+        if state.compressor_for(names[i]).aggregation_for(world) is Aggregation.SUM:
+            sum_groups.setdefault(packet.payload.dtype, []).append(k)
         else:
-            gather_idx.append(i)
+            gather_idx.append(k)
 
     futures = []
     sum_buffers: list[tuple[list[int], Tensor]] = []
     for dtype in sorted(sum_groups, key=str):  # same order on every rank
         idx = sum_groups[dtype]
-        flat = torch.cat([packets[i].payload.reshape(-1) for i in idx])
+        parts = [packets[k].payload.reshape(-1) for k in idx]
+        flat = _concat(state, (*key, "sum", dtype), parts, sum(p.numel() for p in parts))
         if world > 1:
             futures.append(comm.all_reduce_sum(flat, state.process_group))
             state.collectives[f"allreduce_{str(dtype).removeprefix('torch.')}"] += 1
@@ -250,35 +329,33 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
     gathered: Optional[Tensor] = None
     sizes: list[list[int]] = []  # per rank, the byte length of each gathered packet
     if gather_idx:
-        own = [packets[i].nbytes for i in gather_idx]
-        flat = torch.cat([_as_bytes(packets[i].payload) for i in gather_idx])
-        if world > 1 and not all(state.compressor_for(names[i]).fixed_size for i in gather_idx):
+        own = [packets[k].nbytes for k in gather_idx]
+        parts = [_as_bytes(packets[k].payload) for k in gather_idx]
+        longest = sum(own)
+        if world > 1 and not all(state.compressor_for(names[chunk[k]]).fixed_size for k in gather_idx):
             # variable-size payloads: sizes first (waited for), then every rank pads to the largest total
             with _waiting(state):
-                table = comm.all_gather_sizes(torch.tensor(own, dtype=torch.int64, device=flat.device),
+                table = comm.all_gather_sizes(torch.tensor(own, dtype=torch.int64, device=parts[0].device),
                                               state.process_group, world)
             state.collectives["allgather_sizes"] += 1
             sizes = table.tolist()
             longest = max(sum(row) for row in sizes)
-            if flat.numel() < longest:
-                flat = torch.cat((flat, flat.new_zeros(longest - flat.numel())))
         else:
             sizes = [own] * world
+        flat = _concat(state, (*key, "gather"), parts, longest)
         if world > 1 and flat.numel() > 0:
-            fut, gathered = comm.all_gather(flat, state.process_group, world)
+            out = state.scratch.take((*key, "gathered"), world * flat.numel(), flat.dtype, flat.device)
+            fut, gathered = comm.all_gather(flat, state.process_group, world, out=out)
             futures.append(fut)
             state.collectives["allgather"] += 1
         else:
             gathered = flat.new_zeros((world, 0)) if flat.numel() == 0 else flat.unsqueeze(0)
 
-    timer.launched()
-
-    def decode(_: object) -> Tensor:
-        timer.decode_started()
+    def decode() -> None:
         for idx, flat in sum_buffers:
             offset = 0
-            for i in idx:
-                packet = packets[i]
+            for k in idx:
+                i, packet = chunk[k], packets[k]
                 n = packet.payload.numel()
                 total = state.compressor_for(names[i]).decompress(packet.with_payload(flat[offset : offset + n]))
                 grads[i].copy_(total.div_(world) if total.is_floating_point() else total.float() / world)
@@ -288,24 +365,22 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
         if gather_idx:
             assert gathered is not None
             starts = [0] * world
-            for k, i in enumerate(gather_idx):
-                packet = packets[i]
+            for j, k in enumerate(gather_idx):
+                i, packet = chunk[k], packets[k]
+                compressor = state.compressor_for(names[i])
                 per_rank = []
                 for r in range(world):
-                    raw = gathered[r, starts[r] : starts[r] + sizes[r][k]]
+                    raw = gathered[r, starts[r] : starts[r] + sizes[r][j]]
                     per_rank.append(packet.with_payload(_from_bytes(raw, packet.payload.dtype)))
-                    starts[r] += sizes[r][k]
-                grads[i].copy_(state.compressor_for(names[i]).decompress_sum(per_rank).div_(world))
+                    starts[r] += sizes[r][j]
+                # decoded straight into DDP's bucket view: no full-size temporary
+                compressor.decompress_sum_into(per_rank, grads[i]).div_(world)
                 if state.per_rank is not None:
-                    state.per_rank[names[i]] = [state.compressor_for(names[i]).decompress(q) for q in per_rank]
+                    state.per_rank[names[i]] = [compressor.decompress(q) for q in per_rank]
                 if state.stats is not None:
                     state.stats.observe_averaged(names[i], grads[i])
-        timer.decode_done()
-        return bucket.buffer()
 
-    if not futures:
-        return comm.completed(decode(None))
-    return torch.futures.collect_all(futures).then(lambda fut: decode(fut.wait()))
+    return futures, decode
 
 
 # -- multi-round compressors (PowerSGD) ------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from lightning_gradcomp.guard import NonFinite
 from lightning_gradcomp.pipeline import LayerTransform
 from lightning_gradcomp.planner import CollectivePlanner
 from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
-from lightning_gradcomp.validation import check_int
+from lightning_gradcomp.validation import check_int, check_number
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,10 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
             ``comm_state.collectives``). ``None`` (default): always compress.
         compression_cost: compress/decode seconds per element for that choice; ``None`` measures them on the
             first step (max over ranks).
+        pipeline_mb: MiB of gradient per pipelined group inside a bucket: the hook compresses a group and
+            launches its collectives before compressing the next, so compression overlaps the transfer of the
+            previous group (a parameter is never split). ``None``: one group per bucket. Results are identical
+            either way; each extra group costs one collective's latency.
         **kwargs: further ``DistributedDataParallel`` options.
     """
 
@@ -123,6 +127,7 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
         resume_compression: ResumeCompression = "exact",
         link: Optional[Union[str, Link, Network]] = None,
         compression_cost: Optional[CompressionCost] = None,
+        pipeline_mb: Optional[float] = 8.0,
         **kwargs: Any,
     ) -> None:
         # reliability options (lightning_gradcomp.resilience), validated before anything else is built
@@ -156,6 +161,10 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
         self.exclude = list(exclude or [])
         check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
         self.min_numel = min_numel
+        if pipeline_mb is not None:
+            check_number("pipeline_mb", pipeline_mb, minimum=0, min_open=True,
+                         fix="pass a positive size in MiB, or None for one group per bucket")
+        self.pipeline_mb = pipeline_mb
         # parsed now so a bad spec fails before any process group exists
         self.planner = None if link is None else CollectivePlanner(link, compression_cost)
         ddp_kwargs: dict[str, Any] = dict(
@@ -221,6 +230,7 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
             process_group=group,
             world_size=world_size,
             planner=self.planner,
+            pipeline_bytes=None if self.pipeline_mb is None else int(self.pipeline_mb * 2**20),
         )
         log.info(
             "gradcomp: %s on %d ranks, %d of %d tensors kept in fp32",

@@ -146,6 +146,15 @@ class Compressor(ABC):
             total.add_(self.decompress(packet))
         return total
 
+    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        """:meth:`decompress_sum` written into ``out`` (a tensor of the packets' shape and dtype); returns ``out``.
+
+        The hook decodes straight into DDP's bucket view with this, so a compressor that can decode in place
+        saves a full-size allocation and copy per parameter. The result must equal :meth:`decompress_sum`
+        bit for bit; the default copies it.
+        """
+        return out.copy_(self.decompress_sum(packets))
+
     def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
         """What this rank effectively contributed for ``tensor`` (its own packet decoded).
 

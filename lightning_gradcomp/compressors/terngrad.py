@@ -277,6 +277,11 @@ class TernGrad(Compressor):
             total = total + self._values_and_scale(packet)[0]
         return self._scaled(total, packets[0].ctx["scale"], packets[0])
 
+    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        if "scale" in packets[0].ctx and all(self._fused.decodes(p) for p in packets):
+            return self._fused.decompress_sum_into(packets, out)
+        return super().decompress_sum_into(packets, out)
+
     def clipped(self, tensor: Tensor) -> Tensor:
         """``tensor`` after this rank's own c*sigma clipping, as float32 (for monitoring; draws no randomness).
 

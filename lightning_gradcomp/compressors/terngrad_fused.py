@@ -132,3 +132,11 @@ class FusedTernGrad:
         first = packets[0]
         out = kernels.decode_sum([p.payload for p in packets], first.numel, first.ctx["scale"], self._bucket(first.numel))
         return out.to(first.dtype).view(first.shape)
+
+    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        first = packets[0]
+        if out.dtype != torch.float32 or not out.is_contiguous():  # the kernel writes flat float32 only
+            return out.copy_(self.decompress_sum(packets))
+        flat = out.view(-1)
+        kernels.decode_sum([p.payload for p in packets], first.numel, first.ctx["scale"], self._bucket(first.numel), out=flat)
+        return out

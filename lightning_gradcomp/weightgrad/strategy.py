@@ -200,6 +200,7 @@ class WeightGradStrategy(GradCompStrategy):
             world_size=g.site_size,
             identity=GatheredFP32() if self.aggregation == "serial" else Identity(),
             per_rank={} if self.aggregation == "serial" else None,
+            pipeline_bytes=None if self.pipeline_mb is None else int(self.pipeline_mb * 2**20),
         )
         self.model.register_comm_hook(self.comm_state, gradcomp_hook)
         self.synchronizer = GradientSynchronizer(

@@ -21,13 +21,15 @@ def train_raw_ddp(
     compressor: Optional[str],
     steps: int = 4,
     compressor_kwargs: Optional[dict] = None,
+    bucket_cap_mb: float = 0.005,
+    pipeline_bytes: Optional[int] = None,
 ) -> dict[str, Any]:
     """Plain torch DDP (``compressor=None``) or DDP with our hook; returns parameters after every step."""
     dist.init_process_group("gloo")
     try:
         model = small_mlp()
         # tiny buckets: several buckets per step, so ordering across buckets is exercised
-        ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         state = None
         if compressor is not None:
             if compressor == "sparse_probe":
@@ -38,7 +40,7 @@ def train_raw_ddp(
                 comp = registry.COMPRESSORS[compressor][0](**(compressor_kwargs or {}))
             comp.setup(rank, world_size, torch.device("cpu"))
             names = {id(p): n for n, p in model.named_parameters()}
-            state = GradCompState(compressor=comp, names=names, world_size=world_size)
+            state = GradCompState(compressor=comp, names=names, world_size=world_size, pipeline_bytes=pipeline_bytes)
             ddp.register_comm_hook(state, gradcomp_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         gen = torch.Generator().manual_seed(100 + rank)  # different data on each rank

@@ -51,3 +51,22 @@ def test_variable_size_gather_with_an_empty_rank() -> None:
     assert results[0]["collectives"]["allgather_sizes"] > 0
     # rank 0 sends every entry, rank 1 nothing: the average is rank 0's gradient / 2
     torch.testing.assert_close(results[0]["grads"], results[0]["local_grads"] / 2)
+
+
+@pytest.mark.parametrize(
+    ("compressor", "kwargs", "channel"),
+    [
+        ("terngrad", {"collective": "allgather"}, "allgather"),
+        ("terngrad", {"collective": "allreduce_int8"}, "allreduce_int8"),
+        ("graddrop", {}, "allgather"),  # variable-size payloads: sizes are exchanged per group
+    ],
+)
+def test_pipelined_groups_give_identical_replicas_and_results(compressor: str, kwargs: dict, channel: str) -> None:
+    """One bucket holding every parameter, sent whole or in one group per parameter: the same bits."""
+    whole = run_ranks(train_raw_ddp, 2, compressor, 3, kwargs, 25.0, None)
+    piped = run_ranks(train_raw_ddp, 2, compressor, 3, kwargs, 25.0, 1)
+    _assert_identical_replicas(piped)
+    for a, b in zip(whole[0]["params"], piped[0]["params"]):
+        assert torch.equal(a, b)
+    # 6 parameters in one bucket: 6 payload collectives per step instead of 1
+    assert piped[0]["collectives"][channel] == 6 * whole[0]["collectives"][channel]

@@ -168,6 +168,12 @@ def test_fused_backend_keeps_the_compressor_contract(kwargs: dict) -> None:
         assert torch.equal(comp.decompress(packet), ref.decompress(packet))
     total = ranks[0].decompress_sum(packets)
     assert torch.equal(total, refs[1].decompress_sum(packets))
+    # decoding straight into a (bucket-view-like) destination gives the same bits on both backends
+    for comp in (ranks[0], refs[0]):
+        bucket = torch.full((2003,), float("nan"))
+        into = comp.decompress_sum_into(packets, bucket[1:1002])
+        assert into.data_ptr() == bucket[1:].data_ptr() and torch.equal(into, total)
+        assert bucket[0].isnan() and bucket[1002:].isnan().all()  # nothing written outside the view
     assert torch.equal(total, ranks[0].decompress(packets[0]) + ranks[0].decompress(packets[1]))
     assert 0.0 <= packets[0].stats["sparsity"].item() <= 1.0
     assert packets[0].stats["sparsity"].item() == pytest.approx((ranks[0].decompress(packets[0]) == 0).float().mean().item())
