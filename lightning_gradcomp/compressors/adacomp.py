@@ -37,7 +37,14 @@ from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
-from lightning_gradcomp.compressors.sparse_fused import BACKENDS, Backend, FusedAdaComp, decode_sum, fused_enabled
+from lightning_gradcomp.compressors.sparse_fused import (
+    BACKENDS,
+    Backend,
+    FusedAdaComp,
+    decode_sum,
+    fused_enabled,
+    writes_into,
+)
 from lightning_gradcomp.sparse import (
     bin_word_bits,
     decode_bin_relative,
@@ -268,9 +275,19 @@ class AdaComp(Compressor):
         # float32 only: the torch backend adds decoded tensors in the gradient's dtype
         if first.dtype != torch.float32 or not fused_enabled(self.backend, first.payload.device):
             return super().decompress_sum(packets)
+        return self._fused_sum(packets, torch.empty(first.numel, dtype=torch.float32, device=first.payload.device))
+
+    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        if not writes_into(packets, out, self.backend):
+            return super().decompress_sum_into(packets, out)
+        self._fused_sum(packets, out)
+        return out
+
+    def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        """The sum of the packets written into ``out`` (contiguous float32) by the kernels."""
+        first = packets[0]
         if self.wire == "paper":  # decoded and scatter-added in one pass per payload
-            out = torch.empty(first.numel, dtype=torch.float32, device=first.payload.device)
-            size = first.ctx["bin_size"]
-            total = kernels.bin_words_decode_sum(first.numel, [p.payload for p in packets], size, out=out)
-            return total.view(first.shape)
-        return decode_sum(packets, lambda p: self._decode(p.payload, p.ctx["bin_size"]))
+            flat = out.view(-1)
+            kernels.bin_words_decode_sum(first.numel, [p.payload for p in packets], first.ctx["bin_size"], out=flat)
+            return out.view(first.shape)
+        return decode_sum(packets, lambda p: self._decode(p.payload, p.ctx["bin_size"]), out=out)

@@ -35,6 +35,7 @@ from lightning_gradcomp.compressors.sparse_fused import (
     FusedGradientDropping,
     decode_sum,
     fused_enabled,
+    writes_into,
 )
 from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.sparse import (
@@ -396,6 +397,12 @@ class GradientDropping(Compressor):
         if first.dtype != torch.float32 or not fused_enabled(self.backend, first.payload.device):
             return super().decompress_sum(packets)
         return decode_sum(packets, self._decode)
+
+    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        if not writes_into(packets, out, self.backend):
+            return super().decompress_sum_into(packets, out)
+        decode_sum(packets, self._decode, out=out)
+        return out
 
 
 def _mean(values: Tensor) -> Tensor:

@@ -59,18 +59,34 @@ def fused_enabled(backend: str, device: torch.device) -> bool:
     return device.type == "cpu" and kernels.fused_available()
 
 
-def decode_sum(packets: Sequence[Packet], decode: Callable[[Packet], tuple[Tensor, Tensor]]) -> Tensor:
+def decode_sum(
+    packets: Sequence[Packet], decode: Callable[[Packet], tuple[Tensor, Tensor]], out: Optional[Tensor] = None
+) -> Tensor:
     """The dense float32 sum of sparse packets, scatter-added payload by payload in the given (rank) order.
 
     Args:
         packets: one packet per rank, in rank order (empty payloads contribute nothing).
         decode: (indices, float32 values) of one non-empty packet.
+        out: a contiguous float32 tensor of the packets' numel to write into (overwritten), or None.
     """
     first = packets[0]
     pairs = [decode(p) for p in packets if p.payload.numel() > 0]
     indices, values = [i for i, _ in pairs], [v for _, v in pairs]
-    out = torch.empty(first.numel, dtype=torch.float32, device=first.payload.device)
-    return kernels.sparse_decode_sum(first.numel, indices, values, out=out).view(first.shape)
+    if out is None:
+        out = torch.empty(first.numel, dtype=torch.float32, device=first.payload.device)
+    return kernels.sparse_decode_sum(first.numel, indices, values, out=out.view(-1)).view(first.shape)
+
+
+def writes_into(packets: Sequence[Packet], out: Tensor, backend: str) -> bool:
+    """Whether ``decompress_sum_into`` can decode straight into ``out``: the fused backend on float32 gradients
+    and a contiguous float32 destination (the kernels write flat float32)."""
+    return (
+        packets[0].dtype == torch.float32
+        and out.dtype == torch.float32
+        and out.is_contiguous()
+        and out.numel() == packets[0].numel
+        and fused_enabled(backend, packets[0].payload.device)
+    )
 
 
 class FusedGradientDropping:
@@ -169,5 +185,6 @@ class FusedAdaComp:
 
 __all__ = [
     "BACKENDS", "Backend", "FusedAdaComp", "FusedGradientDropping", "decode_sum", "fused_enabled", "kth_threshold",
+    "writes_into",
 ]
 

@@ -62,6 +62,14 @@ def _assert_same_sums(ref: Compressor, fused: Compressor, packets: list[Packet],
     expected, got = ref.decompress_sum(packets), fused.decompress_sum(packets)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     assert torch.equal(got, expected), f"{what}: decoded sums differ"
+    # straight into a view of a larger buffer (the hook's DDP bucket): the same sum, nothing written outside
+    n = packets[0].numel
+    for comp in (ref, fused):
+        bucket = torch.full((n + 3,), float("nan"), dtype=expected.dtype)
+        view = bucket[1 : n + 1].view(expected.shape)
+        into = comp.decompress_sum_into(packets, view)
+        assert into.data_ptr() == view.data_ptr() and torch.equal(into, expected), f"{what}: decompress_sum_into"
+        assert bucket[0].isnan() and bucket[n + 1 :].isnan().all(), f"{what}: wrote outside the view"
 
 
 GRADDROP = [
