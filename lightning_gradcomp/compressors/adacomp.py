@@ -29,13 +29,22 @@ bit per entry. A layer that sends nothing sends 0 bytes.
 """
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.sparse_fused import (
+    BACKENDS,
+    Backend,
+    FusedAdaComp,
+    decode_sum,
+    fused_enabled,
+    writes_into,
+)
 from lightning_gradcomp.sparse import (
     bin_word_bits,
     decode_bin_relative,
@@ -78,6 +87,10 @@ class AdaComp(Compressor):
             ``local_count`` largest |G| per bin).
         local_count: entries per bin sent by ``selection="local"``.
         wire: ``"paper"`` (8/16-bit bin-relative words) or ``"index32"`` (int32 indices + sign bits).
+        backend: ``"torch"`` (torch ops: the reference), ``"fused"`` (:mod:`lightning_gradcomp.kernels`: bin
+            maxima and selection in one pass per bin, the sum of all ranks' payloads decoded into one dense
+            tensor; compiled on CPU, torch ops elsewhere) or ``"auto"`` (fused on CPU when the kernels compile
+            here, else torch). Both send the same bytes; ``selection="local"`` always selects with torch ops.
     """
 
     aggregation = Aggregation.GATHER
@@ -94,6 +107,7 @@ class AdaComp(Compressor):
         selection: Selection = "adaptive",
         local_count: int = 1,
         wire: Wire = "paper",
+        backend: Backend = "auto",
     ) -> None:
         super().__init__()
         check_int("bin_size_conv", bin_size_conv, minimum=1, fix="use 50 (the paper)")
@@ -106,6 +120,9 @@ class AdaComp(Compressor):
         check_choice("selection", selection, ("adaptive", "local"))
         check_int("local_count", local_count, minimum=1, fix="use 1 (one entry per bin)")
         check_choice("wire", wire, ("paper", "index32"))
+        check_choice(
+            "backend", backend, BACKENDS, fix="use 'auto' (fused on CPU when the kernels compile), 'torch' or 'fused'"
+        )
         if wire == "paper":
             for size in (bin_size_conv, bin_size_fc, *overrides.values()):
                 bin_word_bits(size)  # raises for L_T > 16384, which 14-bit offsets cannot address
@@ -117,6 +134,8 @@ class AdaComp(Compressor):
         self.selection = selection
         self.local_count = local_count
         self.wire = wire
+        self.backend = backend
+        self._fused = FusedAdaComp(self)
         self._gradients: dict[str, Tensor] = {}
         #: per parameter name: layer type and L_T, filled at first compression
         self.layer_kinds: dict[str, LayerKind] = {}
@@ -133,6 +152,7 @@ class AdaComp(Compressor):
             "selection": self.selection,
             "local_count": self.local_count,
             "wire": self.wire,
+            "backend": self.backend,
         }
 
     def bin_size(self, name: str, shape: torch.Size) -> int:
@@ -166,6 +186,8 @@ class AdaComp(Compressor):
         n = g.numel()
         if n == 0:
             return g.new_zeros(0, dtype=torch.long), g.new_zeros(0, dtype=torch.long), g.new_zeros(())
+        if self.selection == "adaptive" and fused_enabled(self.backend, g.device):
+            return self._fused.select(g, dw, size)
         bins = self._bins(g, size)
         mag = bins.abs()
         gmax = mag.amax(dim=1)
@@ -218,6 +240,8 @@ class AdaComp(Compressor):
             return torch.zeros(0, dtype=torch.uint8, device=scale.device)
         head = scale.float().reshape(1).view(torch.uint8)
         if self.wire == "paper":
+            if fused_enabled(self.backend, idx.device):
+                return torch.cat((head, kernels.bin_words_encode(idx, values + 1, size)))
             return torch.cat((head, encode_bin_relative(idx, values + 1, size)))
         count = torch.tensor([idx.numel()], dtype=torch.int32, device=idx.device).view(torch.uint8)
         return torch.cat(
@@ -236,9 +260,34 @@ class AdaComp(Compressor):
         return idx, torch.where(signs == 1, 1.0, -1.0) * scale
 
     def decompress(self, packet: Packet) -> Tensor:
+        if self.wire == "paper" and packet.payload.numel() > 0 and fused_enabled(self.backend, packet.payload.device):
+            # one pass; sent values are +-scale, never 0, so this equals the assignment below bit for bit
+            decoded = kernels.bin_words_decode_sum(packet.numel, [packet.payload], packet.ctx["bin_size"])
+            return decoded.to(packet.dtype).view(packet.shape)
         out = torch.zeros(packet.numel, dtype=torch.float32, device=packet.payload.device)
         if packet.payload.numel() > 0:
             idx, val = self._decode(packet.payload, packet.ctx["bin_size"])
             out[idx] = val
         return out.to(packet.dtype).view(packet.shape)
 
+    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
+        first = packets[0]
+        # float32 only: the torch backend adds decoded tensors in the gradient's dtype
+        if first.dtype != torch.float32 or not fused_enabled(self.backend, first.payload.device):
+            return super().decompress_sum(packets)
+        return self._fused_sum(packets, torch.empty(first.numel, dtype=torch.float32, device=first.payload.device))
+
+    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        if not writes_into(packets, out, self.backend):
+            return super().decompress_sum_into(packets, out)
+        self._fused_sum(packets, out)
+        return out
+
+    def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        """The sum of the packets written into ``out`` (contiguous float32) by the kernels."""
+        first = packets[0]
+        if self.wire == "paper":  # decoded and scatter-added in one pass per payload
+            flat = out.view(-1)
+            kernels.bin_words_decode_sum(first.numel, [p.payload for p in packets], first.ctx["bin_size"], out=flat)
+            return out.view(first.shape)
+        return decode_sum(packets, lambda p: self._decode(p.payload, p.ctx["bin_size"]), out=out)

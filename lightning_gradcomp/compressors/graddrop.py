@@ -22,12 +22,21 @@ global threshold (see ``docs/compressors.md``).
 """
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.sparse_fused import (
+    BACKENDS,
+    Backend,
+    FusedGradientDropping,
+    decode_sum,
+    fused_enabled,
+    writes_into,
+)
 from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.sparse import (
     INDEX_ENCODINGS,
@@ -109,6 +118,12 @@ class GradientDropping(Compressor):
         values: wire format of unquantized values: ``"fp32"`` (the original), ``"bf16"`` or ``"fp16"`` (values
             beyond fp16's range stay in the residual; the ``overflow`` statistic counts them).
         seed: seed of the random sample; rank r draws from seed and r.
+        backend: ``"torch"`` (torch ops, ``torch.Generator`` for the random sample: the reference), ``"fused"``
+            (:mod:`lightning_gradcomp.kernels`: sampling, order statistic and survivor compaction in fewer
+            passes, the sum of all ranks' payloads decoded into one dense tensor; compiled on CPU, torch ops
+            elsewhere) or ``"auto"`` (fused on CPU when the kernels compile here, else torch). Both select the
+            same survivors and send the same bytes, except that ``sample="random"`` draws other sample
+            positions (see :mod:`~lightning_gradcomp.compressors.sparse_fused`).
     """
 
     aggregation = Aggregation.GATHER
@@ -127,6 +142,7 @@ class GradientDropping(Compressor):
         index_encoding: IndexEncoding = "coo32",
         values: ValueFormat = "fp32",
         seed: int = 0,
+        backend: Backend = "auto",
     ) -> None:
         super().__init__()
         check_number(
@@ -145,6 +161,9 @@ class GradientDropping(Compressor):
         check_choice("index_encoding", index_encoding, INDEX_ENCODINGS)
         check_choice("values", values, VALUE_FORMATS)
         check_int("seed", seed, minimum=0)
+        check_choice(
+            "backend", backend, BACKENDS, fix="use 'auto' (fused on CPU when the kernels compile), 'torch' or 'fused'"
+        )
         if quantize != "none" and values != "fp32":
             raise ValueError(
                 f"Expected `values='fp32'` with `quantize={quantize!r}` (quantized survivors travel as codes, "
@@ -165,6 +184,8 @@ class GradientDropping(Compressor):
         self.index_encoding: IndexEncoding = index_encoding
         self.values: ValueFormat = values
         self.seed = seed
+        self.backend = backend
+        self._fused = FusedGradientDropping(self)
         self._streams = RandomStreams(seed)
         self._device = torch.device("cpu")
         # global scope: the latest sample (and the elements each value stands for) per parameter name, the
@@ -178,9 +199,11 @@ class GradientDropping(Compressor):
         super().setup(rank, world_size, device)
         self._device = device
         self._streams.reset(rank)
+        self._fused.load_state_dict({})  # the fused backend's counters start afresh too
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            **self._fused.state_dict(),
             "streams": self._streams.state_dict(),
             "pool": {n: (s.detach().cpu().clone(), w) for n, (s, w) in self._pool.items()},
             "seen": sorted(self._seen),
@@ -189,6 +212,7 @@ class GradientDropping(Compressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._streams.load_state_dict(state.get("streams", {}))
+        self._fused.load_state_dict(state)
         self._pool = {n: (s.to(self._device), w) for n, (s, w) in state.get("pool", {}).items()}
         self._seen = set(state.get("seen", []))
         thr = state.get("global_threshold")
@@ -207,6 +231,7 @@ class GradientDropping(Compressor):
             "index_encoding": self.index_encoding,
             "values": self.values,
             "seed": self.seed,
+            "backend": self.backend,
         }
 
     # -- threshold --------------------------------------------------------------------------------------
@@ -229,8 +254,15 @@ class GradientDropping(Compressor):
     def threshold(self, magnitudes: Tensor, name: str) -> Tensor:
         """The drop threshold for one flat tensor of |x| (updates the global pool in global scope)."""
         sample, weight = self.threshold_sample(magnitudes, name)
+        return self.pooled_threshold(sample, weight, name)
+
+    def pooled_threshold(
+        self, sample: Tensor, weight: float, name: str, select: Callable[[Tensor, float], Tensor] = select_threshold
+    ) -> Tensor:
+        """The drop threshold from one tensor's sample: ``select`` on it (layer scope, or a first global step),
+        else the previous step's whole-model threshold; in global scope the sample joins the pool."""
         if self.scope == "layer":
-            return select_threshold(sample, self.drop_ratio)
+            return select(sample, self.drop_ratio)
         if name in self._seen:  # a name comes back: a new step began, select on the previous step's pool
             names = sorted(self._pool)
             self._global_threshold = select_weighted_threshold(
@@ -241,24 +273,17 @@ class GradientDropping(Compressor):
         # a copy: the sample may be a view of a tensor the hook reuses
         self._pool[name] = (sample.clone(), weight)
         if self._global_threshold is None:  # first step: no whole-model pool yet
-            return select_threshold(sample, self.drop_ratio)
-        return self._global_threshold.to(magnitudes.device)
+            return select(sample, self.drop_ratio)
+        return self._global_threshold.to(sample.device)
 
     # -- compress ---------------------------------------------------------------------------------------
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
         flat = tensor.detach().reshape(-1).float()
         n = flat.numel()
-        magnitudes = flat.abs()
-        thr = self.threshold(magnitudes, name)
-        keep = magnitudes > thr
-        overflow = flat.new_zeros(())
-        if self.quantize == "none" and self.values == "fp16":
-            # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
-            fits = magnitudes <= torch.finfo(torch.float16).max
-            overflow = (keep & ~fits).sum().float()
-            keep &= fits
-        idx = torch.nonzero(keep).reshape(-1)
-        kept = flat[idx]
+        if fused_enabled(self.backend, flat.device):
+            idx, kept, thr, overflow = self._fused.select(flat, name)
+        else:
+            idx, kept, thr, overflow = self._select(flat, name)
         if self.quantize == "none":
             payload = encode_sparse(idx, kept, self.index_encoding, self.values)
         else:
@@ -275,6 +300,20 @@ class GradientDropping(Compressor):
         if self.values == "fp16":
             stats["overflow"] = overflow
         return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
+
+    def _select(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(indices, values, threshold, fp16 overflow count) of the survivors, with torch ops."""
+        magnitudes = flat.abs()
+        thr = self.threshold(magnitudes, name)
+        keep = magnitudes > thr
+        overflow = flat.new_zeros(())
+        if self.quantize == "none" and self.values == "fp16":
+            # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
+            fits = magnitudes <= torch.finfo(torch.float16).max
+            overflow = (keep & ~fits).sum().float()
+            keep &= fits
+        idx = torch.nonzero(keep).reshape(-1)
+        return idx, flat[idx], thr, overflow
 
     # -- quantized survivors (paper Sec. 5.4) -----------------------------------------------------------
     @staticmethod
@@ -339,16 +378,31 @@ class GradientDropping(Compressor):
             return idx, sign * levels[group]
         return idx, sign * levels[codes]
 
+    def _decode(self, packet: Packet) -> tuple[Tensor, Tensor]:
+        """(int64 indices, float32 values) of a non-empty packet."""
+        if self.quantize == "none":
+            return decode_sparse(packet.payload, self.index_encoding, self.values)
+        return self._decode_quantized(packet.payload, packet.shape, packet.numel)
+
     def decompress(self, packet: Packet) -> Tensor:
-        n = packet.numel
-        out = torch.zeros(n, dtype=torch.float32, device=packet.payload.device)
+        out = torch.zeros(packet.numel, dtype=torch.float32, device=packet.payload.device)
         if packet.payload.numel() > 0:
-            if self.quantize == "none":
-                idx, val = decode_sparse(packet.payload, self.index_encoding, self.values)
-            else:
-                idx, val = self._decode_quantized(packet.payload, packet.shape, n)
+            idx, val = self._decode(packet)
             out[idx] = val
         return out.to(packet.dtype).view(packet.shape)
+
+    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
+        first = packets[0]
+        # float32 only: the torch backend adds decoded tensors in the gradient's dtype
+        if first.dtype != torch.float32 or not fused_enabled(self.backend, first.payload.device):
+            return super().decompress_sum(packets)
+        return decode_sum(packets, self._decode)
+
+    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        if not writes_into(packets, out, self.backend):
+            return super().decompress_sum_into(packets, out)
+        decode_sum(packets, self._decode, out=out)
+        return out
 
 
 def _mean(values: Tensor) -> Tensor:

@@ -6,11 +6,13 @@ results, after one logged warning. On CUDA tensors the torch-ops path runs (unme
 """
 
 from lightning_gradcomp.kernels._build import cpu_extension, torch_ops
+from lightning_gradcomp.kernels.binwords import bin_words_decode_sum, bin_words_encode
 from lightning_gradcomp.kernels.rng import stream_key
 from lightning_gradcomp.kernels.selection import (
     AdaCompSelection,
     adacomp_select,
     bin_absmax,
+    kth_smallest,
     quantile_rank,
     sample_abs,
     sample_threshold,
@@ -36,10 +38,13 @@ __all__ = [
     "AdaCompSelection",
     "adacomp_select",
     "bin_absmax",
+    "bin_words_decode_sum",
+    "bin_words_encode",
     "cpu_extension",
     "decode",
     "decode_sum",
     "fused_available",
+    "kth_smallest",
     "quantile_rank",
     "sample_abs",
     "sample_threshold",

@@ -6,6 +6,7 @@ first import on a machine pays the compile time, and concurrent ranks wait on to
 compiling twice. Set ``LIGHTNING_GRADCOMP_NO_EXT=1`` to skip it and use the torch-ops fallback.
 """
 
+import hashlib
 import logging
 import os
 import threading
@@ -18,6 +19,10 @@ from typing import Optional
 from lightning_gradcomp.kernels._cpu_source import CPU_SOURCE, FUNCTIONS
 
 log = logging.getLogger(__name__)
+
+#: the name carries a hash of the source: checkouts with different kernels (branches, worktrees, versions) that
+#: share one extension directory keep a build each, instead of rebuilding over one another on every start
+EXTENSION_NAME = "lightning_gradcomp_kernels_cpu_" + hashlib.sha256(CPU_SOURCE.encode()).hexdigest()[:12]
 
 _lock = threading.Lock()
 _module: Optional[ModuleType] = None
@@ -58,7 +63,7 @@ def cpu_extension() -> Optional[ModuleType]:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name="lightning_gradcomp_kernels_cpu",
+                    name=EXTENSION_NAME,
                     cpp_sources=[CPU_SOURCE],
                     functions=FUNCTIONS,
                     # -O3 auto-vectorises; target_clones in the source picks AVX-512/AVX2/baseline at run time,

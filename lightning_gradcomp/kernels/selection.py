@@ -83,6 +83,21 @@ def sample_threshold(sample: Tensor, drop_ratio: float) -> Tensor:
     return torch.kthvalue(sample.reshape(-1).float(), k + 1).values
 
 
+def kth_smallest(sample: Tensor, k: int) -> Tensor:
+    """The ``k``-th smallest (0-based) value of ``sample`` (an exact order statistic), as a 0-d float32.
+
+    :func:`sample_threshold` with a rank chosen by the caller (Gradient Dropping's floor(R * m)-th value).
+    """
+    flat = _flat32(sample)
+    check_int("k", k, minimum=0)
+    if k >= flat.numel():
+        raise ValueError(f"Expected `k` below the sample size {flat.numel()}, but got {k}.")
+    ext = _ext(flat)
+    if ext is not None:
+        return torch.tensor(ext.kth_smallest(flat, k), dtype=torch.float32)
+    return torch.kthvalue(flat, k + 1).values
+
+
 def select_above(tensor: Tensor, threshold: "Tensor | float") -> tuple[Tensor, Tensor]:
     """(int32 indices, float32 values) of the entries with |x| > ``threshold``, in ascending index order.
 

@@ -65,6 +65,12 @@ def sparse_suite(rank: int, world_size: int, steps: int = 4) -> dict[str, dict]:
             "adacomp": (AdaComp(), None),
             "adacomp_ls_index32": (AdaComp(selection="local", wire="index32"), None),
             "adacomp_quiet": (AdaComp(), 1),
+            # the two backends side by side: deterministic selections must give the same training, bit for bit
+            "graddrop_torch": (GradientDropping(backend="torch"), None),
+            "graddrop_strided_fused": (GradientDropping(sample="strided", max_sample=50, backend="fused"), None),
+            "graddrop_strided_torch": (GradientDropping(sample="strided", max_sample=50, backend="torch"), None),
+            "adacomp_ternary_fused": (AdaComp(quantizer="ternary", backend="fused"), None),
+            "adacomp_ternary_torch": (AdaComp(quantizer="ternary", backend="torch"), None),
         }
         return {key: _train(rank, world_size, comp, steps, quiet) for key, (comp, quiet) in runs.items()}
     finally:

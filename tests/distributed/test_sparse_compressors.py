@@ -45,3 +45,12 @@ def test_a_rank_that_sends_nothing(suite: list[dict[str, dict]], key: str) -> No
     if key == "graddrop_quiet":  # drop ratio 0: rank 0 sends every value, so the average is its gradient / 2
         for got, own in zip(suite[0][key]["grads"], suite[0][key]["local_grads"]):
             assert torch.equal(got, own / 2)
+
+
+@pytest.mark.parametrize("key", ["graddrop_strided", "adacomp_ternary"])
+def test_fused_and_torch_backends_train_identically(suite: list[dict[str, dict]], key: str) -> None:
+    for rank in (0, 1):
+        fused, ref = suite[rank][f"{key}_fused"], suite[rank][f"{key}_torch"]
+        assert ref["bytes"] == fused["bytes"]
+        for step, (a, b) in enumerate(zip(fused["params"], ref["params"])):
+            assert torch.equal(a, b), f"{key}: the backends differ on rank {rank} at step {step}"

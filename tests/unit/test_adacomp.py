@@ -32,11 +32,12 @@ def _algorithm2(residue: torch.Tensor, dw: torch.Tensor, size: int, quantizer: s
 
 @pytest.mark.parametrize("quantizer", ["binary", "ternary"])
 @pytest.mark.parametrize("n, size", [(1000, 50), (1037, 50), (777, 500), (5, 50)])
-def test_matches_algorithm2(n: int, size: int, quantizer: str) -> None:
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_matches_algorithm2(n: int, size: int, quantizer: str, backend: str) -> None:
     gen = torch.Generator().manual_seed(n)
     residue = torch.randn(n, generator=gen) * 3
     dw = torch.randn(n, generator=gen)
-    comp = AdaComp(bin_size_fc=size, quantizer=quantizer)
+    comp = AdaComp(bin_size_fc=size, quantizer=quantizer, backend=backend)
     memory = ResidualMemory()
     memory.residuals["w"] = residue
     _, x, packet, sent = feedback_step(comp, memory, dw, "w")
@@ -45,9 +46,10 @@ def test_matches_algorithm2(n: int, size: int, quantizer: str) -> None:
     assert int(packet.stats["bin_size"]) == size
 
 
-def test_the_largest_entry_is_not_always_sent() -> None:
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_the_largest_entry_is_not_always_sent(backend: str) -> None:
     # paper ambiguity: gmax is taken on G, the test on H = G + dW; a max whose fresh gradient points back misses
-    comp = AdaComp(bin_size_fc=4)
+    comp = AdaComp(bin_size_fc=4, backend=backend)
     residue = torch.tensor([5.0, 0.1, 0.1, 4.9])
     dw = torch.tensor([-1.0, 0.0, 0.0, 1.0])  # G = [4, .1, .1, 5.9]; H = [3, .1, .1, 6.9]
     comp.observe_gradient(dw, "w")
@@ -96,12 +98,13 @@ def _words(idx: torch.Tensor, size: int, max_field: int) -> int:
 
 
 @pytest.mark.parametrize("shape, size, width", [((32, 16, 5, 5), 50, 1), ((100, 800), 500, 2), ((300,), 20000, 0)])
-def test_paper_wire_bytes_and_round_trip(shape: tuple, size: int, width: int) -> None:
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_paper_wire_bytes_and_round_trip(shape: tuple, size: int, width: int, backend: str) -> None:
     x = torch.randn(shape)
     if width == 0:  # L_T beyond 16K does not fit 14-bit offsets: the MXNet layout instead
-        comp = AdaComp(bin_size_fc=size, wire="index32")
+        comp = AdaComp(bin_size_fc=size, wire="index32", backend=backend)
     else:
-        comp = AdaComp()
+        comp = AdaComp(backend=backend)
     comp.observe_gradient(x * 0.5, "w")
     packet = comp.compress(x, "w")
     sent = comp.decompress(packet)
@@ -118,8 +121,9 @@ def test_paper_wire_bytes_and_round_trip(shape: tuple, size: int, width: int) ->
     assert torch.all(sent.reshape(-1)[idx].abs() == scale)
 
 
-def test_nothing_to_send_is_zero_bytes() -> None:
-    comp = AdaComp()
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_nothing_to_send_is_zero_bytes(backend: str) -> None:
+    comp = AdaComp(backend=backend)
     comp.observe_gradient(torch.zeros(10, 10), "w")
     packet = comp.compress(torch.zeros(10, 10), "w")
     assert packet.nbytes == 0 and torch.equal(comp.decompress(packet), torch.zeros(10, 10))

@@ -49,9 +49,11 @@ def _steps(comp: Compressor, steps: int = 4):
             yield before, sent, memory.residuals[name], x, packet
 
 
+@pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("key", sorted(EXACT))
-def test_sent_plus_residual_is_exact(key: str) -> None:
+def test_sent_plus_residual_is_exact(key: str, backend: str) -> None:
     comp = EXACT[key]()
+    comp.backend = backend  # type: ignore[attr-defined]
     assert comp.uses_memory
     for before, sent, residual, x, packet in _steps(comp):
         assert torch.equal(before, x)
@@ -59,9 +61,11 @@ def test_sent_plus_residual_is_exact(key: str) -> None:
         assert torch.equal(sent, comp.decompress(packet.with_payload(packet.payload.clone())))
 
 
+@pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("key", sorted(LEVELS))
-def test_sent_plus_residual_within_the_residuals_rounding(key: str) -> None:
+def test_sent_plus_residual_within_the_residuals_rounding(key: str, backend: str) -> None:
     comp = LEVELS[key]()
+    comp.backend = backend  # type: ignore[attr-defined]
     assert comp.uses_memory
     for before, sent, residual, x, packet in _steps(comp):
         assert torch.equal(residual, x - sent)  # the residual is x - sent, rounded once

@@ -11,9 +11,10 @@ from lightning_gradcomp.sparse import delta16_nbytes
 from tests.unit.feedback import feedback_step
 
 
-def test_exact_threshold_drops_the_smallest_ratio_with_marians_rule() -> None:
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_exact_threshold_drops_the_smallest_ratio_with_marians_rule(backend: str) -> None:
     x = torch.arange(1, 1001, dtype=torch.float32) * torch.where(torch.arange(1000) % 2 == 0, 1.0, -1.0)
-    comp = GradientDropping(drop_ratio=0.99, sample="exact")
+    comp = GradientDropping(drop_ratio=0.99, sample="exact", backend=backend)
     packet = comp.compress(x, "w")
     sent = comp.decompress(packet)
     # k = floor(0.99 * 1000) = 990: the 990th smallest |x| is 990, dropped (|x| <= thr); 991..1000 survive
@@ -46,10 +47,11 @@ def test_random_sample_size_and_small_tensors_exact() -> None:
     assert abs(sampled - exact) / exact < 0.05
 
 
-def test_drop_ratio_zero_sends_every_nonzero_value() -> None:
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_drop_ratio_zero_sends_every_nonzero_value(backend: str) -> None:
     x = torch.randn(40, 30)
     x[0, :5] = 0.0
-    comp = GradientDropping(drop_ratio=0.0)
+    comp = GradientDropping(drop_ratio=0.0, backend=backend)
     sent = comp.decompress(comp.compress(x, "w"))
     assert torch.equal(sent, x)
 
@@ -60,8 +62,9 @@ def test_weighted_threshold_matches_exact_on_the_concatenation() -> None:
     assert torch.equal(select_weighted_threshold(parts, [1.0, 1.0, 1.0], 0.9), together)
 
 
-def test_global_scope_uses_the_previous_steps_whole_model_threshold() -> None:
-    comp = GradientDropping(drop_ratio=0.9, sample="exact", scope="global")
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_global_scope_uses_the_previous_steps_whole_model_threshold(backend: str) -> None:
+    comp = GradientDropping(drop_ratio=0.9, sample="exact", scope="global", backend=backend)
     small, large = torch.rand(1000), torch.rand(1000) * 100
     p0a = comp.compress(small, "a")
     comp.compress(large, "b")
@@ -75,13 +78,14 @@ def test_global_scope_uses_the_previous_steps_whole_model_threshold() -> None:
     assert int(comp.compress(large, "b").stats["sent"]) == 200
 
 
-def test_global_state_round_trips() -> None:
-    comp = GradientDropping(scope="global", seed=3)
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_global_state_round_trips(backend: str) -> None:
+    comp = GradientDropping(scope="global", seed=3, backend=backend)
     comp.setup(0, 1, torch.device("cpu"))
     for name in ("a", "b", "a"):
         comp.compress(torch.randn(5000), name)
     state = comp.state_dict()
-    clone = GradientDropping(scope="global", seed=3)
+    clone = GradientDropping(scope="global", seed=3, backend=backend)
     clone.setup(0, 1, torch.device("cpu"))
     clone.load_state_dict(state)
     x = torch.randn(5000)
@@ -90,9 +94,10 @@ def test_global_state_round_trips() -> None:
 
 @pytest.mark.parametrize("quantize", ["threshold", "column_mean", "global_mean", "2bit"])
 @pytest.mark.parametrize("index_encoding", ["coo32", "delta16"])
-def test_quantized_survivors(quantize: str, index_encoding: str) -> None:
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_quantized_survivors(quantize: str, index_encoding: str, backend: str) -> None:
     x = torch.randn(64, 100) * torch.linspace(0.1, 3.0, 100)  # columns on different scales
-    comp = GradientDropping(drop_ratio=0.9, sample="exact", quantize=quantize, index_encoding=index_encoding)
+    comp = GradientDropping(drop_ratio=0.9, sample="exact", quantize=quantize, index_encoding=index_encoding, backend=backend)
     packet = comp.compress(x, "w")
     sent = comp.decompress(packet)
     keep = x.abs() > packet.stats["threshold"]
@@ -116,16 +121,17 @@ def test_quantized_survivors(quantize: str, index_encoding: str) -> None:
         assert sent[keep & (x > 0)].unique().numel() == 2  # small and large movers apart
 
 
-def test_narrow_values_and_fp16_overflow_stays_in_residual() -> None:
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_narrow_values_and_fp16_overflow_stays_in_residual(backend: str) -> None:
     x = torch.randn(1000) * 10
     x[5] = 1e6  # beyond fp16
-    comp = GradientDropping(drop_ratio=0.9, sample="exact", values="fp16")
+    comp = GradientDropping(drop_ratio=0.9, sample="exact", values="fp16", backend=backend)
     memory = ResidualMemory()
     old, xc, packet, sent = feedback_step(comp, memory, x, "w")
     assert sent[5] == 0 and memory.residuals["w"][5] == 1e6 and float(packet.stats["overflow"]) == 1.0
     keep = (x.abs() > packet.stats["threshold"]) & (x.abs() < 65504)
     assert torch.equal(sent[keep], x[keep].half().float())
-    bf = GradientDropping(drop_ratio=0.9, sample="exact", values="bf16", index_encoding="delta16")
+    bf = GradientDropping(drop_ratio=0.9, sample="exact", values="bf16", index_encoding="delta16", backend=backend)
     p = bf.compress(x, "w")
     assert p.nbytes == 4 + 100 * 2 + 2 * 100  # count, bf16 values, one gap code each (gaps < 65536)
 
