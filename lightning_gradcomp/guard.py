@@ -46,7 +46,14 @@ def remember_residual(state: "GradCompState", name: str) -> None:
 
 
 def _flag(buffer: Tensor, rank: int) -> Tensor:
-    bad = ~torch.isfinite(buffer).all()
+    # One reduction pass, no bucket-sized temporary: NaN and Inf propagate through a sum (Inf - Inf is NaN),
+    # so a finite sum proves a finite bucket. A non-finite sum may also be a float32 overflow of finite
+    # values; only then is every element checked. torch.isfinite(buffer).all() would allocate a bool per
+    # element, page-faulted in afresh on every step for large buckets on CPU.
+    # (half-precision buckets are summed in float32, so an fp16 sum does not overflow at 65504)
+    bad = ~torch.isfinite(buffer.sum(dtype=torch.float32 if buffer.element_size() < 4 else None))
+    if bool(bad):
+        bad = ~torch.isfinite(buffer).all()
     return (bad.to(torch.float32) * (rank + 1)).reshape(1)
 
 
