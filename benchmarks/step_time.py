@@ -18,6 +18,10 @@ Strategies (by name):
 Models: ``mlp`` (communication-bound: the 3x4096 MLP of Aji & Heafield on 784 inputs, 36.8M parameters) and
 ``lenet`` (compute-bound: TernGrad's Caffe LeNet with SAME padding, 1.2M parameters).
 
+Options that apply to every strategy alike: ``--batch`` (per-rank batch), ``--gradient-as-bucket-view`` (DDP's
+option), ``--thp`` (``THP_MEM_ALLOC_ENABLE=1`` in every rank); ``--pipeline-mb`` sets the gradcomp hook's
+pipelined group size (``GradCompStrategy``'s default, 8 MiB).
+
 Run as root (namespaces)::
 
     python benchmarks/step_time.py --nproc 2 4 --bandwidth 100mbit 1gbit 10gbit inf --json out.json

@@ -1,0 +1,93 @@
+"""Where a step's time goes, per rank: forward, backward (with the hook), update, CPU seconds, hook phases.
+
+Runs inside an emulated cluster (one process per rank, launched by ``lightning_gradcomp.emulate``), trains the
+3x4096 MLP of ``step_time.py`` with stock DDP and with the gradcomp hook for each strategy, with a barrier before
+every step so the ranks start together, and prints per rank the medians over the timed steps: wall time of
+forward, backward and optimizer step, the process's CPU seconds per step (all its threads), and the hook's time
+split (``lightning_gradcomp.stats.HookStats``: compress, collective_wait, decompress; summed over buckets).
+
+    python -m lightning_gradcomp.emulate --nproc 4 --bandwidth 1gbit -- \\
+        python benchmarks/hook_breakdown.py --batch 8 --strategies ddp terngrad terngrad:ignore
+
+``NAME:ignore`` runs the hook with ``nonfinite="ignore"`` (no non-finite guard), to show what the guard costs.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's library
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step_time import build_model  # noqa: E402
+
+from lightning_gradcomp import GradCompState, gradcomp_hook, registry  # noqa: E402
+from lightning_gradcomp.stats import HookStats  # noqa: E402
+
+
+def run(strategy: str, batch: int, steps: int, warmup: int) -> dict[str, object]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model("mlp")
+    ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    state = None
+    name, _, nonfinite = strategy.partition(":")
+    if name != "ddp":
+        compressor = registry.make_compressor(name)
+        compressor.setup(rank, world, torch.device("cpu"))
+        state = GradCompState(
+            compressor=compressor, names={id(p): n for n, p in model.named_parameters()}, world_size=world,
+            stats=HookStats(histogram_layers=()), nonfinite=nonfinite or "skip", pipeline_bytes=8 * 2**20,  # type: ignore[arg-type]
+        )
+        ddp.register_comm_hook(state, gradcomp_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(batch, 1, 28, 28, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "update": [], "step": [], "cpu": []}
+    for i in range(warmup + steps):
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        if i == warmup - 1 and state is not None and state.stats is not None:
+            state.stats.take_times()  # forget the warm-up steps
+        if i >= warmup:
+            for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, time.process_time() - c0)):
+                times[key].append(value)
+    out: dict[str, object] = {k: round(statistics.median(v) * 1e3) for k, v in times.items()}
+    if state is not None and state.stats is not None:
+        out.update({k: round(v * 1e3 / steps) for k, v in state.stats.take_times().items()})
+    del ddp, opt
+    dist.barrier()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "terngrad"])
+    parser.add_argument("--batch", type=int, default=32, help="per-rank batch")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        for strategy in args.strategies:
+            result = run(strategy, args.batch, args.steps, args.warmup)
+            print(f"{strategy} rank {dist.get_rank()}: ms per step {result}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
