@@ -45,34 +45,48 @@ def remember_residual(state: "GradCompState", name: str) -> None:
         state.residual_undo[name] = state.memory.residuals.get(name)
 
 
-def _flag(buffer: Tensor, rank: int) -> Tensor:
-    # One reduction pass, no bucket-sized temporary: NaN and Inf propagate through a sum (Inf - Inf is NaN),
-    # so a finite sum proves a finite bucket. A non-finite sum may also be a float32 overflow of finite
-    # values; only then is every element checked. torch.isfinite(buffer).all() would allocate a bool per
-    # element, page-faulted in afresh on every step for large buckets on CPU.
-    # (half-precision buckets are summed in float32, so an fp16 sum does not overflow at 65504)
-    bad = ~torch.isfinite(buffer.sum(dtype=torch.float32 if buffer.element_size() < 4 else None))
-    if bool(bad):
+def _flag(buffer: Tensor, rank: int, exact: bool = False) -> Tensor:
+    """``rank + 1`` where ``buffer`` may hold NaN/Inf, else 0 (float32, one element, on the buffer's device).
+
+    The default is one reduction pass with no bucket-sized temporary: NaN and Inf propagate through a sum (Inf -
+    Inf is NaN), so a finite sum proves a finite bucket, but a non-finite sum may also be a float32 overflow of
+    finite values. ``exact=True`` checks every element (a bool per element: on CPU a fresh, page-faulted
+    allocation on every call, hence not the default).
+    """
+    if exact:
         bad = ~torch.isfinite(buffer).all()
+    else:
+        # half-precision buckets are summed in float32, so an fp16 sum does not overflow at 65504
+        bad = ~torch.isfinite(buffer.sum(dtype=torch.float32 if buffer.element_size() < 4 else None))
     return (bad.to(torch.float32) * (rank + 1)).reshape(1)
+
+
+def _worst(state: "GradCompState", buffer: Tensor, rank: int, exact: bool) -> int:
+    """The largest flag over ranks (one 4-byte all-reduce, read on the host)."""
+    flag = _flag(buffer, rank, exact)
+    if state.world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.process_group)
+        state.collectives["allreduce_nonfinite"] += 1
+    return int(flag.item())
 
 
 def bucket_is_nonfinite(state: "GradCompState", buffer: Tensor, grads: Sequence[Tensor], names: Sequence[str]) -> bool:
     """Whether this bucket must be skipped on every rank; raises in ``"raise"`` mode.
 
-    Issues one all-reduce per bucket (none once the step is already known to be skipped: that decision is
-    the same on every rank, so every rank leaves it out).
+    Issues one all-reduce per bucket, and a second, exact one on every rank when some rank's cheap check
+    fired (none once the step is already known to be skipped: that decision is the same on every rank, so
+    every rank leaves it out).
     """
     if state.nonfinite == "ignore":
         return False
     if state.step_nonfinite:
         return True
     rank = dist.get_rank(state.process_group) if state.world_size > 1 else 0
-    flag = _flag(buffer, rank)
-    if state.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.process_group)
-        state.collectives["allreduce_nonfinite"] += 1
-    worst = int(flag.item())
+    worst = _worst(state, buffer, rank, exact=False)
+    if worst != 0:
+        # some rank's sum was not finite: every rank saw that, so all of them take the exact look together
+        # (a float32 overflow of finite values must not skip a step)
+        worst = _worst(state, buffer, rank, exact=True)
     if worst == 0:
         return False
     if state.nonfinite == "raise":
