@@ -10,9 +10,16 @@ split (``lightning_gradcomp.stats.HookStats``: compress, collective_wait, decomp
         python benchmarks/hook_breakdown.py --batch 8 --strategies ddp terngrad terngrad:ignore
 
 ``NAME:ignore`` runs the hook with ``nonfinite="ignore"`` (no non-finite guard), to show what the guard costs.
+
+``--alone`` runs no cluster: one process, one thread, and prints the same model's compute pieces (zero_grad,
+forward, backward, update) and TernGrad's per-step codec pieces over every parameter (the guard's sum,
+TernGrad's statistics, compress, decoding N payloads into the bucket, the averaging division)::
+
+    python benchmarks/hook_breakdown.py --alone --batch 8 --world 4
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -72,13 +79,71 @@ def run(strategy: str, batch: int, steps: int, warmup: int) -> dict[str, object]
     return out
 
 
+def alone(batch: int, world: int, repeats: int = 7) -> None:
+    """Medians (ms) of one rank's compute and TernGrad codec pieces, in one process without communication."""
+    torch.set_num_threads(1)
+    model = build_model("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+
+    def timed(fn: object) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()  # type: ignore[operator]
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    loss_box: list[torch.Tensor] = []
+    pieces = {
+        "zero_grad": lambda: opt.zero_grad(set_to_none=False),
+        "forward": lambda: loss_box.append(nn.functional.cross_entropy(model(x), y)),
+        "backward": lambda: loss_box.pop().backward(),
+        "update": opt.step,
+    }
+    compute = {k: 0.0 for k in pieces}
+    for _ in range(repeats):
+        for key, fn in pieces.items():
+            start = time.perf_counter()
+            fn()
+            compute[key] += (time.perf_counter() - start) * 1e3 / repeats
+    compressor = registry.make_compressor("terngrad")
+    compressor.setup(0, world, torch.device("cpu"))
+    grads = [p.grad.reshape(-1) for p in model.parameters()]  # type: ignore[union-attr]
+    buckets = [torch.empty_like(g) for g in grads]
+    stats = [compressor.local_statistic(g, str(i)) for i, g in enumerate(grads)]
+    packets = [compressor.compress(g, str(i), s) for i, (g, s) in enumerate(zip(grads, stats))]
+    codec = {
+        "guard sum": timed(lambda: [g.sum() for g in grads]),
+        "statistics": timed(lambda: [compressor.local_statistic(g, str(i)) for i, g in enumerate(grads)]),
+        "compress": timed(lambda: [compressor.compress(g, str(i), s) for i, (g, s) in enumerate(zip(grads, stats))]),
+        f"decode {world} payloads into the bucket": timed(
+            lambda: [compressor.decompress_sum_into([p] * world, b) for p, b in zip(packets, buckets)]
+        ),
+        "average (divide)": timed(lambda: [b.div_(world) for b in buckets]),
+    }
+    numel = sum(g.numel() for g in grads)
+    print(f"one process, one thread, MLP ({numel} parameters), batch {batch}, load average {os.getloadavg()[0]:.2f}")
+    print("| piece | ms |")
+    print("|---|---|")
+    for key, value in {**compute, **codec}.items():
+        print(f"| {key} | {value:.1f} |")
+    print(f"| compute total | {sum(compute.values()):.1f} |")
+    print(f"| TernGrad codec total | {sum(codec.values()):.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategies", nargs="+", default=["ddp", "terngrad"])
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--alone", action="store_true", help="one process, no cluster: compute and codec pieces")
+    parser.add_argument("--world", type=int, default=4, help="with --alone: payloads decoded per parameter")
     args = parser.parse_args()
+    if args.alone:
+        alone(args.batch, args.world)
+        return
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
