@@ -213,17 +213,14 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
     inputs = _prepare(state, grads, names)
     shared = _shared_statistics(state, bucket.index(), inputs, names)
 
-    chunks = pipeline_chunks([x.numel() * x.element_size() for x in inputs], state.pipeline_bytes)
-    packets: list[Optional[Packet]] = [None] * len(inputs)
     decoders = []
     futures: list[torch.futures.Future] = []
-    for chunk in chunks:
+    for chunk in pipeline_chunks([x.numel() * x.element_size() for x in inputs], state.pipeline_bytes):
         # compress one chunk, then launch its collectives before compressing the next: the next chunk's
         # compression overlaps this chunk's transfer
-        for i in chunk:
-            packets[i] = _compress_one(state, inputs[i], names[i], shared[i])
+        packets = [_compress_one(state, inputs[i], names[i], shared[i]) for i in chunk]
         key = (bucket.index(), len(decoders))
-        chunk_futures, decoder = _launch(state, key, chunk, [packets[i] for i in chunk], names, grads)  # type: ignore[misc]
+        chunk_futures, decoder = _launch(state, key, chunk, packets, names, grads)
         futures.extend(chunk_futures)
         decoders.append(decoder)
     timer.launched()
