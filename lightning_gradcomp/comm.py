@@ -73,10 +73,6 @@ class Scratch:
             self._buffers[key] = buffer
         return buffer[:numel]
 
-    def clear(self) -> None:
-        """Release every buffer."""
-        self._buffers.clear()
-
 
 def completed(value: Tensor) -> Future:
     """An already completed future, for buckets that need no communication."""

@@ -36,14 +36,14 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Packet
 from lightning_gradcomp.compressors.sparse_fused import (
     BACKENDS,
     Backend,
     FusedAdaComp,
+    FusedSumCompressor,
     decode_sum,
     fused_enabled,
-    writes_into,
 )
 from lightning_gradcomp.sparse import (
     bin_word_bits,
@@ -73,7 +73,7 @@ def layer_kind(name: str, shape: torch.Size) -> LayerKind:
     return "fc"
 
 
-class AdaComp(Compressor):
+class AdaComp(FusedSumCompressor):
     """AdaComp: per-bin local selection with a soft threshold, sign x layer-scale values, residual feedback.
 
     Args:
@@ -269,19 +269,6 @@ class AdaComp(Compressor):
             idx, val = self._decode(packet.payload, packet.ctx["bin_size"])
             out[idx] = val
         return out.to(packet.dtype).view(packet.shape)
-
-    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
-        first = packets[0]
-        # float32 only: the torch backend adds decoded tensors in the gradient's dtype
-        if first.dtype != torch.float32 or not fused_enabled(self.backend, first.payload.device):
-            return super().decompress_sum(packets)
-        return self._fused_sum(packets, torch.empty(first.numel, dtype=torch.float32, device=first.payload.device))
-
-    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        if not writes_into(packets, out, self.backend):
-            return super().decompress_sum_into(packets, out)
-        self._fused_sum(packets, out)
-        return out
 
     def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
         """The sum of the packets written into ``out`` (contiguous float32) by the kernels."""

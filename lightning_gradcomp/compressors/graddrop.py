@@ -28,14 +28,14 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Packet
 from lightning_gradcomp.compressors.sparse_fused import (
     BACKENDS,
     Backend,
     FusedGradientDropping,
+    FusedSumCompressor,
     decode_sum,
     fused_enabled,
-    writes_into,
 )
 from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.sparse import (
@@ -95,7 +95,7 @@ def select_weighted_threshold(samples: list[Tensor], weights: list[float], ratio
     return values[order][pos].reshape(())
 
 
-class GradientDropping(Compressor):
+class GradientDropping(FusedSumCompressor):
     """Gradient Dropping: the R% smallest |x| stay in the residual, the rest travel as a sparse vector.
 
     Args:
@@ -391,19 +391,8 @@ class GradientDropping(Compressor):
             out[idx] = val
         return out.to(packet.dtype).view(packet.shape)
 
-    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
-        first = packets[0]
-        # float32 only: the torch backend adds decoded tensors in the gradient's dtype
-        if first.dtype != torch.float32 or not fused_enabled(self.backend, first.payload.device):
-            return super().decompress_sum(packets)
-        return decode_sum(packets, self._decode)
-
-    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        if not writes_into(packets, out, self.backend):
-            return super().decompress_sum_into(packets, out)
-        decode_sum(packets, self._decode, out=out)
-        return out
-
+    def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        return decode_sum(packets, self._decode, out=out)
 
 def _mean(values: Tensor) -> Tensor:
     """Mean of a possibly empty tensor (0 when empty), as a 0-d tensor."""

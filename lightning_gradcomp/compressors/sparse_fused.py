@@ -30,6 +30,7 @@ What is exactly the same as the torch backend, and what is not:
 """
 
 import math
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
@@ -37,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.base import Packet
+from lightning_gradcomp.compressors.base import Compressor, Packet
 from lightning_gradcomp.kernels.rng import stream_id, stream_key
 
 if TYPE_CHECKING:
@@ -77,9 +78,9 @@ def decode_sum(
     return kernels.sparse_decode_sum(first.numel, indices, values, out=out.view(-1)).view(first.shape)
 
 
-def writes_into(packets: Sequence[Packet], out: Tensor, backend: str) -> bool:
-    """Whether ``decompress_sum_into`` can decode straight into ``out``: the fused backend on float32 gradients
-    and a contiguous float32 destination (the kernels write flat float32)."""
+def _writes_into(packets: Sequence[Packet], out: Tensor, backend: str) -> bool:
+    """Whether the kernels can decode straight into ``out``: the fused backend on float32 gradients and a
+    contiguous float32 destination (the kernels write flat float32)."""
     return (
         packets[0].dtype == torch.float32
         and out.dtype == torch.float32
@@ -87,6 +88,32 @@ def writes_into(packets: Sequence[Packet], out: Tensor, backend: str) -> bool:
         and out.numel() == packets[0].numel
         and fused_enabled(backend, packets[0].payload.device)
     )
+
+
+class FusedSumCompressor(Compressor):
+    """A sparse compressor whose ranks' sum the kernels decode (Gradient Dropping, AdaComp).
+
+    Subclasses set ``backend`` and implement :meth:`_fused_sum`; the torch backend, and gradients that are not
+    float32 (the torch backend adds decoded tensors in the gradient's dtype), keep the base class's sums.
+    """
+
+    backend: str
+
+    @abstractmethod
+    def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        """The sum of ``packets`` written into ``out`` (contiguous float32, overwritten) by the kernels."""
+
+    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
+        first = packets[0]
+        if first.dtype != torch.float32 or not fused_enabled(self.backend, first.payload.device):
+            return super().decompress_sum(packets)
+        return self._fused_sum(packets, torch.empty(first.numel, dtype=torch.float32, device=first.payload.device))
+
+    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        if not _writes_into(packets, out, self.backend):
+            return super().decompress_sum_into(packets, out)
+        self._fused_sum(packets, out)
+        return out
 
 
 class FusedGradientDropping:
@@ -185,6 +212,6 @@ class FusedAdaComp:
 
 __all__ = [
     "BACKENDS", "Backend", "FusedAdaComp", "FusedGradientDropping", "decode_sum", "fused_enabled", "kth_threshold",
-    "writes_into",
+    "FusedSumCompressor",
 ]
 
