@@ -3,8 +3,8 @@
 Runs inside an emulated cluster (one process per rank, launched by ``lightning_gradcomp.emulate``), trains the
 3x4096 MLP of ``step_time.py`` with stock DDP and with the gradcomp hook for each strategy, with a barrier before
 every step so the ranks start together, and prints per rank the medians over the timed steps: wall time of
-forward, backward and optimizer step, the process's CPU seconds per step (all its threads), and the hook's time
-split (``lightning_gradcomp.stats.HookStats``: compress, collective_wait, decompress; summed over buckets).
+forward, backward and optimizer step, the process's CPU seconds per step (all its threads; ``sys`` is the part spent
+in the kernel: system calls, page faults, TCP), and the hook's time split (``lightning_gradcomp.stats.HookStats``: compress, collective_wait, decompress; summed over buckets).
 
     python -m lightning_gradcomp.emulate --nproc 4 --bandwidth 1gbit -- \\
         python benchmarks/hook_breakdown.py --batch 8 --strategies ddp terngrad terngrad:ignore
@@ -13,7 +13,7 @@ split (``lightning_gradcomp.stats.HookStats``: compress, collective_wait, decomp
 
 ``--alone`` runs no cluster: one process, one thread, and prints the same model's compute pieces (zero_grad,
 forward, backward, update) and TernGrad's per-step codec pieces over every parameter (the guard's sum,
-TernGrad's statistics, compress, decoding N payloads into the bucket, the averaging division)::
+TernGrad's statistics, compress, decoding and averaging N payloads into the bucket)::
 
     python benchmarks/hook_breakdown.py --alone --batch 8 --world 4
 """
@@ -55,10 +55,10 @@ def run(strategy: str, batch: int, steps: int, warmup: int) -> dict[str, object]
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(100 + rank)
     x, y = torch.randn(batch, 1, 28, 28, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
-    times: dict[str, list[float]] = {"forward": [], "backward": [], "update": [], "step": [], "cpu": []}
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "update": [], "step": [], "cpu": [], "sys": []}
     for i in range(warmup + steps):
         dist.barrier()
-        c0, t0 = time.process_time(), time.perf_counter()
+        c0, s0, t0 = time.process_time(), os.times().system, time.perf_counter()
         opt.zero_grad(set_to_none=False)
         loss = nn.functional.cross_entropy(ddp(x), y)
         t1 = time.perf_counter()
@@ -69,7 +69,8 @@ def run(strategy: str, batch: int, steps: int, warmup: int) -> dict[str, object]
         if i == warmup - 1 and state is not None and state.stats is not None:
             state.stats.take_times()  # forget the warm-up steps
         if i >= warmup:
-            for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, time.process_time() - c0)):
+            cpu, system = time.process_time() - c0, os.times().system - s0
+            for key, value in zip(times, (t1 - t0, t2 - t1, t3 - t2, t3 - t0, cpu, system)):
                 times[key].append(value)
     out: dict[str, object] = {k: round(statistics.median(v) * 1e3) for k, v in times.items()}
     if state is not None and state.stats is not None:
@@ -86,9 +87,11 @@ def alone(batch: int, world: int, repeats: int = 7) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
 
-    def timed(fn: object) -> float:
+    def timed(fn: object, setup: object = None) -> float:
         times = []
         for _ in range(repeats):
+            if setup is not None:
+                setup()  # type: ignore[operator]
             start = time.perf_counter()
             fn()  # type: ignore[operator]
             times.append(time.perf_counter() - start)
@@ -116,11 +119,15 @@ def alone(batch: int, world: int, repeats: int = 7) -> None:
     codec = {
         "guard sum": timed(lambda: [g.sum() for g in grads]),
         "statistics": timed(lambda: [compressor.local_statistic(g, str(i)) for i, g in enumerate(grads)]),
-        "compress": timed(lambda: [compressor.compress(g, str(i), s) for i, (g, s) in enumerate(zip(grads, stats))]),
-        f"decode {world} payloads into the bucket": timed(
-            lambda: [compressor.decompress_sum_into([p] * world, b) for p, b in zip(packets, buckets)]
+        # after this step's statistics, as in the hook (the fused path reuses them instead of another pass)
+        "compress": timed(
+            lambda: [compressor.compress(g, str(i), s) for i, (g, s) in enumerate(zip(grads, stats))],
+            setup=lambda: [compressor.local_statistic(g, str(i)) for i, g in enumerate(grads)],
         ),
-        "average (divide)": timed(lambda: [b.div_(world) for b in buckets]),
+        # what the hook runs: decode the ranks' payloads and average them into the bucket (one pass where fused)
+        f"decode and average {world} payloads into the bucket": timed(
+            lambda: [compressor.decompress_mean_into([p] * world, b) for p, b in zip(packets, buckets)]
+        ),
     }
     numel = sum(g.numel() for g in grads)
     print(f"one process, one thread, MLP ({numel} parameters), batch {batch}, load average {os.getloadavg()[0]:.2f}")

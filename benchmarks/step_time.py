@@ -19,7 +19,8 @@ Models: ``mlp`` (communication-bound: the 3x4096 MLP of Aji & Heafield on 784 in
 ``lenet`` (compute-bound: TernGrad's Caffe LeNet with SAME padding, 1.2M parameters).
 
 Options that apply to every strategy alike: ``--batch`` (per-rank batch), ``--gradient-as-bucket-view`` (DDP's
-option), ``--thp`` (``THP_MEM_ALLOC_ENABLE=1`` in every rank); ``--pipeline-mb`` sets the gradcomp hook's
+option), ``--thp`` (``THP_MEM_ALLOC_ENABLE=1`` in every rank), ``--malloc-reuse`` (glibc keeps freed memory for
+reuse instead of returning every allocation over 32 MB to the kernel, see ``MALLOC_REUSE_ENV``); ``--pipeline-mb`` sets the gradcomp hook's
 pipelined group size (``GradCompStrategy``'s default, 8 MiB).
 
 Run as root (namespaces)::
@@ -83,6 +84,14 @@ def bf16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch
         return buffer
 
     return fut.then(decode)
+
+
+#: glibc malloc serves every allocation above its mmap threshold (at most 32 MB) with a fresh mmap and unmaps it on
+#: free, so each step's new 64 MB weight gradients of the MLP are page-faulted and zeroed by the kernel again (about
+#: 45 ms of system time per step and rank, measured); these raise both thresholds so freed memory is reused
+#: (glibc's documented tunables; PyTorch's CPU tuning guide suggests a caching allocator such as jemalloc for the
+#: same reason)
+MALLOC_REUSE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 
 
 # -- the rank body ------------------------------------------------------------------------------------------
@@ -279,6 +288,8 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
                 env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
                 if args.thp:
                     env["THP_MEM_ALLOC_ENABLE"] = "1"
+                if args.malloc_reuse:
+                    env.update(MALLOC_REUSE_ENV)
                 run_on_cluster(cluster, cmd, timeout=args.timeout, env=env, out=sys.stdout if args.verbose else open(os.devnull, "w"))
                 data = json.loads(Path(out).read_text())
             report["runs"].append({"nproc": nproc, "link": link, **data})
@@ -335,6 +346,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         "--thp",
         action="store_true",
         help="THP_MEM_ALLOC_ENABLE=1 in every rank (torch backs large CPU tensors with transparent huge pages)",
+    )
+    p.add_argument(
+        "--malloc-reuse",
+        action="store_true",
+        help="every rank reuses freed memory instead of a fresh mmap per large tensor (glibc thresholds, see MALLOC_REUSE_ENV)",
     )
     p.add_argument("--batch", type=int, default=0, help="per-rank batch size (0: mlp 32, lenet 64)")
     p.add_argument(

@@ -11,7 +11,7 @@ For each bucket DDP hands us (in the order buckets become ready, identical on ev
 4. one collective per channel and group, in a fixed order: an all-reduce per payload dtype for summable
    packets, and one all-gather of the byte-concatenated packets that must be gathered;
 5. when all of them complete: decode, average, and write into the bucket's buffer in place (compressors
-   that can decode straight into the bucket view do, see ``Compressor.decompress_sum_into``).
+   that can decode straight into the bucket view do, see ``Compressor.decompress_mean_into``).
 
 Collectives are only launched here, never from ``.then`` callbacks (see :mod:`lightning_gradcomp.comm`).
 """
@@ -370,8 +370,8 @@ def _launch(
                     raw = gathered[r, starts[r] : starts[r] + sizes[r][j]]
                     per_rank.append(packet.with_payload(_from_bytes(raw, packet.payload.dtype)))
                     starts[r] += sizes[r][j]
-                # decoded straight into DDP's bucket view: no full-size temporary
-                compressor.decompress_sum_into(per_rank, grads[i]).div_(world)
+                # decoded and averaged straight into DDP's bucket view: no full-size temporary
+                compressor.decompress_mean_into(per_rank, grads[i])
                 if state.per_rank is not None:
                     state.per_rank[names[i]] = [compressor.decompress(q) for q in per_rank]
                 if state.stats is not None:

@@ -155,6 +155,15 @@ class Compressor(ABC):
         """
         return out.copy_(self.decompress_sum(packets))
 
+    def decompress_mean_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        """The ranks' mean: :meth:`decompress_sum_into` divided by ``len(packets)``, in ``out``; returns ``out``.
+
+        The hook averages gathered packets with this. The result must equal ``decompress_sum_into(packets,
+        out).div_(len(packets))`` bit for bit (what the default does), so a compressor may fold the division
+        into its decoder's pass over ``out`` but never change the rounding.
+        """
+        return self.decompress_sum_into(packets, out).div_(len(packets))
+
     def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
         """What this rank effectively contributed for ``tensor`` (its own packet decoded).
 

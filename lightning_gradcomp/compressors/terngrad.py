@@ -282,6 +282,12 @@ class TernGrad(Compressor):
             return self._fused.decompress_sum_into(packets, out)
         return super().decompress_sum_into(packets, out)
 
+    def decompress_mean_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        # the fused decoder divides in the pass that writes `out`: one sweep over the bucket instead of two
+        if "scale" in packets[0].ctx and all(self._fused.decodes(p) for p in packets):
+            return self._fused.decompress_sum_into(packets, out, divisor=len(packets))
+        return super().decompress_mean_into(packets, out)
+
     def clipped(self, tensor: Tensor) -> Tensor:
         """``tensor`` after this rank's own c*sigma clipping, as float32 (for monitoring; draws no randomness).
 

@@ -133,10 +133,14 @@ class FusedTernGrad:
         out = kernels.decode_sum([p.payload for p in packets], first.numel, first.ctx["scale"], self._bucket(first.numel))
         return out.to(first.dtype).view(first.shape)
 
-    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor, divisor: int = 1) -> Tensor:
         first = packets[0]
         if out.dtype != torch.float32 or not out.is_contiguous():  # the kernel writes flat float32 only
-            return out.copy_(self.decompress_sum(packets))
+            total = self.decompress_sum(packets)
+            return out.copy_(total.div_(divisor) if divisor != 1 else total)
         flat = out.view(-1)
-        kernels.decode_sum([p.payload for p in packets], first.numel, first.ctx["scale"], self._bucket(first.numel), out=flat)
+        kernels.decode_sum(
+            [p.payload for p in packets], first.numel, first.ctx["scale"], self._bucket(first.numel), out=flat,
+            divisor=divisor,
+        )
         return out

@@ -162,17 +162,24 @@ def decode(packed: Tensor, numel: int, scale: Tensor, bucket: int, out: Optional
 
 
 def decode_sum(
-    packed: Sequence[Tensor], numel: int, scale: Tensor, bucket: int, out: Optional[Tensor] = None
+    packed: Sequence[Tensor], numel: int, scale: Tensor, bucket: int, out: Optional[Tensor] = None, divisor: int = 1
 ) -> Tensor:
-    """float32 sum of several 2-bit payloads sharing one scaler: integer sum, scaled once (exact)."""
+    """float32 sum of several 2-bit payloads sharing one scaler: integer sum, scaled once (exact).
+
+    ``divisor`` > 1 divides the scaled sum by it in float32 in the same pass (the mean over ranks): the result
+    equals ``decode_sum(...).div_(divisor)`` bit for bit.
+    """
+    if isinstance(divisor, bool) or not isinstance(divisor, int) or divisor < 1:
+        raise ValueError(f"Expected `divisor` to be an integer >= 1 (the number of ranks averaged), but got {divisor!r}.")
     device = packed[0].device
     s = scale.reshape(-1).to(device, torch.float32).contiguous()
     _check_out(out, numel, device)
     ext = _ext(*packed)
     if ext is not None:
         payloads = [p.contiguous() for p in packed]
-        return ext.terngrad_decode_sum(payloads, numel, s, bucket, _no_out(device) if out is None else out)
+        return ext.terngrad_decode_sum(payloads, numel, s, bucket, _no_out(device) if out is None else out, divisor)
     total = unpack_ternary(packed[0], numel, "2bit").to(torch.int32)
     for p in packed[1:]:
         total = total + unpack_ternary(p, numel, "2bit")
-    return torch.mul(total.float(), _per_element(s, bucket, numel), out=out)
+    result = torch.mul(total.float(), _per_element(s, bucket, numel), out=out)
+    return result.div_(divisor) if divisor != 1 else result

@@ -80,6 +80,41 @@ def test_decode_and_decode_sum_are_bit_identical_to_the_reference(compiled: bool
         kernels.decode(payloads[0], n, scale, b, out=torch.empty(n + 1))
 
 
+# payload counts on every summing path of the kernel (nibbles up to 7, bytes up to 127, int32 beyond), and
+# divisors that are and are not powers of two (multiplied by the reciprocal vs divided)
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6, 7, 8, 9, 127, 128])
+@pytest.mark.parametrize(("n", "bucket"), [(1, None), (4099, None), (70001, 777), (65539, 16384)])
+def test_decode_sum_with_divisor_equals_sum_then_float_division(
+    compiled: bool, count: int, n: int, bucket: "int | None"
+) -> None:
+    b = bucket or n
+    gen = torch.Generator().manual_seed(count * 1000 + n)
+    scale = torch.rand(-(-n // b), generator=gen) + 0.1
+    per_elem = scale.repeat_interleave(b)[:n]
+    ternaries = [torch.randint(-1, 2, (n,), dtype=torch.int8, generator=gen) for _ in range(count)]
+    ternaries[0][:64] = 1  # the largest sums: every payload +1 (a code of 2) on the same elements
+    for t in ternaries[1:]:
+        t[:64] = 1
+    payloads = [pack_ternary(t, "2bit") for t in ternaries]
+    total = torch.stack([t.to(torch.int32) for t in ternaries]).sum(0)
+    expected_sum = total.float() * per_elem
+    assert torch.equal(kernels.decode_sum(payloads, n, scale, b), expected_sum)
+    for divisor in sorted({1, 3, 4, count}):
+        expected = expected_sum.clone().div_(divisor)
+        out = torch.full((n,), float("nan"))
+        assert kernels.decode_sum(payloads, n, scale, b, out=out, divisor=divisor) is out
+        assert torch.equal(out, expected), (count, divisor)
+        with kernels.torch_ops():
+            assert torch.equal(kernels.decode_sum(payloads, n, scale, b, divisor=divisor), expected)
+
+
+def test_decode_sum_rejects_a_bad_divisor() -> None:
+    payload = pack_ternary(torch.ones(4, dtype=torch.int8), "2bit")
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="divisor"):
+            kernels.decode_sum([payload], 4, torch.ones(1), 4, divisor=bad)  # type: ignore[arg-type]
+
+
 def test_statistics_match_torch_std_and_max_including_a_partial_tail(compiled: bool) -> None:
     g = torch.randn(10_007) * 3 + 0.5
     for bucket in (g.numel(), 1000, 4096):

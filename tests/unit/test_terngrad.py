@@ -143,6 +143,25 @@ def test_shared_scaler_is_used_and_decode_sum_is_exact() -> None:
     assert not torch.equal(a.ternarize(half, torch.full((1,), 2.0))[0], b.ternarize(half, torch.full((1,), 2.0))[0])
 
 
+@pytest.mark.parametrize("backend", ["fused", "torch"])
+@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("packing", ["2bit", "base3"])
+def test_mean_into_equals_sum_into_then_division(backend: str, world: int, packing: str) -> None:
+    """The hook's averaging (decode and divide in one pass where fused) rounds exactly like dividing afterwards."""
+    comps = [TernGrad(seed=1, backend=backend, packing=packing) for _ in range(world)]  # type: ignore[arg-type]
+    grads = [torch.randn(3001) * (r + 1) for r in range(world)]
+    for r, comp in enumerate(comps):
+        comp.setup(r, world, torch.device("cpu"))
+    shared = torch.stack([c.local_statistic(g, "w") for c, g in zip(comps, grads)]).amax(0)  # type: ignore[misc]
+    packets = [c.compress(g, "w", shared) for c, g in zip(comps, grads)]
+    expected = comps[0].decompress_sum_into(packets, torch.empty(3001)).div_(world)
+    out = torch.full((3001,), float("nan"))
+    assert comps[0].decompress_mean_into(packets, out) is out
+    assert torch.equal(out, expected)
+    strided = torch.full((3001, 2), float("nan"))[:, 0]  # not contiguous: the fused kernel cannot write it
+    assert torch.equal(comps[0].decompress_mean_into(packets, strided), expected)
+
+
 def test_constant_and_one_element_tensors_still_learn() -> None:
     """sigma = 0 must not clip to zero: the expected decode equals the gradient."""
     for mode in ("paper", "code"):
