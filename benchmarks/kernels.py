@@ -162,6 +162,12 @@ def kernel_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Ca
             lambda: kernels.decode(fused_packet.payload, n, fused_packet.ctx["scale"], n, out=out),
         ),
         (
+            # what the hook runs for gathered payloads: decode, sum and average into DDP's bucket view
+            f"terngrad mean x{world} into out",
+            lambda: ref_tg.decompress_sum(ref_packets).div_(world),
+            lambda: fused_tg.decompress_mean_into(fused_packets, out),
+        ),
+        (
             f"sparse decode_sum x{world} out",
             as_torch(lambda: kernels.sparse_decode_sum(n, [i for i, _ in sel], [v for _, v in sel], out=out)),
             lambda: kernels.sparse_decode_sum(n, [i for i, _ in sel], [v for _, v in sel], out=out),
