@@ -105,11 +105,13 @@ def alone(batch: int, world: int, repeats: int = 7) -> None:
         "update": opt.step,
     }
     compute = {k: 0.0 for k in pieces}
+    system = {k: 0.0 for k in pieces}  # kernel-mode CPU (page faults of fresh tensors), mean per step
     for _ in range(repeats):
         for key, fn in pieces.items():
-            start = time.perf_counter()
+            start, sys_start = time.perf_counter(), os.times().system
             fn()
             compute[key] += (time.perf_counter() - start) * 1e3 / repeats
+            system[key] += (os.times().system - sys_start) * 1e3 / repeats
     compressor = registry.make_compressor("terngrad")
     compressor.setup(0, world, torch.device("cpu"))
     grads = [p.grad.reshape(-1) for p in model.parameters()]  # type: ignore[union-attr]
@@ -131,12 +133,12 @@ def alone(batch: int, world: int, repeats: int = 7) -> None:
     }
     numel = sum(g.numel() for g in grads)
     print(f"one process, one thread, MLP ({numel} parameters), batch {batch}, load average {os.getloadavg()[0]:.2f}")
-    print("| piece | ms |")
-    print("|---|---|")
+    print("| piece | ms | of which system (page faults etc.; 10 ms clock ticks, mean) |")
+    print("|---|---|---|")
     for key, value in {**compute, **codec}.items():
-        print(f"| {key} | {value:.1f} |")
-    print(f"| compute total | {sum(compute.values()):.1f} |")
-    print(f"| TernGrad codec total | {sum(codec.values()):.1f} |")
+        print(f"| {key} | {value:.1f} | {f'{system[key]:.0f}' if key in system else '-'} |")
+    print(f"| compute total | {sum(compute.values()):.1f} | {sum(system.values()):.0f} |")
+    print(f"| TernGrad codec total | {sum(codec.values()):.1f} | - |")
 
 
 def main() -> None:

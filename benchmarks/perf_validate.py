@@ -36,13 +36,16 @@ def main() -> None:
     torch.set_num_threads(1)  # each emulated rank runs with OMP_NUM_THREADS=1
     cores = os.cpu_count() or 1
     width = args.mlp_width
-    compute: dict[str, float] = {}
-    shapes: dict[str, list] = {}
-    for name in ("mlp", "lenet"):
-        model = build_model(name, width)
-        compute[name] = profile_compute(model, BATCH[name], input_shape(name), steps=3, warmup=1)
-        shapes[name] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-        print(f"profiled {name}: {compute[name] * 1e3:.1f} ms forward+backward+update (batch {BATCH[name]}, 1 thread)")
+    shapes = {name: [(n, tuple(p.shape)) for n, p in build_model(name, width).named_parameters()] for name in ("mlp", "lenet")}
+    profiled: dict[tuple[str, int], float] = {}
+
+    def compute(name: str, batch: int) -> float:
+        """One worker's forward + backward + update, profiled alone once per (model, per-rank batch)."""
+        if (name, batch) not in profiled:
+            profiled[name, batch] = profile_compute(build_model(name, width), batch, input_shape(name), steps=3, warmup=1)
+            print(f"profiled {name}: {profiled[name, batch] * 1e3:.1f} ms forward+backward+update (batch {batch}, 1 thread)")
+        return profiled[name, batch]
+
     codecs: dict[tuple[str, int], object] = {}
     rows = []
     for run in report["runs"]:
@@ -57,6 +60,7 @@ def main() -> None:
         in_situ_codec = {r["model"]: r["codec_s"] for r in run["results"] if "codec_s" in r}
         for r in run["results"]:
             model, strategy = r["model"], r["strategy"]
+            batch = r.get("batch", BATCH[model])  # older step_time.py JSON ran the default batch only
             numel = r["params"]
             if numel != sum(math.prod(s) for _, s in shapes[model]):
                 raise SystemExit(f"{model} has {numel} parameters in {args.measured}: pass the --mlp-width it ran with")
@@ -74,16 +78,16 @@ def main() -> None:
             else:
                 continue
             # profiled alone on one machine, scaled by the ranks' share of the cores
-            p = predict(compute[model], codec, n, network, BATCH[model], buckets, cpu_share=share)
+            p = predict(compute(model, batch), codec, n, network, batch, buckets, cpu_share=share)
             row = {"nproc": n, "link": run["link"], "model": model, "strategy": strategy, "measured_s": r["median_s"],
                    "profiled_s": p.step_s, "profiled_error": (p.step_s - r["median_s"]) / r["median_s"]}
             if model in in_situ:
                 # compute (and codec) timed on the cluster itself, under the same load: isolates the comm model
                 if codec.encode_s + codec.decode_s > 0 and model in in_situ_codec:
                     codec = type(codec)(codec.nbytes, codec.aggregation, in_situ_codec[model], 0.0, codec.rounds)
-                    q = predict(in_situ[model], codec, n, network, BATCH[model], buckets)
+                    q = predict(in_situ[model], codec, n, network, batch, buckets)
                 else:
-                    q = predict(in_situ[model], codec, n, network, BATCH[model], buckets)
+                    q = predict(in_situ[model], codec, n, network, batch, buckets)
                 p = q
             row.update(predicted_s=p.step_s, error=(p.step_s - r["median_s"]) / r["median_s"],
                        compute_s=p.compute_s, codec_s=p.codec_s, comm_s=p.comm_s)

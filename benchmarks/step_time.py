@@ -112,7 +112,11 @@ def _probe_link(dist: Any, torch: Any, world: int) -> dict[str, float]:
         times.append(time.perf_counter() - t)
     seconds = statistics.median(times) - 2 * (world - 1) * latency
     bandwidth = 2 * (world - 1) / world * 8 * big.numel() * 4 / max(seconds, 1e-9)
-    return {"latency_s": latency, "bandwidth_bit_s": bandwidth}
+    # one link for every rank (the slowest bandwidth, the largest latency seen): the planner must be given the
+    # same link everywhere, and the table one number
+    agreed = torch.tensor([latency, -bandwidth], dtype=torch.float64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return {"latency_s": agreed[0].item(), "bandwidth_bit_s": -agreed[1].item()}
 
 
 def _run_one(model_name: str, strategy: str, args: argparse.Namespace, link: dict[str, float]) -> dict[str, Any]:
@@ -170,6 +174,7 @@ def _run_one(model_name: str, strategy: str, args: argparse.Namespace, link: dic
         "model": model_name,
         "strategy": strategy,
         "params": numel,
+        "batch": batch,
         "step_s": step.tolist(),
         "median_s": statistics.median(step.tolist()),
         "bytes_per_step": 4 * numel if state is None else state.bytes_per_step(),

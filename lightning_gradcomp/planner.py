@@ -11,8 +11,9 @@ the other ranks (one small max all-reduce, issued from the hook body like every 
 * ``allreduce_<dtype>``: all-reduce of summable payloads (TernGrad's int8 sums with a shared scaler, ...).
 
 The choice is cached per bucket, logged once at INFO and counted in ``GradCompState.collectives`` as
-``plan_<choice>`` on every call. Every rank sees the same agreed numbers, so every rank makes the same choice
-(replicas never diverge, collectives always match).
+``plan_<choice>`` on every call. Every rank sees the same agreed numbers, so ranks given the same link make the
+same choice; the choices are then agreed too (a second small all-reduce: a vote, where a split vote takes plain
+fp32), so even ranks given different links never diverge and their collectives always match.
 """
 
 import copy
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
-from lightning_gradcomp.costmodel import ALLREDUCE_FP32, Candidate, CompressionCost, Link, Network, choose
+from lightning_gradcomp.costmodel import ALLREDUCE_FP32, Candidate, CollectivePlan, CompressionCost, Link, Network, choose
 
 if TYPE_CHECKING:
     from lightning_gradcomp.hook import GradCompState
@@ -166,6 +167,8 @@ class CollectivePlanner:
         for k, (label, collective, _, _, _, rounds) in enumerate(probes):
             candidates.append(Candidate(label, collective, values[2 * k], values[2 * k + 1], rounds))
         plan = choose(candidates, state.world_size, self.network)
+        if state.world_size > 1:
+            plan = self._agree(state, plan, [c.name for c in candidates])
         override = None
         if plan.choice != ALLREDUCE_FP32 and variants != [None]:
             override = variants[[p[0] for p in probes].index(plan.choice)]
@@ -178,6 +181,28 @@ class CollectivePlanner:
             plan.describe(),
         )
         return BucketPlan(plan.choice, override, plan.seconds)
+
+    def _agree(self, state: "GradCompState", plan: CollectivePlan, names: list[str]) -> CollectivePlan:
+        """Every rank's choice, made the same: the ranks vote, and a split vote takes the first candidate.
+
+        The agreed numbers make the choice identical when every rank is given the same link; a rank given
+        another link (a per-rank measured bandwidth, a per-node config) would otherwise pick another collective
+        and the ranks' collectives would stop matching. Candidates are listed in the same order on every rank,
+        plain fp32 first, so a split vote falls back to the choice that compresses nothing.
+        """
+        vote = torch.zeros(len(names), dtype=torch.float64)
+        vote[names.index(plan.choice)] = 1.0
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=state.process_group)
+        state.collectives["allreduce_max"] += 1
+        chosen = [name for name, v in zip(names, vote.tolist()) if v > 0]
+        if len(chosen) == 1:
+            return plan
+        log.warning(
+            "gradcomp: ranks chose different collectives for a bucket (%s; this rank: %s on %s): they were given "
+            "different links. Using %s on every rank. Fix: pass the same `link` to GradCompStrategy on every rank.",
+            ", ".join(chosen), plan.choice, self.network, chosen[0],
+        )
+        return CollectivePlan(chosen[0], plan.seconds)
 
     def describe(self) -> dict[str, Any]:
         """Settings, for logs and the run config."""

@@ -52,6 +52,12 @@ def planner_checks(rank: int, world_size: int) -> dict[str, Any]:
             "fast": _train(rank, world_size, "terngrad", CollectivePlanner("100gbit@1us", CompressionCost(1e-3, 0.0))),
             # decoding N packets is dear: the int8 all-reduce (one decode) wins
             "int8": _train(rank, world_size, "terngrad", CollectivePlanner("1mbit@100us", CompressionCost(0.0, 1e-5))),
+            # ranks given different links: rank 0's slow link alone would compress, rank 1's fast one would not
+            "split": _train(
+                rank, world_size, "terngrad",
+                CollectivePlanner("1mbit@100us" if rank == 0 else "100gbit@1us", CompressionCost(1e-7, 1e-7)),
+            ),
+            "split_rank0_alone": _train(rank, world_size, "terngrad", CollectivePlanner("1mbit@100us", CompressionCost(1e-7, 1e-7))),
         }
     finally:
         dist.destroy_process_group()

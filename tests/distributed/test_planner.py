@@ -12,7 +12,7 @@ pytestmark = pytest.mark.distributed
 
 def test_planner_choices_and_parity() -> None:
     results = run_ranks(planner_checks, 2)
-    for case in ("slow", "fast", "int8", "terngrad"):
+    for case in ("slow", "fast", "int8", "terngrad", "split"):
         for step, (a, b) in enumerate(zip(results[0][case]["params"], results[1][case]["params"])):
             assert torch.equal(a, b), f"{case}: rank 1 diverged at step {step}"
     r = results[0]
@@ -27,6 +27,11 @@ def test_planner_choices_and_parity() -> None:
     # int8 sums of the same ternaries: exact, so again the same updates as the all-gather
     assert r["int8"]["plans"] == ["allreduce_int8"] and r["int8"]["collectives"]["allreduce_int8"] > 0
     for a, b in zip(r["int8"]["params"], r["terngrad"]["params"]):
+        assert torch.equal(a, b)
+    # ranks given different links vote; the split vote falls back to plain fp32 on both (no collective mismatch)
+    assert r["split_rank0_alone"]["plans"] != ["allreduce_fp32"]  # so rank 0's own choice really differed
+    assert results[0]["split"]["plans"] == results[1]["split"]["plans"] == ["allreduce_fp32"]
+    for a, b in zip(r["split"]["params"], r["fp32"]["params"]):
         assert torch.equal(a, b)
 
 
