@@ -299,6 +299,8 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
                 data = json.loads(Path(out).read_text())
             report["runs"].append({"nproc": nproc, "link": link, **data})
             print_table(report["runs"][-1:], header=False)
+            if args.json:  # after every cluster: a later failure keeps what was measured
+                Path(args.json).write_text(json.dumps(report, indent=1))
     report["wall_s"] = time.time() - started
     report["loadavg_at_end"] = os.getloadavg()
     print()
