@@ -12,6 +12,10 @@ bucket buffer once and the ranks agree with one 4-byte all-reduce (MAX of ``rank
 * ``"raise"``: every rank raises :class:`NonFiniteGradientError` naming the parameter and the rank.
 * ``"ignore"``: no check (the compressor sees the NaN; use only when something upstream guarantees finiteness).
 
+Where nothing stateful runs before the compressors' shared statistics (no transforms, no residuals, no captured
+monitor statistics: :func:`can_share_collective`), the flag travels in the statistics' max all-reduce instead of
+one of its own, so a bucket costs one blocking round trip instead of two; the decision is the same.
+
 Steps are delimited by DDP itself: it launches buckets in index order, so bucket 0 starts a step.
 """
 
@@ -70,19 +74,45 @@ def _worst(state: "GradCompState", buffer: Tensor, rank: int, exact: bool) -> in
     return int(flag.item())
 
 
-def bucket_is_nonfinite(state: "GradCompState", buffer: Tensor, grads: Sequence[Tensor], names: Sequence[str]) -> bool:
+def _rank(state: "GradCompState") -> int:
+    return dist.get_rank(state.process_group) if state.world_size > 1 else 0
+
+
+def can_share_collective(state: "GradCompState", names: Sequence[str]) -> bool:
+    """Whether this bucket's flag may travel in the hook's statistics all-reduce instead of one of its own.
+
+    Only when nothing stateful runs between the check and that all-reduce: no layer transforms, no residuals
+    (the hook then observes a monitored bucket's inputs only once it is known to be finite). Depends only on
+    configuration and agreed state, never on rank-local state such as a monitor that lives on rank 0 only, so
+    every rank takes the same path and issues the same collectives.
+    """
+    if state.nonfinite == "ignore" or state.step_nonfinite or state.transforms:
+        return False
+    return not any(state.compressor_for(n).uses_memory for n in names)
+
+
+def local_flag(state: "GradCompState", buffer: Tensor) -> Tensor:
+    """This rank's cheap flag (``rank + 1`` if its sum is not finite, else 0), to be max-reduced with others."""
+    return _flag(buffer, _rank(state))
+
+
+def bucket_is_nonfinite(
+    state: "GradCompState", buffer: Tensor, grads: Sequence[Tensor], names: Sequence[str], worst: "int | None" = None
+) -> bool:
     """Whether this bucket must be skipped on every rank; raises in ``"raise"`` mode.
 
     Issues one all-reduce per bucket, and a second, exact one on every rank when some rank's cheap check
     fired (none once the step is already known to be skipped: that decision is the same on every rank, so
-    every rank leaves it out).
+    every rank leaves it out). ``worst``: the max over ranks of :func:`local_flag`, when it was already reduced
+    in another collective (:func:`can_share_collective`); then no first all-reduce is issued here.
     """
     if state.nonfinite == "ignore":
         return False
     if state.step_nonfinite:
         return True
-    rank = dist.get_rank(state.process_group) if state.world_size > 1 else 0
-    worst = _worst(state, buffer, rank, exact=False)
+    rank = _rank(state)
+    if worst is None:
+        worst = _worst(state, buffer, rank, exact=False)
     if worst != 0:
         # some rank's sum was not finite: every rank saw that, so all of them take the exact look together
         # (a float32 overflow of finite values must not skip a step)

@@ -29,7 +29,14 @@ from torch import Tensor
 from lightning_gradcomp import comm
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
 from lightning_gradcomp.compressors.identity import Identity
-from lightning_gradcomp.guard import NonFinite, begin_step, bucket_is_nonfinite, remember_residual
+from lightning_gradcomp.guard import (
+    NonFinite,
+    begin_step,
+    bucket_is_nonfinite,
+    can_share_collective,
+    local_flag,
+    remember_residual,
+)
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
@@ -124,8 +131,12 @@ class GradCompState:
         return sum(4 * r.numel for r in self.records.values())
 
 
-def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str]) -> list[Tensor]:
-    """Transforms and error feedback, per parameter; returns what each compressor will see."""
+def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str], observe: bool = True) -> list[Tensor]:
+    """Transforms and error feedback, per parameter; returns what each compressor will see.
+
+    ``observe=False`` leaves the monitor's input statistics to :func:`_observe_inputs`, for a bucket whose
+    non-finite check is decided later (a histogram of a NaN gradient fails).
+    """
     inputs = []
     for grad, name in zip(grads, names):
         x = grad
@@ -133,7 +144,7 @@ def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str]
         for transform in state.transforms:
             if transform.applies_to_float or not is_float:
                 x = transform.before_compress(x, name)
-        if state.stats is not None:
+        if state.stats is not None and observe:
             state.stats.observe_input(name, grad, x, state.compressor_for(name))
         if state.compressor_for(name).uses_memory:
             state.compressor_for(name).observe_gradient(x, name)
@@ -142,21 +153,34 @@ def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str]
     return inputs
 
 
+def _observe_inputs(state: GradCompState, grads: Sequence[Tensor], inputs: Sequence[Tensor], names: Sequence[str]) -> None:
+    """The monitor's input statistics, for a bucket prepared with ``observe=False`` (no transforms ran)."""
+    if state.stats is not None:
+        for grad, x, name in zip(grads, inputs, names):
+            state.stats.observe_input(name, grad, x, state.compressor_for(name))
+
+
 def _shared_statistics(
-    state: GradCompState, bucket_index: int, inputs: Sequence[Tensor], names: Sequence[str]
-) -> list[Optional[Tensor]]:
-    """Each compressor's local statistic, max-reduced over ranks in one small collective per bucket."""
+    state: GradCompState, bucket_index: int, inputs: Sequence[Tensor], names: Sequence[str], flag: Optional[Tensor] = None
+) -> tuple[list[Optional[Tensor]], Optional[int]]:
+    """Each compressor's local statistic, max-reduced over ranks in one small collective per bucket.
+
+    ``flag`` (the non-finite guard's, one float32) is reduced in the same collective, after the statistics;
+    returns the statistics and the reduced flag (``None`` without one).
+    """
     local = [state.compressor_for(n).local_statistic(x, n) for x, n in zip(inputs, names)]
     present = [s.reshape(-1).float() for s in local if s is not None]
-    if not present:
+    if not present and flag is None:
         state.shared_stat_bytes[bucket_index] = 0
-        return local
-    flat = torch.cat(present)
+        return local, None
+    flat = torch.cat(present + ([] if flag is None else [flag.reshape(1).float()]))
     if state.world_size > 1:
         with _waiting(state):
             comm.all_reduce_max_(flat, state.process_group)
         state.collectives["allreduce_max"] += 1
-    state.shared_stat_bytes[bucket_index] = flat.numel() * flat.element_size()
+    worst = None if flag is None else int(flat[-1].item())
+    # the statistics' bytes (the guard's flag is not counted, as when it travels alone)
+    state.shared_stat_bytes[bucket_index] = (flat.numel() - (flag is not None)) * flat.element_size()
     shared: list[Optional[Tensor]] = []
     offset = 0
     for s in local:
@@ -165,7 +189,7 @@ def _shared_statistics(
         else:
             shared.append(flat[offset : offset + s.numel()].view_as(s))
             offset += s.numel()
-    return shared
+    return shared, worst
 
 
 def _waiting(state: GradCompState) -> contextlib.AbstractContextManager[None]:
@@ -205,13 +229,22 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
     # non-finite guard: decided identically on every rank before transforms and residuals see the gradient
     if bucket.index() == 0:
         begin_step(state)
-    if bucket_is_nonfinite(state, bucket.buffer(), grads, names):
+    multiround = isinstance(state.compressor, MultiRoundCompressor) and not state.dense
+    # with nothing stateful before the statistics, the guard's flag rides in their all-reduce: one blocking
+    # round trip per bucket instead of two (each one a point where every rank waits for the slowest)
+    shared_flag = not multiround and can_share_collective(state, names)
+    if not shared_flag and bucket_is_nonfinite(state, bucket.buffer(), grads, names):
         return comm.completed(bucket.buffer().fill_(float("nan")))
-    if isinstance(state.compressor, MultiRoundCompressor) and not state.dense:
+    if multiround:
         return _multiround_exchange(state, bucket, grads, names)
 
-    inputs = _prepare(state, grads, names)
-    shared = _shared_statistics(state, bucket.index(), inputs, names)
+    inputs = _prepare(state, grads, names, observe=not shared_flag)
+    flag = local_flag(state, bucket.buffer()) if shared_flag else None
+    shared, worst = _shared_statistics(state, bucket.index(), inputs, names, flag)
+    if shared_flag:
+        if bucket_is_nonfinite(state, bucket.buffer(), grads, names, worst=worst):
+            return comm.completed(bucket.buffer().fill_(float("nan")))
+        _observe_inputs(state, grads, inputs, names)
 
     decoders = []
     futures: list[torch.futures.Future] = []
