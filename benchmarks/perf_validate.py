@@ -107,7 +107,8 @@ def main() -> None:
             print(f"{label}: median |error| {statistics.median(errors) * 100:.0f}%, max {max(errors) * 100:.0f}% "
                   f"over {len(rows)} configurations")
     if args.json:
-        Path(args.json).write_text(json.dumps({"compute_s": compute, "rows": rows}, indent=1))
+        profiled_s = {f"{name}@batch{batch}": seconds for (name, batch), seconds in profiled.items()}
+        Path(args.json).write_text(json.dumps({"compute_s": profiled_s, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
