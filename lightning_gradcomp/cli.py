@@ -35,6 +35,21 @@ def main(args: Optional[list[str]] = None) -> None:
         args=args,
         save_config_kwargs={"overwrite": True},
     )
+    _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Destroy the process group the run created, while the interpreter is still whole.
+
+    Lightning keeps it after ``fit``; left to interpreter shutdown, a Gloo group's worker threads could be torn
+    down in the wrong order and abort the process ("terminate called without an active exception", exit status
+    -6) after a successful run.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank tears down while another still talks to it
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
