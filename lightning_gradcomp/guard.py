@@ -20,7 +20,7 @@ Steps are delimited by DDP itself: it launches buckets in index order, so bucket
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -97,7 +97,7 @@ def local_flag(state: "GradCompState", buffer: Tensor) -> Tensor:
 
 
 def bucket_is_nonfinite(
-    state: "GradCompState", buffer: Tensor, grads: Sequence[Tensor], names: Sequence[str], worst: "int | None" = None
+    state: "GradCompState", buffer: Tensor, grads: Sequence[Tensor], names: Sequence[str], worst: Optional[int] = None
 ) -> bool:
     """Whether this bucket must be skipped on every rank; raises in ``"raise"`` mode.
 

@@ -134,18 +134,21 @@ class GradCompState:
 def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str], observe: bool = True) -> list[Tensor]:
     """Transforms and error feedback, per parameter; returns what each compressor will see.
 
-    ``observe=False`` leaves the monitor's input statistics to :func:`_observe_inputs`, for a bucket whose
+    ``observe=False`` leaves the monitor's input statistics to a later :func:`_observe_inputs`, for a bucket whose
     non-finite check is decided later (a histogram of a NaN gradient fails).
     """
-    inputs = []
+    transformed = []
     for grad, name in zip(grads, names):
         x = grad
         is_float = name in state.float_names
         for transform in state.transforms:
             if transform.applies_to_float or not is_float:
                 x = transform.before_compress(x, name)
-        if state.stats is not None and observe:
-            state.stats.observe_input(name, grad, x, state.compressor_for(name))
+        transformed.append(x)
+    if observe:
+        _observe_inputs(state, grads, transformed, names)
+    inputs = []
+    for x, name in zip(transformed, names):
         if state.compressor_for(name).uses_memory:
             state.compressor_for(name).observe_gradient(x, name)
             x = state.memory.compensate(x, name)
@@ -154,7 +157,7 @@ def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str]
 
 
 def _observe_inputs(state: GradCompState, grads: Sequence[Tensor], inputs: Sequence[Tensor], names: Sequence[str]) -> None:
-    """The monitor's input statistics, for a bucket prepared with ``observe=False`` (no transforms ran)."""
+    """The monitor's input statistics: each gradient before and after the transforms (before error feedback)."""
     if state.stats is not None:
         for grad, x, name in zip(grads, inputs, names):
             state.stats.observe_input(name, grad, x, state.compressor_for(name))

@@ -277,14 +277,18 @@ class TernGrad(Compressor):
             total = total + self._values_and_scale(packet)[0]
         return self._scaled(total, packets[0].ctx["scale"], packets[0])
 
+    def _fused_sums(self, packets: Sequence[Packet]) -> bool:
+        """Whether the fused kernel sums ``packets`` (one shared scaler, packed payloads it decodes)."""
+        return "scale" in packets[0].ctx and all(self._fused.decodes(p) for p in packets)
+
     def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        if "scale" in packets[0].ctx and all(self._fused.decodes(p) for p in packets):
+        if self._fused_sums(packets):
             return self._fused.decompress_sum_into(packets, out)
         return super().decompress_sum_into(packets, out)
 
     def decompress_mean_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
         # the fused decoder divides in the pass that writes `out`: one sweep over the bucket instead of two
-        if "scale" in packets[0].ctx and all(self._fused.decodes(p) for p in packets):
+        if self._fused_sums(packets):
             return self._fused.decompress_sum_into(packets, out, divisor=len(packets))
         return super().decompress_mean_into(packets, out)
 

@@ -291,59 +291,35 @@ LGC_CLONES void scale_codes(const uint8_t* packed, int64_t len, int shift, float
   for (int64_t k = 0; k < len; ++k) out[k] = (float)((int)((packed[k] >> shift) & 3) - 1) * s;
 }
 
-// (count - offset) * s, then the mean's division: a power-of-two divisor is a multiplication by its exact
+// (sum - offset) * s, then the mean's division: a power-of-two divisor is a multiplication by its exact
 // reciprocal (the same correctly rounded result as dividing), anything else a true division, so the result
-// equals decoding and then dividing in float32 bit for bit
-template <bool kDivide>
-inline void scale_counts_impl(const int32_t* acc, int64_t len, int32_t offset, float s, float d, float* out) {
+// equals decoding and then dividing in float32 bit for bit. Sums come as bytes (up to 127 payloads) or int32.
+template <bool kDivide, typename Sum>
+inline void scale_sums_impl(const Sum* sums, int64_t len, int32_t offset, float s, float d, float* out) {
   for (int64_t k = 0; k < len; ++k) {
-    float v = (float)(acc[k] - offset) * s;
+    float v = (float)((int32_t)sums[k] - offset) * s;
     out[k] = kDivide ? v / d : v * d;
   }
 }
-LGC_CLONES void scale_counts_div(const int32_t* acc, int64_t len, int32_t offset, float s, float d, float* out) {
-  scale_counts_impl<true>(acc, len, offset, s, d, out);
+LGC_CLONES void scale_bytes_div(const uint8_t* sums, int64_t len, int32_t offset, float s, float d, float* out) {
+  scale_sums_impl<true>(sums, len, offset, s, d, out);
 }
-LGC_CLONES void scale_counts_mul(const int32_t* acc, int64_t len, int32_t offset, float s, float d, float* out) {
-  scale_counts_impl<false>(acc, len, offset, s, d, out);
+LGC_CLONES void scale_bytes_mul(const uint8_t* sums, int64_t len, int32_t offset, float s, float d, float* out) {
+  scale_sums_impl<false>(sums, len, offset, s, d, out);
+}
+LGC_CLONES void scale_counts_div(const int32_t* sums, int64_t len, int32_t offset, float s, float d, float* out) {
+  scale_sums_impl<true>(sums, len, offset, s, d, out);
+}
+LGC_CLONES void scale_counts_mul(const int32_t* sums, int64_t len, int32_t offset, float s, float d, float* out) {
+  scale_sums_impl<false>(sums, len, offset, s, d, out);
 }
 
-// Sums of up to 7 payloads (codes <= 2 each, so a sum fits a nibble) in two bytes per packed byte: `even` holds
-// quarters 0 (low nibble) and 2 (high), `odd` quarters 1 and 3. Four bit fields summed per byte operation.
-constexpr int kNibbleMaxPayloads = 7;
-// Explicit 64-byte vectors of 64-bit lanes (SWAR): masking after the shift keeps every field inside its byte, and
-// nibble sums never carry, so lane-wide adds equal per-byte adds. Left to the auto-vectoriser, the same loop
+// Up to 127 payloads: each quarter's sum of codes (<= 2 * 127) in a byte of its own, fields[j * len + k].
+// Explicit 64-byte vectors of 64-bit lanes (SWAR): masking after the shift keeps every field inside its byte,
+// and byte sums never carry, so lane-wide adds equal per-byte adds. Left to the auto-vectoriser, such loops
 // vectorised for some payload counts and not others (5-50x apart).
-typedef uint64_t u64x8 __attribute__((vector_size(64)));
-LGC_CLONES void nibble_sums(const uint8_t* const* payloads, int count, int64_t kb, int64_t len, uint8_t* __restrict even,
-                            uint8_t* __restrict odd) {
-  const uint64_t mask = 0x3333333333333333ULL;
-  int64_t k = 0;
-  for (; k + 64 <= len; k += 64) {
-    u64x8 e = {0}, o = {0};
-    for (int w = 0; w < count; ++w) {
-      u64x8 b;
-      std::memcpy(&b, payloads[w] + kb + k, sizeof b);
-      e += b & mask;
-      o += (b >> 2) & mask;
-    }
-    std::memcpy(even + k, &e, sizeof e);
-    std::memcpy(odd + k, &o, sizeof o);
-  }
-  for (; k < len; ++k) {
-    uint8_t e = 0, o = 0;
-    for (int w = 0; w < count; ++w) {
-      uint8_t b = payloads[w][kb + k];
-      e += b & 0x33;
-      o += (b >> 2) & 0x33;
-    }
-    even[k] = e;
-    odd[k] = o;
-  }
-}
-
-// up to 127 payloads: each quarter's sum (<= 2 * 127) in a byte of its own, fields[j * len + k]
 constexpr int kByteMaxPayloads = 127;
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
 LGC_CLONES void byte_sums(const uint8_t* const* payloads, int count, int64_t kb, int64_t len, uint8_t* __restrict fields) {
   const uint64_t mask = 0x0303030303030303ULL;
   int64_t k = 0;
@@ -370,24 +346,6 @@ LGC_CLONES void byte_sums(const uint8_t* const* payloads, int count, int64_t kb,
     }
     for (int j = 0; j < 4; ++j) fields[j * len + k] = f[j];
   }
-}
-
-// ((field >> shift) & mask) - offset, scaled, then divided as in scale_counts
-template <bool kDivide>
-inline void scale_fields_impl(const uint8_t* field, int shift, int mask, int64_t len, int32_t offset, float s, float d,
-                              float* out) {
-  for (int64_t k = 0; k < len; ++k) {
-    float v = (float)((int32_t)((field[k] >> shift) & mask) - offset) * s;
-    out[k] = kDivide ? v / d : v * d;
-  }
-}
-LGC_CLONES void scale_fields_div(const uint8_t* field, int shift, int mask, int64_t len, int32_t offset, float s,
-                                 float d, float* out) {
-  scale_fields_impl<true>(field, shift, mask, len, offset, s, d, out);
-}
-LGC_CLONES void scale_fields_mul(const uint8_t* field, int shift, int mask, int64_t len, int32_t offset, float s,
-                                 float d, float* out) {
-  scale_fields_impl<false>(field, shift, mask, len, offset, s, d, out);
 }
 
 LGC_CLONES void accumulate_codes(const uint8_t* packed, int64_t len, int32_t* a0, int32_t* a1, int32_t* a2,
@@ -460,27 +418,17 @@ torch::Tensor terngrad_decode_sum(std::vector<torch::Tensor> packed, int64_t n, 
   float* op = out.data_ptr<float>();
   const int64_t T = kTile / 4;
   const int64_t tiles = (m + T - 1) / T;
-  // the narrowest exact sums: nibbles (2 per byte) up to 7 payloads, bytes up to 127, int32 beyond
-  const int width = offset <= kNibbleMaxPayloads ? 4 : offset <= kByteMaxPayloads ? 8 : 32;
-  auto scale_fn = pow2 ? scale_fields_mul : scale_fields_div;
+  // exact sums in bytes up to 127 payloads, in int32 beyond
+  const bool bytes = offset <= kByteMaxPayloads;
   at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
-    std::vector<int32_t> acc(width == 32 ? 4 * T : 0);
-    std::vector<uint8_t> fields(width == 32 ? 0 : 4 * T);
+    std::vector<int32_t> acc(bytes ? 0 : 4 * T);
+    std::vector<uint8_t> fields(bytes ? 4 * T : 0);
     for (int64_t t = tb; t < te; ++t) {
       int64_t kb = t * T, ke = std::min(m, kb + T), len = ke - kb;
-      if (width == 4) {
-        uint8_t* even = fields.data();
-        uint8_t* odd = even + T;
-        nibble_sums(ptrs.data(), offset, kb, len, even, odd);
-        for_segments(n, m, bucket, kb, ke, [&](int j, int64_t k, int64_t len2, int64_t i, int64_t c) {
-          scale_fn(((j & 1) ? odd : even) + (k - kb), j < 2 ? 0 : 4, 15, len2, offset, sp[c], d, op + i);
-        });
-        continue;
-      }
-      if (width == 8) {
+      if (bytes) {
         byte_sums(ptrs.data(), offset, kb, len, fields.data());
         for_segments(n, m, bucket, kb, ke, [&](int j, int64_t k, int64_t len2, int64_t i, int64_t c) {
-          scale_fn(fields.data() + j * len + (k - kb), 0, 255, len2, offset, sp[c], d, op + i);
+          (pow2 ? scale_bytes_mul : scale_bytes_div)(&fields[j * len + (k - kb)], len2, offset, sp[c], d, op + i);
         });
         continue;
       }

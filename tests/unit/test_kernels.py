@@ -80,7 +80,7 @@ def test_decode_and_decode_sum_are_bit_identical_to_the_reference(compiled: bool
         kernels.decode(payloads[0], n, scale, b, out=torch.empty(n + 1))
 
 
-# payload counts on every summing path of the kernel (nibbles up to 7, bytes up to 127, int32 beyond), and
+# payload counts on both summing paths of the kernel (bytes up to 127, int32 beyond) and at their edges, and
 # divisors that are and are not powers of two (multiplied by the reciprocal vs divided)
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6, 7, 8, 9, 127, 128])
 @pytest.mark.parametrize(("n", "bucket"), [(1, None), (4099, None), (70001, 777), (65539, 16384)])
