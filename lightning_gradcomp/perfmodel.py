@@ -9,9 +9,13 @@ Lightweight profiling on one machine plus an analytical communication model:
 * **communication**: :mod:`lightning_gradcomp.costmodel` (ring collectives, alpha-beta, N ranks, one or two
   levels), with DDP's buckets each paying the per-message latency.
 
-``step = compute + codec + communication`` (no overlap of communication with backward: an upper bound, as in the
-paper's model), ``throughput = N * batch / step``. The paper's own formulas are in its supplementary material,
-which we could not read (NOTES.md section 1.6), so this is our reconstruction; its error against the emulated
+``step = compute + codec + communication`` (no overlap of communication with backward: an upper bound), and
+``throughput = N * batch / step``. With ``overlap=True`` the step follows DDP's timeline instead: each bucket's
+hook runs on the backward thread as the bucket fills (its statistics round, then compression), its collective
+queues behind the previous bucket's, and the optimizer waits for the last one; the transfer hidden behind
+backward is reported as ``hidden_s`` (a lower bound where the ranks share cores, since the hidden transfer's
+decoding competes with backward for them). The paper's own formulas are in its supplementary material, which
+we could not read (NOTES.md section 1.6), so this is our reconstruction; its error against the emulated
 cluster is reported in docs/benchmarks.md.
 
 Command line (``gradcomp-perf`` or ``python -m lightning_gradcomp.perfmodel``)::
@@ -29,7 +33,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -164,22 +168,57 @@ PAPER_CLUSTERS: dict[str, ClusterSpec] = {
 
 
 # -- measurements on this machine ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ComputeTime:
+    """One worker's compute per step, split where DDP's communication can hide behind it.
+
+    Attributes:
+        forward_s: zeroing the gradients and the forward pass (nothing to send yet).
+        backward_s: the backward pass, during which buckets fill and their collectives start.
+        update_s: the optimizer step, after the last collective.
+    """
+
+    forward_s: float
+    backward_s: float
+    update_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s + self.update_s
+
+    @classmethod
+    def from_total(cls, total_s: float, like: Optional["ComputeTime"] = None) -> "ComputeTime":
+        """``total_s`` split in the proportions of ``like`` (a profile), else as FLOP counts split a step:
+        backward twice the forward, no update (:meth:`Device.train_seconds`)."""
+        if like is None or like.total_s <= 0:
+            return cls(total_s / 3, 2 * total_s / 3)
+        k = total_s / like.total_s
+        return cls(like.forward_s * k, like.backward_s * k, like.update_s * k)
+
+    def scaled(self, factor: float) -> "ComputeTime":
+        return ComputeTime(self.forward_s * factor, self.backward_s * factor, self.update_s * factor)
+
+
 def profile_compute(
     model: nn.Module, batch: int, input_shape: Sequence[int], classes: int = 10, steps: int = 3, warmup: int = 1
-) -> float:
-    """Median seconds of forward + backward + SGD update of ``model`` on one batch, on this machine's threads."""
+) -> ComputeTime:
+    """Median seconds of forward, backward and SGD update of ``model`` on one batch, on this machine's threads."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, *input_shape, generator=gen)
     y = torch.randint(0, classes, (batch,), generator=gen)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    times = []
+    parts: list[tuple[float, float, float]] = []
     for _ in range(warmup + steps):
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         opt.zero_grad(set_to_none=False)
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss = nn.functional.cross_entropy(model(x), y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         opt.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[warmup:])
+        parts.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    timed = parts[warmup:]
+    return ComputeTime(*(statistics.median(p[k] for p in timed) for k in range(3)))
 
 
 @dataclass(frozen=True)
@@ -204,6 +243,33 @@ class Codec:
 def fp32_codec(numel: int, bytes_per_element: float = 4.0) -> Codec:
     """Plain all-reduce (DDP): no compute, ``bytes_per_element`` per gradient element (2 for bf16)."""
     return Codec(bytes_per_element * numel, Aggregation.SUM)
+
+
+def measure_cast_codec(numel: int, world_size: int, dtype: torch.dtype = torch.bfloat16, repeats: int = 3) -> Codec:
+    """DDP's cast-compression hook (e.g. a bf16 all-reduce), timed here on ``numel`` elements.
+
+    Encoding is the cast of the fp32 bucket; decoding is the cast back with the division by N, plus the
+    ``(N - 1) / N * numel`` additions in ``dtype`` that each rank of the ring all-reduce computes on the CPU
+    (Gloo sums bf16 in software; they run during the collective, as the decoding does, after the payload).
+    """
+    check_int("numel", numel, minimum=1)
+    check_int("world_size", world_size, minimum=1)
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(numel, generator=gen)
+    summed = numel * (world_size - 1) // world_size
+    received = torch.randn(summed, generator=gen).to(dtype)  # the peers' chunks, in Gloo's receive buffers
+    encode, decode = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        half = grad.to(dtype)
+        encode.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        if summed:
+            half[:summed].add_(received)
+        grad.copy_(half.float().div_(world_size))
+        decode.append(time.perf_counter() - start)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return Codec(float(itemsize * numel), Aggregation.SUM, statistics.median(encode), statistics.median(decode))
 
 
 def measure_codec(compressor: Compressor, shapes: Shapes, world_size: int, timed: bool = True) -> Codec:
@@ -235,7 +301,11 @@ def measure_codec(compressor: Compressor, shapes: Shapes, world_size: int, timed
 # -- prediction ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Prediction:
-    """Predicted step of one configuration."""
+    """Predicted step of one configuration.
+
+    ``step_s = compute_s + codec_s + comm_s - hidden_s``: ``hidden_s`` is the communication and decoding that
+    overlap backward on DDP's timeline (0 for the serial model).
+    """
 
     world_size: int
     compute_s: float
@@ -244,10 +314,11 @@ class Prediction:
     batch: int
     collective: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    hidden_s: float = 0.0
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.codec_s + self.comm_s
+        return self.compute_s + self.codec_s + self.comm_s - self.hidden_s
 
     @property
     def throughput(self) -> float:
@@ -255,52 +326,113 @@ class Prediction:
         return self.world_size * self.batch / self.step_s
 
 
-def comm_seconds(codec: Codec, world_size: int, network: Network, buckets: int = 1) -> float:
-    """Seconds to exchange one step's payloads in ``buckets`` collectives (each pays the latency terms)."""
+Buckets = Union[int, Sequence[float]]
+
+
+def bucket_fractions(buckets: Buckets) -> list[float]:
+    """``buckets`` as each bucket's fraction of the step's gradient, in the order backward fills them: a count
+    means that many equal buckets; fractions (e.g. from :func:`ddp_bucket_fractions`) are normalised."""
+    if isinstance(buckets, int):
+        return [1.0 / max(1, buckets)] * max(1, buckets)
+    fractions = [float(f) for f in buckets]
+    if not fractions or min(fractions) < 0 or sum(fractions) <= 0:
+        raise ValueError(f"buckets={list(buckets)!r}: give a count or non-negative fractions with a positive sum")
+    total = sum(fractions)
+    return [f / total for f in fractions]
+
+
+def ddp_bucket_fractions(shapes: Shapes, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
+                         bytes_per_element: int = 4) -> list[float]:
+    """DDP's bucket assignment of ``shapes`` (given in the model's parameter order): parameters are taken in
+    reverse, the order backward produces their gradients, and a bucket closes once it holds ``first_bucket_mb``
+    (the first) or ``bucket_cap_mb`` (the others), so a parameter larger than the cap ends a bucket of its own
+    making. Returns each bucket's fraction of the parameters, first-filled first."""
+    sizes, current, limit = [], 0, first_bucket_mb * 2**20
+    for _, shape in reversed(shapes):
+        current += math.prod(shape)
+        if current * bytes_per_element >= limit:
+            sizes.append(current)
+            current, limit = 0, bucket_cap_mb * 2**20
+    if current:
+        sizes.append(current)
+    return bucket_fractions(sizes)
+
+
+def _bucket_seconds(codec: Codec, world_size: int, network: Network, fraction: float) -> tuple[float, float]:
+    """Seconds of one bucket's payload collective (``fraction`` of the step's bytes) and of its blocking
+    statistics rounds."""
     if world_size <= 1:
-        return 0.0
-    b = max(1, buckets)
+        return 0.0, 0.0
+    nbytes = codec.nbytes * fraction
     if codec.aggregation is Aggregation.SUM:
-        flat = ring_allreduce_seconds(codec.nbytes / b, world_size, network)
-        two_level = hierarchical_allreduce_seconds(codec.nbytes / b, world_size, network)
-        per_bucket = min(flat, two_level)
+        payload = min(ring_allreduce_seconds(nbytes, world_size, network), hierarchical_allreduce_seconds(nbytes, world_size, network))
     else:
-        per_bucket = ring_allgather_seconds(codec.nbytes / b, world_size, network)
-    stat = codec.rounds * ring_allreduce_seconds(4.0, world_size, network)
-    return b * (per_bucket + stat)
+        payload = ring_allgather_seconds(nbytes, world_size, network)
+    return payload, codec.rounds * ring_allreduce_seconds(4.0, world_size, network)
+
+
+def comm_seconds(codec: Codec, world_size: int, network: Network, buckets: Buckets = 1) -> float:
+    """Seconds to exchange one step's payloads in ``buckets`` collectives (each pays the latency terms)."""
+    return sum(sum(_bucket_seconds(codec, world_size, network, f)) for f in bucket_fractions(buckets))
+
+
+def _timeline_seconds(compute: ComputeTime, encode_s: float, decode_s: float, codec: Codec, world_size: int,
+                      network: Network, fractions: list[float]) -> float:
+    """DDP's step, buckets filling over backward in proportion to their parameters (exact for fully connected
+    layers; behind convolutions, which hold more compute per parameter, fully connected layers are ready
+    earlier than this assumes, so for convolutional networks the hidden share is a lower estimate).
+
+    The hook blocks backward for the bucket's statistics round and compression; the collective then waits for
+    the previous bucket's (one communication queue per process group) and its payloads are decoded as they
+    arrive; the update starts when backward and the last decode are done.
+    """
+    backward = compute.forward_s  # the backward thread's clock
+    queue = 0.0  # when the communication queue is free
+    for f in fractions:
+        payload, stat = _bucket_seconds(codec, world_size, network, f)
+        backward += compute.backward_s * f + stat + encode_s * f
+        queue = max(queue, backward) + payload + decode_s * f
+    return max(backward, queue) + compute.update_s
 
 
 def predict(
-    compute_s: float,
+    compute_s: Union[float, ComputeTime],
     codec: Codec,
     world_size: int,
     network: Network,
     batch: int,
-    buckets: int = 1,
+    buckets: Buckets = 1,
     cpu_share: float = 1.0,
     collective: str = "",
+    overlap: bool = False,
 ) -> Prediction:
     """Step time and throughput of one configuration.
 
     Args:
-        compute_s: forward + backward + update of one worker's batch, alone on its device.
+        compute_s: forward + backward + update of one worker's batch, alone on its device: seconds, or a
+            :class:`ComputeTime` (a total is split as :meth:`ComputeTime.from_total` does).
         codec: the compressor's bytes and compute per step.
         world_size: N workers.
         network: the links between them.
         batch: samples per worker per step.
-        buckets: DDP buckets per step (each collective pays the latency).
+        buckets: DDP's buckets (each collective pays the latency): a count of equal buckets, or each bucket's
+            share of the gradient in the order backward fills them (:func:`ddp_bucket_fractions`).
         cpu_share: fraction of a device each worker gets (N ranks emulated on fewer cores: cores / N).
         collective: a label for the report.
+        overlap: follow DDP's timeline (communication behind backward) instead of adding it to compute.
     """
     slow = 1.0 / cpu_share
-    return Prediction(
-        world_size,
-        compute_s * slow,
-        (codec.encode_s + codec.decode_s) * slow,
-        comm_seconds(codec, world_size, network, buckets),
-        batch,
-        collective or codec.aggregation.value,
-    )
+    compute = compute_s if isinstance(compute_s, ComputeTime) else ComputeTime.from_total(compute_s)
+    compute = compute.scaled(slow)
+    encode, decode = codec.encode_s * slow, codec.decode_s * slow
+    fractions = bucket_fractions(buckets)
+    comm = comm_seconds(codec, world_size, network, fractions)
+    hidden = 0.0
+    if overlap:
+        serial = compute.total_s + encode + decode + comm
+        hidden = serial - _timeline_seconds(compute, encode, decode, codec, world_size, network, fractions)
+    return Prediction(world_size, compute.total_s, encode + decode, comm, batch, collective or codec.aggregation.value,
+                      hidden_s=hidden)
 
 
 def best_terngrad_codec(
@@ -408,6 +540,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     pr.add_argument("--intra", default="80gbit@10us", help="link between workers of a node")
     pr.add_argument("--device", choices=sorted(DEVICES), default="gtx1080")
     pr.add_argument("--batch", type=int, default=None, help="per worker (default: the paper's)")
+    pr.add_argument("--overlap", action="store_true",
+                    help="DDP's timeline: communication of each bucket behind the rest of backward (default: serial)")
     fg = sub.add_parser("fig5", help="Fig. 5-style curves for AlexNet, GoogLeNet and VGG-A")
     fg.add_argument("--out", default="docs/img")
     args = parser.parse_args(argv)
@@ -422,12 +556,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     batch = args.batch or spec.batch
     shapes = spec.shapes()
     numel = sum(math.prod(s) for _, s in shapes)
-    buckets = max(1, math.ceil(4 * numel / (25 * 2**20)))
+    buckets = ddp_bucket_fractions(shapes)
     compute = device.train_seconds(spec.forward_macs, batch)
     link = Link.parse(args.link)
     print(f"{args.model}: {numel / 1e6:.1f}M parameters, {compute * 1e3:.1f} ms compute per step on {args.device} (batch {batch})")
-    print("| N | method | collective | compute ms | codec ms | comm ms | step ms | img/s |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| N | method | collective | compute ms | codec ms | comm ms | hidden behind backward ms | step ms | img/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in args.nproc:
         if n <= args.gpus_per_node or args.gpus_per_node == 1:
             net = Network(link if args.gpus_per_node == 1 else Link.parse(args.intra))
@@ -442,9 +576,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             per = device.codec_seconds_per_element() * numel
             codec = Codec(measured.nbytes, measured.aggregation, per, per, measured.rounds)
             name = measured.aggregation.value
-        p = predict(compute, codec, n, net, batch, buckets, collective=name)
+        p = predict(compute, codec, n, net, batch, buckets, collective=name, overlap=args.overlap)
         print(f"| {n} | {args.compressor} | {p.collective} | {p.compute_s * 1e3:.1f} | {p.codec_s * 1e3:.1f} | "
-              f"{p.comm_s * 1e3:.1f} | {p.step_s * 1e3:.1f} | {p.throughput:.0f} |")
+              f"{p.comm_s * 1e3:.1f} | {p.hidden_s * 1e3:.1f} | {p.step_s * 1e3:.1f} | {p.throughput:.0f} |")
 
 
 if __name__ == "__main__":
