@@ -4,11 +4,12 @@ Reads the JSON written by ``benchmarks/step_time.py``, profiles each model's com
 one worker's batch) and TernGrad's codec on this machine, predicts every measured configuration and prints
 measured vs predicted step time with the relative error: the serial model (communication after compute) and
 DDP's timeline (``overlap=True``: each of DDP's buckets, as DDP assigns them for the model, sent behind the
-rest of backward). Where the step-time JSON
-holds compute and codec timed on the cluster itself (``--profile-compute``), those totals are used, split into
-forward / backward / update and encode / decode in the proportions profiled here.
+rest of backward). Where the step-time JSON holds compute and codec timed on the cluster itself
+(``--profile-compute``), those totals are used, split into forward / backward / update and encode / decode in
+the proportions profiled here.
 
     python benchmarks/perf_validate.py docs/data/step_time.json
+    python benchmarks/perf_validate.py docs/data/step_time_target_default_{1..8}.json   # several runs, one table
 """
 
 import argparse

@@ -11,8 +11,8 @@ import argparse
 import json
 import statistics
 import sys
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 
 def ratios(path: Path, strategy: str, baselines: list[str]) -> dict[tuple[int, str, str], dict[str, float]]:

@@ -436,7 +436,7 @@ def predict(
 
 
 def best_terngrad_codec(
-    numel: int, world_size: int, network: Network, per_element_s: float, buckets: int, wide_sums: bool = False
+    numel: int, world_size: int, network: Network, per_element_s: float, buckets: Buckets, wide_sums: bool = False
 ) -> tuple[str, Codec]:
     """TernGrad's cheapest collective, as the planner picks it: packed all-gather, int8 all-reduce (N <= 127),
     or plain fp32 all-reduce where compression would not pay.
