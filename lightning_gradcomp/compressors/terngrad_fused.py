@@ -69,8 +69,8 @@ class FusedTernGrad:
     def _scaler_and_clip(self, tensor: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         from lightning_gradcomp.compressors.terngrad import _SIGMA_NOISE  # the owner's module imports this one
 
-        sigma, absmax = kernels.terngrad_stats(tensor, self._bucket(tensor.numel()))
-        return kernels.terngrad_scaler(sigma, absmax, self.owner.clip_factor, self.owner.clip_mode, _SIGMA_NOISE)
+        owner = self.owner
+        return kernels.terngrad_scale_clip(tensor, self._bucket(tensor.numel()), owner.clip_factor, owner.clip_mode, _SIGMA_NOISE)
 
     def _take(self, tensor: Tensor, name: str) -> tuple[Tensor, Optional[Tensor]]:
         cached = self._pending.pop(name, None)

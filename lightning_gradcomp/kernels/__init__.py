@@ -24,6 +24,7 @@ from lightning_gradcomp.kernels.terngrad import (
     decode_sum,
     ternarize_int8,
     ternarize_pack,
+    terngrad_scale_clip,
     terngrad_scaler,
     terngrad_stats,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "stream_key",
     "ternarize_int8",
     "ternarize_pack",
+    "terngrad_scale_clip",
     "terngrad_scaler",
     "terngrad_stats",
     "torch_ops",

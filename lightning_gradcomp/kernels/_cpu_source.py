@@ -170,6 +170,39 @@ torch::Tensor terngrad_stats(torch::Tensor g, int64_t bucket) {
   return out;
 }
 
+// The scaler and clip threshold per chunk from the statistics, in one call: terngrad_scaler (kernels/terngrad.py)
+// is four torch ops on tensors of one element per chunk, whose dispatch cost more than the statistics pass of a
+// small tensor. Float32 arithmetic with the constants rounded to float first, and NaN propagated as
+// torch.minimum does, so the result equals the torch ops' bit for bit. clip_mode: 0 none (scaler max|g|),
+// 1 "paper" (clip at the threshold, scaler min(max|g|, threshold)), 2 "code" (scaler = threshold, no clip).
+std::vector<torch::Tensor> terngrad_scale_clip(torch::Tensor g, int64_t bucket, double clip_factor, int64_t clip_mode,
+                                               double sigma_noise) {
+  TORCH_CHECK(clip_mode >= 0 && clip_mode <= 2, "clip_mode must be 0, 1 or 2");
+  torch::Tensor stats = terngrad_stats(g, bucket);
+  const int64_t chunks = stats.size(0);
+  const float* st = stats.data_ptr<float>();
+  auto scale = torch::empty({chunks}, torch::kFloat32);
+  auto clip = torch::empty({clip_mode == 1 ? chunks : 0}, torch::kFloat32);
+  float* sp = scale.data_ptr<float>();
+  float* cp = clip.data_ptr<float>();
+  const float noise = (float)sigma_noise, factor = (float)clip_factor;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float sigma = st[2 * c], absmax = st[2 * c + 1];
+    if (clip_mode == 0) {
+      sp[c] = absmax;
+      continue;
+    }
+    const float threshold = sigma <= noise * absmax ? absmax : sigma * factor;
+    if (clip_mode == 2) {
+      sp[c] = threshold;
+      continue;
+    }
+    cp[c] = threshold;
+    sp[c] = (std::isnan(absmax) || std::isnan(threshold)) ? NAN : std::min(absmax, threshold);
+  }
+  return {scale, clip};
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // TernGrad ternarize: codes c = t + 1 in {0,1,2}; keep ~ Bernoulli(min(|g|, clip) / s) as u*s < min(|g|, clip)
 
@@ -755,6 +788,7 @@ torch::Tensor bin_words_decode_sum(int64_t n, std::vector<torch::Tensor> payload
 
 FUNCTIONS = [
     "terngrad_stats",
+    "terngrad_scale_clip",
     "terngrad_ternarize_pack",
     "terngrad_ternarize_int8",
     "terngrad_decode",

@@ -80,6 +80,20 @@ def terngrad_scaler(
     return torch.minimum(absmax, threshold), threshold
 
 
+def terngrad_scale_clip(
+    tensor: Tensor, bucket: int, clip_factor: float, clip_mode: str, sigma_noise: float = 0.0
+) -> tuple[Tensor, Optional[Tensor]]:
+    """:func:`terngrad_stats` then :func:`terngrad_scaler`, in one native call where the kernels are built (the
+    same values bit for bit; the torch ops on one-element tensors cost more than the pass over a small tensor)."""
+    flat = _flat32(tensor)
+    ext = _ext(flat)
+    if ext is None:
+        return terngrad_scaler(*terngrad_stats(flat, bucket), clip_factor, clip_mode, sigma_noise)
+    mode = 0 if clip_factor == 0.0 else {"paper": 1, "code": 2}[clip_mode]
+    scale, clip = ext.terngrad_scale_clip(flat, bucket, clip_factor, mode, sigma_noise)
+    return scale, clip if mode == 1 else None
+
+
 def _ternary_torch(flat: Tensor, scale: Tensor, clip: Optional[Tensor], bucket: int, key: tuple[int, int]) -> Tensor:
     n = flat.numel()
     index = torch.arange(n, dtype=torch.int64, device=flat.device)

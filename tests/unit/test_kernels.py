@@ -131,6 +131,24 @@ def test_statistics_match_torch_std_and_max_including_a_partial_tail(compiled: b
 
 
 @pytest.mark.parametrize("clip_mode", ["paper", "code"])
+@pytest.mark.parametrize("clip_factor", [2.5, 2.3, 0.0])
+def test_native_scale_and_clip_equal_the_torch_ops_bit_for_bit(compiled: bool, clip_mode: str, clip_factor: float) -> None:
+    g = torch.randn(9000) * 0.01
+    g[:40] = 3.0  # an outlier chunk: clipped
+    g[3000:4000] = 0.25  # a constant chunk: sigma is rounding noise, so no clipping (threshold max|g|)
+    g[4000:5000] = 0.0  # an all-zero chunk
+    g[7500] = float("nan")  # a non-finite chunk: NaN must come out where the torch ops give NaN
+    for bucket in (1000, 9000):
+        native = kernels.terngrad_scale_clip(g, bucket, clip_factor, clip_mode, 1e-5)
+        composed = kernels.terngrad_scaler(*kernels.terngrad_stats(g, bucket), clip_factor, clip_mode, 1e-5)
+        for got, want in zip(native, composed):
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert torch.equal(got.isnan(), want.isnan())
+                assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("clip_mode", ["paper", "code"])
 @pytest.mark.parametrize("clip_factor", [2.5, 0.0])
 def test_fused_scaler_equals_the_torch_backend(clip_mode: str, clip_factor: float) -> None:
     g = torch.randn(5000)
