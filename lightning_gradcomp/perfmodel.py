@@ -258,6 +258,7 @@ def measure_cast_codec(numel: int, world_size: int, dtype: torch.dtype = torch.b
     grad = torch.randn(numel, generator=gen)
     summed = numel * (world_size - 1) // world_size
     received = torch.randn(summed, generator=gen).to(dtype)  # the peers' chunks, in Gloo's receive buffers
+    bucket = torch.empty_like(grad)  # the hook writes the average back into DDP's bucket
     encode, decode = [], []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -266,7 +267,7 @@ def measure_cast_codec(numel: int, world_size: int, dtype: torch.dtype = torch.b
         start = time.perf_counter()
         if summed:
             half[:summed].add_(received)
-        grad.copy_(half.float().div_(world_size))
+        bucket.copy_(half.float().div_(world_size))
         decode.append(time.perf_counter() - start)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return Codec(float(itemsize * numel), Aggregation.SUM, statistics.median(encode), statistics.median(decode))

@@ -12,8 +12,9 @@ the other ranks (one small max all-reduce, issued from the hook body like every 
 
 The choice is cached per bucket, logged once at INFO and counted in ``GradCompState.collectives`` as
 ``plan_<choice>`` on every call. Every rank sees the same agreed numbers, so ranks given the same link make the
-same choice; the choices are then agreed too (a second small all-reduce: a vote, where a split vote takes plain
-fp32), so even ranks given different links never diverge and their collectives always match.
+same choice; the choices are then agreed too (a second small all-reduce: a vote, where a split vote takes the
+earliest chosen candidate in the shared order, plain fp32 whenever a rank chose it), so even ranks given
+different links never diverge and their collectives always match.
 """
 
 import copy
@@ -183,12 +184,13 @@ class CollectivePlanner:
         return BucketPlan(plan.choice, override, plan.seconds)
 
     def _agree(self, state: "GradCompState", plan: CollectivePlan, names: list[str]) -> CollectivePlan:
-        """Every rank's choice, made the same: the ranks vote, and a split vote takes the first candidate.
+        """Every rank's choice, made the same: the ranks vote, and a split vote takes the earliest chosen candidate.
 
         The agreed numbers make the choice identical when every rank is given the same link; a rank given
         another link (a per-rank measured bandwidth, a per-node config) would otherwise pick another collective
         and the ranks' collectives would stop matching. Candidates are listed in the same order on every rank,
-        plain fp32 first, so a split vote falls back to the choice that compresses nothing.
+        plain fp32 first, so a split vote in which any rank chose plain fp32 falls back to it (the choice that
+        compresses nothing); a split between compressed forms takes the one listed first.
         """
         vote = torch.zeros(len(names), dtype=torch.float64)
         vote[names.index(plan.choice)] = 1.0

@@ -85,6 +85,8 @@ def terngrad_scale_clip(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """:func:`terngrad_stats` then :func:`terngrad_scaler`, in one native call where the kernels are built (the
     same values bit for bit; the torch ops on one-element tensors cost more than the pass over a small tensor)."""
+    if clip_mode not in ("paper", "code"):
+        raise ValueError(f"Expected `clip_mode` to be 'paper' or 'code', but got {clip_mode!r}.")
     flat = _flat32(tensor)
     ext = _ext(flat)
     if ext is None:

@@ -146,6 +146,8 @@ def test_native_scale_and_clip_equal_the_torch_ops_bit_for_bit(compiled: bool, c
             if got is not None:
                 assert torch.equal(got.isnan(), want.isnan())
                 assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    with pytest.raises(ValueError, match="clip_mode"):
+        kernels.terngrad_scale_clip(g, 1000, clip_factor, "sigma", 1e-5)
 
 
 @pytest.mark.parametrize("clip_mode", ["paper", "code"])
