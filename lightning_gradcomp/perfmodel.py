@@ -258,7 +258,7 @@ def measure_cast_codec(numel: int, world_size: int, dtype: torch.dtype = torch.b
     grad = torch.randn(numel, generator=gen)
     summed = numel * (world_size - 1) // world_size
     received = torch.randn(summed, generator=gen).to(dtype)  # the peers' chunks, in Gloo's receive buffers
-    bucket = torch.empty_like(grad)  # the hook writes the average back into DDP's bucket
+    bucket = grad.clone()  # DDP's bucket, already touched: the hook writes the average back into it
     encode, decode = [], []
     for _ in range(repeats):
         start = time.perf_counter()
