@@ -9,9 +9,11 @@ compiling twice. Set ``LIGHTNING_GRADCOMP_NO_EXT=1`` to skip it and use the torc
 import hashlib
 import logging
 import os
+import sys
+import sysconfig
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Optional
@@ -20,9 +22,8 @@ from lightning_gradcomp.kernels._cpu_source import CPU_SOURCE, FUNCTIONS
 
 log = logging.getLogger(__name__)
 
-#: the name carries a hash of the source: checkouts with different kernels (branches, worktrees, versions) that
-#: share one extension directory keep a build each, instead of rebuilding over one another on every start
-EXTENSION_NAME = "lightning_gradcomp_kernels_cpu_" + hashlib.sha256(CPU_SOURCE.encode()).hexdigest()[:12]
+_CFLAGS = ["-O3", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _module: Optional[ModuleType] = None
@@ -32,6 +33,38 @@ load_seconds: Optional[float] = None
 #: why the extension is unavailable, None when it loaded
 unavailable_reason: Optional[str] = None
 _forced_torch = threading.local()
+
+
+def build_inputs() -> list[str]:
+    """Everything besides the source that changes the binary: torch and Python versions, the compiler, flags, and
+    the include and library paths torch writes into its ninja file.
+
+    The paths matter most: two virtual environments with the same torch have different ones, so with one shared
+    name each environment's ninja file would replace the other's and every first use would recompile (30-65 s).
+    """
+    from torch import __version__ as torch_version
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    return [
+        torch_version,
+        sys.version,
+        sysconfig.get_paths()["include"],
+        os.environ.get("CXX", "c++"),
+        *include_paths(),
+        *library_paths(),
+        *_CFLAGS,
+        *_LDFLAGS,
+    ]
+
+
+def extension_name(source: str, inputs: Sequence[str]) -> str:
+    """The extension's name, a hash of the source and the build inputs: each distinct build keeps its own cache
+    entry in the shared extension directory (branches, worktrees, venvs, torch versions)."""
+    digest = hashlib.sha256()
+    for part in (source, *inputs):
+        digest.update(part.encode())
+        digest.update(b"\0")  # ("ab", "c") and ("a", "bc") must not collide
+    return "lightning_gradcomp_kernels_cpu_" + digest.hexdigest()[:12]
 
 
 @contextmanager
@@ -63,13 +96,13 @@ def cpu_extension() -> Optional[ModuleType]:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=EXTENSION_NAME,
+                    name=extension_name(CPU_SOURCE, build_inputs()),
                     cpp_sources=[CPU_SOURCE],
                     functions=FUNCTIONS,
                     # -O3 auto-vectorises; target_clones in the source picks AVX-512/AVX2/baseline at run time,
                     # so no -march=native: the build stays valid on any x86-64 machine sharing the cache
-                    extra_cflags=["-O3", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
+                    extra_cflags=_CFLAGS,
+                    extra_ldflags=_LDFLAGS,
                     verbose=False,
                 )
                 load_seconds = time.perf_counter() - start

@@ -376,3 +376,25 @@ def test_cuda_path_equals_the_cpu_path() -> None:  # pragma: no cover - no GPU o
     assert torch.equal(kernels.decode(cpu, g.numel(), s, 4096), kernels.decode(gpu, g.numel(), s.cuda(), 4096).cpu())
     thr = torch.tensor(1.5)
     assert torch.equal(kernels.select_above(g, thr)[0], kernels.select_above(g.cuda(), thr)[0].cpu())
+
+
+def test_extension_name_is_keyed_by_the_environment_not_only_the_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two venvs with the same torch and source differ in the paths torch writes into its ninja file; one shared
+    # name made each environment's first use recompile over the other's build.
+    import torch.utils.cpp_extension as cpp
+
+    from lightning_gradcomp.kernels._build import build_inputs, extension_name
+    from lightning_gradcomp.kernels._cpu_source import CPU_SOURCE
+
+    here = extension_name(CPU_SOURCE, build_inputs())
+    assert here == extension_name(CPU_SOURCE, build_inputs())  # stable: the cache is found again
+    monkeypatch.setattr(cpp, "include_paths", lambda *a, **k: ["/other/venv/site-packages/torch/include"])
+    assert extension_name(CPU_SOURCE, build_inputs()) != here
+    monkeypatch.undo()
+    monkeypatch.setattr(cpp, "library_paths", lambda *a, **k: ["/other/venv/site-packages/torch/lib"])
+    assert extension_name(CPU_SOURCE, build_inputs()) != here
+    monkeypatch.undo()
+    monkeypatch.setattr("torch.__version__", "0.0.0")
+    assert extension_name(CPU_SOURCE, build_inputs()) != here
+    monkeypatch.undo()
+    assert extension_name(CPU_SOURCE + " ", build_inputs()) != here
