@@ -1,0 +1,52 @@
+"""Rank bodies that run a ``lightning.fabric.Fabric`` loop (joined through torchrun-style environment variables)."""
+
+from typing import Any, Optional
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+import lightning_gradcomp  # noqa: F401  (registers the strategy names in Fabric's registry)
+from tests.distributed.lightning_ranks import random_loader
+
+
+def fit_fabric(
+    rank: int,
+    world_size: int,
+    strategy: Any,
+    steps: int = 5,
+    nan_at_step: Optional[int] = None,
+    momentum: float = 0.0,
+) -> dict[str, Any]:
+    """A short Fabric loop on rank ``rank``'s shard; a NaN loss on the last rank at ``nan_at_step``."""
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()  # ranks are started externally: joins the group
+    torch.manual_seed(1234)
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    model, optimizer = fabric.setup(model, optimizer)
+    before_nan: Optional[torch.Tensor] = None
+    batches = iter(random_loader(shard=(rank, world_size)))
+    for step in range(steps):
+        x, y = next(batches)
+        loss = nn.functional.cross_entropy(model(x), y)
+        if step == nan_at_step:
+            before_nan = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            if rank == world_size - 1:
+                loss = loss * float("nan")
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        optimizer.step()
+        if step == nan_at_step:
+            after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            assert before_nan is not None and torch.equal(before_nan, after), "a skipped step changed the weights"
+    state = getattr(fabric.strategy, "comm_state", None)
+    return {
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "strategy": type(fabric.strategy).__name__,
+        "compressor": type(getattr(fabric.strategy, "compressor", None)).__name__,
+        "bytes_per_step": state.bytes_per_step() if state else None,
+        "dense_bytes": state.dense_bytes_per_step() if state else None,
+        "skipped_steps": state.skipped_steps if state else None,
+        "transforms": [type(t).__name__ for t in getattr(fabric.strategy, "transforms", ())],
+    }
