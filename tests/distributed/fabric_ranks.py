@@ -10,6 +10,11 @@ import lightning_gradcomp  # noqa: F401  (registers the strategy names in Fabric
 from tests.distributed.lightning_ranks import random_loader
 
 
+def make_model() -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+
+
 def fit_fabric(
     rank: int,
     world_size: int,
@@ -21,8 +26,7 @@ def fit_fabric(
     """A short Fabric loop on rank ``rank``'s shard; a NaN loss on the last rank at ``nan_at_step``."""
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
     fabric.launch()  # ranks are started externally: joins the group
-    torch.manual_seed(1234)
-    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+    model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
     model, optimizer = fabric.setup(model, optimizer)
     before_nan: Optional[torch.Tensor] = None
