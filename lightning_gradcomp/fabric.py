@@ -11,12 +11,13 @@ Fabric has no Trainer callbacks, so the per-layer transforms are given to the st
     from lightning_gradcomp.callbacks import SigmaClipping
     fabric = Fabric(strategy=GradCompFabricStrategy("fp32", transforms=[SigmaClipping(2.5)]), devices=2)
 
-Not available under Fabric (they need the Trainer's loop): the checkpointed compression state (``fabric.save``
-stores the model and optimizer only; residuals and random streams start afresh on resume), the replica check,
-``CompressionSchedule``, ``CompressionMonitor`` and ``ExponentialMovingAverage`` (see ``docs/compatibility.md``).
+``fabric.save`` also stores every rank's compression state (residuals, random streams, transform buffers) as the
+Trainer strategy does, and ``fabric.load(path, state)`` gives each rank its own part back, so a resumed run continues
+exactly. Not available under Fabric (they need the Trainer's loop): the replica check, ``CompressionSchedule``,
+``CompressionMonitor`` and ``ExponentialMovingAverage`` (see ``docs/compatibility.md``).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -25,12 +26,14 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gradcomp import checkpoint as ckpt
 from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.momentum import MomentumCorrection
 from lightning_gradcomp.compressors.base import Compressor
@@ -38,6 +41,7 @@ from lightning_gradcomp.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite, drop_skipped_gradients
 from lightning_gradcomp.hook import gradcomp_hook
 from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.resilience import ResumeCompression
 from lightning_gradcomp.validation import check_choice
 from lightning_gradcomp.wiring import HookWiring
 
@@ -69,6 +73,8 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         start_method: how Fabric launches local processes (``"fork"`` in notebooks).
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``, as in :class:`~lightning_gradcomp.GradCompStrategy`;
             a skipped step drops every gradient in ``fabric.backward`` so the next ``optimizer.step()`` is a no-op.
+        resume_compression: ``"exact"``: ``fabric.load`` restores every rank's compression state (and refuses a
+            checkpoint of another world size); ``"reset"``: it starts afresh.
         link: network between ranks for the per-bucket collective planner (``None``: always compress).
         compression_cost: compress/decode seconds per element for the planner (``None``: measured).
         pipeline_mb: MiB of gradient per pipelined group inside a bucket (``None``: one group per bucket).
@@ -95,6 +101,7 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         nonfinite: NonFinite = "skip",
+        resume_compression: ResumeCompression = "exact",
         link: Optional[Union[str, Link, Network]] = None,
         compression_cost: Optional[CompressionCost] = None,
         pipeline_mb: Optional[float] = 8.0,
@@ -102,6 +109,9 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
     ) -> None:
         check_choice("nonfinite", nonfinite, NONFINITE_MODES)
         self.nonfinite: NonFinite = nonfinite
+        check_choice("resume_compression", resume_compression, ("exact", "reset"))
+        self.resume_compression: ResumeCompression = resume_compression
+        self._pending_restore: Optional[dict[str, Any]] = None
         kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs)
         self._momentum: Optional[float] = None
         for entry in transforms:
@@ -161,8 +171,45 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         self.comm_state.nonfinite = self.nonfinite
         self._nonfinite_seen = 0
         self._module = module  # fabric.backward passes no module unless asked to
+        if self._pending_restore is not None:  # loaded before the model was set up
+            ckpt.restore(self.comm_state, self._pending_restore, self.root_device)
+            self._pending_restore = None
         model.register_comm_hook(self.comm_state, gradcomp_hook)
         return model
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        # every rank runs fabric.save: gather each rank's compression state, then rank 0 writes
+        state = dict(state)
+        if self.comm_state is not None:
+            ckpt.gather_into(state, self.comm_state, self.global_rank, self.world_size)
+        super().save_checkpoint(path, state, storage_options, filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state, strict, weights_only)
+        if not isinstance(state, dict) or not state:
+            return remainder  # the whole checkpoint was asked for (or a bare module/optimizer state)
+        saved = remainder.pop(ckpt.CHECKPOINT_KEY, None)
+        entry = ckpt.select({} if saved is None else {ckpt.CHECKPOINT_KEY: saved}, self.global_rank, self.world_size,
+                            self.resume_compression == "reset")
+        if entry is not None and self.comm_state is not None:
+            ckpt.restore(self.comm_state, entry, self.root_device)
+        else:
+            self._pending_restore = entry
+        return remainder
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

@@ -54,3 +54,45 @@ def fit_fabric(
         "skipped_steps": state.skipped_steps if state else None,
         "transforms": [type(t).__name__ for t in getattr(fabric.strategy, "transforms", ())],
     }
+
+
+def _train(fabric: Fabric, model: nn.Module, optimizer: Any, batches: list, steps: range) -> None:
+    for step in steps:
+        x, y = batches[step]
+        optimizer.zero_grad()
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def resume_fabric(rank: int, world_size: int, name: str, path: str) -> dict[str, torch.Tensor]:
+    """6 steps straight; 3 steps, ``fabric.save``, a fresh Fabric that ``fabric.load``s and runs 3 more (exact and reset)."""
+    batches = list(random_loader(shard=(rank, world_size)))
+
+    def fresh(resume: str = "exact") -> tuple[Fabric, nn.Module, Any]:
+        from lightning_gradcomp import GradCompFabricStrategy
+
+        fabric = Fabric(accelerator="cpu", devices=world_size,
+                        strategy=GradCompFabricStrategy(name, resume_compression=resume))  # type: ignore[arg-type]
+        fabric.launch()
+        model = make_model()
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        return fabric, model, optimizer
+
+    fabric, model, optimizer = fresh()
+    _train(fabric, model, optimizer, batches, range(6))
+    out = {"straight": _flat(model)}
+    fabric, model, optimizer = fresh()
+    _train(fabric, model, optimizer, batches, range(3))
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    for resume in ("exact", "reset"):
+        fabric, model, optimizer = fresh(resume)
+        state = {"model": model, "optimizer": optimizer}
+        remainder = fabric.load(path, state)
+        assert not remainder, f"the compression state leaked into the remainder: {sorted(remainder)}"
+        _train(fabric, model, optimizer, batches, range(3, 6))
+        out[resume] = _flat(model)
+    return out
