@@ -142,12 +142,24 @@ class HookWiring:
         rank: int,
         world_size: int,
         device: torch.device,
+        group_rank: Optional[int] = None,
+        **fields: Any,
     ) -> GradCompState:
-        """Set up the compressor and transforms for this rank and build the hook state (not yet registered)."""
+        """Set up the compressor and transforms for this rank and build the hook state (not yet registered).
+
+        Args:
+            named: the parameters that go through the hook, by name.
+            process_group: the group the hook exchanges with.
+            rank: this process's rank, which seeds the compressor's random streams (distinct on every rank).
+            world_size: ranks in ``process_group``.
+            device: where the compressor's state lives.
+            group_rank: this rank's index inside ``process_group`` for the transforms (default: ``rank``).
+            **fields: further :class:`~lightning_gradcomp.hook.GradCompState` fields, overriding the defaults.
+        """
         self.compressor.setup(rank, world_size, device)
         for transform in self._transforms:
-            transform.setup(sorted(named), rank, world_size)
-        return GradCompState(
+            transform.setup(sorted(named), rank if group_rank is None else group_rank, world_size)
+        options: dict[str, Any] = dict(
             compressor=self.compressor,
             names={id(p): n for n, p in named.items()},
             float_names=self._float_names(named),
@@ -157,3 +169,5 @@ class HookWiring:
             planner=self.planner,
             pipeline_bytes=None if self.pipeline_mb is None else int(self.pipeline_mb * 2**20),
         )
+        options.update(fields)
+        return GradCompState(**options)

@@ -33,6 +33,10 @@ _SESSION = textwrap.dedent(
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    # a notebook has usually run torch ops before: fork with an intra-op thread pool that has been used
+    torch.set_num_threads(2)
+    warm = torch.randn(512, 512)
+    (warm @ warm).sum()
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
     data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
     try:
@@ -67,7 +71,7 @@ _SESSION = textwrap.dedent(
 
 @pytest.mark.distributed
 def test_notebook_variant_trains_from_an_interactive_session() -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # forked ranks: no inherited OpenMP pool to deadlock on
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # a session with its default threads
     result = subprocess.run(
         [sys.executable, "-i", "-c", _SESSION], stdin=subprocess.DEVNULL, capture_output=True, text=True,
         timeout=300, env=env,
