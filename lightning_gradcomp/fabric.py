@@ -166,7 +166,7 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
             )
         model = super().setup_module(module)
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
-        # Fabric, like the Trainer, registers DDP comm hooks only on CUDA; ours must run on CPU/Gloo too
+        # Fabric's DDPStrategy registers no comm hook of its own: ours goes on here, for Gloo and NCCL alike
         self.comm_state = self._new_comm_state(named, model.process_group, self.global_rank, self.world_size, self.root_device)
         self.comm_state.nonfinite = self.nonfinite
         self._nonfinite_seen = 0
