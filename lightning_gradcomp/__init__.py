@@ -1,6 +1,7 @@
 """lightning_gradcomp: gradient compression for PyTorch Lightning's data-parallel training.
 
-Importing the package registers the strategy names (``Trainer(strategy="terngrad")``).
+Importing the package registers the strategy names (``Trainer(strategy="terngrad")``, ``Fabric(strategy="terngrad")``,
+and ``"terngrad_notebook"`` for interactive sessions).
 """
 
 from lightning_gradcomp import registry as _registry
@@ -16,10 +17,17 @@ from lightning_gradcomp.weightgrad import register as _register_weightgrad  # no
 
 _register_weightgrad()
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES  # noqa: E402
+
+from lightning_gradcomp.fabric import GradCompFabricStrategy  # noqa: E402
+
+_registry.register_strategies(GradCompFabricStrategy, _FABRIC_STRATEGIES)
+
 __version__ = "0.1.0"
 
 __all__ = [
     "Compressor",
+    "GradCompFabricStrategy",
     "GradCompState",
     "GradCompStrategy",
     "Identity",

@@ -19,7 +19,8 @@ one of its own, so a bucket costs one blocking round trip instead of two; the de
 Steps are delimited by DDP itself: it launches buckets in index order, so bucket 0 starts a step.
 """
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
@@ -28,6 +29,8 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from lightning_gradcomp.hook import GradCompState
+
+log = logging.getLogger(__name__)
 
 NonFinite = Literal["skip", "raise", "ignore"]
 NONFINITE_MODES = ("skip", "raise", "ignore")
@@ -139,3 +142,19 @@ def bucket_is_nonfinite(
             state.memory.residuals[name] = old
     state.residual_undo.clear()
     return True
+
+
+def drop_skipped_gradients(state: "GradCompState", seen: int, parameters: Iterable[Tensor], has_scaler: bool) -> int:
+    """After backward: if the hook skipped a step since ``seen`` skips, make the optimizer step a no-op.
+
+    Every gradient is dropped (``p.grad = None``: optimizers skip such parameters, so no update, momentum or decay),
+    except under a ``GradScaler``, which skips the step itself on the NaN-filled buckets and lowers its scale.
+    Called by the Trainer and the Fabric strategy alike; returns the count to pass as ``seen`` next time.
+    """
+    if state.skipped_steps == seen:
+        return seen
+    log.warning("gradcomp: non-finite gradient on some rank; step skipped on every rank (%d so far)", state.skipped_steps)
+    if not has_scaler:
+        for p in parameters:
+            p.grad = None
+    return state.skipped_steps

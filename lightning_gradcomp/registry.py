@@ -55,8 +55,17 @@ def register_compressor(name: str, factory: Callable[[], Compressor], descriptio
     COMPRESSORS[name.lower()] = (factory, description)
 
 
+#: suffix of the fork-started variant of every name, for notebooks (as Lightning's ``ddp_notebook``)
+NOTEBOOK_SUFFIX = "_notebook"
+
+
 def register_strategies(strategy_cls: type, strategy_registry: Any = None) -> None:
-    """Register every compressor name as a Lightning strategy name (lower-cased, as Lightning looks them up)."""
+    """Register every compressor name as a strategy name (lower-cased, as Lightning looks them up).
+
+    Each name also gets a ``<name>_notebook`` variant with ``start_method="fork"``: the only start method
+    Lightning accepts in an interactive session (``spawn`` and ``popen`` re-run a script file).
+    ``strategy_registry`` is the Trainer's ``StrategyRegistry`` by default, or Fabric's ``STRATEGY_REGISTRY``.
+    """
     if strategy_registry is None:
         from lightning.pytorch.strategies import StrategyRegistry
 
@@ -64,3 +73,11 @@ def register_strategies(strategy_cls: type, strategy_registry: Any = None) -> No
     for name, (_, description) in COMPRESSORS.items():
         # the name, not an instance, goes into init_params: each Trainer must get a fresh, unshared compressor
         strategy_registry.register(name, strategy_cls, description=description, override=True, compressor=name)
+        strategy_registry.register(
+            name + NOTEBOOK_SUFFIX,
+            strategy_cls,
+            description=f"{description}; processes forked (for notebooks)",
+            override=True,
+            compressor=name,
+            start_method="fork",
+        )

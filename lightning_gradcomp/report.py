@@ -2,8 +2,10 @@
 
 For people without W&B. ``RUN`` is a ``CSVLogger`` or ``TensorBoardLogger`` directory (a version directory,
 or any directory above one: the most recently written log below it is used) or a ``metrics.csv`` file.
-Writes one PNG per per-layer statistic (one line per layer over steps: TernGrad Fig. 4c, AdaComp Fig. 5),
-the time split per step, the compression ratio by layer (AdaComp Fig. 7) and, from TensorBoard logs, the
+Writes one PNG per per-layer statistic (one line per layer over steps: TernGrad Fig. 4c, AdaComp Fig. 5;
+layers with identical values share one line labelled ``a = b``; density is left out, it mirrors sparsity),
+the time split per step (a warm-up step far above the rest is left out, a later stall drawn off the scale; both
+named on the plot), the compression ratio by layer (AdaComp Fig. 7) and, from TensorBoard logs, the
 histograms of each layer's original, clipped, compressed and averaged gradient (TernGrad Fig. 2). Needs the ``report`` extra
 (matplotlib; tensorboard to read TensorBoard logs)::
 
@@ -18,7 +20,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 PREFIX = "gradcomp/"
 #: per-layer statistics, in the order the report shows them, with their axis labels
@@ -114,60 +116,121 @@ def _by_layer(series: Series, statistic: str, layers: Optional[Sequence[str]]) -
     return out
 
 
-def render(run: Path, out_dir: Optional[Path] = None, layers: Optional[Sequence[str]] = None) -> list[Path]:
-    """Write the report's PNGs for ``run`` into ``out_dir`` (default: ``<log dir>/report``); returns their paths.
+#: markers and line styles cycled over layers, so lines that overlap stay distinguishable in print and colour
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
+_LINESTYLES = ("-", "--", "-.", ":")
+#: a step whose time exceeds this multiple of the run's median is far off: at the start it is the warm-up (bucket
+#: rebuild, first-use kernel compilation, the planner's measurement) and left out; later (a stall of a shared
+#: machine) it stays drawn but off the scale. Both are named on the plot, so the scale follows the typical step.
+OUTLIER_FACTOR = 5.0
+
+
+def run_label(log: Path) -> str:
+    """``"run <dir> · <compressor>"`` for plot titles: the log's version directory and the logged compressor.
+
+    The compressor comes from the ``hparams.yaml`` the loggers write beside the metrics (the monitor's ``gradcomp``
+    config entry).
+    """
+    run_dir = log.parent if log.is_file() else log
+    name = f"{run_dir.parent.name}/{run_dir.name}" if run_dir.parent.name else run_dir.name
+    compressor = "compressor not logged"
+    hparams = run_dir / "hparams.yaml"
+    if hparams.is_file():
+        import yaml
+
+        config = (yaml.safe_load(hparams.read_text()) or {}).get(PREFIX.rstrip("/"), {})
+        if isinstance(config, dict) and config.get("compressor"):
+            compressor = str(config["compressor"])
+    return f"run {name} \u00b7 {compressor}"
+
+
+def merge_identical(lines: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
+    """Series with exactly the same points, drawn once under a label naming all of them (``"a = b"``)."""
+    groups: dict[tuple[tuple[int, float], ...], list[str]] = {}
+    for layer, points in lines.items():
+        groups.setdefault(tuple(points), []).append(layer)
+    return {" = ".join(layers): list(points) for points, layers in groups.items()}
+
+
+def far_off(totals: Sequence[float]) -> tuple[int, list[int]]:
+    """Time-split outliers: how many leading points are warm-up, and the indices of later points off the scale.
+
+    A point is far off when above ``OUTLIER_FACTOR`` times the median of all points (none with fewer than 3 points).
+    """
+    if len(totals) < 3:
+        return 0, []
+    limit = OUTLIER_FACTOR * sorted(totals)[len(totals) // 2]
+    warm = 0
+    while warm < len(totals) - 1 and totals[warm] > limit:
+        warm += 1
+    return warm, [i for i in range(warm, len(totals)) if totals[i] > limit]
+
+
+def figures(run: Path, layers: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """The report's matplotlib figures for ``run`` by file stem (``"sparsity"``, ``"time_split"``, ...).
 
     Args:
         run: a log directory or metrics file (see :func:`find_log`).
-        out_dir: where the PNGs go.
         layers: fnmatch patterns of the layer keys to plot (dots in parameter names are dashes); ``None``: all.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ImportError("`gradcomp report` needs matplotlib: pip install 'lightning_gradcomp[report]'") from exc
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
 
     log = find_log(Path(run))
     series = load_scalars(log)
     if not series:
         raise ValueError(f"No `gradcomp/...` metrics in {str(log)!r}. Fix: train with the CompressionMonitor callback.")
-    out = Path(out_dir) if out_dir is not None else (log.parent if log.is_file() else log) / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
+    label = run_label(log)
+    out: dict[str, Any] = {}
 
-    for statistic, label in STATISTICS.items():
+    for statistic, axis_label in STATISTICS.items():
         lines = _by_layer(series, statistic, layers)
-        if not lines:
-            continue
+        if not lines or (statistic == "density" and _by_layer(series, "sparsity", layers)):
+            continue  # density is 1 - sparsity: the same signal mirrored, drawn once
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        for layer, points in lines.items():
+        total = lines.pop("total", None)
+        for i, (name, points) in enumerate(merge_identical(lines).items()):
             steps, values = zip(*points)
-            style = dict(color="black", linestyle="--", linewidth=2) if layer == "total" else dict(marker=".")
-            ax.plot(steps, values, label=layer, **style)
+            ax.plot(steps, values, label=name, marker=_MARKERS[i % len(_MARKERS)], markersize=4 + (i % 3),
+                    linestyle=_LINESTYLES[i % len(_LINESTYLES)], linewidth=1.2, alpha=0.85)
+        if total is not None:
+            steps, values = zip(*total)
+            ax.plot(steps, values, label="total", color="black", linestyle="--", linewidth=2)
+            lines["total"] = total
         values = [v for points in lines.values() for _, v in points]
         if statistic in _LOG_SCALE and values and min(values) > 0:
             ax.set_yscale("log")
         ax.set_xlabel("step")
-        ax.set_ylabel(label)
-        ax.set_title(f"{statistic} by layer")
+        ax.set_ylabel(axis_label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=max(1, math.ceil(len(lines) / 12)), loc="best")
-        written.append(_save(fig, out / f"{statistic}.png", plt))
+        fig.suptitle(f"{statistic} by layer\n{label}", fontsize=10)
+        out[statistic] = fig
 
     times = {p: dict(series.get(f"{PREFIX}time_ms/{p}", [])) for p in _PHASES}
     steps = sorted(set().union(*[t.keys() for t in times.values()]))
     if steps:
+        stacks = [[times[p].get(s, 0.0) for s in steps] for p in _PHASES]
+        totals = [sum(column) for column in zip(*stacks)]
+        warm, off_scale = far_off(totals)
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        ax.stackplot(steps, *[[times[p].get(s, 0.0) for s in steps] for p in _PHASES], labels=_PHASES, alpha=0.8)
+        ax.stackplot(steps[warm:], *[stack[warm:] for stack in stacks], labels=_PHASES, alpha=0.8)
+        notes = []
+        if warm:
+            notes.append("left out (warm-up): " + ", ".join(f"step {steps[i]}: {totals[i]:,.0f} ms" for i in range(warm)))
+        if off_scale:
+            notes.append("off scale: " + ", ".join(f"step {steps[i]}: {totals[i]:,.0f} ms" for i in off_scale))
+        if notes:
+            ax.text(0.99, 0.97, "\n".join(notes), transform=ax.transAxes, ha="right", va="top", fontsize=8,
+                    bbox=dict(facecolor="white", edgecolor="0.6", alpha=0.9))
+        typical = [t for i, t in enumerate(totals) if i >= warm and i not in off_scale]
+        ax.set_ylim(0, max(typical) * 1.15)
         ax.set_xlabel("step")
         ax.set_ylabel("ms per step (summed over buckets)")
-        ax.set_title("time split: compression, collective wait, decompression")
         ax.legend(loc="upper left")
         ax.grid(alpha=0.3)
-        written.append(_save(fig, out / "time_split.png", plt))
+        fig.suptitle(f"time split: compression, collective wait, decompression\n{label}", fontsize=10)
+        out["time_split"] = fig
 
     # TernGrad Fig. 2: the four stages of one layer's gradient at the last logged step, side by side
     by_layer: dict[str, dict[str, list]] = defaultdict(dict)
@@ -177,29 +240,63 @@ def render(run: Path, out_dir: Optional[Path] = None, layers: Optional[Sequence[
             by_layer[layer][kind] = events[-1]
     for layer, kinds in sorted(by_layer.items()):
         order = [k for k in _HISTOGRAM_KINDS if k in kinds]
-        fig, axes = plt.subplots(1, len(order), figsize=(3.2 * len(order), 3.2), squeeze=False)
+        fig, axes = plt.subplots(1, len(order), figsize=(3.2 * len(order), 3.6), squeeze=False)
         for ax, kind in zip(axes[0], order):
             step, edges, counts = kinds[kind]
             widths = [b - a for a, b in zip(edges, edges[1:])]
             ax.bar(edges[:-1], counts, width=widths, align="edge", color="tab:blue")
             ax.set_yscale("log")
             ax.set_title(f"{kind} (step {step})", fontsize=9)
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=4))  # small gradients: long tick labels must not collide
+            ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
+            ax.set_xlabel("gradient value", fontsize=8)
+            ax.set_ylabel("elements (log scale)", fontsize=8)
             ax.tick_params(labelsize=7)
-        fig.suptitle(f"gradient histograms of {layer}", fontsize=10)
-        written.append(_save(fig, out / f"histograms_{layer}.png", plt))
+        fig.suptitle(f"gradient histograms of {layer}\n{label}", fontsize=10)
+        out[f"histograms_{layer}"] = fig
 
     ratios = {k: v for k, v in _by_layer(series, "compression_ratio", layers).items() if k != "total"}
     if ratios:
         names = list(ratios)
         means = [sum(v for _, v in ratios[n]) / len(ratios[n]) for n in names]
-        fig, ax = plt.subplots(figsize=(8, max(2.5, 0.35 * len(names) + 1)))
+        fig, ax = plt.subplots(figsize=(8, max(2.5, 0.35 * len(names) + 1.4)))
         ax.barh(names, means, color="tab:blue")
+        for y, mean in enumerate(means):  # equal bars are told apart by their values
+            ax.text(mean, y, f" {mean:.3g}", va="center", fontsize=8)
         ax.invert_yaxis()  # first key at the top
         ax.set_xlabel("mean compression ratio over the run")
-        ax.set_title("compression ratio by layer")
+        ax.set_ylabel("layer")
         ax.grid(axis="x", alpha=0.3)
-        written.append(_save(fig, out / "compression_by_layer.png", plt))
-    return written
+        fig.suptitle(f"compression ratio by layer\n{label}", fontsize=10)
+        out["compression_by_layer"] = fig
+    return out
+
+
+def render(run: Path, out_dir: Optional[Path] = None, layers: Optional[Sequence[str]] = None) -> list[Path]:
+    """Write the report's PNGs for ``run`` into ``out_dir`` (default: ``<log dir>/report``); returns their paths.
+
+    Args:
+        run: a log directory or metrics file (see :func:`find_log`).
+        out_dir: where the PNGs go.
+        layers: fnmatch patterns of the layer keys to plot (dots in parameter names are dashes); ``None``: all.
+    """
+    plt = _pyplot()
+    made = figures(run, layers)
+    log = find_log(Path(run))
+    out = Path(out_dir) if out_dir is not None else (log.parent if log.is_file() else log) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    return [_save(fig, out / f"{stem}.png", plt) for stem, fig in made.items()]
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("`gradcomp report` needs matplotlib: pip install 'lightning_gradcomp[report]'") from exc
+    return plt
 
 
 def _save(fig: object, path: Path, plt: object) -> Path:

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint as ckpt
-from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite
+from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite, drop_skipped_gradients
 from lightning_gradcomp.replicas import check_replicas
 from lightning_gradcomp.validation import check_choice, check_int
 
@@ -121,15 +121,13 @@ class ResilienceMixin:
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)  # type: ignore[misc]
-        state = self.comm_state
-        if state is None or state.skipped_steps == self._nonfinite_seen:
-            return
-        self._nonfinite_seen = state.skipped_steps
-        log.warning("gradcomp: non-finite gradient on some rank; step skipped on every rank (%d so far)", state.skipped_steps)
-        if getattr(self.precision_plugin, "scaler", None) is not None:  # type: ignore[attr-defined]
-            return  # the NaN buckets make the GradScaler skip this step and lower its scale
-        for p in self.lightning_module.parameters():  # type: ignore[attr-defined]
-            p.grad = None  # optimizers skip parameters without a gradient: no update, no momentum, no decay
+        if self.comm_state is not None:
+            self._nonfinite_seen = drop_skipped_gradients(
+                self.comm_state,
+                self._nonfinite_seen,
+                self.lightning_module.parameters(),  # type: ignore[attr-defined]
+                has_scaler=getattr(self.precision_plugin, "scaler", None) is not None,  # type: ignore[attr-defined]
+            )
 
     @override
     def teardown(self) -> None:

@@ -1,7 +1,5 @@
 """``GradCompStrategy``: Lightning's DDP with our compression hook installed on CPU (Gloo) and GPU (NCCL)."""
 
-import fnmatch
-import inspect
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
@@ -18,46 +16,15 @@ from typing_extensions import override
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.hook import gradcomp_hook
 from lightning_gradcomp.guard import NonFinite
-from lightning_gradcomp.pipeline import LayerTransform
-from lightning_gradcomp.planner import CollectivePlanner
 from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
-from lightning_gradcomp.validation import check_int, check_number
+from lightning_gradcomp.wiring import HookWiring, select_float_names  # noqa: F401  (select_float_names: public here)
 
 log = logging.getLogger(__name__)
 
-# DDPStrategy arguments that would replace or bypass our hook; jsonargparse passes them as explicit None
-_HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
-_DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
-    "self",
-    "module",
-    "device_ids",
-    "output_device",
-    "process_group",
-}
 
-
-def select_float_names(named: dict[str, torch.nn.Parameter], exclude: Sequence[str], min_numel: int) -> frozenset[str]:
-    """Names of the parameters sent uncompressed: those matching an ``exclude`` glob or below ``min_numel``.
-
-    Raises:
-        ValueError: a pattern matches no parameter (a typo would otherwise silently compress everything).
-    """
-    chosen: set[str] = set()
-    for pattern in exclude:
-        matched = {n for n in named if fnmatch.fnmatchcase(n, pattern)}
-        if not matched:
-            raise ValueError(
-                f"Expected every `exclude` pattern to match a parameter, but {pattern!r} matches none. "
-                f"Fix: use fnmatch globs over these names: {sorted(named)}."
-            )
-        chosen |= matched
-    chosen |= {n for n, p in named.items() if p.numel() < min_numel}
-    return frozenset(chosen)
-
-
-class GradCompStrategy(ResilienceMixin, DDPStrategy):
+class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     """Data-parallel training with compressed gradient exchange inside DDP's communication hook.
 
     Args:
@@ -132,41 +99,7 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
     ) -> None:
         # reliability options (lightning_gradcomp.resilience), validated before anything else is built
         self._init_resilience(check_replicas_every, nonfinite, resume_compression, timeout)
-        for key in _HOOK_ARGUMENTS:
-            value = kwargs.pop(key, None)
-            if value is not None:
-                raise ValueError(
-                    f"Expected `{key}` to be None (GradCompStrategy installs its own communication hook), but got "
-                    f"{value!r}. "
-                    f"Fix: use `strategy='ddp'` for a custom DDP hook, or a Compressor for custom compression."
-                )
-        unknown = sorted(set(kwargs) - _DDP_OPTIONS)
-        if unknown:
-            raise ValueError(
-                f"Unknown option(s) {unknown} for GradCompStrategy. Fix: compressor options go to the compressor, "
-                f"e.g. `GradCompStrategy(compressor=TernGrad(clip_factor=2.5))`; DDP options are "
-                f"{sorted(_DDP_OPTIONS)}."
-            )
-        self.compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
-        if not isinstance(self.compressor, Compressor):
-            raise ValueError(
-                f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
-                f"Fix: use one of {registry.compressor_names()}."
-            )
-        if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude or ()):
-            raise ValueError(
-                f"Expected `exclude` to be a list of parameter-name patterns, but got {exclude!r}. "
-                f"Fix: wrap a single pattern in a list, e.g. `exclude=['classifier.*']`."
-            )
-        self.exclude = list(exclude or [])
-        check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
-        self.min_numel = min_numel
-        if pipeline_mb is not None:
-            check_number("pipeline_mb", pipeline_mb, minimum=0, min_open=True,
-                         fix="pass a positive size in MiB, or None for one group per bucket")
-        self.pipeline_mb = pipeline_mb
-        # parsed now so a bad spec fails before any process group exists
-        self.planner = None if link is None else CollectivePlanner(link, compression_cost)
+        kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs)
         ddp_kwargs: dict[str, Any] = dict(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
@@ -187,56 +120,19 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
-        self._transforms: list[LayerTransform] = []
-        self.comm_state: Optional[GradCompState] = None
-
-    def add_transform(self, transform: LayerTransform) -> None:
-        """Attach a per-layer transform (called by callbacks at setup, before DDP wraps the model)."""
-        if self.comm_state is not None:
-            raise RuntimeError(
-                "Transforms must be attached before the model is wrapped in DDP. Fix: attach it from a callback's "
-                "`setup` hook, or add the callback to the Trainer's `callbacks`."
-            )
-        if any(type(t) is type(transform) for t in self._transforms):
-            raise ValueError(
-                f"A {type(transform).__name__} transform is already attached. Fix: pass one such callback to the Trainer."
-            )
-        self._transforms.append(transform)
-
-    @property
-    def transforms(self) -> tuple[LayerTransform, ...]:
-        """The per-layer transforms, in the order they run."""
-        return tuple(self._transforms)
-
-    def _float_names(self, named: dict[str, torch.nn.Parameter]) -> frozenset[str]:
-        return select_float_names(named, self.exclude, self.min_numel)
 
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/Gloo too.
         assert isinstance(self.model, DistributedDataParallel)
         named = {n: p for n, p in self.lightning_module.named_parameters() if p.requires_grad}
-        float_names = self._float_names(named)
-        group = self.model.process_group
         world_size = self.world_size
-        self.compressor.setup(self.global_rank, world_size, self.root_device)
-        for transform in self._transforms:
-            transform.setup(sorted(named), self.global_rank, world_size)
-        self.comm_state = GradCompState(
-            compressor=self.compressor,
-            names={id(p): n for n, p in named.items()},
-            float_names=float_names,
-            transforms=tuple(self._transforms),
-            process_group=group,
-            world_size=world_size,
-            planner=self.planner,
-            pipeline_bytes=None if self.pipeline_mb is None else int(self.pipeline_mb * 2**20),
-        )
+        self.comm_state = self._new_comm_state(named, self.model.process_group, self.global_rank, world_size, self.root_device)
         log.info(
             "gradcomp: %s on %d ranks, %d of %d tensors kept in fp32",
             self.compressor.describe(),
             world_size,
-            len(float_names),
+            len(self.comm_state.float_names),
             len(named),
         )
         self._attach_resilience(self.comm_state)  # non-finite mode, pending checkpoint restore

@@ -27,7 +27,7 @@ from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.hook import LayerRecord
 from lightning_gradcomp.memory import ResidualMemory
-from lightning_gradcomp.strategy import select_float_names
+from lightning_gradcomp.wiring import select_float_names
 from lightning_gradcomp.validation import check_int
 
 

@@ -1,5 +1,20 @@
-"""Exponential moving average of the parameters, evaluated in place of the raw weights (TF semantics)."""
+"""Exponential moving average of the parameters, evaluated in place of the raw weights (TF semantics).
 
+Why not Lightning's ``WeightAveraging``/``EMAWeightAveraging``: the arithmetic can be the papers' (pass
+:func:`tf_ema_avg_fn` as ``avg_fn`` with ``use_buffers=False``, which also evaluates with the current batch-norm
+statistics as TF does, and update once at fit start), as ``tests/unit/test_ema_library.py`` shows step by step.
+What it cannot express without overriding its private members:
+
+* the shadows start at the initial weights (TF); its first update copies the weights after step 1;
+* after training it copies the averages into the model for good; TF's ``--restore_avg_var`` evaluation (and this
+  callback) keep the raw weights, which resumed training continues from, and swap the averages in for test too;
+* checkpoints: it writes the averages as the model's ``state_dict``; here the shadows are the callback's state
+  and the model's weights stay the raw ones.
+
+``EMAWeightAveraging`` itself uses a fixed decay, without TF's ``(1 + n) / (10 + n)`` warm-up.
+"""
+
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -8,6 +23,25 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradcomp.validation import check_int, check_number
+
+
+def tf_decay(decay: float, t: int) -> float:
+    """TF's ``ExponentialMovingAverage(decay, num_updates=t)`` decay: ``min(decay, (1 + t) / (10 + t))``."""
+    return min(decay, (1.0 + t) / (10.0 + t))
+
+
+def tf_ema_avg_fn(decay: float = 0.9999, step_divisor: int = 1) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """TF's EMA update as an ``avg_fn`` for ``torch.optim.swa_utils.AveragedModel`` (and Lightning's ``WeightAveraging``).
+
+    ``avg_fn(shadow, param, n)`` moves ``shadow`` in place to ``d * shadow + (1 - d) * param`` with
+    ``d = min(decay, (1 + t) / (10 + t))``, ``t = n // step_divisor``, and returns it. ``n`` is the number of
+    updates so far: the optimizer step when the average was seeded with the initial weights.
+    """
+
+    def avg_fn(shadow: Tensor, param: Tensor, num_averaged: Tensor) -> Tensor:
+        return shadow.lerp_(param, 1.0 - tf_decay(decay, int(num_averaged) // step_divisor))
+
+    return avg_fn
 
 
 class ExponentialMovingAverage(Callback):
@@ -33,6 +67,7 @@ class ExponentialMovingAverage(Callback):
         check_number("decay", decay, minimum=0.0, maximum=1.0)
         check_int("step_divisor", step_divisor, minimum=1)
         self.decay, self.step_divisor, self.evaluate_with_average = decay, step_divisor, evaluate_with_average
+        self._avg_fn = tf_ema_avg_fn(decay, step_divisor)
         self.shadow: dict[str, Tensor] = {}
         self._backup: Optional[dict[str, Tensor]] = None
         self._last_step = 0
@@ -42,8 +77,7 @@ class ExponentialMovingAverage(Callback):
 
     def current_decay(self, step: int) -> float:
         """The decay used by the update after optimizer step ``step``."""
-        n = step // self.step_divisor
-        return min(self.decay, (1.0 + n) / (10.0 + n))
+        return tf_decay(self.decay, step // self.step_divisor)
 
     @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -60,10 +94,10 @@ class ExponentialMovingAverage(Callback):
         if step == self._last_step:
             return  # gradient accumulation: no optimizer step happened on this batch
         self._last_step = step
-        d = self.current_decay(step)
+        count = torch.tensor(step)
         with torch.no_grad():
             for name, p in self._params(pl_module).items():
-                self.shadow[name].lerp_(p.detach(), 1.0 - d)
+                self._avg_fn(self.shadow[name], p.detach(), count)
 
     def _swap_in(self, pl_module: LightningModule) -> None:
         if not self.evaluate_with_average or not self.shadow or self._backup is not None:

@@ -6,6 +6,14 @@ the group), ``GLOO_SOCKET_IFNAME`` (its namespace's interface) and ``OMP_NUM_THR
 line by line with a ``[rank i]`` prefix. The first rank to fail, or the timeout, kills every rank (by process
 group: a hung Gloo rank can ignore SIGTERM). The namespaces are deleted on every exit path, including
 SIGTERM/SIGINT to the launcher.
+
+Why not ``torch.distributed.run`` (torchrun) for the rank bookkeeping: torchrun starts every local worker itself,
+from one process in one network namespace, so it cannot put rank r behind ``ip netns exec`` of namespace r with
+that namespace's ``GLOO_SOCKET_IFNAME``. One torchrun per namespace (``--nnodes N --nproc-per-node 1``) could, but
+its rendezvous store would then talk over the shaped links being measured, the ranks would see ``LOCAL_RANK=0``
+and ``NODE_RANK=r`` (so the scripts' ``Trainer(devices=N)`` would have to become ``num_nodes=N``), and each agent
+watches only its own worker, whereas here the first failure kills every rank at once (even one that ignores
+SIGTERM). What torchrun would add is the variables of :func:`rank_env`: a dozen lines.
 """
 
 import os

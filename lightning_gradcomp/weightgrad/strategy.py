@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.hook import gradcomp_hook
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
@@ -182,26 +182,24 @@ class WeightGradStrategy(GradCompStrategy):
         assert self.groups is not None
         module = self.lightning_module
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
-        float_names = self._float_names(named)
         g = self.groups
         # DDP broadcast the initial weights inside each site only: make all sites start from global rank 0's
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor.data, src=0)
-        self.compressor.setup(self.global_rank, g.site_size, self.root_device)  # global rank: distinct random streams
-        for transform in self._transforms:
-            transform.setup(sorted(named), g.site_rank, g.site_size)
-        self.comm_state = GradCompState(
-            compressor=self.compressor,
-            names={id(p): n for n, p in named.items()},
-            float_names=float_names,
-            transforms=tuple(self._transforms),
-            process_group=g.site_group,
-            world_size=g.site_size,
+        # the global rank seeds the compressor (distinct random streams); transforms see their rank in the site
+        self.comm_state = self._new_comm_state(
+            named,
+            g.site_group,
+            self.global_rank,
+            g.site_size,
+            self.root_device,
+            group_rank=g.site_rank,
             identity=GatheredFP32() if self.aggregation == "serial" else Identity(),
             per_rank={} if self.aggregation == "serial" else None,
-            pipeline_bytes=None if self.pipeline_mb is None else int(self.pipeline_mb * 2**20),
+            planner=None,  # the planner is not wired into the two-level exchange: in-site buckets always compress
         )
+        float_names = self.comm_state.float_names
         self.model.register_comm_hook(self.comm_state, gradcomp_hook)
         self.synchronizer = GradientSynchronizer(
             params=named,
@@ -317,14 +315,19 @@ class WeightGradStrategy(GradCompStrategy):
 
 
 def register(strategy_registry: Any = None) -> None:
-    """Register ``strategy="weightgrad"`` in Lightning's ``StrategyRegistry``."""
+    """Register ``strategy="weightgrad"`` (and its fork-started ``"weightgrad_notebook"``) in Lightning's ``StrategyRegistry``."""
+    from lightning_gradcomp.registry import NOTEBOOK_SUFFIX
+
     if strategy_registry is None:
         from lightning.pytorch.strategies import StrategyRegistry
 
         strategy_registry = StrategyRegistry
+    description = "WeightGrad: TernGrad inside each site, significant ternary updates between sites (KDD 2020)"
+    strategy_registry.register("weightgrad", WeightGradStrategy, description=description, override=True)
     strategy_registry.register(
-        "weightgrad",
+        "weightgrad" + NOTEBOOK_SUFFIX,
         WeightGradStrategy,
-        description="WeightGrad: TernGrad inside each site, significant ternary updates between sites (KDD 2020)",
+        description=f"{description}; processes forked (for notebooks)",
         override=True,
+        start_method="fork",
     )

@@ -1,0 +1,229 @@
+"""``GradCompFabricStrategy``: the same compression hook under ``lightning.fabric`` (``Fabric(strategy="terngrad")``).
+
+Fabric and the Trainer have separate ``DDPStrategy`` classes and separate strategy registries, so this is its own
+class; what it shares with :class:`~lightning_gradcomp.GradCompStrategy` is the whole hook side
+(:class:`~lightning_gradcomp.wiring.HookWiring`: options, transforms, :class:`~lightning_gradcomp.hook.GradCompState`)
+and the non-finite guard. Importing :mod:`lightning_gradcomp` registers every compressor name (and its
+``<name>_notebook`` variant) in ``lightning.fabric.strategies.STRATEGY_REGISTRY``.
+
+Fabric has no Trainer callbacks, so the per-layer transforms are given to the strategy itself::
+
+    from lightning_gradcomp.callbacks import SigmaClipping
+    fabric = Fabric(strategy=GradCompFabricStrategy("fp32", transforms=[SigmaClipping(2.5)]), devices=2)
+
+``fabric.save`` also stores every rank's compression state (residuals, random streams, transform buffers) as the
+Trainer strategy does, and ``fabric.load(path, state)`` gives each rank its own part back, so a resumed run continues
+exactly. Not available under Fabric (they need the Trainer's loop): the replica check, ``CompressionSchedule``,
+``CompressionMonitor`` and ``ExponentialMovingAverage`` (see ``docs/compatibility.md``).
+"""
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.types import _PATH
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gradcomp import checkpoint as ckpt
+from lightning_gradcomp.callbacks.base import PipelineCallback
+from lightning_gradcomp.callbacks.momentum import MomentumCorrection
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.costmodel import CompressionCost, Link, Network
+from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite, drop_skipped_gradients
+from lightning_gradcomp.hook import gradcomp_hook
+from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.resilience import ResumeCompression
+from lightning_gradcomp.validation import check_choice
+from lightning_gradcomp.wiring import HookWiring
+
+
+class GradCompFabricStrategy(HookWiring, DDPStrategy):
+    """Fabric's DDP with compressed gradient exchange inside DDP's communication hook.
+
+    Args:
+        compressor: a :class:`~lightning_gradcomp.compressors.Compressor` instance, or a registered name.
+        exclude: parameter-name patterns (``fnmatch`` globs) sent uncompressed in fp32.
+        min_numel: parameters with fewer elements are sent uncompressed.
+        transforms: per-layer transforms run inside the hook before compression, in order: pipeline callbacks
+            (``SigmaClipping``, ``LocalGradientClipping``, ``MomentumCorrection`` without ``weight_decay``), which
+            validate themselves against this strategy as under the Trainer, or
+            :class:`~lightning_gradcomp.pipeline.LayerTransform` instances.
+        find_unused_parameters: as in ``DistributedDataParallel``.
+        static_graph: as in ``DistributedDataParallel``.
+        gradient_as_bucket_view: as in ``DistributedDataParallel``.
+        bucket_cap_mb: DDP bucket size in MiB (``None``: DDP's default).
+        broadcast_buffers: as in ``DistributedDataParallel`` (``None``: DDP's default, without torch's deprecation
+            warning for passing it).
+        accelerator: see :class:`lightning.fabric.strategies.DDPStrategy`.
+        parallel_devices: see Fabric's ``DDPStrategy``.
+        cluster_environment: see Fabric's ``DDPStrategy``.
+        checkpoint_io: see Fabric's ``DDPStrategy``.
+        precision: see Fabric's ``DDPStrategy``.
+        process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
+        timeout: collective timeout.
+        start_method: how Fabric launches local processes (``"fork"`` in notebooks).
+        nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``, as in :class:`~lightning_gradcomp.GradCompStrategy`;
+            a skipped step drops every gradient in ``fabric.backward`` so the next ``optimizer.step()`` is a no-op.
+        resume_compression: ``"exact"``: ``fabric.load`` restores every rank's compression state (and refuses a
+            checkpoint of another world size); ``"reset"``: it starts afresh.
+        link: network between ranks for the per-bucket collective planner (``None``: always compress).
+        compression_cost: compress/decode seconds per element for the planner (``None``: measured).
+        pipeline_mb: MiB of gradient per pipelined group inside a bucket (``None``: one group per bucket).
+        **kwargs: further ``DistributedDataParallel`` options.
+    """
+
+    def __init__(
+        self,
+        compressor: Union[Compressor, str] = "terngrad",
+        exclude: Optional[Sequence[str]] = None,
+        min_numel: int = 1,
+        transforms: Sequence[Union[PipelineCallback, LayerTransform]] = (),
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        bucket_cap_mb: Optional[float] = None,
+        broadcast_buffers: Optional[bool] = None,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        nonfinite: NonFinite = "skip",
+        resume_compression: ResumeCompression = "exact",
+        link: Optional[Union[str, Link, Network]] = None,
+        compression_cost: Optional[CompressionCost] = None,
+        pipeline_mb: Optional[float] = 8.0,
+        **kwargs: Any,
+    ) -> None:
+        check_choice("nonfinite", nonfinite, NONFINITE_MODES)
+        self.nonfinite: NonFinite = nonfinite
+        check_choice("resume_compression", resume_compression, ("exact", "reset"))
+        self.resume_compression: ResumeCompression = resume_compression
+        self._pending_restore: Optional[dict[str, Any]] = None
+        kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs)
+        self._momentum: Optional[float] = None
+        for entry in transforms:
+            self._attach(entry)
+        if bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = bucket_cap_mb
+        if broadcast_buffers is not None:
+            kwargs["broadcast_buffers"] = broadcast_buffers
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            **kwargs,
+        )
+        self._nonfinite_seen = 0
+        self._module: Optional[Module] = None
+
+    def _attach(self, entry: Union[PipelineCallback, LayerTransform]) -> None:
+        if isinstance(entry, LayerTransform):
+            self.add_transform(entry)
+            return
+        if not isinstance(entry, PipelineCallback):
+            raise ValueError(
+                f"Expected every entry of `transforms` to be a pipeline callback or a LayerTransform, but got {entry!r}. "
+                f"Fix: pass e.g. `transforms=[SigmaClipping(2.5)]`; other Trainer callbacks have no Fabric equivalent."
+            )
+        if isinstance(entry, MomentumCorrection):
+            if entry.weight_decay:
+                raise ValueError(
+                    f"Expected `MomentumCorrection.weight_decay` to be 0 under Fabric (its decay runs in a Trainer hook), "
+                    f"but got {entry.weight_decay}. Fix: use `MomentumCorrection(weight_decay=0)` under Fabric, or "
+                    f"the Trainer."
+                )
+            self._momentum = entry.momentum
+        entry.transform = entry.make_transform(self)  # type: ignore[arg-type]  (it reads compressor and transforms)
+        self.add_transform(entry.transform)
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        if self.comm_state is not None:
+            raise ValueError(
+                f"Expected one model per {type(self).__name__}, but `setup` was called for a second one ({type(module).__name__}). "
+                f"Fix: put the models into one `nn.Module`, or use one Fabric per model."
+            )
+        model = super().setup_module(module)
+        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        # Fabric's DDPStrategy registers no comm hook of its own: ours goes on here, for Gloo and NCCL alike
+        self.comm_state = self._new_comm_state(named, model.process_group, self.global_rank, self.world_size, self.root_device)
+        self.comm_state.nonfinite = self.nonfinite
+        self._nonfinite_seen = 0
+        self._module = module  # fabric.backward passes no module unless asked to
+        if self._pending_restore is not None:  # loaded before the model was set up
+            ckpt.restore(self.comm_state, self._pending_restore, self.root_device)
+            self._pending_restore = None
+        model.register_comm_hook(self.comm_state, gradcomp_hook)
+        return model
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        # every rank runs fabric.save: gather each rank's compression state, then rank 0 writes
+        state = dict(state)
+        if self.comm_state is not None:
+            ckpt.gather_into(state, self.comm_state, self.global_rank, self.world_size)
+        super().save_checkpoint(path, state, storage_options, filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state, strict, weights_only)
+        if not isinstance(state, dict) or not state:
+            return remainder  # the whole checkpoint was asked for (or a bare module/optimizer state)
+        saved = remainder.pop(ckpt.CHECKPOINT_KEY, None)
+        entry = ckpt.select({} if saved is None else {ckpt.CHECKPOINT_KEY: saved}, self.global_rank, self.world_size,
+                            self.resume_compression == "reset")
+        if entry is not None and self.comm_state is not None:
+            ckpt.restore(self.comm_state, entry, self.root_device)
+        else:
+            self._pending_restore = entry
+        return remainder
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self._momentum is not None:
+            MomentumCorrection.check_optimizers([optimizer], self._momentum)
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        if self.comm_state is not None and self._module is not None:
+            self._nonfinite_seen = drop_skipped_gradients(
+                self.comm_state,
+                self._nonfinite_seen,
+                self._module.parameters(),
+                has_scaler=getattr(self.precision, "scaler", None) is not None,
+            )

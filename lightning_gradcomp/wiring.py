@@ -1,0 +1,173 @@
+"""The hook's wiring shared by the Trainer strategy and the Fabric strategy: options, transforms, hook state.
+
+:class:`~lightning_gradcomp.GradCompStrategy` (``lightning.pytorch``) and
+:class:`~lightning_gradcomp.fabric.GradCompFabricStrategy` (``lightning.fabric``) derive from two unrelated
+``DDPStrategy`` classes; both mix in :class:`HookWiring`, so the options are validated, the layer transforms
+attached and the :class:`~lightning_gradcomp.hook.GradCompState` built by one implementation.
+"""
+
+import fnmatch
+import inspect
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import lightning_gradcomp.registry as registry
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.costmodel import CompressionCost, Link, Network
+from lightning_gradcomp.hook import GradCompState
+from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.planner import CollectivePlanner
+from lightning_gradcomp.validation import check_int, check_number
+
+# DDPStrategy arguments that would replace or bypass our hook; jsonargparse passes them as explicit None
+_HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+_DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
+    "self",
+    "module",
+    "device_ids",
+    "output_device",
+    "process_group",
+}
+
+
+def select_float_names(named: dict[str, torch.nn.Parameter], exclude: Sequence[str], min_numel: int) -> frozenset[str]:
+    """Names of the parameters sent uncompressed: those matching an ``exclude`` glob or below ``min_numel``.
+
+    Raises:
+        ValueError: a pattern matches no parameter (a typo would otherwise silently compress everything).
+    """
+    chosen: set[str] = set()
+    for pattern in exclude:
+        matched = {n for n in named if fnmatch.fnmatchcase(n, pattern)}
+        if not matched:
+            raise ValueError(
+                f"Expected every `exclude` pattern to match a parameter, but {pattern!r} matches none. "
+                f"Fix: use fnmatch globs over these names: {sorted(named)}."
+            )
+        chosen |= matched
+    chosen |= {n for n, p in named.items() if p.numel() < min_numel}
+    return frozenset(chosen)
+
+
+class HookWiring:
+    """Compression options, layer transforms and hook installation for a DDP strategy (Trainer or Fabric)."""
+
+    compressor: Compressor
+    exclude: list[str]
+    min_numel: int
+    pipeline_mb: Optional[float]
+    planner: Optional[CollectivePlanner]
+    comm_state: Optional[GradCompState]
+
+    def _init_wiring(
+        self,
+        compressor: Union[Compressor, str],
+        exclude: Optional[Sequence[str]],
+        min_numel: int,
+        pipeline_mb: Optional[float],
+        link: Optional[Union[str, Link, Network]],
+        compression_cost: Optional[CompressionCost],
+        ddp_kwargs: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Validate the compression options; returns ``ddp_kwargs`` without the hook arguments set to ``None``."""
+        ddp_kwargs = dict(ddp_kwargs)
+        for key in _HOOK_ARGUMENTS:
+            value = ddp_kwargs.pop(key, None)
+            if value is not None:
+                raise ValueError(
+                    f"Expected `{key}` to be None ({type(self).__name__} installs its own communication hook), but got "
+                    f"{value!r}. "
+                    f"Fix: use `strategy='ddp'` for a custom DDP hook, or a Compressor for custom compression."
+                )
+        unknown = sorted(set(ddp_kwargs) - _DDP_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"Unknown option(s) {unknown} for {type(self).__name__}. Fix: compressor options go to the compressor, "
+                f"e.g. `GradCompStrategy(compressor=TernGrad(clip_factor=2.5))`; DDP options are "
+                f"{sorted(_DDP_OPTIONS)}."
+            )
+        self.compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
+        if not isinstance(self.compressor, Compressor):
+            raise ValueError(
+                f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
+                f"Fix: use one of {registry.compressor_names()}."
+            )
+        if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude or ()):
+            raise ValueError(
+                f"Expected `exclude` to be a list of parameter-name patterns, but got {exclude!r}. "
+                f"Fix: wrap a single pattern in a list, e.g. `exclude=['classifier.*']`."
+            )
+        self.exclude = list(exclude or [])
+        check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
+        self.min_numel = min_numel
+        if pipeline_mb is not None:
+            check_number("pipeline_mb", pipeline_mb, minimum=0, min_open=True,
+                         fix="pass a positive size in MiB, or None for one group per bucket")
+        self.pipeline_mb = pipeline_mb
+        # parsed now so a bad spec fails before any process group exists
+        self.planner = None if link is None else CollectivePlanner(link, compression_cost)
+        self._transforms: list[LayerTransform] = []
+        self.comm_state = None
+        return ddp_kwargs
+
+    def add_transform(self, transform: LayerTransform) -> None:
+        """Attach a per-layer transform (called by callbacks at setup, before DDP wraps the model)."""
+        if self.comm_state is not None:
+            raise RuntimeError(
+                "Transforms must be attached before the model is wrapped in DDP. Fix: attach it from a callback's "
+                "`setup` hook, or add the callback to the Trainer's `callbacks`."
+            )
+        if any(type(t) is type(transform) for t in self._transforms):
+            raise ValueError(
+                f"A {type(transform).__name__} transform is already attached. Fix: pass one such callback to the Trainer."
+            )
+        self._transforms.append(transform)
+
+    @property
+    def transforms(self) -> tuple[LayerTransform, ...]:
+        """The per-layer transforms, in the order they run."""
+        return tuple(self._transforms)
+
+    def _float_names(self, named: dict[str, torch.nn.Parameter]) -> frozenset[str]:
+        return select_float_names(named, self.exclude, self.min_numel)
+
+    def _new_comm_state(
+        self,
+        named: dict[str, torch.nn.Parameter],
+        process_group: Optional[dist.ProcessGroup],
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        group_rank: Optional[int] = None,
+        **fields: Any,
+    ) -> GradCompState:
+        """Set up the compressor and transforms for this rank and build the hook state (not yet registered).
+
+        Args:
+            named: the parameters that go through the hook, by name.
+            process_group: the group the hook exchanges with.
+            rank: this process's rank, which seeds the compressor's random streams (distinct on every rank).
+            world_size: ranks in ``process_group``.
+            device: where the compressor's state lives.
+            group_rank: this rank's index inside ``process_group`` for the transforms (default: ``rank``).
+            **fields: further :class:`~lightning_gradcomp.hook.GradCompState` fields, overriding the defaults.
+        """
+        self.compressor.setup(rank, world_size, device)
+        for transform in self._transforms:
+            transform.setup(sorted(named), rank if group_rank is None else group_rank, world_size)
+        options: dict[str, Any] = dict(
+            compressor=self.compressor,
+            names={id(p): n for n, p in named.items()},
+            float_names=self._float_names(named),
+            transforms=tuple(self._transforms),
+            process_group=process_group,
+            world_size=world_size,
+            planner=self.planner,
+            pipeline_bytes=None if self.pipeline_mb is None else int(self.pipeline_mb * 2**20),
+        )
+        options.update(fields)
+        return GradCompState(**options)

@@ -1,0 +1,98 @@
+"""Rank bodies that run a ``lightning.fabric.Fabric`` loop (joined through torchrun-style environment variables)."""
+
+from typing import Any, Optional
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+
+import lightning_gradcomp  # noqa: F401  (registers the strategy names in Fabric's registry)
+from tests.distributed.lightning_ranks import random_loader
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5))
+
+
+def fit_fabric(
+    rank: int,
+    world_size: int,
+    strategy: Any,
+    steps: int = 5,
+    nan_at_step: Optional[int] = None,
+    momentum: float = 0.0,
+) -> dict[str, Any]:
+    """A short Fabric loop on rank ``rank``'s shard; a NaN loss on the last rank at ``nan_at_step``."""
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()  # ranks are started externally: joins the group
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    model, optimizer = fabric.setup(model, optimizer)
+    before_nan: Optional[torch.Tensor] = None
+    batches = iter(random_loader(shard=(rank, world_size)))
+    for step in range(steps):
+        x, y = next(batches)
+        loss = nn.functional.cross_entropy(model(x), y)
+        if step == nan_at_step:
+            before_nan = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            if rank == world_size - 1:
+                loss = loss * float("nan")
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        optimizer.step()
+        if step == nan_at_step:
+            after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            assert before_nan is not None and torch.equal(before_nan, after), "a skipped step changed the weights"
+    state = getattr(fabric.strategy, "comm_state", None)
+    return {
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "strategy": type(fabric.strategy).__name__,
+        "compressor": type(getattr(fabric.strategy, "compressor", None)).__name__,
+        "bytes_per_step": state.bytes_per_step() if state else None,
+        "dense_bytes": state.dense_bytes_per_step() if state else None,
+        "skipped_steps": state.skipped_steps if state else None,
+        "transforms": [type(t).__name__ for t in getattr(fabric.strategy, "transforms", ())],
+    }
+
+
+def _train(fabric: Fabric, model: nn.Module, optimizer: Any, batches: list, steps: range) -> None:
+    for step in steps:
+        x, y = batches[step]
+        optimizer.zero_grad()
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        optimizer.step()
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def resume_fabric(rank: int, world_size: int, name: str, path: str) -> dict[str, torch.Tensor]:
+    """6 steps straight; 3 steps, ``fabric.save``, a fresh Fabric that ``fabric.load``s and runs 3 more (exact and reset)."""
+    batches = list(random_loader(shard=(rank, world_size)))
+
+    def fresh(resume: str = "exact") -> tuple[Fabric, nn.Module, Any]:
+        from lightning_gradcomp import GradCompFabricStrategy
+
+        fabric = Fabric(accelerator="cpu", devices=world_size,
+                        strategy=GradCompFabricStrategy(name, resume_compression=resume))  # type: ignore[arg-type]
+        fabric.launch()
+        model = make_model()
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        return fabric, model, optimizer
+
+    fabric, model, optimizer = fresh()
+    _train(fabric, model, optimizer, batches, range(6))
+    out = {"straight": _flat(model)}
+    fabric, model, optimizer = fresh()
+    _train(fabric, model, optimizer, batches, range(3))
+    fabric.save(path, {"model": model, "optimizer": optimizer})
+    for resume in ("exact", "reset"):
+        fabric, model, optimizer = fresh(resume)
+        state = {"model": model, "optimizer": optimizer}
+        remainder = fabric.load(path, state)
+        assert not remainder, f"the compression state leaked into the remainder: {sorted(remainder)}"
+        _train(fabric, model, optimizer, batches, range(3, 6))
+        out[resume] = _flat(model)
+    return out

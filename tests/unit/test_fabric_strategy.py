@@ -1,0 +1,76 @@
+"""``Fabric(strategy=...)`` resolves every registered name and a strategy instance; bad configurations fail early."""
+
+import pytest
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+from lightning_gradcomp import GradCompFabricStrategy, TernGrad
+from lightning_gradcomp.callbacks import MomentumCorrection, SigmaClipping
+from lightning_gradcomp.callbacks.clipping import SigmaClip
+from lightning_gradcomp.registry import NOTEBOOK_SUFFIX, compressor_names, make_compressor
+
+
+@pytest.mark.parametrize("name", compressor_names())
+def test_every_registered_name_constructs_a_fabric_strategy(name: str) -> None:
+    for key, start_method in ((name, "popen"), (name + NOTEBOOK_SUFFIX, "fork")):
+        assert key in STRATEGY_REGISTRY
+        fabric = Fabric(strategy=key, accelerator="cpu", devices=2)
+        strategy = fabric.strategy
+        assert isinstance(strategy, GradCompFabricStrategy)
+        assert type(strategy.compressor) is type(make_compressor(name))
+        assert strategy._start_method == start_method
+    other = Fabric(strategy=name, accelerator="cpu", devices=2).strategy
+    assert other.compressor is not strategy.compressor, "two Fabrics must not share a stateful compressor"
+
+
+def test_fabric_accepts_a_configured_strategy_instance() -> None:
+    compressor = TernGrad(clip_factor=0.0)
+    strategy = GradCompFabricStrategy(
+        compressor, exclude=["0.*"], bucket_cap_mb=5, static_graph=True, transforms=[SigmaClipping(2.5)]
+    )
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=2)
+    assert fabric.strategy is strategy and strategy.compressor is compressor
+    assert [type(t) for t in strategy.transforms] == [SigmaClip]
+    # broadcast_buffers is left to DDP unless given: passing it makes torch print a deprecation warning
+    assert strategy._ddp_kwargs == {
+        "find_unused_parameters": False, "static_graph": True, "gradient_as_bucket_view": False, "bucket_cap_mb": 5
+    }
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: GradCompFabricStrategy("terngrad", transforms=[object()]), "Expected every entry of `transforms`"),
+        (lambda: GradCompFabricStrategy("terngrad", transforms=[SigmaClipping(2.5)]), "Expected one sigma clipping"),
+        (lambda: GradCompFabricStrategy("dgc", transforms=[MomentumCorrection(0.9, weight_decay=1e-4)]), "weight_decay"),
+        (lambda: GradCompFabricStrategy("terngrad", nonfinite="drop"), "Expected `nonfinite`"),
+        (lambda: GradCompFabricStrategy("terngrad", ddp_comm_hook=print), "Expected `ddp_comm_hook` to be None"),
+        (lambda: GradCompFabricStrategy("terngrad", clip_factor=2.5), "Unknown option"),
+        (lambda: GradCompFabricStrategy("ternary"), "Expected `compressor`"),
+    ],
+)
+def test_bad_fabric_configurations_fail_at_construction(build, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=match) as info:
+        build()
+    assert "Fix:" in str(info.value)
+
+
+def test_momentum_correction_checks_the_optimizer_at_fabric_setup() -> None:
+    import torch
+
+    strategy = GradCompFabricStrategy("dgc", transforms=[MomentumCorrection(0.9)])
+    with pytest.raises(ValueError, match="own momentum to be 0"):
+        strategy.setup_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, momentum=0.9))
+    plain = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    assert strategy.setup_optimizer(plain) is plain
+
+
+def test_pytorch_lightning_trainer_refuses_the_names_and_the_strategy() -> None:
+    """What docs/compatibility.md says: the old package name is a separate class hierarchy; use lightning.pytorch."""
+    pl = pytest.importorskip("pytorch_lightning")
+    from lightning_gradcomp import GradCompStrategy
+
+    for strategy in ("terngrad", GradCompStrategy("terngrad")):
+        with pytest.raises(ValueError, match="invalid strategy"):
+            pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
+    assert not issubclass(GradCompStrategy, pl.strategies.Strategy)

@@ -1,0 +1,114 @@
+"""``gradcomp report`` figures: warm-up left out of the time scale, overlapping layers told apart, labels, titles."""
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from lightning_gradcomp import report
+
+pytest.importorskip("matplotlib")
+
+_LAYERS = ("net-0-weight", "net-0-bias", "net-2-weight")
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():  # type: ignore[no-untyped-def]
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+def _write_run(root: Path, warmup_ms: float = 2900.0, stall_ms: float = 0.0) -> Path:
+    """A CSVLogger-shaped run: two layers with identical compression ratios, a slow first logged step."""
+    run = root / "terngrad" / "version_0"
+    run.mkdir(parents=True)
+    (run / "hparams.yaml").write_text("gradcomp:\n  compressor: TernGrad\n  clip_factor: 2.5\n  world_size: 2\n")
+    rows = []
+    for step in range(0, 50, 5):
+        row = {"step": step}
+        for i, layer in enumerate(_LAYERS):
+            row[f"gradcomp/compression_ratio/{layer}"] = 16.0 if layer != "net-0-bias" else 13.3
+            row[f"gradcomp/sparsity/{layer}"] = 0.7 + 0.01 * i + 0.001 * step
+            row[f"gradcomp/density/{layer}"] = 1 - row[f"gradcomp/sparsity/{layer}"]
+        row["gradcomp/compression_ratio/net-2-weight"] = 16.0  # identical to net-0-weight
+        row["gradcomp/compression_ratio/total"] = 15.0
+        row["gradcomp/time_ms/compress"] = warmup_ms if step == 0 else 10.0 + step % 3
+        if step == 25 and stall_ms:
+            row["gradcomp/time_ms/compress"] = stall_ms
+        row["gradcomp/time_ms/collective_wait"] = 5.0
+        row["gradcomp/time_ms/decompress"] = 1.0
+        rows.append(row)
+    with open(run / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return run
+
+
+def test_warmup_step_is_left_out_of_the_time_scale_and_named(tmp_path: Path) -> None:
+    figures = report.figures(_write_run(tmp_path))
+    ax = figures["time_split"].axes[0]
+    low, high = ax.get_ylim()
+    assert high < 50, f"the 2.9 s warm-up sets the scale: {high}"
+    assert high >= 18.0  # the slowest later step (12 + 5 + 1 ms) stays visible
+    notes = [t.get_text() for t in ax.texts]
+    assert any("warm-up" in n and "step 0" in n and "2,906 ms" in n for n in notes), notes
+
+
+def test_a_later_stall_stays_drawn_but_off_the_scale(tmp_path: Path) -> None:
+    ax = report.figures(_write_run(tmp_path, stall_ms=500.0))["time_split"].axes[0]
+    assert ax.get_ylim()[1] < 50
+    assert any("off scale: step 25: 506 ms" in t.get_text() for t in ax.texts)
+    drawn = ax.collections[0].get_paths()[0].vertices
+    assert drawn[:, 0].min() == 5 and drawn[:, 1].max() == 500.0  # the stall is in the data, the warm-up is not
+
+
+def test_a_run_without_warmup_keeps_every_point(tmp_path: Path) -> None:
+    ax = report.figures(_write_run(tmp_path, warmup_ms=12.0))["time_split"].axes[0]
+    assert not ax.texts and ax.get_ylim()[1] >= 18.0
+
+
+def test_identical_layers_share_one_labelled_line_and_styles_differ(tmp_path: Path) -> None:
+    ax = report.figures(_write_run(tmp_path))["compression_ratio"].axes[0]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert "net-0-weight = net-2-weight" in labels and "net-0-bias" in labels and "total" in labels
+    assert len(labels) == 3
+    layer_lines = [line for line in ax.get_lines() if line.get_label() != "total"]
+    styles = {(line.get_marker(), line.get_linestyle()) for line in layer_lines}
+    assert len(styles) == len(layer_lines), "two layers drawn with the same marker and line style"
+
+
+def test_density_is_not_drawn_beside_sparsity(tmp_path: Path) -> None:
+    figures = report.figures(_write_run(tmp_path))
+    assert "sparsity" in figures and "density" not in figures
+
+
+def test_every_figure_names_run_and_compressor_and_labels_its_axes(tmp_path: Path) -> None:
+    figures = report.figures(_write_run(tmp_path))
+    assert {"compression_ratio", "sparsity", "time_split", "compression_by_layer"} <= set(figures)
+    for stem, fig in figures.items():
+        title = fig._suptitle.get_text()
+        assert "terngrad/version_0" in title and "TernGrad" in title, (stem, title)
+        for ax in fig.axes:
+            assert ax.get_xlabel() and ax.get_ylabel(), (stem, ax.get_xlabel(), ax.get_ylabel())
+
+
+def test_histogram_axes_are_labelled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = _write_run(tmp_path)
+    events = [(5, [-1.0, 0.0, 1.0], [3.0, 4.0])]
+    monkeypatch.setattr(report, "load_histograms", lambda log: {
+        f"gradcomp/histogram/net-0-weight/{kind}": events for kind in ("original", "compressed")
+    })
+    fig = report.figures(run)["histograms_net-0-weight"]
+    assert [ax.get_xlabel() for ax in fig.axes] == ["gradient value"] * 2
+    assert all("elements" in ax.get_ylabel() for ax in fig.axes)
+    assert "TernGrad" in fig._suptitle.get_text()
+
+
+def test_render_writes_the_figures(tmp_path: Path) -> None:
+    written = report.render(_write_run(tmp_path), tmp_path / "out")
+    assert {p.name for p in written} == {
+        "compression_ratio.png", "sparsity.png", "time_split.png", "compression_by_layer.png"
+    }
