@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 
 class Aggregation(str, enum.Enum):
@@ -175,6 +176,10 @@ class Compressor(ABC):
         Used for error feedback: ``residual = tensor - sent``. Override where an exact form is cheaper.
         """
         return self.decompress(packet)
+
+    def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Called by the strategy once the optimizers exist, before the first step: warn or raise about an
+        optimizer setting this compressor is known to train badly with (default: nothing)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state to checkpoint (random generator state, adaptive thresholds)."""

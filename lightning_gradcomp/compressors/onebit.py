@@ -10,18 +10,31 @@ unit of a linear/conv layer; Seide et al. quantize per column of their weight ma
 in their layout), or the whole tensor (``"tensor"``: fewer bytes, and on the digits benchmark clearly worse).
 
 On the wire (exact): ``ceil(n / 8)`` bytes of signs plus two float32 reconstruction values per group.
+
+Momentum: error feedback sends at most the group's mean magnitude per element and step, so a large entry's
+remainder arrives over several steps; heavy optimizer momentum integrates those late arrivals into overshoot.
+With SGD momentum >= 0.8 OneBit needs a smaller learning rate than fp32 at the same lr/(1 - momentum) (it
+diverges where fp32 converges; the encoding itself is exact: ``docs/baselines.md``,
+``benchmarks/onebit_momentum.py``), so :meth:`OneBit.check_optimizers` warns.
 """
 
+import warnings
+from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet, max_or_zero
 from lightning_gradcomp.validation import check_choice
 
 Granularity = Literal["tensor", "row"]
+
+#: SGD momentum from which OneBit's error feedback needs a smaller learning rate than fp32 (measured by
+#: ``benchmarks/onebit_momentum.py``: at lr / (1 - momentum) = 0.5, 0.7 matches fp32, 0.8 lags, 0.9 diverges)
+HEAVY_MOMENTUM = 0.8
 
 
 class OneBit(Compressor):
@@ -77,6 +90,21 @@ class OneBit(Compressor):
         groups = positive.view(scales.shape[0], n // max(scales.shape[0], 1))
         out = torch.where(groups, scales[:, :1], -scales[:, 1:])
         return out.to(packet.dtype).view(packet.shape)
+
+    def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Warn when an optimizer applies SGD momentum of :data:`HEAVY_MOMENTUM` or more (see the module docs)."""
+        for optimizer in optimizers:
+            for index, group in enumerate(optimizer.param_groups):
+                momentum = group.get("momentum", 0.0)
+                if momentum >= HEAVY_MOMENTUM:
+                    warnings.warn(
+                        f"OneBit with momentum={momentum} (param group {index} of {type(optimizer).__name__}): 1-bit "
+                        f"error feedback delivers large entries over several steps and heavy momentum turns that into "
+                        f"overshoot; at the learning rate that suits fp32 it can diverge. Fix: divide the learning rate "
+                        f"by 2-5 (or use momentum <= 0.7 at the same lr / (1 - momentum)); see docs/baselines.md.",
+                        UserWarning,
+                        stacklevel=2,
+                    )
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": "OneBit", "granularity": self.granularity}
