@@ -35,6 +35,7 @@ from lightning_gradcomp.guard import (
     bucket_is_nonfinite,
     can_share_collective,
     local_flag,
+    observe_decoded,
     remember_residual,
 )
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
@@ -74,6 +75,9 @@ class GradCompState:
         step_nonfinite: whether the current (or last) step was found non-finite and skipped.
         skipped_steps: steps skipped for non-finite gradients since construction.
         residual_undo: residuals replaced so far in this step, to roll back if the step is skipped.
+        decoded_flags: this step's cheap non-finite flags of the decoded buckets (see ``guard.observe_decoded``).
+        consecutive_skips: skipped steps in a row, counted by ``guard.end_backward``.
+        counted_hook_calls: ``hook_calls`` when ``guard.end_backward`` last counted a step.
         per_rank: when not ``None``, each gathered parameter's per-rank decoded gradients (in rank order) are
             kept here by name after every exchange (WeightGrad's serial per-worker application needs them).
         dense: when set, every parameter is sent uncompressed (fp32 all-reduce) until it is cleared, e.g. for
@@ -105,6 +109,9 @@ class GradCompState:
     step_nonfinite: bool = False
     skipped_steps: int = 0
     residual_undo: dict[str, Optional[Tensor]] = field(default_factory=dict)
+    decoded_flags: list[Tensor] = field(default_factory=list)
+    consecutive_skips: int = 0
+    counted_hook_calls: int = 0
     per_rank: Optional[dict[str, list[Tensor]]] = None
     dense: bool = False
     planner: Optional[Any] = None
@@ -265,6 +272,7 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
         timer.decode_started()
         for decoder in decoders:
             decoder()
+        observe_decoded(state, bucket.buffer())  # an encoding may overflow: finite in, non-finite out
         timer.decode_done()
         return bucket.buffer()
 
@@ -462,4 +470,5 @@ def _multiround_exchange(
         for i, result in zip(compressed_idx, results):
             finish(i, result.mean, result.sent, result.nbytes, result.stats)
     state.shared_stat_bytes[bucket.index()] = 0
+    observe_decoded(state, bucket.buffer())
     return comm.completed(bucket.buffer())

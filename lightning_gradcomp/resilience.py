@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint as ckpt
-from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite
+from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite, end_backward
 from lightning_gradcomp.replicas import check_replicas
 from lightning_gradcomp.validation import check_choice, check_int
 
@@ -122,6 +122,9 @@ class ResilienceMixin:
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)  # type: ignore[misc]
         state = self.comm_state
+        if state is not None:  # decoded non-finite (an overflowing encoding), and consecutive skipped steps
+            named = self.lightning_module.named_parameters()  # type: ignore[attr-defined]
+            end_backward(state, ((n, p.grad) for n, p in named))
         if state is None or state.skipped_steps == self._nonfinite_seen:
             return
         self._nonfinite_seen = state.skipped_steps

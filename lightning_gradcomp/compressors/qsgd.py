@@ -79,7 +79,8 @@ class QSGD(Compressor):
         """Signs (bool, negative), levels (int32 in [0, s]) and bucket norms (float32) of ``tensor``."""
         flat = tensor.detach().reshape(-1).float()
         buckets = self._buckets(flat)
-        norms = buckets.norm(dim=1)
+        # summed in float64: squares of finite float32 values beyond ~1e19 overflow float32 (the norm itself fits)
+        norms = torch.linalg.vector_norm(buckets, dim=1, dtype=torch.float64).float()
         scaled = buckets.abs() * (self.levels / torch.where(norms > 0, norms, 1.0))[:, None]
         lower = scaled.floor()
         rnd = torch.rand(scaled.shape, generator=self._streams.get(name, flat.device), device=flat.device)
