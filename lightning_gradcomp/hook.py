@@ -75,9 +75,6 @@ class GradCompState:
         step_nonfinite: whether the current (or last) step was found non-finite and skipped.
         skipped_steps: steps skipped for non-finite gradients since construction.
         residual_undo: residuals replaced so far in this step, to roll back if the step is skipped.
-        decoded_flags: this step's cheap non-finite flags of the decoded buckets (see ``guard.observe_decoded``).
-        consecutive_skips: skipped steps in a row, counted by ``guard.end_backward``.
-        counted_hook_calls: ``hook_calls`` when ``guard.end_backward`` last counted a step.
         per_rank: when not ``None``, each gathered parameter's per-rank decoded gradients (in rank order) are
             kept here by name after every exchange (WeightGrad's serial per-worker application needs them).
         dense: when set, every parameter is sent uncompressed (fp32 all-reduce) until it is cleared, e.g. for
@@ -90,6 +87,9 @@ class GradCompState:
         stats: where the hook records times and captured statistics for a monitor (``None``: not monitored).
         pipeline_bytes: bytes of input per pipelined group within a bucket (``None``: the whole bucket in one
             group). Each group gets its own collectives; results are identical either way.
+        decoded_flags: this step's cheap non-finite flags of the decoded buckets (see ``guard.observe_decoded``).
+        consecutive_skips: skipped steps in a row, counted by ``guard.end_backward``.
+        counted_hook_calls: ``hook_calls`` when ``guard.end_backward`` last counted a step.
     """
 
     compressor: Compressor
@@ -109,9 +109,6 @@ class GradCompState:
     step_nonfinite: bool = False
     skipped_steps: int = 0
     residual_undo: dict[str, Optional[Tensor]] = field(default_factory=dict)
-    decoded_flags: list[Tensor] = field(default_factory=list)
-    consecutive_skips: int = 0
-    counted_hook_calls: int = 0
     per_rank: Optional[dict[str, list[Tensor]]] = None
     dense: bool = False
     planner: Optional[Any] = None
@@ -123,6 +120,10 @@ class GradCompState:
     pipeline_bytes: Optional[int] = None
     #: reused concatenation and all-gather buffers (see :class:`~lightning_gradcomp.comm.Scratch`)
     scratch: comm.Scratch = field(default_factory=comm.Scratch)
+    # -- the guard's end of backward (guard.observe_decoded, guard.end_backward) --
+    decoded_flags: list[Tensor] = field(default_factory=list)
+    consecutive_skips: int = 0
+    counted_hook_calls: int = 0
 
     def compressor_for(self, name: str) -> Compressor:
         if self.dense or name in self.float_names or name in self.plain_names:
