@@ -224,6 +224,6 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
             self._nonfinite_seen = drop_skipped_gradients(
                 self.comm_state,
                 self._nonfinite_seen,
-                self._module.parameters(),
+                self._module.named_parameters(),
                 has_scaler=getattr(self.precision, "scaler", None) is not None,
             )

@@ -17,9 +17,17 @@ monitor statistics: :func:`can_share_collective`), the flag travels in the stati
 one of its own, so a bucket costs one blocking round trip instead of two; the decision is the same.
 
 Steps are delimited by DDP itself: it launches buckets in index order, so bucket 0 starts a step.
+
+A compressor can also turn finite input into non-finite output (fp16 beyond 65504 x world size, a norm that
+overflows float32). So each decoded bucket's cheap flag is kept too (:func:`observe_decoded`: no collective,
+since every rank decodes the same bits, and no host sync), and at the end of backward :func:`end_backward` skips
+or raises for such a step exactly as for a non-finite input. It also counts consecutive skipped steps: a run whose
+every step is skipped is not training, so after :data:`WARN_AFTER_SKIPS` of them it warns, and after
+:data:`RAISE_AFTER_SKIPS` every rank raises :class:`NonFiniteGradientError`.
 """
 
 import logging
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal, Optional
 
@@ -35,15 +43,21 @@ log = logging.getLogger(__name__)
 NonFinite = Literal["skip", "raise", "ignore"]
 NONFINITE_MODES = ("skip", "raise", "ignore")
 
+#: consecutive skipped steps after which a warning says the run is not training
+WARN_AFTER_SKIPS = 10
+#: consecutive skipped steps after which every rank raises :class:`NonFiniteGradientError`
+RAISE_AFTER_SKIPS = 100
+
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN or Inf on some rank (raised identically on every rank)."""
 
 
 def begin_step(state: "GradCompState") -> None:
-    """Forget the previous step's decision and residual snapshot (called at bucket 0)."""
+    """Forget the previous step's decision, residual snapshot and decoded flags (called at bucket 0)."""
     state.step_nonfinite = False
     state.residual_undo.clear()
+    state.decoded_flags.clear()
 
 
 def remember_residual(state: "GradCompState", name: str) -> None:
@@ -123,7 +137,7 @@ def bucket_is_nonfinite(
     if worst == 0:
         return False
     if state.nonfinite == "raise":
-        local = [n for g, n in zip(grads, names) if not bool(torch.isfinite(g).all())]
+        local = _nonfinite_names(zip(names, grads))
         where = (
             f"`{local[0]}` on rank {rank}" + (f" (also {local[1:]})" if local[1:] else "")
             if local
@@ -133,6 +147,16 @@ def bucket_is_nonfinite(
             f"Non-finite gradient (NaN or Inf) in {where}; every rank stops here. Fix: lower the learning rate, "
             f"check the data, or pass `GradCompStrategy(nonfinite='skip')` to skip such steps on every rank."
         )
+    _skip_step(state)
+    return True
+
+
+def _nonfinite_names(named_grads: Iterable[tuple[str, Optional[Tensor]]]) -> list[str]:
+    return [n for n, g in named_grads if g is not None and not bool(torch.isfinite(g).all())]
+
+
+def _skip_step(state: "GradCompState") -> None:
+    """Mark the step skipped on this rank (every rank decides the same) and roll back its residuals."""
     state.step_nonfinite = True
     state.skipped_steps += 1
     for name, old in state.residual_undo.items():
@@ -144,17 +168,74 @@ def bucket_is_nonfinite(
     return True
 
 
-def drop_skipped_gradients(state: "GradCompState", seen: int, parameters: Iterable[Tensor], has_scaler: bool) -> int:
-    """After backward: if the hook skipped a step since ``seen`` skips, make the optimizer step a no-op.
+def drop_skipped_gradients(
+    state: "GradCompState", seen: int, named_parameters: Iterable[tuple[str, Tensor]], has_scaler: bool
+) -> int:
+    """After backward: check what was decoded (:func:`end_backward`), then, if the hook skipped a step since ``seen``
+    skips, make the optimizer step a no-op.
 
     Every gradient is dropped (``p.grad = None``: optimizers skip such parameters, so no update, momentum or decay),
     except under a ``GradScaler``, which skips the step itself on the NaN-filled buckets and lowers its scale.
     Called by the Trainer and the Fabric strategy alike; returns the count to pass as ``seen`` next time.
     """
+    named = list(named_parameters)
+    end_backward(state, ((n, p.grad) for n, p in named))
     if state.skipped_steps == seen:
         return seen
     log.warning("gradcomp: non-finite gradient on some rank; step skipped on every rank (%d so far)", state.skipped_steps)
     if not has_scaler:
-        for p in parameters:
+        for _, p in named:
             p.grad = None
     return state.skipped_steps
+
+
+def observe_decoded(state: "GradCompState", buffer: Tensor) -> None:
+    """After a bucket was decoded into ``buffer``: keep its cheap non-finite flag for :func:`end_backward`.
+
+    Every rank decodes the same payloads into the same bits, so every rank keeps the same flags: no collective.
+    The flag stays a tensor (no host sync); a list append, because buckets may be decoded on several threads.
+    """
+    if state.nonfinite != "ignore" and not state.step_nonfinite:
+        state.decoded_flags.append(_flag(buffer, 0))
+
+
+def end_backward(state: "GradCompState", named_grads: Iterable[tuple[str, Optional[Tensor]]]) -> bool:
+    """At the end of a backward pass: skip (or raise for) a step whose decoded gradients are non-finite although
+    every rank's input was finite, and count consecutive skipped steps. Returns whether the step is skipped.
+
+    Identical on every rank (same decoded bits, same counters), so every rank skips or raises together. A backward
+    without the hook (gradient accumulation) changes nothing. Raises :class:`NonFiniteGradientError` in
+    ``"raise"`` mode, and in any mode after :data:`RAISE_AFTER_SKIPS` consecutive skipped steps.
+    """
+    if state.hook_calls == state.counted_hook_calls:
+        return False
+    state.counted_hook_calls = state.hook_calls
+    flags, state.decoded_flags = state.decoded_flags, []
+    if flags and not state.step_nonfinite and bool(torch.stack(flags).max() > 0):
+        bad = _nonfinite_names(named_grads)  # the cheap flag may be a float32 overflow of a finite sum
+        if bad and state.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"Compression turned finite gradients into non-finite ones in {bad} (an overflow in the "
+                f"compressor's encoding, e.g. fp16 beyond 65504 x world size); every rank stops here. Fix: lower the "
+                f"learning rate, clip gradients before compression (SigmaClipping, LocalGradientClipping), or use "
+                f"'bf16'/'fp32'; `nonfinite='skip'` skips such steps on every rank."
+            )
+        if bad:
+            _skip_step(state)
+    state.consecutive_skips = state.consecutive_skips + 1 if state.step_nonfinite else 0
+    if state.consecutive_skips == WARN_AFTER_SKIPS:
+        warnings.warn(
+            f"gradcomp: the last {WARN_AFTER_SKIPS} steps were all skipped for non-finite gradients: the model is "
+            f"not training. Causes: non-finite data or loss, a diverged model, or a compressor whose encoding "
+            f"overflows (fp16 beyond 65504 x world size). Fix: lower the learning rate, clip gradients before "
+            f"compression, or use 'bf16'/'fp32'. After {RAISE_AFTER_SKIPS} consecutive skipped steps every rank raises.",
+            UserWarning,
+            stacklevel=2,
+        )
+    if state.consecutive_skips >= RAISE_AFTER_SKIPS:
+        raise NonFiniteGradientError(
+            f"The last {state.consecutive_skips} steps were all skipped for non-finite gradients (on some rank, or "
+            f"after compression); training made no progress, so every rank stops here. Fix: lower the learning rate, "
+            f"check the data, clip gradients before compression, or use 'bf16'/'fp32' instead of 'fp16'."
+        )
+    return state.step_nonfinite

@@ -35,6 +35,7 @@ from lightning_gradcomp.guard import (
     bucket_is_nonfinite,
     can_share_collective,
     local_flag,
+    observe_decoded,
     remember_residual,
 )
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
@@ -86,6 +87,9 @@ class GradCompState:
         stats: where the hook records times and captured statistics for a monitor (``None``: not monitored).
         pipeline_bytes: bytes of input per pipelined group within a bucket (``None``: the whole bucket in one
             group). Each group gets its own collectives; results are identical either way.
+        decoded_flags: this step's cheap non-finite flags of the decoded buckets (see ``guard.observe_decoded``).
+        consecutive_skips: skipped steps in a row, counted by ``guard.end_backward``.
+        counted_hook_calls: ``hook_calls`` when ``guard.end_backward`` last counted a step.
     """
 
     compressor: Compressor
@@ -116,6 +120,10 @@ class GradCompState:
     pipeline_bytes: Optional[int] = None
     #: reused concatenation and all-gather buffers (see :class:`~lightning_gradcomp.comm.Scratch`)
     scratch: comm.Scratch = field(default_factory=comm.Scratch)
+    # -- the guard's end of backward (guard.observe_decoded, guard.end_backward) --
+    decoded_flags: list[Tensor] = field(default_factory=list)
+    consecutive_skips: int = 0
+    counted_hook_calls: int = 0
 
     def compressor_for(self, name: str) -> Compressor:
         if self.dense or name in self.float_names or name in self.plain_names:
@@ -265,6 +273,7 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
         timer.decode_started()
         for decoder in decoders:
             decoder()
+        observe_decoded(state, bucket.buffer())  # an encoding may overflow: finite in, non-finite out
         timer.decode_done()
         return bucket.buffer()
 
@@ -462,4 +471,5 @@ def _multiround_exchange(
         for i, result in zip(compressed_idx, results):
             finish(i, result.mean, result.sent, result.nbytes, result.stats)
     state.shared_stat_bytes[bucket.index()] = 0
+    observe_decoded(state, bucket.buffer())
     return comm.completed(bucket.buffer())

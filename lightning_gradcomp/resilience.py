@@ -125,7 +125,7 @@ class ResilienceMixin:
             self._nonfinite_seen = drop_skipped_gradients(
                 self.comm_state,
                 self._nonfinite_seen,
-                self.lightning_module.parameters(),  # type: ignore[attr-defined]
+                self.lightning_module.named_parameters(),  # type: ignore[attr-defined]
                 has_scaler=getattr(self.precision_plugin, "scaler", None) is not None,  # type: ignore[attr-defined]
             )
 

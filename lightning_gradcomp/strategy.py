@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -137,6 +138,11 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         )
         self._attach_resilience(self.comm_state)  # non-finite mode, pending checkpoint restore
         self.model.register_comm_hook(self.comm_state, gradcomp_hook)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        super().setup_optimizers(trainer)
+        self.compressor.check_optimizers(self.optimizers)  # e.g. OneBit warns about heavy momentum
 
     @classmethod
     @override

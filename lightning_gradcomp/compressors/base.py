@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 
 class Aggregation(str, enum.Enum):
@@ -60,6 +61,11 @@ class Packet:
     def with_payload(self, payload: Tensor) -> "Packet":
         """A packet with another rank's (or a summed) payload and this rank's local decode context."""
         return replace(self, payload=payload, stats={})
+
+
+def max_or_zero(values: Tensor) -> Tensor:
+    """The max of ``values`` as a 0-d tensor, 0 when ``values`` is empty (a statistic of an empty gradient)."""
+    return values.max() if values.numel() else values.new_zeros(())
 
 
 class Compressor(ABC):
@@ -170,6 +176,10 @@ class Compressor(ABC):
         Used for error feedback: ``residual = tensor - sent``. Override where an exact form is cheaper.
         """
         return self.decompress(packet)
+
+    def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Called by the strategy once the optimizers exist, before the first step: warn or raise about an
+        optimizer setting this compressor is known to train badly with (default: nothing)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state to checkpoint (random generator state, adaptive thresholds)."""

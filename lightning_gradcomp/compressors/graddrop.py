@@ -75,6 +75,16 @@ def select_threshold(sample: Tensor, ratio: float) -> Tensor:
     return torch.kthvalue(sample.float(), k).values
 
 
+def threshold_level(threshold: Tensor, survivors: Tensor) -> Tensor:
+    """The one level of ``quantize="threshold"`` (Strom): the threshold, "effectively the minimum surviving
+    absolute value" (Aji & Heafield, Sec. 5.4). At threshold 0 (more than R of the values exactly 0, or a
+    one-element tensor) it is the smallest surviving |x| instead, else every survivor would be sent as 0; NaN
+    when a NaN survives (NaN in, NaN out). ``survivors``: the survivors' |x| (non-empty). Returns a 1-element
+    float32 tensor."""
+    level = torch.where(threshold > 0, threshold.float(), survivors.min())
+    return torch.where(survivors.isnan().any(), float("nan"), level).reshape(1)
+
+
 def select_weighted_threshold(samples: list[Tensor], weights: list[float], ratio: float) -> Tensor:
     """The threshold over a pool of samples where each sampled value stands for ``weight`` elements.
 
@@ -305,11 +315,13 @@ class GradientDropping(FusedSumCompressor):
         """(indices, values, threshold, fp16 overflow count) of the survivors, with torch ops."""
         magnitudes = flat.abs()
         thr = self.threshold(magnitudes, name)
-        keep = magnitudes > thr
+        keep = ~(magnitudes <= thr)  # dropped at or below the threshold; a NaN never is, so it is sent
+        if not keep.any() and thr > 0:  # nothing above it: every |x| ties with it, send the ties
+            keep = ~(magnitudes < thr)
         overflow = flat.new_zeros(())
         if self.quantize == "none" and self.values == "fp16":
             # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
-            fits = magnitudes <= torch.finfo(torch.float16).max
+            fits = ~(magnitudes > torch.finfo(torch.float16).max)
             overflow = (keep & ~fits).sum().float()
             keep &= fits
         idx = torch.nonzero(keep).reshape(-1)
@@ -325,7 +337,7 @@ class GradientDropping(FusedSumCompressor):
         positive = kept > 0
         mag = kept.abs()
         if self.quantize == "threshold":
-            return positive.long(), thr.float().reshape(1)
+            return positive.long(), threshold_level(thr, mag)
         if self.quantize == "global_mean":
             return positive.long(), torch.stack((_mean(mag[~positive]), _mean(mag[positive])))
         if self.quantize == "column_mean":

@@ -10,18 +10,31 @@ unit of a linear/conv layer; Seide et al. quantize per column of their weight ma
 in their layout), or the whole tensor (``"tensor"``: fewer bytes, and on the digits benchmark clearly worse).
 
 On the wire (exact): ``ceil(n / 8)`` bytes of signs plus two float32 reconstruction values per group.
+
+Momentum: error feedback sends at most the group's mean magnitude per element and step, so a large entry's
+remainder arrives over several steps; heavy optimizer momentum integrates those late arrivals into overshoot.
+With SGD momentum >= 0.8 OneBit needs a smaller learning rate than fp32 at the same lr/(1 - momentum) (it
+diverges where fp32 converges; the encoding itself is exact: ``docs/baselines.md``,
+``benchmarks/onebit_momentum.py``), so :meth:`OneBit.check_optimizers` warns.
 """
 
+import warnings
+from collections.abc import Sequence
 from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet, max_or_zero
 from lightning_gradcomp.validation import check_choice
 
 Granularity = Literal["tensor", "row"]
+
+#: SGD momentum from which OneBit's error feedback needs a smaller learning rate than fp32 (measured by
+#: ``benchmarks/onebit_momentum.py``: at lr / (1 - momentum) = 0.5, 0.7 matches fp32, 0.8 lags, 0.9 diverges)
+HEAVY_MOMENTUM = 0.8
 
 
 class OneBit(Compressor):
@@ -41,12 +54,12 @@ class OneBit(Compressor):
         self.granularity: Granularity = granularity
 
     def _groups(self, tensor: Tensor) -> Tensor:
-        flat = tensor.detach().float()
-        if self.granularity == "row" and flat.dim() > 1:
-            return flat.reshape(flat.shape[0], -1)
-        return flat.reshape(1, -1)
+        groups = self._num_groups(tensor.shape)
+        return tensor.detach().float().reshape(groups, tensor.numel() // max(groups, 1))
 
     def _num_groups(self, shape: torch.Size) -> int:
+        if shape.numel() == 0:  # nothing to reconstruct: no group, no reconstruction values, 0 bytes
+            return 0
         return shape[0] if self.granularity == "row" and len(shape) > 1 else 1
 
     def payload_nbytes(self, numel: int, num_groups: int = 1) -> int:
@@ -65,7 +78,7 @@ class OneBit(Compressor):
         mean_neg = sum_neg / count_neg.clamp(min=1)
         scales = torch.stack((mean_pos, mean_neg), dim=1).reshape(-1)  # [pos0, neg0, pos1, neg1, ...]
         payload = torch.cat((pack_bits(positive, 1), scales.view(torch.uint8)))
-        stats = {"scale": torch.maximum(mean_pos, mean_neg).max()}
+        stats = {"scale": max_or_zero(torch.maximum(mean_pos, mean_neg))}
         return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
 
     def decompress(self, packet: Packet) -> Tensor:
@@ -74,9 +87,24 @@ class OneBit(Compressor):
         positive = unpack_bits(packet.payload[:nbits], n, 1).bool()
         # clone: a slice at an odd byte offset cannot be reinterpreted as float32 in place
         scales = packet.payload[nbits:].clone().view(torch.float32).view(-1, 2)
-        groups = positive.view(scales.shape[0], -1)
+        groups = positive.view(scales.shape[0], n // max(scales.shape[0], 1))
         out = torch.where(groups, scales[:, :1], -scales[:, 1:])
         return out.to(packet.dtype).view(packet.shape)
+
+    def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Warn when an optimizer applies SGD momentum of :data:`HEAVY_MOMENTUM` or more (see the module docs)."""
+        for optimizer in optimizers:
+            for index, group in enumerate(optimizer.param_groups):
+                momentum = group.get("momentum", 0.0)
+                if momentum >= HEAVY_MOMENTUM:
+                    warnings.warn(
+                        f"OneBit with momentum={momentum} (param group {index} of {type(optimizer).__name__}): 1-bit "
+                        f"error feedback delivers large entries over several steps and heavy momentum turns that into "
+                        f"overshoot; at the learning rate that suits fp32 it can diverge. Fix: divide the learning rate "
+                        f"by 2-5 (or use momentum <= 0.7 at the same lr / (1 - momentum)); see docs/baselines.md.",
+                        UserWarning,
+                        stacklevel=2,
+                    )
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": "OneBit", "granularity": self.granularity}

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet, max_or_zero
 from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.validation import check_int
 
@@ -79,7 +79,8 @@ class QSGD(Compressor):
         """Signs (bool, negative), levels (int32 in [0, s]) and bucket norms (float32) of ``tensor``."""
         flat = tensor.detach().reshape(-1).float()
         buckets = self._buckets(flat)
-        norms = buckets.norm(dim=1)
+        # summed in float64: squares of finite float32 values beyond ~1e19 overflow float32 (the norm itself fits)
+        norms = torch.linalg.vector_norm(buckets, dim=1, dtype=torch.float64).float()
         scaled = buckets.abs() * (self.levels / torch.where(norms > 0, norms, 1.0))[:, None]
         lower = scaled.floor()
         rnd = torch.rand(scaled.shape, generator=self._streams.get(name, flat.device), device=flat.device)
@@ -91,7 +92,8 @@ class QSGD(Compressor):
         negative, level, norms = self.quantize(tensor, name)
         codes = level * 2 + negative.to(torch.int32)
         payload = torch.cat((pack_bits(codes, self.width), norms.view(torch.uint8)))
-        stats = {"sparsity": (level == 0).float().mean(), "norm": norms.max()}
+        # an empty tensor has no bucket: its statistics are 0, not a reduction over nothing
+        stats = {"sparsity": (level == 0).float().mean().nan_to_num(0.0), "norm": max_or_zero(norms)}
         return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
 
     def decompress(self, packet: Packet) -> Tensor:

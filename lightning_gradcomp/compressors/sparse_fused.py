@@ -157,11 +157,13 @@ class FusedGradientDropping:
         owner = self.owner
         sample, weight = self.threshold_sample(flat, name)
         thr = owner.pooled_threshold(sample, weight, name, select=kth_threshold)
-        idx, kept = kernels.select_above(flat, thr)
+        idx, kept = kernels.select_above(flat, thr)  # not at or below the threshold: NaN is sent
+        if idx.numel() == 0 and thr > 0:  # nothing above it: every |x| ties with it, send the ties
+            idx, kept = kernels.select_above(flat, thr, inclusive=True)
         overflow = flat.new_zeros(())
         if owner.quantize == "none" and owner.values == "fp16":
             # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
-            fits = kept.abs() <= torch.finfo(torch.float16).max
+            fits = ~(kept.abs() > torch.finfo(torch.float16).max)
             overflow = (~fits).sum().float()
             idx, kept = idx[fits], kept[fits]
         return idx.long(), kept, thr, overflow

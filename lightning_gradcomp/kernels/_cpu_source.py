@@ -88,6 +88,11 @@ inline f8 abs8(f8 v) {
   return (f8)bits;
 }
 
+// max that propagates NaN as torch.amax does: a plain `m > a ? m : a` forgets a NaN at the next comparison, so a
+// NaN gradient would get a finite scaler here but a NaN one on the torch backend
+inline f8 nanmax8(f8 m, f8 a) { return ((m > a) | (m != m)) ? m : a; }
+inline float nanmax(float m, float a) { return (m > a || m != m) ? m : a; }
+
 LGC_CLONES void stats_tile(const float* x, int64_t n, double* out3) {
   d8 s = {0}, q = {0};
   f8 m = {0};
@@ -95,7 +100,7 @@ LGC_CLONES void stats_tile(const float* x, int64_t n, double* out3) {
   for (; i + 8 <= n; i += 8) {
     f8 v = load8(x + i);
     f8 a = abs8(v);
-    m = m > a ? m : a;
+    m = nanmax8(m, a);
     d8 d = __builtin_convertvector(v, d8);
     s += d;
     q += d * d;
@@ -105,14 +110,13 @@ LGC_CLONES void stats_tile(const float* x, int64_t n, double* out3) {
   for (int l = 0; l < 8; ++l) {
     S += s[l];
     Q += q[l];
-    M = M > m[l] ? M : m[l];
+    M = nanmax(M, m[l]);
   }
   for (; i < n; ++i) {
     double d = (double)x[i];
     S += d;
     Q += d * d;
-    float a = std::fabs(x[i]);
-    M = M > a ? M : a;
+    M = nanmax(M, std::fabs(x[i]));
   }
   out3[0] = S;
   out3[1] = Q;
@@ -159,11 +163,12 @@ torch::Tensor terngrad_stats(torch::Tensor g, int64_t bucket) {
       const double* p = &part[(c * items.tiles_per_chunk + t) * 3];
       S += p[0];
       Q += p[1];
-      M = std::max(M, p[2]);
+      M = (M > p[2] || M != M) ? M : p[2];  // NaN-propagating, as nanmax
     }
     double cnt = (double)(std::min(n, (c + 1) * bucket) - c * bucket);
     double mean = S / cnt;
-    double var = std::max(0.0, Q / cnt - mean * mean);
+    double var = Q / cnt - mean * mean;
+    var = var < 0.0 ? 0.0 : var;  // rounding below 0 clamped, NaN kept (std::max(0.0, NaN) is 0), as clamp_min
     o[2 * c] = (float)std::sqrt(var);
     o[2 * c + 1] = (float)M;
   }
@@ -213,7 +218,7 @@ LGC_CLONES void ternary_codes(const float* __restrict x, int64_t len, uint32_t b
   for (int i = 0; i < n; ++i) {
     float v = x[i];
     float a = std::fabs(v);
-    a = a < clip ? a : clip;
+    a = a > clip ? clip : a;  // min(|g|, clip) keeping a NaN (never kept: NaN is sent as 0, as torch.minimum)
     uint32_t h = hash_index(base + (uint32_t)i, k0, k1);
     float u = (float)(int32_t)(h >> 8) * 5.9604644775390625e-08f;  // 2^-24: the 24-bit uniform of torch.rand
     int32_t keep = u * s < a;
@@ -493,50 +498,70 @@ torch::Tensor sample_abs(torch::Tensor x, int64_t size, int64_t mode, int64_t k0
   return out;
 }
 
-// the k-th smallest (0-based) value: an exact order statistic, like torch.kthvalue(sample, k + 1)
+// the k-th smallest (0-based) value: an exact order statistic, like torch.kthvalue(sample, k + 1), NaN ranked above
+// every number as torch ranks it (a plain `<` is no strict weak order with NaN: nth_element's result is then arbitrary)
 double kth_smallest(torch::Tensor sample, int64_t k) {
   check_f32(sample, "sample");
   std::vector<float> v(sample.data_ptr<float>(), sample.data_ptr<float>() + sample.numel());
   TORCH_CHECK(k >= 0 && k < (int64_t)v.size(), "k out of range");
-  std::nth_element(v.begin(), v.begin() + k, v.end());
+  std::nth_element(v.begin(), v.begin() + k, v.end(), [](float a, float b) { return a < b || (a == a && b != b); });
   return (double)v[k];
 }
 
-// indices base + i of |x[i]| > thr (ge: >=) for i < len, ascending, into out (room for len); returns the count.
-// Groups of 16 are tested at vector speed and scanned only when one of them is selected.
-template <bool ge>
+// whether |x| = a passes thr: a > thr (ge: a >= thr); with nan, also when unordered (a NaN |x|, or a NaN thr):
+// "not at or below the threshold", Gradient Dropping's drop rule inverted
+template <bool ge, bool nan>
+inline bool passes(float a, float thr) {
+  return nan ? !(ge ? a < thr : a <= thr) : (ge ? a >= thr : a > thr);
+}
+template <bool ge, bool nan>
+inline i8v passes8(f8 a, f8 tv) {
+  if constexpr (nan && ge) return ~(a < tv);
+  if constexpr (nan && !ge) return ~(a <= tv);
+  if constexpr (!nan && ge) return a >= tv;
+  return a > tv;
+}
+
+// indices base + i of the |x[i]| that pass thr (see passes) for i < len, ascending, into out (room for len); returns
+// the count. Groups of 16 are tested at vector speed and scanned only when one of them is selected.
+template <bool ge, bool nan>
 inline int select_tile_impl(const float* x, int len, float thr, int32_t base, int32_t* out) {
   const f8 tv = f8{} + thr;
   int c = 0, g = 0;
   for (; g + 16 <= len; g += 16) {
     f8 a0 = abs8(load8(x + g)), a1 = abs8(load8(x + g + 8));
-    i8v hit = ge ? ((a0 >= tv) | (a1 >= tv)) : ((a0 > tv) | (a1 > tv));
+    i8v hit = passes8<ge, nan>(a0, tv) | passes8<ge, nan>(a1, tv);
     uint64_t words[4];
     std::memcpy(words, &hit, sizeof words);
     if (!(words[0] | words[1] | words[2] | words[3])) continue;
     for (int j = g; j < g + 16; ++j) {  // branch-free compaction: no mispredicted branches
-      float a = std::fabs(x[j]);
       out[c] = base + j;
-      c += ge ? a >= thr : a > thr;
+      c += passes<ge, nan>(std::fabs(x[j]), thr);
     }
   }
   for (; g < len; ++g) {
-    float a = std::fabs(x[g]);
-    if (ge ? a >= thr : a > thr) out[c++] = base + g;
+    if (passes<ge, nan>(std::fabs(x[g]), thr)) out[c++] = base + g;
   }
   return c;
 }
 
-LGC_CLONES int select_tile_gt(const float* x, int len, float thr, int32_t base, int32_t* out) {
-  return select_tile_impl<false>(x, len, thr, base, out);
+// Gradient Dropping's survivors: not |x| <= thr (so a NaN survives), or with inclusive not |x| < thr
+LGC_CLONES int select_tile_gt_nan(const float* x, int len, float thr, int32_t base, int32_t* out) {
+  return select_tile_impl<false, true>(x, len, thr, base, out);
 }
 
+LGC_CLONES int select_tile_ge_nan(const float* x, int len, float thr, int32_t base, int32_t* out) {
+  return select_tile_impl<true, true>(x, len, thr, base, out);
+}
+
+// AdaComp's selection |H| >= gmax (ordered: a NaN is not selected, as torch's comparison)
 LGC_CLONES int select_tile_ge(const float* x, int len, float thr, int32_t base, int32_t* out) {
-  return select_tile_impl<true>(x, len, thr, base, out);
+  return select_tile_impl<true, false>(x, len, thr, base, out);
 }
 
-// (int32 index, float32 value) of |x| > threshold, in ascending index order
-std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold) {
+// (int32 index, float32 value) of the entries not at or below the threshold: |x| > threshold or NaN (inclusive:
+// |x| >= threshold or NaN), in ascending index order
+std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold, bool inclusive) {
   check_f32(x, "x");
   const int64_t n = x.numel();
   TORCH_CHECK(n < (int64_t(1) << 31), "select_above: more than 2^31 elements");
@@ -551,7 +576,7 @@ std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold) {
     std::vector<int32_t> scratch(kTile);
     for (int64_t t = tb; t < te; ++t) {
       int64_t b = t * kTile, e = std::min(n, b + kTile);
-      int c = select_tile_gt(xp + b, (int)(e - b), thr, (int32_t)b, scratch.data());
+      int c = (inclusive ? select_tile_ge_nan : select_tile_gt_nan)(xp + b, (int)(e - b), thr, (int32_t)b, scratch.data());
       idx[t].assign(scratch.begin(), scratch.begin() + c);
     }
   });
@@ -577,12 +602,11 @@ LGC_CLONES float absmax(const float* x, int64_t len) {
   f8 m = {0};
   int64_t i = 0;
   for (; i + 8 <= len; i += 8) {
-    f8 a = abs8(load8(x + i));
-    m = m > a ? m : a;
+    m = nanmax8(m, abs8(load8(x + i)));
   }
   float M = 0;
-  for (int l = 0; l < 8; ++l) M = M > m[l] ? M : m[l];
-  for (; i < len; ++i) M = M > std::fabs(x[i]) ? M : std::fabs(x[i]);
+  for (int l = 0; l < 8; ++l) M = nanmax(M, m[l]);
+  for (; i < len; ++i) M = nanmax(M, std::fabs(x[i]));
   return M;
 }
 

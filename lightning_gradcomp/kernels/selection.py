@@ -4,7 +4,7 @@ Standalone functions with one job each, so a compressor can adopt them piecewise
 
 * :func:`sample_abs` + :func:`sample_threshold`: the threshold that drops the ``drop_ratio`` smallest |x|,
   estimated from a strided or random sample (Aji & Heafield sample 0.1%).
-* :func:`select_above`: compaction of |x| > threshold into (int32 index, float32 value).
+* :func:`select_above`: compaction of |x| > threshold (and NaN) into (int32 index, float32 value).
 * :func:`bin_absmax`, :func:`adacomp_select`: AdaComp's per-bin max|G| (bin length L, last bin partial)
   and selection |H| >= gmax(bin), with bin-relative indices.
 * :func:`sparse_decode_sum`: the dense sum of several ranks' sparse payloads, in rank order.
@@ -98,18 +98,21 @@ def kth_smallest(sample: Tensor, k: int) -> Tensor:
     return torch.kthvalue(flat, k + 1).values
 
 
-def select_above(tensor: Tensor, threshold: "Tensor | float") -> tuple[Tensor, Tensor]:
-    """(int32 indices, float32 values) of the entries with |x| > ``threshold``, in ascending index order.
+def select_above(tensor: Tensor, threshold: "Tensor | float", inclusive: bool = False) -> tuple[Tensor, Tensor]:
+    """(int32 indices, float32 values) of the entries not at or below ``threshold``, in ascending index order.
 
-    The count is ``indices.numel()``.
+    That is |x| > ``threshold`` (``inclusive``: |x| >= ``threshold``), or NaN: a NaN compares false with every
+    number, so it is never "at or below" (Gradient Dropping sends it: NaN in, NaN out). The count is
+    ``indices.numel()``.
     """
     flat = _flat32(tensor)
     ext = _ext(flat)
     if ext is not None:
-        index, values = ext.select_above(flat, float(threshold))
+        index, values = ext.select_above(flat, float(threshold), inclusive)
         return index, values
     thr = threshold.to(flat.device) if isinstance(threshold, Tensor) else threshold  # no host sync on CUDA
-    index = torch.nonzero(flat.abs() > thr).reshape(-1)
+    magnitudes = flat.abs()
+    index = torch.nonzero(~(magnitudes < thr) if inclusive else ~(magnitudes <= thr)).reshape(-1)
     return index.to(torch.int32), flat[index]
 
 

@@ -171,3 +171,57 @@ def test_registered_names_make_fresh_compressors() -> None:
     assert isinstance(registry.make_compressor("AdaComp"), AdaComp)
     assert registry.make_compressor("graddrop") is not registry.make_compressor("graddrop")
     assert "graddrop" in StrategyRegistry and "adacomp" in StrategyRegistry
+
+
+def _feedback_run(comp: GradientDropping, grads: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """Error feedback over ``grads`` (one per step); per step (sent, new residual, stats["sent"]), after checking
+    grad + old residual == sent + new residual exactly."""
+    memory = ResidualMemory()
+    out = []
+    for grad in grads:
+        old, x, packet, sent = feedback_step(comp, memory, grad, "w")
+        residual = memory.residuals["w"]
+        assert torch.equal(grad + (0 if old is None else old), sent + residual)
+        assert float(packet.stats["sent"]) == int((sent != 0).sum())  # what it counts is what it sends
+        out.append((sent, residual, float(packet.stats["sent"])))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_threshold_quantizer_sends_the_survivors_when_the_threshold_is_zero(backend: str) -> None:
+    # the audit's case: 1000 values, 3 non-zero, R = 0.99: the 990th smallest |x| is 0, so the threshold is 0
+    grad = torch.zeros(1000)
+    grad[[10, 500, 999]] = torch.tensor([2.0, -2.0, 2.0])
+    comp = GradientDropping(drop_ratio=0.99, quantize="threshold", backend=backend)
+    for sent, residual, _ in _feedback_run(comp, [grad] * 4):
+        assert torch.equal(sent, grad)  # +-(smallest surviving |x|) = +-2: everything arrives
+        assert torch.equal(residual, torch.zeros(1000))  # was 2, 4, 6, 8: nothing was ever sent
+    # distinct magnitudes once, then nothing: the residual drains instead of waiting forever
+    first = torch.zeros(1000)
+    first[[3, 4, 5]] = torch.tensor([1.0, -2.0, 3.0])
+    runs = _feedback_run(GradientDropping(drop_ratio=0.99, quantize="threshold", backend=backend), [first] + [torch.zeros(1000)] * 3)
+    assert [float(r.abs().max()) for _, r, _ in runs] == [2.0, 1.0, 0.0, 0.0]
+    assert [count for _, _, count in runs] == [3, 2, 1, 0]
+
+
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_threshold_quantizer_sends_a_one_element_tensor(backend: str) -> None:
+    comp = GradientDropping(drop_ratio=0.99, quantize="threshold", backend=backend)
+    grad = torch.tensor([0.3])
+    for sent, residual, count in _feedback_run(comp, [grad] * 4):  # floor(0.99 * 1) = 0: threshold 0
+        assert torch.equal(sent, grad) and torch.equal(residual, torch.zeros(1)) and count == 1
+
+
+@pytest.mark.parametrize("quantize", ["none", "threshold"])
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_ties_at_the_threshold_are_sent_when_nothing_exceeds_it(backend: str, quantize: str) -> None:
+    # a two-class classifier's bias: its gradients are g and -g, so the threshold (the smallest |x|) ties with
+    # every value; Marian's |x| <= threshold would drop both forever
+    bias = torch.tensor([0.25, -0.25])
+    comp = GradientDropping(drop_ratio=0.99, sample="exact", quantize=quantize, backend=backend)
+    for sent, residual, count in _feedback_run(comp, [bias] * 3):
+        assert torch.equal(sent, bias) and count == 2
+    # ties are sent only when nothing exceeds the threshold: here 0.5 does, so the tied 0.25s are dropped
+    x = torch.tensor([0.25, -0.25, 0.25, 0.5])
+    packet = GradientDropping(drop_ratio=0.5, sample="exact", backend=backend).compress(x, "w")
+    assert float(packet.stats["threshold"]) == 0.25 and float(packet.stats["sent"]) == 1
