@@ -30,6 +30,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradcomp.callbacks.clipping import SigmaClip
+from lightning_gradcomp.extras import require
 from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.stats import HookStats
 from lightning_gradcomp.validation import check_int
@@ -149,6 +150,8 @@ class CompressionMonitor(Callback):
                 "Cannot use the CompressionMonitor callback with a Trainer that has no logger. Fix: pass "
                 "`logger=WandbLogger(...)` (or CSVLogger, TensorBoardLogger) to the Trainer, or remove the callback."
             )
+        if any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+            require("wandb", "wandb", "CompressionMonitor's W&B logging")  # before the first step, not at the first log
         if self.logging_interval is None and trainer.log_every_n_steps == 0:
             raise ValueError(
                 "Expected `log_every_n_steps` >= 1 for CompressionMonitor, but the Trainer has `log_every_n_steps=0` "
@@ -333,8 +336,7 @@ class CompressionMonitor(Callback):
     def _wandb_histograms(histograms: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
         if not histograms:
             return {}
-        import wandb
-
+        wandb = require("wandb", "wandb", "CompressionMonitor's W&B histograms")
         return {key: wandb.Histogram(np_histogram=value) for key, value in histograms.items()}
 
     @staticmethod
