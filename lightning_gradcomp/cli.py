@@ -24,6 +24,7 @@ from typing_extensions import override
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from lightning_gradcomp.cli_errors import summarize
+from lightning_gradcomp.extras import missing_extra_message
 from lightning_gradcomp.registry import strategy_name_error, strategy_names
 
 # subcommands that are not LightningCLI's: name -> ("module:function" taking argv, one-line help)
@@ -114,6 +115,20 @@ class GradCompCLI(LightningCLI):
             error = strategy_name_error(strategy)
             if error is not None:
                 _fail(error.replace("`strategy`", "`trainer.strategy`"))
+
+
+    @override
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ModuleNotFoundError, ValueError) as err:  # jsonargparse wraps the logger's error in a ValueError
+            cause: Optional[BaseException] = err
+            while cause is not None and not isinstance(cause, ModuleNotFoundError):
+                cause = cause.__cause__
+            if cause is None or "wandb" not in str(cause):
+                raise
+            # Lightning's WandbLogger names the missing distribution, not the extra that installs it
+            _fail(missing_extra_message("wandb", "wandb", "`WandbLogger`") + f" ({str(cause).splitlines()[0]})")
 
 
 def main(args: Optional[list[str]] = None) -> None:

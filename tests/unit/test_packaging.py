@@ -76,3 +76,25 @@ def test_ci_runs_the_readme_commands() -> None:
     assert tests == ["python -m pytest -q tests"]
     ci = (ROOT / ".ci" / "run").read_text()
     assert "grep -m1 '^python3 -m venv .venv && ' README.md" in ci and "grep -m1 '^python -m pytest' README.md" in ci
+
+
+def test_cli_wandb_logger_without_wandb_names_the_extra(monkeypatch, capsys) -> None:
+    import lightning.pytorch.loggers.wandb as lightning_wandb
+
+    from lightning_gradcomp.cli import GradCompCLI
+
+    from lightning_utilities.core.imports import RequirementCache
+
+    # what Lightning sees without the package: an unmet requirement
+    monkeypatch.setattr(lightning_wandb, "_WANDB_AVAILABLE", RequirementCache("wandb>=999"))
+    monkeypatch.setattr(sys, "argv", ["gradcomp"])
+    args = [
+        "--model=tests.integration.cli_fixtures.TinyClassifier", "--data=tests.integration.cli_fixtures.RandomDataModule",
+        "--trainer.logger=lightning.pytorch.loggers.WandbLogger", "--trainer.accelerator=cpu",
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        GradCompCLI(args=args, run=False)
+    first = capsys.readouterr().err.splitlines()[0]
+    assert exit_info.value.code == 2
+    assert first.startswith("gradcomp: error: Expected `wandb` to be installed for `WandbLogger`, but it is not. "
+                            "Fix: pip install 'lightning_gradcomp[wandb]'"), first
