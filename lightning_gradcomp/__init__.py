@@ -4,11 +4,21 @@ Importing the package registers the strategy names (``Trainer(strategy="terngrad
 and ``"terngrad_notebook"`` for interactive sessions).
 """
 
-from lightning_gradcomp import registry as _registry
-from lightning_gradcomp.compressors import Compressor, Identity, Packet, TernGrad
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook
-from lightning_gradcomp.pipeline import LayerTransform
-from lightning_gradcomp.strategy import GradCompStrategy
+import logging as _logging
+
+# INFO lines (what compresses, with which collectives and bytes; a kernel compile) reach the terminal by default,
+# exactly as Lightning makes its own visible: a handler of our own unless the application configured logging
+_logger = _logging.getLogger(__name__)
+_logger.setLevel(_logging.INFO)
+if not _logging.getLogger().hasHandlers():
+    _logger.addHandler(_logging.StreamHandler())
+    _logger.propagate = False
+
+from lightning_gradcomp import registry as _registry  # noqa: E402
+from lightning_gradcomp.compressors import Compressor, Identity, Packet, TernGrad  # noqa: E402
+from lightning_gradcomp.hook import GradCompState, gradcomp_hook  # noqa: E402
+from lightning_gradcomp.pipeline import LayerTransform  # noqa: E402
+from lightning_gradcomp.strategy import GradCompStrategy  # noqa: E402
 
 _registry.register_strategies(GradCompStrategy)
 

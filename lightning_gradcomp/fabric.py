@@ -81,6 +81,9 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         **kwargs: further ``DistributedDataParallel`` options.
     """
 
+    #: also registered as a name in Fabric's registry (`Fabric(strategy="gradcomp")`), as the Trainer's class is
+    strategy_name = "gradcomp"
+
     def __init__(
         self,
         compressor: Union[Compressor, str] = "terngrad",

@@ -283,6 +283,8 @@ def measure_codec(compressor: Compressor, shapes: Shapes, world_size: int, timed
     aggregation = compressor.aggregation_for(world_size)
     gen = torch.Generator().manual_seed(0)
     grads = [(name, torch.randn(*shape, generator=gen) * 1e-3) for name, shape in shapes]
+    for name, g in grads:  # as the hook does before compressing (AdaComp keeps the step's gradient apart)
+        compressor.observe_gradient(g, name)
     start = time.perf_counter()
     packets = [compressor.compress(g, name, None) for name, g in grads]
     encode = time.perf_counter() - start

@@ -4,8 +4,9 @@ Lightning has no entry point for external strategies, so importing :mod:`lightni
 every name here (``Trainer(strategy="terngrad")``). Unknown names fail loudly: a typo never becomes a default.
 """
 
-from collections.abc import Callable
-from typing import Any
+import difflib
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 from lightning_gradcomp.compressors.adacomp import AdaComp
 from lightning_gradcomp.compressors.base import Compressor
@@ -45,7 +46,7 @@ def make_compressor(name: str) -> Compressor:
     if key not in COMPRESSORS:
         raise ValueError(
             f"Expected `compressor` to be one of {compressor_names()}, but got {name!r}. "
-            f"Fix: use a registered name or pass a Compressor instance."
+            f"Fix: {did_you_mean(name, compressor_names())}use a registered name or pass a Compressor instance."
         )
     return COMPRESSORS[key][0]()
 
@@ -81,3 +82,46 @@ def register_strategies(strategy_cls: type, strategy_registry: Any = None) -> No
             compressor=name,
             start_method="fork",
         )
+    # the class's own name (GradCompStrategy.strategy_name): the class with its defaults
+    strategy_registry.register(
+        strategy_cls.strategy_name, strategy_cls, description=f"{strategy_cls.__name__} with its defaults", override=True
+    )
+
+
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """``"did you mean 'x'? "`` for the closest of ``choices`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+#: strategy names this package registers besides the compressor names
+_OWN_STRATEGIES = ("gradcomp", "weightgrad")
+
+
+def strategy_names() -> list[str]:
+    """The strategy names ``import lightning_gradcomp`` registers in Lightning's ``StrategyRegistry``."""
+    return sorted({*COMPRESSORS, *_OWN_STRATEGIES})
+
+
+def strategy_name_error(name: str) -> Optional[str]:
+    """Why ``Trainer(strategy=name)`` would fail, with the fix; ``None`` when Lightning accepts the name.
+
+    Lightning's own error lists only Lightning's names; this names ours too, and says when one of ours is used before
+    ``import lightning_gradcomp`` registered it.
+    """
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    known = StrategyRegistry.available_strategies()
+    if name == "auto" or name in known:
+        return None
+    if name.lower().removesuffix(NOTEBOOK_SUFFIX) in strategy_names():
+        return (
+            f"Expected `strategy` to be a registered name, but {name!r} is not registered yet. "
+            f"Fix: `import lightning_gradcomp` before creating the Trainer (the import registers {strategy_names()})."
+        )
+    lightning = sorted(n for n in known if n not in strategy_names())
+    return (
+        f"Expected `strategy` to be a registered strategy name, but got {name!r}. "
+        f"Fix: {did_you_mean(name, [*strategy_names(), *lightning])}use one of gradcomp's {strategy_names()} "
+        f"or Lightning's {lightning}."
+    )

@@ -314,6 +314,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--layers", nargs="+", default=None, help="fnmatch patterns of layer keys to plot")
     args = parser.parse_args(argv)
     try:
+        # a wrong path is the user's first mistake: name it before anything asks for matplotlib
+        find_log(args.run)
         paths = render(args.run, args.out, args.layers)
     except (ValueError, ImportError) as exc:
         parser.exit(2, f"gradcomp report: error: {exc}\n")

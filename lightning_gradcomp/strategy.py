@@ -1,5 +1,6 @@
 """``GradCompStrategy``: Lightning's DDP with our compression hook installed on CPU (Gloo) and GPU (NCCL)."""
 
+import copy
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
@@ -15,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.hook import gradcomp_hook
 from lightning_gradcomp.guard import NonFinite
@@ -39,7 +40,8 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         static_graph: as in ``DistributedDataParallel``.
         gradient_as_bucket_view: as in ``DistributedDataParallel``.
         bucket_cap_mb: DDP bucket size in MiB (``None``: DDP's default).
-        broadcast_buffers: as in ``DistributedDataParallel``.
+        broadcast_buffers: as in ``DistributedDataParallel``; ``None`` (default) leaves it to DDP (buffers synced),
+            without torch's deprecation warning for passing it, as stock ``strategy="ddp"`` does.
         accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
         parallel_devices: see ``DDPStrategy``.
         cluster_environment: see ``DDPStrategy``.
@@ -81,7 +83,7 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
         bucket_cap_mb: Optional[float] = None,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: Optional[bool] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -105,9 +107,10 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
-            broadcast_buffers=broadcast_buffers,
             **kwargs,
         )
+        if broadcast_buffers is not None:  # torch >= 2.13 warns whenever it is passed, even with the default value
+            ddp_kwargs["broadcast_buffers"] = broadcast_buffers
         if bucket_cap_mb is not None:
             ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
         super().__init__(
@@ -129,13 +132,8 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         named = {n: p for n, p in self.lightning_module.named_parameters() if p.requires_grad}
         world_size = self.world_size
         self.comm_state = self._new_comm_state(named, self.model.process_group, self.global_rank, world_size, self.root_device)
-        log.info(
-            "gradcomp: %s on %d ranks, %d of %d tensors kept in fp32",
-            self.compressor.describe(),
-            world_size,
-            len(self.comm_state.float_names),
-            len(named),
-        )
+        if self.global_rank == 0:
+            self._announce(named, self.comm_state.float_names, world_size)
         self._attach_resilience(self.comm_state)  # non-finite mode, pending checkpoint restore
         self.model.register_comm_hook(self.comm_state, gradcomp_hook)
 
@@ -143,6 +141,53 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         super().setup_optimizers(trainer)
         self.compressor.check_optimizers(self.optimizers)  # e.g. OneBit warns about heavy momentum
+
+    def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int) -> None:
+        """Log (INFO, visible by default) what runs: the compressor, its collectives, bytes per step against fp32.
+
+        The bytes are :func:`~lightning_gradcomp.perfmodel.measure_codec`'s: a copy of the compressor packs random
+        tensors of every compressed parameter's shape (exact for fixed-size encodings; an estimate for sparse ones,
+        whose size follows the data). The progress bar's ``comp_ratio`` then shows the measured ratio of each step.
+        """
+        from lightning_gradcomp.perfmodel import measure_codec
+
+        shapes = [(n, tuple(p.shape)) for n, p in named.items() if n not in float_names]
+        dense = sum(4 * p.numel() for p in named.values())
+        codec = measure_codec(copy.deepcopy(self.compressor), shapes, world_size, timed=False) if shapes else None
+        expected = dense - sum(4 * named[n].numel() for n, _ in shapes) + (codec.nbytes if codec else 0)
+        if codec is None:
+            collectives = "fp32 all-reduce only"
+        else:
+            collectives = (
+                "all-gather of each rank's packed payload" if codec.aggregation is Aggregation.GATHER
+                else "all-reduce of the compressed payload"
+            ) + (" after one small all-reduce of shared scalers" if codec.rounds else "")
+            if float_names:
+                collectives += f"; {len(float_names)} of {len(named)} tensors in fp32 all-reduce"
+            if self.planner is not None:
+                collectives += "; per bucket, plain fp32 instead where the cost model of `link` says it is faster"
+        log.info(
+            "gradcomp: %s on %d rank%s: %s; expected %s bytes per rank per step vs %s for fp32 DDP (%.1fx less)",
+            type(self.compressor).__name__,
+            world_size,
+            "" if world_size == 1 else "s",
+            collectives,
+            f"{int(expected):,}",
+            f"{dense:,}",
+            dense / max(expected, 1),
+        )
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        from lightning_gradcomp.callbacks import CompressionMonitor, CompressionProgressBar
+
+        # compression visible without a logger: comp_ratio in the progress bar, unless a monitor already shows it
+        if not any(
+            isinstance(c, CompressionProgressBar) or (isinstance(c, CompressionMonitor) and c.progress_bar)
+            for c in trainer.callbacks
+        ):
+            trainer.callbacks.append(CompressionProgressBar())
+        super().setup(trainer)
 
     @classmethod
     @override

@@ -5,6 +5,7 @@ from lightning_gradcomp.callbacks.clipping import SigmaClip, SigmaClipping
 from lightning_gradcomp.callbacks.clipping import Clip, ClippingCallback, LocalGradientClipping, NormClip
 from lightning_gradcomp.callbacks.ema import ExponentialMovingAverage
 from lightning_gradcomp.callbacks.monitor import CompressionMonitor
+from lightning_gradcomp.callbacks.progress import CompressionProgressBar
 from lightning_gradcomp.callbacks.momentum import MomentumCorrect, MomentumCorrection
 from lightning_gradcomp.callbacks.schedule import CompressionSchedule
 
@@ -12,6 +13,7 @@ __all__ = [
     "Clip",
     "ClippingCallback",
     "CompressionMonitor",
+    "CompressionProgressBar",
     "CompressionSchedule",
     "ExponentialMovingAverage",
     "LocalGradientClipping",

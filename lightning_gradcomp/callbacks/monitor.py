@@ -30,13 +30,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradcomp.callbacks.clipping import SigmaClip
+from lightning_gradcomp.callbacks.progress import PROGRESS_BAR_KEY, show_compression_ratio  # noqa: F401  (re-export)
+from lightning_gradcomp.extras import require
 from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.stats import HookStats
 from lightning_gradcomp.validation import check_int
 
 PREFIX = "gradcomp"
-#: progress bar key of the current compression ratio
-PROGRESS_BAR_KEY = "comp_ratio"
 #: W&B summary per statistic (``define_metric(summary=...)``); other statistics keep the last value
 SUMMARIES = {
     "sparsity": "mean,last",
@@ -149,6 +149,8 @@ class CompressionMonitor(Callback):
                 "Cannot use the CompressionMonitor callback with a Trainer that has no logger. Fix: pass "
                 "`logger=WandbLogger(...)` (or CSVLogger, TensorBoardLogger) to the Trainer, or remove the callback."
             )
+        if any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+            require("wandb", "wandb", "CompressionMonitor's W&B logging")  # before the first step, not at the first log
         if self.logging_interval is None and trainer.log_every_n_steps == 0:
             raise ValueError(
                 "Expected `log_every_n_steps` >= 1 for CompressionMonitor, but the Trainer has `log_every_n_steps=0` "
@@ -242,7 +244,8 @@ class CompressionMonitor(Callback):
         self._steps += 1
         logging_step = self._armed_at is not None and state.hook_calls != self._armed_at
         if self.progress_bar:
-            self._show_ratio(state, pl_module, force=logging_step or batch_idx == 0)
+            self._shown_ratio = show_compression_ratio(state, pl_module, self._shown_ratio,
+                                                       force=logging_step or batch_idx == 0)
         if not logging_step:
             return
         metrics = self._collect(state, self.stats)
@@ -259,18 +262,6 @@ class CompressionMonitor(Callback):
                     self._tensorboard_histograms(logger, histograms, step)
         self.stats.clear_capture()
         self._armed_at = None
-
-    def _show_ratio(self, state: GradCompState, pl_module: "pl.LightningModule", force: bool) -> None:
-        # the progress bar keeps the last value it got, and `self.log` costs tens of microseconds: send changes
-        # only (a fixed-size compressor's ratio never changes), and refresh on logging steps and epoch starts
-        sent = state.bytes_per_step()
-        if not sent:
-            return
-        ratio = state.dense_bytes_per_step() / sent
-        if force or ratio != self._shown_ratio:
-            pl_module.log(PROGRESS_BAR_KEY, ratio, prog_bar=True, logger=False, on_step=True, on_epoch=False,
-                          rank_zero_only=True)
-            self._shown_ratio = ratio
 
     # -- reading the statistics -----------------------------------------------------------------------------
     def _collect(self, state: GradCompState, stats: HookStats) -> dict[str, float]:
@@ -333,8 +324,7 @@ class CompressionMonitor(Callback):
     def _wandb_histograms(histograms: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
         if not histograms:
             return {}
-        import wandb
-
+        wandb = require("wandb", "wandb", "CompressionMonitor's W&B histograms")
         return {key: wandb.Histogram(np_histogram=value) for key, value in histograms.items()}
 
     @staticmethod

@@ -33,6 +33,27 @@ load_seconds: Optional[float] = None
 #: why the extension is unavailable, None when it loaded
 unavailable_reason: Optional[str] = None
 _forced_torch = threading.local()
+#: what a first use prints before compiling; the duration is docs/kernels.md's (`python benchmarks/kernels.py`)
+COMPILE_NOTICE = (
+    "lightning_gradcomp: compiling the fused CPU kernels once (about 30 s on 2 idle cores, up to 100 s on a busy "
+    "machine; cached in %s for every later run) ..."
+)
+
+
+def build_directory() -> Optional[str]:
+    """Where torch builds and caches the extension (``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # private, but the directory load_inline uses
+
+        return _get_build_directory(EXTENSION_NAME, verbose=False)
+    except Exception:  # another torch layout: no notice is better than a wrong one
+        return None
+
+
+def is_compiled() -> bool:
+    """Whether this source's build is already in torch's extension cache (loading it then takes about 0.1 s)."""
+    directory = build_directory()
+    return directory is not None and os.path.exists(os.path.join(directory, f"{EXTENSION_NAME}.so"))
 
 
 def build_inputs() -> list[str]:
@@ -92,6 +113,9 @@ def cpu_extension() -> Optional[ModuleType]:
             unavailable_reason = "disabled by LIGHTNING_GRADCOMP_NO_EXT"
         else:
             start = time.perf_counter()
+            compiling = not is_compiled()
+            if compiling:  # a user must not mistake the one-time compile for a slow first step
+                log.warning(COMPILE_NOTICE, build_directory())
             try:
                 from torch.utils.cpp_extension import load_inline
 
@@ -106,6 +130,8 @@ def cpu_extension() -> Optional[ModuleType]:
                     verbose=False,
                 )
                 load_seconds = time.perf_counter() - start
+                if compiling:
+                    log.warning("lightning_gradcomp: fused CPU kernels compiled in %.0f s", load_seconds)
             except Exception as err:  # no compiler, no ninja, no headers: fall back, never fail training
                 unavailable_reason = f"{type(err).__name__}: {err}"
         _tried = True

@@ -8,7 +8,6 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_gradcomp.schedules import Constant, PolynomialDecay, StaircaseExponentialDecay
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 OptimizerName = Literal["sgd", "momentum", "adam", "adagrad"]
@@ -44,9 +43,12 @@ class TrainingTask(LightningModule):
         weight_decay_in_loss: add ``weight_decay * sum(0.5 * ||w||^2)`` to the loss (TernGrad's code) so the
             decay gradient travels inside the compressed gradient; otherwise the optimizer applies it after
             the exchange.
-        lr_schedule: ``"constant"``, ``"poly"`` (polynomial decay to 0 over ``max_steps`` with ``poly_power``)
-            or ``"staircase"`` (multiply by ``decay_rate`` every ``decay_steps`` steps or ``decay_epochs`` epochs).
-        max_steps: steps of the polynomial decay (``None``: the Trainer's estimated total steps).
+        lr_schedule: ``"constant"``, ``"poly"`` (polynomial decay to 0 over ``max_steps`` with ``poly_power``:
+            TF's ``polynomial_decay``, torch's ``PolynomialLR``) or ``"staircase"`` (multiply by ``decay_rate`` every
+            ``decay_steps`` steps or ``decay_epochs`` epochs: TF's ``exponential_decay(staircase=True)``, torch's
+            ``StepLR``).
+        max_steps: steps of the polynomial decay (``None``: the Trainer's estimated total steps). The ``gradcomp``
+            CLI links it to ``trainer.max_steps``, so that one override moves both.
         poly_power: exponent of the polynomial decay (0.5 in TernGrad and WeightGrad).
         decay_steps: steps between staircase decays.
         decay_epochs: epochs between staircase decays (used when ``decay_steps`` is ``None``).
@@ -99,18 +101,21 @@ class TrainingTask(LightningModule):
             return torch.zeros((), device=self.device)
         return self.weight_decay * l2_penalty(regularized_parameters(self.model)).to(self.device)
 
-    def _lr_lambda(self) -> Any:
+    def _lr_scheduler(self, optimizer: torch.optim.Optimizer) -> Optional[torch.optim.lr_scheduler.LRScheduler]:
+        """torch's scheduler with the papers' schedule (``tests/unit/test_lr_schedules.py`` compares them with TF's
+        formulas step by step); ``None`` for a constant LR."""
         if self.lr_schedule == "poly":
-            steps = self.max_steps or int(self.trainer.estimated_stepping_batches)
-            return PolynomialDecay(steps, self.poly_power)
+            steps = self.max_steps or self.trainer.estimated_stepping_batches
+            check_int("max_steps", steps, minimum=1, fix="set `max_steps` (or the Trainer's) for polynomial decay")
+            return torch.optim.lr_scheduler.PolynomialLR(optimizer, total_iters=int(steps), power=self.poly_power)
         if self.lr_schedule == "staircase":
             steps = self.decay_steps
             if steps is None:
                 self.trainer.estimated_stepping_batches  # noqa: B018  (loads the train loader to count batches)
                 per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
                 steps = max(1, round(float(self.decay_epochs or 0.0) * per_epoch))
-            return StaircaseExponentialDecay(steps, self.decay_rate)
-        return Constant()
+            return torch.optim.lr_scheduler.StepLR(optimizer, step_size=steps, gamma=self.decay_rate)
+        return None
 
     @override
     def configure_optimizers(self) -> Any:
@@ -129,5 +134,7 @@ class TrainingTask(LightningModule):
         else:
             momentum = self.momentum if self.optimizer_name == "momentum" else 0.0
             optimizer = torch.optim.SGD(groups, lr=self.lr, momentum=momentum)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_lambda())
+        scheduler = self._lr_scheduler(optimizer)
+        if scheduler is None:
+            return {"optimizer": optimizer}
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

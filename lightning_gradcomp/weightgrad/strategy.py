@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -152,14 +153,27 @@ class WeightGradStrategy(GradCompStrategy):
 
     # -- sites and groups -------------------------------------------------------------------------------
     def make_layout(self, world_size: int) -> SiteLayout:
-        """The site layout for ``world_size`` ranks (validates; raises ``ValueError`` on a bad configuration)."""
-        return site_layout(
+        """The site layout for ``world_size`` ranks (validates; raises ``ValueError`` on a bad configuration).
+
+        Warns when the layout is one site: WeightGrad's WAN rounds then never run and training is plain in-site
+        TernGrad, which is what a single node gets by default (one site per node).
+        """
+        layout = site_layout(
             world_size,
             num_nodes=self.num_nodes,
             site_size=self.site_size,
             site_sizes=self.site_sizes,
             allow_single_rank_sites=self.allow_single_rank_sites,
         )
+        if len(layout.sizes) == 1:
+            rank_zero_warn(
+                f"Expected WeightGrad to run at least 2 sites, but its {world_size} ranks form one site "
+                f"({'site_sizes' if self.site_sizes else 'site_size' if self.site_size else 'one site per node'}), "
+                f"so no WAN round will ever run. Fix: set `site_size` (e.g. site_size={max(1, world_size // 2)}) or "
+                f"`site_sizes` to emulate several sites on this node, or run on several nodes.",
+                category=UserWarning,
+            )
+        return layout
 
     @override
     def setup_environment(self) -> None:

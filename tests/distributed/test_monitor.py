@@ -133,7 +133,7 @@ def test_residual_statistics_and_report(runs, tmp_path: Path) -> None:
 
     from lightning_gradcomp import report
 
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="`gradcomp report` plots need the optional [report] extra (matplotlib)")
     for source, name in ((results[0]["half_csv_dir"], "csv"), (results[0]["half_tb_dir"], "tb")):
         scalars = report.load_scalars(report.find_log(Path(source)))
         assert scalars[_key("residual_norm", "net.0.weight")][-1][1] == pytest.approx(

@@ -28,12 +28,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.cli import GradCompCLI
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.towers import TowerStrategy
 from lightning_gradcomp.weightgrad import WeightGradStrategy
@@ -66,7 +65,7 @@ def _compressor_ran(recipe: str, strategy: object, steps: int) -> None:
         assert strategy.synchronizer is not None and strategy.synchronizer.rounds >= 1, (recipe, "no WAN round ran")
 
 
-def _replicas(recipe: str, cli: LightningCLI) -> str:
+def _replicas(recipe: str, cli: GradCompCLI) -> str:
     """Check the replicas that must be bit-identical across ranks; returns what was checked."""
     strategy = cli.trainer.strategy
     if not isinstance(strategy, DDPStrategy) or strategy.world_size == 1:
@@ -95,10 +94,7 @@ def main(argv: list[str]) -> None:
         path = ROOT / recipe
         args = ["--config", str(path), *data_overrides(path, data_root), *COMMON, *extra]
         start = time.perf_counter()
-        cli = LightningCLI(
-            LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-            args=args, run=False, save_config_kwargs={"overwrite": True},
-        )  # fmt: skip
+        cli = GradCompCLI(args=args, run=False)  # as `gradcomp fit` parses it
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         steps = int(cli.trainer.fast_dev_run)
         assert cli.trainer.global_step == steps, (recipe, cli.trainer.global_step, steps)

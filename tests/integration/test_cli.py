@@ -72,6 +72,8 @@ def test_fit_from_yaml_with_class_path_strategy_on_two_ranks(tmp_path: Path) -> 
     out = _gradcomp("fit", "--config", str(config), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=3` reached" in out.stderr + out.stdout
+    # nothing written into the working directory (no config.yaml without a logger's run directory)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml", "gradcomp_entry.py"]
 
 
 @pytest.mark.parametrize("name", ["terngrad", "fp32"])
@@ -81,3 +83,57 @@ def test_registered_name_from_the_command_line(tmp_path: Path, name: str) -> Non
     out = _gradcomp("fit", "--config", str(config), f"--trainer.strategy={name}", "--print_config", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert f"strategy: {name}" in out.stdout
+
+
+def test_help_lists_report_and_the_strategy_names(tmp_path: Path) -> None:
+    from lightning_gradcomp.registry import strategy_names
+
+    out = _gradcomp("--help", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "gradcomp report" in out.stdout
+    assert ", ".join(strategy_names()) in out.stdout and "gradcomp" in strategy_names()
+
+
+#: (YAML mistake, what the first line of stderr must say)
+NESTED_TYPOS = {
+    "option": (
+        ("clip_factor: 2.5", "clip_factr: 2.5"),
+        "Expected `trainer.strategy.init_args.compressor.init_args.clip_factr` to be an option of "
+        "lightning_gradcomp.TernGrad, but it has no option 'clip_factr' (given 2.5). Fix: did you mean 'clip_factor'?",
+    ),
+    "class_path": (
+        ("class_path: lightning_gradcomp.TernGrad", "class_path: lightning_gradcomp.TernGrd"),
+        "Expected `trainer.strategy.init_args.compressor.class_path` to name an importable class, but got "
+        "'lightning_gradcomp.TernGrd' (module 'lightning_gradcomp' has no attribute 'TernGrd'). "
+        "Fix: did you mean 'lightning_gradcomp.TernGrad'?",
+    ),
+    "list": (
+        ('exclude: ["net.4.*"]', 'exclude: "net.4.*"'),
+        "Expected `trainer.strategy.init_args.exclude` to be a Sequence, but got 'net.4.*'. "
+        "Fix: write a YAML list, e.g. `exclude: ['net.4.*']`.",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(NESTED_TYPOS))
+def test_nested_typo_is_named_on_the_first_line(tmp_path: Path, mistake: str) -> None:
+    (old, new), first = NESTED_TYPOS[mistake]
+    config = tmp_path / "c.yaml"
+    config.write_text(FULL_CONFIG.replace(old, new))
+    out = _gradcomp("fit", "--config", str(config), cwd=tmp_path)
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    assert lines[0].startswith(f"gradcomp: error: {first}"), lines[0]
+    assert len(lines) <= 3, out.stderr  # instead of jsonargparse's 60-line report
+
+
+def test_misspelt_strategy_name_is_answered_with_the_registered_names(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(FULL_CONFIG.split("  strategy:")[0])
+    out = _gradcomp("fit", "--config", str(config), "--trainer.strategy=terngrd", cwd=tmp_path)
+    assert out.returncode == 2
+    first = out.stderr.splitlines()[0]
+    assert first.startswith(
+        "gradcomp: error: Expected `trainer.strategy` to be a registered strategy name, but got 'terngrd'. "
+        "Fix: did you mean 'terngrad'? use one of gradcomp's ["
+    ), first

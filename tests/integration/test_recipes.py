@@ -43,10 +43,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
-
 import lightning_gradcomp
+from lightning_gradcomp.cli import GradCompCLI
 from tests.integration.recipe_data import ROOT, data_overrides, recipe_paths, write_datasets
 
 RECIPES = recipe_paths()
@@ -175,13 +173,14 @@ def test_recipe_parses_and_instantiates(recipe: Path, data_root: Path, monkeypat
     monkeypatch.setattr(sys, "argv", ["gradcomp"])  # LightningCLI warns when pytest's argv is set too
     args = ["--config", str(recipe), *data_overrides(recipe, data_root), "--trainer.accelerator=cpu"]
     with torch.device("meta"):
-        cli = LightningCLI(
-            LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-            args=args, run=False, save_config_kwargs={"overwrite": True},
-        )
+        cli = GradCompCLI(args=args, run=False)  # as `gradcomp fit` parses it
     config = yaml.safe_load(recipe.read_text())
     assert type(cli.model).__name__ == config["model"]["class_path"].rsplit(".", 1)[1]
     assert cli.trainer.max_steps == config["trainer"].get("max_steps", -1)
+    if "max_steps" in config["model"].get("init_args", {}) or hasattr(cli.model, "max_steps"):
+        # the LR schedule's horizon is the Trainer's (GradCompCLI links them); recipes do not repeat it
+        assert "max_steps" not in config["model"].get("init_args", {}), f"{recipe}: set trainer.max_steps only"
+        assert cli.model.max_steps == (cli.trainer.max_steps if cli.trainer.max_steps > 0 else None)
     strategy = config["trainer"].get("strategy")
     if isinstance(strategy, dict):
         assert type(cli.trainer.strategy).__name__ == strategy["class_path"].rsplit(".", 1)[1]
@@ -192,6 +191,16 @@ def test_recipe_parses_and_instantiates(recipe: Path, data_root: Path, monkeypat
     cli.datamodule.setup("fit")
     batch = next(iter(cli.datamodule.train_dataloader()))
     assert len(batch) >= 2
+
+
+def test_one_max_steps_override_moves_the_lr_schedule(data_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe = ROOT / "recipes" / "terngrad" / "lenet_mnist_fig3.yaml"  # poly decay over the run, 10,000 steps
+    monkeypatch.setattr(sys, "argv", ["gradcomp"])
+    args = ["--config", str(recipe), *data_overrides(recipe, data_root), "--trainer.max_steps=40"]
+    cli = GradCompCLI(args=args, run=False)
+    assert cli.trainer.max_steps == 40 and cli.model.max_steps == 40
+    scheduler = cli.model.configure_optimizers()["lr_scheduler"]["scheduler"]
+    assert scheduler.total_iters == 40
 
 
 #: one launch per number of processes; each subprocess fits its recipes one after another

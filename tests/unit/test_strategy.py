@@ -1,5 +1,7 @@
 """GradCompStrategy configuration: names, DDP options, validation before training."""
 
+import warnings
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -31,9 +33,10 @@ def test_ddp_options_reach_ddp() -> None:
         "find_unused_parameters": True,
         "static_graph": True,
         "gradient_as_bucket_view": True,
-        "broadcast_buffers": True,
         "bucket_cap_mb": 5,
     }
+    # passed only when given: torch 2.13 warns about `broadcast_buffers` whenever it is passed
+    assert GradCompStrategy("fp32", broadcast_buffers=False)._ddp_kwargs["broadcast_buffers"] is False
     assert GradCompStrategy("fp32", process_group_backend="gloo").process_group_backend == "gloo"
 
 
@@ -67,3 +70,34 @@ def test_exclusion_patterns_and_min_numel_select_float_tensors() -> None:
     assert s._float_names(named) == {"1.weight", "1.bias", "0.bias"}
     with pytest.raises(ValueError, match=r"'classifier\.\*' matches none.*0\.weight"):
         GradCompStrategy("terngrad", exclude=["classifier.*"])._float_names(named)
+
+
+def test_gradcomp_is_a_registered_name_for_the_class_with_its_defaults() -> None:
+    assert GradCompStrategy.strategy_name == "gradcomp"
+    strategy = StrategyRegistry.get("gradcomp")
+    assert type(strategy) is GradCompStrategy and isinstance(strategy.compressor, TernGrad)
+
+
+def test_strategy_name_errors_name_the_cause_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_gradcomp.registry import strategy_name_error, strategy_names
+
+    assert strategy_name_error("terngrad") is None and strategy_name_error("ddp") is None
+    assert strategy_name_error("auto") is None
+    typo = strategy_name_error("terngrd")
+    assert typo is not None and "did you mean 'terngrad'?" in typo and all(n in typo for n in strategy_names())
+    # a gradcomp name Lightning does not know yet: the script forgot `import lightning_gradcomp`
+    monkeypatch.setattr(StrategyRegistry, "available_strategies", lambda: ["ddp"])
+    missing = strategy_name_error("weightgrad")
+    assert missing is not None and "Fix: `import lightning_gradcomp`" in missing
+
+
+def test_weightgrad_on_one_site_warns_with_the_fix() -> None:
+    from lightning_gradcomp import WeightGradStrategy
+
+    with pytest.warns(UserWarning, match=r"one site.*no WAN round.*Fix: set `site_size` \(e\.g\. site_size=2\)"):
+        assert WeightGradStrategy().make_layout(4).sizes == (4,)  # one node: one site by default
+    with pytest.warns(UserWarning, match="one site"):
+        WeightGradStrategy(site_sizes=[4]).make_layout(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert WeightGradStrategy(site_size=2).make_layout(4).sizes == (2, 2)

@@ -1,4 +1,4 @@
-"""Training pieces: LR schedules, the EMA callback, and the tasks under a real (single-process) Trainer."""
+"""Training pieces: the task's LR schedule, the EMA callback, and the tasks under a real (single-process) Trainer."""
 
 import math
 import sys
@@ -12,7 +12,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp.callbacks import ExponentialMovingAverage
 from lightning_gradcomp.models import MLP, CharLSTM, LeNet, Seq2SeqAttention
-from lightning_gradcomp.schedules import PolynomialDecay, StaircaseExponentialDecay
 from lightning_gradcomp.tasks import CharLanguageModel, ImageClassifier, Seq2SeqTask
 
 
@@ -34,22 +33,6 @@ def _trainer(**kwargs: Any) -> L.Trainer:
 
 
 # ---------------------------------------------------------------- schedules
-
-
-def test_polynomial_decay_power_half() -> None:
-    schedule = PolynomialDecay(max_steps=100, power=0.5)
-    assert schedule(0) == 1.0
-    assert schedule(50) == pytest.approx(math.sqrt(0.5))
-    assert schedule(75) == pytest.approx(0.5)
-    assert schedule(100) == 0.0 and schedule(150) == 0.0
-    with pytest.raises(ValueError, match="max_steps"):
-        PolynomialDecay(0)
-
-
-def test_staircase_exponential_decay() -> None:
-    schedule = StaircaseExponentialDecay(decay_steps=10, rate=0.1)
-    assert [schedule(s) for s in (0, 9)] == [1.0, 1.0]
-    assert schedule(10) == pytest.approx(0.1) and schedule(25) == pytest.approx(0.01)
 
 
 def test_task_applies_schedule_per_step() -> None:
@@ -138,7 +121,7 @@ def test_staircase_decay_counts_epochs_in_steps() -> None:
     )  # fmt: skip
     trainer = _trainer(max_epochs=2, limit_val_batches=0)
     trainer.fit(task, DataLoader(_blobs(48, 0), batch_size=8))  # 6 steps per epoch
-    assert trainer.lr_scheduler_configs[0].scheduler.lr_lambdas[0].decay_steps == 6
+    assert trainer.lr_scheduler_configs[0].scheduler.step_size == 6
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01)
 
 

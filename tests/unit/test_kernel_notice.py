@@ -1,0 +1,39 @@
+"""A first use that compiles the CPU kernels says so on the terminal, with the expected duration; a cached load is silent."""
+
+import logging
+
+import pytest
+
+from lightning_gradcomp.kernels import _build
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_compile_is_announced_at_warning_level(monkeypatch: pytest.MonkeyPatch, cached: bool) -> None:
+    if not _build.is_compiled():
+        pytest.skip("needs the cached build (tests/conftest.py compiles it): this test must not pay a compile")
+    # a fresh first use in this process; the compile itself is the cached build's load, `is_compiled` decides the notice
+    monkeypatch.setattr(_build, "_tried", False)
+    monkeypatch.setattr(_build, "_module", None)
+    monkeypatch.setattr(_build, "is_compiled", lambda: cached)
+    records = _Records()
+    logger = logging.getLogger(_build.__name__)
+    logger.addHandler(records)
+    try:
+        assert _build.cpu_extension() is not None
+    finally:
+        logger.removeHandler(records)
+    notices = [m for m in records.messages if "compiling the fused CPU kernels once" in m]
+    if cached:
+        assert notices == []
+    else:
+        assert len(notices) == 1 and "about 30 s" in notices[0] and _build.build_directory() in notices[0]
+        assert logging.getLogger("lightning_gradcomp").getEffectiveLevel() <= logging.WARNING  # reaches the terminal
