@@ -62,6 +62,11 @@ class Packet:
         return replace(self, payload=payload, stats={})
 
 
+def max_or_zero(values: Tensor) -> Tensor:
+    """The max of ``values`` as a 0-d tensor, 0 when ``values`` is empty (a statistic of an empty gradient)."""
+    return values.max() if values.numel() else values.new_zeros(())
+
+
 class Compressor(ABC):
     """Base class of all gradient compressors.
 

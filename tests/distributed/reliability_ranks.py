@@ -334,23 +334,29 @@ def suite(rank: int, world_size: int, names: list[str], tmpdir: str, total: int,
 
 # -- faults --------------------------------------------------------------------------------------------------
 class DyingClassifier(StepDataClassifier):
-    """Rank ``victim`` kills itself (SIGKILL: no cleanup, no goodbye to its peers) at step ``at``."""
+    """Rank ``victim`` kills itself (SIGKILL: no cleanup, no goodbye to its peers) at step ``at``; with
+    ``stall_s`` it stops answering instead (sleeps that long, its connections open)."""
 
-    def __init__(self, victim: int, at: int) -> None:
+    def __init__(self, victim: int, at: int, stall_s: Optional[float] = None) -> None:
         super().__init__()
-        self.victim, self.at = victim, at
+        self.victim, self.at, self.stall_s = victim, at, stall_s
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.global_rank == self.victim and self.trainer.global_step == self.at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if self.stall_s is None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self.stall_s)
 
 
-def survivor_run(rank: int, world_size: int, name: str, victim: int, timeout_s: float) -> dict[str, Any]:
-    """Train until rank ``victim`` dies; the survivors report how they stopped and how long it took."""
+def survivor_run(
+    rank: int, world_size: int, name: str, victim: int, timeout_s: float, stall_s: Optional[float] = None
+) -> dict[str, Any]:
+    """Train until rank ``victim`` dies (or stalls for ``stall_s``); the survivors report how they stopped and how
+    long it took."""
     started = time.perf_counter()
     try:
-        fit(world_size, make_strategy(name, timeout=timedelta(seconds=timeout_s)), 50, DyingClassifier(victim, 2),
-            loader=step_loader(50))
+        fit(world_size, make_strategy(name, timeout=timedelta(seconds=timeout_s)), 50,
+            DyingClassifier(victim, 2, stall_s), loader=step_loader(50))
         outcome: dict[str, Any] = {"raised": None}
     except BaseException as exc:  # noqa: BLE001  (SystemExit included: the test asserts what came out)
         outcome = {"raised": (type(exc).__name__, str(exc))}

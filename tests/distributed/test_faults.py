@@ -2,6 +2,7 @@
 
 import pickle
 import time
+from typing import Optional
 
 import pytest
 import torch.multiprocessing as mp
@@ -17,13 +18,15 @@ EXIT_WITHIN_S = 120.0
 HARD_TIMEOUT_S = 120.0 + EXIT_WITHIN_S
 
 
-def run_with_victim(world_size: int, victim: int, timeout_s: float) -> dict[int, tuple[str, object]]:
+def run_with_victim(
+    world_size: int, victim: int, timeout_s: float, stall_s: Optional[float] = None
+) -> dict[int, tuple[str, object]]:
     """Spawn ``world_size`` ranks of :func:`survivor_run`; collect the survivors' reports under a hard timeout."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(survivor_run, r, world_size, port, {}, queue, ("fp32", victim, timeout_s)),
+        ctx.Process(target=_worker, args=(survivor_run, r, world_size, port, {}, queue, ("fp32", victim, timeout_s, stall_s)),
                     daemon=True)
         for r in range(world_size)
     ]
@@ -56,4 +59,18 @@ def test_survivor_of_a_killed_rank_stops_with_a_clear_error() -> None:
     assert outcome["raised"] is not None, "the survivor finished training as if nothing happened"
     kind, message = outcome["raised"]
     assert "another rank died or stopped answering" in message, message
+    assert outcome["seconds"] < EXIT_WITHIN_S
+
+
+def test_survivor_of_a_stalled_rank_times_out_with_the_gradcomp_message() -> None:
+    """Rank 1 stops answering (alive, connections open) at step 2: rank 0's collective times out after
+    `timeout`, and Gloo's "Timed out waiting ... for recv" is reported as a peer that stopped answering."""
+    reports = run_with_victim(2, victim=1, timeout_s=3, stall_s=60)
+    assert set(reports) == {0}, f"the survivor did not report within {HARD_TIMEOUT_S}s: {reports}"
+    status, outcome = reports[0]
+    assert status == "ok", outcome
+    assert outcome["raised"] is not None, "the survivor finished training as if nothing happened"
+    kind, message = outcome["raised"]
+    assert "another rank died or stopped answering" in message, message
+    assert "timed out" in message.lower(), message
     assert outcome["seconds"] < EXIT_WITHIN_S
