@@ -23,7 +23,7 @@ from lightning_gradcomp.guard import NonFinite
 from lightning_gradcomp.pipeline import LayerTransform
 from lightning_gradcomp.planner import CollectivePlanner
 from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
-from lightning_gradcomp.validation import check_int, check_number
+from lightning_gradcomp.validation import check_bool, check_int, check_number
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ _DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).par
     "output_device",
     "process_group",
 }
+# DDP options that take a bool: a string such as "false" is truthy and would silently switch them on
+_DDP_SIGNATURE = inspect.signature(DistributedDataParallel.__init__).parameters
+_DDP_BOOL_OPTIONS = frozenset(n for n, p in _DDP_SIGNATURE.items() if isinstance(p.default, bool))
 
 
 def select_float_names(named: dict[str, torch.nn.Parameter], exclude: Sequence[str], min_numel: int) -> frozenset[str]:
@@ -55,6 +58,35 @@ def select_float_names(named: dict[str, torch.nn.Parameter], exclude: Sequence[s
         chosen |= matched
     chosen |= {n for n, p in named.items() if p.numel() < min_numel}
     return frozenset(chosen)
+
+
+def _check_ddp_options(options: dict[str, Any], bucket_cap_mb: Any, backend: Any) -> None:
+    """Refuse DDP options DDP itself would accept wrongly (truthy strings) or only fail on deep inside."""
+    for name, value in options.items():
+        if name in _DDP_BOOL_OPTIONS or (value is not None and name in ("broadcast_buffers", "forward_sync_buffers")):
+            check_bool(name, value)
+    if bucket_cap_mb is not None:
+        check_number("bucket_cap_mb", bucket_cap_mb, minimum=0, min_open=True,
+                     fix="pass a positive size in MiB, e.g. 25 (DDP's default), or None for DDP's default")
+    if backend is not None and not isinstance(backend, str):
+        raise ValueError(
+            f"Expected `process_group_backend` to be a backend name or None, but got {backend!r}. "
+            f"Fix: use 'gloo' on CPU, 'nccl' on CUDA, or None for the device's default."
+        )
+
+
+def check_backend(backend: Optional[str], device: torch.device) -> None:
+    """Refuse NCCL on a non-CUDA device (or without NCCL) before any process group exists.
+
+    Raises:
+        ValueError: ``backend`` is ``"nccl"`` but the device is not CUDA or this torch has no NCCL.
+    """
+    if backend == "nccl" and (device.type != "cuda" or not torch.distributed.is_nccl_available()):
+        raise ValueError(
+            f"Expected `process_group_backend` to name a backend this run can use on {device.type}, but got "
+            f"'nccl' (NCCL needs CUDA devices and a torch built with NCCL). Fix: use "
+            f"`process_group_backend='gloo'` on CPU, or None for the device's default."
+        )
 
 
 class GradCompStrategy(ResilienceMixin, DDPStrategy):
@@ -147,6 +179,17 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
                 f"e.g. `GradCompStrategy(compressor=TernGrad(clip_factor=2.5))`; DDP options are "
                 f"{sorted(_DDP_OPTIONS)}."
             )
+        _check_ddp_options(
+            dict(
+                find_unused_parameters=find_unused_parameters,
+                static_graph=static_graph,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                broadcast_buffers=broadcast_buffers,
+                **kwargs,
+            ),
+            bucket_cap_mb,
+            process_group_backend,
+        )
         self.compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
         if not isinstance(self.compressor, Compressor):
             raise ValueError(
@@ -189,6 +232,11 @@ class GradCompStrategy(ResilienceMixin, DDPStrategy):
         )
         self._transforms: list[LayerTransform] = []
         self.comm_state: Optional[GradCompState] = None
+
+    @override
+    def setup_environment(self) -> None:
+        check_backend(self._process_group_backend, self.root_device)
+        super().setup_environment()
 
     def add_transform(self, transform: LayerTransform) -> None:
         """Attach a per-layer transform (called by callbacks at setup, before DDP wraps the model)."""

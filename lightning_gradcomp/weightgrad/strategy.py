@@ -27,7 +27,7 @@ from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.strategy import GradCompStrategy
-from lightning_gradcomp.validation import check_choice, check_int, check_number
+from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
 from lightning_gradcomp.weightgrad.sites import SiteGroups, SiteLayout, new_site_groups, site_layout
 from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer
@@ -106,6 +106,11 @@ class WeightGradStrategy(GradCompStrategy):
                     f"Expected one of `site_size` and `site_sizes`, but got both ({site_size!r}, {list(site_sizes)!r}). "
                     f"Fix: pass `site_size` for equal sites or `site_sizes` for a list."
                 )
+            if isinstance(site_sizes, (str, bytes)) or not isinstance(site_sizes, Sequence) or len(site_sizes) == 0:
+                raise ValueError(
+                    f"Expected `site_sizes` to be a non-empty list of ranks per site, but got {site_sizes!r}. "
+                    f"Fix: e.g. `site_sizes=[2, 2]` for two sites of two ranks, or None for one site per node."
+                )
             for i, size in enumerate(site_sizes):
                 check_int(f"site_sizes[{i}]", size, minimum=1, fix="every site needs at least one rank")
         check_int("staleness_bound", staleness_bound, minimum=1, fix="T counts local steps between WAN rounds; use 1 to sync every step")
@@ -121,9 +126,8 @@ class WeightGradStrategy(GradCompStrategy):
         check_choice("wan_quantization", wan_quantization, ("loss_aware", "terngrad", "none"))
         check_choice("site_view", site_view, ("global", "gaia"))
         check_int("seed", seed, minimum=0)
-        for flag_name, flag in (("allow_single_rank_sites", allow_single_rank_sites), ("flush_at_bound", flush_at_bound)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"Expected `{flag_name}` to be a bool, but got {flag!r}.")
+        check_bool("allow_single_rank_sites", allow_single_rank_sites)
+        check_bool("flush_at_bound", flush_at_bound)
         super().__init__(compressor=compressor, **kwargs)
         if aggregation == "serial" and type(self.compressor) is Identity:
             self.compressor = GatheredFP32()
