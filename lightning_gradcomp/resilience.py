@@ -36,6 +36,10 @@ ResumeCompression = Literal["exact", "reset"]
 _PEER_FAILURE = r".*(Connection closed by peer|Connection reset by peer|timed out|Timeout|Broken pipe|ECONNRESET).*"
 
 
+class UnusedParameterError(RuntimeError):
+    """A rank computed no gradient for some parameter under ``find_unused_parameters=False`` (or a static graph)."""
+
+
 class ResilienceMixin:
     """Checkpointed compression state, an optional replica check, and non-finite handling for a DDP strategy."""
 
@@ -62,6 +66,7 @@ class ResilienceMixin:
         self._pending_restore: Optional[dict[str, Any]] = None
         self._optimizer_steps = 0
         self._nonfinite_seen = 0
+        self._buffers_before: Optional[list[tuple[Tensor, Tensor]]] = None
 
     def _attach_resilience(self, state: "GradCompState") -> None:
         """Called by the strategy right after it created the hook state (at DDP wrap time)."""
@@ -119,17 +124,49 @@ class ResilienceMixin:
         return output
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.nonfinite == "skip" and self._buffers_before is None:
+            # before DDP's forward (and its buffer broadcast): what a skipped step must leave in place. Taken at
+            # the first micro-batch of an accumulation window, kept until its synchronizing backward
+            self._buffers_before = [(b, b.detach().clone()) for b in self.lightning_module.buffers()]  # type: ignore[attr-defined]
+        return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)  # type: ignore[misc]
         state = self.comm_state
-        if state is None or state.skipped_steps == self._nonfinite_seen:
+        if state is None or not getattr(self.model, "require_backward_grad_sync", True):  # type: ignore[attr-defined]
+            return  # no_sync (gradient accumulation): no bucket goes out, nothing is decided yet
+        buffers_before, self._buffers_before = self._buffers_before, None
+        self._check_every_bucket_arrived(state)
+        if state.skipped_steps == self._nonfinite_seen:
             return
         self._nonfinite_seen = state.skipped_steps
         log.warning("gradcomp: non-finite gradient on some rank; step skipped on every rank (%d so far)", state.skipped_steps)
+        # the forward of the skipped step already moved running statistics (BatchNorm) with the bad batch, and DDP
+        # broadcasts rank 0's buffers at the next forward: put every rank's back as they were before the step
+        for buffer, saved in buffers_before or ():
+            buffer.copy_(saved)
         if getattr(self.precision_plugin, "scaler", None) is not None:  # type: ignore[attr-defined]
             return  # the NaN buckets make the GradScaler skip this step and lower its scale
         for p in self.lightning_module.parameters():  # type: ignore[attr-defined]
             p.grad = None  # optimizers skip parameters without a gradient: no update, no momentum, no decay
+
+    def _check_every_bucket_arrived(self, state: "GradCompState") -> None:
+        """Fail at once where DDP would hang: a parameter without gradient on this rank keeps its bucket (and every
+        later one) from being handed to the hook, while the other ranks wait in that bucket's collectives until the
+        process-group timeout. This rank stops with the cause; its exit ends their wait (connection closed)."""
+        complete, state.last_bucket_seen = state.last_bucket_seen, False
+        if complete:
+            return
+        module = self.lightning_module  # type: ignore[attr-defined]
+        missing = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+        raise UnusedParameterError(
+            f"gradcomp: rank {self.global_rank} computed no gradient for {missing or 'some parameter'} at step "  # type: ignore[attr-defined]
+            f"{module.trainer.global_step}, so DDP never handed their bucket to the communication hook and the other "
+            f"ranks would wait for it until the process-group timeout. Fix: pass `find_unused_parameters=True` (and "
+            f"not `static_graph=True`) to the strategy when some rank may skip a layer at some step."
+        )
 
     @override
     def teardown(self) -> None:

@@ -156,9 +156,34 @@ class InjectingClassifier(StepDataClassifier):
         self.history.append(flat_params(self))
 
 
+class NormInjectingClassifier(InjectingClassifier):
+    """With a BatchNorm layer; on ``bad_rank`` at ``bad_step`` the input is NaN, so that step's forward writes NaN
+    into the running statistics. Records the buffers after every step."""
+
+    def __init__(self, bad_rank: int, bad_step: int) -> None:
+        super().__init__(bad_rank, bad_step, perturb=True)  # no loss poisoning: the input carries the NaN
+        torch.manual_seed(99)
+        self.net = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 5))
+        self.buffer_history: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.global_rank == self.bad_rank and self.trainer.global_step == self.bad_step:
+            x = x * float("nan")
+        return self.net(x)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        pass  # no parameter perturbation
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.buffer_history.append(torch.cat([b.detach().reshape(-1).double().clone() for b in self.buffers()]))
+
+
 def guard_runs(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
-    """Per compressor: NaN on rank 1 at step 2 with ``nonfinite='skip'`` and with ``'raise'``; once: a replica
-    perturbed on rank 1 at step 2 under ``check_replicas_every=1``."""
+    """Per compressor: NaN on rank 1 at step 2 with ``nonfinite='skip'`` and with ``'raise'``; a NaN batch on rank
+    0 at step 2 through a BatchNorm layer; once: a replica perturbed on rank 1 at step 2 under
+    ``check_replicas_every=1``."""
     out: dict[str, Any] = {}
     for name in names:
 
@@ -170,6 +195,11 @@ def guard_runs(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
             res["skipped"] = state.skipped_steps
             res["residuals_finite"] = all(bool(torch.isfinite(r).all()) for r in state.memory.residuals.values())
             res["residual_names"] = sorted(state.memory.residuals)
+            norm, trainer = fit(world_size, make_strategy(name), 5, NormInjectingClassifier(0, 2), loader=step_loader())
+            res["norm_skipped"] = trainer.strategy.comm_state.skipped_steps
+            res["norm_buffers"] = norm.buffer_history
+            with torch.no_grad():
+                res["norm_eval_finite"] = bool(torch.isfinite(norm.eval()(torch.randn(4, 20))).all())
             try:
                 fit(world_size, make_strategy(name, nonfinite="raise"), 5, InjectingClassifier(1, 2), loader=step_loader())
                 res["raised"] = None
@@ -366,8 +396,9 @@ def survivor_run(
 
 # -- WeightGrad: accumulators, staleness counter, G_thresh and per-site weights survive a resume -------------
 def weightgrad_resume(rank: int, world_size: int, tmpdir: str, total: int, at: int) -> dict[str, Any]:
-    """4 ranks in 2 sites, a WAN round every 2 steps, checkpoint mid-cycle at ``at``: uninterrupted vs resumed,
-    and a resume that drops the compression state (the control: it must differ)."""
+    """4 ranks in 2 sites, a WAN round every 2 steps, SGD with momentum 0.9 (each site's momentum buffers differ),
+    checkpoint mid-cycle at ``at``: uninterrupted vs resumed, and a resume that drops the compression state (the
+    control: it must differ)."""
     from lightning_gradcomp.weightgrad import WeightGradStrategy
 
     def strategy(**kwargs: Any) -> WeightGradStrategy:
@@ -375,11 +406,46 @@ def weightgrad_resume(rank: int, world_size: int, tmpdir: str, total: int, at: i
 
     saver = ModelCheckpoint(dirpath=tmpdir, every_n_train_steps=at, save_top_k=-1)
     run = dict(loader=step_loader())
-    full, _ = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.0),
+    full, _ = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.9),
                   enable_checkpointing=True, callbacks=[saver], **run)
     path = os.path.join(tmpdir, f"epoch=0-step={at}.ckpt")
-    resumed, trainer = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.0), ckpt_path=path, **run)
-    reset, _ = fit(world_size, strategy(resume_compression="reset"), total, StepDataClassifier(momentum=0.0),
+    resumed, trainer = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.9), ckpt_path=path, **run)
+    reset, _ = fit(world_size, strategy(resume_compression="reset"), total, StepDataClassifier(momentum=0.9),
                    ckpt_path=path, **run)
     return {"full": flat_params(full), "resumed": flat_params(resumed), "reset": flat_params(reset),
             "rounds": trainer.strategy.synchronizer.rounds}
+
+
+# -- a layer unused on one rank at one step (find_unused_parameters=False or a static graph) ----------------
+class SometimesUnusedLayer(StepDataClassifier):
+    """``extra`` feeds the loss on every rank and step except on rank ``victim`` at step ``at``."""
+
+    def __init__(self, victim: int, at: int) -> None:
+        super().__init__()
+        self.victim, self.at = victim, at
+        self.extra = torch.nn.Linear(5, 5)
+        self.stalled_at: Optional[float] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        if self.global_rank == self.victim and self.trainer.global_step == self.at:
+            return out
+        return self.extra(out)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == self.at:
+            self.stalled_at = time.perf_counter()
+
+
+def unused_layer_run(rank: int, world_size: int, name: str, options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Train until rank 1 leaves ``extra`` unused at step 2; report how each rank stopped, and how long after
+    that step began."""
+    model = SometimesUnusedLayer(victim=1, at=2)
+    try:
+        fit(world_size, make_strategy(name, timeout=timedelta(seconds=timeout_s), **options), 6, model,
+            loader=step_loader())
+        outcome: dict[str, Any] = {"raised": None}
+    except BaseException as exc:  # noqa: BLE001  (the test asserts what came out)
+        outcome = {"raised": (type(exc).__name__, str(exc))}
+    outcome["seconds"] = None if model.stalled_at is None else time.perf_counter() - model.stalled_at
+    return outcome
