@@ -6,10 +6,11 @@ set ``comm_state`` when it registers the hook and to call :meth:`_init_resilienc
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -40,10 +41,38 @@ class UnusedParameterError(RuntimeError):
     """A rank computed no gradient for some parameter under ``find_unused_parameters=False`` (or a static graph)."""
 
 
+class RankOptimizerStates:
+    """This rank's optimizer states as per-rank checkpoint state (``GradCompState.extra``), for strategies whose ranks'
+    optimizers differ (WeightGrad's sites): Lightning saves rank 0's ``optimizer_states`` only and gives them to
+    every rank. Restored in two steps: the checkpoint entry is kept when the hook state is restored (at DDP wrap,
+    before the optimizers are), then applied by :meth:`apply` once Lightning has loaded rank 0's states."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.pending: Optional[list[dict[str, Any]]] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [self.strategy.optimizer_state(o) for o in self.strategy.optimizers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = state["optimizers"]
+
+    def apply(self) -> None:
+        """Load the kept states into this rank's optimizers (after Lightning loaded rank 0's)."""
+        if self.pending is None:
+            return
+        for optimizer, saved in zip(self.strategy.optimizers, self.pending):
+            optimizer.load_state_dict(saved)
+            _optimizer_to_device(optimizer, self.strategy.root_device)
+        self.pending = None
+
+
 class ResilienceMixin:
     """Checkpointed compression state, an optional replica check, and non-finite handling for a DDP strategy."""
 
     comm_state: Optional["GradCompState"]
+    #: whether each rank's optimizer state is checkpointed (ranks whose optimizers differ, e.g. WeightGrad's sites)
+    per_rank_optimizer_state: bool = False
 
     def _init_resilience(
         self,
@@ -71,6 +100,8 @@ class ResilienceMixin:
     def _attach_resilience(self, state: "GradCompState") -> None:
         """Called by the strategy right after it created the hook state (at DDP wrap time)."""
         state.nonfinite = self.nonfinite
+        if self.per_rank_optimizer_state:
+            state.extra["optimizer"] = RankOptimizerStates(self)
         self._nonfinite_seen = state.skipped_steps
         self._optimizer_steps = 0
         self._restore_pending()
@@ -105,6 +136,13 @@ class ResilienceMixin:
         if self.restore_checkpoint_after_setup:  # type: ignore[attr-defined]
             self._restore_pending()  # the hook of this run exists already; otherwise it is applied at DDP wrap
         return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+        own = self.comm_state.extra.get("optimizer") if self.comm_state is not None else None
+        if isinstance(own, RankOptimizerStates):
+            own.apply()  # this rank's states replace rank 0's
 
     # -- replica check and non-finite steps ------------------------------------------------------------------
     @override

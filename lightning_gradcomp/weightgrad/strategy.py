@@ -77,6 +77,8 @@ class WeightGradStrategy(GradCompStrategy):
     """
 
     strategy_name = "weightgrad"
+    # sites step their optimizers apart between WAN rounds: momentum and Adam moments differ per site
+    per_rank_optimizer_state = True
 
     def __init__(
         self,
@@ -227,7 +229,7 @@ class WeightGradStrategy(GradCompStrategy):
         )
         # the synchronizer's accumulators, staleness counter and G_thresh are training state: checkpointed per rank
         self.comm_state.extra["weightgrad"] = self.synchronizer
-        self._attach_resilience(self.comm_state)
+        self._attach_resilience(self.comm_state)  # adds each rank's optimizer state to the checkpointed extras
         log.info(
             "weightgrad: rank %d in site %d of %s (leader %d), in-site %s",
             self.global_rank,
