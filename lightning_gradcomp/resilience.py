@@ -124,6 +124,9 @@ class ResilienceMixin:
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if trainer is not None and trainer.max_steps != -1:  # Lightning's iteration-based training
+            ckpt.complete_epoch_end(checkpoint)
         reset = self.resume_compression == "reset"
         self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset)  # type: ignore[attr-defined]
         if reset and ckpt.CHECKPOINT_KEY in checkpoint:

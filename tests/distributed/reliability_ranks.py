@@ -449,3 +449,42 @@ def unused_layer_run(rank: int, world_size: int, name: str, options: dict[str, A
         outcome = {"raised": (type(exc).__name__, str(exc))}
     outcome["seconds"] = None if model.stalled_at is None else time.perf_counter() - model.stalled_at
     return outcome
+
+
+# -- a checkpoint written at the end of an epoch (ModelCheckpoint(every_n_epochs=1)) ----------------------------
+class LoaderDataClassifier(TinyClassifier):
+    """Trains on the loader's (shuffled, per-epoch) batches and records a checksum of each."""
+
+    def __init__(self) -> None:
+        super().__init__(momentum=0.9)
+        self.seen: list[tuple[int, float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.append((self.trainer.current_epoch, float(batch[0].sum())))
+        return super().training_step(batch, batch_idx)
+
+
+def epoch_end_resume(rank: int, world_size: int, names: list[str], tmpdir: str, limits: dict[str, Any]) -> dict[str, Any]:
+    """Per compressor: 2 epochs of 4 shuffled batches, checkpointed at the end of epoch 0, resumed from it."""
+    out: dict[str, Any] = {}
+    for name in names:
+
+        def one() -> dict[str, Any]:
+            folder = os.path.join(tmpdir, name)
+            loader = DataLoader(random_loader(64, 8).dataset, batch_size=8, shuffle=True)
+            saver = ModelCheckpoint(dirpath=folder, every_n_epochs=1, save_top_k=-1)
+            runs = []
+            for ckpt_path, callbacks in ((None, [saver]), (os.path.join(folder, "epoch=0-step=4.ckpt"), [])):
+                model = LoaderDataClassifier()
+                options = dict(logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                trainer = pl.Trainer(strategy=make_strategy(name), accelerator="cpu", devices=world_size, **limits,
+                                     **options)
+                trainer.fit(model, loader, ckpt_path=ckpt_path)
+                runs.append((flat_params(model), model.seen, trainer.global_step))
+            (full, full_seen, _), (resumed, resumed_seen, steps) = runs
+            return {"full": full, "resumed": resumed, "full_seen": full_seen, "resumed_seen": resumed_seen,
+                    "global_step": steps}
+
+        out[name] = _guarded(one)
+    return out
