@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 
 ResumeCompression = Literal["exact", "reset"]
 
-# how a collective reports a peer that died (Gloo) or a peer that stopped answering (timeouts)
-_PEER_FAILURE = r".*(Connection closed by peer|Connection reset by peer|timed out|Timeout|Broken pipe|ECONNRESET).*"
+# how a collective reports a peer that died (Gloo) or a peer that stopped answering (timeouts); case-insensitive:
+# Gloo writes "Timed out waiting ... for recv", NCCL and the store "timed out" / "Timeout"
+_PEER_FAILURE = r"(?i).*(Connection closed by peer|Connection reset by peer|timed out|Timeout|Broken pipe|ECONNRESET).*"
 
 
 class UnusedParameterError(RuntimeError):

@@ -66,11 +66,6 @@ class Packet:
         return replace(self, payload=payload, stats={})
 
 
-def max_or_zero(values: Tensor) -> Tensor:
-    """The max of ``values`` as a 0-d tensor, 0 when ``values`` is empty (a statistic of an empty gradient)."""
-    return values.max() if values.numel() else values.new_zeros(())
-
-
 def _refusing_unknown_options(init: Callable[..., None]) -> Callable[..., None]:
     """``init`` with unknown keyword arguments refused by name, listing the class's options (Python's own
     ``TypeError`` names neither the class's options nor, from a config file, where the name came from)."""

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet, max_or_zero
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
 from lightning_gradcomp.validation import check_choice
 
 Granularity = Literal["tensor", "row"]
@@ -41,12 +41,12 @@ class OneBit(Compressor):
         self.granularity: Granularity = granularity
 
     def _groups(self, tensor: Tensor) -> Tensor:
-        groups = self._num_groups(tensor.shape)
-        return tensor.detach().float().reshape(groups, tensor.numel() // max(groups, 1))
+        flat = tensor.detach().float()
+        if self.granularity == "row" and flat.dim() > 1:
+            return flat.reshape(flat.shape[0], -1)
+        return flat.reshape(1, -1)
 
     def _num_groups(self, shape: torch.Size) -> int:
-        if shape.numel() == 0:  # nothing to reconstruct: no group, no reconstruction values, 0 bytes
-            return 0
         return shape[0] if self.granularity == "row" and len(shape) > 1 else 1
 
     def payload_nbytes(self, numel: int, num_groups: int = 1) -> int:
@@ -65,7 +65,7 @@ class OneBit(Compressor):
         mean_neg = sum_neg / count_neg.clamp(min=1)
         scales = torch.stack((mean_pos, mean_neg), dim=1).reshape(-1)  # [pos0, neg0, pos1, neg1, ...]
         payload = torch.cat((pack_bits(positive, 1), scales.view(torch.uint8)))
-        stats = {"scale": max_or_zero(torch.maximum(mean_pos, mean_neg))}
+        stats = {"scale": torch.maximum(mean_pos, mean_neg).max()}
         return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
 
     def decompress(self, packet: Packet) -> Tensor:
@@ -74,7 +74,7 @@ class OneBit(Compressor):
         positive = unpack_bits(packet.payload[:nbits], n, 1).bool()
         # clone: a slice at an odd byte offset cannot be reinterpreted as float32 in place
         scales = packet.payload[nbits:].clone().view(torch.float32).view(-1, 2)
-        groups = positive.view(scales.shape[0], n // max(scales.shape[0], 1))
+        groups = positive.view(scales.shape[0], -1)
         out = torch.where(groups, scales[:, :1], -scales[:, 1:])
         return out.to(packet.dtype).view(packet.shape)
 

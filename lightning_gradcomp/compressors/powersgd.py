@@ -87,7 +87,7 @@ class PowerSGD(MultiRoundCompressor):
 
     def plan(self, shape: torch.Size) -> Optional[tuple[int, int, int]]:
         """``(n, m, r)`` of the low-rank form of a tensor of ``shape``, or ``None`` when it is sent dense."""
-        if len(shape) <= 1 or shape.numel() == 0:
+        if len(shape) <= 1:
             return None
         n = shape[0]
         m = shape.numel() // n

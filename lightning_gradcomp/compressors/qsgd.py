@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet, max_or_zero
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
 from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.validation import check_int
 
@@ -91,8 +91,7 @@ class QSGD(Compressor):
         negative, level, norms = self.quantize(tensor, name)
         codes = level * 2 + negative.to(torch.int32)
         payload = torch.cat((pack_bits(codes, self.width), norms.view(torch.uint8)))
-        # an empty tensor has no bucket: its statistics are 0, not a reduction over nothing
-        stats = {"sparsity": (level == 0).float().mean().nan_to_num(0.0), "norm": max_or_zero(norms)}
+        stats = {"sparsity": (level == 0).float().mean(), "norm": norms.max()}
         return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
 
     def decompress(self, packet: Packet) -> Tensor:

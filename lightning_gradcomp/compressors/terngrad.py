@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet, max_or_zero
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
 from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.compressors.terngrad_fused import FusedTernGrad
 from lightning_gradcomp.validation import check_choice, check_int, check_number
@@ -158,8 +158,6 @@ class TernGrad(Compressor):
 
     # -- the maths ------------------------------------------------------------------------------------
     def _num_chunks(self, numel: int) -> int:
-        if numel == 0:  # an empty tensor has no chunk: no scaler, nothing on the wire
-            return 0
         return 1 if self.bucket_size is None else -(-numel // self.bucket_size)
 
     def _chunked(self, tensor: Tensor) -> Tensor:
@@ -204,8 +202,6 @@ class TernGrad(Compressor):
     def local_statistic(self, tensor: Tensor, name: str) -> Optional[Tensor]:
         if self.scaler_share != "max":
             return None
-        if tensor.numel() == 0:
-            return tensor.new_zeros(0, dtype=torch.float32)
         if self._fused.enabled(tensor.device):
             return self._fused.local_statistic(tensor, name)
         return self._clipped_and_scaler(tensor)[1]
@@ -218,8 +214,6 @@ class TernGrad(Compressor):
             scaler: scalers shared by all ranks (one per chunk); ``None`` uses this rank's own.
             name: the parameter's name, which selects its random stream.
         """
-        if tensor.numel() == 0:
-            return tensor.new_zeros(0, dtype=torch.int8), tensor.new_zeros(0, dtype=torch.float32)
         if self._fused.enabled(tensor.device):
             return self._fused.ternarize(tensor, name, scaler)
         chunks, local = self._clipped_and_scaler(tensor)
@@ -232,10 +226,10 @@ class TernGrad(Compressor):
         return ternary.reshape(-1)[: tensor.numel()], s
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        if self._fused.enabled(tensor.device) and tensor.numel() > 0:
+        if self._fused.enabled(tensor.device):
             return self._fused.compress(tensor, name, shared)
         ternary, s = self.ternarize(tensor, shared if self.scaler_share == "max" else None, name)
-        stats = {"sparsity": (ternary == 0).float().mean().nan_to_num(0.0), "scaler": max_or_zero(s)}
+        stats = {"sparsity": (ternary == 0).float().mean(), "scaler": s.max()}
         ctx: dict[str, Any] = {}
         if self.aggregation_for(self.world_size) is Aggregation.SUM:
             payload = ternary

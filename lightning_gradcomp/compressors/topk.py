@@ -94,8 +94,7 @@ class TopK(Compressor):
         if self.is_dense(tensor.shape):
             payload = flat.float().view(torch.uint8)
             return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats={"density": flat.new_ones(())})
-        # an empty tensor selects nothing (the samplers' order statistics need a value)
-        indices = self.select(flat.abs(), name) if flat.numel() else flat.new_zeros(0, dtype=torch.long)
+        indices = self.select(flat.abs(), name)
         values = flat[indices].to(_VALUE_DTYPES[self.value_dtype])
         payload = torch.cat((values.view(torch.uint8), indices.to(torch.int32).view(torch.uint8)))
         stats = {"density": flat.new_tensor(indices.numel() / max(1, flat.numel()), dtype=torch.float32)}
