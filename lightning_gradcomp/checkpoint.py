@@ -146,3 +146,33 @@ def restore(state: "GradCompState", entry: Mapping[str, Any], device: torch.devi
         transform.load_state_dict(saved)
     for name, obj in state.extra.items():
         obj.load_state_dict(entry["extra"][name])
+
+
+def complete_epoch_end(checkpoint: dict[str, Any]) -> bool:
+    """Make a checkpoint written at the end of an epoch (``on_train_epoch_end``) resume at the next epoch's start.
+
+    Such a checkpoint records the epoch as processed but not completed. With ``max_steps`` set (Lightning's
+    iteration-based training) Lightning resumes it as a restart *inside* that epoch: it runs one more batch there
+    (drawn from the next epoch's sampler order) and then sets every later epoch's sampler one epoch ahead, so the
+    resumed run sees other batches than the uninterrupted one. Epoch-based training resumes it at the next epoch's
+    start; this marks the epoch completed and its batch counters fresh, so iteration-based training does the same.
+    Returns whether the checkpoint was such a one (and was changed).
+    """
+    loop = checkpoint.get("loops", {}).get("fit_loop")
+    if not isinstance(loop, dict):
+        return False
+    epochs = loop.get("epoch_progress", {})
+    batches = loop.get("epoch_loop.batch_progress", {})
+    total, current = epochs.get("total"), epochs.get("current")
+    if not (isinstance(total, dict) and isinstance(current, dict) and batches.get("is_last_batch")):
+        return False
+    at_epoch_end = all(
+        c["ready"] == c["started"] == c["processed"] == c["completed"] + 1 for c in (total, current)
+    )
+    if not at_epoch_end:
+        return False
+    for counters in (total, current):
+        counters["completed"] = counters["processed"]
+    batches["current"] = {key: 0 for key in batches["current"]}
+    batches["is_last_batch"] = False
+    return True

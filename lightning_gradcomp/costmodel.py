@@ -112,9 +112,16 @@ class Network:
             return spec
         if isinstance(spec, Link):
             return cls(spec)
+        fix = (
+            f"a rate such as '1gbit' or '100mbit@2ms' (a positive number, one of {sorted(_RATE_UNITS)}, optionally "
+            f"'@' and a latency), a Link or a Network"
+        )
         if isinstance(spec, str):
-            return cls(Link.parse(spec))
-        raise ValueError(f"Expected `link` to be a rate string such as '1gbit', a Link or a Network, but got {spec!r}.")
+            try:
+                return cls(Link.parse(spec))
+            except ValueError as exc:
+                raise ValueError(f"Expected `link` to be a link spec, but got {spec!r}. Fix: pass {fix}.") from exc
+        raise ValueError(f"Expected `link` to be a rate string, a Link or a Network, but got {spec!r}. Fix: pass {fix}.")
 
     def ring_link(self, world_size: int) -> Link:
         """The link a flat ring over ``world_size`` ranks runs at: the slowest it crosses."""

@@ -43,7 +43,7 @@ from lightning_gradcomp.hook import gradcomp_hook
 from lightning_gradcomp.pipeline import LayerTransform
 from lightning_gradcomp.resilience import ResumeCompression
 from lightning_gradcomp.validation import check_choice
-from lightning_gradcomp.wiring import HookWiring
+from lightning_gradcomp.wiring import HookWiring, check_backend, check_ddp_options
 
 
 class GradCompFabricStrategy(HookWiring, DDPStrategy):
@@ -116,6 +116,17 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         self.resume_compression: ResumeCompression = resume_compression
         self._pending_restore: Optional[dict[str, Any]] = None
         kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs)
+        check_ddp_options(
+            dict(
+                find_unused_parameters=find_unused_parameters,
+                static_graph=static_graph,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                broadcast_buffers=broadcast_buffers,
+                **kwargs,
+            ),
+            bucket_cap_mb,
+            process_group_backend,
+        )
         self._momentum: Optional[float] = None
         for entry in transforms:
             self._attach(entry)
@@ -139,6 +150,11 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         )
         self._nonfinite_seen = 0
         self._module: Optional[Module] = None
+
+    @override
+    def setup_environment(self) -> None:
+        check_backend(self._process_group_backend, self.root_device)
+        super().setup_environment()
 
     def _attach(self, entry: Union[PipelineCallback, LayerTransform]) -> None:
         if isinstance(entry, LayerTransform):

@@ -109,6 +109,9 @@ class GradCompState:
     step_nonfinite: bool = False
     skipped_steps: int = 0
     residual_undo: dict[str, Optional[Tensor]] = field(default_factory=dict)
+    #: whether DDP handed over its last bucket since the strategy last cleared this (after each synchronizing
+    #: backward): a bucket never handed over holds a parameter this rank computed no gradient for
+    last_bucket_seen: bool = False
     per_rank: Optional[dict[str, list[Tensor]]] = None
     dense: bool = False
     planner: Optional[Any] = None
@@ -231,6 +234,8 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
 
 def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     state.hook_calls += 1
+    if bucket.is_last():
+        state.last_bucket_seen = True
     timer = state.stats.start_bucket() if state.stats is not None else NO_TIMER
     grads = bucket.gradients()
     names = [state.names[id(p)] for p in bucket.parameters()]

@@ -6,10 +6,11 @@ set ``comm_state`` when it registers the hook and to call :meth:`_init_resilienc
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -32,14 +33,47 @@ log = logging.getLogger(__name__)
 
 ResumeCompression = Literal["exact", "reset"]
 
-# how a collective reports a peer that died (Gloo) or a peer that stopped answering (timeouts)
-_PEER_FAILURE = r".*(Connection closed by peer|Connection reset by peer|timed out|Timeout|Broken pipe|ECONNRESET).*"
+# how a collective reports a peer that died (Gloo) or a peer that stopped answering (timeouts); case-insensitive:
+# Gloo writes "Timed out waiting ... for recv", NCCL and the store "timed out" / "Timeout"
+_PEER_FAILURE = r"(?i).*(Connection closed by peer|Connection reset by peer|timed out|Timeout|Broken pipe|ECONNRESET).*"
+
+
+class UnusedParameterError(RuntimeError):
+    """A rank computed no gradient for some parameter under ``find_unused_parameters=False`` (or a static graph)."""
+
+
+class RankOptimizerStates:
+    """This rank's optimizer states as per-rank checkpoint state (``GradCompState.extra``), for strategies whose ranks'
+    optimizers differ (WeightGrad's sites): Lightning saves rank 0's ``optimizer_states`` only and gives them to
+    every rank. Restored in two steps: the checkpoint entry is kept when the hook state is restored (at DDP wrap,
+    before the optimizers are), then applied by :meth:`apply` once Lightning has loaded rank 0's states."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.pending: Optional[list[dict[str, Any]]] = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [self.strategy.optimizer_state(o) for o in self.strategy.optimizers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = state["optimizers"]
+
+    def apply(self) -> None:
+        """Load the kept states into this rank's optimizers (after Lightning loaded rank 0's)."""
+        if self.pending is None:
+            return
+        for optimizer, saved in zip(self.strategy.optimizers, self.pending):
+            optimizer.load_state_dict(saved)
+            _optimizer_to_device(optimizer, self.strategy.root_device)
+        self.pending = None
 
 
 class ResilienceMixin:
     """Checkpointed compression state, an optional replica check, and non-finite handling for a DDP strategy."""
 
     comm_state: Optional["GradCompState"]
+    #: whether each rank's optimizer state is checkpointed (ranks whose optimizers differ, e.g. WeightGrad's sites)
+    per_rank_optimizer_state: bool = False
 
     def _init_resilience(
         self,
@@ -62,10 +96,13 @@ class ResilienceMixin:
         self._pending_restore: Optional[dict[str, Any]] = None
         self._optimizer_steps = 0
         self._nonfinite_seen = 0
+        self._buffers_before: Optional[list[tuple[Tensor, Tensor]]] = None
 
     def _attach_resilience(self, state: "GradCompState") -> None:
         """Called by the strategy right after it created the hook state (at DDP wrap time)."""
         state.nonfinite = self.nonfinite
+        if self.per_rank_optimizer_state:
+            state.extra["optimizer"] = RankOptimizerStates(self)
         self._nonfinite_seen = state.skipped_steps
         self._optimizer_steps = 0
         self._restore_pending()
@@ -88,6 +125,9 @@ class ResilienceMixin:
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        if trainer is not None and trainer.max_steps != -1:  # Lightning's iteration-based training
+            ckpt.complete_epoch_end(checkpoint)
         reset = self.resume_compression == "reset"
         self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset)  # type: ignore[attr-defined]
         if reset and ckpt.CHECKPOINT_KEY in checkpoint:
@@ -100,6 +140,13 @@ class ResilienceMixin:
         if self.restore_checkpoint_after_setup:  # type: ignore[attr-defined]
             self._restore_pending()  # the hook of this run exists already; otherwise it is applied at DDP wrap
         return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+        own = self.comm_state.extra.get("optimizer") if self.comm_state is not None else None
+        if isinstance(own, RankOptimizerStates):
+            own.apply()  # this rank's states replace rank 0's
 
     # -- replica check and non-finite steps ------------------------------------------------------------------
     @override
@@ -119,15 +166,49 @@ class ResilienceMixin:
         return output
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.nonfinite == "skip" and self._buffers_before is None:
+            # before DDP's forward (and its buffer broadcast): what a skipped step must leave in place. Taken at
+            # the first micro-batch of an accumulation window, kept until its synchronizing backward
+            self._buffers_before = [(b, b.detach().clone()) for b in self.lightning_module.buffers()]  # type: ignore[attr-defined]
+        return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)  # type: ignore[misc]
-        if self.comm_state is not None:
-            self._nonfinite_seen = drop_skipped_gradients(
-                self.comm_state,
-                self._nonfinite_seen,
-                self.lightning_module.named_parameters(),  # type: ignore[attr-defined]
-                has_scaler=getattr(self.precision_plugin, "scaler", None) is not None,  # type: ignore[attr-defined]
-            )
+        state = self.comm_state
+        if state is None or not getattr(self.model, "require_backward_grad_sync", True):  # type: ignore[attr-defined]
+            return  # no_sync (gradient accumulation): no bucket goes out, nothing is decided yet
+        buffers_before, self._buffers_before = self._buffers_before, None
+        self._check_every_bucket_arrived(state)
+        seen = self._nonfinite_seen
+        self._nonfinite_seen = drop_skipped_gradients(
+            state,
+            seen,
+            self.lightning_module.named_parameters(),  # type: ignore[attr-defined]
+            has_scaler=getattr(self.precision_plugin, "scaler", None) is not None,  # type: ignore[attr-defined]
+        )
+        if self._nonfinite_seen != seen:
+            # the forward of the skipped step already moved running statistics (BatchNorm) with the bad batch, and
+            # DDP broadcasts rank 0's buffers at the next forward: put every rank's back as they were before the step
+            for buffer, saved in buffers_before or ():
+                buffer.copy_(saved)
+
+    def _check_every_bucket_arrived(self, state: "GradCompState") -> None:
+        """Fail at once where DDP would hang: a parameter without gradient on this rank keeps its bucket (and every
+        later one) from being handed to the hook, while the other ranks wait in that bucket's collectives until the
+        process-group timeout. This rank stops with the cause; its exit ends their wait (connection closed)."""
+        complete, state.last_bucket_seen = state.last_bucket_seen, False
+        if complete:
+            return
+        module = self.lightning_module  # type: ignore[attr-defined]
+        missing = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
+        raise UnusedParameterError(
+            f"gradcomp: rank {self.global_rank} computed no gradient for {missing or 'some parameter'} at step "  # type: ignore[attr-defined]
+            f"{module.trainer.global_step}, so DDP never handed their bucket to the communication hook and the other "
+            f"ranks would wait for it until the process-group timeout. Fix: pass `find_unused_parameters=True` (and "
+            f"not `static_graph=True`) to the strategy when some rank may skip a layer at some step."
+        )
 
     @override
     def teardown(self) -> None:

@@ -50,3 +50,35 @@ def check_choice(name: str, value: Any, choices: Iterable[str], fix: Optional[st
     options = tuple(choices)
     if value not in options:
         raise _fail(name, value, "one of " + ", ".join(repr(c) for c in options), fix or f"pick one of {options}")
+
+
+def check_bool(name: str, value: Any, fix: Optional[str] = None) -> None:
+    """Raise ``ValueError`` unless ``value`` is a ``bool``: the string ``"false"`` is truthy, so never coerce."""
+    if not isinstance(value, bool):
+        raise _fail(name, value, "True or False", fix or f"pass the bool itself, e.g. `{name}=False` (a string such as 'false' is truthy)")
+
+
+class UnknownOptionError(TypeError, ValueError):
+    """An unknown keyword argument: a ``TypeError`` as Python raises for one, and a ``ValueError`` like every other
+    bad configuration here, so both ``except`` clauses catch it."""
+
+
+def check_options(owner: str, given: Iterable[str], valid: Iterable[str], values: Optional[dict[str, Any]] = None) -> None:
+    """Raise :class:`UnknownOptionError` naming the first of ``given`` not in ``valid``, with the valid options.
+
+    Args:
+        owner: the class the options were passed to, e.g. ``"TernGrad"``.
+        given: the keyword names passed.
+        valid: the names ``owner`` accepts.
+        values: the passed values by name, to show the offending one.
+    """
+    options = list(valid)
+    unknown = [name for name in given if name not in options]
+    if unknown:
+        name = unknown[0]
+        shown = f"{name}={(values or {}).get(name)!r}" if values and name in values else name
+        raise UnknownOptionError(
+            f"Expected `{name}` to be an option of {owner}, but got {shown}"
+            + (f" (also unknown: {unknown[1:]})" if unknown[1:] else "")
+            + f". Fix: {owner}'s options are {options}."
+        )

@@ -21,7 +21,7 @@ from lightning_gradcomp.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.pipeline import LayerTransform
 from lightning_gradcomp.planner import CollectivePlanner
-from lightning_gradcomp.validation import check_int, check_number
+from lightning_gradcomp.validation import check_bool, check_int, check_number
 
 # DDPStrategy arguments that would replace or bypass our hook; jsonargparse passes them as explicit None
 _HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
@@ -32,6 +32,43 @@ _DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).par
     "output_device",
     "process_group",
 }
+# DDP options that take a bool: a string such as "false" is truthy and would silently switch them on
+_DDP_SIGNATURE = inspect.signature(DistributedDataParallel.__init__).parameters
+_DDP_BOOL_OPTIONS = frozenset(n for n, p in _DDP_SIGNATURE.items() if isinstance(p.default, bool))
+
+
+def check_ddp_options(options: dict[str, Any], bucket_cap_mb: Any, backend: Any) -> None:
+    """Refuse DDP options DDP itself would accept wrongly (truthy strings) or only fail on deep inside.
+
+    Raises:
+        ValueError: a bool option that is not a bool, a ``bucket_cap_mb`` that is not a positive number, or a
+            ``process_group_backend`` that is not a name.
+    """
+    for name, value in options.items():
+        if name in _DDP_BOOL_OPTIONS or (value is not None and name in ("broadcast_buffers", "forward_sync_buffers")):
+            check_bool(name, value)
+    if bucket_cap_mb is not None:
+        check_number("bucket_cap_mb", bucket_cap_mb, minimum=0, min_open=True,
+                     fix="pass a positive size in MiB, e.g. 25 (DDP's default), or None for DDP's default")
+    if backend is not None and not isinstance(backend, str):
+        raise ValueError(
+            f"Expected `process_group_backend` to be a backend name or None, but got {backend!r}. "
+            f"Fix: use 'gloo' on CPU, 'nccl' on CUDA, or None for the device's default."
+        )
+
+
+def check_backend(backend: Optional[str], device: torch.device) -> None:
+    """Refuse NCCL on a non-CUDA device (or without NCCL) before any process group exists.
+
+    Raises:
+        ValueError: ``backend`` is ``"nccl"`` but the device is not CUDA or this torch has no NCCL.
+    """
+    if backend == "nccl" and (device.type != "cuda" or not torch.distributed.is_nccl_available()):
+        raise ValueError(
+            f"Expected `process_group_backend` to name a backend this run can use on {device.type}, but got "
+            f"'nccl' (NCCL needs CUDA devices and a torch built with NCCL). Fix: use "
+            f"`process_group_backend='gloo'` on CPU, or None for the device's default."
+        )
 
 
 def select_float_names(named: dict[str, torch.nn.Parameter], exclude: Sequence[str], min_numel: int) -> frozenset[str]:

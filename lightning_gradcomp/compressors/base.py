@@ -13,14 +13,18 @@ Two ways to travel:
 """
 
 import enum
+import functools
+import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+from lightning_gradcomp.validation import check_options
 
 
 class Aggregation(str, enum.Enum):
@@ -68,6 +72,22 @@ def max_or_zero(values: Tensor) -> Tensor:
     return values.max() if values.numel() else values.new_zeros(())
 
 
+def _refusing_unknown_options(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` with unknown keyword arguments refused by name, listing the class's options (Python's own
+    ``TypeError`` names neither the class's options nor, from a config file, where the name came from)."""
+    parameters = inspect.signature(init).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        return init
+    valid = [n for n, p in list(parameters.items())[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    @functools.wraps(init)
+    def checked(self: "Compressor", *args: Any, **kwargs: Any) -> None:
+        check_options(type(self).__name__, kwargs, valid, kwargs)
+        init(self, *args, **kwargs)
+
+    return checked
+
+
 class Compressor(ABC):
     """Base class of all gradient compressors.
 
@@ -87,9 +107,16 @@ class Compressor(ABC):
     #: then exchanges sizes first (a rank may send an empty payload)
     fixed_size: bool = True
 
+    @_refusing_unknown_options
     def __init__(self) -> None:
         self.rank = 0
         self.world_size = 1
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            cls.__init__ = _refusing_unknown_options(init)  # type: ignore[method-assign]
 
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         """Called once before the first step with this rank's place in the process group.

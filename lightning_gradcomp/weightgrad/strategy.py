@@ -28,7 +28,7 @@ from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.hook import gradcomp_hook
 from lightning_gradcomp.strategy import GradCompStrategy
-from lightning_gradcomp.validation import check_choice, check_int, check_number
+from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
 from lightning_gradcomp.weightgrad.sites import SiteGroups, SiteLayout, new_site_groups, site_layout
 from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer
@@ -78,6 +78,8 @@ class WeightGradStrategy(GradCompStrategy):
     """
 
     strategy_name = "weightgrad"
+    # sites step their optimizers apart between WAN rounds: momentum and Adam moments differ per site
+    per_rank_optimizer_state = True
 
     def __init__(
         self,
@@ -107,6 +109,11 @@ class WeightGradStrategy(GradCompStrategy):
                     f"Expected one of `site_size` and `site_sizes`, but got both ({site_size!r}, {list(site_sizes)!r}). "
                     f"Fix: pass `site_size` for equal sites or `site_sizes` for a list."
                 )
+            if isinstance(site_sizes, (str, bytes)) or not isinstance(site_sizes, Sequence) or len(site_sizes) == 0:
+                raise ValueError(
+                    f"Expected `site_sizes` to be a non-empty list of ranks per site, but got {site_sizes!r}. "
+                    f"Fix: e.g. `site_sizes=[2, 2]` for two sites of two ranks, or None for one site per node."
+                )
             for i, size in enumerate(site_sizes):
                 check_int(f"site_sizes[{i}]", size, minimum=1, fix="every site needs at least one rank")
         check_int("staleness_bound", staleness_bound, minimum=1, fix="T counts local steps between WAN rounds; use 1 to sync every step")
@@ -122,9 +129,8 @@ class WeightGradStrategy(GradCompStrategy):
         check_choice("wan_quantization", wan_quantization, ("loss_aware", "terngrad", "none"))
         check_choice("site_view", site_view, ("global", "gaia"))
         check_int("seed", seed, minimum=0)
-        for flag_name, flag in (("allow_single_rank_sites", allow_single_rank_sites), ("flush_at_bound", flush_at_bound)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"Expected `{flag_name}` to be a bool, but got {flag!r}.")
+        check_bool("allow_single_rank_sites", allow_single_rank_sites)
+        check_bool("flush_at_bound", flush_at_bound)
         super().__init__(compressor=compressor, **kwargs)
         if aggregation == "serial" and type(self.compressor) is Identity:
             self.compressor = GatheredFP32()
@@ -235,7 +241,7 @@ class WeightGradStrategy(GradCompStrategy):
         )
         # the synchronizer's accumulators, staleness counter and G_thresh are training state: checkpointed per rank
         self.comm_state.extra["weightgrad"] = self.synchronizer
-        self._attach_resilience(self.comm_state)
+        self._attach_resilience(self.comm_state)  # adds each rank's optimizer state to the checkpointed extras
         log.info(
             "weightgrad: rank %d in site %d of %s (leader %d), in-site %s",
             self.global_rank,

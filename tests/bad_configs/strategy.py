@@ -13,6 +13,13 @@ def _exclude_matching_nothing() -> None:
     GradCompStrategy(exclude=["classifier.*"])._float_names({"net.0.weight": torch.nn.Parameter(torch.ones(2))})
 
 
+def _nccl_on_cpu() -> None:
+    # what setup_environment checks first, before any process group exists
+    strategy = GradCompStrategy(process_group_backend="nccl", parallel_devices=[torch.device("cpu")])
+    strategy.set_world_ranks()
+    strategy.setup_environment()
+
+
 def _custom_hook(state: object, bucket: object) -> None:
     return None
 
@@ -40,4 +47,19 @@ BAD_CONFIGS = [
     BadConfig("strategy-resume", lambda: GradCompStrategy(resume_compression="strict"), "resume_compression", "'strict'"),
     BadConfig("strategy-timeout-int", lambda: GradCompStrategy(timeout=30), "timeout", "30"),
     BadConfig("strategy-timeout-zero", lambda: GradCompStrategy(timeout=timedelta(0)), "timeout", "timedelta(0)"),
+    BadConfig("strategy-bucket-cap-negative", lambda: GradCompStrategy(bucket_cap_mb=-25), "bucket_cap_mb", "-25"),
+    BadConfig("strategy-bucket-cap-zero", lambda: GradCompStrategy(bucket_cap_mb=0), "bucket_cap_mb", "0"),
+    BadConfig("strategy-bucket-cap-str", lambda: GradCompStrategy(bucket_cap_mb="25"), "bucket_cap_mb", "'25'"),
+    BadConfig("strategy-unused-str", lambda: GradCompStrategy(find_unused_parameters="false"),
+              "find_unused_parameters", "'false'"),
+    BadConfig("strategy-static-graph-str", lambda: GradCompStrategy(static_graph="no"), "static_graph", "'no'"),
+    BadConfig("strategy-bucket-view-int", lambda: GradCompStrategy(gradient_as_bucket_view=1),
+              "gradient_as_bucket_view", "1"),
+    BadConfig("strategy-broadcast-buffers-str", lambda: GradCompStrategy(broadcast_buffers="False"),
+              "broadcast_buffers", "'False'"),
+    BadConfig("strategy-ddp-kwarg-bool-str", lambda: GradCompStrategy(check_reduction="true"), "check_reduction", "'true'"),
+    BadConfig("strategy-link-words", lambda: GradCompStrategy(link="1 gigabit"), "link", "'1 gigabit'"),
+    BadConfig("strategy-link-int", lambda: GradCompStrategy(link=1000), "link", "1000"),
+    BadConfig("strategy-backend-int", lambda: GradCompStrategy(process_group_backend=1), "process_group_backend", "1"),
+    BadConfig("strategy-nccl-on-cpu", _nccl_on_cpu, "process_group_backend", "'nccl'"),
 ]

@@ -156,9 +156,34 @@ class InjectingClassifier(StepDataClassifier):
         self.history.append(flat_params(self))
 
 
+class NormInjectingClassifier(InjectingClassifier):
+    """With a BatchNorm layer; on ``bad_rank`` at ``bad_step`` the input is NaN, so that step's forward writes NaN
+    into the running statistics. Records the buffers after every step."""
+
+    def __init__(self, bad_rank: int, bad_step: int) -> None:
+        super().__init__(bad_rank, bad_step, perturb=True)  # no loss poisoning: the input carries the NaN
+        torch.manual_seed(99)
+        self.net = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                       torch.nn.Linear(32, 5))
+        self.buffer_history: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.global_rank == self.bad_rank and self.trainer.global_step == self.bad_step:
+            x = x * float("nan")
+        return self.net(x)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        pass  # no parameter perturbation
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        self.buffer_history.append(torch.cat([b.detach().reshape(-1).double().clone() for b in self.buffers()]))
+
+
 def guard_runs(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
-    """Per compressor: NaN on rank 1 at step 2 with ``nonfinite='skip'`` and with ``'raise'``; once: a replica
-    perturbed on rank 1 at step 2 under ``check_replicas_every=1``."""
+    """Per compressor: NaN on rank 1 at step 2 with ``nonfinite='skip'`` and with ``'raise'``; a NaN batch on rank
+    0 at step 2 through a BatchNorm layer; once: a replica perturbed on rank 1 at step 2 under
+    ``check_replicas_every=1``."""
     out: dict[str, Any] = {}
     for name in names:
 
@@ -170,6 +195,11 @@ def guard_runs(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
             res["skipped"] = state.skipped_steps
             res["residuals_finite"] = all(bool(torch.isfinite(r).all()) for r in state.memory.residuals.values())
             res["residual_names"] = sorted(state.memory.residuals)
+            norm, trainer = fit(world_size, make_strategy(name), 5, NormInjectingClassifier(0, 2), loader=step_loader())
+            res["norm_skipped"] = trainer.strategy.comm_state.skipped_steps
+            res["norm_buffers"] = norm.buffer_history
+            with torch.no_grad():
+                res["norm_eval_finite"] = bool(torch.isfinite(norm.eval()(torch.randn(4, 20))).all())
             try:
                 fit(world_size, make_strategy(name, nonfinite="raise"), 5, InjectingClassifier(1, 2), loader=step_loader())
                 res["raised"] = None
@@ -334,23 +364,29 @@ def suite(rank: int, world_size: int, names: list[str], tmpdir: str, total: int,
 
 # -- faults --------------------------------------------------------------------------------------------------
 class DyingClassifier(StepDataClassifier):
-    """Rank ``victim`` kills itself (SIGKILL: no cleanup, no goodbye to its peers) at step ``at``."""
+    """Rank ``victim`` kills itself (SIGKILL: no cleanup, no goodbye to its peers) at step ``at``; with
+    ``stall_s`` it stops answering instead (sleeps that long, its connections open)."""
 
-    def __init__(self, victim: int, at: int) -> None:
+    def __init__(self, victim: int, at: int, stall_s: Optional[float] = None) -> None:
         super().__init__()
-        self.victim, self.at = victim, at
+        self.victim, self.at, self.stall_s = victim, at, stall_s
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.global_rank == self.victim and self.trainer.global_step == self.at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if self.stall_s is None:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(self.stall_s)
 
 
-def survivor_run(rank: int, world_size: int, name: str, victim: int, timeout_s: float) -> dict[str, Any]:
-    """Train until rank ``victim`` dies; the survivors report how they stopped and how long it took."""
+def survivor_run(
+    rank: int, world_size: int, name: str, victim: int, timeout_s: float, stall_s: Optional[float] = None
+) -> dict[str, Any]:
+    """Train until rank ``victim`` dies (or stalls for ``stall_s``); the survivors report how they stopped and how
+    long it took."""
     started = time.perf_counter()
     try:
-        fit(world_size, make_strategy(name, timeout=timedelta(seconds=timeout_s)), 50, DyingClassifier(victim, 2),
-            loader=step_loader(50))
+        fit(world_size, make_strategy(name, timeout=timedelta(seconds=timeout_s)), 50,
+            DyingClassifier(victim, 2, stall_s), loader=step_loader(50))
         outcome: dict[str, Any] = {"raised": None}
     except BaseException as exc:  # noqa: BLE001  (SystemExit included: the test asserts what came out)
         outcome = {"raised": (type(exc).__name__, str(exc))}
@@ -360,8 +396,9 @@ def survivor_run(rank: int, world_size: int, name: str, victim: int, timeout_s: 
 
 # -- WeightGrad: accumulators, staleness counter, G_thresh and per-site weights survive a resume -------------
 def weightgrad_resume(rank: int, world_size: int, tmpdir: str, total: int, at: int) -> dict[str, Any]:
-    """4 ranks in 2 sites, a WAN round every 2 steps, checkpoint mid-cycle at ``at``: uninterrupted vs resumed,
-    and a resume that drops the compression state (the control: it must differ)."""
+    """4 ranks in 2 sites, a WAN round every 2 steps, SGD with momentum 0.9 (each site's momentum buffers differ),
+    checkpoint mid-cycle at ``at``: uninterrupted vs resumed, and a resume that drops the compression state (the
+    control: it must differ)."""
     from lightning_gradcomp.weightgrad import WeightGradStrategy
 
     def strategy(**kwargs: Any) -> WeightGradStrategy:
@@ -369,11 +406,85 @@ def weightgrad_resume(rank: int, world_size: int, tmpdir: str, total: int, at: i
 
     saver = ModelCheckpoint(dirpath=tmpdir, every_n_train_steps=at, save_top_k=-1)
     run = dict(loader=step_loader())
-    full, _ = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.0),
+    full, _ = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.9),
                   enable_checkpointing=True, callbacks=[saver], **run)
     path = os.path.join(tmpdir, f"epoch=0-step={at}.ckpt")
-    resumed, trainer = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.0), ckpt_path=path, **run)
-    reset, _ = fit(world_size, strategy(resume_compression="reset"), total, StepDataClassifier(momentum=0.0),
+    resumed, trainer = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.9), ckpt_path=path, **run)
+    reset, _ = fit(world_size, strategy(resume_compression="reset"), total, StepDataClassifier(momentum=0.9),
                    ckpt_path=path, **run)
     return {"full": flat_params(full), "resumed": flat_params(resumed), "reset": flat_params(reset),
             "rounds": trainer.strategy.synchronizer.rounds}
+
+
+# -- a layer unused on one rank at one step (find_unused_parameters=False or a static graph) ----------------
+class SometimesUnusedLayer(StepDataClassifier):
+    """``extra`` feeds the loss on every rank and step except on rank ``victim`` at step ``at``."""
+
+    def __init__(self, victim: int, at: int) -> None:
+        super().__init__()
+        self.victim, self.at = victim, at
+        self.extra = torch.nn.Linear(5, 5)
+        self.stalled_at: Optional[float] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        if self.global_rank == self.victim and self.trainer.global_step == self.at:
+            return out
+        return self.extra(out)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == self.at:
+            self.stalled_at = time.perf_counter()
+
+
+def unused_layer_run(rank: int, world_size: int, name: str, options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Train until rank 1 leaves ``extra`` unused at step 2; report how each rank stopped, and how long after
+    that step began."""
+    model = SometimesUnusedLayer(victim=1, at=2)
+    try:
+        fit(world_size, make_strategy(name, timeout=timedelta(seconds=timeout_s), **options), 6, model,
+            loader=step_loader())
+        outcome: dict[str, Any] = {"raised": None}
+    except BaseException as exc:  # noqa: BLE001  (the test asserts what came out)
+        outcome = {"raised": (type(exc).__name__, str(exc))}
+    outcome["seconds"] = None if model.stalled_at is None else time.perf_counter() - model.stalled_at
+    return outcome
+
+
+# -- a checkpoint written at the end of an epoch (ModelCheckpoint(every_n_epochs=1)) ----------------------------
+class LoaderDataClassifier(TinyClassifier):
+    """Trains on the loader's (shuffled, per-epoch) batches and records a checksum of each."""
+
+    def __init__(self) -> None:
+        super().__init__(momentum=0.9)
+        self.seen: list[tuple[int, float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.append((self.trainer.current_epoch, float(batch[0].sum())))
+        return super().training_step(batch, batch_idx)
+
+
+def epoch_end_resume(rank: int, world_size: int, names: list[str], tmpdir: str, limits: dict[str, Any]) -> dict[str, Any]:
+    """Per compressor: 2 epochs of 4 shuffled batches, checkpointed at the end of epoch 0, resumed from it."""
+    out: dict[str, Any] = {}
+    for name in names:
+
+        def one() -> dict[str, Any]:
+            folder = os.path.join(tmpdir, name)
+            loader = DataLoader(random_loader(64, 8).dataset, batch_size=8, shuffle=True)
+            saver = ModelCheckpoint(dirpath=folder, every_n_epochs=1, save_top_k=-1)
+            runs = []
+            for ckpt_path, callbacks in ((None, [saver]), (os.path.join(folder, "epoch=0-step=4.ckpt"), [])):
+                model = LoaderDataClassifier()
+                options = dict(logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+                trainer = pl.Trainer(strategy=make_strategy(name), accelerator="cpu", devices=world_size, **limits,
+                                     **options)
+                trainer.fit(model, loader, ckpt_path=ckpt_path)
+                runs.append((flat_params(model), model.seen, trainer.global_step))
+            (full, full_seen, _), (resumed, resumed_seen, steps) = runs
+            return {"full": full, "resumed": resumed, "full_seen": full_seen, "resumed_seen": resumed_seen,
+                    "global_step": steps}
+
+        out[name] = _guarded(one)
+    return out

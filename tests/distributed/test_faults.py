@@ -2,11 +2,13 @@
 
 import pickle
 import time
+from collections.abc import Callable
+from typing import Any, Optional
 
 import pytest
 import torch.multiprocessing as mp
 
-from tests.distributed.reliability_ranks import survivor_run
+from tests.distributed.reliability_ranks import survivor_run, unused_layer_run
 from tests.harness import _worker, free_port
 
 pytestmark = pytest.mark.distributed
@@ -17,14 +19,13 @@ EXIT_WITHIN_S = 120.0
 HARD_TIMEOUT_S = 120.0 + EXIT_WITHIN_S
 
 
-def run_with_victim(world_size: int, victim: int, timeout_s: float) -> dict[int, tuple[str, object]]:
-    """Spawn ``world_size`` ranks of :func:`survivor_run`; collect the survivors' reports under a hard timeout."""
+def collect_reports(fn: Callable[..., Any], world_size: int, args: tuple, wanted: int) -> dict[int, tuple[str, object]]:
+    """Spawn ``world_size`` ranks of ``fn``; collect the first ``wanted`` ranks' reports under a hard timeout."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(survivor_run, r, world_size, port, {}, queue, ("fp32", victim, timeout_s)),
-                    daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, {}, queue, args), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -32,7 +33,7 @@ def run_with_victim(world_size: int, victim: int, timeout_s: float) -> dict[int,
     reports: dict[int, tuple[str, object]] = {}
     deadline = time.monotonic() + HARD_TIMEOUT_S
     try:
-        while len(reports) < world_size - 1 and time.monotonic() < deadline:
+        while len(reports) < wanted and time.monotonic() < deadline:
             try:
                 rank, status, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
             except Exception:
@@ -47,6 +48,13 @@ def run_with_victim(world_size: int, victim: int, timeout_s: float) -> dict[int,
     return reports
 
 
+def run_with_victim(
+    world_size: int, victim: int, timeout_s: float, stall_s: Optional[float] = None
+) -> dict[int, tuple[str, object]]:
+    """The survivors' reports of :func:`survivor_run` (the victim's never comes)."""
+    return collect_reports(survivor_run, world_size, ("fp32", victim, timeout_s, stall_s), world_size - 1)
+
+
 def test_survivor_of_a_killed_rank_stops_with_a_clear_error() -> None:
     """Rank 0 (which also hosts the rendezvous store) is SIGKILLed at step 2; rank 1 must stop by itself."""
     reports = run_with_victim(2, victim=0, timeout_s=60)
@@ -57,3 +65,41 @@ def test_survivor_of_a_killed_rank_stops_with_a_clear_error() -> None:
     kind, message = outcome["raised"]
     assert "another rank died or stopped answering" in message, message
     assert outcome["seconds"] < EXIT_WITHIN_S
+
+
+def test_survivor_of_a_stalled_rank_times_out_with_the_gradcomp_message() -> None:
+    """Rank 1 stops answering (alive, connections open) at step 2: rank 0's collective times out after
+    `timeout`, and Gloo's "Timed out waiting ... for recv" is reported as a peer that stopped answering."""
+    reports = run_with_victim(2, victim=1, timeout_s=3, stall_s=60)
+    assert set(reports) == {0}, f"the survivor did not report within {HARD_TIMEOUT_S}s: {reports}"
+    status, outcome = reports[0]
+    assert status == "ok", outcome
+    assert outcome["raised"] is not None, "the survivor finished training as if nothing happened"
+    kind, message = outcome["raised"]
+    assert "another rank died or stopped answering" in message, message
+    assert "timed out" in message.lower(), message
+    assert outcome["seconds"] < EXIT_WITHIN_S
+
+
+#: collective timeout of the unused-layer runs: no rank may wait for it
+UNUSED_TIMEOUT_S = 90.0
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("fp32", {}), ("terngrad", {"static_graph": True})],
+    ids=["fp32-find_unused_false", "terngrad-static_graph"],
+)
+def test_a_layer_unused_on_one_rank_fails_fast_on_every_rank(name: str, options: dict[str, Any]) -> None:
+    """Rank 1 skips a layer at step 2 (stock DDP: the others wait in that bucket's collective until the timeout).
+    Rank 1 stops at once naming the layer and the fix; its exit ends rank 0's wait, well before the timeout."""
+    reports = collect_reports(unused_layer_run, 2, (name, options, UNUSED_TIMEOUT_S), 2)
+    assert set(reports) == {0, 1}, f"not every rank reported within {HARD_TIMEOUT_S}s: {reports}"
+    outcomes = {}
+    for rank, (status, outcome) in reports.items():
+        assert status == "ok", outcome
+        assert outcome["raised"] is not None, f"rank {rank} finished training"  # type: ignore[index]
+        assert outcome["seconds"] < UNUSED_TIMEOUT_S, f"rank {rank} waited for the collective timeout"  # type: ignore[index]
+        outcomes[rank] = outcome["raised"][1]  # type: ignore[index]
+    assert "extra.weight" in outcomes[1] and "find_unused_parameters=True" in outcomes[1], outcomes[1]
+    assert "another rank died or stopped answering" in outcomes[0], outcomes[0]

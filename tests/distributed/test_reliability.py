@@ -103,6 +103,18 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(guarded: list[dict[str, An
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
+def test_a_skipped_step_leaves_batchnorm_statistics_untouched(guarded: list[dict[str, Any]], name: str) -> None:
+    """A NaN batch on rank 0 (whose buffers DDP broadcasts) at step 2: its running statistics are put back."""
+    for rank, run in enumerate(_ok(guarded, name)):
+        buffers = run["norm_buffers"]
+        assert run["norm_skipped"] == 1
+        assert all(bool(torch.isfinite(b).all()) for b in buffers), f"rank {rank}: non-finite BatchNorm statistics"
+        assert torch.equal(buffers[1], buffers[2]), f"rank {rank}: the skipped step changed the buffers"
+        assert not torch.equal(buffers[2], buffers[3]), f"rank {rank}: the buffers stopped moving"
+        assert run["norm_eval_finite"], f"rank {rank}: evaluation outputs NaN"
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
 def test_nan_on_one_rank_raises_on_every_rank_when_asked(guarded: list[dict[str, Any]], name: str) -> None:
     runs = _ok(guarded, name)
     for rank, run in enumerate(runs):

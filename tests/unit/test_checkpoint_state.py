@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_gradcomp import TernGrad
-from lightning_gradcomp.checkpoint import CHECKPOINT_KEY, rank_state, restore, select
+from lightning_gradcomp.checkpoint import CHECKPOINT_KEY, complete_epoch_end, rank_state, restore, select
 from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.pipeline import LayerTransform
 
@@ -82,3 +82,29 @@ def test_terngrad_streams_are_per_parameter_and_restorable() -> None:
     c.setup(0, 2, torch.device("cpu"))
     c.load_state_dict(saved)
     assert torch.equal(c.compress(g, "w").payload, expected)
+
+
+def _loops(epoch: dict, batch: dict, is_last_batch: bool) -> dict:
+    counters = dict(ready=0, started=0, processed=0, completed=0)
+    return {"loops": {"fit_loop": {
+        "epoch_progress": {"total": dict(counters, **epoch), "current": dict(counters, **epoch)},
+        "epoch_loop.batch_progress": {"total": dict(counters, **batch), "current": dict(counters, **batch),
+                                      "is_last_batch": is_last_batch},
+    }}}
+
+
+def test_an_end_of_epoch_checkpoint_is_marked_completed_and_nothing_else_is() -> None:
+    # written in on_train_epoch_end: epoch processed, not completed; every batch of it done
+    end = _loops(dict(ready=1, started=1, processed=1), dict(ready=4, started=4, processed=4, completed=4), True)
+    assert complete_epoch_end(end)
+    loop = end["loops"]["fit_loop"]
+    assert loop["epoch_progress"]["current"]["completed"] == loop["epoch_progress"]["total"]["completed"] == 1
+    assert loop["epoch_loop.batch_progress"]["current"] == dict(ready=0, started=0, processed=0, completed=0)
+    assert loop["epoch_loop.batch_progress"]["total"]["completed"] == 4 and not loop["epoch_loop.batch_progress"]["is_last_batch"]
+    # written in on_train_batch_end at the epoch's last batch, or mid-epoch: left to Lightning
+    last_batch = _loops(dict(ready=1, started=1), dict(ready=4, started=4, processed=4, completed=3), True)
+    mid = _loops(dict(ready=1, started=1), dict(ready=2, started=2, processed=2, completed=1), False)
+    for checkpoint in (last_batch, mid, {}):
+        before = repr(checkpoint)
+        assert not complete_epoch_end(checkpoint)
+        assert repr(checkpoint) == before
