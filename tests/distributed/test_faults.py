@@ -55,28 +55,27 @@ def run_with_victim(
     return collect_reports(survivor_run, world_size, ("fp32", victim, timeout_s, stall_s), world_size - 1)
 
 
-def test_survivor_of_a_killed_rank_stops_with_a_clear_error() -> None:
-    """Rank 0 (which also hosts the rendezvous store) is SIGKILLed at step 2; rank 1 must stop by itself."""
-    reports = run_with_victim(2, victim=0, timeout_s=60)
-    assert set(reports) == {1}, f"the survivor did not report within {HARD_TIMEOUT_S}s: {reports}"
-    status, outcome = reports[1]
+def _survivor_error(reports: dict, survivor: int) -> tuple[dict, str]:
+    """The survivor's outcome and error message; fails unless only it reported and it stopped with our message."""
+    assert set(reports) == {survivor}, f"the survivor did not report within {HARD_TIMEOUT_S}s: {reports}"
+    status, outcome = reports[survivor]
     assert status == "ok", outcome
     assert outcome["raised"] is not None, "the survivor finished training as if nothing happened"
-    kind, message = outcome["raised"]
+    _, message = outcome["raised"]
     assert "another rank died or stopped answering" in message, message
+    return outcome, message
+
+
+def test_survivor_of_a_killed_rank_stops_with_a_clear_error() -> None:
+    """Rank 0 (which also hosts the rendezvous store) is SIGKILLed at step 2; rank 1 must stop by itself."""
+    outcome, message = _survivor_error(run_with_victim(2, victim=0, timeout_s=60), survivor=1)
     assert outcome["seconds"] < EXIT_WITHIN_S
 
 
 def test_survivor_of_a_stalled_rank_times_out_with_the_gradcomp_message() -> None:
     """Rank 1 stops answering (alive, connections open) at step 2: rank 0's collective times out after
     `timeout`, and Gloo's "Timed out waiting ... for recv" is reported as a peer that stopped answering."""
-    reports = run_with_victim(2, victim=1, timeout_s=3, stall_s=60)
-    assert set(reports) == {0}, f"the survivor did not report within {HARD_TIMEOUT_S}s: {reports}"
-    status, outcome = reports[0]
-    assert status == "ok", outcome
-    assert outcome["raised"] is not None, "the survivor finished training as if nothing happened"
-    kind, message = outcome["raised"]
-    assert "another rank died or stopped answering" in message, message
+    outcome, message = _survivor_error(run_with_victim(2, victim=1, timeout_s=3, stall_s=60), survivor=0)
     assert "timed out" in message.lower(), message
     assert outcome["seconds"] < EXIT_WITHIN_S
 
