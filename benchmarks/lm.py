@@ -10,6 +10,7 @@ written with all runs to ``OUT/summary.json``; ``--plot`` draws loss against byt
     python benchmarks/lm.py                       # DDP and every registered compressor at its paper default
     python benchmarks/lm.py --quick               # smoke: 2 ranks, a tiny model, 6 steps, DDP and DeMo
     python benchmarks/lm.py --only ddp demo       # some of the grid
+    python benchmarks/lm.py --saved --plot docs/img/lm_loss_vs_bytes.png   # the table and plot of every stored run
     python benchmarks/lm.py --run diloco=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy=diloco
     python benchmarks/lm.py --run mine=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy.class_path=my.Strategy
 
@@ -192,6 +193,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--run", action="append", default=[], help="LABEL=RECIPE[::OVERRIDE...] (repeatable)")
     parser.add_argument("--set", action="append", default=[], help="override added to every run (repeatable)")
     parser.add_argument("--force", action="store_true", help="rerun runs whose JSON exists")
+    parser.add_argument("--saved", action="store_true", help="run nothing: the table of every run JSON in --out")
     parser.add_argument("--plot", type=Path, default=None, help="write the loss-against-bytes PNG here")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:  # --worker LABEL OUT RECIPE OVERRIDES... (overrides verbatim, past argparse)
@@ -200,7 +202,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     args = parser.parse_args(argv)
     grid = default_grid()
-    if args.quick:
+    if args.saved:  # every stored run, the default grid's first, then the others by label
+        stored = sorted(p.stem for p in (args.out or ROOT / "docs/data/lm").glob("*.json") if p.stem != "summary")
+        grid = {k: v for k, v in grid.items() if k in stored}
+        grid.update((k, ("", [])) for k in stored if k not in grid)
+    elif args.quick:
         grid = {k: grid[k] for k in ("ddp", "demo")}
     elif args.only is not None or args.run:
         grid = {k: grid[k] for k in (args.only or [])}
@@ -211,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     for label, (recipe, overrides) in grid.items():
         overrides = [*overrides, *extra]
         path = out_dir / f"{label}.json"
-        if args.force or args.quick or not path.exists():
+        if not args.saved and (args.force or args.quick or not path.exists()):
             print(f"[lm] {label}: {command_line(recipe, overrides)}", flush=True)
             # every rank runs the same worker command; separate "--worker" items keep overrides verbatim
             cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", label, str(path), recipe, *overrides]
