@@ -159,12 +159,15 @@ def plot(results: list[dict[str, Any]], path: Path, reference: str = "ddp") -> P
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    for r in results:
-        left.scatter(r["bytes_per_step"], r["final_val_loss"], s=30)
+    colors = plt.get_cmap("tab20").colors
+    for i, r in enumerate(results):
+        color, style = colors[(2 * i) % 20 + (i >= 10)], "-" if i < 10 else "--"
+        left.scatter(r["bytes_per_step"], r["final_val_loss"], s=30, color=color)
         left.annotate(r["label"], (r["bytes_per_step"], r["final_val_loss"]), textcoords="offset points",
-                      xytext=(4, 3), fontsize=8)
+                      xytext=(4, 3 - 9 * (i % 2)), fontsize=8)
         steps, losses = zip(*r["val_curve"])
-        right.plot(steps, losses, marker="o", markersize=3, label=r["label"], lw=2.5 if r["label"] == reference else 1)
+        right.plot(steps, losses, style, marker="o", markersize=3, label=r["label"], color=color,
+                   lw=2.5 if r["label"] == reference else 1)
     ref = next((r for r in results if r["label"] == reference), None)
     if ref:
         left.axhline(ref["final_val_loss"] * 1.02, color="grey", ls="--", lw=0.8, label="DDP + 2%")
@@ -193,7 +196,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--run", action="append", default=[], help="LABEL=RECIPE[::OVERRIDE...] (repeatable)")
     parser.add_argument("--set", action="append", default=[], help="override added to every run (repeatable)")
     parser.add_argument("--force", action="store_true", help="rerun runs whose JSON exists")
-    parser.add_argument("--saved", action="store_true", help="run nothing: the table of every run JSON in --out")
+    parser.add_argument("--saved", action="store_true",
+                        help="run nothing: the table of every run JSON in --out (those of --only, if given)")
     parser.add_argument("--plot", type=Path, default=None, help="write the loss-against-bytes PNG here")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:  # --worker LABEL OUT RECIPE OVERRIDES... (overrides verbatim, past argparse)
@@ -204,6 +208,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     grid = default_grid()
     if args.saved:  # every stored run, the default grid's first, then the others by label
         stored = sorted(p.stem for p in (args.out or ROOT / "docs/data/lm").glob("*.json") if p.stem != "summary")
+        stored = [k for k in stored if args.only is None or k in args.only]
         grid = {k: v for k, v in grid.items() if k in stored}
         grid.update((k, ("", [])) for k in stored if k not in grid)
     elif args.quick:
