@@ -86,7 +86,7 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
     args = ["--config", str(ROOT / recipe), *overrides, "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false"]
     cli = LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
-                       args=args, run=False, save_config_kwargs={"overwrite": True})
+                       args=args, run=False, save_config_callback=None)
     cli.trainer.callbacks.append(recorder)
     start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
