@@ -14,6 +14,7 @@ from lightning_gradcomp.compressors.graddrop import GradientDropping
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.terngrad import TernGrad
 from lightning_gradcomp.compressors.cast import BF16, FP16
+from lightning_gradcomp.compressors.demo import DeMo
 from lightning_gradcomp.compressors.onebit import OneBit
 from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.compressors.qsgd import QSGD
@@ -32,6 +33,7 @@ COMPRESSORS: dict[str, tuple[Callable[[], Compressor], str]] = {
     "dgc": (DGC, "Deep Gradient Compression's sampled top-k threshold (0.1% kept), error feedback"),
     "onebit": (OneBit, "1-bit SGD with error feedback: sign + two reconstruction values per row, bit-packed"),
     "qsgd": (QSGD, "QSGD: 7 stochastic levels per 512-element bucket, unbiased, 4 bits per element"),
+    "demo": (DeMo, "DeMo: decoupled momentum, top-32 DCT coefficients per 64x64 chunk, all-gather; use SignSGD"),
 }
 
 

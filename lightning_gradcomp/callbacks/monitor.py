@@ -42,6 +42,7 @@ SUMMARIES = {
     "sparsity": "mean,last",
     "density": "mean,last",
     "scaler": "max,last",
+    "energy_kept": "mean,last",
     "clipped_fraction": "mean,last",
     "residual_norm": "max,last",
     "residual_max": "max,last",

@@ -9,9 +9,11 @@ from lightning_gradcomp.data.imagefolder import ImageFolder, ImageFolderDataModu
 from lightning_gradcomp.data.mnist import FashionMNISTDataModule, MNISTDataModule
 from lightning_gradcomp.data.parallel_text import ParallelTextDataModule, Vocab
 from lightning_gradcomp.data.shakespeare import TinyShakespeareDataModule
+from lightning_gradcomp.data.text import ByteTokenizer, StdlibSourceDataModule, TokenWindows, WikiTextDataModule
 
 __all__ = [
     "ArrayImageDataset",
+    "ByteTokenizer",
     "CIFAR10DataModule",
     "DatasetNotFoundError",
     "DigitsDataModule",
@@ -21,8 +23,11 @@ __all__ = [
     "MNISTDataModule",
     "ParallelTextDataModule",
     "SplitDataModule",
+    "StdlibSourceDataModule",
     "TinyShakespeareDataModule",
+    "TokenWindows",
     "Vocab",
+    "WikiTextDataModule",
     "read_idx",
     "write_idx",
 ]

@@ -4,27 +4,16 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.utils.data import Dataset
 from typing_extensions import override
 
 from lightning_gradcomp.data.base import SplitDataModule
 from lightning_gradcomp.data.files import download_url, require_files
+from lightning_gradcomp.data.text import TokenWindows
 from lightning_gradcomp.validation import check_int, check_number
 
 
-class CharChunks(Dataset):
-    """Non-overlapping windows of ``seq_len + 1`` characters: input ``x = w[:-1]``, target ``y = w[1:]``."""
-
-    def __init__(self, ids: Tensor, seq_len: int) -> None:
-        self.ids, self.seq_len = ids, seq_len
-
-    def __len__(self) -> int:
-        return max(0, (len(self.ids) - 1) // self.seq_len)
-
-    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
-        start = index * self.seq_len
-        window = self.ids[start : start + self.seq_len + 1]
-        return window[:-1], window[1:]
+#: non-overlapping character windows (one implementation of windowing: :class:`TokenWindows`)
+CharChunks = TokenWindows
 
 
 class TinyShakespeareDataModule(SplitDataModule):
@@ -44,6 +33,8 @@ class TinyShakespeareDataModule(SplitDataModule):
         val_fraction: share of the text, after the training part, used for validation.
         test_fraction: share of the text at the end used for testing; 0 tests on the validation part.
         seed: unused (the split is positional); kept for a uniform signature.
+        stride: characters between training window starts (``None``: ``seq_len``, char-rnn's non-overlapping
+            windows); validation and test windows never overlap.
     """
 
     url = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -59,8 +50,12 @@ class TinyShakespeareDataModule(SplitDataModule):
         val_fraction: float = 0.05,
         test_fraction: float = 0.0,
         seed: int = 0,
+        stride: Optional[int] = None,
     ) -> None:
         super().__init__(data_dir, batch_size, num_workers, download, seed)
+        if stride is not None:
+            check_int("stride", stride, minimum=1, fix="use a stride of at least 1 character, or null for seq_len")
+        self.stride = stride
         check_int("seq_len", seq_len, minimum=1)
         check_number("val_fraction", val_fraction, minimum=0.0, maximum=0.5, min_open=True)
         check_number("test_fraction", test_fraction, minimum=0.0, maximum=0.5)
@@ -101,7 +96,7 @@ class TinyShakespeareDataModule(SplitDataModule):
         n_test = int(n * self.test_fraction)
         n_val = int(n * self.val_fraction)
         n_train = n - n_val - n_test
-        self.train_set = CharChunks(ids[:n_train], self.seq_len)
+        self.train_set = CharChunks(ids[:n_train], self.seq_len, self.stride)
         self.val_set = CharChunks(ids[n_train : n_train + n_val], self.seq_len)
         self.test_set = CharChunks(ids[n_train + n_val :], self.seq_len) if n_test else self.val_set
         if len(self.val_set) == 0 or len(self.train_set) == 0:

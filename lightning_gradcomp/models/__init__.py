@@ -4,6 +4,7 @@ from lightning_gradcomp.models.alexnet import AlexNet
 from lightning_gradcomp.models.char_lstm import CharLSTM
 from lightning_gradcomp.models.cifarnet import Cifar10CNN, CifarNet
 from lightning_gradcomp.models.googlenet import GoogLeNet
+from lightning_gradcomp.models.gpt import GPT
 from lightning_gradcomp.models.lenet import LeNet, MnistCNN
 from lightning_gradcomp.models.mlp import BN50DNN, MLP
 from lightning_gradcomp.models.resnet import ResNet, ResNet18, ResNet50
@@ -17,6 +18,7 @@ __all__ = [
     "CharLSTM",
     "Cifar10CNN",
     "CifarNet",
+    "GPT",
     "GoogLeNet",
     "LeNet",
     "MnistCNN",

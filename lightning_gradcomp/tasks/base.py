@@ -8,10 +8,13 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_gradcomp.optimizers import SignSGD
+from lightning_gradcomp.schedules import WarmupCosine
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
-OptimizerName = Literal["sgd", "momentum", "adam", "adagrad"]
-ScheduleName = Literal["constant", "poly", "staircase"]
+OptimizerName = Literal["sgd", "momentum", "adam", "adagrad", "adamw", "signsgd"]
+ScheduleName = Literal["constant", "poly", "staircase", "cosine"]
+_OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "adamw", "signsgd")
 
 
 def regularized_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -36,7 +39,9 @@ class TrainingTask(LightningModule):
     Args:
         model: the network (any ``nn.Module``; under LightningCLI a ``class_path``/``init_args`` object).
         optimizer: ``"sgd"`` (vanilla), ``"momentum"`` (SGD with ``momentum``, TF's MomentumOptimizer),
-            ``"adam"`` (TF defaults: betas 0.9/0.999, eps 1e-8) or ``"adagrad"``.
+            ``"adam"`` (TF defaults: betas 0.9/0.999, eps 1e-8), ``"adagrad"``, ``"adamw"`` (decoupled weight
+            decay, betas ``adam_betas``, eps 1e-8) or ``"signsgd"`` (:class:`~lightning_gradcomp.optimizers.SignSGD`,
+            DeMo's update, decoupled weight decay).
         lr: base learning rate.
         momentum: momentum of ``"momentum"``.
         weight_decay: L2 coefficient, applied to :func:`regularized_parameters` only.
@@ -46,13 +51,17 @@ class TrainingTask(LightningModule):
         lr_schedule: ``"constant"``, ``"poly"`` (polynomial decay to 0 over ``max_steps`` with ``poly_power``:
             TF's ``polynomial_decay``, torch's ``PolynomialLR``) or ``"staircase"`` (multiply by ``decay_rate`` every
             ``decay_steps`` steps or ``decay_epochs`` epochs: TF's ``exponential_decay(staircase=True)``, torch's
-            ``StepLR``).
-        max_steps: steps of the polynomial decay (``None``: the Trainer's estimated total steps). The ``gradcomp``
+            ``StepLR``) or ``"cosine"`` (linear warm-up over ``warmup_steps``, cosine decay to ``end_factor`` at
+            ``max_steps``: :class:`~lightning_gradcomp.schedules.WarmupCosine` through ``LambdaLR``).
+        max_steps: steps of the polynomial or cosine decay (``None``: the Trainer's estimated total steps). The ``gradcomp``
             CLI links it to ``trainer.max_steps``, so that one override moves both.
         poly_power: exponent of the polynomial decay (0.5 in TernGrad and WeightGrad).
         decay_steps: steps between staircase decays.
         decay_epochs: epochs between staircase decays (used when ``decay_steps`` is ``None``).
         decay_rate: staircase multiplier.
+        warmup_steps: linear warm-up steps of the ``"cosine"`` schedule.
+        end_factor: final LR of the ``"cosine"`` schedule as a fraction of ``lr``.
+        adam_betas: ``"adamw"``'s betas (GPT-2/nanoGPT: 0.9, 0.95).
     """
 
     def __init__(
@@ -69,13 +78,20 @@ class TrainingTask(LightningModule):
         decay_steps: Optional[int] = None,
         decay_epochs: Optional[float] = None,
         decay_rate: float = 0.1,
+        warmup_steps: int = 0,
+        end_factor: float = 0.1,
+        adam_betas: tuple[float, float] = (0.9, 0.95),
     ) -> None:
         super().__init__()
-        check_choice("optimizer", optimizer, ("sgd", "momentum", "adam", "adagrad"))
+        check_choice("optimizer", optimizer, _OPTIMIZERS)
         check_number("lr", lr, minimum=0.0, min_open=True)
         check_number("momentum", momentum, minimum=0.0, maximum=1.0, max_open=True)
         check_number("weight_decay", weight_decay, minimum=0.0)
-        check_choice("lr_schedule", lr_schedule, ("constant", "poly", "staircase"))
+        check_choice("lr_schedule", lr_schedule, ("constant", "poly", "staircase", "cosine"))
+        check_int("warmup_steps", warmup_steps, minimum=0)
+        check_number("end_factor", end_factor, minimum=0.0, maximum=1.0)
+        for beta in adam_betas:
+            check_number("adam_betas", beta, minimum=0.0, maximum=1.0, max_open=True)
         if max_steps is not None:
             check_int("max_steps", max_steps, minimum=1)
         check_number("poly_power", poly_power, minimum=0.0, min_open=True)
@@ -94,6 +110,7 @@ class TrainingTask(LightningModule):
         self.weight_decay, self.weight_decay_in_loss = weight_decay, weight_decay_in_loss
         self.lr_schedule, self.max_steps, self.poly_power = lr_schedule, max_steps, poly_power
         self.decay_steps, self.decay_epochs, self.decay_rate = decay_steps, decay_epochs, decay_rate
+        self.warmup_steps, self.end_factor, self.adam_betas = warmup_steps, end_factor, tuple(adam_betas)
 
     def regularization(self) -> Tensor:
         """``weight_decay * sum(0.5 * ||w||^2)`` when the decay lives in the loss, else 0."""
@@ -108,6 +125,10 @@ class TrainingTask(LightningModule):
             steps = self.max_steps or self.trainer.estimated_stepping_batches
             check_int("max_steps", steps, minimum=1, fix="set `max_steps` (or the Trainer's) for polynomial decay")
             return torch.optim.lr_scheduler.PolynomialLR(optimizer, total_iters=int(steps), power=self.poly_power)
+        if self.lr_schedule == "cosine":
+            steps = self.max_steps or self.trainer.estimated_stepping_batches
+            check_int("max_steps", steps, minimum=1, fix="set `max_steps` (or the Trainer's) for cosine decay")
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(int(steps), self.warmup_steps, self.end_factor))
         if self.lr_schedule == "staircase":
             steps = self.decay_steps
             if steps is None:
@@ -129,6 +150,10 @@ class TrainingTask(LightningModule):
         groups = [g for g in groups if g["params"]]
         if self.optimizer_name == "adam":
             optimizer: torch.optim.Optimizer = torch.optim.Adam(groups, lr=self.lr, betas=(0.9, 0.999), eps=1e-8)
+        elif self.optimizer_name == "adamw":
+            optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.adam_betas, eps=1e-8)
+        elif self.optimizer_name == "signsgd":
+            optimizer = SignSGD(groups, lr=self.lr)
         elif self.optimizer_name == "adagrad":
             optimizer = torch.optim.Adagrad(groups, lr=self.lr)
         else:

@@ -24,6 +24,7 @@ DATA_DIRS = {
     "lightning_gradcomp.data.ImageFolderDataModule": "imagenet",
     "lightning_gradcomp.data.TinyShakespeareDataModule": "tinyshakespeare",
     "lightning_gradcomp.data.ParallelTextDataModule": "parallel",
+    "lightning_gradcomp.data.StdlibSourceDataModule": "stdlib",
 }
 
 
@@ -63,12 +64,22 @@ def write_datasets(root: Path) -> Path:
         tgt = [" ".join(rng.choice(words_en, rng.integers(2, 6))) for _ in range(n)]
         for lang, sentences in (("ro", src), ("en", tgt)):
             (parallel / f"{split}.{lang}").write_text("\n".join(sentences) + "\n")
+    stdlib = root / "stdlib" / "json"  # a standard-library-like folder of sources, read in sorted path order
+    stdlib.mkdir(parents=True)
+    for i in range(3):
+        (stdlib / f"mod{i}.py").write_text(f'"""Module {i}."""\n\n' + "def f(x):\n    return x * 2\n\n" * 60)
     return root
 
 
-def recipe_paths() -> list[Path]:
-    """Every paper recipe (``recipes/<paper>/*.yaml``), sorted."""
-    return sorted(RECIPES.glob("*/*.yaml"))
+#: recipe folders that are not paper reproductions: benchmark workloads, fitted once in test_recipes.py
+NON_PAPER = ("lm",)
+
+
+def recipe_paths(folder: str = "*") -> list[Path]:
+    """Every paper recipe (``recipes/<paper>/*.yaml``), sorted; or those of one ``folder`` (e.g. ``"lm"``)."""
+    if folder == "*":
+        return sorted(p for p in RECIPES.glob("*/*.yaml") if p.parent.name not in NON_PAPER)
+    return sorted(RECIPES.glob(f"{folder}/*.yaml"))
 
 
 def data_overrides(recipe: Path, data_root: Path) -> list[str]:

@@ -48,6 +48,8 @@ from lightning_gradcomp.cli import GradCompCLI
 from tests.integration.recipe_data import ROOT, data_overrides, recipe_paths, write_datasets
 
 RECIPES = recipe_paths()
+#: the language-model benchmark's recipes (benchmarks/lm.py): all parsed, one fitted (test_lm_recipe_smoke_fit)
+LM_RECIPES = recipe_paths("lm")
 
 #: by model class: where the real architecture at its recipe width costs several seconds per fit on 2 CPU cores, it
 #: is narrowed through its own constructor (layer types, depth and every other option stay the recipe's). Full width
@@ -167,7 +169,7 @@ def test_every_paper_has_recipes() -> None:
         assert fit_plan(recipe)[0] in LAUNCHES, recipe
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize("recipe", RECIPES + LM_RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_recipe_parses_and_instantiates(recipe: Path, data_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _skip_if_unmerged(recipe)
     monkeypatch.setattr(sys, "argv", ["gradcomp"])  # LightningCLI warns when pytest's argv is set too
@@ -218,9 +220,15 @@ def test_every_recipe_fits(processes: int, data_root: Path, tmp_path: Path) -> N
             specs.append("::".join([str(recipe.relative_to(ROOT)), *overrides]))
     if not specs:
         pytest.skip(f"no recipe on this branch runs on {processes} processes")
+    _fit_in_subprocesses(specs, processes, data_root, tmp_path)
+    assert lightning_gradcomp.__version__
+
+
+def _fit_in_subprocesses(specs: list[str], processes: int, data_root: Path, tmp_path: Path) -> None:
+    """Fit ``RECIPE::OVERRIDE...`` specs through ``recipe_fit.py`` on ``processes`` ranks (one process: in shards)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    shards = [specs[i::SHARDS] for i in range(SHARDS)] if processes == 1 else [specs]
+    shards = [specs[i::SHARDS] for i in range(SHARDS)] if processes == 1 and len(specs) > 1 else [specs]
     runs = []
     for i, shard in enumerate(shards):
         log = tmp_path / f"shard{i}.log"
@@ -239,4 +247,12 @@ def test_every_recipe_fits(processes: int, data_root: Path, tmp_path: Path) -> N
         for _, _, proc in runs:
             if proc.poll() is None:
                 proc.kill()
-    assert lightning_gradcomp.__version__
+
+
+def test_lm_recipe_smoke_fit(data_root: Path, tmp_path: Path) -> None:
+    """One language-model recipe (DeMo with SignSGD, the benchmark's GPT narrowed to width 32 and one block) trains
+    2 steps on generated sources; recipe_fit.py checks the step count, finite weights and that DeMo compressed."""
+    recipe = ROOT / "recipes/lm/gpt_stdlib_demo.yaml"
+    overrides = ["--model.init_args.model.init_args.width=32", "--model.init_args.model.init_args.depth=1",
+                 "--data.init_args.batch_size=2", "--data.init_args.max_bytes=null"]
+    _fit_in_subprocesses(["::".join([str(recipe.relative_to(ROOT)), *overrides])], 1, data_root, tmp_path)

@@ -1,0 +1,240 @@
+"""The language-model benchmark: a byte-level GPT on the standard library's sources, AdamW, every strategy.
+
+Each run is ``gradcomp fit --config RECIPE OVERRIDES...`` on real Gloo ranks (the recipe's ``devices``, 4), started
+as its own process (Lightning launches the other ranks by re-running that command). Rank 0 writes one JSON per
+run under ``--out`` (skipped when it exists, so an interrupted grid resumes; ``--force`` reruns): the validation
+loss curve, the final validation loss, bytes per step (this rank's payload, median over steps; plain DDP:
+4 bytes per parameter), median seconds per step, the command and the machine. Then the table is printed and
+written with all runs to ``OUT/summary.json``; ``--plot`` draws loss against bytes per step (PNG).
+
+    python benchmarks/lm.py                       # DDP and every registered compressor at its paper default
+    python benchmarks/lm.py --quick               # smoke: 2 ranks, a tiny model, 6 steps, DDP and DeMo
+    python benchmarks/lm.py --only ddp demo       # some of the grid
+    python benchmarks/lm.py --saved --plot docs/img/lm_loss_vs_bytes.png   # the table and plot of every stored run
+    python benchmarks/lm.py --run diloco=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy=diloco
+    python benchmarks/lm.py --run mine=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy.class_path=my.Strategy
+
+A strategy is given by registered name or ``class_path`` through the run's overrides, so a new strategy (DiLoCo)
+joins the grid with ``--run`` and no change here; it reports its own bytes with a ``bytes_per_step()`` method.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BASE = "recipes/lm/gpt_stdlib_ddp.yaml"
+DEMO = "recipes/lm/gpt_stdlib_demo.yaml"
+#: the smoke run: 2 ranks, a 1-block width-32 model, 6 steps, 64 KB of corpus
+QUICK = ["--trainer.devices=2", "--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2",
+         "--model.init_args.max_steps=6", "--model.init_args.warmup_steps=1", "--model.init_args.model.init_args.width=32",
+         "--model.init_args.model.init_args.depth=1", "--data.init_args.max_bytes=65536"]  # fmt: skip
+
+
+def default_grid() -> dict[str, tuple[str, list[str]]]:
+    """label -> (recipe, overrides): plain DDP and every registered compressor at its paper default."""
+    from lightning_gradcomp import registry
+
+    grid: dict[str, tuple[str, list[str]]] = {"ddp": (BASE, [])}
+    for name in registry.compressor_names():
+        grid[name] = (DEMO, []) if name == "demo" else (BASE, [f"--trainer.strategy={name}"])
+    return grid
+
+
+def command_line(recipe: str, overrides: list[str]) -> str:
+    return " ".join(["gradcomp fit --config", recipe, *overrides])
+
+
+# -- one run (every rank executes this; Lightning's launcher re-runs the same command for ranks 1..N-1) -------
+def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
+    import torch
+    from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+    from lightning.pytorch.cli import LightningCLI
+
+    import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+
+    class Recorder(Callback):
+        """Validation loss after every validation, this rank's bytes and seconds per training step."""
+
+        def __init__(self) -> None:
+            self.curve: list[tuple[int, float]] = []
+            self.bytes: list[int] = []
+            self.seconds: list[float] = []
+            self._start = 0.0
+
+        def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Trainer, module: LightningModule, *args: Any) -> None:
+            self.seconds.append(time.perf_counter() - self._start)
+            self.bytes.append(bytes_per_step(trainer.strategy, module))
+
+        def on_validation_end(self, trainer: Trainer, module: LightningModule) -> None:
+            if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
+                self.curve.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+
+    recorder = Recorder()
+    args = ["--config", str(ROOT / recipe), *overrides, "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false"]
+    cli = LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                       args=args, run=False, save_config_callback=None)
+    cli.trainer.callbacks.append(recorder)
+    start = time.perf_counter()
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    wall = time.perf_counter() - start
+    if cli.trainer.global_rank != 0:
+        return
+    if not recorder.curve or recorder.curve[-1][0] != cli.trainer.global_step:
+        cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
+        recorder.curve.append((cli.trainer.global_step, float(cli.trainer.callback_metrics["val_loss"])))
+    params = sum(p.numel() for p in cli.model.parameters() if p.requires_grad)
+    data = cli.datamodule
+    result = {
+        "label": label, "command": command_line(recipe, overrides), "recipe": recipe, "overrides": overrides,
+        "strategy": type(cli.trainer.strategy).__name__,
+        "compressor": getattr(getattr(cli.trainer.strategy, "compressor", None), "describe", lambda: None)(),
+        "world_size": cli.trainer.world_size, "steps": cli.trainer.global_step, "parameters": params,
+        "tokens_per_step": cli.trainer.world_size * data.batch_size * data.seq_len,
+        "val_curve": recorder.curve, "final_val_loss": recorder.curve[-1][1],
+        "bytes_per_step": statistics.median(recorder.bytes), "fp32_bytes_per_step": 4 * params,
+        "median_step_seconds": statistics.median(recorder.seconds), "fit_seconds": wall,
+        "machine": machine(), "python": sys.version.split()[0], "torch": torch.__version__,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+
+
+def bytes_per_step(strategy: Any, module: Any) -> int:
+    """This rank's payload bytes of the last step: the strategy's own count, else fp32 DDP's (4 per parameter)."""
+    if callable(getattr(strategy, "bytes_per_step", None)):
+        return int(strategy.bytes_per_step())
+    state = getattr(strategy, "comm_state", None)
+    if state is not None and state.records:
+        return int(state.bytes_per_step())
+    return 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def machine() -> str:
+    return f"{os.uname().nodename}, {os.cpu_count()} CPUs (shared), Python {sys.version.split()[0]}"
+
+
+# -- the grid -----------------------------------------------------------------------------------------------
+def parse_run(spec: str) -> tuple[str, tuple[str, list[str]]]:
+    """``label=recipe::override::override`` -> (label, (recipe, overrides))."""
+    label, _, rest = spec.partition("=")
+    if not label or not rest:
+        raise ValueError(f"Expected `--run` to be LABEL=RECIPE[::OVERRIDE...], but got {spec!r}. "
+                         "Fix: e.g. --run mine=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy=fp16")
+    recipe, *overrides = rest.split("::")
+    return label, (recipe, overrides)
+
+
+def summarize(results: list[dict[str, Any]], reference: str = "ddp") -> str:
+    """The table: final validation loss, relative to ``reference``'s, bytes per step and the ratio to fp32 DDP."""
+    ref = next((r for r in results if r["label"] == reference), None)
+    lines = ["| run | final val loss | vs DDP | bytes/step | fp32 DDP / bytes | s/step (median) | command |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        rel = f"{100 * (r['final_val_loss'] / ref['final_val_loss'] - 1):+.1f}%" if ref else "n/a"
+        ratio = r["fp32_bytes_per_step"] / max(1.0, r["bytes_per_step"])
+        lines.append(f"| {r['label']} | {r['final_val_loss']:.4f} | {rel} | {r['bytes_per_step']:.0f} | {ratio:.1f}x | "
+                     f"{r['median_step_seconds']:.3f} | `{r['command']}` |")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict[str, Any]], path: Path, reference: str = "ddp") -> Path:
+    """Final validation loss against bytes per step (log scale), one point per run, and the curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    colors = plt.get_cmap("tab20").colors
+    for i, r in enumerate(results):
+        color, style = colors[(2 * i) % 20 + (i >= 10)], "-" if i < 10 else "--"
+        left.scatter(r["bytes_per_step"], r["final_val_loss"], s=30, color=color)
+        left.annotate(r["label"], (r["bytes_per_step"], r["final_val_loss"]), textcoords="offset points",
+                      xytext=(4, 3 - 9 * (i % 2)), fontsize=8)
+        steps, losses = zip(*r["val_curve"])
+        right.plot(steps, losses, style, marker="o", markersize=3, label=r["label"], color=color,
+                   lw=2.5 if r["label"] == reference else 1)
+    ref = next((r for r in results if r["label"] == reference), None)
+    if ref:
+        left.axhline(ref["final_val_loss"] * 1.02, color="grey", ls="--", lw=0.8, label="DDP + 2%")
+        left.legend(fontsize=8)
+    left.set_xscale("log")
+    left.set_xlabel("bytes sent per rank per step")
+    left.set_ylabel("final validation loss (nats/byte)")
+    left.set_title("loss against bytes")
+    right.set_xlabel("step")
+    right.set_ylabel("validation loss (nats/byte)")
+    right.set_title("validation loss curves")
+    right.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder of the per-run JSON files (default docs/data/lm; --quick: a temporary folder)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, tiny model, 6 steps, DDP and DeMo")
+    parser.add_argument("--only", nargs="*", default=None, help="labels of the default grid to run")
+    parser.add_argument("--run", action="append", default=[], help="LABEL=RECIPE[::OVERRIDE...] (repeatable)")
+    parser.add_argument("--set", action="append", default=[], help="override added to every run (repeatable)")
+    parser.add_argument("--force", action="store_true", help="rerun runs whose JSON exists")
+    parser.add_argument("--saved", action="store_true",
+                        help="run nothing: the table of every run JSON in --out (those of --only, if given)")
+    parser.add_argument("--plot", type=Path, default=None, help="write the loss-against-bytes PNG here")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:  # --worker LABEL OUT RECIPE OVERRIDES... (overrides verbatim, past argparse)
+        label, out, recipe, *overrides = argv[1:]
+        run_one(label, recipe, overrides, Path(out))
+        return
+    args = parser.parse_args(argv)
+    grid = default_grid()
+    if args.saved:  # every stored run, the default grid's first, then the others by label
+        stored = sorted(p.stem for p in (args.out or ROOT / "docs/data/lm").glob("*.json") if p.stem != "summary")
+        stored = [k for k in stored if args.only is None or k in args.only]
+        grid = {k: v for k, v in grid.items() if k in stored}
+        grid.update((k, ("", [])) for k in stored if k not in grid)
+    elif args.quick:
+        grid = {k: grid[k] for k in ("ddp", "demo")}
+    elif args.only is not None or args.run:
+        grid = {k: grid[k] for k in (args.only or [])}
+    grid.update(parse_run(spec) for spec in args.run)
+    extra = list(args.set) + (QUICK if args.quick else [])
+    out_dir = args.out or (Path(tempfile.gettempdir()) / "lm_quick" if args.quick else ROOT / "docs/data/lm")
+    results = []
+    for label, (recipe, overrides) in grid.items():
+        overrides = [*overrides, *extra]
+        path = out_dir / f"{label}.json"
+        if not args.saved and (args.force or args.quick or not path.exists()):
+            print(f"[lm] {label}: {command_line(recipe, overrides)}", flush=True)
+            # every rank runs the same worker command; separate "--worker" items keep overrides verbatim
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", label, str(path), recipe, *overrides]
+            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        results.append(json.loads(path.read_text()))
+    table = summarize(results)
+    header = f"python benchmarks/lm.py {' '.join(argv)}\n{results[0]['machine']}"
+    print(header + "\n\n" + table)
+    (out_dir / "summary.json").write_text(json.dumps({"command": header, "table": table, "runs": results}, indent=1))
+    if args.plot:
+        print(f"plot: {plot(results, args.plot)}")
+
+
+if __name__ == "__main__":
+    main()
