@@ -6,6 +6,7 @@ first import on a machine pays the compile time, and concurrent ranks wait on to
 compiling twice. Set ``LIGHTNING_GRADCOMP_NO_EXT=1`` to skip it and use the torch-ops fallback.
 """
 
+import functools
 import hashlib
 import logging
 import os
@@ -45,7 +46,7 @@ def build_directory() -> Optional[str]:
     try:
         from torch.utils.cpp_extension import _get_build_directory  # private, but the directory load_inline uses
 
-        return _get_build_directory(EXTENSION_NAME, verbose=False)
+        return _get_build_directory(current_extension_name(), verbose=False)
     except Exception:  # another torch layout: no notice is better than a wrong one
         return None
 
@@ -53,7 +54,7 @@ def build_directory() -> Optional[str]:
 def is_compiled() -> bool:
     """Whether this source's build is already in torch's extension cache (loading it then takes about 0.1 s)."""
     directory = build_directory()
-    return directory is not None and os.path.exists(os.path.join(directory, f"{EXTENSION_NAME}.so"))
+    return directory is not None and os.path.exists(os.path.join(directory, f"{current_extension_name()}.so"))
 
 
 def build_inputs() -> list[str]:
@@ -88,6 +89,12 @@ def extension_name(source: str, inputs: Sequence[str]) -> str:
     return "lightning_gradcomp_kernels_cpu_" + digest.hexdigest()[:12]
 
 
+@functools.lru_cache(maxsize=1)
+def current_extension_name() -> str:
+    """This environment's extension name (:func:`extension_name` of the source and :func:`build_inputs`)."""
+    return extension_name(CPU_SOURCE, build_inputs())
+
+
 @contextmanager
 def torch_ops() -> Iterator[None]:
     """Within this block (this thread), every kernel takes its torch-ops path: for references and tests."""
@@ -120,7 +127,7 @@ def cpu_extension() -> Optional[ModuleType]:
                 from torch.utils.cpp_extension import load_inline
 
                 _module = load_inline(
-                    name=extension_name(CPU_SOURCE, build_inputs()),
+                    name=current_extension_name(),
                     cpp_sources=[CPU_SOURCE],
                     functions=FUNCTIONS,
                     # -O3 auto-vectorises; target_clones in the source picks AVX-512/AVX2/baseline at run time,
