@@ -158,13 +158,17 @@ def plot(results: list[dict[str, Any]], path: Path, reference: str = "ddp") -> P
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5))
     colors = plt.get_cmap("tab20").colors
+    # runs that land on the same point (ddp = fp32, dgc = topk) get one label, not overprinted ones
+    points: dict[tuple[float, float], list[str]] = {}
+    for r in results:
+        points.setdefault((float(f"{r['bytes_per_step']:.3g}"), round(r["final_val_loss"], 2)), []).append(r["label"])
+    for i, ((x, y), labels) in enumerate(sorted(points.items())):
+        left.annotate(" = ".join(labels), (x, y), textcoords="offset points", xytext=(5, 4 - 10 * (i % 2)), fontsize=8)
     for i, r in enumerate(results):
         color, style = colors[(2 * i) % 20 + (i >= 10)], "-" if i < 10 else "--"
         left.scatter(r["bytes_per_step"], r["final_val_loss"], s=30, color=color)
-        left.annotate(r["label"], (r["bytes_per_step"], r["final_val_loss"]), textcoords="offset points",
-                      xytext=(4, 3 - 9 * (i % 2)), fontsize=8)
         steps, losses = zip(*r["val_curve"])
         right.plot(steps, losses, style, marker="o", markersize=3, label=r["label"], color=color,
                    lw=2.5 if r["label"] == reference else 1)
@@ -179,7 +183,7 @@ def plot(results: list[dict[str, Any]], path: Path, reference: str = "ddp") -> P
     right.set_xlabel("step")
     right.set_ylabel("validation loss (nats/byte)")
     right.set_title("validation loss curves")
-    right.legend(fontsize=7, ncol=2)
+    right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the curves stay visible
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
