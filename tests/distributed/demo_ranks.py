@@ -54,6 +54,7 @@ def demo_suite(rank: int, world_size: int, steps: int = 4, topk: int = 8, beta: 
             opt.step()
             params.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
             nbytes.append(state.bytes_per_step())
+        dist.barrier()  # no rank destroys the group while a peer still receives its last all-gather
         return {"local": local_grads, "averaged": averaged, "params": params, "bytes": nbytes,
                 "dense_bytes": state.dense_bytes_per_step()}
     finally:
