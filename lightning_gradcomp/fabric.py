@@ -38,12 +38,11 @@ from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.momentum import MomentumCorrection
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite, drop_skipped_gradients
+from lightning_gradcomp.guard import NonFinite, drop_skipped_gradients
 from lightning_gradcomp.hook import gradcomp_hook
 from lightning_gradcomp.pipeline import LayerTransform
-from lightning_gradcomp.resilience import ResumeCompression
-from lightning_gradcomp.validation import check_choice
-from lightning_gradcomp.wiring import HookWiring, check_backend, check_ddp_options
+from lightning_gradcomp.resilience import ResumeCompression, check_recovery_options
+from lightning_gradcomp.wiring import HookWiring, check_backend
 
 
 class GradCompFabricStrategy(HookWiring, DDPStrategy):
@@ -110,23 +109,14 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         pipeline_mb: Optional[float] = 8.0,
         **kwargs: Any,
     ) -> None:
-        check_choice("nonfinite", nonfinite, NONFINITE_MODES)
+        check_recovery_options(nonfinite, resume_compression, timeout)
         self.nonfinite: NonFinite = nonfinite
-        check_choice("resume_compression", resume_compression, ("exact", "reset"))
         self.resume_compression: ResumeCompression = resume_compression
         self._pending_restore: Optional[dict[str, Any]] = None
-        kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs)
-        check_ddp_options(
-            dict(
-                find_unused_parameters=find_unused_parameters,
-                static_graph=static_graph,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                broadcast_buffers=broadcast_buffers,
-                **kwargs,
-            ),
-            bucket_cap_mb,
-            process_group_backend,
-        )
+        flags = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                     gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers)
+        kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs,
+                                   flags, bucket_cap_mb, process_group_backend)
         self._momentum: Optional[float] = None
         for entry in transforms:
             self._attach(entry)
@@ -234,6 +224,7 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self._momentum is not None:
             MomentumCorrection.check_optimizers([optimizer], self._momentum)
+        self.compressor.check_optimizers([optimizer])  # as the Trainer strategy does (e.g. OneBit's momentum warning)
         return super().setup_optimizer(optimizer)
 
     @override

@@ -42,6 +42,22 @@ class UnusedParameterError(RuntimeError):
     """A rank computed no gradient for some parameter under ``find_unused_parameters=False`` (or a static graph)."""
 
 
+def check_recovery_options(nonfinite: Any, resume_compression: Any, timeout: Any) -> None:
+    """Validate the options the Trainer and Fabric strategies share for faults and resume.
+
+    Raises:
+        ValueError: ``nonfinite`` or ``resume_compression`` is not one of its modes, or ``timeout`` is not a positive
+            ``timedelta`` (``None`` is torch's default).
+    """
+    check_choice("nonfinite", nonfinite, NONFINITE_MODES)
+    check_choice("resume_compression", resume_compression, ("exact", "reset"))
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
+        raise ValueError(
+            f"Expected `timeout` to be a positive datetime.timedelta, but got {timeout!r}. Fix: e.g. "
+            f"`timeout=timedelta(minutes=2)`: a collective waits this long for a dead peer before failing."
+        )
+
+
 class RankOptimizerStates:
     """This rank's optimizer states as per-rank checkpoint state (``GradCompState.extra``), for strategies whose ranks'
     optimizers differ (WeightGrad's sites): Lightning saves rank 0's ``optimizer_states`` only and gives them to
@@ -83,13 +99,7 @@ class ResilienceMixin:
         timeout: Any,
     ) -> None:
         check_int("check_replicas_every", check_replicas_every, minimum=0, fix="use 0 to disable or k > 0 to check every k optimizer steps")
-        check_choice("nonfinite", nonfinite, NONFINITE_MODES)
-        check_choice("resume_compression", resume_compression, ("exact", "reset"))
-        if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
-            raise ValueError(
-                f"Expected `timeout` to be a positive datetime.timedelta, but got {timeout!r}. Fix: e.g. "
-                f"`timeout=timedelta(minutes=2)`: a collective waits this long for a dead peer before failing."
-            )
+        check_recovery_options(nonfinite, resume_compression, timeout)
         self.check_replicas_every = check_replicas_every
         self.nonfinite: NonFinite = nonfinite
         self.resume_compression: ResumeCompression = resume_compression

@@ -21,7 +21,7 @@ from lightning_gradcomp.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.hook import gradcomp_hook
 from lightning_gradcomp.guard import NonFinite
 from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
-from lightning_gradcomp.wiring import HookWiring, check_backend, check_ddp_options, select_float_names  # noqa: F401  (select_float_names: public here)
+from lightning_gradcomp.wiring import HookWiring, check_backend, select_float_names  # noqa: F401  (select_float_names: public here)
 
 log = logging.getLogger(__name__)
 
@@ -102,18 +102,10 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     ) -> None:
         # reliability options (lightning_gradcomp.resilience), validated before anything else is built
         self._init_resilience(check_replicas_every, nonfinite, resume_compression, timeout)
-        kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs)
-        check_ddp_options(
-            dict(
-                find_unused_parameters=find_unused_parameters,
-                static_graph=static_graph,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                broadcast_buffers=broadcast_buffers,
-                **kwargs,
-            ),
-            bucket_cap_mb,
-            process_group_backend,
-        )
+        flags = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                     gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers)
+        kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs,
+                                   flags, bucket_cap_mb, process_group_backend)
         ddp_kwargs: dict[str, Any] = dict(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,

@@ -109,8 +109,12 @@ class HookWiring:
         link: Optional[Union[str, Link, Network]],
         compression_cost: Optional[CompressionCost],
         ddp_kwargs: dict[str, Any],
+        ddp_flags: dict[str, Any],
+        bucket_cap_mb: Any,
+        process_group_backend: Any,
     ) -> dict[str, Any]:
-        """Validate the compression options; returns ``ddp_kwargs`` without the hook arguments set to ``None``."""
+        """Validate the compression and DDP options (``ddp_flags``: the strategy's own DDP arguments, e.g.
+        ``static_graph``); returns ``ddp_kwargs`` without the hook arguments set to ``None``."""
         ddp_kwargs = dict(ddp_kwargs)
         for key in _HOOK_ARGUMENTS:
             value = ddp_kwargs.pop(key, None)
@@ -127,6 +131,7 @@ class HookWiring:
                 f"e.g. `GradCompStrategy(compressor=TernGrad(clip_factor=2.5))`; DDP options are "
                 f"{sorted(_DDP_OPTIONS)}."
             )
+        check_ddp_options({**ddp_flags, **ddp_kwargs}, bucket_cap_mb, process_group_backend)
         self.compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
         if not isinstance(self.compressor, Compressor):
             raise ValueError(

@@ -1,5 +1,7 @@
 """``Fabric(strategy=...)`` resolves every registered name and a strategy instance; bad configurations fail early."""
 
+from datetime import timedelta
+
 import pytest
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
@@ -47,6 +49,9 @@ def test_fabric_accepts_a_configured_strategy_instance() -> None:
         (lambda: GradCompFabricStrategy("terngrad", ddp_comm_hook=print), "Expected `ddp_comm_hook` to be None"),
         (lambda: GradCompFabricStrategy("terngrad", clip_factor=2.5), "Unknown option"),
         (lambda: GradCompFabricStrategy("ternary"), "Expected `compressor`"),
+        (lambda: GradCompFabricStrategy("terngrad", timeout=timedelta(0)), "Expected `timeout`"),
+        (lambda: GradCompFabricStrategy("terngrad", static_graph="no"), "Expected `static_graph`"),
+        (lambda: GradCompFabricStrategy("terngrad", bucket_cap_mb=-25), "Expected `bucket_cap_mb`"),
     ],
 )
 def test_bad_fabric_configurations_fail_at_construction(build, match: str) -> None:  # type: ignore[no-untyped-def]
