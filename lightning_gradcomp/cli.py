@@ -150,8 +150,9 @@ def _exit_without_native_teardown() -> None:
     """End a finished run here: Python's exit handlers (logging, loggers such as W&B) run, C++ teardown does not.
 
     Even with the process group destroyed, a Gloo run's native threads torn down with the interpreter aborted a
-    successful 2-rank fit now and then ("terminate called without an active exception", exit status -6: 1 run of
-    the full suite in CI this landing). Everything the run writes is written by now; only that teardown is skipped.
+    successful 2-rank fit now and then ("terminate called without an active exception", exit status -6, seen in a CI
+    run of ``tests/integration/test_cli.py``). Everything the run writes is written by now; only that teardown is
+    skipped.
     """
     import atexit
 

@@ -2,9 +2,9 @@
 
 The papers' schedules are torch's own (``PolynomialLR``, ``StepLR``: ``tests/unit/test_lr_schedules.py``). This one
 stays ours: torch's composition, ``SequentialLR(LinearLR(start_factor=1/w, total_iters=w-1),
-CosineAnnealingLR(T_max=max_steps-w, eta_min=end_factor))``, agrees only to rounding (its recursive cosine differed
-by up to 8e-16 at 176 of 200 steps, w=20), so the runs behind ``docs/transformers.md`` would not repeat bit for bit,
-and past ``max_steps`` it climbs back up where this one holds ``end_factor``.
+CosineAnnealingLR(T_max=max_steps-w, eta_min=end_factor))``, computes the cosine recursively, so it agrees with this
+closed form only to rounding and the runs behind ``docs/transformers.md`` would not repeat bit for bit; and past
+``max_steps`` it climbs back up where this one holds ``end_factor``.
 A small picklable class: ``LambdaLR`` keeps callable objects in checkpoints.
 """
 
