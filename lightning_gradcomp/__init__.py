@@ -27,6 +27,11 @@ from lightning_gradcomp.weightgrad import register as _register_weightgrad  # no
 
 _register_weightgrad()
 
+from lightning_gradcomp.outer import DiLoCoStrategy  # noqa: E402
+from lightning_gradcomp.outer import register as _register_diloco  # noqa: E402
+
+_register_diloco()
+
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES  # noqa: E402
 
 from lightning_gradcomp.fabric import GradCompFabricStrategy  # noqa: E402
@@ -37,6 +42,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Compressor",
+    "DiLoCoStrategy",
     "GradCompFabricStrategy",
     "GradCompState",
     "GradCompStrategy",

@@ -12,6 +12,7 @@ from lightning_gradcomp.compressors.adacomp import AdaComp
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.graddrop import GradientDropping
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.compressors.int8 import Int8
 from lightning_gradcomp.compressors.terngrad import TernGrad
 from lightning_gradcomp.compressors.cast import BF16, FP16
 from lightning_gradcomp.compressors.demo import DeMo
@@ -33,6 +34,7 @@ COMPRESSORS: dict[str, tuple[Callable[[], Compressor], str]] = {
     "dgc": (DGC, "Deep Gradient Compression's sampled top-k threshold (0.1% kept), error feedback"),
     "onebit": (OneBit, "1-bit SGD with error feedback: sign + two reconstruction values per row, bit-packed"),
     "qsgd": (QSGD, "QSGD: 7 stochastic levels per 512-element bucket, unbiased, 4 bits per element"),
+    "int8": (Int8, "int8 with a scale shared by all ranks, stochastic rounding, summed by an int8 all-reduce (INTELLECT-1)"),
     "demo": (DeMo, "DeMo: decoupled momentum, top-32 DCT coefficients per 64x64 chunk, all-gather; use SignSGD"),
 }
 

@@ -138,12 +138,24 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/Gloo too.
         assert isinstance(self.model, DistributedDataParallel)
         named = {n: p for n, p in self.lightning_module.named_parameters() if p.requires_grad}
-        world_size = self.world_size
-        self.comm_state = self._new_comm_state(named, self.model.process_group, self.global_rank, world_size, self.root_device)
+        world_size, group_rank, fields = self._hook_group()
+        self.comm_state = self._new_comm_state(named, self.model.process_group, self.global_rank, world_size,
+                                               self.root_device, group_rank=group_rank, **fields)
         if self.global_rank == 0:
             self._announce(named, self.comm_state.float_names, world_size)
+        self._on_hook_state(named)
         self._attach_resilience(self.comm_state)  # non-finite mode, pending checkpoint restore
         self.model.register_comm_hook(self.comm_state, gradcomp_hook)
+
+    # -- override points for strategies that run DDP inside sites (WeightGrad, DiLoCo) ----------------------
+    def _hook_group(self) -> tuple[int, Optional[int], dict[str, Any]]:
+        """The hook's group size, this rank's index in it (``None``: the global rank) and further
+        :class:`~lightning_gradcomp.hook.GradCompState` fields. DDP's own process group is the hook's group."""
+        return self.world_size, None, {}
+
+    def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
+        """Called once the hook state exists, before a checkpoint's compression state is restored into it: a
+        subclass attaches further per-rank state here (``comm_state.extra``). Default: nothing."""
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:

@@ -57,6 +57,18 @@ SUMMARIES = {
 _EXACT_QUANTILE_NUMEL = 1 << 20
 
 
+def strategy_statistics(strategy: Any) -> dict[str, float]:
+    """A strategy's own statistics of the latest step (``strategy.stats``, tensors: WeightGrad's WAN rounds,
+    DiLoCo's outer rounds) as ``gradcomp/<strategy_name>/<statistic>``, read to the host in one transfer."""
+    stats = getattr(strategy, "stats", None)
+    if not isinstance(stats, dict) or not stats:
+        return {}
+    prefix = getattr(strategy, "strategy_name", "strategy")
+    keys = [f"{PREFIX}/{prefix}/{k.replace('.', '-')}" for k in stats]
+    values = torch.stack([torch.as_tensor(v).detach().float().mean().cpu() for v in stats.values()]).tolist()
+    return dict(zip(keys, values))
+
+
 def layer_key(statistic: str, name: str) -> str:
     """The metric key of one statistic of one parameter: ``gradcomp/sparsity/net-0-weight``.
 
@@ -250,6 +262,7 @@ class CompressionMonitor(Callback):
         if not logging_step:
             return
         metrics = self._collect(state, self.stats)
+        metrics.update(strategy_statistics(trainer.strategy))
         histograms = self._read_histograms(self.stats)
         step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs this batch's metrics at
         for logger in trainer.loggers:

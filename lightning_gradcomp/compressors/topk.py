@@ -12,7 +12,10 @@ What is not sent stays in the per-rank residual (error feedback; with
 :data:`DGC_PAPER_WARMUP`).
 
 On the wire (exact), gathered: per sent element its value (float32, or float16 with ``value_dtype="fp16"``)
-and its int32 index (DGC's code sends fp32 + int64 by default, fp16 + int32 as an option). Tensors with
+and its int32 index (DGC's code sends fp32 + int64 by default, fp16 + int32 as an option). With
+``value_dtype="int2"`` (SparseLoCo's 2-bit values, arXiv 2508.15706) each value is one of
+``{-1.5, -0.5, 0.5, 1.5} * s`` with ``s = max|value| / 1.5`` per tensor, rounded to the nearest: 2 bits per
+value plus one float32 scale per tensor; the rounding error stays in the residual like the unsent elements. Tensors with
 ``dim() <= 1`` (biases, norms) are sent dense as float32 values when ``dense_1d`` (DGC's code compresses only
 ``dim() > 1``).
 """
@@ -24,12 +27,16 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
 from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
-ValueDtype = Literal["fp32", "fp16"]
+ValueDtype = Literal["fp32", "fp16", "int2"]
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+_INT2 = "int2"
+# int2 codes 0..3 stand for (code - 1.5) * s: two magnitudes per sign
+_INT2_HALF_RANGE = 1.5
 
 #: the DGC paper's sparsity warm-up as kept fractions: 75%, 93.75%, 98.4375%, 99.6%, 99.9% sparsity
 #: (one value per warm-up epoch, the last one kept afterwards; 99.6% is taken as 1 - 4**-4 = 99.609%)
@@ -52,7 +59,8 @@ class TopK(Compressor):
 
     Args:
         ratio: kept fraction of each tensor, in (0, 1] (DGC: 0.001).
-        value_dtype: ``"fp32"`` or ``"fp16"`` values on the wire.
+        value_dtype: ``"fp32"`` or ``"fp16"`` values on the wire, or ``"int2"`` (SparseLoCo's 2-bit values with
+            a per-tensor scale).
         dense_1d: send tensors with ``dim() <= 1`` dense (DGC's code); otherwise sparsify them too.
     """
 
@@ -62,7 +70,7 @@ class TopK(Compressor):
     def __init__(self, ratio: float = 0.001, value_dtype: ValueDtype = "fp32", dense_1d: bool = True) -> None:
         super().__init__()
         check_number("ratio", ratio, minimum=0.0, maximum=1.0, min_open=True, fix="use 0.001 (DGC) or 0.01")
-        check_choice("value_dtype", value_dtype, tuple(_VALUE_DTYPES))
+        check_choice("value_dtype", value_dtype, (*_VALUE_DTYPES, _INT2))
         self._ratio = float(ratio)
         self.value_dtype: ValueDtype = value_dtype
         self.dense_1d = bool(dense_1d)
@@ -96,12 +104,22 @@ class TopK(Compressor):
             return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats={"density": flat.new_ones(())})
         # an empty tensor selects nothing (the samplers' order statistics need a value)
         indices = self.select(flat.abs(), name) if flat.numel() else flat.new_zeros(0, dtype=torch.long)
-        values = flat[indices].to(_VALUE_DTYPES[self.value_dtype])
-        payload = torch.cat((values.view(torch.uint8), indices.to(torch.int32).view(torch.uint8)))
+        index_bytes = indices.to(torch.int32).view(torch.uint8)
+        if self.value_dtype == _INT2:
+            values = flat[indices].float()
+            scale = values.abs().amax().reshape(1) / _INT2_HALF_RANGE if values.numel() else values.new_zeros(1)
+            step = torch.where(scale > 0, scale, 1.0)  # no host read: an all-zero selection codes 0 * anything
+            codes = (values / step + _INT2_HALF_RANGE).round_().clamp_(0, 3)
+            payload = torch.cat((scale.view(torch.uint8), index_bytes, pack_bits(codes, 2)))
+        else:
+            values = flat[indices].to(_VALUE_DTYPES[self.value_dtype])
+            payload = torch.cat((values.view(torch.uint8), index_bytes))
         stats = {"density": flat.new_tensor(indices.numel() / max(1, flat.numel()), dtype=torch.float32)}
         return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
 
     def _values_indices(self, packet: Packet) -> tuple[Tensor, Tensor]:
+        if self.value_dtype == _INT2:
+            return _int2_values_indices(packet.payload)
         value_size = _VALUE_DTYPES[self.value_dtype].itemsize
         k = packet.payload.numel() // (value_size + 4)
         # clone: slices at odd byte offsets cannot be reinterpreted as wider dtypes in place
@@ -130,6 +148,18 @@ class TopK(Compressor):
     def describe(self) -> dict[str, Any]:
         return {"compressor": type(self).__name__, "ratio": self._ratio, "value_dtype": self.value_dtype,
                 "dense_1d": self.dense_1d}
+
+
+def _int2_values_indices(payload: Tensor) -> tuple[Tensor, Tensor]:
+    """Values and indices of an int2 payload ``scale (4 B) | k int32 indices | k 2-bit codes``."""
+    total = payload.numel() - 4
+    k = max(0, total * 4 // 17 - 1)  # 4k + ceil(k / 4) == total: start just below and step up
+    while 4 * k + packed_bits_nbytes(k, 2) < total:
+        k += 1
+    scale = payload[:4].clone().view(torch.float32)
+    indices = payload[4 : 4 + 4 * k].clone().view(torch.int32).long()
+    codes = unpack_bits(payload[4 + 4 * k :], k, 2).float()
+    return (codes - _INT2_HALF_RANGE) * scale, indices
 
 
 class DGC(TopK):

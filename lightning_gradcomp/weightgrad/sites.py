@@ -8,7 +8,7 @@ bytes in the same order, replaces a separate server process).
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -51,6 +51,30 @@ class SiteLayout:
             if start <= rank < start + self.sizes[site]:
                 return site
         raise ValueError(f"Expected `rank` in [0, {self.world_size}), but got {rank}.")
+
+
+def check_site_options(site_size: Any, site_sizes: Any) -> None:
+    """Validate ``site_size`` / ``site_sizes`` as given to a strategy (before the world size is known).
+
+    Raises:
+        ValueError: both given, a size below 1, or ``site_sizes`` not a non-empty list.
+    """
+    if site_size is not None:
+        check_int("site_size", site_size, minimum=1, fix="use the number of ranks per site, e.g. 2")
+    if site_sizes is None:
+        return
+    if site_size is not None:
+        raise ValueError(
+            f"Expected one of `site_size` and `site_sizes`, but got both ({site_size!r}, {list(site_sizes)!r}). "
+            f"Fix: pass `site_size` for equal sites or `site_sizes` for a list."
+        )
+    if isinstance(site_sizes, (str, bytes)) or not isinstance(site_sizes, Sequence) or len(site_sizes) == 0:
+        raise ValueError(
+            f"Expected `site_sizes` to be a non-empty list of ranks per site, but got {site_sizes!r}. "
+            f"Fix: e.g. `site_sizes=[2, 2]` for two sites of two ranks, or None for the default layout."
+        )
+    for i, size in enumerate(site_sizes):
+        check_int(f"site_sizes[{i}]", size, minimum=1, fix="every site needs at least one rank")
 
 
 def site_layout(

@@ -20,17 +20,15 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
-from lightning_gradcomp.hook import gradcomp_hook
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
-from lightning_gradcomp.weightgrad.sites import SiteGroups, SiteLayout, new_site_groups, site_layout
+from lightning_gradcomp.weightgrad.sites import SiteGroups, SiteLayout, check_site_options, new_site_groups, site_layout
 from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer
 
 log = logging.getLogger(__name__)
@@ -101,21 +99,7 @@ class WeightGradStrategy(GradCompStrategy):
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        if site_size is not None:
-            check_int("site_size", site_size, minimum=1, fix="use the number of ranks per site, e.g. 2")
-        if site_sizes is not None:
-            if site_size is not None:
-                raise ValueError(
-                    f"Expected one of `site_size` and `site_sizes`, but got both ({site_size!r}, {list(site_sizes)!r}). "
-                    f"Fix: pass `site_size` for equal sites or `site_sizes` for a list."
-                )
-            if isinstance(site_sizes, (str, bytes)) or not isinstance(site_sizes, Sequence) or len(site_sizes) == 0:
-                raise ValueError(
-                    f"Expected `site_sizes` to be a non-empty list of ranks per site, but got {site_sizes!r}. "
-                    f"Fix: e.g. `site_sizes=[2, 2]` for two sites of two ranks, or None for one site per node."
-                )
-            for i, size in enumerate(site_sizes):
-                check_int(f"site_sizes[{i}]", size, minimum=1, fix="every site needs at least one rank")
+        check_site_options(site_size, site_sizes)
         check_int("staleness_bound", staleness_bound, minimum=1, fix="T counts local steps between WAN rounds; use 1 to sync every step")
         if staleness_seconds is not None:
             check_number("staleness_seconds", staleness_seconds, minimum=0.0, min_open=True, fix="use None for no time bound")
@@ -197,30 +181,22 @@ class WeightGradStrategy(GradCompStrategy):
             )
 
     @override
-    def _register_ddp_hooks(self) -> None:
-        assert isinstance(self.model, DistributedDataParallel)
+    def _hook_group(self) -> tuple[int, Optional[int], dict[str, Any]]:
+        # the global rank seeds the compressor (distinct random streams); transforms see their rank in the site
         assert self.groups is not None
+        serial = self.aggregation == "serial"
+        fields = dict(identity=GatheredFP32() if serial else Identity(), per_rank={} if serial else None)
+        return self.groups.site_size, self.groups.site_rank, fields
+
+    @override
+    def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
+        assert self.groups is not None and self.comm_state is not None
         module = self.lightning_module
-        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         g = self.groups
         # DDP broadcast the initial weights inside each site only: make all sites start from global rank 0's
         with torch.no_grad():
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor.data, src=0)
-        # the global rank seeds the compressor (distinct random streams); transforms see their rank in the site
-        self.comm_state = self._new_comm_state(
-            named,
-            g.site_group,
-            self.global_rank,
-            g.site_size,
-            self.root_device,
-            group_rank=g.site_rank,
-            identity=GatheredFP32() if self.aggregation == "serial" else Identity(),
-            per_rank={} if self.aggregation == "serial" else None,
-            planner=None,  # the planner is not wired into the two-level exchange: in-site buckets always compress
-        )
-        float_names = self.comm_state.float_names
-        self.model.register_comm_hook(self.comm_state, gradcomp_hook)
         self.synchronizer = GradientSynchronizer(
             params=named,
             buffers=[b for b in module.buffers() if b.is_floating_point()],
@@ -237,11 +213,10 @@ class WeightGradStrategy(GradCompStrategy):
             second_moment=self._second_moment,
             learning_rate=self._learning_rate,
             seed=self.seed,
-            float_names=float_names,
+            float_names=self.comm_state.float_names,
         )
         # the synchronizer's accumulators, staleness counter and G_thresh are training state: checkpointed per rank
         self.comm_state.extra["weightgrad"] = self.synchronizer
-        self._attach_resilience(self.comm_state)  # adds each rank's optimizer state to the checkpointed extras
         log.info(
             "weightgrad: rank %d in site %d of %s (leader %d), in-site %s",
             self.global_rank,

@@ -1,0 +1,80 @@
+"""Int8 with a shared scale, summed by all-reduce: INTELLECT-1's pseudo-gradient quantization, made summable.
+
+INTELLECT-1 (arXiv 2412.01152) all-reduces its DiLoCo pseudo-gradients in int8. For the sum of the ranks'
+int8 codes to stay in int8 (and so travel by a plain all-reduce, one byte per element on the wire), every rank
+uses the same scale and at most ``L = 127 // world_size`` levels per side: the scale is the max over ranks of
+``max|x|`` (one small max all-reduce per bucket, as TernGrad's shared scaler), and each element is rounded
+stochastically to one of ``-L .. L`` (unbiased: ``E[q] * scale / L == x``). With 2 ranks that is 63 levels, with
+4 ranks 31, with 8 ranks 15: fewer levels as the group grows, which is the price of summing in int8.
+"""
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet, max_or_zero
+from lightning_gradcomp.compressors.streams import RandomStreams
+from lightning_gradcomp.validation import check_int
+
+_INT8_MAX = 127
+
+
+class Int8(Compressor):
+    """Unbiased stochastic int8 quantization with a scale shared by all ranks, summed by an int8 all-reduce.
+
+    Args:
+        seed: seed of the stochastic rounding; rank r draws from seed and r, one stream per parameter name.
+    """
+
+    aggregation = Aggregation.SUM
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        check_int("seed", seed, minimum=0)
+        self.seed = seed
+        self._streams = RandomStreams(seed)
+
+    def setup(self, rank: int, world_size: int, device: torch.device) -> None:
+        if world_size > _INT8_MAX:
+            raise ValueError(
+                f"Expected at most {_INT8_MAX} ranks for Int8 (the int8 sum needs one level per side and rank), but "
+                f"got world_size={world_size}. Fix: use QSGD or TernGrad(collective='allgather') for larger groups."
+            )
+        super().setup(rank, world_size, device)
+        self._streams.reset(rank)
+
+    @property
+    def levels(self) -> int:
+        """L: codes run over ``-L .. L`` so that the sum over the group's ranks fits in int8."""
+        return _INT8_MAX // max(1, self.world_size)
+
+    def local_statistic(self, tensor: Tensor, name: str) -> Optional[Tensor]:
+        return tensor.detach().abs().amax().float().reshape(1) if tensor.numel() else tensor.new_zeros(1, dtype=torch.float32)
+
+    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
+        flat = tensor.detach().reshape(-1).float()
+        scale = (shared if shared is not None else self.local_statistic(tensor, name)).reshape(()).float()
+        levels = self.levels
+        # |x| / scale * L in [0, L]; a zero scale (all-zero tensor on every rank) sends zeros; no host read
+        inverse = torch.where(scale > 0, levels / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+        y = flat.abs().mul_(inverse)
+        low = y.floor()
+        rnd = torch.rand(flat.shape, generator=self._streams.get(name, flat.device), device=flat.device)
+        codes = (low + (rnd < (y - low)).float()).clamp_(max=levels).mul_(torch.sign(flat)).to(torch.int8)
+        stats = {"scaler": max_or_zero(scale.reshape(1))}
+        return Packet(payload=codes, shape=tensor.shape, dtype=tensor.dtype, ctx={"scale": scale}, stats=stats)
+
+    def decompress(self, packet: Packet) -> Tensor:
+        # linear in the payload: the summed codes decode to the sum of the ranks' values
+        step = packet.ctx["scale"] / self.levels
+        return (packet.payload.float() * step).to(packet.dtype).view(packet.shape)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"streams": self._streams.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._streams.load_state_dict(state.get("streams", {}))
+
+    def describe(self) -> dict[str, Any]:
+        return {"compressor": type(self).__name__, "levels": self.levels, "seed": self.seed}

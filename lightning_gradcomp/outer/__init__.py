@@ -1,0 +1,12 @@
+"""Outer synchronization (DiLoCo, Streaming DiLoCo): local inner steps per site, compressed outer rounds between.
+
+* :mod:`~lightning_gradcomp.outer.engine`: anchor, pseudo-gradients, outer optimizer, fragment schedule;
+* :mod:`~lightning_gradcomp.outer.exchange`: pseudo-gradients through the DDP hook's pipeline between site leaders;
+* :mod:`~lightning_gradcomp.outer.fragments`: strided fragments and their staggered sync steps;
+* :mod:`~lightning_gradcomp.outer.strategy`: ``DiLoCoStrategy`` (``strategy="diloco"``, ``"streaming_diloco"``).
+"""
+
+from lightning_gradcomp.outer.engine import OuterSync
+from lightning_gradcomp.outer.strategy import DiLoCoStrategy, register
+
+__all__ = ["DiLoCoStrategy", "OuterSync", "register"]

@@ -1,0 +1,208 @@
+"""The outer-sync engine: anchor, pseudo-gradients, an outer optimizer, fragments on a staggered schedule.
+
+DiLoCo (Douillard et al., arXiv 2311.08105), per outer round and site (a site: one or more ranks training one
+replica with DDP inside):
+
+1. the pseudo-gradient ``delta = anchor - theta`` (``anchor``: the global weights agreed at the last round;
+   ``theta``: this site's weights after ``H`` inner optimizer steps);
+2. the mean of ``delta`` over sites, compressed by any compressor (:class:`~lightning_gradcomp.outer.exchange.LeaderExchange`);
+3. the outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9 in DiLoCo) steps ``anchor`` with that mean as its
+   gradient; identical on every rank of the world, since every rank feeds it the same bits;
+4. ``theta <- mixing * theta + (1 - mixing) * anchor`` (``mixing = 0``: every site continues from the global
+   weights, DiLoCo; Streaming DiLoCo's ``alpha`` keeps part of the local progress made while the exchange ran).
+
+Streaming DiLoCo (arXiv 2501.18512) splits the parameters into fragments synced at staggered steps
+(:mod:`~lightning_gradcomp.outer.fragments`) and overlaps each exchange with ``sync_delay`` (``tau``) further inner
+steps: the pseudo-gradient is taken at the fragment's sync step, its exchange launched asynchronously, and the
+result applied ``tau`` steps later. Every collective is still issued from the main thread in the same order on
+every rank, because the schedule depends only on the step count.
+
+State kept per fragment of the model: ``anchor`` and the outer optimizer's state (momentum) on
+``state_device`` (``"cpu"`` keeps them off the accelerator: two extra copies of the model is the usual memory
+complaint about DiLoCo), and the outer exchange's error feedback (residual memory of the outer hook state).
+"""
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_gradcomp import checkpoint as ckpt
+from lightning_gradcomp.outer.exchange import InFlight, LeaderExchange
+from lightning_gradcomp.outer.fragments import due, sync_offset
+from lightning_gradcomp.weightgrad.sites import SiteGroups
+
+
+class OuterSync:
+    """Runs the outer rounds of one site (see the module docstring).
+
+    Args:
+        params: the trainable parameters by name (this site's weights ``theta``).
+        buffers: floating-point module buffers (batch-norm statistics), copied from global rank 0 at every round.
+        groups: this rank's sites and groups.
+        exchange: averages a fragment's pseudo-gradients over sites.
+        outer_optimizer: builds the outer optimizer over the anchor tensors.
+        fragments: the parameter names of each fragment (one fragment: DiLoCo).
+        sync_every: H, inner steps between two syncs of a fragment.
+        sync_delay: tau, inner steps between a fragment's launch and its application (0: blocking, DiLoCo).
+        mixing: alpha, the share of the local weights kept when a fragment is applied (0: the global weights).
+        state_device: where ``anchor`` and the outer optimizer's state live (``None``: beside the parameters).
+    """
+
+    def __init__(
+        self,
+        params: dict[str, nn.Parameter],
+        buffers: Sequence[Tensor],
+        groups: SiteGroups,
+        exchange: LeaderExchange,
+        outer_optimizer: Callable[[list[Tensor]], Optimizer],
+        fragments: Sequence[Sequence[str]],
+        sync_every: int,
+        sync_delay: int = 0,
+        mixing: float = 0.0,
+        state_device: Optional[torch.device] = None,
+    ) -> None:
+        self.params = params
+        self.buffers = list(buffers)
+        self.groups = groups
+        self.exchange = exchange
+        self.fragments = [list(f) for f in fragments]
+        self.sync_every = sync_every
+        self.sync_delay = sync_delay
+        self.mixing = mixing
+        with torch.no_grad():
+            # leaf tensors the outer optimizer steps; their .grad is set to the averaged pseudo-gradient
+            self.anchor = {n: p.detach().to(state_device or p.device, copy=True) for n, p in params.items()}
+        self.outer_optimizer = outer_optimizer([self.anchor[n] for n in sorted(self.anchor)])
+        self.inner_steps = 0
+        self.rounds = 0
+        self.tokens = 0
+        self.wan_bytes_total = 0
+        self._in_flight: dict[int, tuple[InFlight, float]] = {}
+        self._last_sync = [0] * len(self.fragments)
+        #: statistics of the latest step, as tensors (for ``CompressionMonitor`` and ``bytes_per_step``)
+        self.stats: dict[str, Tensor] = {}
+
+    # -- every inner step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def after_inner_step(self, tokens: int = 0) -> None:
+        """Count one inner step (``tokens`` processed by this rank); apply and launch the fragments now due."""
+        self.inner_steps += 1
+        self.tokens += tokens
+        step = self.inner_steps
+        for f in range(len(self.fragments)):
+            launched = self._in_flight.get(f)
+            if launched is not None and step - launched[0].launch_step >= self.sync_delay:
+                self._apply(f)
+            if due(step, sync_offset(f, len(self.fragments), self.sync_every), self.sync_every):
+                self._launch(f)
+                if self.sync_delay == 0:
+                    self._apply(f)
+        self.stats["inner_steps_since_sync"] = torch.tensor(step - max(self._last_sync))
+        self.stats["rounds"] = torch.tensor(self.rounds)
+        if self.tokens:
+            self.stats["bytes_per_token"] = torch.tensor(self.wan_bytes_total / self.tokens)
+
+    def pseudo_gradient(self, name: str) -> Tensor:
+        """DiLoCo's ``delta = anchor - theta`` of one parameter (on the parameter's device, float32)."""
+        p = self.params[name].detach()
+        return self.anchor[name].to(p.device, torch.float32) - p.float()
+
+    def _launch(self, f: int) -> None:
+        names = self.fragments[f]
+        deltas = [self.pseudo_gradient(n) for n in names]
+        self.stats[f"pseudo_gradient_norm/fragment_{f}"] = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(d) for d in deltas])
+        ).cpu()
+        flight = self.exchange.launch(f, deltas, self.inner_steps)
+        self._in_flight[f] = (flight, time.monotonic())
+
+    def _apply(self, f: int) -> None:
+        flight, started = self._in_flight.pop(f)
+        means = self.exchange.wait(flight)
+        names = self.fragments[f]
+        for name in self.anchor:
+            self.anchor[name].grad = None
+        for name, mean in zip(names, means):
+            anchor = self.anchor[name]
+            anchor.grad = mean.to(anchor.device, anchor.dtype)
+        self.outer_optimizer.step()  # parameters without a gradient (other fragments) are skipped
+        for name in names:
+            p = self.params[name]
+            self.anchor[name].grad = None
+            new = self.anchor[name].to(p.device, p.dtype)
+            if self.mixing == 0.0:
+                p.copy_(new)
+            else:
+                p.lerp_(new, 1.0 - self.mixing)
+        if f == 0:
+            self._sync_buffers()
+        self.rounds += 1
+        self._last_sync[f] = self.inner_steps
+        self.wan_bytes_total += flight.wan_bytes
+        self.stats["bytes_per_round"] = torch.tensor(flight.wan_bytes)
+        self.stats["compression_ratio"] = torch.tensor(flight.dense_bytes / max(1, flight.wan_bytes))
+        self.stats[f"sync_seconds/fragment_{f}"] = torch.tensor(time.monotonic() - started)
+
+    def _sync_buffers(self) -> None:
+        if not self.buffers or self.groups.layout.num_sites == 1:
+            return
+        flat = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for b in self.buffers:
+            b.copy_(flat[offset : offset + b.numel()].view_as(b).to(b.dtype))
+            offset += b.numel()
+
+    def bytes_per_step(self) -> float:
+        """Bytes this rank put on the link between sites per inner step so far (averaged over the run)."""
+        return self.wan_bytes_total / max(1, self.inner_steps)
+
+    # -- checkpointing ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This site's state. Sites differ between rounds and Lightning saves rank 0's model only, so the site's
+        weights are included; an exchange in flight is completed and its decoded mean saved."""
+        in_flight = {}
+        for f in sorted(self._in_flight):
+            flight, _ = self._in_flight[f]
+            means = self.exchange.wait(flight)
+            in_flight[f] = {"launch_step": flight.launch_step, "means": [m.detach().cpu().clone() for m in means],
+                            "wan_bytes": flight.wan_bytes}
+        return {
+            "params": {k: p.detach().cpu().clone() for k, p in self.params.items()},
+            "anchor": {k: v.detach().cpu().clone() for k, v in self.anchor.items()},
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "exchange": ckpt.rank_state(self.exchange.state),
+            "inner_steps": self.inner_steps,
+            "rounds": self.rounds,
+            "tokens": self.tokens,
+            "wan_bytes_total": self.wan_bytes_total,
+            "last_sync": list(self._last_sync),
+            "in_flight": in_flight,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k, v in state["params"].items():
+            self.params[k].copy_(v)
+        for k, v in state["anchor"].items():
+            self.anchor[k].copy_(v)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        ckpt.restore(self.exchange.state, state["exchange"], self.exchange.buckets[0].buffer().device)
+        self.inner_steps = state["inner_steps"]
+        self.rounds = state["rounds"]
+        self.tokens = state["tokens"]
+        self.wan_bytes_total = state["wan_bytes_total"]
+        self._last_sync = list(state["last_sync"])
+        self._in_flight = {}
+        for f, saved in state["in_flight"].items():
+            bucket = self.exchange.buckets[int(f)]
+            for view, mean in zip(bucket.gradients(), saved["means"]):
+                view.copy_(mean)
+            flight = InFlight(bucket, None, saved["wan_bytes"], 4 * bucket.buffer().numel(), saved["launch_step"], True)
+            self._in_flight[int(f)] = (flight, time.monotonic())
+

@@ -1,0 +1,127 @@
+"""The outer round's exchange: pseudo-gradients through the DDP hook's own pipeline, between site leaders.
+
+One implementation of compression and exchange serves both levels. An outer round hands the fragment's
+pseudo-gradients to :func:`~lightning_gradcomp.hook.gradcomp_hook` as one flat bucket, with a hook state of its
+own whose group is the site leaders'. So every registered compressor (and any ``Compressor``) works on
+pseudo-gradients exactly as on gradients: summable encodings with a shared scale (Int8, TernGrad's max-shared
+scaler) travel by all-reduce, the others by all-gather, multi-round ones (PowerSGD) by their rounds; error
+feedback is the hook's residual memory keyed by parameter name; bytes are the hook's count. Then the leader
+broadcasts the decoded mean inside its site (dense, over the fast link), so all ranks of a site apply the same
+bits.
+
+Why through leaders and not sharded across a site's ranks: the pseudo-gradient is identical on the ranks of a
+site, so one compressed copy per site is all the slow link must carry; sharding would split that same traffic
+over the site's network cards (worth it when one card is the bottleneck, which the hierarchical exchange of the
+per-step hook addresses) at the cost of an in-site all-gather instead of a broadcast. Leaders keep the
+collective sequence simple: the leaders' group sees only outer traffic, the site group only inner DDP and the
+broadcast.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_gradcomp.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.weightgrad.sites import SiteGroups
+
+
+class FlatBucket:
+    """A fragment's pseudo-gradients as one flat fp32 buffer, shaped as DDP's ``GradBucket`` for the hook.
+
+    ``parameters()`` are the model's own parameters (the hook names them through ``GradCompState.names``);
+    ``gradients()`` are views of the buffer in the parameters' shapes, which the hook overwrites with the mean.
+    """
+
+    def __init__(self, index: int, params: Sequence[nn.Parameter], device: torch.device) -> None:
+        self._index = index
+        self._params = list(params)
+        self._buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+        self._views: list[Tensor] = []
+        offset = 0
+        for p in params:
+            self._views.append(self._buffer[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[Tensor]:
+        return self._views
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self._params
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return True
+
+
+@dataclass
+class InFlight:
+    """An outer exchange launched and not yet applied."""
+
+    bucket: FlatBucket
+    future: Optional[torch.futures.Future]
+    wan_bytes: int
+    dense_bytes: int
+    launch_step: int
+    #: whether the bucket already holds the all-site mean on this rank (waited for, broadcast in the site)
+    done: bool = False
+
+
+class LeaderExchange:
+    """Compressed all-site averaging of pseudo-gradients through the site leaders (see the module docstring).
+
+    Args:
+        state: the outer hook state: compressor (set up with this site's index among ``num_sites``), residual
+            memory, names, float names; its group is the leaders'.
+        groups: this rank's sites and groups.
+        fragments: the parameters of each fragment, by name.
+        params: the model's parameters by name.
+        device: where the flat buffers live (the parameters' device: collectives run there).
+    """
+
+    def __init__(
+        self,
+        state: GradCompState,
+        groups: SiteGroups,
+        fragments: Sequence[Sequence[str]],
+        params: dict[str, nn.Parameter],
+        device: torch.device,
+    ) -> None:
+        self.state = state
+        self.groups = groups
+        self.buckets = [FlatBucket(f, [params[n] for n in names], device) for f, names in enumerate(fragments)]
+        self.fragments = [list(names) for names in fragments]
+
+    def launch(self, fragment: int, pseudo_gradients: Sequence[Tensor], step: int) -> InFlight:
+        """Start averaging a fragment's pseudo-gradients over all sites; returns at once where the collectives
+        allow (the shared-scale all-reduce and variable sizes block briefly; the payload transfer does not)."""
+        bucket = self.buckets[fragment]
+        for view, value in zip(bucket.gradients(), pseudo_gradients):
+            view.copy_(value)
+        g = self.groups
+        future = None
+        wan = 0
+        if g.is_leader and g.layout.num_sites > 1:
+            future = gradcomp_hook(self.state, bucket)  # type: ignore[arg-type]  # duck-typed GradBucket
+            names = self.fragments[fragment]
+            wan = sum(self.state.records[n].nbytes for n in names) + self.state.shared_stat_bytes.get(fragment, 0)
+        return InFlight(bucket, future, wan, 4 * bucket.buffer().numel(), step)
+
+    def wait(self, flight: InFlight) -> list[Tensor]:
+        """The all-site mean of the fragment's pseudo-gradients, bit-identical on every rank of every site."""
+        if not flight.done:
+            if flight.future is not None:
+                flight.future.wait()
+            g = self.groups
+            if g.site_size > 1:
+                dist.broadcast(flight.bucket.buffer(), src=g.leader, group=g.site_group)
+            flight.done = True
+        return flight.bucket.gradients()

@@ -1,0 +1,302 @@
+"""``DiLoCoStrategy`` (``strategy="diloco"``, ``"streaming_diloco"``): local AdamW steps, compressed outer rounds.
+
+Each *site* (one or more ranks; by default every rank is its own site, as DiLoCo's workers) trains its own
+replica: every inner step is DDP over the site's ranks only, with the gradcomp hook (plain fp32 by default, or any
+per-step compressor as ``inner_compressor``). Between sites only the outer rounds talk
+(:class:`~lightning_gradcomp.outer.engine.OuterSync`): every ``sync_every`` inner steps each fragment's
+pseudo-gradient is compressed by ``compressor``, averaged over sites through the site leaders, and applied by the
+outer optimizer.
+
+Where the outer round runs: in :meth:`DiLoCoStrategy.optimizer_step`, right after the inner optimizer step. By
+then DDP's backward (and every hook collective) has finished on all ranks, so the outer collectives, issued from
+the main thread in a fixed order on every rank, cannot interleave with the inner ones on the same group.
+"""
+
+import importlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning_gradcomp.registry as registry
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.hook import GradCompState
+from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.outer.engine import OuterSync
+from lightning_gradcomp.outer.exchange import LeaderExchange
+from lightning_gradcomp.outer.fragments import strided_fragments
+from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.validation import check_bool, check_int, check_number
+from lightning_gradcomp.weightgrad.sites import SiteGroups, SiteLayout, check_site_options, new_site_groups, site_layout
+
+log = logging.getLogger(__name__)
+
+_SHORT_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def resolve_optimizer(outer_optimizer: Union[str, type]) -> type[Optimizer]:
+    """An optimizer class from a class, a dotted path (``"torch.optim.SGD"``) or a short name (``"sgd"``).
+
+    Raises:
+        ValueError: the value names no ``torch.optim.Optimizer`` subclass.
+    """
+    cls: Any = outer_optimizer
+    if isinstance(outer_optimizer, str):
+        cls = _SHORT_OPTIMIZERS.get(outer_optimizer.lower())
+        if cls is None and "." in outer_optimizer:
+            module, _, attr = outer_optimizer.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module), attr, None)
+            except ImportError:
+                cls = None
+    if not (isinstance(cls, type) and issubclass(cls, Optimizer)):
+        raise ValueError(
+            f"Expected `outer_optimizer` to be a torch.optim.Optimizer class, but got {outer_optimizer!r}. "
+            f"Fix: use 'torch.optim.SGD' (DiLoCo: with outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True), "
+            f"a short name {sorted(_SHORT_OPTIMIZERS)}, or an optimizer class."
+        )
+    return cls
+
+
+def tokens_in(batch: Any) -> int:
+    """Tokens in a batch: the elements of its first integer tensor (token ids, ``B x T``), else its first
+    tensor's length (samples). Read from shapes only: no device transfer."""
+    tensors: list[Tensor] = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, Tensor):
+            tensors.append(value)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                collect(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                collect(v)
+
+    collect(batch)
+    for t in tensors:
+        if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool:
+            return t.numel()
+    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 0
+
+
+class DiLoCoStrategy(GradCompStrategy):
+    """DiLoCo and Streaming DiLoCo with any compressor on the pseudo-gradients (see :mod:`lightning_gradcomp.outer`).
+
+    Args:
+        sync_every: H, inner steps between two outer syncs of a fragment (DiLoCo: 500; INTELLECT-1: 100).
+        compressor: what encodes the pseudo-gradients between sites: a registered name or a ``Compressor``
+            (``"fp32"``: dense DiLoCo; ``"int8"``: INTELLECT-1; ``TopK(0.02, value_dtype="int2")``: SparseLoCo's
+            top-k with 2-bit values and error feedback). Error feedback is kept for compressors that use it.
+        inner_compressor: the per-step compressor inside each site (``"fp32"``: plain DDP).
+        outer_optimizer: the outer optimizer class (or dotted path / short name), stepping the global weights
+            with the averaged pseudo-gradient as gradient.
+        outer_lr: the outer learning rate (DiLoCo: 0.7; 1.0 with no momentum is plain averaging of the sites).
+        outer_momentum: momentum of an SGD outer optimizer (DiLoCo: 0.9).
+        outer_nesterov: Nesterov momentum for an SGD outer optimizer (DiLoCo: True).
+        outer_kwargs: further keyword arguments of the outer optimizer (e.g. ``betas`` for Adam).
+        site_size: ranks per site (all equal). With neither this nor ``site_sizes``: every rank is a site.
+        site_sizes: the size of each site, in global-rank order.
+        fragments: P, strided groups of layers synced at staggered steps (1: DiLoCo).
+        sync_delay: tau, inner steps a fragment's exchange overlaps before it is applied (0: blocking).
+        mixing: alpha, the share of a site's own weights kept when a fragment is applied (0: the global weights).
+        outer_state_device: where the global weights, the outer optimizer's state and the outer error feedback
+            live: ``None`` beside the parameters, ``"cpu"`` off the accelerator.
+        **kwargs: :class:`~lightning_gradcomp.GradCompStrategy` arguments (``exclude``/``min_numel`` layers stay
+            fp32 at both levels; DDP and reliability options).
+    """
+
+    strategy_name = "diloco"
+    # sites step their inner optimizers apart between rounds: AdamW moments differ per site
+    per_rank_optimizer_state = True
+
+    def __init__(
+        self,
+        sync_every: int = 100,
+        compressor: Union[Compressor, str] = "fp32",
+        inner_compressor: Union[Compressor, str] = "fp32",
+        outer_optimizer: Union[str, type] = "torch.optim.SGD",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_nesterov: bool = True,
+        outer_kwargs: Optional[dict[str, Any]] = None,
+        site_size: Optional[int] = None,
+        site_sizes: Optional[Sequence[int]] = None,
+        fragments: int = 1,
+        sync_delay: int = 0,
+        mixing: float = 0.0,
+        outer_state_device: Optional[str] = None,
+        **kwargs: Any,
+    ) -> None:
+        check_int("sync_every", sync_every, minimum=1, fix="H counts inner steps between outer syncs; DiLoCo uses 500, 1 syncs every step")
+        check_int("fragments", fragments, minimum=1, fix="use 1 for DiLoCo, or a few (e.g. 4) for Streaming DiLoCo")
+        check_int("sync_delay", sync_delay, minimum=0, fix="use 0 to apply each exchange at once")
+        if sync_delay >= sync_every:
+            raise ValueError(
+                f"Expected `sync_delay` to be below `sync_every`={sync_every} (an exchange must land before the same "
+                f"fragment syncs again), but got {sync_delay}. Fix: use a delay in 0..{sync_every - 1}."
+            )
+        check_number("mixing", mixing, minimum=0.0, maximum=1.0,
+                     fix="alpha is the share of the local weights kept: 0 takes the global weights (DiLoCo), 0.5 Streaming DiLoCo")
+        check_number("outer_lr", outer_lr, minimum=0.0, min_open=True, fix="use 0.7 (DiLoCo), or 1.0 without momentum to average")
+        check_number("outer_momentum", outer_momentum, minimum=0.0, maximum=1.0, max_open=True, fix="use 0.9 (DiLoCo) or 0")
+        check_bool("outer_nesterov", outer_nesterov)
+        if outer_kwargs is not None and not isinstance(outer_kwargs, dict):
+            raise ValueError(f"Expected `outer_kwargs` to be a dict or None, but got {outer_kwargs!r}. Fix: e.g. {{'betas': [0.9, 0.95]}}.")
+        if outer_state_device not in (None, "cpu"):
+            raise ValueError(
+                f"Expected `outer_state_device` to be None or 'cpu', but got {outer_state_device!r}. "
+                f"Fix: None keeps the outer state beside the parameters, 'cpu' keeps it off the accelerator."
+            )
+        check_site_options(site_size, site_sizes)
+        self.outer_optimizer_class = resolve_optimizer(outer_optimizer)
+        super().__init__(compressor=inner_compressor, **kwargs)
+        self.outer_compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
+        if not isinstance(self.outer_compressor, Compressor):
+            raise ValueError(
+                f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
+                f"Fix: use one of {registry.compressor_names()}."
+            )
+        self.sync_every = sync_every
+        self.outer_lr = float(outer_lr)
+        self.outer_momentum = float(outer_momentum)
+        self.outer_nesterov = outer_nesterov
+        self.outer_kwargs = dict(outer_kwargs or {})
+        self.site_size = site_size
+        self.site_sizes = None if site_sizes is None else list(site_sizes)
+        self.num_fragments = fragments
+        self.sync_delay = sync_delay
+        self.mixing = float(mixing)
+        self.outer_state_device = outer_state_device
+        self.layout: Optional[SiteLayout] = None
+        self.groups: Optional[SiteGroups] = None
+        self.outer: Optional[OuterSync] = None
+        self._batch_tokens = 0
+
+    # -- sites ----------------------------------------------------------------------------------------------
+    def make_layout(self, world_size: int) -> SiteLayout:
+        """The site layout for ``world_size`` ranks (every rank a site unless ``site_size``/``site_sizes``)."""
+        site_size = 1 if self.site_size is None and self.site_sizes is None else self.site_size
+        return site_layout(world_size, site_size=site_size, site_sizes=self.site_sizes, allow_single_rank_sites=True)
+
+    @override
+    def setup_environment(self) -> None:
+        # validated before the process group exists: a bad layout fails fast, identically on every rank
+        self.layout = self.make_layout(self.num_nodes * self.num_processes)
+        super().setup_environment()
+        self.groups = new_site_groups(self.layout, self.global_rank)
+        self._ddp_kwargs["process_group"] = self.groups.site_group  # inner DDP stays inside the site
+
+    @override
+    def _hook_group(self) -> tuple[int, Optional[int], dict[str, Any]]:
+        assert self.groups is not None
+        return self.groups.site_size, self.groups.site_rank, {}
+
+    def _outer_optimizer(self, anchors: list[Tensor]) -> Optimizer:
+        kwargs: dict[str, Any] = {"lr": self.outer_lr}
+        if issubclass(self.outer_optimizer_class, torch.optim.SGD):
+            kwargs.update(momentum=self.outer_momentum, nesterov=self.outer_nesterov and self.outer_momentum > 0)
+        kwargs.update(self.outer_kwargs)
+        return self.outer_optimizer_class(anchors, **kwargs)
+
+    @override
+    def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
+        assert self.groups is not None and self.comm_state is not None
+        g = self.groups
+        module = self.lightning_module
+        fragments = strided_fragments(list(named), self.num_fragments)  # fragments > layers fails here, before step 1
+        # DDP broadcast the initial weights inside each site only: every site starts from global rank 0's
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+        state_device = None if self.outer_state_device is None else torch.device(self.outer_state_device)
+        # the site (not the rank) seeds the outer compressor: only leaders compress, one stream per site
+        self.outer_compressor.setup(g.site, g.layout.num_sites, self.root_device)
+        outer_state = GradCompState(
+            compressor=self.outer_compressor,
+            names={id(p): n for n, p in named.items()},
+            float_names=self.comm_state.float_names,
+            process_group=g.leader_group,
+            world_size=g.layout.num_sites,
+            memory=ResidualMemory(state_device),
+            nonfinite="raise",  # a non-finite pseudo-gradient stops every site, naming the parameter
+        )
+        exchange = LeaderExchange(outer_state, g, fragments, named, self.root_device)
+        self.outer = OuterSync(
+            params=named,
+            buffers=[b for b in module.buffers() if b.is_floating_point()],
+            groups=g,
+            exchange=exchange,
+            outer_optimizer=self._outer_optimizer,
+            fragments=fragments,
+            sync_every=self.sync_every,
+            sync_delay=self.sync_delay,
+            mixing=self.mixing,
+            state_device=state_device,
+        )
+        # anchor, outer momentum, outer error feedback and the site's weights: checkpointed per rank
+        self.comm_state.extra["outer"] = self.outer
+        log.info(
+            "diloco: rank %d in site %d of %s; %d fragment(s), H=%d, delay %d, mixing %.2f; outer %s, %s lr %g",
+            self.global_rank, g.site, list(g.layout.sizes), len(fragments), self.sync_every, self.sync_delay,
+            self.mixing, type(self.outer_compressor).__name__, self.outer_optimizer_class.__name__, self.outer_lr,
+        )
+
+    # -- the step -------------------------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._batch_tokens += tokens_in(args[0]) if args else 0
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.outer is not None
+        tokens, self._batch_tokens = self._batch_tokens, 0
+        self.outer.after_inner_step(tokens)
+        return output
+
+    @property
+    def stats(self) -> dict[str, Tensor]:
+        """Statistics of the latest step for :class:`~lightning_gradcomp.callbacks.CompressionMonitor`:
+        ``bytes_per_round`` (what this rank put between sites in the latest round), ``bytes_per_token``,
+        ``compression_ratio``, ``pseudo_gradient_norm/fragment_<p>``, ``sync_seconds/fragment_<p>`` (launch to
+        applied), ``inner_steps_since_sync``, ``rounds``."""
+        return {} if self.outer is None else self.outer.stats
+
+    def bytes_per_step(self) -> float:
+        """Bytes this rank put on the link between sites per inner step, averaged over the run so far."""
+        return 0.0 if self.outer is None else self.outer.bytes_per_step()
+
+
+def register(strategy_registry: Any = None) -> None:
+    """Register ``"diloco"`` and ``"streaming_diloco"`` (and their fork-started ``*_notebook`` variants)."""
+    from lightning_gradcomp.registry import NOTEBOOK_SUFFIX
+
+    if strategy_registry is None:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        strategy_registry = StrategyRegistry
+    presets = {
+        "diloco": ("DiLoCo: H local steps per site, outer Nesterov SGD on averaged pseudo-gradients", {}),
+        "streaming_diloco": (
+            "Streaming DiLoCo: 4 strided fragments at staggered steps, each exchange overlapped with 5 inner steps, "
+            "mixing 0.5",
+            {"fragments": 4, "sync_delay": 5, "mixing": 0.5},
+        ),
+    }
+    for name, (description, init) in presets.items():
+        strategy_registry.register(name, DiLoCoStrategy, description=description, override=True, **init)
+        strategy_registry.register(name + NOTEBOOK_SUFFIX, DiLoCoStrategy, description=f"{description}; processes forked (for notebooks)",
+                                   override=True, start_method="fork", **init)

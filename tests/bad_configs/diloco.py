@@ -1,0 +1,27 @@
+"""Invalid DiLoCoStrategy configurations (and the two checks that need the world size or the model)."""
+
+import torch
+
+from lightning_gradcomp.outer import DiLoCoStrategy
+from lightning_gradcomp.outer.fragments import strided_fragments
+from tests.bad_configs import BadConfig
+
+_TWO_LAYERS = [n for n, _ in torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)).named_parameters()]
+
+BAD_CONFIGS = [
+    BadConfig("diloco-sync-every-zero", lambda: DiLoCoStrategy(sync_every=0), "sync_every", "0"),
+    BadConfig("diloco-sites-do-not-divide", lambda: DiLoCoStrategy(site_size=3).make_layout(4), "site_size", "3"),
+    BadConfig("diloco-site-sizes-sum", lambda: DiLoCoStrategy(site_sizes=[2, 1]).make_layout(4), "site_sizes", "[2, 1]"),
+    BadConfig("diloco-fragments-zero", lambda: DiLoCoStrategy(fragments=0), "fragments", "0"),
+    BadConfig("diloco-fragments-over-layers", lambda: strided_fragments(_TWO_LAYERS, 3), "fragments", "3"),
+    BadConfig("diloco-outer-optimizer-module", lambda: DiLoCoStrategy(outer_optimizer="torch.nn.Linear"),
+              "outer_optimizer", "'torch.nn.Linear'"),
+    BadConfig("diloco-outer-optimizer-instance", lambda: DiLoCoStrategy(outer_optimizer=3), "outer_optimizer", "3"),
+    BadConfig("diloco-mixing-above-one", lambda: DiLoCoStrategy(mixing=1.5), "mixing", "1.5"),
+    BadConfig("diloco-mixing-negative", lambda: DiLoCoStrategy(mixing=-0.1), "mixing", "-0.1"),
+    BadConfig("diloco-sync-delay-at-h", lambda: DiLoCoStrategy(sync_every=5, sync_delay=5), "sync_delay", "5"),
+    BadConfig("diloco-sync-delay-negative", lambda: DiLoCoStrategy(sync_delay=-1), "sync_delay", "-1"),
+    BadConfig("diloco-outer-lr-zero", lambda: DiLoCoStrategy(outer_lr=0.0), "outer_lr", "0.0"),
+    BadConfig("diloco-outer-state-device", lambda: DiLoCoStrategy(outer_state_device="cuda"), "outer_state_device", "'cuda'"),
+    BadConfig("diloco-compressor-unknown", lambda: DiLoCoStrategy(compressor="int4"), "compressor", "'int4'"),
+]
