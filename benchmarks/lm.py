@@ -105,7 +105,11 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
         "world_size": cli.trainer.world_size, "steps": cli.trainer.global_step, "parameters": params,
         "tokens_per_step": cli.trainer.world_size * data.batch_size * data.seq_len,
         "val_curve": recorder.curve, "final_val_loss": recorder.curve[-1][1],
-        "bytes_per_step": statistics.median(recorder.bytes), "fp32_bytes_per_step": 4 * params,
+        # a strategy's own count (DiLoCo) is already its average over the run so far: the last one covers the run
+        "bytes_per_step": (recorder.bytes[-1] if callable(getattr(cli.trainer.strategy, "bytes_per_step", None))
+                           else statistics.median(recorder.bytes)),
+        "fp32_bytes_per_step": 4 * params,
+        "outer_rounds": int(getattr(cli.trainer.strategy, "stats", {}).get("rounds", 0)),
         "median_step_seconds": statistics.median(recorder.seconds), "fit_seconds": wall,
         "machine": machine(), "python": sys.version.split()[0], "torch": torch.__version__,
     }

@@ -24,17 +24,32 @@ complaint about DiLoCo), and the outer exchange's error feedback (residual memor
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_gradcomp import checkpoint as ckpt
-from lightning_gradcomp.outer.exchange import InFlight, LeaderExchange
+from lightning_gradcomp.outer.exchange import InFlight
 from lightning_gradcomp.outer.fragments import due, sync_offset
 from lightning_gradcomp.weightgrad.sites import SiteGroups
+
+
+UnsentView = Literal["global", "gaia"]
+
+
+class OuterExchange(Protocol):
+    """What the engine needs of an exchange (:class:`LeaderExchange`; WeightGrad's WAN message exchange)."""
+
+    def launch(self, fragment: int, pseudo_gradients: Sequence[Tensor], step: int) -> InFlight: ...
+
+    def wait(self, flight: InFlight) -> list[Tensor]: ...
+
+    def sync_buffers(self, buffers: Sequence[Tensor]) -> tuple[int, int]: ...
+
+    def exchange_state(self) -> dict[str, Any]: ...
+
+    def load_exchange_state(self, state: dict[str, Any]) -> None: ...
 
 
 class OuterSync:
@@ -42,7 +57,8 @@ class OuterSync:
 
     Args:
         params: the trainable parameters by name (this site's weights ``theta``).
-        buffers: floating-point module buffers (batch-norm statistics), copied from global rank 0 at every round.
+        buffers: floating-point module buffers (batch-norm statistics), copied from global rank 0 at every round
+            of fragment 0.
         groups: this rank's sites and groups.
         exchange: averages a fragment's pseudo-gradients over sites.
         outer_optimizer: builds the outer optimizer over the anchor tensors.
@@ -51,6 +67,9 @@ class OuterSync:
         sync_delay: tau, inner steps between a fragment's launch and its application (0: blocking, DiLoCo).
         mixing: alpha, the share of the local weights kept when a fragment is applied (0: the global weights).
         state_device: where ``anchor`` and the outer optimizer's state live (``None``: beside the parameters).
+        unsent: for exchanges that report what they sent (WeightGrad): where the unsent part of a site's update
+            goes: ``"global"`` into ``hidden`` (added to the next pseudo-gradient; the weights become the global
+            ones), ``"gaia"`` into the site's weights; ``None``: the exchange keeps its own error feedback.
     """
 
     def __init__(
@@ -58,13 +77,14 @@ class OuterSync:
         params: dict[str, nn.Parameter],
         buffers: Sequence[Tensor],
         groups: SiteGroups,
-        exchange: LeaderExchange,
+        exchange: OuterExchange,
         outer_optimizer: Callable[[list[Tensor]], Optimizer],
         fragments: Sequence[Sequence[str]],
         sync_every: int,
         sync_delay: int = 0,
         mixing: float = 0.0,
         state_device: Optional[torch.device] = None,
+        unsent: Optional[UnsentView] = None,
     ) -> None:
         self.params = params
         self.buffers = list(buffers)
@@ -74,15 +94,19 @@ class OuterSync:
         self.sync_every = sync_every
         self.sync_delay = sync_delay
         self.mixing = mixing
+        self.unsent = unsent
         with torch.no_grad():
             # leaf tensors the outer optimizer steps; their .grad is set to the averaged pseudo-gradient
             self.anchor = {n: p.detach().to(state_device or p.device, copy=True) for n, p in params.items()}
         self.outer_optimizer = outer_optimizer([self.anchor[n] for n in sorted(self.anchor)])
+        #: the part of a site's update not yet in the global weights nor in its own (``unsent="global"``)
+        self.hidden: dict[str, Tensor] = {}
         self.inner_steps = 0
         self.rounds = 0
         self.tokens = 0
         self.wan_bytes_total = 0
-        self._in_flight: dict[int, tuple[InFlight, float]] = {}
+        self._in_flight: dict[int, InFlight] = {}
+        self._launched_at: dict[int, float] = {}
         self._last_sync = [0] * len(self.fragments)
         #: statistics of the latest step, as tensors (for ``CompressionMonitor`` and ``bytes_per_step``)
         self.stats: dict[str, Tensor] = {}
@@ -95,68 +119,78 @@ class OuterSync:
         self.tokens += tokens
         step = self.inner_steps
         for f in range(len(self.fragments)):
-            launched = self._in_flight.get(f)
-            if launched is not None and step - launched[0].launch_step >= self.sync_delay:
-                self._apply(f)
+            flight = self._in_flight.get(f)
+            if flight is not None and step - flight.launch_step >= self.sync_delay:
+                self.finish(f)
             if due(step, sync_offset(f, len(self.fragments), self.sync_every), self.sync_every):
-                self._launch(f)
+                self.start(f)
                 if self.sync_delay == 0:
-                    self._apply(f)
+                    self.finish(f)
         self.stats["inner_steps_since_sync"] = torch.tensor(step - max(self._last_sync))
         self.stats["rounds"] = torch.tensor(self.rounds)
         if self.tokens:
             self.stats["bytes_per_token"] = torch.tensor(self.wan_bytes_total / self.tokens)
 
     def pseudo_gradient(self, name: str) -> Tensor:
-        """DiLoCo's ``delta = anchor - theta`` of one parameter (on the parameter's device, float32)."""
+        """DiLoCo's ``delta = anchor - theta`` of one parameter, less ``hidden`` (what the site has not sent yet):
+        exactly the negated accumulated update ``g_u`` of WeightGrad (float32, on the parameter's device)."""
         p = self.params[name].detach()
-        return self.anchor[name].to(p.device, torch.float32) - p.float()
+        delta = self.anchor[name].to(p.device, torch.float32) - p.float()
+        hidden = self.hidden.get(name)
+        return delta if hidden is None else delta - hidden
 
-    def _launch(self, f: int) -> None:
+    @torch.no_grad()
+    def start(self, f: int) -> InFlight:
+        """Take fragment ``f``'s pseudo-gradients now and start their exchange."""
         names = self.fragments[f]
         deltas = [self.pseudo_gradient(n) for n in names]
         self.stats[f"pseudo_gradient_norm/fragment_{f}"] = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(d) for d in deltas])
         ).cpu()
         flight = self.exchange.launch(f, deltas, self.inner_steps)
-        self._in_flight[f] = (flight, time.monotonic())
+        self._in_flight[f] = flight
+        self._launched_at[f] = time.monotonic()
+        return flight
 
-    def _apply(self, f: int) -> None:
-        flight, started = self._in_flight.pop(f)
+    @torch.no_grad()
+    def finish(self, f: int) -> InFlight:
+        """Wait for fragment ``f``'s exchange; step the anchor with the mean; move this site's weights."""
+        flight = self._in_flight.pop(f)
         means = self.exchange.wait(flight)
         names = self.fragments[f]
-        for name in self.anchor:
-            self.anchor[name].grad = None
         for name, mean in zip(names, means):
             anchor = self.anchor[name]
             anchor.grad = mean.to(anchor.device, anchor.dtype)
         self.outer_optimizer.step()  # parameters without a gradient (other fragments) are skipped
-        for name in names:
+        for i, name in enumerate(names):
             p = self.params[name]
             self.anchor[name].grad = None
             new = self.anchor[name].to(p.device, p.dtype)
-            if self.mixing == 0.0:
+            if self.unsent is not None and flight.sent is not None and flight.deltas is not None:
+                # in update units (theta - anchor): what this site did not send
+                unsent = (flight.sent[i] - flight.deltas[i]).to(p.dtype)
+                if self.unsent == "global":
+                    p.copy_(new)
+                    self.hidden[name] = unsent
+                else:
+                    p.copy_(new + unsent)
+                    self.hidden.pop(name, None)
+            elif self.mixing == 0.0:
                 p.copy_(new)
             else:
                 p.lerp_(new, 1.0 - self.mixing)
+        wan, lan = flight.wan_bytes, flight.lan_bytes
         if f == 0:
-            self._sync_buffers()
+            buffer_wan, buffer_lan = self.exchange.sync_buffers(self.buffers)
+            wan, lan = wan + buffer_wan, lan + buffer_lan
         self.rounds += 1
         self._last_sync[f] = self.inner_steps
-        self.wan_bytes_total += flight.wan_bytes
-        self.stats["bytes_per_round"] = torch.tensor(flight.wan_bytes)
+        self.wan_bytes_total += wan
+        self.stats["bytes_per_round"] = torch.tensor(wan)
+        self.stats["lan_bytes_per_round"] = torch.tensor(lan)
         self.stats["compression_ratio"] = torch.tensor(flight.dense_bytes / max(1, flight.wan_bytes))
-        self.stats[f"sync_seconds/fragment_{f}"] = torch.tensor(time.monotonic() - started)
-
-    def _sync_buffers(self) -> None:
-        if not self.buffers or self.groups.layout.num_sites == 1:
-            return
-        flat = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
-        dist.broadcast(flat, src=0)
-        offset = 0
-        for b in self.buffers:
-            b.copy_(flat[offset : offset + b.numel()].view_as(b).to(b.dtype))
-            offset += b.numel()
+        self.stats[f"sync_seconds/fragment_{f}"] = torch.tensor(time.monotonic() - self._launched_at.pop(f, time.monotonic()))
+        return flight
 
     def bytes_per_step(self) -> float:
         """Bytes this rank put on the link between sites per inner step so far (averaged over the run)."""
@@ -168,21 +202,22 @@ class OuterSync:
         weights are included; an exchange in flight is completed and its decoded mean saved."""
         in_flight = {}
         for f in sorted(self._in_flight):
-            flight, _ = self._in_flight[f]
+            flight = self._in_flight[f]
             means = self.exchange.wait(flight)
             in_flight[f] = {"launch_step": flight.launch_step, "means": [m.detach().cpu().clone() for m in means],
-                            "wan_bytes": flight.wan_bytes}
+                            "wan_bytes": flight.wan_bytes, "lan_bytes": flight.lan_bytes}
         return {
             "params": {k: p.detach().cpu().clone() for k, p in self.params.items()},
             "anchor": {k: v.detach().cpu().clone() for k, v in self.anchor.items()},
+            "hidden": {k: v.detach().cpu().clone() for k, v in self.hidden.items()},
             "outer_optimizer": self.outer_optimizer.state_dict(),
-            "exchange": ckpt.rank_state(self.exchange.state),
             "inner_steps": self.inner_steps,
             "rounds": self.rounds,
             "tokens": self.tokens,
             "wan_bytes_total": self.wan_bytes_total,
             "last_sync": list(self._last_sync),
             "in_flight": in_flight,
+            "exchange": self.exchange.exchange_state(),
         }
 
     @torch.no_grad()
@@ -191,8 +226,9 @@ class OuterSync:
             self.params[k].copy_(v)
         for k, v in state["anchor"].items():
             self.anchor[k].copy_(v)
+        self.hidden = {k: v.to(self.params[k].device) for k, v in state["hidden"].items()}
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        ckpt.restore(self.exchange.state, state["exchange"], self.exchange.buckets[0].buffer().device)
+        self.exchange.load_exchange_state(state["exchange"])
         self.inner_steps = state["inner_steps"]
         self.rounds = state["rounds"]
         self.tokens = state["tokens"]
@@ -200,9 +236,6 @@ class OuterSync:
         self._last_sync = list(state["last_sync"])
         self._in_flight = {}
         for f, saved in state["in_flight"].items():
-            bucket = self.exchange.buckets[int(f)]
-            for view, mean in zip(bucket.gradients(), saved["means"]):
-                view.copy_(mean)
-            flight = InFlight(bucket, None, saved["wan_bytes"], 4 * bucket.buffer().numel(), saved["launch_step"], True)
-            self._in_flight[int(f)] = (flight, time.monotonic())
-
+            means = [m.to(self.params[n].device) for m, n in zip(saved["means"], self.fragments[int(f)])]
+            self._in_flight[int(f)] = InFlight(means, None, saved["wan_bytes"], saved["lan_bytes"],
+                                               sum(4 * m.numel() for m in means), saved["launch_step"], done=True)

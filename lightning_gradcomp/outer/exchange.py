@@ -19,12 +19,14 @@ broadcast.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_gradcomp import checkpoint as ckpt
+from lightning_gradcomp import comm
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.weightgrad.sites import SiteGroups
 
@@ -64,15 +66,32 @@ class FlatBucket:
 
 @dataclass
 class InFlight:
-    """An outer exchange launched and not yet applied."""
+    """An outer exchange of one fragment, launched and not yet applied.
 
-    bucket: FlatBucket
+    Attributes:
+        means: the all-site mean of the pseudo-gradients, per parameter of the fragment (valid once ``done``).
+        future: the pending collectives (``None``: nothing pending on this rank).
+        wan_bytes: what this rank put on the link between sites for this exchange.
+        lan_bytes: what this rank put on the in-site link for it.
+        dense_bytes: the fragment's fp32 size (what a dense exchange would carry).
+        launch_step: the inner step at which the pseudo-gradients were taken.
+        done: whether ``means`` already holds the all-site mean on this rank.
+        sent: this site's own contribution as decoded (pseudo-gradient units), for exchanges whose unsent part
+            the engine keeps (WeightGrad); ``None`` when the exchange keeps its own error feedback.
+        deltas: the pseudo-gradients as launched (kept only with ``sent``).
+    """
+
+    means: list[Tensor]
     future: Optional[torch.futures.Future]
     wan_bytes: int
+    lan_bytes: int
     dense_bytes: int
     launch_step: int
-    #: whether the bucket already holds the all-site mean on this rank (waited for, broadcast in the site)
     done: bool = False
+    sent: Optional[list[Tensor]] = None
+    deltas: Optional[list[Tensor]] = None
+    #: the flat tensor ``means`` are views of (broadcast inside the site as one message)
+    flat: Optional[Tensor] = None
 
 
 class LeaderExchange:
@@ -113,7 +132,8 @@ class LeaderExchange:
             future = gradcomp_hook(self.state, bucket)  # type: ignore[arg-type]  # duck-typed GradBucket
             names = self.fragments[fragment]
             wan = sum(self.state.records[n].nbytes for n in names) + self.state.shared_stat_bytes.get(fragment, 0)
-        return InFlight(bucket, future, wan, 4 * bucket.buffer().numel(), step)
+        lan = 4 * bucket.buffer().numel() if g.is_leader and g.site_size > 1 else 0  # the decoded mean, broadcast
+        return InFlight(bucket.gradients(), future, wan, lan, 4 * bucket.buffer().numel(), step, flat=bucket.buffer())
 
     def wait(self, flight: InFlight) -> list[Tensor]:
         """The all-site mean of the fragment's pseudo-gradients, bit-identical on every rank of every site."""
@@ -122,6 +142,40 @@ class LeaderExchange:
                 flight.future.wait()
             g = self.groups
             if g.site_size > 1:
-                dist.broadcast(flight.bucket.buffer(), src=g.leader, group=g.site_group)
+                assert flight.flat is not None
+                dist.broadcast(flight.flat, src=g.leader, group=g.site_group)
             flight.done = True
-        return flight.bucket.gradients()
+        return flight.means
+
+    def exchange_state(self) -> dict[str, Any]:
+        """The outer hook state's per-rank part: compressor streams, error feedback."""
+        return ckpt.rank_state(self.state)
+
+    def load_exchange_state(self, state: dict[str, Any]) -> None:
+        ckpt.restore(self.state, state, self.buckets[0].buffer().device)
+
+    def sync_buffers(self, buffers: Sequence[Tensor]) -> tuple[int, int]:
+        """Copy global rank 0's floating-point buffers (batch-norm statistics) to every rank, through the
+        leaders; returns this rank's (WAN, LAN) bytes."""
+        return sync_buffers(buffers, self.groups)
+
+
+def sync_buffers(buffers: Sequence[Tensor], groups: SiteGroups) -> tuple[int, int]:
+    """Global rank 0's floating-point buffers to every rank: over the leaders, then inside each site.
+
+    Returns:
+        This rank's (WAN, LAN) bytes: the buffers leave site 0's leader over the WAN and every leader over the LAN.
+    """
+    if not buffers:
+        return 0, 0
+    g = groups
+    flat = torch.cat([b.detach().reshape(-1).float() for b in buffers])
+    comm.hierarchical_broadcast_(flat, g.layout.leaders[0], g.leader_group, g.site_group, g.leader, g.site_size)
+    offset = 0
+    for b in buffers:
+        b.copy_(flat[offset : offset + b.numel()].view_as(b).to(b.dtype))
+        offset += b.numel()
+    nbytes = flat.numel() * flat.element_size()
+    wan = nbytes if g.is_leader and g.site == 0 and g.layout.num_sites > 1 else 0
+    lan = nbytes if g.is_leader and g.site_size > 1 else 0
+    return wan, lan

@@ -22,6 +22,13 @@ A WAN round (all sites together):
    unsent part stays in ``hidden``). ``site_view="gaia"``: weights become ``anchor + unsent`` (a site keeps
    seeing its own unsent updates, as Gaia's data centers do; sites differ by what they have not sent).
 
+On the outer-sync engine (:class:`~lightning_gradcomp.outer.engine.OuterSync`), WeightGrad is one configuration:
+one fragment, the significance filter and the ternary WAN message as the exchange (this class implements the
+engine's exchange protocol), the unsent part kept in ``hidden`` or in the weights (``site_view``), and an outer
+SGD at learning rate 1 without momentum (the Global Server's plain average: ``anchor - 1 * mean(-g_u)`` is
+``anchor + mean(g_u)`` bit for bit). Its rounds follow the staleness bound and triggers below instead of the
+engine's fixed schedule.
+
 Rounds happen when ``staleness_bound`` steps have passed since the last one, or earlier when any leader's
 clock passed ``staleness_seconds`` or (``trigger="significance"``) any site has a significant update; those
 two need a one-byte consensus among leaders every step. Collectives block: a site cannot apply another local
@@ -36,6 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gradcomp import comm
+from lightning_gradcomp.outer.engine import OuterSync
+from lightning_gradcomp.outer.exchange import InFlight, sync_buffers
 from lightning_gradcomp.weightgrad import quantize
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
 from lightning_gradcomp.weightgrad.sites import SiteGroups
@@ -48,7 +57,7 @@ Trigger = Literal["bound", "significance"]
 _LAQ_EPS = 1e-8
 
 
-class GradientSynchronizer:
+class GradientSynchronizer(OuterSync):
     """Two-level synchronization of one site with the others (see the module docstring).
 
     Args:
@@ -88,11 +97,19 @@ class GradientSynchronizer:
         seed: int = 0,
         float_names: frozenset[str] = frozenset(),
     ) -> None:
-        self.params = params
+        super().__init__(
+            params,
+            buffers,
+            groups,
+            exchange=self,
+            # the Global Server's average: anchor - 1 * mean(delta), no momentum
+            outer_optimizer=lambda anchors: torch.optim.SGD(anchors, lr=1.0),
+            fragments=[sorted(params)],
+            sync_every=staleness_bound,
+            unsent=site_view,
+        )
         self.float_names = float_names
         self.names = sorted(params)  # the same layer order on every rank
-        self.buffers = list(buffers)
-        self.groups = groups
         self.significance = significance
         self.staleness_bound = staleness_bound
         self.staleness_seconds = staleness_seconds
@@ -106,15 +123,11 @@ class GradientSynchronizer:
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed * 1_000_003 + 7919 * groups.site)
         with torch.no_grad():
-            self.anchor = {n: p.detach().clone() for n, p in params.items()}
             self.last = {n: p.detach().clone() for n, p in params.items()}
-        self.hidden: dict[str, Tensor] = {}
         self._step_update: dict[str, Tensor] = {}
+        self._flush = False
         self.steps_since_round = 0
-        self.rounds = 0
         self._round_started = time.monotonic()
-        #: statistics of the latest step, as tensors (bytes this rank sent in the WAN step, rounds, staleness, ...)
-        self.stats: dict[str, Tensor] = {}
 
     # -- every step -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -145,9 +158,15 @@ class GradientSynchronizer:
 
         ran = at_bound or late or significant
         if ran:
-            round_wan, round_lan = self._round(flush=self.flush_at_bound and (at_bound or late))
-            wan_bytes += round_wan
-            lan_bytes += round_lan
+            self._flush = self.flush_at_bound and (at_bound or late)
+            self.start(0)
+            self.finish(0)
+            for name in self.names:
+                self.last[name].copy_(self.params[name].detach())
+            self.steps_since_round = 0
+            self._round_started = time.monotonic()
+            wan_bytes += int(self.stats["bytes_per_round"])
+            lan_bytes += int(self.stats["lan_bytes_per_round"])
         self.stats.update(
             wan_bytes=torch.tensor(wan_bytes),
             round_lan_bytes=torch.tensor(lan_bytes),
@@ -168,7 +187,7 @@ class GradientSynchronizer:
     def _mask(self, name: str) -> Tensor:
         return self.significance.mask(name, self.pending(name), self._step_update[name], self.anchor[name])
 
-    # -- a WAN round ------------------------------------------------------------------------------------
+    # -- a WAN round: the engine's exchange ------------------------------------------------------------------
     def _quantize(self, name: str, x: Tensor) -> tuple[Optional[Tensor], Tensor]:
         if self.wan_quantization == "none" or name in self.float_names:
             return None, x.float()
@@ -178,12 +197,14 @@ class GradientSynchronizer:
         d = None if v is None else v.detach().float().sqrt().add_(_LAQ_EPS)
         return quantize.loss_aware_ternary(x, d)
 
-    def _round(self, flush: bool) -> tuple[int, int]:
+    def launch(self, fragment: int, pseudo_gradients: Sequence[Tensor], step: int) -> InFlight:
+        """The engine's exchange: the significant part of ``g_u = -delta`` quantized, all-gathered through the
+        leaders, decoded in site order; blocking, so the result is complete on return."""
         g = self.groups
         pendings, layers = [], []
-        for name in self.names:
-            pending = self.pending(name)
-            mask = torch.ones_like(pending, dtype=torch.bool) if flush else self._mask(name)
+        for name, delta in zip(self.names, pseudo_gradients):
+            pending = -delta  # g_u, exactly: delta = (anchor - w) - hidden
+            mask = torch.ones_like(pending, dtype=torch.bool) if self._flush else self._mask(name)
             self.stats[f"fraction_significant/{name}"] = mask.float().mean()
             pendings.append(pending)
             layers.append(self._quantize(name, torch.where(mask, pending, torch.zeros_like(pending))))
@@ -194,70 +215,47 @@ class GradientSynchronizer:
         )
         numels = [self.params[n].numel() for n in self.names]
         decoded = [quantize.decode(gathered[s, : int(sizes[s])], numels) for s in range(num_sites)]
+        means, sent = [], []
         for i, name in enumerate(self.names):
             p = self.params[name]
             total = decoded[0][i].clone()
             for s in range(1, num_sites):
                 total.add_(decoded[s][i])
-            delta = total.div_(num_sites).view_as(p).to(p.dtype)
-            unsent = pendings[i] - decoded[g.site][i].view_as(p).to(p.dtype)
-            self.anchor[name].add_(delta)
-            if self.site_view == "global":
-                p.copy_(self.anchor[name])
-                self.hidden[name] = unsent
-            else:
-                p.copy_(self.anchor[name] + unsent)
-                self.hidden.pop(name, None)
-            self.last[name].copy_(p.detach())
-        buffer_bytes = 0
-        if self.buffers:
-            flat = torch.cat([b.detach().reshape(-1).float() for b in self.buffers])
-            comm.hierarchical_broadcast_(flat, g.layout.leaders[0], g.leader_group, g.site_group, g.leader, g.site_size)
-            offset = 0
-            for b in self.buffers:
-                b.copy_(flat[offset : offset + b.numel()].view_as(b).to(b.dtype))
-                offset += b.numel()
-            buffer_bytes = flat.numel() * flat.element_size()
-        self.rounds += 1
-        self.steps_since_round = 0
-        self._round_started = time.monotonic()
+            # in pseudo-gradient units (negated exactly): the engine's SGD at lr 1 adds the mean update back
+            means.append(total.div_(num_sites).view_as(p).to(p.dtype).neg_())
+            sent.append(decoded[g.site][i].view_as(p).to(p.dtype).neg())
         wan = lan = 0
         if g.is_leader and num_sites > 1:
-            # own message + its size; the buffers leave site 0's leader only
-            wan = message.numel() + 8 + (buffer_bytes if g.site == 0 else 0)
+            wan = message.numel() + 8  # own message + its size
         if g.is_leader and g.site_size > 1:
-            lan = 8 * num_sites + gathered.numel() + buffer_bytes
+            lan = 8 * num_sites + gathered.numel()
         self.stats["wan_message_bytes"] = torch.tensor(message.numel())
-        return wan, lan
+        dense = sum(4 * n for n in numels)
+        return InFlight(means, None, wan, lan, dense, step, done=True, sent=sent, deltas=list(pseudo_gradients))
+
+    def wait(self, flight: InFlight) -> list[Tensor]:
+        return flight.means
+
+    def sync_buffers(self, buffers: Sequence[Tensor]) -> tuple[int, int]:
+        return sync_buffers(buffers, self.groups)
+
+    def exchange_state(self) -> dict[str, Any]:
+        return {"significance": self.significance.state_dict(), "generator": self._generator.get_state()}
+
+    def load_exchange_state(self, state: dict[str, Any]) -> None:
+        self.significance.load_state_dict(state["significance"])
+        self._generator.set_state(state["generator"])
 
     # -- checkpointing ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Per-site state (identical on the ranks of a site).
-
-        Includes the site's current weights: between WAN rounds sites differ, and Lightning's checkpoint holds
-        only rank 0's model. (Optimizer state is still rank 0's: with optimizer momentum, a resumed site other
-        than site 0 restarts from site 0's buffers.)
-        """
-        return {
-            "params": {k: p.detach().cpu().clone() for k, p in self.params.items()},
-            "anchor": {k: v.detach().cpu().clone() for k, v in self.anchor.items()},
-            "hidden": {k: v.detach().cpu().clone() for k, v in self.hidden.items()},
-            "steps_since_round": self.steps_since_round,
-            "rounds": self.rounds,
-            "significance": self.significance.state_dict(),
-            "generator": self._generator.get_state(),
-        }
+        """Per-site state (identical on the ranks of a site): the engine's (the site's weights, since sites differ
+        between WAN rounds and Lightning's checkpoint holds only rank 0's model; anchor; hidden), the significance
+        filter and the stochastic stream, and the staleness counter. (Optimizer state is checkpointed per rank by
+        the strategy.)"""
+        return {**super().state_dict(), "steps_since_round": self.steps_since_round}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for k, v in state.get("params", {}).items():
-                self.params[k].copy_(v)
-        for k, v in state["anchor"].items():
-            self.anchor[k].copy_(v)
-        self.hidden = {k: v.to(self.anchor[k].device) for k, v in state["hidden"].items()}
+        super().load_state_dict(state)
         for n, p in self.params.items():
             self.last[n].copy_(p.detach())
         self.steps_since_round = state["steps_since_round"]
-        self.rounds = state["rounds"]
-        self.significance.load_state_dict(state["significance"])
-        self._generator.set_state(state["generator"])
