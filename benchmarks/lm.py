@@ -69,6 +69,7 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
             self.curve: list[tuple[int, float]] = []
             self.bytes: list[int] = []
             self.seconds: list[float] = []
+            self.train_seconds: list[float] = []
             self._start = 0.0
 
         def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
@@ -81,6 +82,7 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
         def on_validation_end(self, trainer: Trainer, module: LightningModule) -> None:
             if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
                 self.curve.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+                self.train_seconds.append(sum(self.seconds))  # training time so far, validation excluded
 
     recorder = Recorder()
     args = ["--config", str(ROOT / recipe), *overrides, "--trainer.enable_progress_bar=false",
@@ -96,6 +98,7 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
     if not recorder.curve or recorder.curve[-1][0] != cli.trainer.global_step:
         cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
         recorder.curve.append((cli.trainer.global_step, float(cli.trainer.callback_metrics["val_loss"])))
+        recorder.train_seconds.append(sum(recorder.seconds))
     params = sum(p.numel() for p in cli.model.parameters() if p.requires_grad)
     data = cli.datamodule
     result = {
@@ -104,7 +107,7 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
         "compressor": getattr(getattr(cli.trainer.strategy, "compressor", None), "describe", lambda: None)(),
         "world_size": cli.trainer.world_size, "steps": cli.trainer.global_step, "parameters": params,
         "tokens_per_step": cli.trainer.world_size * data.batch_size * data.seq_len,
-        "val_curve": recorder.curve, "final_val_loss": recorder.curve[-1][1],
+        "val_curve": recorder.curve, "val_train_seconds": recorder.train_seconds, "final_val_loss": recorder.curve[-1][1],
         # a strategy's own count (DiLoCo) is already its average over the run so far: the last one covers the run
         "bytes_per_step": (recorder.bytes[-1] if callable(getattr(cli.trainer.strategy, "bytes_per_step", None))
                            else statistics.median(recorder.bytes)),
