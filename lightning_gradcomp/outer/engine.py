@@ -207,6 +207,8 @@ class OuterSync:
             in_flight[f] = {"launch_step": flight.launch_step, "means": [m.detach().cpu().clone() for m in means],
                             "wan_bytes": flight.wan_bytes, "lan_bytes": flight.lan_bytes}
         return {
+            "layout": list(self.groups.layout.sizes),
+            "fragments": [list(f) for f in self.fragments],
             "params": {k: p.detach().cpu().clone() for k, p in self.params.items()},
             "anchor": {k: v.detach().cpu().clone() for k, v in self.anchor.items()},
             "hidden": {k: v.detach().cpu().clone() for k, v in self.hidden.items()},
@@ -222,6 +224,24 @@ class OuterSync:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s state.
+
+        Raises:
+            ValueError: the checkpoint was written with another site layout or other fragments (sites differ
+                between rounds: ranks regrouped into other sites would start a site from different weights).
+        """
+        fix = "resume with the site_size/site_sizes and fragments that wrote it, or pass `resume_compression='reset'`"
+        if list(state["layout"]) != list(self.groups.layout.sizes):
+            raise ValueError(
+                f"Expected the site layout {list(state['layout'])} of the checkpoint, but got "
+                f"{list(self.groups.layout.sizes)}. Fix: {fix}."
+            )
+        if [list(f) for f in state["fragments"]] != self.fragments:
+            raise ValueError(
+                f"Expected the checkpoint's {len(state['fragments'])} fragment(s) of the same layers, but got "
+                f"{len(self.fragments)} fragment(s) of {'the same' if len(state['fragments']) == len(self.fragments) else 'other'} "
+                f"layers. Fix: {fix}."
+            )
         for k, v in state["params"].items():
             self.params[k].copy_(v)
         for k, v in state["anchor"].items():

@@ -114,3 +114,17 @@ def resume(rank: int, world_size: int, tmpdir: str, total: int, at: int, options
     resumed = fit(strategy(), ckpt_path=path)
     reset = fit(strategy(resume_compression="reset"), ckpt_path=path)
     return {"full": full, "resumed": resumed, "reset": reset}
+
+
+def resume_with_another_layout(rank: int, world_size: int, tmpdir: str) -> str:
+    """Save as 4 sites of 1 mid-window, resume as 2 sites of 2: every rank must refuse, naming the layouts."""
+    saver = ModelCheckpoint(dirpath=tmpdir, every_n_train_steps=3, save_top_k=-1)
+    trainer = _trainer(world_size, DiLoCoStrategy(sync_every=2), 3, callbacks=[saver])
+    trainer.fit(AdamClassifier(), random_loader())
+    path = os.path.join(tmpdir, "epoch=0-step=3.ckpt")
+    try:
+        _trainer(world_size, DiLoCoStrategy(sync_every=2, site_size=2), 5, enable_checkpointing=False).fit(
+            AdamClassifier(), random_loader(), ckpt_path=path)
+    except ValueError as exc:
+        return str(exc)
+    return "resumed"

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.diloco_ranks import fit_configs, resume
+from tests.distributed.diloco_ranks import fit_configs, resume, resume_with_another_layout
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -142,3 +142,9 @@ def test_monitor_logs_outer_bytes_rounds_norms_and_staleness(results: list[list[
     assert last["gradcomp/diloco/bytes_per_token"] == pytest.approx(2 * (numel + 24) / (4 * 16))
     # between rounds the counter runs: logged at the step after a round
     assert any(m.get("gradcomp/diloco/inner_steps_since_sync") == 1 for m in logged.values())
+
+
+def test_resume_with_another_site_layout_is_refused_on_every_rank(tmp_path: Path) -> None:
+    messages = run_ranks(resume_with_another_layout, 4, str(tmp_path), timeout=300)
+    for message in messages:
+        assert "Expected the site layout [1, 1, 1, 1] of the checkpoint, but got [2, 2]" in message and "Fix:" in message
