@@ -72,7 +72,7 @@ def write_datasets(root: Path) -> Path:
 
 
 #: recipe folders that are not paper reproductions: benchmark workloads, fitted once in test_recipes.py
-NON_PAPER = ("lm",)
+NON_PAPER = ("lm", "diloco")
 
 
 def recipe_paths(folder: str = "*") -> list[Path]:

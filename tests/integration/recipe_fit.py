@@ -31,7 +31,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
-from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp import DiLoCoStrategy, GradCompStrategy
 from lightning_gradcomp.cli import GradCompCLI
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.towers import TowerStrategy
@@ -61,6 +61,8 @@ def _compressor_ran(recipe: str, strategy: object, steps: int) -> None:
             assert state.bytes_per_step() < state.dense_bytes_per_step(), (recipe, "nothing was compressed")
     elif isinstance(strategy, TowerStrategy):
         assert strategy.records, (recipe, "the towers exchanged nothing")
+    if isinstance(strategy, DiLoCoStrategy) and steps >= strategy.sync_every:
+        assert strategy.outer is not None and strategy.outer.rounds >= 1, (recipe, "no outer round ran")
     if isinstance(strategy, WeightGradStrategy) and steps >= strategy.staleness_bound:
         assert strategy.synchronizer is not None and strategy.synchronizer.rounds >= 1, (recipe, "no WAN round ran")
 
@@ -81,6 +83,13 @@ def _replicas(recipe: str, cli: GradCompCLI) -> str:
             assert len(set(digests)) == 1, (recipe, "sites differ right after a WAN round", digests)
             return f"{layout.world_size} ranks identical after the WAN round (sites {list(layout.sizes)})"
         return f"{layout.world_size} ranks identical within each site (sites {list(layout.sizes)})"
+    if isinstance(strategy, DiLoCoStrategy):
+        assert strategy.outer is not None
+        synced = int(strategy.outer.stats["inner_steps_since_sync"]) == 0
+        if synced and strategy.mixing == 0.0 and len(strategy.outer.fragments) == 1:
+            assert len(set(digests)) == 1, (recipe, "sites differ right after an outer round", digests)
+            return f"{strategy.world_size} ranks identical after the outer round"
+        return f"{strategy.world_size} ranks in {len(strategy.outer.fragments)} fragment(s), between rounds"
     assert len(set(digests)) == 1, (recipe, "DDP replicas differ", digests)
     return f"{strategy.world_size} ranks identical"
 
