@@ -64,6 +64,19 @@ def register_compressor(name: str, factory: Callable[[], Compressor], descriptio
 NOTEBOOK_SUFFIX = "_notebook"
 
 
+def register_preset(name: str, strategy_cls: type, description: str, strategy_registry: Any = None,
+                    **init_params: Any) -> None:
+    """Register one strategy name with fixed ``init_params``, and its fork-started ``<name>_notebook``, in the
+    Trainer's ``StrategyRegistry`` (default) or the one given."""
+    if strategy_registry is None:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        strategy_registry = StrategyRegistry
+    strategy_registry.register(name, strategy_cls, description=description, override=True, **init_params)
+    strategy_registry.register(name + NOTEBOOK_SUFFIX, strategy_cls, description=f"{description}; processes forked "
+                               "(for notebooks)", override=True, start_method="fork", **init_params)
+
+
 def register_strategies(strategy_cls: type, strategy_registry: Any = None) -> None:
     """Register every compressor name as a strategy name (lower-cased, as Lightning looks them up).
 

@@ -282,21 +282,16 @@ class DiLoCoStrategy(GradCompStrategy):
 
 def register(strategy_registry: Any = None) -> None:
     """Register ``"diloco"`` and ``"streaming_diloco"`` (and their fork-started ``*_notebook`` variants)."""
-    from lightning_gradcomp.registry import NOTEBOOK_SUFFIX
-
-    if strategy_registry is None:
-        from lightning.pytorch.strategies import StrategyRegistry
-
-        strategy_registry = StrategyRegistry
-    presets = {
-        "diloco": ("DiLoCo: H local steps per site, outer Nesterov SGD on averaged pseudo-gradients", {}),
-        "streaming_diloco": (
-            "Streaming DiLoCo: 4 strided fragments at staggered steps, each exchange overlapped with 5 inner steps, "
-            "mixing 0.5",
-            {"fragments": 4, "sync_delay": 5, "mixing": 0.5},
-        ),
-    }
-    for name, (description, init) in presets.items():
-        strategy_registry.register(name, DiLoCoStrategy, description=description, override=True, **init)
-        strategy_registry.register(name + NOTEBOOK_SUFFIX, DiLoCoStrategy, description=f"{description}; processes forked (for notebooks)",
-                                   override=True, start_method="fork", **init)
+    registry.register_preset(
+        "diloco", DiLoCoStrategy, "DiLoCo: H local steps per site, outer Nesterov SGD on averaged pseudo-gradients",
+        strategy_registry,
+    )
+    registry.register_preset(
+        "streaming_diloco",
+        DiLoCoStrategy,
+        "Streaming DiLoCo: 4 strided fragments at staggered steps, each exchange overlapped with 5 inner steps, mixing 0.5",
+        strategy_registry,
+        fragments=4,
+        sync_delay=5,
+        mixing=0.5,
+    )

@@ -311,18 +311,7 @@ class WeightGradStrategy(GradCompStrategy):
 
 def register(strategy_registry: Any = None) -> None:
     """Register ``strategy="weightgrad"`` (and its fork-started ``"weightgrad_notebook"``) in Lightning's ``StrategyRegistry``."""
-    from lightning_gradcomp.registry import NOTEBOOK_SUFFIX
+    from lightning_gradcomp.registry import register_preset
 
-    if strategy_registry is None:
-        from lightning.pytorch.strategies import StrategyRegistry
-
-        strategy_registry = StrategyRegistry
     description = "WeightGrad: TernGrad inside each site, significant ternary updates between sites (KDD 2020)"
-    strategy_registry.register("weightgrad", WeightGradStrategy, description=description, override=True)
-    strategy_registry.register(
-        "weightgrad" + NOTEBOOK_SUFFIX,
-        WeightGradStrategy,
-        description=f"{description}; processes forked (for notebooks)",
-        override=True,
-        start_method="fork",
-    )
+    register_preset("weightgrad", WeightGradStrategy, description, strategy_registry)
