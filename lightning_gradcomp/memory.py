@@ -2,7 +2,8 @@
 
 One mechanism for every compressor with ``uses_memory``: before compression ``x = grad + residual``;
 after it ``residual = x - sent``, where ``sent`` is this rank's own packet decoded. So
-``grad + old residual == sent + new residual`` holds by construction.
+``grad + old residual == sent + new residual`` holds by construction (with a ``decay`` below 1:
+``grad + decay * old residual == sent + new residual``).
 """
 
 from typing import Any, Optional
@@ -17,18 +18,23 @@ class ResidualMemory:
     Args:
         storage: where residuals are kept (``None``: beside the gradient). ``torch.device("cpu")`` keeps them off
             the accelerator (DiLoCo's outer error feedback, which holds a full model's worth of values).
+        decay: the factor on the residual added back (1: plain error feedback). Below 1 for pseudo-gradients
+            (SparseLoCo's ``beta``): a site re-derives its unsent progress from the same anchor every round, so a
+            residual that never fades counts that progress again and again.
     """
 
-    def __init__(self, storage: Optional[torch.device] = None) -> None:
+    def __init__(self, storage: Optional[torch.device] = None, decay: float = 1.0) -> None:
         self.residuals: dict[str, Tensor] = {}
         self.storage = storage
+        self.decay = decay
 
     def compensate(self, grad: Tensor, name: str) -> Tensor:
         """The gradient plus the residual left from earlier steps (a new tensor; ``grad`` is not modified)."""
         residual = self.residuals.get(name)
         if residual is None:
             return grad.clone()
-        return grad + residual.to(grad.device, non_blocking=True)
+        residual = residual.to(grad.device, non_blocking=True)
+        return grad + residual if self.decay == 1.0 else grad + self.decay * residual
 
     def update(self, name: str, compensated: Tensor, sent: Tensor) -> None:
         """Keep what ``sent`` did not carry of ``compensated``."""

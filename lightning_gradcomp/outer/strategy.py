@@ -107,6 +107,9 @@ class DiLoCoStrategy(GradCompStrategy):
         mixing: alpha, the share of a site's own weights kept when a fragment is applied (0: the global weights).
         outer_state_device: where the global weights, the outer optimizer's state and the outer error feedback
             live: ``None`` beside the parameters, ``"cpu"`` off the accelerator.
+        error_decay: beta, the factor on the outer error feedback added back each round, for compressors with error
+            feedback (SparseLoCo: ``e <- beta * e + delta``). Below 1 because each round re-derives the unsent progress
+            from the same anchor: with 1 it would be counted again every round.
         **kwargs: :class:`~lightning_gradcomp.GradCompStrategy` arguments (``exclude``/``min_numel`` layers stay
             fp32 at both levels; DDP and reliability options).
     """
@@ -131,6 +134,7 @@ class DiLoCoStrategy(GradCompStrategy):
         sync_delay: int = 0,
         mixing: float = 0.0,
         outer_state_device: Optional[str] = None,
+        error_decay: float = 0.95,
         **kwargs: Any,
     ) -> None:
         check_int("sync_every", sync_every, minimum=1, fix="H counts inner steps between outer syncs; DiLoCo uses 500, 1 syncs every step")
@@ -153,6 +157,8 @@ class DiLoCoStrategy(GradCompStrategy):
                 f"Expected `outer_state_device` to be None or 'cpu', but got {outer_state_device!r}. "
                 f"Fix: None keeps the outer state beside the parameters, 'cpu' keeps it off the accelerator."
             )
+        check_number("error_decay", error_decay, minimum=0.0, maximum=1.0,
+                     fix="beta of the outer error feedback: SparseLoCo-style 0.95, 1 for plain error feedback, 0 for none")
         check_site_options(site_size, site_sizes)
         self.outer_optimizer_class = resolve_optimizer(outer_optimizer)
         super().__init__(compressor=inner_compressor, **kwargs)
@@ -173,6 +179,7 @@ class DiLoCoStrategy(GradCompStrategy):
         self.sync_delay = sync_delay
         self.mixing = float(mixing)
         self.outer_state_device = outer_state_device
+        self.error_decay = float(error_decay)
         self.layout: Optional[SiteLayout] = None
         self.groups: Optional[SiteGroups] = None
         self.outer: Optional[OuterSync] = None
@@ -223,7 +230,7 @@ class DiLoCoStrategy(GradCompStrategy):
             float_names=self.comm_state.float_names,
             process_group=g.leader_group,
             world_size=g.layout.num_sites,
-            memory=ResidualMemory(state_device),
+            memory=ResidualMemory(state_device, self.error_decay),
             nonfinite="raise",  # a non-finite pseudo-gradient stops every site, naming the parameter
         )
         exchange = LeaderExchange(outer_state, g, fragments, named, self.root_device)

@@ -99,3 +99,15 @@ def test_topk_int2_values_sizes_and_error_feedback(numel: int) -> None:
     memory.update("w", compensated, sent)
     # grad + old residual == sent + new residual
     torch.testing.assert_close(x + old, sent + memory.residuals["w"], rtol=0, atol=1e-6)
+
+
+def test_residual_decay_invariant() -> None:
+    memory = ResidualMemory(decay=0.5)
+    x = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    memory.residuals["w"] = torch.randn(50, generator=torch.Generator().manual_seed(4))
+    old = memory.residuals["w"].clone()
+    compensated = memory.compensate(x, "w")
+    sent = torch.where(compensated.abs() > 1, compensated, torch.zeros_like(compensated))
+    memory.update("w", compensated, sent)
+    # grad + decay * old residual == sent + new residual
+    torch.testing.assert_close(x + 0.5 * old, sent + memory.residuals["w"], rtol=0, atol=1e-6)
