@@ -1,0 +1,60 @@
+"""Rank bodies of the hierarchical-exchange tests: 4 Gloo ranks as 2 sites of 2 (``site_sizes=[2, 2]``)."""
+
+import traceback
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_gradcomp import GradCompStrategy
+from tests.distributed.reliability_ranks import PROBES, StepDataClassifier, fit, flat_params, step_loader
+
+SITES = [2, 2]
+
+
+class ParameterTrace(pl.Callback):
+    """The flattened parameters after every optimizer step, and the hook's byte counts after the last one."""
+
+    def __init__(self) -> None:
+        self.steps: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        self.steps.append(flat_params(module))
+
+
+def _strategy(name: str, **kwargs: Any) -> GradCompStrategy:
+    compressor = PROBES[name]() if name in PROBES else name
+    return GradCompStrategy(compressor=compressor, **kwargs)
+
+
+def module_parameters(trainer: pl.Trainer) -> list[torch.Tensor]:
+    return [p for p in trainer.lightning_module.parameters() if p.requires_grad]
+
+
+def _run(world_size: int, strategy: Any, steps: int) -> dict[str, Any]:
+    trace = ParameterTrace()
+    model, trainer = fit(world_size, strategy, steps, StepDataClassifier(momentum=0.9), loader=step_loader(steps),
+                         callbacks=[trace])
+    out: dict[str, Any] = {"steps": torch.stack(trace.steps)}
+    state = getattr(trainer.strategy, "comm_state", None)
+    if state is not None:
+        out["wan_bytes"] = state.bytes_per_step()
+        out["lan_bytes"] = state.hierarchy.lan_bytes_per_step() if state.hierarchy is not None else 0
+        out["collectives"] = dict(state.collectives)
+        out["dense_bytes"] = sum(4 * p.numel() for p in module_parameters(trainer))
+    return out
+
+
+def replica_runs(rank: int, world_size: int, names: list[str], steps: int) -> dict[str, Any]:
+    """Per compressor: the hierarchical run's parameters after every step and its bytes, and the flat run's bytes;
+    plus plain DDP's trace for the identity comparison."""
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            hier = _run(world_size, _strategy(name, site_sizes=SITES), steps)
+            flat = _run(world_size, _strategy(name), steps)
+            out[name] = {"hier": hier, "flat_wan_bytes": flat["wan_bytes"], "dense_bytes": hier["dense_bytes"]}
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    out["ddp"] = _run(world_size, "ddp", steps)
+    return out

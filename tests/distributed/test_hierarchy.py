@@ -1,0 +1,80 @@
+"""The hierarchical exchange on real Gloo ranks: 4 ranks as 2 sites of 2 (``site_sizes=[2, 2]``), every compressor.
+
+One spawned group runs, per compressor, a hierarchical and a flat fit of the same steps, and plain DDP once.
+"""
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_gradcomp import registry
+from tests.distributed.hierarchy_ranks import PROBES, SITES, replica_runs
+from tests.distributed.reliability_ranks import compressors_under_test
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+COMPRESSORS = compressors_under_test()
+STEPS = 3
+WORLD = sum(SITES)
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return run_ranks(replica_runs, WORLD, COMPRESSORS, STEPS, timeout=600)
+
+
+def _ok(runs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    for rank, result in enumerate(runs):
+        assert "error" not in result[name], f"rank {rank}, {name}:\n{result[name]['error']}"
+    return [r[name] for r in runs]
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_hierarchical_replicas_are_bit_identical_every_step(runs: list[dict[str, Any]], name: str) -> None:
+    traces = [r["hier"]["steps"] for r in _ok(runs, name)]
+    assert traces[0].shape[0] == STEPS
+    initial_moved = not torch.equal(traces[0][0], traces[0][-1])
+    assert initial_moved, "the parameters did not change: nothing was exchanged"
+    for rank, trace in enumerate(traces[1:], start=1):
+        for step in range(STEPS):
+            assert torch.equal(trace[step], traces[0][step]), f"rank {rank} differs from rank 0 after step {step + 1}"
+
+
+def test_hierarchical_identity_equals_plain_ddp(runs: list[dict[str, Any]]) -> None:
+    hier = _ok(runs, "fp32")[0]["hier"]["steps"]
+    ddp = runs[0]["ddp"]["steps"]
+    torch.testing.assert_close(hier, ddp, rtol=1e-5, atol=1e-6)
+
+
+def _fixed_size(name: str) -> bool:
+    return (PROBES[name]() if name in PROBES else registry.make_compressor(name)).fixed_size
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_each_rank_puts_one_kth_of_the_flat_bytes_on_the_wan(runs: list[dict[str, Any]], name: str) -> None:
+    """The k ranks of a site together send what one rank sends in the flat exchange: 1/k each on average (a share
+    holds whole parameters, so the split is as even as the parameter sizes allow). Compressors whose payload size
+    follows the data (sparse selection) see other data (the site's mean) and are compared per site only loosely."""
+    results = _ok(runs, name)
+    k = SITES[0]
+    for site, start in enumerate(range(0, WORLD, k)):
+        wan = [results[r]["hier"]["wan_bytes"] for r in range(start, start + k)]
+        flat = results[start]["flat_wan_bytes"]
+        assert all(b > 0 for b in wan), f"site {site}: a rank sent nothing between sites: {wan}"
+        if _fixed_size(name):
+            assert sum(wan) == flat, f"site {site}: {wan} sum to {sum(wan)}, flat sends {flat} per rank"
+            assert sum(wan) / k == pytest.approx(flat / k)
+        else:
+            assert sum(wan) < 2 * flat, f"site {site}: {wan} against flat {flat}"
+        # the dense exchanges inside the site: the bucket summed once in, once out (fp32 bytes of every parameter)
+        assert results[start]["hier"]["lan_bytes"] == 2 * results[start]["dense_bytes"]
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_hierarchical_collectives_per_bucket(runs: list[dict[str, Any]], name: str) -> None:
+    """Two dense site all-reduces per bucket on every rank, whatever the compressor."""
+    results = _ok(runs, name)
+    counts = [r["hier"]["collectives"]["site_allreduce"] for r in results]
+    assert counts == [counts[0]] * WORLD and counts[0] == 2 * STEPS
