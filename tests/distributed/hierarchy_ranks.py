@@ -1,12 +1,17 @@
 """Rank bodies of the hierarchical-exchange tests: 4 Gloo ranks as 2 sites of 2 (``site_sizes=[2, 2]``)."""
 
+import csv
+import os
 import traceback
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
+from lightning.pytorch.loggers import CSVLogger
+
 from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.callbacks import CompressionMonitor
 from tests.distributed.reliability_ranks import PROBES, StepDataClassifier, fit, flat_params, step_loader
 
 SITES = [2, 2]
@@ -31,10 +36,10 @@ def module_parameters(trainer: pl.Trainer) -> list[torch.Tensor]:
     return [p for p in trainer.lightning_module.parameters() if p.requires_grad]
 
 
-def _run(world_size: int, strategy: Any, steps: int) -> dict[str, Any]:
+def _run(world_size: int, strategy: Any, steps: int, callbacks: tuple = (), **options: Any) -> dict[str, Any]:
     trace = ParameterTrace()
     model, trainer = fit(world_size, strategy, steps, StepDataClassifier(momentum=0.9), loader=step_loader(steps),
-                         callbacks=[trace])
+                         callbacks=[trace, *callbacks], **options)
     out: dict[str, Any] = {"steps": torch.stack(trace.steps)}
     state = getattr(trainer.strategy, "comm_state", None)
     if state is not None:
@@ -45,7 +50,35 @@ def _run(world_size: int, strategy: Any, steps: int) -> dict[str, Any]:
     return out
 
 
-def replica_runs(rank: int, world_size: int, names: list[str], steps: int) -> dict[str, Any]:
+def monitored_run(world_size: int, steps: int, tmp: str) -> dict[str, Any]:
+    """Hierarchical TernGrad under a CompressionMonitor writing to a CSV logger: the logged byte counts."""
+    logger = CSVLogger(tmp, name="hier")
+    run = _run(world_size, _strategy("terngrad", site_sizes=SITES), steps,
+               callbacks=[CompressionMonitor(logging_interval=1)], logger=logger)
+    logged: dict[str, float] = {}
+    if trainer_rank() == 0:
+        with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+            rows = list(csv.DictReader(f))
+        logged = {k: float(v) for k, v in rows[-1].items() if k.startswith("gradcomp/") and "bytes/total" in k and v}
+    return {"logged": logged, "wan_bytes": run["wan_bytes"], "lan_bytes": run["lan_bytes"]}
+
+
+def refused_run(world_size: int) -> dict[str, Any]:
+    """A layout the world size cannot take: the error, and how many steps ran before it."""
+    trace = ParameterTrace()
+    try:
+        fit(world_size, _strategy("terngrad", site_size=3), 2, StepDataClassifier(), loader=step_loader(2),
+            callbacks=[trace])
+    except ValueError as exc:
+        return {"error": str(exc), "steps": len(trace.steps)}
+    return {"error": None, "steps": len(trace.steps)}
+
+
+def trainer_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def replica_runs(rank: int, world_size: int, names: list[str], steps: int, tmp: str) -> dict[str, Any]:
     """Per compressor: the hierarchical run's parameters after every step and its bytes, and the flat run's bytes;
     plus plain DDP's trace for the identity comparison."""
     out: dict[str, Any] = {}
@@ -57,4 +90,6 @@ def replica_runs(rank: int, world_size: int, names: list[str], steps: int) -> di
         except Exception:
             out[name] = {"error": traceback.format_exc()}
     out["ddp"] = _run(world_size, "ddp", steps)
+    out["monitored"] = monitored_run(world_size, steps, tmp)
+    out["bad"] = refused_run(world_size)
     return out

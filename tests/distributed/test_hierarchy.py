@@ -3,6 +3,7 @@
 One spawned group runs, per compressor, a hierarchical and a flat fit of the same steps, and plain DDP once.
 """
 
+import tempfile
 from typing import Any
 
 import pytest
@@ -22,7 +23,8 @@ WORLD = sum(SITES)
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    return run_ranks(replica_runs, WORLD, COMPRESSORS, STEPS, timeout=600)
+    with tempfile.TemporaryDirectory() as tmp:
+        return run_ranks(replica_runs, WORLD, COMPRESSORS, STEPS, tmp, timeout=600)
 
 
 def _ok(runs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
@@ -78,3 +80,21 @@ def test_hierarchical_collectives_per_bucket(runs: list[dict[str, Any]], name: s
     results = _ok(runs, name)
     counts = [r["hier"]["collectives"]["site_allreduce"] for r in results]
     assert counts == [counts[0]] * WORLD and counts[0] == 2 * STEPS
+
+
+def test_the_monitor_logs_wan_and_lan_bytes(runs: list[dict[str, Any]]) -> None:
+    """`CompressionMonitor` logs the bytes rank 0 put between sites (its share's) and inside its site."""
+    run = runs[0]["monitored"]
+    logged = run["logged"]
+    assert logged["gradcomp/wan_bytes/total"] == run["wan_bytes"] > 0
+    assert logged["gradcomp/lan_bytes/total"] == run["lan_bytes"] > 0
+    flat = _ok(runs, "terngrad")[0]["flat_wan_bytes"]
+    assert logged["gradcomp/wan_bytes/total"] < flat
+
+
+def test_a_layout_the_world_cannot_take_fails_before_the_first_step(runs: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(runs):
+        bad = result["bad"]
+        assert bad["steps"] == 0, f"rank {rank} trained before refusing"
+        assert bad["error"] is not None and "`site_size`" in bad["error"] and "divide the world size 4" in bad["error"]
+        assert "Fix:" in bad["error"]
