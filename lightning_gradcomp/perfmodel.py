@@ -379,6 +379,30 @@ def comm_seconds(codec: Codec, world_size: int, network: Network, buckets: Bucke
     return sum(sum(_bucket_seconds(codec, world_size, network, f)) for f in bucket_fractions(buckets))
 
 
+def hierarchical_comm_seconds(codec: Codec, dense_bytes: float, world_size: int, network: Network,
+                              buckets: Buckets = 1) -> float:
+    """Seconds of one step of the hierarchical exchange (:mod:`lightning_gradcomp.hierarchy`) on a two-level
+    ``network`` (``sites`` equal sites joined by ``wan``), bucket by bucket as the hook runs them:
+
+    * a dense ring all-reduce of the bucket inside each site (``network.link``), twice (the site's mean in, the
+      decoded shares out);
+    * the compressor's collectives between sites (``codec`` measured for ``sites`` workers): the ``k`` local ranks
+      each send their share at once over their site's one WAN link, so together they put ``codec.nbytes`` (the
+      whole step's payload, as one flat rank would) on it; its statistics rounds cross the WAN once each.
+    """
+    sites = network.sites
+    if sites < 2 or network.wan is None:
+        raise ValueError(f"Expected a network of at least 2 sites joined by a WAN, but got {network}. Fix: "
+                         f"`Network(lan, sites=2, wan=Link(...))`.")
+    k = world_size // sites
+    lan, wan = Network(network.link), Network(network.wan)
+    total = 0.0
+    for f in bucket_fractions(buckets):
+        total += 2 * ring_allreduce_seconds(dense_bytes * f, k, lan)
+        total += sum(_bucket_seconds(codec, sites, wan, f))
+    return total
+
+
 def _timeline_seconds(compute: ComputeTime, encode_s: float, decode_s: float, codec: Codec, world_size: int,
                       network: Network, fractions: list[float]) -> float:
     """DDP's step, buckets filling over backward in proportion to their parameters (exact for fully connected
