@@ -12,7 +12,14 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import CompressionMonitor
-from tests.distributed.reliability_ranks import PROBES, StepDataClassifier, fit, flat_params, step_loader
+from tests.distributed.reliability_ranks import (
+    PROBES,
+    InjectingClassifier,
+    StepDataClassifier,
+    fit,
+    flat_params,
+    step_loader,
+)
 
 SITES = [2, 2]
 
@@ -63,6 +70,22 @@ def monitored_run(world_size: int, steps: int, tmp: str) -> dict[str, Any]:
     return {"logged": logged, "wan_bytes": run["wan_bytes"], "lan_bytes": run["lan_bytes"]}
 
 
+#: compressors of each kind (shared scaler, stateless, multi-round, residuals) for the guard under the hierarchy
+GUARDED = ["terngrad", "fp32", "powersgd", "memory_probe"]
+
+
+def guarded_run(world_size: int, name: str) -> dict[str, Any]:
+    """NaN gradients on rank 3 (site 1) at step 2 with ``nonfinite='skip'``: parameters after every step, skips."""
+    try:
+        model, trainer = fit(world_size, _strategy(name, site_sizes=SITES), 5, InjectingClassifier(3, 2),
+                             loader=step_loader(10))
+    except Exception:
+        return {"error": traceback.format_exc()}
+    state = trainer.strategy.comm_state
+    return {"history": model.history, "skipped": state.skipped_steps,
+            "residuals_finite": all(bool(torch.isfinite(r).all()) for r in state.memory.residuals.values())}
+
+
 def refused_run(world_size: int) -> dict[str, Any]:
     """A layout the world size cannot take: the error, and how many steps ran before it."""
     trace = ParameterTrace()
@@ -92,4 +115,6 @@ def replica_runs(rank: int, world_size: int, names: list[str], steps: int, tmp: 
     out["ddp"] = _run(world_size, "ddp", steps)
     out["monitored"] = monitored_run(world_size, steps, tmp)
     out["bad"] = refused_run(world_size)
+    out["guard"] = {name: guarded_run(world_size, name) for name in GUARDED}
+    out["planner"] = _run(world_size, _strategy("terngrad", site_sizes=SITES, link="100mbit"), steps)
     return out

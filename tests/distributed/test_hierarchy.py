@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_gradcomp import registry
-from tests.distributed.hierarchy_ranks import PROBES, SITES, replica_runs
+from tests.distributed.hierarchy_ranks import GUARDED, PROBES, SITES, replica_runs
 from tests.distributed.reliability_ranks import compressors_under_test
 from tests.harness import run_ranks
 
@@ -98,3 +98,27 @@ def test_a_layout_the_world_cannot_take_fails_before_the_first_step(runs: list[d
         assert bad["steps"] == 0, f"rank {rank} trained before refusing"
         assert bad["error"] is not None and "`site_size`" in bad["error"] and "divide the world size 4" in bad["error"]
         assert "Fix:" in bad["error"]
+
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_nan_on_one_rank_of_one_site_skips_the_step_on_every_rank(runs: list[dict[str, Any]], name: str) -> None:
+    """The guard sees the whole site-summed bucket: a NaN on rank 3 (site 1, local rank 1) reaches every cross-site
+    group, so all 4 ranks skip step 2, keep finite residuals, and train on identically."""
+    results = [r["guard"][name] for r in runs]
+    for rank, run in enumerate(results):
+        assert "error" not in run, f"rank {rank}:\n{run['error']}"
+        history = run["history"]
+        assert run["skipped"] == 1 and run["residuals_finite"]
+        assert torch.equal(history[1], history[2]), f"rank {rank}: the skipped step changed the parameters"
+        assert not torch.equal(history[2], history[3]), "training did not go on after the skipped step"
+        for step in range(len(history)):
+            assert torch.equal(history[step], results[0]["history"][step]), f"rank {rank} differs after step {step + 1}"
+
+
+def test_the_planner_works_inside_the_hierarchy(runs: list[dict[str, Any]]) -> None:
+    """With `link=` (the link between sites) the planner decides per share on the cross-site group: replicas stay
+    identical and training goes on."""
+    traces = [r["planner"]["steps"] for r in runs]
+    for rank, trace in enumerate(traces):
+        assert torch.equal(trace, traces[0]), f"rank {rank} differs from rank 0"
+    assert not torch.equal(traces[0][0], traces[0][-1])
