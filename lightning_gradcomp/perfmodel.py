@@ -432,6 +432,7 @@ def predict(
     cpu_share: float = 1.0,
     collective: str = "",
     overlap: bool = False,
+    hierarchical_dense_bytes: Optional[float] = None,
 ) -> Prediction:
     """Step time and throughput of one configuration.
 
@@ -447,13 +448,22 @@ def predict(
         cpu_share: fraction of a device each worker gets (N ranks emulated on fewer cores: cores / N).
         collective: a label for the report.
         overlap: follow DDP's timeline (communication behind backward) instead of adding it to compute.
+        hierarchical_dense_bytes: the hierarchical exchange (:func:`hierarchical_comm_seconds`) of a gradient of
+            this many fp32 bytes, on ``network``'s sites; ``codec`` is then measured for the number of sites. Its
+            hook blocks on every bucket, so nothing is hidden behind backward (``overlap`` is refused).
     """
+    if hierarchical_dense_bytes is not None and overlap:
+        raise ValueError("Expected `overlap=False` with `hierarchical_dense_bytes` (the hierarchical hook blocks on "
+                         "every bucket), but got overlap=True. Fix: drop `overlap`.")
     slow = 1.0 / cpu_share
     compute = compute_s if isinstance(compute_s, ComputeTime) else ComputeTime.from_total(compute_s)
     compute = compute.scaled(slow)
     encode, decode = codec.encode_s * slow, codec.decode_s * slow
     fractions = bucket_fractions(buckets)
-    comm = comm_seconds(codec, world_size, network, fractions)
+    if hierarchical_dense_bytes is not None:
+        comm = hierarchical_comm_seconds(codec, hierarchical_dense_bytes, world_size, network, fractions)
+    else:
+        comm = comm_seconds(codec, world_size, network, fractions)
     hidden = 0.0
     if overlap:
         serial = compute.total_s + encode + decode + comm
@@ -569,6 +579,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     pr.add_argument("--batch", type=int, default=None, help="per worker (default: the paper's)")
     pr.add_argument("--overlap", action="store_true",
                     help="DDP's timeline: communication of each bucket behind the rest of backward (default: serial)")
+    pr.add_argument("--hierarchical", action="store_true",
+                    help="the hierarchical exchange: dense inside a node (--intra), compressed between nodes (--link)")
     fg = sub.add_parser("fig5", help="Fig. 5-style curves for AlexNet, GoogLeNet and VGG-A")
     fg.add_argument("--out", default="docs/img")
     args = parser.parse_args(argv)
@@ -589,7 +601,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"{args.model}: {numel / 1e6:.1f}M parameters, {compute * 1e3:.1f} ms compute per step on {args.device} (batch {batch})")
     print("| N | method | collective | compute ms | codec ms | comm ms | hidden behind backward ms | step ms | img/s |")
     print("|---|---|---|---|---|---|---|---|---|")
+    if args.hierarchical and args.gpus_per_node < 2:
+        parser.error(f"Expected --gpus-per-node >= 2 with --hierarchical, but got {args.gpus_per_node}. "
+                     f"Fix: e.g. --gpus-per-node 4 (one site per node).")
     for n in args.nproc:
+        hier = args.hierarchical and n > args.gpus_per_node
         if n <= args.gpus_per_node or args.gpus_per_node == 1:
             net = Network(link if args.gpus_per_node == 1 else Link.parse(args.intra))
         else:
@@ -597,13 +613,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         if args.compressor in ("fp32-ddp", "bf16-ddp"):
             codec, name = fp32_codec(numel, 4.0 if args.compressor == "fp32-ddp" else 2.0), "allreduce"
         elif args.compressor == "terngrad":
-            name, codec = best_terngrad_codec(numel, n, net, device.codec_seconds_per_element(), buckets)
+            # hierarchical: the collective among the sites, over the link between nodes
+            name, codec = best_terngrad_codec(numel, n // args.gpus_per_node if hier else n, Network(link) if hier else net,
+                                              device.codec_seconds_per_element(), buckets)
         else:
-            measured = measure_codec(registry.make_compressor(args.compressor), shapes, n, timed=False)
+            measured = measure_codec(registry.make_compressor(args.compressor), shapes,
+                                     n // args.gpus_per_node if hier else n, timed=False)
             per = device.codec_seconds_per_element() * numel
             codec = Codec(measured.nbytes, measured.aggregation, per, per, measured.rounds)
             name = measured.aggregation.value
-        p = predict(compute, codec, n, net, batch, buckets, collective=name, overlap=args.overlap)
+        p = predict(compute, codec, n, net, batch, buckets, collective=name + ("+hier" if hier else ""),
+                    overlap=args.overlap and not hier, hierarchical_dense_bytes=4.0 * numel if hier else None)
         print(f"| {n} | {args.compressor} | {p.collective} | {p.compute_s * 1e3:.1f} | {p.codec_s * 1e3:.1f} | "
               f"{p.comm_s * 1e3:.1f} | {p.hidden_s * 1e3:.1f} | {p.step_s * 1e3:.1f} | {p.throughput:.0f} |")
 

@@ -89,8 +89,9 @@ def hierarchical_resumed() -> list[dict[str, Any]]:
         return run_ranks(partial(resume_runs, site_sizes=[2, 2]), 4, COMPRESSORS, tmpdir, TOTAL_STEPS, CUT_AT, timeout=600)
 
 
-#: DeMo under the hierarchy differs by 1 ulp in some elements from one run to the next (even between two
-#: uninterrupted runs), so its resumed run cannot be compared bit for bit; open problem (docs/compatibility.md)
+#: DeMo on 4 ranks differs by 1 ulp in some elements from one run to the next (even between two uninterrupted
+#: runs, in the flat exchange as well: 2 of 3 flat 4-rank runs differed), so its resumed run cannot be compared bit
+#: for bit; a DeMo problem, not the hierarchy's (docs/compatibility.md)
 HIERARCHICAL_RUN_TO_RUN_NOISE = {"demo"}
 
 

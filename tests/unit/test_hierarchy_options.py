@@ -72,3 +72,38 @@ def test_ownership_depends_on_sizes_only_and_splits_the_model() -> None:
     shares = [owned_names(sizes, 2, j) for j in range(2)]
     assert shares == [frozenset({"a", "b"}), frozenset({"c", "d"})]
     assert owned_names(list(sizes), 2, 0) == shares[0]
+
+
+def test_the_performance_model_predicts_the_hierarchical_schedule() -> None:
+    import math
+
+    from lightning_gradcomp.compressors.base import Aggregation
+    from lightning_gradcomp.costmodel import Link, Network, ring_allgather_seconds, ring_allreduce_seconds
+    from lightning_gradcomp.perfmodel import Codec, comm_seconds, hierarchical_comm_seconds
+
+    lan, wan = Link(math.inf, 0.0), Link(1e8, 1e-3)
+    net = Network(lan, sites=2, wan=wan)
+    dense = 4e6
+    packed = Codec(dense / 16, Aggregation.GATHER, rounds=1)
+    # unlimited LAN: only the WAN part remains, the whole step's payload among the 2 sites, plus one statistic round
+    expected = ring_allgather_seconds(dense / 16, 2, Network(wan)) + ring_allreduce_seconds(4.0, 2, Network(wan))
+    assert hierarchical_comm_seconds(packed, dense, 4, net) == pytest.approx(expected)
+    # a slower LAN adds two dense ring all-reduces inside each site of 2
+    slow_lan = Network(Link(1e9, 0.0), sites=2, wan=wan)
+    added = hierarchical_comm_seconds(packed, dense, 4, slow_lan) - expected
+    assert added == pytest.approx(2 * ring_allreduce_seconds(dense, 2, Network(Link(1e9, 0.0))))
+    # the flat exchange's ring over 4 ranks crosses the WAN at every step: slower
+    assert comm_seconds(packed, 4, net) > hierarchical_comm_seconds(packed, dense, 4, net)
+    with pytest.raises(ValueError, match="at least 2 sites"):
+        hierarchical_comm_seconds(packed, dense, 4, Network(lan))
+
+
+def test_gradcomp_perf_predicts_hierarchical_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_gradcomp.perfmodel import main
+
+    main(["predict", "--model", "alexnet", "--compressor", "terngrad", "--nproc", "8", "--link", "1gbit",
+          "--gpus-per-node", "4", "--hierarchical"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 |")]
+    assert len(rows) == 1 and "+hier" in rows[0]
+    with pytest.raises(SystemExit):
+        main(["predict", "--model", "alexnet", "--nproc", "8", "--hierarchical"])
