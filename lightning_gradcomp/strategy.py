@@ -164,6 +164,13 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
                                                    self.root_device, group_rank=site.site, hierarchy=site)
         if self.global_rank == 0:
             self._announce(named, self.comm_state.float_names, world_size)
+            if self.comm_state.hierarchy is not None:
+                site = self.comm_state.hierarchy
+                log.info(
+                    "gradcomp: hierarchical exchange, %d sites of %d ranks: dense all-reduce inside a site, %s between "
+                    "sites on each local rank's share (rank 0: %d of %d tensors)",
+                    site.layout.num_sites, site.site_size, type(self.compressor).__name__, len(site.owned), len(named),
+                )
         self._attach_resilience(self.comm_state)  # non-finite mode, pending checkpoint restore
         self.model.register_comm_hook(self.comm_state, gradcomp_hook if self.hierarchy is None else hierarchical_hook)
 
