@@ -10,7 +10,8 @@ byte-level GPT of ``recipes/lm/gpt_stdlib_ddp.yaml``, width 128, depth 2, contex
 with the gradcomp hook runs ``--warmup + --steps`` steps; a step's time is the max over ranks, the table gives
 the median of the timed steps, and the performance model's prediction
 (:func:`lightning_gradcomp.perfmodel.hierarchical_comm_seconds` for ``NAME@hier``, ``comm_seconds`` on the
-two-level network for the flat ones; compute measured here without communication, codec measured here).
+two-level network for the flat ones; compute measured here without communication, codec measured here and
+scaled by ranks per core, LAN and WAN rates probed here as ``benchmarks/step_time.py`` does).
 
 Strategies: ``ddp`` (stock DDP), ``NAME`` (flat gradcomp hook), ``NAME@hier`` (the hierarchical exchange with
 sites of ``world / sites`` ranks; ``fp32@hier`` is the dense hierarchical all-reduce).
@@ -106,9 +107,29 @@ def run(model_name: str, strategy: str, args: argparse.Namespace) -> dict[str, A
     return out
 
 
-def predict(r: dict[str, Any], compute_s: float, shapes: list, args: argparse.Namespace, world: int) -> float:
+def probe_links(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The LAN (inside site 0) and WAN (one rank of each site, alone on the WAN link) as measured here: the veths
+    and the ``tc`` limits deliver less than their nominal rate (docs/benchmarks.md section 1)."""
+    from step_time import _probe_link
+
+    from lightning_gradcomp.costmodel import Link
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    k = world // args.sites
+    sites = [dist.new_group(list(range(s * k, (s + 1) * k))) for s in range(args.sites)]
+    leaders = dist.new_group([s * k for s in range(args.sites)])
+    lan = _probe_link(dist, torch, k, sites[rank // k])
+    wan = _probe_link(dist, torch, args.sites, leaders) if rank % k == 0 else None
+    dist.barrier()
+    if wan is None:
+        return None, None
+    return (Link(lan["bandwidth_bit_s"], lan["latency_s"]), Link(wan["bandwidth_bit_s"], wan["latency_s"]))
+
+
+def predict(r: dict[str, Any], compute_s: float, shapes: list, args: argparse.Namespace, world: int,
+            links: tuple[Any, Any]) -> float:
     from lightning_gradcomp import registry
-    from lightning_gradcomp.costmodel import Link, Network
+    from lightning_gradcomp.costmodel import Network
     from lightning_gradcomp.perfmodel import (
         comm_seconds,
         ddp_bucket_fractions,
@@ -117,14 +138,15 @@ def predict(r: dict[str, Any], compute_s: float, shapes: list, args: argparse.Na
         measure_codec,
     )
 
-    net = Network(Link.parse(args.lan), sites=args.sites, wan=Link.parse(args.wan))
+    net = Network(links[0], sites=args.sites, wan=links[1])
     base, _, hier = r["strategy"].partition("@")
     numel = r["params"]
     buckets = ddp_bucket_fractions(shapes, args.bucket_cap_mb)
     if base == "ddp":
         return compute_s + comm_seconds(fp32_codec(numel), world, net, buckets)
     codec = measure_codec(registry.make_compressor(base), shapes, args.sites if hier else world)
-    codec_s = codec.encode_s + codec.decode_s
+    # measured alone on rank 0; in the run, 4 ranks share the host's cores
+    codec_s = (codec.encode_s + codec.decode_s) * max(1.0, world / (os.cpu_count() or 1))
     if hier:
         return compute_s + codec_s + hierarchical_comm_seconds(codec, 4.0 * numel, world, net, buckets)
     return compute_s + codec_s + comm_seconds(codec, world, net, buckets)
@@ -145,6 +167,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    links = probe_links(args)
     rows = []
     for model_name in args.models:
         results = [run(model_name, s, args) for s in args.strategies]
@@ -153,11 +176,11 @@ def main() -> None:
             shapes = [(n, tuple(q.shape)) for n, q in model.named_parameters()]
             compute = next(r["compute_s"] for r in results if "compute_s" in r)
             for r in results:
-                rows.append((r, predict(r, compute, shapes, args, world)))
+                rows.append((r, predict(r, compute, shapes, args, world, links)))
     if rank == 0:
         print(f"\n# command: {os.environ.get('HIERARCHY_COMMAND') or ' '.join(['python', *sys.argv])}")
         print(f"# {world} ranks in {args.sites} sites, LAN {args.lan}, WAN {args.wan}; median of {args.steps} steps "
-              f"after {args.warmup} warm-up")
+              f"after {args.warmup} warm-up; probed LAN {links[0]}, WAN {links[1]}; load average {os.getloadavg()}")
         print("| model | strategy | median step (ms) | predicted (ms) | predicted / measured | WAN bytes/step/rank |")
         print("|---|---|---|---|---|---|")
         for r, pred in rows:
