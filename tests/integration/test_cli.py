@@ -160,13 +160,11 @@ trainer:
 
 
 def test_hierarchical_exchange_from_yaml_on_four_ranks(tmp_path: Path) -> None:
-    """Any registered compressor name with `site_sizes` from YAML: 4 ranks as 2 sites of 2 train; sites that do
-    not add up fail before training with the option's name."""
+    """Any registered compressor name with `site_sizes` from YAML: 4 ranks as 2 sites of 2 train (a layout that
+    does not fit fails before the first step: tests/distributed/test_hierarchy.py)."""
     config = tmp_path / "c.yaml"
     config.write_text(HIERARCHICAL_CONFIG.replace("NAME", "graddrop"))
     out = _gradcomp("fit", "--config", str(config), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "`Trainer.fit` stopped: `max_steps=2` reached" in out.stderr + out.stdout
-    config.write_text(HIERARCHICAL_CONFIG.replace("NAME", "terngrad").replace("[2, 2]", "[2, 3]"))
-    out = _gradcomp("fit", "--config", str(config), cwd=tmp_path)
-    assert out.returncode != 0 and "Expected `site_sizes` to add up to the world size 4" in out.stderr
+    assert "hierarchical exchange, 2 sites of 2 ranks" in out.stderr + out.stdout
