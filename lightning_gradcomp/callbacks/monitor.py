@@ -50,6 +50,8 @@ SUMMARIES = {
     "compression_ratio": "mean,last",
     "bits_per_element": "mean,last",
     "bytes": "mean,last",
+    "wan_bytes": "mean,last",
+    "lan_bytes": "mean,last",
     "time_ms": "mean,last",
     "histogram": "none",
 }
