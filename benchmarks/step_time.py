@@ -95,27 +95,28 @@ MALLOC_REUSE_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**30), "MALLOC_TRIM_THRESHOLD
 
 
 # -- the rank body ------------------------------------------------------------------------------------------
-def _probe_link(dist: Any, torch: Any, world: int) -> dict[str, float]:
-    """Effective bandwidth (bit/s) and per-step latency of the all-reduce on this cluster, measured."""
+def _probe_link(dist: Any, torch: Any, world: int, group: Any = None) -> dict[str, float]:
+    """Effective bandwidth (bit/s) and per-step latency of the all-reduce on this cluster, measured (among the
+    ``world`` ranks of ``group``; ``None``: all of them)."""
     small = torch.zeros(1)
     for _ in range(3):
-        dist.all_reduce(small)
+        dist.all_reduce(small, group=group)
     t = time.perf_counter()
     for _ in range(20):
-        dist.all_reduce(small)
+        dist.all_reduce(small, group=group)
     latency = (time.perf_counter() - t) / 20 / (2 * (world - 1))
     big = torch.zeros(2 * 1024 * 1024)  # 8 MiB
     times = []
     for _ in range(3):
         t = time.perf_counter()
-        dist.all_reduce(big)
+        dist.all_reduce(big, group=group)
         times.append(time.perf_counter() - t)
     seconds = statistics.median(times) - 2 * (world - 1) * latency
     bandwidth = 2 * (world - 1) / world * 8 * big.numel() * 4 / max(seconds, 1e-9)
     # one link for every rank (the slowest bandwidth, the largest latency seen): the planner must be given the
     # same link everywhere, and the table one number
     agreed = torch.tensor([latency, -bandwidth], dtype=torch.float64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     return {"latency_s": agreed[0].item(), "bandwidth_bit_s": -agreed[1].item()}
 
 

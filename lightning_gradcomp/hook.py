@@ -127,6 +127,10 @@ class GradCompState:
     decoded_flags: list[Tensor] = field(default_factory=list)
     consecutive_skips: int = 0
     counted_hook_calls: int = 0
+    #: the hierarchical exchange's sites and groups (:class:`~lightning_gradcomp.hierarchy.SiteExchange`); ``None``:
+    #: flat. When set, ``process_group`` is the cross-site group, ``world_size`` the number of sites, and the records
+    #: hold this rank's share only, so :meth:`bytes_per_step` is what this rank puts on the link between sites
+    hierarchy: Optional[Any] = None
 
     def compressor_for(self, name: str) -> Compressor:
         if self.dense or name in self.float_names or name in self.plain_names:

@@ -379,6 +379,30 @@ def comm_seconds(codec: Codec, world_size: int, network: Network, buckets: Bucke
     return sum(sum(_bucket_seconds(codec, world_size, network, f)) for f in bucket_fractions(buckets))
 
 
+def hierarchical_comm_seconds(codec: Codec, dense_bytes: float, world_size: int, network: Network,
+                              buckets: Buckets = 1) -> float:
+    """Seconds of one step of the hierarchical exchange (:mod:`lightning_gradcomp.hierarchy`) on a two-level
+    ``network`` (``sites`` equal sites joined by ``wan``), bucket by bucket as the hook runs them:
+
+    * a dense ring all-reduce of the bucket inside each site (``network.link``), twice (the site's mean in, the
+      decoded shares out);
+    * the compressor's collectives between sites (``codec`` measured for ``sites`` workers): the ``k`` local ranks
+      each send their share at once over their site's one WAN link, so together they put ``codec.nbytes`` (the
+      whole step's payload, as one flat rank would) on it; its statistics rounds cross the WAN once each.
+    """
+    sites = network.sites
+    if sites < 2 or network.wan is None:
+        raise ValueError(f"Expected a network of at least 2 sites joined by a WAN, but got {network}. Fix: "
+                         f"`Network(lan, sites=2, wan=Link(...))`.")
+    k = world_size // sites
+    lan, wan = Network(network.link), Network(network.wan)
+    total = 0.0
+    for f in bucket_fractions(buckets):
+        total += 2 * ring_allreduce_seconds(dense_bytes * f, k, lan)
+        total += sum(_bucket_seconds(codec, sites, wan, f))
+    return total
+
+
 def _timeline_seconds(compute: ComputeTime, encode_s: float, decode_s: float, codec: Codec, world_size: int,
                       network: Network, fractions: list[float]) -> float:
     """DDP's step, buckets filling over backward in proportion to their parameters (exact for fully connected
@@ -408,6 +432,7 @@ def predict(
     cpu_share: float = 1.0,
     collective: str = "",
     overlap: bool = False,
+    hierarchical_dense_bytes: Optional[float] = None,
 ) -> Prediction:
     """Step time and throughput of one configuration.
 
@@ -423,13 +448,22 @@ def predict(
         cpu_share: fraction of a device each worker gets (N ranks emulated on fewer cores: cores / N).
         collective: a label for the report.
         overlap: follow DDP's timeline (communication behind backward) instead of adding it to compute.
+        hierarchical_dense_bytes: the hierarchical exchange (:func:`hierarchical_comm_seconds`) of a gradient of
+            this many fp32 bytes, on ``network``'s sites; ``codec`` is then measured for the number of sites. Its
+            hook blocks on every bucket, so nothing is hidden behind backward (``overlap`` is refused).
     """
+    if hierarchical_dense_bytes is not None and overlap:
+        raise ValueError("Expected `overlap=False` with `hierarchical_dense_bytes` (the hierarchical hook blocks on "
+                         "every bucket), but got overlap=True. Fix: drop `overlap`.")
     slow = 1.0 / cpu_share
     compute = compute_s if isinstance(compute_s, ComputeTime) else ComputeTime.from_total(compute_s)
     compute = compute.scaled(slow)
     encode, decode = codec.encode_s * slow, codec.decode_s * slow
     fractions = bucket_fractions(buckets)
-    comm = comm_seconds(codec, world_size, network, fractions)
+    if hierarchical_dense_bytes is not None:
+        comm = hierarchical_comm_seconds(codec, hierarchical_dense_bytes, world_size, network, fractions)
+    else:
+        comm = comm_seconds(codec, world_size, network, fractions)
     hidden = 0.0
     if overlap:
         serial = compute.total_s + encode + decode + comm
@@ -545,6 +579,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     pr.add_argument("--batch", type=int, default=None, help="per worker (default: the paper's)")
     pr.add_argument("--overlap", action="store_true",
                     help="DDP's timeline: communication of each bucket behind the rest of backward (default: serial)")
+    pr.add_argument("--hierarchical", action="store_true",
+                    help="the hierarchical exchange: dense inside a node (--intra), compressed between nodes (--link)")
     fg = sub.add_parser("fig5", help="Fig. 5-style curves for AlexNet, GoogLeNet and VGG-A")
     fg.add_argument("--out", default="docs/img")
     args = parser.parse_args(argv)
@@ -565,7 +601,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"{args.model}: {numel / 1e6:.1f}M parameters, {compute * 1e3:.1f} ms compute per step on {args.device} (batch {batch})")
     print("| N | method | collective | compute ms | codec ms | comm ms | hidden behind backward ms | step ms | img/s |")
     print("|---|---|---|---|---|---|---|---|---|")
+    if args.hierarchical and args.gpus_per_node < 2:
+        parser.error(f"Expected --gpus-per-node >= 2 with --hierarchical, but got {args.gpus_per_node}. "
+                     f"Fix: e.g. --gpus-per-node 4 (one site per node).")
     for n in args.nproc:
+        hier = args.hierarchical and n > args.gpus_per_node
         if n <= args.gpus_per_node or args.gpus_per_node == 1:
             net = Network(link if args.gpus_per_node == 1 else Link.parse(args.intra))
         else:
@@ -573,13 +613,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         if args.compressor in ("fp32-ddp", "bf16-ddp"):
             codec, name = fp32_codec(numel, 4.0 if args.compressor == "fp32-ddp" else 2.0), "allreduce"
         elif args.compressor == "terngrad":
-            name, codec = best_terngrad_codec(numel, n, net, device.codec_seconds_per_element(), buckets)
+            # hierarchical: the collective among the sites, over the link between nodes
+            name, codec = best_terngrad_codec(numel, n // args.gpus_per_node if hier else n, Network(link) if hier else net,
+                                              device.codec_seconds_per_element(), buckets)
         else:
-            measured = measure_codec(registry.make_compressor(args.compressor), shapes, n, timed=False)
+            measured = measure_codec(registry.make_compressor(args.compressor), shapes,
+                                     n // args.gpus_per_node if hier else n, timed=False)
             per = device.codec_seconds_per_element() * numel
             codec = Codec(measured.nbytes, measured.aggregation, per, per, measured.rounds)
             name = measured.aggregation.value
-        p = predict(compute, codec, n, net, batch, buckets, collective=name, overlap=args.overlap)
+        p = predict(compute, codec, n, net, batch, buckets, collective=name + ("+hier" if hier else ""),
+                    overlap=args.overlap and not hier, hierarchical_dense_bytes=4.0 * numel if hier else None)
         print(f"| {n} | {args.compressor} | {p.collective} | {p.compute_s * 1e3:.1f} | {p.codec_s * 1e3:.1f} | "
               f"{p.comm_s * 1e3:.1f} | {p.hidden_s * 1e3:.1f} | {p.step_s * 1e3:.1f} | {p.throughput:.0f} |")
 

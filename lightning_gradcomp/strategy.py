@@ -18,6 +18,7 @@ from typing_extensions import override
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
+from lightning_gradcomp.hierarchy import Hierarchy, hierarchical_hook, hierarchy_spec, new_site_exchange
 from lightning_gradcomp.hook import gradcomp_hook
 from lightning_gradcomp.guard import NonFinite
 from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
@@ -69,6 +70,11 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
             launches its collectives before compressing the next, so compression overlaps the transfer of the
             previous group (a parameter is never split). ``None``: one group per bucket. Results are identical
             either way; each extra group costs one collective's latency.
+        hierarchy: ``"node"``: the hierarchical exchange with one site per node (see :mod:`lightning_gradcomp.hierarchy`):
+            dense inside a site, ``compressor`` between sites. ``None`` (default): flat, unless one of the next two
+            is given. At most one of ``hierarchy``, ``site_size`` and ``site_sizes``.
+        site_size: the hierarchical exchange with sites of this many consecutive ranks (at least 2).
+        site_sizes: the hierarchical exchange with these sites (consecutive ranks, equal sizes >= 2), e.g. ``[2, 2]``.
         **kwargs: further ``DistributedDataParallel`` options.
     """
 
@@ -98,6 +104,9 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         link: Optional[Union[str, Link, Network]] = None,
         compression_cost: Optional[CompressionCost] = None,
         pipeline_mb: Optional[float] = 8.0,
+        hierarchy: Optional[Hierarchy] = None,
+        site_size: Optional[int] = None,
+        site_sizes: Optional[list[int]] = None,
         **kwargs: Any,
     ) -> None:
         # reliability options (lightning_gradcomp.resilience), validated before anything else is built
@@ -106,6 +115,9 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
                      gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers)
         kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs,
                                    flags, bucket_cap_mb, process_group_backend)
+        self.hierarchy = hierarchy_spec(hierarchy, site_size, site_sizes)
+        if self.hierarchy is not None:
+            self._check_hierarchy()
         ddp_kwargs: dict[str, Any] = dict(
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
@@ -131,6 +143,8 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         check_backend(self._process_group_backend, self.root_device)
+        if self.hierarchy is not None:  # the world size is known now: refuse a bad layout before any group exists
+            self.hierarchy.layout(self.world_size, self.num_nodes)
         super().setup_environment()
 
     @override
@@ -138,14 +152,41 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/Gloo too.
         assert isinstance(self.model, DistributedDataParallel)
         named = {n: p for n, p in self.lightning_module.named_parameters() if p.requires_grad}
-        world_size, group_rank, fields = self._hook_group()
-        self.comm_state = self._new_comm_state(named, self.model.process_group, self.global_rank, world_size,
-                                               self.root_device, group_rank=group_rank, **fields)
+        world_size = self.world_size
+        if self.hierarchy is None:
+            hook_world, group_rank, fields = self._hook_group()
+            self.comm_state = self._new_comm_state(named, self.model.process_group, self.global_rank, hook_world,
+                                                   self.root_device, group_rank=group_rank, **fields)
+        else:
+            # the compressor and its statistics see the sites as its workers: its group is the cross-site one
+            sizes = [(n, p.numel() * p.element_size()) for n, p in named.items()]
+            site = new_site_exchange(self.hierarchy.layout(world_size, self.num_nodes), self.global_rank, sizes)
+            self.comm_state = self._new_comm_state(named, site.cross_group, self.global_rank, site.layout.num_sites,
+                                                   self.root_device, group_rank=site.site, hierarchy=site)
         if self.global_rank == 0:
-            self._announce(named, self.comm_state.float_names, world_size)
+            self._announce(named, self.comm_state.float_names, self.comm_state.world_size if self.hierarchy is None
+                           else world_size)
+            if self.comm_state.hierarchy is not None:
+                site = self.comm_state.hierarchy
+                log.info(
+                    "gradcomp: hierarchical exchange, %d sites of %d ranks: dense all-reduce inside a site, %s between "
+                    "sites on each local rank's share (rank 0: %d of %d tensors)",
+                    site.layout.num_sites, site.site_size, type(self.compressor).__name__, len(site.owned), len(named),
+                )
         self._on_hook_state(named)
         self._attach_resilience(self.comm_state)  # non-finite mode, pending checkpoint restore
-        self.model.register_comm_hook(self.comm_state, gradcomp_hook)
+        self.model.register_comm_hook(self.comm_state, gradcomp_hook if self.hierarchy is None else hierarchical_hook)
+
+    def _check_hierarchy(self) -> None:
+        """Refuse what the hierarchical exchange cannot do (before any process group exists): strategies with their
+        own sites (WeightGrad, DiLoCo: they override :meth:`_hook_group`) run their inner DDP inside a site."""
+        arg, value = self.hierarchy.argument()  # type: ignore[union-attr]
+        if type(self)._hook_group is not GradCompStrategy._hook_group:
+            raise ValueError(
+                f"Expected `{arg}` to be None for {type(self).__name__} (it has its own sites), but got "
+                f"{value!r}. Fix: pass the sites to {type(self).__name__}'s own `site_size`/`site_sizes`, or use "
+                f"GradCompStrategy for the hierarchical exchange of another compressor."
+            )
 
     # -- override points for strategies that run DDP inside sites (WeightGrad, DiLoCo) ----------------------
     def _hook_group(self) -> tuple[int, Optional[int], dict[str, Any]]:

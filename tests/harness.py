@@ -4,11 +4,12 @@ Never mocks the collective: each rank is a process with its own ``torch.distribu
 loopback. A hung run is killed (Gloo can ignore SIGTERM), and the test fails with the ranks' output.
 """
 
+import contextlib
 import os
 import pickle
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -41,6 +42,27 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: 
         queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure, including SystemExit from a Trainer
         queue.put((rank, "error", traceback.format_exc()))
+
+
+#: thread counts a rank's math libraries must read when they load: ``_worker`` sets ``OMP_NUM_THREADS`` only after
+#: the spawned process imported torch, so MKL (dynamic threads by default) still runs BLAS calls made on a Gloo
+#: callback thread (a hook's decoding) with a load-dependent thread count, which changes their rounding
+SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE"}
+
+
+@contextlib.contextmanager
+def single_threaded_children() -> Iterator[None]:
+    """Ranks spawned inside this block inherit :data:`SINGLE_THREADED` from the start (run-to-run bit-exact BLAS)."""
+    saved = {k: os.environ.get(k) for k in SINGLE_THREADED}
+    os.environ.update(SINGLE_THREADED)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def run_ranks(

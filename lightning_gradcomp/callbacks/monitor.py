@@ -50,6 +50,8 @@ SUMMARIES = {
     "compression_ratio": "mean,last",
     "bits_per_element": "mean,last",
     "bytes": "mean,last",
+    "wan_bytes": "mean,last",
+    "lan_bytes": "mean,last",
     "time_ms": "mean,last",
     "histogram": "none",
 }
@@ -312,6 +314,10 @@ class CompressionMonitor(Callback):
             metrics.update(zip(keys, torch.stack([t.to(tensors[0].device) for t in tensors]).tolist()))
         sent = state.bytes_per_step()
         metrics[layer_key("bytes", "total")] = float(sent)
+        # what this rank put on the link between sites: all of it when flat, its share's when hierarchical
+        metrics[layer_key("wan_bytes", "total")] = float(sent)
+        if state.hierarchy is not None:  # and the dense bytes inside the site
+            metrics[layer_key("lan_bytes", "total")] = float(state.hierarchy.lan_bytes_per_step())
         if total_numel:
             metrics[layer_key("bits_per_element", "total")] = 8.0 * sent / total_numel
         if sent:

@@ -26,3 +26,6 @@ BAD_CONFIGS = [
     BadConfig("diloco-error-decay-above-one", lambda: DiLoCoStrategy(error_decay=1.5), "error_decay", "1.5"),
     BadConfig("diloco-compressor-unknown", lambda: DiLoCoStrategy(compressor="int4"), "compressor", "'int4'"),
 ]
+BAD_CONFIGS.append(
+    BadConfig("diloco-hierarchy", lambda: DiLoCoStrategy(hierarchy="node"), "hierarchy", "'node'"),
+)

@@ -86,9 +86,14 @@ def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- checkpoint / resume ------------------------------------------------------------------------------------
-def resume_runs(rank: int, world_size: int, names: list[str], tmpdir: str, total: int, at: int) -> dict[str, Any]:
+def resume_runs(
+    rank: int, world_size: int, names: list[str], tmpdir: str, total: int, at: int, **options: Any
+) -> dict[str, Any]:
     """Per compressor: parameters of an uninterrupted run, of a run stopped at ``at`` and resumed, of a resume
-    that drops the compression state, and the error of resuming a checkpoint claiming another world size."""
+    that drops the compression state, and the error of resuming a checkpoint claiming another world size.
+
+    ``options``: further strategy options (e.g. ``site_sizes`` for the hierarchical exchange); with them, only the
+    uninterrupted and the resumed run."""
     out: dict[str, Any] = {}
     for name in names:
 
@@ -97,18 +102,20 @@ def resume_runs(rank: int, world_size: int, names: list[str], tmpdir: str, total
             # the uninterrupted run writes a checkpoint at step `at` (mid-epoch), as a run that then crashed would
             folder = os.path.join(tmpdir, name)
             saver = ModelCheckpoint(dirpath=folder, every_n_train_steps=at, save_top_k=-1)
-            run = dict(loader=step_loader())
-            full, _ = fit(world_size, make_strategy(name), total, StepDataClassifier(momentum=0.9),
+            run = dict(loader=step_loader(3 * world_size))  # 6 batches per rank per epoch, whatever the world size
+            full, _ = fit(world_size, make_strategy(name, **options), total, StepDataClassifier(momentum=0.9),
                           enable_checkpointing=True, callbacks=[saver], **run)
             res["full"] = flat_params(full)
             path = os.path.join(folder, f"epoch=0-step={at}.ckpt")
-            resumed, trainer = fit(world_size, make_strategy(name), total, StepDataClassifier(momentum=0.9),
+            resumed, trainer = fit(world_size, make_strategy(name, **options), total, StepDataClassifier(momentum=0.9),
                                    ckpt_path=path, **run)
             res["resumed"] = flat_params(resumed)
             res["global_step"] = trainer.global_step
             saved = torch.load(path, weights_only=False)["gradcomp"]
             res["saved_ranks"] = len(saved["ranks"])
             res["saved_memory"] = sorted(saved["ranks"][rank]["memory"])
+            if options:
+                return res
             reset, _ = fit(world_size, make_strategy(name, resume_compression="reset"), total,
                            StepDataClassifier(momentum=0.9), ckpt_path=path, **run)
             res["reset"] = flat_params(reset)

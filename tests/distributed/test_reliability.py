@@ -5,14 +5,15 @@ compressor's test, not by all of them); the tests then compare what the ranks re
 """
 
 import tempfile
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
 
 from tests.distributed.reliability_ranks import MODES as MODE_TABLE
-from tests.distributed.reliability_ranks import compressors_under_test, suite
-from tests.harness import run_ranks
+from tests.distributed.reliability_ranks import compressors_under_test, resume_runs, suite
+from tests.harness import run_ranks, single_threaded_children
 
 pytestmark = pytest.mark.distributed
 
@@ -79,6 +80,35 @@ def test_resume_on_another_world_size_fails_clearly(resumed: list[dict[str, Any]
             assert not run["saved_memory"]
             continue
         assert "world size is 2" in error and "3 ranks" in error and "resume_compression='reset'" in error
+
+
+@pytest.fixture(scope="module")
+def hierarchical_resumed() -> list[dict[str, Any]]:
+    """The hierarchical exchange: 4 ranks as 2 sites of 2. Single-threaded math libraries from the ranks' start:
+    DeMo decodes with BLAS on a Gloo thread, where MKL's dynamic threads otherwise make a run differ from the next
+    by 1 ulp (flat 4-rank runs too; tests/harness.SINGLE_THREADED)."""
+    with tempfile.TemporaryDirectory() as tmpdir, single_threaded_children():
+        return run_ranks(partial(resume_runs, site_sizes=[2, 2]), 4, COMPRESSORS, tmpdir, TOTAL_STEPS, CUT_AT, timeout=600)
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_hierarchical_resume_is_bit_identical_to_the_uninterrupted_run(
+    hierarchical_resumed: list[dict[str, Any]], name: str
+) -> None:
+    runs = [r[name] for r in hierarchical_resumed]
+    for rank, run in enumerate(runs):
+        assert "error" not in run, f"rank {rank}:\n{run['error']}"
+        assert run["global_step"] == TOTAL_STEPS
+        assert torch.equal(run["full"], run["resumed"]), (
+            f"rank {rank}: resumed at step {CUT_AT} differs from the uninterrupted run by "
+            f"{(run['full'] - run['resumed']).abs().max().item():.3g}"
+        )
+        assert torch.equal(runs[0]["resumed"], run["resumed"])
+    # each rank checkpointed the residuals of its own share only (the two local ranks of a site own different ones)
+    if name == "memory_probe":
+        assert runs[0]["saved_memory"] and runs[1]["saved_memory"]
+        assert not set(runs[0]["saved_memory"]) & set(runs[1]["saved_memory"])
+        assert runs[0]["saved_memory"] == runs[2]["saved_memory"]
 
 
 def test_the_stateful_probe_checkpoints_its_residuals(resumed: list[dict[str, Any]]) -> None:

@@ -137,3 +137,34 @@ def test_misspelt_strategy_name_is_answered_with_the_registered_names(tmp_path: 
         "gradcomp: error: Expected `trainer.strategy` to be a registered strategy name, but got 'terngrd'. "
         "Fix: did you mean 'terngrad'? use one of gradcomp's ["
     ), first
+
+
+HIERARCHICAL_CONFIG = """
+model:
+  class_path: tests.integration.cli_fixtures.TinyClassifier
+data:
+  class_path: tests.integration.cli_fixtures.RandomDataModule
+trainer:
+  accelerator: cpu
+  devices: 4
+  max_steps: 2
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  strategy:
+    class_path: lightning_gradcomp.GradCompStrategy
+    init_args:
+      compressor: NAME
+      site_sizes: [2, 2]
+"""
+
+
+def test_hierarchical_exchange_from_yaml_on_four_ranks(tmp_path: Path) -> None:
+    """Any registered compressor name with `site_sizes` from YAML: 4 ranks as 2 sites of 2 train (a layout that
+    does not fit fails before the first step: tests/distributed/test_hierarchy.py)."""
+    config = tmp_path / "c.yaml"
+    config.write_text(HIERARCHICAL_CONFIG.replace("NAME", "graddrop"))
+    out = _gradcomp("fit", "--config", str(config), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "`Trainer.fit` stopped: `max_steps=2` reached" in out.stderr + out.stdout
+    assert "hierarchical exchange, 2 sites of 2 ranks" in out.stderr + out.stdout

@@ -1,0 +1,109 @@
+"""The hierarchical exchange's options and its split of parameters into shares (no process group)."""
+
+import pytest
+
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.hierarchy import HierarchySpec, hierarchy_spec, owned_names, share_bounds
+from lightning_gradcomp.weightgrad import WeightGradStrategy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        (dict(hierarchy="rack"), ["`hierarchy`", "'rack'", "Fix:", "'node'"]),
+        (dict(site_size=1), ["`site_size`", "1", "Fix:"]),
+        (dict(site_size="2"), ["`site_size`", "'2'", "Fix:"]),
+        (dict(site_sizes=[2, 1]), ["`site_sizes[1]`", "1", "Fix:"]),
+        (dict(site_sizes="2,2"), ["`site_sizes`", "'2,2'", "Fix:"]),
+        (dict(hierarchy="node", site_size=2), ["`hierarchy`", "`site_size`", "Fix:"]),
+    ],
+)
+def test_bad_hierarchy_options_fail_at_construction(kwargs: dict, words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        GradCompStrategy(compressor="terngrad", **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_weightgrad_refuses_the_hierarchy_option() -> None:
+    with pytest.raises(ValueError, match=r"Expected `hierarchy` to be None for WeightGradStrategy.*Fix:"):
+        WeightGradStrategy(hierarchy="node")
+
+
+@pytest.mark.parametrize(
+    ("spec", "world", "nodes", "words"),
+    [
+        (HierarchySpec(site_sizes=(2, 3)), 4, 1, ["`site_sizes`", "add up to the world size 4", "Fix:"]),
+        (HierarchySpec(site_size=3), 4, 1, ["`site_size`", "divide the world size 4", "Fix:"]),
+        (HierarchySpec(hierarchy="node"), 4, 1, ["`hierarchy`", "'node'", "at least 2 sites", "Fix:"]),
+        (HierarchySpec(site_size=4), 4, 1, ["`site_size`", "at least 2 sites", "Fix:"]),
+        (HierarchySpec(site_sizes=(3, 2)), 5, 1, ["`site_sizes`", "equal size", "[3, 2]", "Fix:"]),
+        (HierarchySpec(hierarchy="node"), 4, 4, ["site sizes [1, 1, 1, 1]", "Fix:"]),
+    ],
+)
+def test_layouts_that_cannot_work_are_refused(spec: HierarchySpec, world: int, nodes: int, words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        spec.layout(world, nodes)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_node_hierarchy_makes_one_site_per_node() -> None:
+    assert HierarchySpec(hierarchy="node").layout(8, 2).sizes == (4, 4)
+    assert hierarchy_spec(None, None, [2, 2]) == HierarchySpec(site_sizes=(2, 2))
+    assert hierarchy_spec(None, None, None) is None
+
+
+def test_shares_are_contiguous_byte_balanced_and_cover_every_parameter() -> None:
+    sizes = [400, 100, 100, 200, 300, 100, 400, 100]
+    for k in (1, 2, 3, 4):
+        bounds = share_bounds(sizes, k)
+        assert bounds[0][0] == 0 and bounds[-1][1] == len(sizes)
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        totals = [sum(sizes[s:e]) for s, e in bounds]
+        # each share within the largest parameter of its fair part
+        assert all(abs(t - sum(sizes) / k) <= max(sizes) for t in totals), (k, totals)
+    assert [sum(sizes[s:e]) for s, e in share_bounds(sizes, 2)] == [800, 900]
+    assert share_bounds([100], 2) == [(0, 0), (0, 1)]  # fewer parameters than shares: an empty share
+
+
+def test_ownership_depends_on_sizes_only_and_splits_the_model() -> None:
+    sizes = [("a", 300), ("b", 100), ("c", 200), ("d", 200)]
+    shares = [owned_names(sizes, 2, j) for j in range(2)]
+    assert shares == [frozenset({"a", "b"}), frozenset({"c", "d"})]
+    assert owned_names(list(sizes), 2, 0) == shares[0]
+
+
+def test_the_performance_model_predicts_the_hierarchical_schedule() -> None:
+    import math
+
+    from lightning_gradcomp.compressors.base import Aggregation
+    from lightning_gradcomp.costmodel import Link, Network, ring_allgather_seconds, ring_allreduce_seconds
+    from lightning_gradcomp.perfmodel import Codec, comm_seconds, hierarchical_comm_seconds
+
+    lan, wan = Link(math.inf, 0.0), Link(1e8, 1e-3)
+    net = Network(lan, sites=2, wan=wan)
+    dense = 4e6
+    packed = Codec(dense / 16, Aggregation.GATHER, rounds=1)
+    # unlimited LAN: only the WAN part remains, the whole step's payload among the 2 sites, plus one statistic round
+    expected = ring_allgather_seconds(dense / 16, 2, Network(wan)) + ring_allreduce_seconds(4.0, 2, Network(wan))
+    assert hierarchical_comm_seconds(packed, dense, 4, net) == pytest.approx(expected)
+    # a slower LAN adds two dense ring all-reduces inside each site of 2
+    slow_lan = Network(Link(1e9, 0.0), sites=2, wan=wan)
+    added = hierarchical_comm_seconds(packed, dense, 4, slow_lan) - expected
+    assert added == pytest.approx(2 * ring_allreduce_seconds(dense, 2, Network(Link(1e9, 0.0))))
+    # the flat exchange's ring over 4 ranks crosses the WAN at every step: slower
+    assert comm_seconds(packed, 4, net) > hierarchical_comm_seconds(packed, dense, 4, net)
+    with pytest.raises(ValueError, match="at least 2 sites"):
+        hierarchical_comm_seconds(packed, dense, 4, Network(lan))
+
+
+def test_gradcomp_perf_predicts_hierarchical_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_gradcomp.perfmodel import main
+
+    main(["predict", "--model", "alexnet", "--compressor", "terngrad", "--nproc", "8", "--link", "1gbit",
+          "--gpus-per-node", "4", "--hierarchical"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 |")]
+    assert len(rows) == 1 and "+hier" in rows[0]
+    with pytest.raises(SystemExit):
+        main(["predict", "--model", "alexnet", "--nproc", "8", "--hierarchical"])
