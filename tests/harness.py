@@ -80,8 +80,9 @@ def run_ranks(
         ctx.Process(target=_worker, args=(fn, r, world_size, port, env or {}, queue, args), daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    with single_threaded_children():  # every rank's math libraries single-threaded from their first import
+        for p in procs:
+            p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:
