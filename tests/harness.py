@@ -5,6 +5,7 @@ loopback. A hung run is killed (Gloo can ignore SIGTERM), and the test fails wit
 """
 
 import contextlib
+import faulthandler
 import os
 import pickle
 import socket
@@ -21,7 +22,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: dict, queue: Any, args: tuple) -> None:
+def _worker(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, env: dict, queue: Any, args: tuple, timeout: float
+) -> None:
+    # a rank still running shortly before the parent gives up prints where every thread is: a hang names its place
+    faulthandler.dump_traceback_later(max(1.0, timeout - 10.0), exit=False)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -77,7 +82,7 @@ def run_ranks(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, env or {}, queue, args), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, env or {}, queue, args, timeout), daemon=True)
         for r in range(world_size)
     ]
     with single_threaded_children():  # every rank's math libraries single-threaded from their first import
