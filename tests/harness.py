@@ -23,10 +23,18 @@ def free_port() -> int:
 
 
 def _worker(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, env: dict, queue: Any, args: tuple, timeout: float
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    env: dict,
+    queue: Any,
+    args: tuple,
+    timeout: float | None = None,
 ) -> None:
-    # a rank still running shortly before the parent gives up prints where every thread is: a hang names its place
-    faulthandler.dump_traceback_later(max(1.0, timeout - 10.0), exit=False)
+    if timeout is not None:
+        # a rank still running shortly before the parent gives up prints where every thread is: a hang names its place
+        faulthandler.dump_traceback_later(max(1.0, timeout - 10.0), exit=False)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
