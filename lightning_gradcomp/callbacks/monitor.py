@@ -67,7 +67,8 @@ def strategy_statistics(strategy: Any) -> dict[str, float]:
         return {}
     prefix = getattr(strategy, "strategy_name", "strategy")
     keys = [f"{PREFIX}/{prefix}/{k.replace('.', '-')}" for k in stats]
-    values = torch.stack([torch.as_tensor(v).detach().float().mean().cpu() for v in stats.values()]).tolist()
+    tensors = [torch.as_tensor(v).detach().float().mean() for v in stats.values()]
+    values = torch.stack([t.to(tensors[0].device) for t in tensors]).tolist()  # one transfer, as _collect
     return dict(zip(keys, values))
 
 

@@ -146,7 +146,7 @@ class OuterSync:
         deltas = [self.pseudo_gradient(n) for n in names]
         self.stats[f"pseudo_gradient_norm/fragment_{f}"] = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(d) for d in deltas])
-        ).cpu()
+        )  # stays on the device: read by the monitor at its logging steps only
         flight = self.exchange.launch(f, deltas, self.inner_steps)
         self._in_flight[f] = flight
         self._launched_at[f] = time.monotonic()

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -32,7 +31,14 @@ from lightning_gradcomp.outer.exchange import LeaderExchange
 from lightning_gradcomp.outer.fragments import strided_fragments
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.validation import check_bool, check_int, check_number
-from lightning_gradcomp.weightgrad.sites import SiteGroups, SiteLayout, check_site_options, new_site_groups, site_layout
+from lightning_gradcomp.weightgrad.sites import (
+    SiteGroups,
+    SiteLayout,
+    check_site_options,
+    new_site_groups,
+    site_layout,
+    start_sites_from_rank0,
+)
 
 log = logging.getLogger(__name__)
 
@@ -217,10 +223,7 @@ class DiLoCoStrategy(GradCompStrategy):
         g = self.groups
         module = self.lightning_module
         fragments = strided_fragments(list(named), self.num_fragments)  # fragments > layers fails here, before step 1
-        # DDP broadcast the initial weights inside each site only: every site starts from global rank 0's
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+        start_sites_from_rank0(module)
         state_device = None if self.outer_state_device is None else torch.device(self.outer_state_device)
         # the site (not the rank) seeds the outer compressor: only leaders compress, one stream per site
         self.outer_compressor.setup(g.site, g.layout.num_sites, self.root_device)

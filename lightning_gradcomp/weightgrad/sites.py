@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from lightning_gradcomp.validation import check_int
@@ -191,3 +192,14 @@ def new_site_groups(layout: SiteLayout, rank: int) -> SiteGroups:
     leaders = dist.new_group(list(layout.leaders))
     leader_group = leaders if rank in layout.leaders else None
     return SiteGroups(layout=layout, rank=rank, site=site, site_group=site_group, leader_group=leader_group)
+
+
+def start_sites_from_rank0(module: "torch.nn.Module") -> None:
+    """Copy global rank 0's parameters and buffers to every rank (collective over the default group).
+
+    A site strategy wraps its model in DDP over the site's group, so DDP's own initial broadcast reaches the site
+    only: without this, every site would start from its own leader's weights.
+    """
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=0)

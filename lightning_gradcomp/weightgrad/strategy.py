@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -28,7 +27,14 @@ from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
-from lightning_gradcomp.weightgrad.sites import SiteGroups, SiteLayout, check_site_options, new_site_groups, site_layout
+from lightning_gradcomp.weightgrad.sites import (
+    SiteGroups,
+    SiteLayout,
+    check_site_options,
+    new_site_groups,
+    site_layout,
+    start_sites_from_rank0,
+)
 from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer
 
 log = logging.getLogger(__name__)
@@ -193,10 +199,7 @@ class WeightGradStrategy(GradCompStrategy):
         assert self.groups is not None and self.comm_state is not None
         module = self.lightning_module
         g = self.groups
-        # DDP broadcast the initial weights inside each site only: make all sites start from global rank 0's
-        with torch.no_grad():
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+        start_sites_from_rank0(module)
         self.synchronizer = GradientSynchronizer(
             params=named,
             buffers=[b for b in module.buffers() if b.is_floating_point()],
