@@ -43,7 +43,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp.
     times: dict[str, list[float]] = {"ignore": [], "skip": [], "replica_check": []}
     for step in range(args.steps + 2):
         for mode in ("ignore", "skip") if step % 2 else ("skip", "ignore"):
-            state.nonfinite = mode
+            state.guard.set_mode(mode)
             dist.barrier()
             t0 = time.perf_counter()
             opt.zero_grad()

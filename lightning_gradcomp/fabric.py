@@ -177,7 +177,7 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         # Fabric's DDPStrategy registers no comm hook of its own: ours goes on here, for Gloo and NCCL alike
         self.comm_state = self._new_comm_state(named, model.process_group, self.global_rank, self.world_size, self.root_device)
-        self.comm_state.nonfinite = self.nonfinite
+        self.comm_state.guard.set_mode(self.nonfinite)
         self._nonfinite_seen = 0
         self._module = module  # fabric.backward passes no module unless asked to
         if self._pending_restore is not None:  # loaded before the model was set up

@@ -29,19 +29,67 @@ every step is skipped is not training, so after :data:`WARN_AFTER_SKIPS` of them
 import logging
 import warnings
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Literal, Optional
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from lightning_gradcomp.hook import GradCompState
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.ledger import Ledger
+from lightning_gradcomp.memory import ResidualMemory
 
 log = logging.getLogger(__name__)
 
 NonFinite = Literal["skip", "raise", "ignore"]
 NONFINITE_MODES = ("skip", "raise", "ignore")
+
+
+@dataclass
+class NonFiniteGuard:
+    """The guard's state for one hook state; only this module's functions change it.
+
+    Attributes:
+        mode: what a NaN/Inf gradient on any rank does (``"skip"``, ``"raise"`` or ``"ignore"``).
+        step_nonfinite: whether the current (or last) step was found non-finite and skipped.
+        skipped_steps: steps skipped for non-finite gradients since construction.
+        consecutive_skips: skipped steps in a row, counted by :func:`end_backward`.
+    """
+
+    mode: NonFinite = "skip"
+    step_nonfinite: bool = False
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    #: this step's cheap non-finite flags of the decoded buckets (:func:`observe_decoded`)
+    decoded_flags: list[Tensor] = field(default_factory=list)
+    #: the ledger's ``hook_calls`` when :func:`end_backward` last counted a step
+    counted_hook_calls: int = 0
+
+    def set_mode(self, mode: NonFinite) -> None:
+        self.mode = mode
+
+
+class GuardedState(Protocol):
+    """What the guard reads of the hook state (structural: the guard does not import the hook)."""
+
+    @property
+    def guard(self) -> NonFiniteGuard: ...
+
+    @property
+    def memory(self) -> ResidualMemory: ...
+
+    @property
+    def ledger(self) -> Ledger: ...
+
+    @property
+    def transforms(self) -> Sequence[Any]: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]: ...
 
 #: consecutive skipped steps after which a warning says the run is not training
 WARN_AFTER_SKIPS = 10
@@ -53,17 +101,13 @@ class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN or Inf on some rank (raised identically on every rank)."""
 
 
-def begin_step(state: "GradCompState") -> None:
-    """Forget the previous step's decision, residual snapshot and decoded flags (called at bucket 0)."""
-    state.step_nonfinite = False
-    state.residual_undo.clear()
-    state.decoded_flags.clear()
+def begin_step(state: GuardedState) -> None:
+    """Forget the previous step's decision and decoded flags, and open the residuals' step (called at bucket 0).
 
-
-def remember_residual(state: "GradCompState", name: str) -> None:
-    """Keep the residual a step is about to replace, so a skipped step can put it back."""
-    if state.nonfinite == "skip" and name not in state.residual_undo:
-        state.residual_undo[name] = state.memory.residuals.get(name)
+    Only a step that may be skipped keeps the residuals it replaces (for :meth:`ResidualMemory.rollback`)."""
+    state.guard.step_nonfinite = False
+    state.guard.decoded_flags.clear()
+    state.memory.begin_step(keep_undo=state.guard.mode == "skip")
 
 
 def _flag(buffer: Tensor, rank: int, exact: bool = False) -> Tensor:
@@ -82,20 +126,20 @@ def _flag(buffer: Tensor, rank: int, exact: bool = False) -> Tensor:
     return (bad.to(torch.float32) * (rank + 1)).reshape(1)
 
 
-def _worst(state: "GradCompState", buffer: Tensor, rank: int, exact: bool) -> int:
+def _worst(state: GuardedState, buffer: Tensor, rank: int, exact: bool) -> int:
     """The largest flag over ranks (one 4-byte all-reduce, read on the host)."""
     flag = _flag(buffer, rank, exact)
     if state.world_size > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.process_group)
-        state.collectives["allreduce_nonfinite"] += 1
+        state.ledger.count("allreduce_nonfinite")
     return int(flag.item())
 
 
-def _rank(state: "GradCompState") -> int:
+def _rank(state: GuardedState) -> int:
     return dist.get_rank(state.process_group) if state.world_size > 1 else 0
 
 
-def can_share_collective(state: "GradCompState", names: Sequence[str]) -> bool:
+def can_share_collective(state: GuardedState, compressors: Sequence[Compressor]) -> bool:
     """Whether this bucket's flag may travel in the hook's statistics all-reduce instead of one of its own.
 
     Only when nothing stateful runs between the check and that all-reduce: no layer transforms, no residuals
@@ -103,18 +147,18 @@ def can_share_collective(state: "GradCompState", names: Sequence[str]) -> bool:
     configuration and agreed state, never on rank-local state such as a monitor that lives on rank 0 only, so
     every rank takes the same path and issues the same collectives.
     """
-    if state.nonfinite == "ignore" or state.step_nonfinite or state.transforms:
+    if state.guard.mode == "ignore" or state.guard.step_nonfinite or state.transforms:
         return False
-    return not any(state.compressor_for(n).uses_memory for n in names)
+    return not any(c.uses_memory for c in compressors)
 
 
-def local_flag(state: "GradCompState", buffer: Tensor) -> Tensor:
+def local_flag(state: GuardedState, buffer: Tensor) -> Tensor:
     """This rank's cheap flag (``rank + 1`` if its sum is not finite, else 0), to be max-reduced with others."""
     return _flag(buffer, _rank(state))
 
 
 def bucket_is_nonfinite(
-    state: "GradCompState", buffer: Tensor, grads: Sequence[Tensor], names: Sequence[str], worst: Optional[int] = None
+    state: GuardedState, buffer: Tensor, grads: Sequence[Tensor], names: Sequence[str], worst: Optional[int] = None
 ) -> bool:
     """Whether this bucket must be skipped on every rank; raises in ``"raise"`` mode.
 
@@ -123,9 +167,9 @@ def bucket_is_nonfinite(
     every rank leaves it out). ``worst``: the max over ranks of :func:`local_flag`, when it was already reduced
     in another collective (:func:`can_share_collective`); then no first all-reduce is issued here.
     """
-    if state.nonfinite == "ignore":
+    if state.guard.mode == "ignore":
         return False
-    if state.step_nonfinite:
+    if state.guard.step_nonfinite:
         return True
     rank = _rank(state)
     if worst is None:
@@ -136,7 +180,7 @@ def bucket_is_nonfinite(
         worst = _worst(state, buffer, rank, exact=True)
     if worst == 0:
         return False
-    if state.nonfinite == "raise":
+    if state.guard.mode == "raise":
         local = _nonfinite_names(zip(names, grads))
         where = (
             f"`{local[0]}` on rank {rank}" + (f" (also {local[1:]})" if local[1:] else "")
@@ -155,21 +199,15 @@ def _nonfinite_names(named_grads: Iterable[tuple[str, Optional[Tensor]]]) -> lis
     return [n for n, g in named_grads if g is not None and not bool(torch.isfinite(g).all())]
 
 
-def _skip_step(state: "GradCompState") -> None:
+def _skip_step(state: GuardedState) -> None:
     """Mark the step skipped on this rank (every rank decides the same) and roll back its residuals."""
-    state.step_nonfinite = True
-    state.skipped_steps += 1
-    for name, old in state.residual_undo.items():
-        if old is None:
-            state.memory.residuals.pop(name, None)
-        else:
-            state.memory.residuals[name] = old
-    state.residual_undo.clear()
-    return True
+    state.guard.step_nonfinite = True
+    state.guard.skipped_steps += 1
+    state.memory.rollback()
 
 
 def drop_skipped_gradients(
-    state: "GradCompState", seen: int, named_parameters: Iterable[tuple[str, Tensor]], has_scaler: bool
+    state: GuardedState, seen: int, named_parameters: Iterable[tuple[str, Tensor]], has_scaler: bool
 ) -> int:
     """After backward: check what was decoded (:func:`end_backward`), then, if the hook skipped a step since ``seen``
     skips, make the optimizer step a no-op.
@@ -180,26 +218,27 @@ def drop_skipped_gradients(
     """
     named = list(named_parameters)
     end_backward(state, ((n, p.grad) for n, p in named))
-    if state.skipped_steps == seen:
+    skipped = state.guard.skipped_steps
+    if skipped == seen:
         return seen
-    log.warning("gradcomp: non-finite gradient on some rank; step skipped on every rank (%d so far)", state.skipped_steps)
+    log.warning("gradcomp: non-finite gradient on some rank; step skipped on every rank (%d so far)", skipped)
     if not has_scaler:
         for _, p in named:
             p.grad = None
-    return state.skipped_steps
+    return skipped
 
 
-def observe_decoded(state: "GradCompState", buffer: Tensor) -> None:
+def observe_decoded(state: GuardedState, buffer: Tensor) -> None:
     """After a bucket was decoded into ``buffer``: keep its cheap non-finite flag for :func:`end_backward`.
 
     Every rank decodes the same payloads into the same bits, so every rank keeps the same flags: no collective.
     The flag stays a tensor (no host sync); a list append, because buckets may be decoded on several threads.
     """
-    if state.nonfinite != "ignore" and not state.step_nonfinite:
-        state.decoded_flags.append(_flag(buffer, 0))
+    if state.guard.mode != "ignore" and not state.guard.step_nonfinite:
+        state.guard.decoded_flags.append(_flag(buffer, 0))
 
 
-def end_backward(state: "GradCompState", named_grads: Iterable[tuple[str, Optional[Tensor]]]) -> bool:
+def end_backward(state: GuardedState, named_grads: Iterable[tuple[str, Optional[Tensor]]]) -> bool:
     """At the end of a backward pass: skip (or raise for) a step whose decoded gradients are non-finite although
     every rank's input was finite, and count consecutive skipped steps. Returns whether the step is skipped.
 
@@ -207,13 +246,14 @@ def end_backward(state: "GradCompState", named_grads: Iterable[tuple[str, Option
     without the hook (gradient accumulation) changes nothing. Raises :class:`NonFiniteGradientError` in
     ``"raise"`` mode, and in any mode after :data:`RAISE_AFTER_SKIPS` consecutive skipped steps.
     """
-    if state.hook_calls == state.counted_hook_calls:
+    guard = state.guard
+    if state.ledger.hook_calls == guard.counted_hook_calls:
         return False
-    state.counted_hook_calls = state.hook_calls
-    flags, state.decoded_flags = state.decoded_flags, []
-    if flags and not state.step_nonfinite and bool(torch.stack(flags).max() > 0):
+    guard.counted_hook_calls = state.ledger.hook_calls
+    flags, guard.decoded_flags = guard.decoded_flags, []
+    if flags and not guard.step_nonfinite and bool(torch.stack(flags).max() > 0):
         bad = _nonfinite_names(named_grads)  # the cheap flag may be a float32 overflow of a finite sum
-        if bad and state.nonfinite == "raise":
+        if bad and guard.mode == "raise":
             raise NonFiniteGradientError(
                 f"Compression turned finite gradients into non-finite ones in {bad} (an overflow in the "
                 f"compressor's encoding, e.g. fp16 beyond 65504 x world size); every rank stops here. Fix: lower the "
@@ -222,8 +262,8 @@ def end_backward(state: "GradCompState", named_grads: Iterable[tuple[str, Option
             )
         if bad:
             _skip_step(state)
-    state.consecutive_skips = state.consecutive_skips + 1 if state.step_nonfinite else 0
-    if state.consecutive_skips == WARN_AFTER_SKIPS:
+    guard.consecutive_skips = guard.consecutive_skips + 1 if guard.step_nonfinite else 0
+    if guard.consecutive_skips == WARN_AFTER_SKIPS:
         warnings.warn(
             f"gradcomp: the last {WARN_AFTER_SKIPS} steps were all skipped for non-finite gradients: the model is "
             f"not training. Causes: non-finite data or loss, a diverged model, or a compressor whose encoding "
@@ -232,10 +272,10 @@ def end_backward(state: "GradCompState", named_grads: Iterable[tuple[str, Option
             UserWarning,
             stacklevel=2,
         )
-    if state.consecutive_skips >= RAISE_AFTER_SKIPS:
+    if guard.consecutive_skips >= RAISE_AFTER_SKIPS:
         raise NonFiniteGradientError(
-            f"The last {state.consecutive_skips} steps were all skipped for non-finite gradients (on some rank, or "
+            f"The last {guard.consecutive_skips} steps were all skipped for non-finite gradients (on some rank, or "
             f"after compression); training made no progress, so every rank stops here. Fix: lower the learning rate, "
             f"check the data, clip gradients before compression, or use 'bf16'/'fp32' instead of 'fp16'."
         )
-    return state.step_nonfinite
+    return guard.step_nonfinite

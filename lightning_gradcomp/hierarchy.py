@@ -33,10 +33,10 @@ from torch import Tensor
 
 from lightning_gradcomp import comm
 from lightning_gradcomp.guard import observe_decoded
+from lightning_gradcomp.hook import GradCompState, _exchange_bucket
 from lightning_gradcomp.validation import check_choice, check_int
 
 if TYPE_CHECKING:
-    from lightning_gradcomp.hook import GradCompState
     from lightning_gradcomp.weightgrad.sites import SiteLayout
 
 # lightning_gradcomp.weightgrad.sites is imported where used: importing the weightgrad package imports the strategy,
@@ -232,24 +232,22 @@ class _ShareBucket:
         return self._params
 
 
-def hierarchical_hook(state: "GradCompState", bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def hierarchical_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP communication hook of the hierarchical exchange (``state.hierarchy`` set, ``state.process_group`` the
     cross-site group). Register with ``ddp_model.register_comm_hook(state, hierarchical_hook)``."""
     with torch.autocast(bucket.buffer().device.type, enabled=False):
         return _hierarchical_bucket(state, bucket)
 
 
-def _hierarchical_bucket(state: "GradCompState", bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    from lightning_gradcomp.hook import _exchange_bucket, _waiting
-
+def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     site: SiteExchange = state.hierarchy
     buffer = bucket.buffer()
     k = site.site_size
     skipping = state.step_nonfinite and bucket.index() != 0  # decided on every rank alike: no collective needed
     if not skipping:
-        with _waiting(state):
+        with state.observer.blocking():
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=site.site_group)
-        state.collectives["site_allreduce"] += 1
+        state.ledger.count("site_allreduce")
         buffer.div_(k)
     owned = [i for i, p in enumerate(bucket.parameters()) if state.names[id(p)] in site.owned]
     share = _ShareBucket(bucket, owned)
@@ -264,7 +262,7 @@ def _hierarchical_bucket(state: "GradCompState", bucket: dist.GradBucket) -> tor
         if i not in mine:
             grad.zero_()
     future = comm.all_reduce_sum(buffer, site.site_group)
-    state.collectives["site_allreduce"] += 1
+    state.ledger.count("site_allreduce")
     site.lan_bytes[bucket.index()] = 2 * buffer.numel() * buffer.element_size()
 
     def done(_: object) -> Tensor:

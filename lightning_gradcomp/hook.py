@@ -16,10 +16,9 @@ For each bucket DDP hands us (in the order buckets become ready, identical on ev
 Collectives are only launched here, never from ``.then`` callbacks (see :mod:`lightning_gradcomp.comm`).
 """
 
-import contextlib
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -28,125 +27,185 @@ from torch import Tensor
 
 from lightning_gradcomp import comm
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
-from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.guard import (
     NonFinite,
+    NonFiniteGuard,
     begin_step,
     bucket_is_nonfinite,
     can_share_collective,
     local_flag,
     observe_decoded,
-    remember_residual,
 )
-from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
+from lightning_gradcomp.ledger import LayerRecord, Ledger
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
-from lightning_gradcomp.stats import NO_TIMER, HookStats
+from lightning_gradcomp.router import Router
+from lightning_gradcomp.stats import NO_OBSERVER, HookObserver, HookStats
 
 
-@dataclass
-class LayerRecord:
-    """What the hook last did for one parameter (tensors stay on device until someone logs them)."""
-
-    nbytes: int
-    numel: int
-    aggregation: Aggregation
-    stats: dict[str, Tensor]
-
-
-@dataclass
-class GradCompState:
-    """Hyper-parameters and mutable state of :func:`gradcomp_hook`.
+@dataclass(frozen=True)
+class Peers:
+    """Whom a hook state exchanges with.
 
     Attributes:
-        compressor: compresses every parameter not kept in float.
+        process_group: the group to exchange with (``None``: the default group).
+        world_size: ranks in ``process_group``.
+        hierarchy: the hierarchical exchange's sites and groups (:class:`~lightning_gradcomp.hierarchy.SiteExchange`);
+            ``None``: flat. When set, ``process_group`` is the cross-site group, ``world_size`` the number of sites,
+            and the records hold this rank's share only, so ``bytes_per_step`` is what this rank puts on the link
+            between sites.
+    """
+
+    process_group: Optional[dist.ProcessGroup] = None
+    world_size: int = 1
+    hierarchy: Optional[Any] = None
+
+
+class GradCompState:
+    """Hyper-parameters and mutable state of :func:`gradcomp_hook`: one owner per concern.
+
+    Args:
+        compressor: compresses every parameter not sent in fp32.
         names: parameter object id -> parameter name (DDP hands the module's own parameter objects).
-        float_names: names of parameters sent uncompressed (fp32 all-reduce).
+        float_names: names of parameters always sent uncompressed (fp32 all-reduce).
         transforms: per-layer transforms applied before compression, in order.
         process_group: the group to exchange with (``None``: the default group).
         world_size: ranks in ``process_group``.
+        identity: the fp32 compressor (default :class:`~lightning_gradcomp.compressors.Identity`).
         memory: residuals for compressors with error feedback.
-        records: the latest :class:`LayerRecord` per parameter name.
-        shared_stat_bytes: bytes of the statistic all-reduce in the latest round per bucket index.
-        collectives: how many collectives of each kind ran since the last reset.
-        hook_calls: number of bucket hook calls since construction.
         nonfinite: what a NaN/Inf gradient on any rank does: ``"skip"`` the step everywhere, ``"raise"``, or
             ``"ignore"`` (see :mod:`lightning_gradcomp.guard`).
-        step_nonfinite: whether the current (or last) step was found non-finite and skipped.
-        skipped_steps: steps skipped for non-finite gradients since construction.
-        residual_undo: residuals replaced so far in this step, to roll back if the step is skipped.
-        per_rank: when not ``None``, each gathered parameter's per-rank decoded gradients (in rank order) are
-            kept here by name after every exchange (WeightGrad's serial per-worker application needs them).
-        dense: when set, every parameter is sent uncompressed (fp32 all-reduce) until it is cleared, e.g. for
-            a dense warm-up (:class:`~lightning_gradcomp.callbacks.CompressionSchedule`). It must be set
-            identically on every rank before the step's backward. Residuals are neither added nor cleared
-            while it is set.
-        planner: a :class:`~lightning_gradcomp.planner.CollectivePlanner` that picks each bucket's collective
-            from a cost model of the link (``None``: always compress, the compressor's own collective).
-        plain_names: names the planner currently sends as plain fp32 (compression would not pay).
+        keep_per_rank: keep each gathered parameter's per-rank decoded gradients in ``ledger.per_rank`` (WeightGrad's
+            serial per-worker application needs them).
+        planner: a :class:`~lightning_gradcomp.planner.CollectivePlanner` that picks each bucket's collective from a
+            cost model of the link (``None``: always compress, the compressor's own collective).
         stats: where the hook records times and captured statistics for a monitor (``None``: not monitored).
         pipeline_bytes: bytes of input per pipelined group within a bucket (``None``: the whole bucket in one
             group). Each group gets its own collectives; results are identical either way.
-        decoded_flags: this step's cheap non-finite flags of the decoded buckets (see ``guard.observe_decoded``).
-        consecutive_skips: skipped steps in a row, counted by ``guard.end_backward``.
-        counted_hook_calls: ``hook_calls`` when ``guard.end_backward`` last counted a step.
+        hierarchy: see :class:`Peers`.
+
+    Attributes:
+        names: as above.
+        router: which compressor each layer uses (exclusions, the planner's choice, a dense warm-up).
+        transforms: as above.
+        peers: whom the hook exchanges with (:class:`Peers`).
+        memory: the residuals, and the step transaction a skipped step rolls back.
+        guard: the non-finite guard's decisions and counters (:class:`~lightning_gradcomp.guard.NonFiniteGuard`).
+        ledger: records, bytes and collectives (:class:`~lightning_gradcomp.ledger.Ledger`).
+        observer: the monitor's :class:`~lightning_gradcomp.stats.HookStats`, or a no-op observer.
+        pipeline_bytes: as above.
+        scratch: reused concatenation and all-gather buffers (see :class:`~lightning_gradcomp.comm.Scratch`).
+        extra: further per-rank state saved with the checkpoint: name -> object with ``state_dict`` /
+            ``load_state_dict`` (WeightGrad's synchronizer, DiLoCo's outer state, per-rank optimizer states).
     """
 
-    compressor: Compressor
-    names: dict[int, str]
-    float_names: frozenset[str] = frozenset()
-    transforms: Sequence[LayerTransform] = ()
-    process_group: Optional[dist.ProcessGroup] = None
-    world_size: int = 1
-    identity: Compressor = field(default_factory=Identity)
-    memory: ResidualMemory = field(default_factory=ResidualMemory)
-    records: dict[str, LayerRecord] = field(default_factory=dict)
-    shared_stat_bytes: dict[int, int] = field(default_factory=dict)
-    collectives: Counter = field(default_factory=Counter)
-    hook_calls: int = 0
-    # -- non-finite guard (lightning_gradcomp.guard) --
-    nonfinite: NonFinite = "skip"
-    step_nonfinite: bool = False
-    skipped_steps: int = 0
-    residual_undo: dict[str, Optional[Tensor]] = field(default_factory=dict)
-    #: whether DDP handed over its last bucket since the strategy last cleared this (after each synchronizing
-    #: backward): a bucket never handed over holds a parameter this rank computed no gradient for
-    last_bucket_seen: bool = False
-    per_rank: Optional[dict[str, list[Tensor]]] = None
-    dense: bool = False
-    planner: Optional[Any] = None
-    plain_names: set[str] = field(default_factory=set)
-    #: further per-rank state saved with the checkpoint: name -> object with ``state_dict``/``load_state_dict``
-    #: (e.g. WeightGrad's synchronizer: accumulators, staleness counters, G_thresh)
-    extra: dict[str, Any] = field(default_factory=dict)
-    stats: Optional[HookStats] = None
-    pipeline_bytes: Optional[int] = None
-    #: reused concatenation and all-gather buffers (see :class:`~lightning_gradcomp.comm.Scratch`)
-    scratch: comm.Scratch = field(default_factory=comm.Scratch)
-    # -- the guard's end of backward (guard.observe_decoded, guard.end_backward) --
-    decoded_flags: list[Tensor] = field(default_factory=list)
-    consecutive_skips: int = 0
-    counted_hook_calls: int = 0
-    #: the hierarchical exchange's sites and groups (:class:`~lightning_gradcomp.hierarchy.SiteExchange`); ``None``:
-    #: flat. When set, ``process_group`` is the cross-site group, ``world_size`` the number of sites, and the records
-    #: hold this rank's share only, so :meth:`bytes_per_step` is what this rank puts on the link between sites
-    hierarchy: Optional[Any] = None
+    def __init__(
+        self,
+        compressor: Compressor,
+        names: dict[int, str],
+        float_names: frozenset[str] = frozenset(),
+        transforms: Sequence[LayerTransform] = (),
+        process_group: Optional[dist.ProcessGroup] = None,
+        world_size: int = 1,
+        identity: Optional[Compressor] = None,
+        memory: Optional[ResidualMemory] = None,
+        nonfinite: NonFinite = "skip",
+        keep_per_rank: bool = False,
+        planner: Optional[Any] = None,
+        stats: Optional[HookStats] = None,
+        pipeline_bytes: Optional[int] = None,
+        hierarchy: Optional[Any] = None,
+    ) -> None:
+        self.names = names
+        self.router = Router(compressor, float_names, identity, planner)
+        self.transforms: Sequence[LayerTransform] = tuple(transforms)
+        self.peers = Peers(process_group, world_size, hierarchy)
+        self.memory = ResidualMemory() if memory is None else memory
+        self.guard = NonFiniteGuard(mode=nonfinite)
+        self.ledger = Ledger(keep_per_rank)
+        self.observer: HookObserver = NO_OBSERVER if stats is None else stats
+        self.pipeline_bytes = pipeline_bytes
+        self.scratch = comm.Scratch()
+        self.extra: dict[str, Any] = {}
 
-    def compressor_for(self, name: str) -> Compressor:
-        if self.dense or name in self.float_names or name in self.plain_names:
-            return self.identity
-        return self.compressor
+    def observe(self, stats: Optional[HookStats]) -> None:
+        """Attach a monitor's statistics (``None``: detach; the hook then records nothing for a monitor)."""
+        self.observer = NO_OBSERVER if stats is None else stats
+
+    def attach(self, key: str, obj: Any) -> None:
+        """Save ``obj`` (with ``state_dict`` / ``load_state_dict``) in every rank's checkpoint state under ``key``."""
+        self.extra[key] = obj
+
+    # -- read-only views of the owners, for callers that read one value ----------------------------------------
+    @property
+    def compressor(self) -> Compressor:
+        return self.router.compressor
+
+    @property
+    def float_names(self) -> frozenset[str]:
+        return self.router.float_names
+
+    @property
+    def planner(self) -> Optional[Any]:
+        return self.router.planner
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        return self.peers.process_group
+
+    @property
+    def world_size(self) -> int:
+        return self.peers.world_size
+
+    @property
+    def hierarchy(self) -> Optional[Any]:
+        return self.peers.hierarchy
+
+    @property
+    def stats(self) -> Optional[HookStats]:
+        return self.observer if isinstance(self.observer, HookStats) else None
+
+    @property
+    def records(self) -> dict[str, LayerRecord]:
+        return self.ledger.records
+
+    @property
+    def collectives(self) -> Counter:
+        return self.ledger.collectives
+
+    @property
+    def hook_calls(self) -> int:
+        return self.ledger.hook_calls
+
+    @property
+    def per_rank(self) -> Optional[dict[str, list[Tensor]]]:
+        return self.ledger.per_rank
+
+    @property
+    def nonfinite(self) -> NonFinite:
+        return self.guard.mode
+
+    @property
+    def step_nonfinite(self) -> bool:
+        return self.guard.step_nonfinite
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.guard.skipped_steps
 
     def bytes_per_step(self) -> int:
         """Bytes this rank contributed to the collectives of one full backward (payloads + shared statistics)."""
-        return sum(r.nbytes for r in self.records.values()) + sum(self.shared_stat_bytes.values())
+        return self.ledger.bytes_per_step()
 
     def dense_bytes_per_step(self) -> int:
         """What plain fp32 DDP would have contributed for the same parameters."""
-        return sum(4 * r.numel for r in self.records.values())
+        return self.ledger.dense_bytes_per_step()
 
 
-def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str], observe: bool = True) -> list[Tensor]:
+def _prepare(
+    state: GradCompState, grads: Sequence[Tensor], names: Sequence[str], route: Sequence[Compressor], observe: bool = True
+) -> list[Tensor]:
     """Transforms and error feedback, per parameter; returns what each compressor will see.
 
     ``observe=False`` leaves the monitor's input statistics to a later :func:`_observe_inputs`, for a bucket whose
@@ -155,50 +214,56 @@ def _prepare(state: GradCompState, grads: Sequence[Tensor], names: Sequence[str]
     transformed = []
     for grad, name in zip(grads, names):
         x = grad
-        is_float = name in state.float_names
+        is_float = state.router.is_float(name)
         for transform in state.transforms:
             if transform.applies_to_float or not is_float:
                 x = transform.before_compress(x, name)
         transformed.append(x)
     if observe:
-        _observe_inputs(state, grads, transformed, names)
+        _observe_inputs(state, grads, transformed, names, route)
     inputs = []
-    for x, name in zip(transformed, names):
-        if state.compressor_for(name).uses_memory:
-            state.compressor_for(name).observe_gradient(x, name)
+    for x, name, compressor in zip(transformed, names, route):
+        if compressor.uses_memory:
+            compressor.observe_gradient(x, name)
             x = state.memory.compensate(x, name)
         inputs.append(x)
     return inputs
 
 
-def _observe_inputs(state: GradCompState, grads: Sequence[Tensor], inputs: Sequence[Tensor], names: Sequence[str]) -> None:
+def _observe_inputs(
+    state: GradCompState, grads: Sequence[Tensor], inputs: Sequence[Tensor], names: Sequence[str], route: Sequence[Compressor]
+) -> None:
     """The monitor's input statistics: each gradient before and after the transforms (before error feedback)."""
-    if state.stats is not None:
-        for grad, x, name in zip(grads, inputs, names):
-            state.stats.observe_input(name, grad, x, state.compressor_for(name))
+    for grad, x, name, compressor in zip(grads, inputs, names, route):
+        state.observer.observe_input(name, grad, x, compressor)
 
 
 def _shared_statistics(
-    state: GradCompState, bucket_index: int, inputs: Sequence[Tensor], names: Sequence[str], flag: Optional[Tensor] = None
+    state: GradCompState,
+    bucket_index: int,
+    inputs: Sequence[Tensor],
+    names: Sequence[str],
+    route: Sequence[Compressor],
+    flag: Optional[Tensor] = None,
 ) -> tuple[list[Optional[Tensor]], Optional[int]]:
     """Each compressor's local statistic, max-reduced over ranks in one small collective per bucket.
 
     ``flag`` (the non-finite guard's, one float32) is reduced in the same collective, after the statistics;
     returns the statistics and the reduced flag (``None`` without one).
     """
-    local = [state.compressor_for(n).local_statistic(x, n) for x, n in zip(inputs, names)]
+    local = [c.local_statistic(x, n) for x, n, c in zip(inputs, names, route)]
     present = [s.reshape(-1).float() for s in local if s is not None]
     if not present and flag is None:
-        state.shared_stat_bytes[bucket_index] = 0
+        state.ledger.record_shared(bucket_index, 0)
         return local, None
     flat = torch.cat(present + ([] if flag is None else [flag.reshape(1).float()]))
     if state.world_size > 1:
-        with _waiting(state):
+        with state.observer.blocking():
             comm.all_reduce_max_(flat, state.process_group)
-        state.collectives["allreduce_max"] += 1
+        state.ledger.count("allreduce_max")
     worst = None if flag is None else int(flat[-1].item())
     # the statistics' bytes (the guard's flag is not counted, as when it travels alone)
-    state.shared_stat_bytes[bucket_index] = (flat.numel() - (flag is not None)) * flat.element_size()
+    state.ledger.record_shared(bucket_index, (flat.numel() - (flag is not None)) * flat.element_size())
     shared: list[Optional[Tensor]] = []
     offset = 0
     for s in local:
@@ -208,11 +273,6 @@ def _shared_statistics(
             shared.append(flat[offset : offset + s.numel()].view_as(s))
             offset += s.numel()
     return shared, worst
-
-
-def _waiting(state: GradCompState) -> contextlib.AbstractContextManager[None]:
-    """Times a collective the hook body blocks on, when monitored."""
-    return state.stats.blocking() if state.stats is not None else contextlib.nullcontext()
 
 
 def _as_bytes(payload: Tensor) -> Tensor:
@@ -237,43 +297,41 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
 
 
 def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    state.hook_calls += 1
-    if bucket.is_last():
-        state.last_bucket_seen = True
-    timer = state.stats.start_bucket() if state.stats is not None else NO_TIMER
+    state.ledger.bucket_called(bucket.is_last())
+    timer = state.observer.start_bucket()
     grads = bucket.gradients()
     names = [state.names[id(p)] for p in bucket.parameters()]
-    if state.planner is not None:  # may run one small agreed all-reduce the first time it sees this bucket
-        state.planner.apply(state, names, grads)
+    # one routing decision per bucket (may run one small agreed all-reduce the first time the planner sees it)
+    route = state.router.route(state, names, grads)
 
     # non-finite guard: decided identically on every rank before transforms and residuals see the gradient
     if bucket.index() == 0:
         begin_step(state)
-    multiround = isinstance(state.compressor, MultiRoundCompressor) and not state.dense
+    multiround = isinstance(state.compressor, MultiRoundCompressor) and not state.router.dense
     # with nothing stateful before the statistics, the guard's flag rides in their all-reduce: one blocking
     # round trip per bucket instead of two (each one a point where every rank waits for the slowest)
-    shared_flag = not multiround and can_share_collective(state, names)
+    shared_flag = not multiround and can_share_collective(state, route)
     if not shared_flag and bucket_is_nonfinite(state, bucket.buffer(), grads, names):
         return comm.completed(bucket.buffer().fill_(float("nan")))
     if multiround:
-        return _multiround_exchange(state, bucket, grads, names)
+        return _multiround_exchange(state, bucket, grads, names, route)
 
-    inputs = _prepare(state, grads, names, observe=not shared_flag)
+    inputs = _prepare(state, grads, names, route, observe=not shared_flag)
     flag = local_flag(state, bucket.buffer()) if shared_flag else None
-    shared, worst = _shared_statistics(state, bucket.index(), inputs, names, flag)
+    shared, worst = _shared_statistics(state, bucket.index(), inputs, names, route, flag)
     if shared_flag:
         if bucket_is_nonfinite(state, bucket.buffer(), grads, names, worst=worst):
             return comm.completed(bucket.buffer().fill_(float("nan")))
-        _observe_inputs(state, grads, inputs, names)
+        _observe_inputs(state, grads, inputs, names, route)
 
     decoders = []
     futures: list[torch.futures.Future] = []
     for chunk in pipeline_chunks([x.numel() * x.element_size() for x in inputs], state.pipeline_bytes):
         # compress one chunk, then launch its collectives before compressing the next: the next chunk's
         # compression overlaps this chunk's transfer
-        packets = [_compress_one(state, inputs[i], names[i], shared[i]) for i in chunk]
+        packets = [_compress_one(state, inputs[i], names[i], route[i], shared[i]) for i in chunk]
         key = (bucket.index(), len(decoders))
-        chunk_futures, decoder = _launch(state, key, chunk, packets, names, grads)
+        chunk_futures, decoder = _launch(state, key, chunk, packets, names, route, grads)
         futures.extend(chunk_futures)
         decoders.append(decoder)
     timer.launched()
@@ -310,28 +368,28 @@ def pipeline_chunks(nbytes: Sequence[int], limit: Optional[int]) -> list[list[in
     return chunks
 
 
-def _compress_one(state: GradCompState, x: Tensor, name: str, shared: Optional[Tensor]) -> Packet:
+def _compress_one(state: GradCompState, x: Tensor, name: str, compressor: Compressor, shared: Optional[Tensor]) -> Packet:
     """Compress one parameter; update its residual and the transforms; record what was sent."""
-    compressor = state.compressor_for(name)
     packet = compressor.compress(x, name, shared)
     sent: Optional[Tensor] = None
     if compressor.uses_memory or state.transforms:
         sent = compressor.sent(x, packet)
-        if compressor.uses_memory:
-            remember_residual(state, name)
-            state.memory.update(name, x, sent)
-        for transform in state.transforms:
-            if transform.applies_to_float or name not in state.float_names:
-                transform.after_compress(name, x, sent)
-    if state.stats is not None:
-        state.stats.observe_packet(name, compressor, x, packet, sent)
-    state.records[name] = LayerRecord(
-        nbytes=packet.nbytes,
-        numel=x.numel(),
-        aggregation=compressor.aggregation_for(state.world_size),
-        stats=packet.stats,
-    )
+        _after_send(state, name, x, sent, compressor.uses_memory)
+    state.observer.observe_packet(name, compressor, x, packet, sent)
+    state.ledger.record(name, LayerRecord(
+        nbytes=packet.nbytes, numel=x.numel(), aggregation=compressor.aggregation_for(state.world_size), stats=packet.stats
+    ))
     return packet
+
+
+def _after_send(state: GradCompState, name: str, x: Tensor, sent: Tensor, uses_memory: bool) -> None:
+    """What was not sent becomes the residual; the transforms see what was (one path for one-shot and multi-round)."""
+    if uses_memory:
+        state.memory.update(name, x, sent)
+    is_float = state.router.is_float(name)
+    for transform in state.transforms:
+        if transform.applies_to_float or not is_float:
+            transform.after_compress(name, x, sent)
 
 
 def _concat(state: GradCompState, key: tuple[object, ...], parts: Sequence[Tensor], numel: int) -> Tensor:
@@ -350,6 +408,7 @@ def _launch(
     chunk: Sequence[int],
     packets: Sequence[Packet],
     names: Sequence[str],
+    route: Sequence[Compressor],
     grads: Sequence[Tensor],
 ) -> tuple[list[torch.futures.Future], Callable[[], None]]:
     """Start the collectives of one group of packets; returns their futures and the decoder to run after them.
@@ -361,7 +420,7 @@ def _launch(
     sum_groups: dict[torch.dtype, list[int]] = {}
     gather_idx: list[int] = []
     for k, (i, packet) in enumerate(zip(chunk, packets)):
-        if state.compressor_for(names[i]).aggregation_for(world) is Aggregation.SUM:
+        if route[i].aggregation_for(world) is Aggregation.SUM:
             sum_groups.setdefault(packet.payload.dtype, []).append(k)
         else:
             gather_idx.append(k)
@@ -374,7 +433,7 @@ def _launch(
         flat = _concat(state, (*key, "sum", dtype), parts, sum(p.numel() for p in parts))
         if world > 1:
             futures.append(comm.all_reduce_sum(flat, state.process_group))
-            state.collectives[f"allreduce_{str(dtype).removeprefix('torch.')}"] += 1
+            state.ledger.count(f"allreduce_{str(dtype).removeprefix('torch.')}")
         sum_buffers.append((idx, flat))
 
     gathered: Optional[Tensor] = None
@@ -383,12 +442,12 @@ def _launch(
         own = [packets[k].nbytes for k in gather_idx]
         parts = [_as_bytes(packets[k].payload) for k in gather_idx]
         longest = sum(own)
-        if world > 1 and not all(state.compressor_for(names[chunk[k]]).fixed_size for k in gather_idx):
+        if world > 1 and not all(route[chunk[k]].fixed_size for k in gather_idx):
             # variable-size payloads: sizes first (waited for), then every rank pads to the largest total
-            with _waiting(state):
+            with state.observer.blocking():
                 table = comm.all_gather_sizes(torch.tensor(own, dtype=torch.int64, device=parts[0].device),
                                               state.process_group, world)
-            state.collectives["allgather_sizes"] += 1
+            state.ledger.count("allgather_sizes")
             sizes = table.tolist()
             longest = max(sum(row) for row in sizes)
         else:
@@ -398,7 +457,7 @@ def _launch(
             out = state.scratch.take((*key, "gathered"), world * flat.numel(), flat.dtype, flat.device)
             fut, gathered = comm.all_gather(flat, state.process_group, world, out=out)
             futures.append(fut)
-            state.collectives["allgather"] += 1
+            state.ledger.count("allgather")
         else:
             gathered = flat.new_zeros((world, 0)) if flat.numel() == 0 else flat.unsqueeze(0)
 
@@ -408,17 +467,16 @@ def _launch(
             for k in idx:
                 i, packet = chunk[k], packets[k]
                 n = packet.payload.numel()
-                total = state.compressor_for(names[i]).decompress(packet.with_payload(flat[offset : offset + n]))
+                total = route[i].decompress(packet.with_payload(flat[offset : offset + n]))
                 grads[i].copy_(total.div_(world) if total.is_floating_point() else total.float() / world)
-                if state.stats is not None:
-                    state.stats.observe_averaged(names[i], grads[i])
+                state.observer.observe_averaged(names[i], grads[i])
                 offset += n
         if gather_idx:
             assert gathered is not None
             starts = [0] * world
             for j, k in enumerate(gather_idx):
                 i, packet = chunk[k], packets[k]
-                compressor = state.compressor_for(names[i])
+                compressor = route[i]
                 per_rank = []
                 for r in range(world):
                     raw = gathered[r, starts[r] : starts[r] + sizes[r][j]]
@@ -426,10 +484,9 @@ def _launch(
                     starts[r] += sizes[r][j]
                 # decoded and averaged straight into DDP's bucket view: no full-size temporary
                 compressor.decompress_mean_into(per_rank, grads[i])
-                if state.per_rank is not None:
-                    state.per_rank[names[i]] = [compressor.decompress(q) for q in per_rank]
-                if state.stats is not None:
-                    state.stats.observe_averaged(names[i], grads[i])
+                if state.ledger.per_rank is not None:
+                    state.ledger.keep_per_rank(names[i], [compressor.decompress(q) for q in per_rank])
+                state.observer.observe_averaged(names[i], grads[i])
 
     return futures, decode
 
@@ -441,32 +498,29 @@ def _launch(
 
 
 def _multiround_exchange(
-    state: GradCompState, bucket: dist.GradBucket, grads: Sequence[Tensor], names: Sequence[str]
+    state: GradCompState, bucket: dist.GradBucket, grads: Sequence[Tensor], names: Sequence[str], route: Sequence[Compressor]
 ) -> torch.futures.Future[torch.Tensor]:
     """Transforms and error feedback, then fp32 layers in one all-reduce, then the compressor's rounds."""
     compressor = state.compressor
     assert isinstance(compressor, MultiRoundCompressor)
     world = state.world_size
-    inputs = _prepare(state, grads, names)
+    inputs = _prepare(state, grads, names, route)
 
     def all_reduce(tensor: Tensor) -> Tensor:
         if world > 1:
             comm.all_reduce_sum(tensor, state.process_group).wait()
-            state.collectives["allreduce_round"] += 1
+            state.ledger.count("allreduce_round")
         return tensor
 
     def finish(i: int, mean: Tensor, sent: Tensor, nbytes: int, stats: dict[str, Tensor]) -> None:
         name, x = names[i], inputs[i]
-        is_float = name in state.float_names
-        if state.compressor_for(name).uses_memory:
-            state.memory.update(name, x, sent)
-        for transform in state.transforms:
-            if transform.applies_to_float or not is_float:
-                transform.after_compress(name, x, sent)
-        state.records[name] = LayerRecord(nbytes=nbytes, numel=x.numel(), aggregation=Aggregation.SUM, stats=stats)
+        _after_send(state, name, x, sent, route[i].uses_memory)
+        state.ledger.record(name, LayerRecord(nbytes=nbytes, numel=x.numel(), aggregation=Aggregation.SUM, stats=stats))
         grads[i].copy_(mean)
 
-    float_idx = [i for i, n in enumerate(names) if n in state.float_names]
+    # the layers routed to fp32 (the user's exclusions, and the planner's choice where compression would not pay:
+    # before the router, this path compressed those anyway while counting a plan_allreduce_fp32) in one all-reduce
+    float_idx = [i for i, c in enumerate(route) if c is not compressor]
     if float_idx:
         flat = all_reduce(torch.cat([inputs[i].reshape(-1) for i in float_idx]))
         offset = 0
@@ -474,11 +528,11 @@ def _multiround_exchange(
             n = inputs[i].numel()
             finish(i, flat[offset : offset + n].view_as(inputs[i]) / world, inputs[i], n * inputs[i].element_size(), {})
             offset += n
-    compressed_idx = [i for i, n in enumerate(names) if n not in state.float_names]
+    compressed_idx = [i for i, c in enumerate(route) if c is compressor]
     if compressed_idx:
         results = compressor.exchange([inputs[i] for i in compressed_idx], [names[i] for i in compressed_idx], all_reduce)
         for i, result in zip(compressed_idx, results):
             finish(i, result.mean, result.sent, result.nbytes, result.stats)
-    state.shared_stat_bytes[bucket.index()] = 0
+    state.ledger.record_shared(bucket.index(), 0)
     observe_decoded(state, bucket.buffer())
     return comm.completed(bucket.buffer())

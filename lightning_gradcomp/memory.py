@@ -27,6 +27,22 @@ class ResidualMemory:
         self.residuals: dict[str, Tensor] = {}
         self.storage = storage
         self.decay = decay
+        # the step's transaction: the residuals this step replaced (``None``: had none), for :meth:`rollback`;
+        # ``None`` when the step keeps no undo (a step that cannot be skipped)
+        self._undo: Optional[dict[str, Optional[Tensor]]] = None
+
+    def begin_step(self, keep_undo: bool = True) -> None:
+        """Open a step: forget the previous step's undo; keep this step's if it may be rolled back."""
+        self._undo = {} if keep_undo else None
+
+    def rollback(self) -> None:
+        """Put back every residual this step replaced (a step skipped on every rank), then close the step."""
+        for name, old in (self._undo or {}).items():
+            if old is None:
+                self.residuals.pop(name, None)
+            else:
+                self.residuals[name] = old
+        self._undo = None
 
     def compensate(self, grad: Tensor, name: str) -> Tensor:
         """The gradient plus the residual left from earlier steps (a new tensor; ``grad`` is not modified)."""
@@ -38,6 +54,8 @@ class ResidualMemory:
 
     def update(self, name: str, compensated: Tensor, sent: Tensor) -> None:
         """Keep what ``sent`` did not carry of ``compensated``."""
+        if self._undo is not None and name not in self._undo:
+            self._undo[name] = self.residuals.get(name)
         residual = compensated - sent
         self.residuals[name] = residual if self.storage is None else residual.to(self.storage)
 

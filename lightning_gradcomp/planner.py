@@ -89,14 +89,11 @@ class CollectivePlanner:
             if plan is None:
                 return None
             self.plans[key] = plan
-        compressed = [n for n in names if n not in state.float_names]
-        if plan.choice == ALLREDUCE_FP32:
-            state.plain_names.update(compressed)
-        else:
-            state.plain_names.difference_update(compressed)
+        state.router.follow_plan(names, plain=plan.choice == ALLREDUCE_FP32)
+        if plan.choice != ALLREDUCE_FP32:
             if plan.override is not None:
                 state.compressor.collective = plan.override  # type: ignore[attr-defined]
-        state.collectives[f"plan_{plan.choice}"] += 1
+        state.ledger.count(f"plan_{plan.choice}")
         return plan
 
     # -- decision -------------------------------------------------------------------------------------
@@ -162,7 +159,7 @@ class CollectivePlanner:
         if state.world_size > 1:
             # timings (and data-dependent sizes) differ per rank: decide on the max so every rank agrees
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=state.process_group)
-            state.collectives["allreduce_max"] += 1
+            state.ledger.count("allreduce_max")
         values = agreed.tolist()
         candidates = [Candidate(ALLREDUCE_FP32, "allreduce", 4.0 * numel)]
         for k, (label, collective, _, _, _, rounds) in enumerate(probes):
@@ -195,7 +192,7 @@ class CollectivePlanner:
         vote = torch.zeros(len(names), dtype=torch.float64)
         vote[names.index(plan.choice)] = 1.0
         dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=state.process_group)
-        state.collectives["allreduce_max"] += 1
+        state.ledger.count("allreduce_max")
         chosen = [name for name, v in zip(names, vote.tolist()) if v > 0]
         if len(chosen) == 1:
             return plan

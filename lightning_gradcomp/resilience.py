@@ -110,9 +110,9 @@ class ResilienceMixin:
 
     def _attach_resilience(self, state: "GradCompState") -> None:
         """Called by the strategy right after it created the hook state (at DDP wrap time)."""
-        state.nonfinite = self.nonfinite
+        state.guard.set_mode(self.nonfinite)
         if self.per_rank_optimizer_state:
-            state.extra["optimizer"] = RankOptimizerStates(self)
+            state.attach("optimizer", RankOptimizerStates(self))
         self._nonfinite_seen = state.skipped_steps
         self._optimizer_steps = 0
         self._restore_pending()
@@ -208,8 +208,7 @@ class ResilienceMixin:
         """Fail at once where DDP would hang: a parameter without gradient on this rank keeps its bucket (and every
         later one) from being handed to the hook, while the other ranks wait in that bucket's collectives until the
         process-group timeout. This rank stops with the cause; its exit ends their wait (connection closed)."""
-        complete, state.last_bucket_seen = state.last_bucket_seen, False
-        if complete:
+        if state.ledger.take_last_bucket_seen():
             return
         module = self.lightning_module  # type: ignore[attr-defined]
         missing = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]

@@ -144,7 +144,36 @@ class _NoTimer:
 NO_TIMER = _NoTimer()
 
 
-class HookStats:
+class HookObserver:
+    """What the hook tells an observer; every method a no-op, so the hook calls them without asking who listens.
+
+    :class:`HookStats` (the monitor's) overrides them all.
+    """
+
+    def start_bucket(self) -> Union[BucketTimer, _NoTimer]:
+        """Start timing one bucket's hook call."""
+        return NO_TIMER
+
+    def blocking(self) -> contextlib.AbstractContextManager[None]:
+        """Time a collective the current bucket's hook body waits for."""
+        return contextlib.nullcontext()
+
+    def observe_input(self, name: str, original: Tensor, clipped: Tensor, compressor: Any) -> None:
+        """This rank's gradient before and after the transforms (before error feedback)."""
+
+    def observe_packet(self, name: str, compressor: Any, compressed_input: Tensor, packet: Any,
+                       sent: Optional[Tensor]) -> None:
+        """One layer's packet, with what it carries of the compressed input (``sent``, when computed)."""
+
+    def observe_averaged(self, name: str, averaged: Tensor) -> None:
+        """One layer's decoded, averaged gradient."""
+
+
+#: the observer of an unmonitored hook state
+NO_OBSERVER = HookObserver()
+
+
+class HookStats(HookObserver):
     """Statistics gathered inside the hook for one rank, read by the monitor on logging steps.
 
     Args:

@@ -189,7 +189,7 @@ class CompressionMonitor(Callback):
         histograms_wanted = any(isinstance(logger, (WandbLogger, TensorBoardLogger)) for logger in trainer.loggers)
         layers = self.histogram_layers if histograms_wanted else ()
         self.stats = HookStats(layers, self.histogram_bins, trainer.strategy.root_device)
-        state.stats = self.stats
+        state.observe(self.stats)
         config = self._config(trainer)
         for logger in trainer.loggers:
             logger.log_hyperparams({PREFIX: config})
@@ -197,7 +197,7 @@ class CompressionMonitor(Callback):
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if self._state is not None and self._state.stats is self.stats:
-            self._state.stats = None
+            self._state.observe(None)
         self.stats = None
         self._state = None
         self._armed_at = None

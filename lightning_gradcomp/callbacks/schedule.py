@@ -112,4 +112,4 @@ class CompressionSchedule(Callback):
             setattr(strategy.compressor, self.attribute, self.current)
         state = getattr(strategy, "comm_state", None)
         if state is not None:
-            state.dense = step < self.dense_steps
+            state.router.set_dense(step < self.dense_steps)

@@ -131,7 +131,7 @@ class LeaderExchange:
         if g.is_leader and g.layout.num_sites > 1:
             future = gradcomp_hook(self.state, bucket)  # type: ignore[arg-type]  # duck-typed GradBucket
             names = self.fragments[fragment]
-            wan = sum(self.state.records[n].nbytes for n in names) + self.state.shared_stat_bytes.get(fragment, 0)
+            wan = sum(self.state.ledger.records[n].nbytes for n in names) + self.state.ledger.shared_stat_bytes.get(fragment, 0)
         lan = 4 * bucket.buffer().numel() if g.is_leader and g.site_size > 1 else 0  # the decoded mean, broadcast
         return InFlight(bucket.gradients(), future, wan, lan, 4 * bucket.buffer().numel(), step, flat=bucket.buffer())
 

@@ -250,7 +250,7 @@ class DiLoCoStrategy(GradCompStrategy):
             state_device=state_device,
         )
         # anchor, outer momentum, outer error feedback and the site's weights: checkpointed per rank
-        self.comm_state.extra["outer"] = self.outer
+        self.comm_state.attach("outer", self.outer)
         log.info(
             "diloco: rank %d in site %d of %s; %d fragment(s), H=%d, delay %d, mixing %.2f; outer %s, %s lr %g",
             self.global_rank, g.site, list(g.layout.sizes), len(fragments), self.sync_every, self.sync_delay,

@@ -191,7 +191,7 @@ class WeightGradStrategy(GradCompStrategy):
         # the global rank seeds the compressor (distinct random streams); transforms see their rank in the site
         assert self.groups is not None
         serial = self.aggregation == "serial"
-        fields = dict(identity=GatheredFP32() if serial else Identity(), per_rank={} if serial else None)
+        fields = dict(identity=GatheredFP32() if serial else Identity(), keep_per_rank=serial)
         return self.groups.site_size, self.groups.site_rank, fields
 
     @override
@@ -219,7 +219,7 @@ class WeightGradStrategy(GradCompStrategy):
             float_names=self.comm_state.float_names,
         )
         # the synchronizer's accumulators, staleness counter and G_thresh are training state: checkpointed per rank
-        self.comm_state.extra["weightgrad"] = self.synchronizer
+        self.comm_state.attach("weightgrad", self.synchronizer)
         log.info(
             "weightgrad: rank %d in site %d of %s (leader %d), in-site %s",
             self.global_rank,

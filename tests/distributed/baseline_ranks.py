@@ -30,7 +30,7 @@ def _ddp_run(model: nn.Module, rank: int, steps: int, state: Optional[GradCompSt
     history, bytes_per_step = [], []
     for step in range(steps):
         if state is not None:
-            state.dense = step < dense_steps
+            state.router.set_dense(step < dense_steps)
         x = torch.randn(16, in_features, generator=gen)
         y = torch.randint(0, 5, (16,), generator=gen)
         opt.zero_grad()
