@@ -9,6 +9,7 @@ import faulthandler
 import os
 import pickle
 import socket
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -55,6 +56,14 @@ def _worker(
         queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report every failure, including SystemExit from a Trainer
         queue.put((rank, "error", traceback.format_exc()))
+    # the report is out (flushed to the pipe): end the process without the interpreter's teardown, where a process
+    # group still alive is destroyed holding the GIL while a Gloo worker thread may need it (the gradcomp CLI ends
+    # the same way)
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 #: thread counts a rank's math libraries must read when they load: ``_worker`` sets ``OMP_NUM_THREADS`` only after

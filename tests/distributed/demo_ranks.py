@@ -54,8 +54,12 @@ def demo_suite(rank: int, world_size: int, steps: int = 4, topk: int = 8, beta: 
             opt.step()
             params.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
             nbytes.append(state.bytes_per_step())
+        dense_bytes = state.dense_bytes_per_step()
+        # DDP's reducer goes while the group is still registered: were it the group's last holder, its destructor
+        # would join Gloo's worker threads holding the GIL while a worker needs the GIL to free the tensors of a
+        # finished all-gather (a deadlock, caught by gdb in this fixture one run in about 20)
+        del ddp, opt, state
         dist.barrier()  # no rank destroys the group while a peer still receives its last all-gather
-        return {"local": local_grads, "averaged": averaged, "params": params, "bytes": nbytes,
-                "dense_bytes": state.dense_bytes_per_step()}
+        return {"local": local_grads, "averaged": averaged, "params": params, "bytes": nbytes, "dense_bytes": dense_bytes}
     finally:
         dist.destroy_process_group()
