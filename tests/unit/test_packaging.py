@@ -98,3 +98,21 @@ def test_cli_wandb_logger_without_wandb_names_the_extra(monkeypatch, capsys) -> 
     assert exit_info.value.code == 2
     assert first.startswith("gradcomp: error: Expected `wandb` to be installed for `WandbLogger`, but it is not. "
                             "Fix: pip install 'lightning_gradcomp[wandb]'"), first
+
+
+def test_package_data_ships_the_kernel_sources_and_py_typed() -> None:
+    # a non-editable install holds only the package data pyproject.toml lists: a C++ file the build reads but no
+    # glob matches would leave an installed package unable to compile its kernels (silently on the torch path)
+    from lightning_gradcomp.kernels import _build
+
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {
+        path.resolve()
+        for package, globs in package_data.items()
+        for pattern in globs
+        for path in (ROOT / package.replace(".", "/")).glob(pattern)
+    }
+    needed = [_build.SOURCE_DIR / name for name in (*_build._HEADERS, *_build._SOURCES)]
+    assert needed and all(path.is_file() for path in needed)
+    assert {path.resolve() for path in needed} <= shipped
+    assert (ROOT / "lightning_gradcomp" / "py.typed").resolve() in shipped
