@@ -25,6 +25,7 @@ from typing_extensions import override
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.hook import LayerRecord
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.wiring import select_float_names
@@ -46,12 +47,35 @@ def _tower_slice(batch: Any, tower: int, towers: int) -> Any:
     return batch
 
 
+def _emulable(compressor: Any) -> Compressor:
+    """The compressor if the towers can run it as the hook does; a ``ValueError`` otherwise.
+
+    The towers combine one packet per worker (a payload sum or ``decompress_sum``); a multi-round compressor
+    (PowerSGD) exchanges through dependent all-reduce rounds in ``exchange``, which the towers do not run, so its
+    single-process ``compress`` would train something other than the multi-process run.
+    """
+    if not isinstance(compressor, Compressor):
+        raise ValueError(
+            f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
+            f"Fix: use one of {registry.compressor_names()}."
+        )
+    if isinstance(compressor, MultiRoundCompressor):
+        raise ValueError(
+            f"Expected `compressor` to be a one-round compressor (one packet per worker), but got "
+            f"{type(compressor).__name__}, which exchanges in several all-reduce rounds that TowerStrategy does not "
+            f"emulate. Fix: train it with real ranks (GradCompStrategy, e.g. `--trainer.devices 4` on CPU), or emulate "
+            f"a one-round compressor."
+        )
+    return compressor
+
+
 class TowerStrategy(SingleDeviceStrategy):
     """Emulate ``num_workers`` data-parallel workers with gradient compression in a single process.
 
     Args:
         num_workers: N, the number of emulated workers; each batch is split into N towers.
-        compressor: a compressor instance (copied per worker) or a registered name.
+        compressor: a compressor instance (copied per worker) or a registered name; not a multi-round one such as
+            PowerSGD (a ``ValueError``: its rounds are not emulated).
         exclude: parameter-name globs sent uncompressed (as in :class:`~lightning_gradcomp.GradCompStrategy`).
         min_numel: parameters with fewer elements are sent uncompressed.
         device: the device to train on.
@@ -79,7 +103,7 @@ class TowerStrategy(SingleDeviceStrategy):
         check_int("num_workers", num_workers, minimum=1)
         check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
         self.num_workers = num_workers
-        self.compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
+        self.compressor = _emulable(registry.make_compressor(compressor) if isinstance(compressor, str) else compressor)
         self.exclude = list(exclude or [])
         self.min_numel = min_numel
         self._workers: list[Compressor] = []
