@@ -14,6 +14,7 @@ bits (a ring all-reduce adds in another order). ``tests/integration/test_towers.
 """
 
 import copy
+from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import torch
@@ -117,7 +118,9 @@ class TowerStrategy(SingleDeviceStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        named = {n: p for n, p in self.lightning_module.named_parameters() if p.requires_grad}
+        module = self.lightning_module
+        assert module is not None  # Lightning connects the module before setup
+        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self._float_names = select_float_names(named, self.exclude, self.min_numel)
         self._workers = []
         for rank in range(self.num_workers):
@@ -135,11 +138,10 @@ class TowerStrategy(SingleDeviceStrategy):
             for w, g in zip(workers, grads):
                 w.observe_gradient(g, name)
             xs = [self._memories[r].compensate(g, name) for r, g in enumerate(grads)]
-        local = [w.local_statistic(x, name) for w, x in zip(workers, xs)]
-        shared = None
-        self._stat_bytes[name] = 0 if local[0] is None else 4 * local[0].numel()
-        if local[0] is not None:
-            shared = torch.stack([s.float() for s in local]).amax(dim=0)  # type: ignore[union-attr]
+        # a compressor has a shared statistic on every worker or on none
+        local = [s for s in (w.local_statistic(x, name) for w, x in zip(workers, xs)) if s is not None]
+        self._stat_bytes[name] = 4 * local[0].numel() if local else 0
+        shared = torch.stack([s.float() for s in local]).amax(dim=0) if local else None
         packets = [w.compress(x, name, shared) for w, x in zip(workers, xs)]
         if workers[0].uses_memory:
             for r, (w, x, p) in enumerate(zip(workers, xs, packets)):
@@ -157,6 +159,7 @@ class TowerStrategy(SingleDeviceStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         module = self.lightning_module
+        assert module is not None  # Lightning connects the module before training
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         batch, rest = args[0], args[1:]
@@ -166,16 +169,23 @@ class TowerStrategy(SingleDeviceStrategy):
         with self.precision_plugin.train_step_context():
             for tower in range(self.num_workers):
                 output = module.training_step(_tower_slice(batch, tower, self.num_workers), *rest, **kwargs)
-                loss = output["loss"] if isinstance(output, dict) else output
+                loss = output["loss"] if isinstance(output, Mapping) else output
+                if not isinstance(loss, Tensor):
+                    raise ValueError(
+                        f"Expected `training_step` to return a loss tensor (or a dict with a 'loss' tensor) under "
+                        f"TowerStrategy, but got {output!r}. Fix: return the loss; every tower must take its step, "
+                        f"so a batch cannot be skipped by returning None here."
+                    )
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 per_tower.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
                 losses.append(loss.detach())
             averaged = [self._exchange(name, [g[j] for g in per_tower]) for j, (name, _) in enumerate(named)]
             # a surrogate whose gradient is exactly the exchanged average and whose value is the mean tower
             # loss, so Lightning's own backward, clipping and optimizer step run unchanged
-            surrogate = sum((p * g.to(p.dtype)).sum() for p, g in zip(params, averaged))
+            zero = torch.zeros((), device=self.root_device)
+            surrogate = sum(((p * g.to(p.dtype)).sum() for p, g in zip(params, averaged)), zero)
             loss_out = surrogate - surrogate.detach() + torch.stack(losses).mean()
-        if isinstance(output, dict):
+        if isinstance(output, Mapping):
             return {**output, "loss": loss_out}
         return loss_out
 

@@ -20,7 +20,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -183,3 +186,8 @@ def cpu_extension() -> Optional[ModuleType]:
                 unavailable_reason,
             )
         return _module
+
+
+def extension_for(*tensors: "Tensor") -> Optional[ModuleType]:
+    """The compiled CPU kernels when every tensor is on the CPU and they are available here, else ``None``."""
+    return cpu_extension() if all(t.device.type == "cpu" for t in tensors) else None
