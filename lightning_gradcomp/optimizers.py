@@ -1,7 +1,7 @@
 """Optimizers torch does not ship that a compressor's method prescribes."""
 
 from collections.abc import Callable, Iterable
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, overload
 
 import torch
 from torch import Tensor
@@ -28,8 +28,14 @@ class SignSGD(torch.optim.Optimizer):
         check_number("weight_decay", weight_decay, minimum=0.0)
         super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One update of every parameter that has a gradient."""
         loss = None
         if closure is not None:

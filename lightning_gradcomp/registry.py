@@ -6,7 +6,7 @@ every name here (``Trainer(strategy="terngrad")``). Unknown names fail loudly: a
 
 import difflib
 from collections.abc import Callable, Iterable
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from lightning_gradcomp.compressors.adacomp import AdaComp
 from lightning_gradcomp.compressors.base import Compressor
@@ -60,6 +60,12 @@ def register_compressor(name: str, factory: Callable[[], Compressor], descriptio
     COMPRESSORS[name.lower()] = (factory, description)
 
 
+class NamedStrategy(Protocol):
+    """A strategy (Trainer or Fabric) whose class carries the name it is registered under by default."""
+
+    strategy_name: str
+
+
 #: suffix of the fork-started variant of every name, for notebooks (as Lightning's ``ddp_notebook``)
 NOTEBOOK_SUFFIX = "_notebook"
 
@@ -77,7 +83,7 @@ def register_preset(name: str, strategy_cls: type, description: str, strategy_re
                                "(for notebooks)", override=True, start_method="fork", **init_params)
 
 
-def register_strategies(strategy_cls: type, strategy_registry: Any = None) -> None:
+def register_strategies(strategy_cls: type[NamedStrategy], strategy_registry: Any = None) -> None:
     """Register every compressor name as a strategy name (lower-cased, as Lightning looks them up).
 
     Each name also gets a ``<name>_notebook`` variant with ``start_method="fork"``: the only start method

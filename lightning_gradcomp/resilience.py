@@ -26,8 +26,15 @@ from lightning_gradcomp.validation import check_choice, check_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_gradcomp.hook import GradCompState
+
+    # the type checker reads the mixin as the DDP strategy it is mixed into (its attributes, the methods its
+    # overrides extend); at run time it stays a plain mixin ahead of DDPStrategy in the strategy's bases
+    _StrategyBase = DDPStrategy
+else:
+    _StrategyBase = object
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +91,7 @@ class RankOptimizerStates:
         self.pending = None
 
 
-class ResilienceMixin:
+class ResilienceMixin(_StrategyBase):
     """Checkpointed compression state, an optional replica check, and non-finite handling for a DDP strategy."""
 
     comm_state: Optional["GradCompState"]
@@ -122,24 +129,24 @@ class ResilienceMixin:
         """Apply a loaded entry once the hook state exists (the hook is created when DDP wraps the model)."""
         if self._pending_restore is None or self.comm_state is None:
             return
-        ckpt.restore(self.comm_state, self._pending_restore, self.root_device)  # type: ignore[attr-defined]
+        ckpt.restore(self.comm_state, self._pending_restore, self.root_device)
         self._pending_restore = None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         # runs on every rank (Trainer.save_checkpoint, ModelCheckpoint): gather, then rank 0 writes
         if self.comm_state is not None:
-            ckpt.gather_into(checkpoint, self.comm_state, self.global_rank, self.world_size)  # type: ignore[attr-defined]
-        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+            ckpt.gather_into(checkpoint, self.comm_state, self.global_rank, self.world_size)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
-        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.max_steps != -1:  # Lightning's iteration-based training
             ckpt.complete_epoch_end(checkpoint)
         reset = self.resume_compression == "reset"
-        self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset)  # type: ignore[attr-defined]
+        self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset)
         if reset and ckpt.CHECKPOINT_KEY in checkpoint:
             rank_zero_warn("gradcomp: `resume_compression='reset'`: residuals, generators and transforms start afresh.")
         elif ckpt.CHECKPOINT_KEY not in checkpoint:
@@ -147,13 +154,13 @@ class ResilienceMixin:
                 f"gradcomp: the checkpoint {checkpoint_path} holds no compression state (written without "
                 f"GradCompStrategy?); residuals, generators and transforms start afresh."
             )
-        if self.restore_checkpoint_after_setup:  # type: ignore[attr-defined]
+        if self.restore_checkpoint_after_setup:
             self._restore_pending()  # the hook of this run exists already; otherwise it is applied at DDP wrap
         return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+        super().load_optimizer_state_dict(checkpoint)
         own = self.comm_state.extra.get("optimizer") if self.comm_state is not None else None
         if isinstance(own, RankOptimizerStates):
             own.apply()  # this rank's states replace rank 0's
@@ -167,12 +174,13 @@ class ResilienceMixin:
         model: Optional[Union["pl.LightningModule", Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._optimizer_steps += 1
         if self.check_replicas_every and self._optimizer_steps % self.check_replicas_every == 0:
-            module = self.lightning_module  # type: ignore[attr-defined]
+            module = self.lightning_module
+            assert module is not None  # optimizer steps run only with a module attached
             named = list(module.named_parameters())
-            check_replicas([n for n, _ in named], [p for _, p in named], self.world_size, module.trainer.global_step)  # type: ignore[attr-defined]
+            check_replicas([n for n, _ in named], [p for _, p in named], self.world_size, module.trainer.global_step)
         return output
 
     @override
@@ -180,23 +188,27 @@ class ResilienceMixin:
         if self.nonfinite == "skip" and self._buffers_before is None:
             # before DDP's forward (and its buffer broadcast): what a skipped step must leave in place. Taken at
             # the first micro-batch of an accumulation window, kept until its synchronizing backward
-            self._buffers_before = [(b, b.detach().clone()) for b in self.lightning_module.buffers()]  # type: ignore[attr-defined]
-        return super().training_step(*args, **kwargs)  # type: ignore[misc]
+            module = self.lightning_module
+            assert module is not None  # training steps run only with a module attached
+            self._buffers_before = [(b, b.detach().clone()) for b in module.buffers()]
+        return super().training_step(*args, **kwargs)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        super().post_backward(closure_loss)  # type: ignore[misc]
+        super().post_backward(closure_loss)
         state = self.comm_state
-        if state is None or not getattr(self.model, "require_backward_grad_sync", True):  # type: ignore[attr-defined]
+        if state is None or not getattr(self.model, "require_backward_grad_sync", True):
             return  # no_sync (gradient accumulation): no bucket goes out, nothing is decided yet
         buffers_before, self._buffers_before = self._buffers_before, None
-        self._check_every_bucket_arrived(state)
+        module = self.lightning_module
+        assert module is not None  # a backward runs only with a module attached
+        self._check_every_bucket_arrived(state, module)
         seen = self._nonfinite_seen
         self._nonfinite_seen = drop_skipped_gradients(
             state,
             seen,
-            self.lightning_module.named_parameters(),  # type: ignore[attr-defined]
-            has_scaler=getattr(self.precision_plugin, "scaler", None) is not None,  # type: ignore[attr-defined]
+            module.named_parameters(),
+            has_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
         )
         if self._nonfinite_seen != seen:
             # the forward of the skipped step already moved running statistics (BatchNorm) with the bad batch, and
@@ -204,16 +216,15 @@ class ResilienceMixin:
             for buffer, saved in buffers_before or ():
                 buffer.copy_(saved)
 
-    def _check_every_bucket_arrived(self, state: "GradCompState") -> None:
+    def _check_every_bucket_arrived(self, state: "GradCompState", module: "pl.LightningModule") -> None:
         """Fail at once where DDP would hang: a parameter without gradient on this rank keeps its bucket (and every
         later one) from being handed to the hook, while the other ranks wait in that bucket's collectives until the
         process-group timeout. This rank stops with the cause; its exit ends their wait (connection closed)."""
         if state.ledger.take_last_bucket_seen():
             return
-        module = self.lightning_module  # type: ignore[attr-defined]
         missing = [n for n, p in module.named_parameters() if p.requires_grad and p.grad is None]
         raise UnusedParameterError(
-            f"gradcomp: rank {self.global_rank} computed no gradient for {missing or 'some parameter'} at step "  # type: ignore[attr-defined]
+            f"gradcomp: rank {self.global_rank} computed no gradient for {missing or 'some parameter'} at step "
             f"{module.trainer.global_step}, so DDP never handed their bucket to the communication hook and the other "
             f"ranks would wait for it until the process-group timeout. Fix: pass `find_unused_parameters=True` (and "
             f"not `static_graph=True`) to the strategy when some rank may skip a layer at some step."
@@ -222,17 +233,17 @@ class ResilienceMixin:
     @override
     def teardown(self) -> None:
         self._pending_restore = None
-        super().teardown()  # type: ignore[misc]
+        super().teardown()
 
     # -- faults ------------------------------------------------------------------------------------------------
     @override
     def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)  # type: ignore[misc]
+        super().on_exception(exception)
         _augment_message(
             exception,
             pattern=_PEER_FAILURE,
             new_message=(
-                f"gradcomp: a collective failed on rank {self.global_rank}: another rank died or stopped answering "  # type: ignore[attr-defined]
+                f"gradcomp: a collective failed on rank {self.global_rank}: another rank died or stopped answering "
                 f"(see its log for the cause); this rank stops too. Original error: {exception}"
             ),
         )

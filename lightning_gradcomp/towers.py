@@ -14,6 +14,7 @@ bits (a ring all-reduce adds in another order). ``tests/integration/test_towers.
 """
 
 import copy
+from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 import torch
@@ -25,6 +26,7 @@ from typing_extensions import override
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.hook import LayerRecord
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.wiring import select_float_names
@@ -46,12 +48,35 @@ def _tower_slice(batch: Any, tower: int, towers: int) -> Any:
     return batch
 
 
+def _emulable(compressor: Any) -> Compressor:
+    """The compressor if the towers can run it as the hook does; a ``ValueError`` otherwise.
+
+    The towers combine one packet per worker (a payload sum or ``decompress_sum``); a multi-round compressor
+    (PowerSGD) exchanges through dependent all-reduce rounds in ``exchange``, which the towers do not run, so its
+    single-process ``compress`` would train something other than the multi-process run.
+    """
+    if not isinstance(compressor, Compressor):
+        raise ValueError(
+            f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
+            f"Fix: use one of {registry.compressor_names()}."
+        )
+    if isinstance(compressor, MultiRoundCompressor):
+        raise ValueError(
+            f"Expected `compressor` to be a one-round compressor (one packet per worker), but got "
+            f"{type(compressor).__name__}, which exchanges in several all-reduce rounds that TowerStrategy does not "
+            f"emulate. Fix: train it with real ranks (GradCompStrategy, e.g. `--trainer.devices 4` on CPU), or emulate "
+            f"a one-round compressor."
+        )
+    return compressor
+
+
 class TowerStrategy(SingleDeviceStrategy):
     """Emulate ``num_workers`` data-parallel workers with gradient compression in a single process.
 
     Args:
         num_workers: N, the number of emulated workers; each batch is split into N towers.
-        compressor: a compressor instance (copied per worker) or a registered name.
+        compressor: a compressor instance (copied per worker) or a registered name; not a multi-round one such as
+            PowerSGD (a ``ValueError``: its rounds are not emulated).
         exclude: parameter-name globs sent uncompressed (as in :class:`~lightning_gradcomp.GradCompStrategy`).
         min_numel: parameters with fewer elements are sent uncompressed.
         device: the device to train on.
@@ -79,7 +104,7 @@ class TowerStrategy(SingleDeviceStrategy):
         check_int("num_workers", num_workers, minimum=1)
         check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
         self.num_workers = num_workers
-        self.compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
+        self.compressor = _emulable(registry.make_compressor(compressor) if isinstance(compressor, str) else compressor)
         self.exclude = list(exclude or [])
         self.min_numel = min_numel
         self._workers: list[Compressor] = []
@@ -93,7 +118,9 @@ class TowerStrategy(SingleDeviceStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        named = {n: p for n, p in self.lightning_module.named_parameters() if p.requires_grad}
+        module = self.lightning_module
+        assert module is not None  # Lightning connects the module before setup
+        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self._float_names = select_float_names(named, self.exclude, self.min_numel)
         self._workers = []
         for rank in range(self.num_workers):
@@ -111,11 +138,10 @@ class TowerStrategy(SingleDeviceStrategy):
             for w, g in zip(workers, grads):
                 w.observe_gradient(g, name)
             xs = [self._memories[r].compensate(g, name) for r, g in enumerate(grads)]
-        local = [w.local_statistic(x, name) for w, x in zip(workers, xs)]
-        shared = None
-        self._stat_bytes[name] = 0 if local[0] is None else 4 * local[0].numel()
-        if local[0] is not None:
-            shared = torch.stack([s.float() for s in local]).amax(dim=0)  # type: ignore[union-attr]
+        # a compressor has a shared statistic on every worker or on none
+        local = [s for s in (w.local_statistic(x, name) for w, x in zip(workers, xs)) if s is not None]
+        self._stat_bytes[name] = 4 * local[0].numel() if local else 0
+        shared = torch.stack([s.float() for s in local]).amax(dim=0) if local else None
         packets = [w.compress(x, name, shared) for w, x in zip(workers, xs)]
         if workers[0].uses_memory:
             for r, (w, x, p) in enumerate(zip(workers, xs, packets)):
@@ -133,6 +159,7 @@ class TowerStrategy(SingleDeviceStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         module = self.lightning_module
+        assert module is not None  # Lightning connects the module before training
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         batch, rest = args[0], args[1:]
@@ -142,16 +169,23 @@ class TowerStrategy(SingleDeviceStrategy):
         with self.precision_plugin.train_step_context():
             for tower in range(self.num_workers):
                 output = module.training_step(_tower_slice(batch, tower, self.num_workers), *rest, **kwargs)
-                loss = output["loss"] if isinstance(output, dict) else output
+                loss = output["loss"] if isinstance(output, Mapping) else output
+                if not isinstance(loss, Tensor):
+                    raise ValueError(
+                        f"Expected `training_step` to return a loss tensor (or a dict with a 'loss' tensor) under "
+                        f"TowerStrategy, but got {output!r}. Fix: return the loss; every tower must take its step, "
+                        f"so a batch cannot be skipped by returning None here."
+                    )
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 per_tower.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
                 losses.append(loss.detach())
             averaged = [self._exchange(name, [g[j] for g in per_tower]) for j, (name, _) in enumerate(named)]
             # a surrogate whose gradient is exactly the exchanged average and whose value is the mean tower
             # loss, so Lightning's own backward, clipping and optimizer step run unchanged
-            surrogate = sum((p * g.to(p.dtype)).sum() for p, g in zip(params, averaged))
+            zero = torch.zeros((), device=self.root_device)
+            surrogate = sum(((p * g.to(p.dtype)).sum() for p, g in zip(params, averaged)), zero)
             loss_out = surrogate - surrogate.detach() + torch.stack(losses).mean()
-        if isinstance(output, dict):
+        if isinstance(output, Mapping):
             return {**output, "loss": loss_out}
         return loss_out
 

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.wiring import HookWiring
 
 
 class PipelineCallback(Callback, ABC):
@@ -22,17 +23,22 @@ class PipelineCallback(Callback, ABC):
         self.transform: LayerTransform | None = None
 
     @abstractmethod
-    def make_transform(self, strategy: "GradCompStrategy") -> LayerTransform:  # noqa: F821
-        """Build the transform (validating it against the strategy's configuration)."""
+    def make_transform(self, strategy: HookWiring) -> LayerTransform:
+        """Build the transform (validating it against the strategy's configuration).
+
+        Args:
+            strategy: the hook wiring the transform attaches to: a ``GradCompStrategy`` or, under Fabric, a
+                ``GradCompFabricStrategy``.
+        """
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        from lightning_gradcomp.strategy import GradCompStrategy
-
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if not isinstance(strategy, GradCompStrategy):
+        # a Trainer's strategy with the hook wiring is a GradCompStrategy (or a subclass): the Fabric one never
+        # reaches a Trainer. Checking the wiring keeps this module free of an import of the strategy.
+        if not isinstance(strategy, HookWiring):
             raise ValueError(
                 f"Expected the Trainer's strategy to be a GradCompStrategy for {type(self).__name__}, but got "
                 f"{type(strategy).__name__}. Fix: use e.g. `strategy='terngrad'` or `strategy='fp32'` (fp32 "

@@ -16,7 +16,6 @@ DDP's per-bucket hook the whole model's norm is not known before the first bucke
 """
 
 from abc import abstractmethod
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -25,9 +24,7 @@ from typing_extensions import override
 from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.pipeline import LayerTransform
 from lightning_gradcomp.validation import check_number
-
-if TYPE_CHECKING:
-    from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.wiring import HookWiring
 
 
 class Clip(LayerTransform):
@@ -96,11 +93,11 @@ class ClippingCallback(PipelineCallback):
     """Base of callbacks that attach a :class:`Clip`; checks it runs before any accumulating transform."""
 
     @abstractmethod
-    def make_clip(self, strategy: "GradCompStrategy") -> Clip:
+    def make_clip(self, strategy: HookWiring) -> Clip:
         """Build the clip rule (validating it against the strategy's configuration)."""
 
     @override
-    def make_transform(self, strategy: "GradCompStrategy") -> LayerTransform:
+    def make_transform(self, strategy: HookWiring) -> LayerTransform:
         from lightning_gradcomp.callbacks.momentum import MomentumCorrect
 
         if any(isinstance(t, MomentumCorrect) for t in strategy.transforms):
@@ -128,7 +125,7 @@ class SigmaClipping(ClippingCallback):
         self.clip_factor = float(clip_factor)
 
     @override
-    def make_clip(self, strategy: "GradCompStrategy") -> Clip:
+    def make_clip(self, strategy: HookWiring) -> Clip:
         own = getattr(strategy.compressor, "clip_factor", 0.0)
         if own:
             raise ValueError(
@@ -153,5 +150,5 @@ class LocalGradientClipping(ClippingCallback):
         self.max_norm = float(max_norm)
 
     @override
-    def make_clip(self, strategy: "GradCompStrategy") -> Clip:
+    def make_clip(self, strategy: HookWiring) -> Clip:
         return NormClip(self.max_norm, exponent=-0.5)

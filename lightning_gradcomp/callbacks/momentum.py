@@ -20,7 +20,7 @@ Weight decay stays out of the compressed gradient, as in DGC's ``DGCSGD``: after
 adds ``buf <- m * buf + wd * p`` (its own momentum buffer, identical on every rank) to the averaged gradient.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -30,9 +30,7 @@ from typing_extensions import override
 from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.pipeline import LayerTransform
 from lightning_gradcomp.validation import check_number
-
-if TYPE_CHECKING:
-    from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.wiring import HookWiring
 
 
 class MomentumCorrect(LayerTransform):
@@ -113,7 +111,7 @@ class MomentumCorrection(PipelineCallback):
         self._pending: dict[str, Tensor] = {}
 
     @override
-    def make_transform(self, strategy: "GradCompStrategy") -> LayerTransform:
+    def make_transform(self, strategy: HookWiring) -> LayerTransform:
         return MomentumCorrect(self.momentum, self.nesterov, self.masking)
 
     @staticmethod
@@ -122,9 +120,9 @@ class MomentumCorrection(PipelineCallback):
         for optimizer in optimizers:
             for index, group in enumerate(optimizer.param_groups):
                 own = group.get("momentum", 0.0)
-                betas = group.get("betas")
-                if own or (betas is not None and betas[0]):
-                    value = f"momentum={own}" if own else f"betas={tuple(betas)}"
+                betas = tuple(group.get("betas") or ())  # Adam's (beta1, beta2); () for optimizers without
+                if own or (betas and betas[0]):
+                    value = f"momentum={own}" if own else f"betas={betas}"
                     raise ValueError(
                         f"Expected the optimizer's own momentum to be 0 with MomentumCorrection (it applies the "
                         f"momentum before compression, so a second one would apply it twice), but param group {index} "

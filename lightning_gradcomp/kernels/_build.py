@@ -1,6 +1,8 @@
 """Compile the CPU kernels on first use and remember whether that worked.
 
-The extension is built with ``torch.utils.cpp_extension.load_inline`` into torch's extension directory
+The C++ lives in ``csrc/`` beside this module (package data): ``common.h`` and one source per kernel family,
+compiled together as one translation unit so the helpers in ``common.h`` inline as they would in one file. The
+extension is built with ``torch.utils.cpp_extension.load_inline`` into torch's extension directory
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), which caches it across processes: only the
 first import on a machine pays the compile time, and concurrent ranks wait on torch's build lock instead of
 compiling twice. Set ``LIGHTNING_GRADCOMP_NO_EXT=1`` to skip it and use the torch-ops fallback.
@@ -16,13 +18,36 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from lightning_gradcomp.kernels._cpu_source import CPU_SOURCE, FUNCTIONS
+if TYPE_CHECKING:
+    from torch import Tensor
 
 log = logging.getLogger(__name__)
 
+#: the C++ sources, shipped as package data (pyproject.toml's ``[tool.setuptools.package-data]``)
+SOURCE_DIR = Path(__file__).parent / "csrc"
+_HEADERS = ("common.h",)
+_SOURCES = ("terngrad.cpp", "selection.cpp", "binwords.cpp")
+#: the functions the extension exposes to Python
+FUNCTIONS = [
+    "terngrad_stats",
+    "terngrad_scale_clip",
+    "terngrad_ternarize_pack",
+    "terngrad_ternarize_int8",
+    "terngrad_decode",
+    "terngrad_decode_sum",
+    "sample_abs",
+    "kth_smallest",
+    "select_above",
+    "bin_absmax",
+    "adacomp_select",
+    "sparse_decode_sum",
+    "bin_words_encode",
+    "bin_words_decode_sum",
+]
 _CFLAGS = ["-O3", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -39,6 +64,16 @@ COMPILE_NOTICE = (
     "lightning_gradcomp: compiling the fused CPU kernels once (about 30 s on 2 idle cores, up to 100 s on a busy "
     "machine; cached in %s for every later run) ..."
 )
+
+
+@functools.lru_cache(maxsize=1)
+def _source_texts() -> tuple[str, ...]:
+    return tuple((SOURCE_DIR / name).read_text() for name in (*_HEADERS, *_SOURCES))
+
+
+def cpu_source() -> str:
+    """The full C++ source (the header, then each source file): what the extension's name hashes."""
+    return "\n".join(_source_texts())
 
 
 def build_directory() -> Optional[str]:
@@ -71,6 +106,7 @@ def build_inputs() -> list[str]:
         torch_version,
         sys.version,
         sysconfig.get_paths()["include"],
+        str(SOURCE_DIR),  # an include path in the ninja file, as torch's below
         os.environ.get("CXX", "c++"),
         *include_paths(),
         *library_paths(),
@@ -92,7 +128,7 @@ def extension_name(source: str, inputs: Sequence[str]) -> str:
 @functools.lru_cache(maxsize=1)
 def current_extension_name() -> str:
     """This environment's extension name (:func:`extension_name` of the source and :func:`build_inputs`)."""
-    return extension_name(CPU_SOURCE, build_inputs())
+    return extension_name(cpu_source(), build_inputs())
 
 
 @contextmanager
@@ -128,7 +164,8 @@ def cpu_extension() -> Optional[ModuleType]:
 
                 _module = load_inline(
                     name=current_extension_name(),
-                    cpp_sources=[CPU_SOURCE],
+                    cpp_sources=list(_source_texts()[len(_HEADERS) :]),
+                    extra_include_paths=[str(SOURCE_DIR)],  # for `#include "common.h"`
                     functions=FUNCTIONS,
                     # -O3 auto-vectorises; target_clones in the source picks AVX-512/AVX2/baseline at run time,
                     # so no -march=native: the build stays valid on any x86-64 machine sharing the cache
@@ -149,3 +186,8 @@ def cpu_extension() -> Optional[ModuleType]:
                 unavailable_reason,
             )
         return _module
+
+
+def extension_for(*tensors: "Tensor") -> Optional[ModuleType]:
+    """The compiled CPU kernels when every tensor is on the CPU and they are available here, else ``None``."""
+    return cpu_extension() if all(t.device.type == "cpu" for t in tensors) else None

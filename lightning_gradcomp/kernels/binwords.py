@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.kernels.selection import _ext, sparse_decode_sum
+from lightning_gradcomp.kernels._build import extension_for
+from lightning_gradcomp.kernels.selection import sparse_decode_sum
 from lightning_gradcomp.sparse import bin_word_bits, decode_bin_relative, encode_bin_relative
 from lightning_gradcomp.validation import check_int
 
@@ -23,7 +24,7 @@ def bin_words_encode(indices: Tensor, codes: Tensor, bin_size: int) -> Tensor:
     """:func:`~lightning_gradcomp.sparse.encode_bin_relative`: the words of ascending ``indices`` with value
     ``codes`` in {0, 1, 2}, bit-identical."""
     bits = bin_word_bits(bin_size)  # validates bin_size
-    ext = _ext(indices, codes)
+    ext = extension_for(indices, codes)
     if ext is None:
         return encode_bin_relative(indices, codes, bin_size)
     return ext.bin_words_encode(indices.reshape(-1), codes.reshape(-1), bin_size, bits)
@@ -41,7 +42,7 @@ def bin_words_decode_sum(
     """
     check_int("numel", numel, minimum=0)
     bits = bin_word_bits(bin_size)
-    ext = _ext(*payloads) if payloads else None
+    ext = extension_for(*payloads) if payloads else None
     if ext is not None:
         buffer = torch.empty(0, dtype=torch.float32) if out is None else out
         return ext.bin_words_decode_sum(numel, [p.contiguous() for p in payloads], bin_size, bits, buffer)

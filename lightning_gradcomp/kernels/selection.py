@@ -14,21 +14,19 @@ CUDA): the same sample, the same order statistic, the same selected set in ascen
 the same float sums (scatter-adds happen payload by payload in the given order).
 """
 
-from collections.abc import Sequence
-from typing import Literal, NamedTuple, Optional
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.kernels import rng
-from lightning_gradcomp.kernels._build import cpu_extension
+from lightning_gradcomp.kernels._build import extension_for
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 SampleMode = Literal["strided", "random"]
 
-
-def _ext(*tensors: Tensor):  # type: ignore[no-untyped-def]
-    return cpu_extension() if all(t.device.type == "cpu" for t in tensors) else None
 
 
 def _flat32(tensor: Tensor) -> Tensor:
@@ -56,7 +54,7 @@ def sample_abs(
     if n >= rng.MAX_NUMEL:
         raise ValueError(f"Expected `tensor` to have fewer than 2**32 elements, but got {n}.")
     size = min(size, n)
-    ext = _ext(flat)
+    ext = extension_for(flat)
     if ext is not None:
         return ext.sample_abs(flat, size, 0 if mode == "strided" else 1, key[0], key[1])
     i = torch.arange(size, dtype=torch.int64, device=flat.device)
@@ -77,7 +75,7 @@ def sample_threshold(sample: Tensor, drop_ratio: float) -> Tensor:
     """
     check_number("drop_ratio", drop_ratio, minimum=0.0, maximum=1.0, max_open=True, fix="e.g. 0.99 drops 99%")
     k = quantile_rank(sample.numel(), drop_ratio)
-    ext = _ext(sample)
+    ext = extension_for(sample)
     if ext is not None:
         return torch.tensor(ext.kth_smallest(_flat32(sample), k), dtype=torch.float32)
     return torch.kthvalue(sample.reshape(-1).float(), k + 1).values
@@ -92,7 +90,7 @@ def kth_smallest(sample: Tensor, k: int) -> Tensor:
     check_int("k", k, minimum=0)
     if k >= flat.numel():
         raise ValueError(f"Expected `k` below the sample size {flat.numel()}, but got {k}.")
-    ext = _ext(flat)
+    ext = extension_for(flat)
     if ext is not None:
         return torch.tensor(ext.kth_smallest(flat, k), dtype=torch.float32)
     return torch.kthvalue(flat, k + 1).values
@@ -106,7 +104,7 @@ def select_above(tensor: Tensor, threshold: "Tensor | float", inclusive: bool = 
     ``indices.numel()``.
     """
     flat = _flat32(tensor)
-    ext = _ext(flat)
+    ext = extension_for(flat)
     if ext is not None:
         index, values = ext.select_above(flat, float(threshold), inclusive)
         return index, values
@@ -120,7 +118,7 @@ def bin_absmax(tensor: Tensor, bin_len: int) -> Tensor:
     """max|x| over each bin of ``bin_len`` consecutive elements (the last bin may be shorter)."""
     check_int("bin_len", bin_len, minimum=1)
     flat = _flat32(tensor)
-    ext = _ext(flat)
+    ext = extension_for(flat)
     if ext is not None:
         return ext.bin_absmax(flat, bin_len)
     n = flat.numel()
@@ -129,8 +127,10 @@ def bin_absmax(tensor: Tensor, bin_len: int) -> Tensor:
     return padded.view(bins, bin_len).amax(dim=1)
 
 
-class AdaCompSelection(NamedTuple):
-    """What :func:`adacomp_select` found.
+@dataclass(frozen=True)
+class AdaCompSelection:
+    """What :func:`adacomp_select` found (a dataclass, not a NamedTuple: a tuple's ``index`` method would shadow the
+    field of that name). Iterates over its fields in order, as the tuple did.
 
     Attributes:
         gmax: max|G| of each bin (float32, one per bin).
@@ -147,6 +147,9 @@ class AdaCompSelection(NamedTuple):
     bin_index: Tensor
     values: Tensor
 
+    def __iter__(self) -> Iterator[Tensor]:
+        return iter((self.gmax, self.counts, self.index, self.bin_index, self.values))
+
 
 def adacomp_select(G: Tensor, H: Tensor, bin_len: int) -> AdaCompSelection:
     """AdaComp's local selection (Chen et al. 2018, Algorithm 2): per bin of length L, send the entries with
@@ -161,7 +164,7 @@ def adacomp_select(G: Tensor, H: Tensor, bin_len: int) -> AdaCompSelection:
     g, h = _flat32(G), _flat32(H)
     if g.numel() != h.numel():
         raise ValueError(f"Expected `H` to have as many elements as `G` ({g.numel()}), but got {h.numel()}.")
-    ext = _ext(g, h)
+    ext = extension_for(g, h)
     if ext is not None:
         gmax, counts, index, values = ext.adacomp_select(g, h, bin_len)
     else:
@@ -190,7 +193,7 @@ def sparse_decode_sum(
     if out is not None and not (out.dtype == torch.float32 and out.is_contiguous() and out.numel() == numel):
         raise ValueError(f"Expected `out` to be a contiguous float32 tensor of {numel} elements, but got {out.dtype} "
                          f"{tuple(out.shape)}. Pass None to allocate one.")
-    ext = _ext(*indices, *values) if indices else None
+    ext = extension_for(*indices, *values) if indices else None
     if ext is not None:
         buffer = torch.empty(0, dtype=torch.float32) if out is None else out
         return ext.sparse_decode_sum(numel, list(indices), list(values), buffer)

@@ -16,12 +16,9 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.kernels import rng
-from lightning_gradcomp.kernels._build import cpu_extension
+from lightning_gradcomp.kernels._build import extension_for
 from lightning_gradcomp.wire import pack_ternary, unpack_ternary
 
-
-def _ext(*tensors: Tensor):  # type: ignore[no-untyped-def]
-    return cpu_extension() if all(t.device.type == "cpu" for t in tensors) else None
 
 
 def _flat32(tensor: Tensor) -> Tensor:
@@ -48,7 +45,7 @@ def terngrad_stats(tensor: Tensor, bucket: int) -> tuple[Tensor, Tensor]:
     """
     flat = _flat32(tensor)
     n = flat.numel()
-    ext = _ext(flat)
+    ext = extension_for(flat)
     if ext is not None:
         out = ext.terngrad_stats(flat, bucket)
         return out[:, 0], out[:, 1]
@@ -88,7 +85,7 @@ def terngrad_scale_clip(
     if clip_mode not in ("paper", "code"):
         raise ValueError(f"Expected `clip_mode` to be 'paper' or 'code', but got {clip_mode!r}.")
     flat = _flat32(tensor)
-    ext = _ext(flat)
+    ext = extension_for(flat)
     if ext is None:
         return terngrad_scaler(*terngrad_stats(flat, bucket), clip_factor, clip_mode, sigma_noise)
     mode = 0 if clip_factor == 0.0 else {"paper": 1, "code": 2}[clip_mode]
@@ -131,7 +128,7 @@ def ternarize_pack(
         ``(packed, nonzero)``: ``ceil(n/4)`` uint8 bytes and the number of nonzero ternaries (int64, 1 element).
     """
     flat, s, c = _args(tensor, scale, clip)
-    ext = _ext(flat)
+    ext = extension_for(flat)
     if ext is not None:
         packed, nonzero = ext.terngrad_ternarize_pack(flat, s, c, bucket, key[0], key[1])
         return packed, nonzero
@@ -144,7 +141,7 @@ def ternarize_int8(
 ) -> tuple[Tensor, Tensor]:
     """Like :func:`ternarize_pack`, but the int8 values in {-1, 0, 1} (the summable all-reduce form)."""
     flat, s, c = _args(tensor, scale, clip)
-    ext = _ext(flat)
+    ext = extension_for(flat)
     if ext is not None:
         values, nonzero = ext.terngrad_ternarize_int8(flat, s, c, bucket, key[0], key[1])
         return values, nonzero
@@ -170,7 +167,7 @@ def decode(packed: Tensor, numel: int, scale: Tensor, bucket: int, out: Optional
     """float32 ``values * scale`` of one 2-bit payload (flat, ``numel`` elements), into ``out`` if given."""
     s = scale.reshape(-1).to(packed.device, torch.float32).contiguous()
     _check_out(out, numel, packed.device)
-    ext = _ext(packed)
+    ext = extension_for(packed)
     if ext is not None:
         return ext.terngrad_decode(packed.contiguous(), numel, s, bucket, _no_out(packed.device) if out is None else out)
     values = unpack_ternary(packed, numel, "2bit")
@@ -190,7 +187,7 @@ def decode_sum(
     device = packed[0].device
     s = scale.reshape(-1).to(device, torch.float32).contiguous()
     _check_out(out, numel, device)
-    ext = _ext(*packed)
+    ext = extension_for(*packed)
     if ext is not None:
         payloads = [p.contiguous() for p in packed]
         return ext.terngrad_decode_sum(payloads, numel, s, bucket, _no_out(device) if out is None else out, divisor)

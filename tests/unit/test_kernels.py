@@ -383,8 +383,9 @@ def test_extension_name_is_keyed_by_the_environment_not_only_the_source(monkeypa
     # name made each environment's first use recompile over the other's build.
     import torch.utils.cpp_extension as cpp
 
-    from lightning_gradcomp.kernels._build import build_inputs, extension_name
-    from lightning_gradcomp.kernels._cpu_source import CPU_SOURCE
+    from lightning_gradcomp.kernels._build import build_inputs, cpu_source, extension_name
+
+    CPU_SOURCE = cpu_source()
 
     here = extension_name(CPU_SOURCE, build_inputs())
     assert here == extension_name(CPU_SOURCE, build_inputs())  # stable: the cache is found again

@@ -98,3 +98,31 @@ def test_cli_wandb_logger_without_wandb_names_the_extra(monkeypatch, capsys) -> 
     assert exit_info.value.code == 2
     assert first.startswith("gradcomp: error: Expected `wandb` to be installed for `WandbLogger`, but it is not. "
                             "Fix: pip install 'lightning_gradcomp[wandb]'"), first
+
+
+def test_package_data_ships_the_kernel_sources_and_py_typed() -> None:
+    # a non-editable install holds only the package data pyproject.toml lists: a C++ file the build reads but no
+    # glob matches would leave an installed package unable to compile its kernels (silently on the torch path)
+    from lightning_gradcomp.kernels import _build
+
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {
+        path.resolve()
+        for package, globs in package_data.items()
+        for pattern in globs
+        for path in (ROOT / package.replace(".", "/")).glob(pattern)
+    }
+    needed = [_build.SOURCE_DIR / name for name in (*_build._HEADERS, *_build._SOURCES)]
+    assert needed and all(path.is_file() for path in needed)
+    assert {path.resolve() for path in needed} <= shipped
+    assert (ROOT / "lightning_gradcomp" / "py.typed").resolve() in shipped
+
+
+def test_ci_lints_and_type_checks_the_library_after_the_install() -> None:
+    # the lint steps run in the venv the README's install line activated, from the `lint` extra, before the tests
+    lint = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["lint"]
+    assert {re.split(r"[<>=!~ \[]", r)[0] for r in lint} == {"ruff", "mypy"}
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    install = next(i for i, line in enumerate(ci) if line.startswith("python3 -m venv .venv && "))
+    steps = [ci.index(step) for step in ('pip install -e ".[lint]"', "ruff check lightning_gradcomp", "mypy")]
+    assert install < steps[0] < steps[1] < steps[2] < ci.index("python -m pytest -q tests")

@@ -1,0 +1,234 @@
+// Selection for Gradient Dropping, AdaComp, top-k and DGC: sampling, thresholds, bin maxima, sparse decode-sum.
+#include "common.h"
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------
+// Selection
+
+// |x| at strided (mode 0: i * (n / S)) or hashed random (mode 1: hash(i) % n) positions
+torch::Tensor sample_abs(torch::Tensor x, int64_t size, int64_t mode, int64_t k0, int64_t k1) {
+  check_f32(x, "x");
+  const int64_t n = x.numel();
+  auto out = torch::empty({size}, torch::kFloat32);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t stride = std::max<int64_t>(1, n / std::max<int64_t>(1, size));
+  for (int64_t i = 0; i < size; ++i) {
+    int64_t j = mode == 0 ? i * stride : (int64_t)(hash_index((uint32_t)i, (uint32_t)k0, (uint32_t)k1) % (uint64_t)n);
+    op[i] = std::fabs(xp[j]);
+  }
+  return out;
+}
+
+// the k-th smallest (0-based) value: an exact order statistic, like torch.kthvalue(sample, k + 1), NaN ranked above
+// every number as torch ranks it (a plain `<` is no strict weak order with NaN: nth_element's result is then arbitrary)
+double kth_smallest(torch::Tensor sample, int64_t k) {
+  check_f32(sample, "sample");
+  std::vector<float> v(sample.data_ptr<float>(), sample.data_ptr<float>() + sample.numel());
+  TORCH_CHECK(k >= 0 && k < (int64_t)v.size(), "k out of range");
+  std::nth_element(v.begin(), v.begin() + k, v.end(), [](float a, float b) { return a < b || (a == a && b != b); });
+  return (double)v[k];
+}
+
+// whether |x| = a passes thr: a > thr (ge: a >= thr); with nan, also when unordered (a NaN |x|, or a NaN thr):
+// "not at or below the threshold", Gradient Dropping's drop rule inverted
+template <bool ge, bool nan>
+inline bool passes(float a, float thr) {
+  return nan ? !(ge ? a < thr : a <= thr) : (ge ? a >= thr : a > thr);
+}
+template <bool ge, bool nan>
+inline i8v passes8(f8 a, f8 tv) {
+  if constexpr (nan && ge) return ~(a < tv);
+  if constexpr (nan && !ge) return ~(a <= tv);
+  if constexpr (!nan && ge) return a >= tv;
+  return a > tv;
+}
+
+// indices base + i of the |x[i]| that pass thr (see passes) for i < len, ascending, into out (room for len); returns
+// the count. Groups of 16 are tested at vector speed and scanned only when one of them is selected.
+template <bool ge, bool nan>
+inline int select_tile_impl(const float* x, int len, float thr, int32_t base, int32_t* out) {
+  const f8 tv = f8{} + thr;
+  int c = 0, g = 0;
+  for (; g + 16 <= len; g += 16) {
+    f8 a0 = abs8(load8(x + g)), a1 = abs8(load8(x + g + 8));
+    i8v hit = passes8<ge, nan>(a0, tv) | passes8<ge, nan>(a1, tv);
+    uint64_t words[4];
+    std::memcpy(words, &hit, sizeof words);
+    if (!(words[0] | words[1] | words[2] | words[3])) continue;
+    for (int j = g; j < g + 16; ++j) {  // branch-free compaction: no mispredicted branches
+      out[c] = base + j;
+      c += passes<ge, nan>(std::fabs(x[j]), thr);
+    }
+  }
+  for (; g < len; ++g) {
+    if (passes<ge, nan>(std::fabs(x[g]), thr)) out[c++] = base + g;
+  }
+  return c;
+}
+
+// Gradient Dropping's survivors: not |x| <= thr (so a NaN survives), or with inclusive not |x| < thr
+LGC_CLONES int select_tile_gt_nan(const float* x, int len, float thr, int32_t base, int32_t* out) {
+  return select_tile_impl<false, true>(x, len, thr, base, out);
+}
+
+LGC_CLONES int select_tile_ge_nan(const float* x, int len, float thr, int32_t base, int32_t* out) {
+  return select_tile_impl<true, true>(x, len, thr, base, out);
+}
+
+// AdaComp's selection |H| >= gmax (ordered: a NaN is not selected, as torch's comparison)
+LGC_CLONES int select_tile_ge(const float* x, int len, float thr, int32_t base, int32_t* out) {
+  return select_tile_impl<true, false>(x, len, thr, base, out);
+}
+
+// (int32 index, float32 value) of the entries not at or below the threshold: |x| > threshold or NaN (inclusive:
+// |x| >= threshold or NaN), in ascending index order
+std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold, bool inclusive) {
+  check_f32(x, "x");
+  const int64_t n = x.numel();
+  TORCH_CHECK(n < (int64_t(1) << 31), "select_above: more than 2^31 elements");
+  const float* xp = x.data_ptr<float>();
+  const float thr = (float)threshold;
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  std::vector<std::vector<int32_t>> idx(tiles);
+  at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
+    // one tile-sized scratch per task, and per tile only what it selected: a full-tile vector per tile held
+    // n * 4 bytes at once, fresh heap memory that glibc returned to the kernel after every call, so each call
+    // page-faulted it in again (select of 16M elements: 25 ms, about 6x the time to read the input)
+    std::vector<int32_t> scratch(kTile);
+    for (int64_t t = tb; t < te; ++t) {
+      int64_t b = t * kTile, e = std::min(n, b + kTile);
+      int c = (inclusive ? select_tile_ge_nan : select_tile_gt_nan)(xp + b, (int)(e - b), thr, (int32_t)b, scratch.data());
+      idx[t].assign(scratch.begin(), scratch.begin() + c);
+    }
+  });
+  std::vector<int64_t> start(tiles + 1, 0);
+  for (int64_t t = 0; t < tiles; ++t) start[t + 1] = start[t] + (int64_t)idx[t].size();
+  auto oi = torch::empty({start[tiles]}, torch::kInt32);
+  auto ov = torch::empty({start[tiles]}, torch::kFloat32);
+  int32_t* oip = oi.data_ptr<int32_t>();
+  float* ovp = ov.data_ptr<float>();
+  at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
+    for (int64_t t = tb; t < te; ++t) {
+      const auto& v = idx[t];
+      for (size_t r = 0; r < v.size(); ++r) {
+        oip[start[t] + r] = v[r];
+        ovp[start[t] + r] = xp[v[r]];
+      }
+    }
+  });
+  return {oi, ov};
+}
+
+LGC_CLONES float absmax(const float* x, int64_t len) {
+  f8 m = {0};
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    m = nanmax8(m, abs8(load8(x + i)));
+  }
+  float M = 0;
+  for (int l = 0; l < 8; ++l) M = nanmax(M, m[l]);
+  for (; i < len; ++i) M = nanmax(M, std::fabs(x[i]));
+  return M;
+}
+
+torch::Tensor bin_absmax(torch::Tensor x, int64_t bin) {
+  check_f32(x, "x");
+  const int64_t n = x.numel();
+  const int64_t bins = (n + bin - 1) / bin;
+  auto out = torch::empty({bins}, torch::kFloat32);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, bins, grain(bin), [&](int64_t bb, int64_t be) {
+    for (int64_t b = bb; b < be; ++b) op[b] = absmax(xp + b * bin, std::min(n, (b + 1) * bin) - b * bin);
+  });
+  return out;
+}
+
+// AdaComp in one pass per bin: gmax = max|G| over the bin, select |H| >= gmax.
+// Returns (binmax f32[bins], counts int32[bins], index int32[K] absolute, value f32[K] = G at index).
+std::vector<torch::Tensor> adacomp_select(torch::Tensor G, torch::Tensor H, int64_t bin) {
+  check_f32(G, "G");
+  check_f32(H, "H");
+  const int64_t n = G.numel();
+  TORCH_CHECK(H.numel() == n, "G and H differ in size");
+  TORCH_CHECK(n < (int64_t(1) << 31), "adacomp_select: more than 2^31 elements");
+  const int64_t bins = (n + bin - 1) / bin;
+  const int64_t per_group = std::max<int64_t>(1, kTile / bin);  // bins per work group
+  const int64_t groups = (bins + per_group - 1) / per_group;
+  auto gmax = torch::empty({bins}, torch::kFloat32);
+  auto counts = torch::empty({bins}, torch::kInt32);
+  const float* gp = G.data_ptr<float>();
+  const float* hp = H.data_ptr<float>();
+  float* mp = gmax.data_ptr<float>();
+  int32_t* cp = counts.data_ptr<int32_t>();
+  std::vector<std::vector<int32_t>> idx(groups);
+  at::parallel_for(0, groups, grain(per_group * bin), [&](int64_t gb, int64_t ge) {
+    std::vector<int32_t> scratch(per_group * bin);  // reused by the task's groups (see select_above)
+    for (int64_t g = gb; g < ge; ++g) {
+      int64_t kept = 0;
+      for (int64_t b = g * per_group; b < std::min(bins, (g + 1) * per_group); ++b) {
+        int64_t s = b * bin, e = std::min(n, s + bin);
+        float thr = absmax(gp + s, e - s);
+        mp[b] = thr;
+        int c = select_tile_ge(hp + s, (int)(e - s), thr, (int32_t)s, scratch.data() + kept);
+        kept += c;
+        cp[b] = c;
+      }
+      idx[g].assign(scratch.begin(), scratch.begin() + kept);
+    }
+  });
+  std::vector<int64_t> start(groups + 1, 0);
+  for (int64_t g = 0; g < groups; ++g) start[g + 1] = start[g] + (int64_t)idx[g].size();
+  auto oi = torch::empty({start[groups]}, torch::kInt32);
+  auto ov = torch::empty({start[groups]}, torch::kFloat32);
+  int32_t* oip = oi.data_ptr<int32_t>();
+  float* ovp = ov.data_ptr<float>();
+  for (int64_t g = 0; g < groups; ++g)
+    for (size_t r = 0; r < idx[g].size(); ++r) {
+      oip[start[g] + r] = idx[g][r];
+      ovp[start[g] + r] = gp[idx[g][r]];
+    }
+  return {gmax, counts, oi, ov};
+}
+
+// dense float32[n] = sum over payloads, in the given (rank) order, of values scattered at indices.
+// The order over payloads is fixed (and within a payload, repeated indices add in order), so every rank
+// gets the same bits.
+template <typename I>
+void scatter_add(float* out, int64_t n, const I* ip, const float* vp, int64_t k, size_t r) {
+  bool ascending = true;
+  for (int64_t j = 0; j < k; ++j) {
+    TORCH_CHECK(ip[j] >= 0 && (int64_t)ip[j] < n, "index ", (int64_t)ip[j], " out of range [0, ", n, ") in payload ", r);
+    ascending &= j == 0 || ip[j] > ip[j - 1];
+  }
+  if (ascending) {  // distinct indices: threads never touch the same element
+    at::parallel_for(0, k, 8 * kTile, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) out[ip[j]] += vp[j];
+    });
+  } else {  // repeated indices add up in payload order, as index_add_ does on CPU
+    for (int64_t j = 0; j < k; ++j) out[ip[j]] += vp[j];
+  }
+}
+
+torch::Tensor sparse_decode_sum(int64_t n, std::vector<torch::Tensor> indices, std::vector<torch::Tensor> values,
+                                torch::Tensor out_) {
+  TORCH_CHECK(indices.size() == values.size(), "indices and values differ in count");
+  auto out = output(out_, n);
+  out.zero_();
+  float* op = out.data_ptr<float>();
+  for (size_t r = 0; r < indices.size(); ++r) {
+    auto idx = indices[r].contiguous();
+    if (idx.scalar_type() != torch::kInt32) idx = idx.to(torch::kInt64);
+    auto val = values[r].to(torch::kFloat32).contiguous();
+    TORCH_CHECK(idx.numel() == val.numel(), "payload ", r, ": indices and values differ in length");
+    if (idx.scalar_type() == torch::kInt32)
+      scatter_add(op, n, idx.data_ptr<int32_t>(), val.data_ptr<float>(), idx.numel(), r);
+    else
+      scatter_add(op, n, idx.data_ptr<int64_t>(), val.data_ptr<float>(), idx.numel(), r);
+  }
+  return out;
+}
+
+}  // namespace
