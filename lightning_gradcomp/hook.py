@@ -41,6 +41,7 @@ from lightning_gradcomp.guard import (
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.planner import BucketPlan
 from lightning_gradcomp.stats import NO_TIMER, HookStats
 
 
@@ -83,7 +84,7 @@ class GradCompState:
             while it is set.
         planner: a :class:`~lightning_gradcomp.planner.CollectivePlanner` that picks each bucket's collective
             from a cost model of the link (``None``: always compress, the compressor's own collective).
-        plain_names: names the planner currently sends as plain fp32 (compression would not pay).
+        bucket_plan: the planner's plan of the bucket being exchanged (``None``: no planner, or nothing to plan).
         stats: where the hook records times and captured statistics for a monitor (``None``: not monitored).
         pipeline_bytes: bytes of input per pipelined group within a bucket (``None``: the whole bucket in one
             group). Each group gets its own collectives; results are identical either way.
@@ -115,7 +116,7 @@ class GradCompState:
     per_rank: Optional[dict[str, list[Tensor]]] = None
     dense: bool = False
     planner: Optional[Any] = None
-    plain_names: set[str] = field(default_factory=set)
+    bucket_plan: Optional[BucketPlan] = None
     #: further per-rank state saved with the checkpoint: name -> object with ``state_dict``/``load_state_dict``
     #: (e.g. WeightGrad's synchronizer: accumulators, staleness counters, G_thresh)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -133,8 +134,10 @@ class GradCompState:
     hierarchy: Optional[Any] = None
 
     def compressor_for(self, name: str) -> Compressor:
-        if self.dense or name in self.float_names or name in self.plain_names:
+        if self.dense or name in self.float_names:
             return self.identity
+        if self.bucket_plan is not None:
+            return self.bucket_plan.compressor_for(self.compressor, self.identity)
         return self.compressor
 
     def bytes_per_step(self) -> int:
@@ -244,7 +247,7 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
     grads = bucket.gradients()
     names = [state.names[id(p)] for p in bucket.parameters()]
     if state.planner is not None:  # may run one small agreed all-reduce the first time it sees this bucket
-        state.planner.apply(state, names, grads)
+        state.bucket_plan = state.planner.plan(state, names, grads)
 
     # non-finite guard: decided identically on every rank before transforms and residuals see the gradient
     if bucket.index() == 0:
