@@ -26,7 +26,8 @@ import copy
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence, Set
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
@@ -48,7 +49,7 @@ class PlannerContext(Protocol):
     def compressor(self) -> Compressor: ...
 
     @property
-    def float_names(self) -> Set[str]: ...
+    def float_names(self) -> AbstractSet[str]: ...
 
     @property
     def world_size(self) -> int: ...

@@ -166,10 +166,10 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         ranks) int8 ternaries all-reduced. An explicit ``collective`` is the user's choice: nothing to choose."""
         if self.collective != "auto":
             return ()
-        variants = (CollectiveVariant("allgather", Aggregation.GATHER),)
+        variants = [CollectiveVariant("allgather", Aggregation.GATHER)]
         if self.scaler_share == "max" and world_size <= _INT8_MAX_RANKS:
-            variants += (CollectiveVariant("allreduce_int8", Aggregation.SUM),)
-        return variants
+            variants.append(CollectiveVariant("allreduce_int8", Aggregation.SUM))
+        return tuple(variants)
 
     def _variant(self, name: str) -> "TernGrad":
         view = self._views.get(name)

@@ -7,13 +7,14 @@ import torch
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping, TernGrad
-from lightning_gradcomp.compressors.backends import KernelBacked
+from lightning_gradcomp.compressors.backends import Backend, KernelBacked
 
-MAKERS: dict[str, Callable[[str], KernelBacked]] = {
-    "terngrad": lambda backend: TernGrad(backend=backend),  # type: ignore[arg-type]
-    "graddrop": lambda backend: GradientDropping(backend=backend),  # type: ignore[arg-type]
-    "adacomp": lambda backend: AdaComp(backend=backend),  # type: ignore[arg-type]
+MAKERS: dict[str, Callable[[Backend], KernelBacked]] = {
+    "terngrad": lambda backend: TernGrad(backend=backend),
+    "graddrop": lambda backend: GradientDropping(backend=backend),
+    "adacomp": lambda backend: AdaComp(backend=backend),
 }
+EXPLICIT: tuple[Backend, ...] = ("torch", "fused")
 
 
 def _round_trip(comp: KernelBacked, x: torch.Tensor) -> None:
@@ -28,8 +29,13 @@ def _round_trip(comp: KernelBacked, x: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("key", sorted(MAKERS))
 def test_auto_asks_for_the_kernels_once_in_setup_and_never_per_call(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    asked = []
-    monkeypatch.setattr(kernels, "fused_available", lambda: asked.append(1) or False)
+    asked: list[int] = []
+
+    def fused_available() -> bool:
+        asked.append(1)
+        return False
+
+    monkeypatch.setattr(kernels, "fused_available", fused_available)
     comp = MAKERS[key]("auto")
     assert comp.chosen_backend is None and not asked  # constructing compiles nothing
     comp.setup(0, 2, torch.device("cpu"))
@@ -42,7 +48,7 @@ def test_auto_asks_for_the_kernels_once_in_setup_and_never_per_call(key: str, mo
 
 @pytest.mark.parametrize("key", sorted(MAKERS))
 def test_an_explicit_backend_is_what_setup_chooses(key: str) -> None:
-    for backend in ("torch", "fused"):
+    for backend in EXPLICIT:
         comp = MAKERS[key](backend)
         comp.setup(0, 2, torch.device("cpu"))
         assert comp.chosen_backend == backend and comp.describe()["backend"] == backend

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import GradientDropping, Identity, TernGrad
+from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant
 from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.planner import BucketPlan
@@ -44,7 +45,7 @@ def test_a_variant_travels_its_way_and_leaves_the_compressor_as_it_was() -> None
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_views_draw_from_the_compressors_own_streams(backend: str) -> None:
+def test_views_draw_from_the_compressors_own_streams(backend: Backend) -> None:
     """Buckets alternating between variants draw the same random streams as one compressor would."""
     mixed = _set_up(TernGrad(backend=backend, seed=3))
     plain = _set_up(TernGrad(backend=backend, seed=3, collective="allgather"))
