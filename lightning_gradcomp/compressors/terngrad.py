@@ -112,12 +112,12 @@ class TernGrad(KernelBacked[FusedTernGrad]):
 
     # -- setup and state --------------------------------------------------------------------------------
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
-        super().setup(rank, world_size, device)
         if self.collective == "allreduce_int8" and world_size > _INT8_MAX_RANKS:
             raise ValueError(
                 f"`collective='allreduce_int8'` overflows int8 beyond {_INT8_MAX_RANKS} ranks, but the world size is "
                 f"{world_size}. Fix: use `collective='allgather'` or `'auto'`."
             )
+        super().setup(rank, world_size, device)  # chooses the backend (may load the kernels): after the checks
         self._streams.reset(rank)
         self._keys.reset(rank)  # the fused backend's counters start afresh too
         self._fused_impl.forget()
