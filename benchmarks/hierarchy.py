@@ -56,7 +56,7 @@ def build(model: str, width: int) -> tuple[nn.Module, Any]:
 def run(model_name: str, strategy: str, args: argparse.Namespace) -> dict[str, Any]:
     from lightning_gradcomp import GradCompState, gradcomp_hook, registry
     from lightning_gradcomp.hierarchy import hierarchical_hook, new_site_exchange
-    from lightning_gradcomp.weightgrad.sites import site_layout
+    from lightning_gradcomp.sites import site_layout
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, loss = build(model_name, args.mlp_width)

@@ -163,7 +163,7 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
                     f"the Trainer."
                 )
             self._momentum = entry.momentum
-        entry.transform = entry.make_transform(self)  # type: ignore[arg-type]  (it reads compressor and transforms)
+        entry.transform = entry.make_transform(self)
         self.add_transform(entry.transform)
 
     @override

@@ -19,13 +19,13 @@ share's owner, keyed by parameter name as before; the checkpoint saves every ran
 The non-finite guard sees the whole site-summed bucket (a NaN on any rank of any site reaches every cross-site
 group) and every rank checks the whole decoded bucket, so every rank skips the same steps.
 
-Sites are contiguous blocks of global ranks (:mod:`lightning_gradcomp.weightgrad.sites`); all sites must have the
+Sites are contiguous blocks of global ranks (:mod:`lightning_gradcomp.sites`); all sites must have the
 same size so that every local index has one rank in every site.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,9 @@ from torch import Tensor
 from lightning_gradcomp import comm
 from lightning_gradcomp.guard import observe_decoded
 from lightning_gradcomp.hook import GradCompState, _exchange_bucket
+from lightning_gradcomp.sites import SiteLayout, new_site_groups, site_layout
 from lightning_gradcomp.validation import check_choice, check_int
 
-if TYPE_CHECKING:
-    from lightning_gradcomp.weightgrad.sites import SiteLayout
-
-# lightning_gradcomp.weightgrad.sites is imported where used: importing the weightgrad package imports the strategy,
-# which imports this module
 
 Hierarchy = Literal["node"]
 HIERARCHIES = ("node",)
@@ -55,14 +51,13 @@ class HierarchySpec:
     site_size: Optional[int] = None
     site_sizes: Optional[tuple[int, ...]] = None
 
-    def layout(self, world_size: int, num_nodes: int) -> "SiteLayout":
+    def layout(self, world_size: int, num_nodes: int) -> SiteLayout:
         """The site layout for this run.
 
         Raises:
             ValueError: the sizes do not add up to the world size, a site holds one rank, there is one site only,
                 or the sites differ in size.
         """
-        from lightning_gradcomp.weightgrad.sites import site_layout
 
         layout = site_layout(world_size, num_nodes, self.site_size, self.site_sizes)
         arg, value = self.argument()
@@ -159,7 +154,7 @@ class SiteExchange:
             exchanges, counted as the tensor each all-reduce takes).
     """
 
-    layout: "SiteLayout"
+    layout: SiteLayout
     site: int
     local_rank: int
     site_group: Optional[dist.ProcessGroup]
@@ -185,12 +180,11 @@ def owned_names(sizes: Sequence[tuple[str, int]], shares: int, share: int) -> fr
     return frozenset(name for name, _ in sizes[start:end])
 
 
-def new_site_exchange(layout: "SiteLayout", rank: int, sizes: Sequence[tuple[str, int]]) -> SiteExchange:
+def new_site_exchange(layout: SiteLayout, rank: int, sizes: Sequence[tuple[str, int]]) -> SiteExchange:
     """Create the site groups and the cross-site groups; every rank must call this, in the same order.
 
     ``sizes``: every parameter that goes through the hook, (name, bytes) in the model's order.
     """
-    from lightning_gradcomp.weightgrad.sites import new_site_groups
 
     groups = new_site_groups(layout, rank)
     k = layout.sizes[0]
@@ -240,7 +234,8 @@ def hierarchical_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.fu
 
 
 def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    site: SiteExchange = state.hierarchy
+    site = state.hierarchy
+    assert isinstance(site, SiteExchange), "hierarchical_hook needs a hook state built with `hierarchy=`"
     buffer = bucket.buffer()
     k = site.site_size
     skipping = state.step_nonfinite and bucket.index() != 0  # decided on every rank alike: no collective needed

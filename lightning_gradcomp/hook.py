@@ -324,7 +324,7 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
             return comm.completed(bucket.buffer().fill_(float("nan")))
         _observe_inputs(state, grads, inputs, names, route)
 
-    decoders = []
+    decoders: list[Callable[[], None]] = []
     futures: list[torch.futures.Future] = []
     for chunk in pipeline_chunks([x.numel() * x.element_size() for x in inputs], state.pipeline_bytes):
         # compress one chunk, then launch its collectives before compressing the next: the next chunk's
@@ -396,7 +396,7 @@ def _concat(state: GradCompState, key: tuple[object, ...], parts: Sequence[Tenso
     """``parts`` (1-D, one dtype) concatenated into a reused buffer of ``numel >= sum`` elements, zero-padded."""
     used = sum(p.numel() for p in parts)
     flat = state.scratch.take(key, numel, parts[0].dtype, parts[0].device)
-    torch.cat(parts, out=flat[:used])
+    torch.cat(list(parts), out=flat[:used])
     if numel > used:
         flat[used:].zero_()
     return flat

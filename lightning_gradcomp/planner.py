@@ -1,14 +1,19 @@
 """Per-bucket choice of collective from the cost model: compress only where it pays on this link.
 
 The hook consults a :class:`CollectivePlanner` at the top of each bucket. The first time a bucket (a tuple of
-parameter names) is seen, the planner probes a copy of the compressor on the bucket's gradients (exact bytes
-on the wire and measured compress/decode seconds, or the supplied per-element cost), agrees the numbers with
-the other ranks (one small max all-reduce, issued from the hook body like every collective), and asks
-:func:`lightning_gradcomp.costmodel.choose` for the fastest of:
+parameter names) is seen, the planner probes a copy of the compressor on the bucket's gradients, once per
+collective variant the compressor declares (:meth:`~lightning_gradcomp.compressors.base.Compressor.collectives`;
+the compressor as it is when it declares none): exact bytes on the wire and measured compress/decode seconds, or
+the supplied per-element cost. It agrees the numbers with the other ranks (one small max all-reduce, issued
+from the hook body like every collective), and asks :func:`lightning_gradcomp.costmodel.choose` for the fastest of:
 
 * ``allreduce_fp32``: compression off for this bucket (plain all-reduce of the float gradient);
 * ``allgather``: all-gather of packed payloads (gather-only compressors, TernGrad's packed form);
 * ``allreduce_<dtype>``: all-reduce of summable payloads (TernGrad's int8 sums with a shared scaler, ...).
+
+The planner returns its choice as a :class:`BucketPlan`; the hook sends the bucket's compressed layers through
+:meth:`BucketPlan.compressor_for` (plain fp32, or the compressor travelling as the chosen variant). The planner
+changes neither the compressor nor the hook's state.
 
 The choice is cached per bucket, logged once at INFO and counted in ``GradCompState.collectives`` as
 ``plan_<choice>`` on every call. Every rank sees the same agreed numbers, so ranks given the same link make the
@@ -21,32 +26,67 @@ import copy
 import logging
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant, Compressor
+from lightning_gradcomp.ledger import Ledger
 from lightning_gradcomp.costmodel import ALLREDUCE_FP32, Candidate, CollectivePlan, CompressionCost, Link, Network, choose
-
-if TYPE_CHECKING:
-    from lightning_gradcomp.hook import GradCompState
 
 log = logging.getLogger(__name__)
 
-# TernGrad-style compressors expose `collective="auto"`; the planner picks the concrete one per bucket
-_SWITCHABLE = {"allgather": "allgather", "allreduce_int8": "allreduce_int8"}
+
+class PlannerContext(Protocol):
+    """What the planner reads of the hook's state (:class:`~lightning_gradcomp.hook.GradCompState` is one), and
+    the ledger it counts its own collectives in."""
+
+    @property
+    def compressor(self) -> Compressor: ...
+
+    @property
+    def float_names(self) -> AbstractSet[str]: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]: ...
+
+    @property
+    def ledger(self) -> Ledger: ...
 
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """What the planner decided for one bucket."""
+    """What the planner decided for one bucket.
+
+    Attributes:
+        choice: the winning candidate: ``"allreduce_fp32"`` (compression off) or the compressed form's name.
+        collective: the compressor's variant to travel as (a name from its ``collectives``); ``None`` when
+            compression is off or the compressor declares no variants (it travels as it is).
+        seconds: the cost model's estimate per candidate.
+    """
 
     choice: str
-    override: Optional[str]  # value set on the compressor's `collective` attribute, if switchable
+    collective: Optional[str]
     seconds: dict[str, float]
+
+    @property
+    def plain(self) -> bool:
+        """Whether the bucket's layers go uncompressed (compression would not pay)."""
+        return self.choice == ALLREDUCE_FP32
+
+    def compressor_for(self, compressor: Compressor, plain: Compressor) -> Compressor:
+        """What the bucket's compressed layers use: ``plain`` (the fp32 identity) when compression is off, else
+        ``compressor`` travelling as the chosen variant."""
+        if self.plain:
+            return plain
+        return compressor if self.collective is None else compressor.for_collective(self.collective)
 
 
 def _now() -> float:
@@ -69,16 +109,10 @@ class CollectivePlanner:
             raise ValueError(f"Expected `cost` to be a CompressionCost or None, but got {cost!r}.")
         self.cost = cost
         self.plans: dict[tuple[str, ...], BucketPlan] = {}
-        self._switchable: Optional[bool] = None
 
-    def _is_switchable(self, compressor: Compressor) -> bool:
-        if self._switchable is None:
-            # only a compressor left on "auto" is switched: an explicit user choice is kept
-            self._switchable = getattr(compressor, "collective", None) == "auto"
-        return self._switchable
-
-    def apply(self, state: "GradCompState", names: Sequence[str], grads: Sequence[Tensor]) -> Optional[BucketPlan]:
-        """Decide (first time) and apply (every time) the plan of the bucket holding ``names``.
+    def plan(self, state: PlannerContext, names: Sequence[str], grads: Sequence[Tensor]) -> Optional[BucketPlan]:
+        """The plan of the bucket holding ``names``: decided the first time, then cached; ``None`` when every
+        layer of the bucket is kept in fp32 anyway. Counts ``plan_<choice>`` in ``state.ledger``.
 
         Called from the hook body, before anything else, identically on every rank.
         """
@@ -89,32 +123,21 @@ class CollectivePlanner:
             if plan is None:
                 return None
             self.plans[key] = plan
-        state.router.follow_plan(names, plain=plan.choice == ALLREDUCE_FP32)
-        if plan.choice != ALLREDUCE_FP32:
-            if plan.override is not None:
-                state.compressor.collective = plan.override  # type: ignore[attr-defined]
         state.ledger.count(f"plan_{plan.choice}")
         return plan
 
     # -- decision -------------------------------------------------------------------------------------
-    def _variants(self, state: "GradCompState") -> list[Optional[str]]:
-        compressor = state.compressor
-        if not self._is_switchable(compressor):
-            return [None]
-        variants: list[Optional[str]] = ["allgather"]
-        if getattr(compressor, "scaler_share", "max") == "max" and state.world_size <= 127:
-            variants.append("allreduce_int8")
-        return variants
-
-    def _probe(self, state: "GradCompState", override: Optional[str], inputs: Sequence[Tensor], names: Sequence[str]) -> tuple[str, str, float, float, float, int]:
+    def _probe(
+        self, state: PlannerContext, variant: Optional[CollectiveVariant], inputs: Sequence[Tensor], names: Sequence[str]
+    ) -> tuple[str, str, float, float, float, int]:
         """One variant on a copy of the compressor: (name, collective, bytes, encode s, decode s, rounds)."""
         try:
             probe = copy.deepcopy(state.compressor)
         except Exception:  # a compressor holding something uncopyable: a fresh set-up copy is equivalent
             probe = copy.copy(state.compressor)
         probe.setup(state.compressor.rank, state.world_size, inputs[0].device)
-        if override is not None:
-            probe.collective = override  # type: ignore[attr-defined]
+        if variant is not None:
+            probe = probe.for_collective(variant.name)
         aggregation = probe.aggregation_for(state.world_size)
         # warm-up on a small slice: first calls pay one-time costs (allocator, lookup tables) that would
         # dominate a small bucket's timing
@@ -133,24 +156,27 @@ class CollectivePlanner:
         decode = _now() - start
         nbytes = sum(p.nbytes for p in packets)
         rounds = 1 if any(probe.local_statistic(x, n) is not None for x, n in zip(inputs[:1], names[:1])) else 0
-        if aggregation is Aggregation.GATHER:
-            label, collective = "allgather", "allgather"
+        collective = "allgather" if aggregation is Aggregation.GATHER else "allreduce"
+        if variant is not None:
+            label = variant.name
+        elif aggregation is Aggregation.GATHER:
+            label = "allgather"
         else:
-            dtype = str(packets[0].payload.dtype).removeprefix("torch.")
-            label, collective = f"allreduce_{dtype}", "allreduce"
+            label = f"allreduce_{str(packets[0].payload.dtype).removeprefix('torch.')}"
         return label, collective, float(nbytes), encode, decode, rounds
 
-    def _decide(self, state: "GradCompState", names: Sequence[str], grads: Sequence[Tensor]) -> Optional[BucketPlan]:
+    def _decide(self, state: PlannerContext, names: Sequence[str], grads: Sequence[Tensor]) -> Optional[BucketPlan]:
         idx = [i for i, n in enumerate(names) if n not in state.float_names]
         if not idx:
             return None
         inputs = [grads[i].detach() for i in idx]
         sub_names = [names[i] for i in idx]
         numel = sum(x.numel() for x in inputs)
-        variants = self._variants(state)
+        # the declared variants, or the compressor as it is
+        variants: list[Optional[CollectiveVariant]] = list(state.compressor.collectives(state.world_size)) or [None]
         probes = [self._probe(state, v, inputs, sub_names) for v in variants]
         numbers = []
-        for label, collective, nbytes, encode, decode, _ in probes:
+        for _label, collective, nbytes, encode, decode, _ in probes:
             if self.cost is not None:
                 encode = self.cost.encode * numel
                 decode = self.cost.decode * numel * (state.world_size if collective == "allgather" else 1)
@@ -167,9 +193,10 @@ class CollectivePlanner:
         plan = choose(candidates, state.world_size, self.network)
         if state.world_size > 1:
             plan = self._agree(state, plan, [c.name for c in candidates])
-        override = None
-        if plan.choice != ALLREDUCE_FP32 and variants != [None]:
-            override = variants[[p[0] for p in probes].index(plan.choice)]
+        chosen = None
+        if plan.choice != ALLREDUCE_FP32:
+            variant = variants[[p[0] for p in probes].index(plan.choice)]
+            chosen = None if variant is None else variant.name
         log.info(
             "gradcomp: bucket of %d tensors (%d elements) on %s, %d ranks -> %s",
             len(sub_names),
@@ -178,9 +205,9 @@ class CollectivePlanner:
             state.world_size,
             plan.describe(),
         )
-        return BucketPlan(plan.choice, override, plan.seconds)
+        return BucketPlan(plan.choice, chosen, plan.seconds)
 
-    def _agree(self, state: "GradCompState", plan: CollectivePlan, names: list[str]) -> CollectivePlan:
+    def _agree(self, state: PlannerContext, plan: CollectivePlan, names: list[str]) -> CollectivePlan:
         """Every rank's choice, made the same: the ranks vote, and a split vote takes the earliest chosen candidate.
 
         The agreed numbers make the choice identical when every rank is given the same link; a rank given

@@ -7,12 +7,13 @@ three; the hook asks it once per bucket (:meth:`Router.route`) and uses the answ
 """
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from typing import Optional
 
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.planner import BucketPlan, CollectivePlanner, PlannerContext
 
 
 class Router:
@@ -31,13 +32,12 @@ class Router:
         compressor: Compressor,
         float_names: Iterable[str] = frozenset(),
         identity: Optional[Compressor] = None,
-        planner: Optional[Any] = None,
+        planner: Optional[CollectivePlanner] = None,
     ) -> None:
         self.compressor = compressor
         self.float_names = frozenset(float_names)
         self.identity: Compressor = Identity() if identity is None else identity
         self.planner = planner
-        self._plain: set[str] = set()  # the planner's: compression would not pay for these on this link
         self._dense = False
 
     @property
@@ -49,26 +49,18 @@ class Router:
         """Send every layer in fp32 from the next bucket on; must be set identically on every rank before backward."""
         self._dense = bool(dense)
 
-    def follow_plan(self, names: Iterable[str], plain: bool) -> None:
-        """The planner's decision for a bucket's compressed layers: fp32 (``plain``) or the compressor."""
-        compressed = [n for n in names if n not in self.float_names]
-        if plain:
-            self._plain.update(compressed)
-        else:
-            self._plain.difference_update(compressed)
-
     def is_float(self, name: str) -> bool:
         """Whether the user excluded ``name`` from compression (transforms may skip such layers)."""
         return name in self.float_names
 
-    def compressor_for(self, name: str) -> Compressor:
-        """The compressor ``name`` uses under the current decisions."""
-        if self._dense or name in self.float_names or name in self._plain:
-            return self.identity
-        return self.compressor
-
-    def route(self, state: Any, names: Sequence[str], grads: Sequence[Tensor]) -> list[Compressor]:
+    def route(self, state: PlannerContext, names: Sequence[str], grads: Sequence[Tensor]) -> list[Compressor]:
         """Each layer's compressor for this bucket, after the planner (first time: one small agreed all-reduce)."""
-        if self.planner is not None:
-            self.planner.apply(state, names, grads)
-        return [self.compressor_for(n) for n in names]
+        plan = None if self.planner is None else self.planner.plan(state, names, grads)
+        return self.route_with(plan, names)
+
+    def route_with(self, plan: Optional[BucketPlan], names: Sequence[str]) -> list[Compressor]:
+        """Each layer's compressor under ``plan`` (``None``: no planner): fp32 for exclusions and a dense warm-up,
+        else what the plan chose for the bucket (the identity where compression would not pay, or the compressor
+        travelling as the chosen collective variant)."""
+        bucket = self.compressor if plan is None else plan.compressor_for(self.compressor, self.identity)
+        return [self.identity if self._dense or n in self.float_names else bucket for n in names]

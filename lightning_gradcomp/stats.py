@@ -88,9 +88,10 @@ class _Clock:
         return time.perf_counter()
 
     def seconds(self, start: _Mark, end: _Mark) -> float:
-        if self.cuda:
-            return start.elapsed_time(end) / 1e3  # type: ignore[union-attr]
-        return end - start  # type: ignore[operator]
+        if isinstance(start, float) and isinstance(end, float):
+            return end - start
+        assert not isinstance(start, float) and not isinstance(end, float)  # one clock per run: both CUDA events
+        return start.elapsed_time(end) / 1e3
 
 
 class BucketTimer:
@@ -122,6 +123,7 @@ class BucketTimer:
 
     def decode_done(self) -> None:
         """The bucket's buffer holds the averaged gradient."""
+        assert self._launched is not None and self._decode_start is not None, "decode_done before decode_started"
         self._stats._record(self._start, self._launched, self._decode_start, self._stats._clock.mark(), self._blocking)
 
 

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
+from lightning_gradcomp.callbacks import CompressionMonitor, CompressionProgressBar
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.hierarchy import Hierarchy, hierarchical_hook, hierarchy_spec, new_site_exchange
@@ -151,7 +152,9 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/Gloo too.
         assert isinstance(self.model, DistributedDataParallel)
-        named = {n: p for n, p in self.lightning_module.named_parameters() if p.requires_grad}
+        module = self.lightning_module
+        assert module is not None, "DDP wraps a LightningModule"
+        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         world_size = self.world_size
         if self.hierarchy is None:
             hook_world, group_rank, fields = self._hook_group()
@@ -240,14 +243,12 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        from lightning_gradcomp.callbacks import CompressionMonitor, CompressionProgressBar
-
         # compression visible without a logger: comp_ratio in the progress bar, unless a monitor already shows it
         if not any(
             isinstance(c, CompressionProgressBar) or (isinstance(c, CompressionMonitor) and c.progress_bar)
-            for c in trainer.callbacks
+            for c in trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         ):
-            trainer.callbacks.append(CompressionProgressBar())
+            trainer.callbacks.append(CompressionProgressBar())  # type: ignore[attr-defined]
         super().setup(trainer)
 
     @classmethod

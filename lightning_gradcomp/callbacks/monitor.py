@@ -34,6 +34,7 @@ from lightning_gradcomp.callbacks.progress import PROGRESS_BAR_KEY, show_compres
 from lightning_gradcomp.extras import require
 from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.stats import HookStats
+from lightning_gradcomp.wiring import HookWiring
 from lightning_gradcomp.validation import check_int
 
 PREFIX = "gradcomp"
@@ -150,11 +151,9 @@ class CompressionMonitor(Callback):
     # -- setup ----------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        from lightning_gradcomp.strategy import GradCompStrategy
-
         if stage != "fit":
             return
-        if not isinstance(trainer.strategy, GradCompStrategy):
+        if not isinstance(trainer.strategy, HookWiring):
             raise ValueError(
                 f"Expected the Trainer's strategy to be a GradCompStrategy for CompressionMonitor, but got "
                 f"{type(trainer.strategy).__name__}. Fix: use e.g. `strategy='terngrad'`, or `strategy='fp32'` to "
@@ -167,7 +166,7 @@ class CompressionMonitor(Callback):
             )
         if any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
             require("wandb", "wandb", "CompressionMonitor's W&B logging")  # before the first step, not at the first log
-        if self.logging_interval is None and trainer.log_every_n_steps == 0:
+        if self.logging_interval is None and trainer.log_every_n_steps == 0:  # type: ignore[attr-defined]  # set by Lightning's logger connector
             raise ValueError(
                 "Expected `log_every_n_steps` >= 1 for CompressionMonitor, but the Trainer has `log_every_n_steps=0` "
                 "(logging disabled). Fix: set `log_every_n_steps` or `CompressionMonitor(logging_interval=...)`."
@@ -205,12 +204,14 @@ class CompressionMonitor(Callback):
     @staticmethod
     def _config(trainer: "pl.Trainer") -> dict[str, Any]:
         strategy = trainer.strategy
-        state = getattr(strategy, "comm_state")
+        assert isinstance(strategy, HookWiring)  # checked in setup
+        state = strategy.comm_state
+        assert state is not None
         return {
-            **strategy.compressor.describe(),  # type: ignore[attr-defined]
+            **strategy.compressor.describe(),
             "world_size": trainer.world_size,
-            "exclude": list(strategy.exclude),  # type: ignore[attr-defined]
-            "min_numel": strategy.min_numel,  # type: ignore[attr-defined]
+            "exclude": list(strategy.exclude),
+            "min_numel": strategy.min_numel,
             "float_layers": sorted(state.float_names),
             "transforms": [type(t).__name__ for t in state.transforms],
         }

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.topk import DGC_PAPER_WARMUP
+from lightning_gradcomp.wiring import HookWiring
 from lightning_gradcomp.validation import check_choice, check_int
 
 Unit = Literal["epoch", "step"]
@@ -79,12 +80,10 @@ class CompressionSchedule(Callback):
 
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        from lightning_gradcomp.strategy import GradCompStrategy
-
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if not isinstance(strategy, GradCompStrategy):
+        if not isinstance(strategy, HookWiring):
             raise ValueError(
                 f"Expected the Trainer's strategy to be a GradCompStrategy for CompressionSchedule, but got "
                 f"{type(strategy).__name__}. Fix: use a registered compressor name, e.g. `strategy='dgc'`."
@@ -106,6 +105,7 @@ class CompressionSchedule(Callback):
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: object,
                              batch_idx: int) -> None:
         strategy = trainer.strategy
+        assert isinstance(strategy, HookWiring)  # checked in setup
         step, epoch = trainer.global_step, trainer.current_epoch
         self.current = self.value_at(epoch, step)
         if self.attribute is not None:

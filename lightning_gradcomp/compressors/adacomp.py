@@ -36,15 +36,9 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
+from lightning_gradcomp.compressors.backends import BACKENDS, Backend
 from lightning_gradcomp.compressors.base import Aggregation, Packet
-from lightning_gradcomp.compressors.sparse_fused import (
-    BACKENDS,
-    Backend,
-    FusedAdaComp,
-    FusedSumCompressor,
-    decode_sum,
-    fused_enabled,
-)
+from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp, FusedSumCompressor, decode_sum
 from lightning_gradcomp.sparse import (
     bin_word_bits,
     decode_bin_relative,
@@ -73,7 +67,7 @@ def layer_kind(name: str, shape: torch.Size) -> LayerKind:
     return "fc"
 
 
-class AdaComp(FusedSumCompressor):
+class AdaComp(FusedSumCompressor[FusedAdaComp]):
     """AdaComp: per-bin local selection with a soft threshold, sign x layer-scale values, residual feedback.
 
     Args:
@@ -135,7 +129,7 @@ class AdaComp(FusedSumCompressor):
         self.local_count = local_count
         self.wire = wire
         self.backend = backend
-        self._fused = FusedAdaComp(self)
+        self._offer_kernels(FusedAdaComp(scale_factor=self.scale_factor, quantizer=quantizer))
         self._gradients: dict[str, Tensor] = {}
         #: per parameter name: layer type and L_T, filled at first compression
         self.layer_kinds: dict[str, LayerKind] = {}
@@ -186,8 +180,9 @@ class AdaComp(FusedSumCompressor):
         n = g.numel()
         if n == 0:
             return g.new_zeros(0, dtype=torch.long), g.new_zeros(0, dtype=torch.long), g.new_zeros(())
-        if self.selection == "adaptive" and fused_enabled(self.backend, g.device):
-            return self._fused.select(g, dw, size)
+        fused = self._kernels(g.device)
+        if self.selection == "adaptive" and fused is not None:
+            return fused.select(g, dw, size)
         bins = self._bins(g, size)
         mag = bins.abs()
         gmax = mag.amax(dim=1)
@@ -240,7 +235,7 @@ class AdaComp(FusedSumCompressor):
             return torch.zeros(0, dtype=torch.uint8, device=scale.device)
         head = scale.float().reshape(1).view(torch.uint8)
         if self.wire == "paper":
-            if fused_enabled(self.backend, idx.device):
+            if self._kernels(idx.device) is not None:
                 return torch.cat((head, kernels.bin_words_encode(idx, values + 1, size)))
             return torch.cat((head, encode_bin_relative(idx, values + 1, size)))
         count = torch.tensor([idx.numel()], dtype=torch.int32, device=idx.device).view(torch.uint8)
@@ -260,7 +255,7 @@ class AdaComp(FusedSumCompressor):
         return idx, torch.where(signs == 1, 1.0, -1.0) * scale
 
     def decompress(self, packet: Packet) -> Tensor:
-        if self.wire == "paper" and packet.payload.numel() > 0 and fused_enabled(self.backend, packet.payload.device):
+        if self.wire == "paper" and packet.payload.numel() > 0 and self._kernels(packet.payload.device) is not None:
             # one pass; sent values are +-scale, never 0, so this equals the assignment below bit for bit
             decoded = kernels.bin_words_decode_sum(packet.numel, [packet.payload], packet.ctx["bin_size"])
             return decoded.to(packet.dtype).view(packet.shape)

@@ -10,6 +10,9 @@ Two ways to travel:
 * ``Aggregation.SUM``: payloads of all ranks can be added element-wise (all-reduce); the compressor's
   ``decompress`` is linear in the payload, so decoding the sum gives the sum of the decoded tensors.
 * ``Aggregation.GATHER``: payloads must be all-gathered and each decoded separately.
+
+A compressor that can travel either way declares its variants (:meth:`Compressor.collectives`); a planner picks
+one per bucket and uses :meth:`Compressor.for_collective` for that bucket, leaving the compressor itself as it is.
 """
 
 import enum
@@ -32,6 +35,20 @@ class Aggregation(str, enum.Enum):
 
     SUM = "sum"
     GATHER = "gather"
+
+
+@dataclass(frozen=True)
+class CollectiveVariant:
+    """One way a compressor's packets can travel, for a planner to choose between per bucket.
+
+    Attributes:
+        name: the compressor's name for it (a value of its ``collective=`` option), e.g. ``"allgather"`` or
+            ``"allreduce_int8"``; a planner reports its choice under this name.
+        aggregation: how the ranks' payloads are combined when the compressor travels this way.
+    """
+
+    name: str
+    aggregation: Aggregation
 
 
 @dataclass
@@ -132,6 +149,32 @@ class Compressor(ABC):
     def aggregation_for(self, world_size: int) -> Aggregation:
         """How this compressor travels in a group of ``world_size`` ranks (default: :attr:`aggregation`)."""
         return self.aggregation
+
+    def collectives(self, world_size: int) -> tuple[CollectiveVariant, ...]:
+        """The variants a planner may choose between per bucket in a group of ``world_size`` ranks, in a fixed
+        order (the same on every rank); empty (the default) when this compressor travels one way only, as
+        :meth:`aggregation_for` says."""
+        return ()
+
+    def for_collective(self, name: str) -> "Compressor":
+        """This compressor travelling as its variant ``name`` (one of :meth:`collectives`), for one bucket.
+
+        The result shares this compressor's per-rank state (random streams, counters, thresholds), so a run
+        draws the same streams whichever variant each bucket takes; it is neither set up nor checkpointed on its
+        own, and a later :meth:`setup` of this compressor makes new ones.
+        """
+        names = [v.name for v in self.collectives(self.world_size)]
+        if name not in names:
+            raise ValueError(
+                f"Expected `collective` to be one of {type(self).__name__}'s variants {names} but got {name!r}. "
+                f"Fix: choose among `collectives({self.world_size})`."
+            )
+        return self._variant(name)
+
+    def _variant(self, name: str) -> "Compressor":
+        """The compressor behind :meth:`for_collective` for a declared variant ``name``; a compressor that
+        declares :meth:`collectives` overrides it."""
+        raise NotImplementedError(f"{type(self).__name__} declares collective variants but makes none")
 
     def observe_gradient(self, grad: Tensor, name: str) -> None:
         """Called by the hook, for compressors with :attr:`uses_memory`, with this rank's gradient of ``name``

@@ -28,16 +28,11 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
+from lightning_gradcomp import kernels
+from lightning_gradcomp.compressors.backends import BACKENDS, Backend
 from lightning_gradcomp.compressors.base import Aggregation, Packet
-from lightning_gradcomp.compressors.sparse_fused import (
-    BACKENDS,
-    Backend,
-    FusedGradientDropping,
-    FusedSumCompressor,
-    decode_sum,
-    fused_enabled,
-)
-from lightning_gradcomp.compressors.streams import RandomStreams
+from lightning_gradcomp.compressors.sparse_fused import FusedGradientDropping, FusedSumCompressor, decode_sum
+from lightning_gradcomp.compressors.streams import CounterStreams, RandomStreams
 from lightning_gradcomp.sparse import (
     INDEX_ENCODINGS,
     VALUE_FORMATS,
@@ -75,6 +70,14 @@ def select_threshold(sample: Tensor, ratio: float) -> Tensor:
     return torch.kthvalue(sample.float(), k).values
 
 
+def kth_threshold(sample: Tensor, ratio: float) -> Tensor:
+    """:func:`select_threshold` through the order-statistic kernel (the fused backend's selection)."""
+    k = drop_count(ratio, sample.numel())
+    if k == 0:
+        return sample.new_zeros((), dtype=torch.float32)
+    return kernels.kth_smallest(sample, k - 1).to(sample.device)
+
+
 def threshold_level(threshold: Tensor, survivors: Tensor) -> Tensor:
     """The one level of ``quantize="threshold"`` (Strom): the threshold, "effectively the minimum surviving
     absolute value" (Aji & Heafield, Sec. 5.4). At threshold 0 (more than R of the values exactly 0, or a
@@ -105,7 +108,7 @@ def select_weighted_threshold(samples: list[Tensor], weights: list[float], ratio
     return values[order][pos].reshape(())
 
 
-class GradientDropping(FusedSumCompressor):
+class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
     """Gradient Dropping: the R% smallest |x| stay in the residual, the rest travel as a sparse vector.
 
     Args:
@@ -195,8 +198,14 @@ class GradientDropping(FusedSumCompressor):
         self.values: ValueFormat = values
         self.seed = seed
         self.backend = backend
-        self._fused = FusedGradientDropping(self)
         self._streams = RandomStreams(seed)
+        self._keys = CounterStreams(seed)
+        self._offer_kernels(
+            FusedGradientDropping(
+                sample=sample, sample_fraction=self.sample_fraction, min_sample=min_sample, max_sample=max_sample,
+                fp16_overflow=quantize == "none" and values == "fp16", streams=self._keys,
+            )
+        )
         self._device = torch.device("cpu")
         # global scope: the latest sample (and the elements each value stands for) per parameter name, the
         # names seen in the current step, and the threshold selected on the previous step's pool
@@ -209,11 +218,11 @@ class GradientDropping(FusedSumCompressor):
         super().setup(rank, world_size, device)
         self._device = device
         self._streams.reset(rank)
-        self._fused.load_state_dict({})  # the fused backend's counters start afresh too
+        self._keys.reset(rank)  # the fused backend's counters start afresh too
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            **self._fused.state_dict(),
+            **self._keys.state_dict(),
             "streams": self._streams.state_dict(),
             "pool": {n: (s.detach().cpu().clone(), w) for n, (s, w) in self._pool.items()},
             "seen": sorted(self._seen),
@@ -222,7 +231,7 @@ class GradientDropping(FusedSumCompressor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._streams.load_state_dict(state.get("streams", {}))
-        self._fused.load_state_dict(state)
+        self._keys.load_state_dict(state)
         self._pool = {n: (s.to(self._device), w) for n, (s, w) in state.get("pool", {}).items()}
         self._seen = set(state.get("seen", []))
         thr = state.get("global_threshold")
@@ -290,8 +299,11 @@ class GradientDropping(FusedSumCompressor):
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
         flat = tensor.detach().reshape(-1).float()
         n = flat.numel()
-        if fused_enabled(self.backend, flat.device):
-            idx, kept, thr, overflow = self._fused.select(flat, name)
+        fused = self._kernels(flat.device)
+        if fused is not None:
+            sample, weight = fused.threshold_sample(flat, name)
+            thr = self.pooled_threshold(sample, weight, name, select=kth_threshold)
+            idx, kept, overflow = fused.survivors(flat, thr)
         else:
             idx, kept, thr, overflow = self._select(flat, name)
         if self.quantize == "none":

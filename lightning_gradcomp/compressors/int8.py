@@ -50,11 +50,11 @@ class Int8(Compressor):
         return _INT8_MAX // max(1, self.world_size)
 
     def local_statistic(self, tensor: Tensor, name: str) -> Optional[Tensor]:
-        return tensor.detach().abs().amax().float().reshape(1) if tensor.numel() else tensor.new_zeros(1, dtype=torch.float32)
+        return _amax(tensor)
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
         flat = tensor.detach().reshape(-1).float()
-        scale = (shared if shared is not None else self.local_statistic(tensor, name)).reshape(()).float()
+        scale = (shared if shared is not None else _amax(tensor)).reshape(()).float()
         levels = self.levels
         # |x| / scale * L in [0, L]; a zero scale (all-zero tensor on every rank) sends zeros; no host read
         inverse = torch.where(scale > 0, levels / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
@@ -78,3 +78,8 @@ class Int8(Compressor):
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": type(self).__name__, "levels": self.levels, "seed": self.seed}
+
+
+def _amax(tensor: Tensor) -> Tensor:
+    """The largest magnitude (0 for an empty tensor), one float32: the scale every rank shares."""
+    return tensor.detach().abs().amax().float().reshape(1) if tensor.numel() else tensor.new_zeros(1, dtype=torch.float32)

@@ -180,7 +180,9 @@ class PowerSGD(MultiRoundCompressor):
 
     def state_dict(self) -> dict[str, Any]:
         # numpy's MT19937 state as tensors and ints: Lightning loads checkpoints with torch.load(weights_only=True)
-        kind, keys, pos, has_gauss, cached = self._seeds.get_state()
+        state = self._seeds.get_state(legacy=True)
+        assert isinstance(state, tuple)  # legacy=True: the tuple form, whatever numpy's annotation allows
+        kind, keys, pos, has_gauss, cached = state
         seeds = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
         return {"q_memory": {n: q.detach().cpu().clone() for n, q in self.q_memory.items()}, "seeds": seeds}

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from lightning_gradcomp.kernels.rng import stream_id, stream_key
+
 
 class RandomStreams:
     """Reproducible, order-independent random generators keyed by parameter name.
@@ -47,3 +49,37 @@ class RandomStreams:
         self._generators = {}  # streams absent from the state start afresh from the seed
         for name, (device, gen_state) in state.items():
             self.get(name, torch.device(device)).set_state(gen_state)
+
+
+class CounterStreams:
+    """The fused backends' random streams: draw ``c`` of parameter ``name`` on rank ``r`` is keyed by
+    ``(seed, r, name, c)`` (:func:`~lightning_gradcomp.kernels.rng.stream_key`), so the whole state is one
+    counter per name. Order-independent and reproducible for the same reasons as :class:`RandomStreams`.
+
+    Args:
+        seed: the user's seed.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.rank = 0
+        #: draws made so far per parameter name
+        self.counters: dict[str, int] = {}
+
+    def reset(self, rank: int) -> None:
+        """Start every stream afresh for this rank."""
+        self.rank = rank
+        self.counters = {}
+
+    def key(self, name: str) -> tuple[int, int]:
+        """The keys of the next draw of parameter ``name`` (advances its counter)."""
+        counter = self.counters.get(name, 0)
+        self.counters[name] = counter + 1
+        return stream_key(self.seed, self.rank, counter, stream_id(name))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counters": dict(self.counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s counters; ``state`` may hold other keys (a compressor's whole state)."""
+        self.counters = dict(state.get("counters", {}))

@@ -15,17 +15,20 @@ Per tensor (or per chunk of ``bucket_size`` elements), worker i:
 On the wire (exact): ``2bit`` packing is ceil(n/4) bytes, ``base3`` ceil(n/5) bytes, plus 4 bytes per
 scaler when scalers are per worker. With a shared scaler the per-rank ternaries sum to integers in [-N, N],
 so an int8 all-reduce of the ternary values (n bytes, summable) is an alternative to an all-gather of packed
-payloads; ``collective`` picks one, ``"auto"`` by the ring traffic of each (see :meth:`TernGrad.aggregation_for`).
+payloads; ``collective`` picks one, ``"auto"`` by the ring traffic of each (see :meth:`TernGrad.aggregation_for`),
+and a planner may pick either per bucket (:meth:`TernGrad.collectives`).
 """
 
+import copy
 from collections.abc import Sequence
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, cast
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet, max_or_zero
-from lightning_gradcomp.compressors.streams import RandomStreams
+from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
+from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant, Packet, max_or_zero
+from lightning_gradcomp.compressors.streams import CounterStreams, RandomStreams
 from lightning_gradcomp.compressors.terngrad_fused import FusedTernGrad
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.wire import PACKINGS, Packing, pack_ternary, packed_nbytes, unpack_ternary
@@ -33,7 +36,6 @@ from lightning_gradcomp.wire import PACKINGS, Packing, pack_ternary, packed_nbyt
 ClipMode = Literal["paper", "code"]
 ScalerShare = Literal["max", "per_worker"]
 Collective = Literal["auto", "allgather", "allreduce_int8"]
-Backend = Literal["auto", "torch", "fused"]
 
 # int8 sums of N ternaries stay in [-N, N]; beyond 127 ranks they would overflow.
 _INT8_MAX_RANKS = 127
@@ -41,7 +43,7 @@ _INT8_MAX_RANKS = 127
 _SIGMA_NOISE = 16 * torch.finfo(torch.float32).eps
 
 
-class TernGrad(Compressor):
+class TernGrad(KernelBacked[FusedTernGrad]):
     """Stochastic ternarization with layer-wise scalers, scaler sharing and sigma clipping.
 
     Args:
@@ -83,7 +85,7 @@ class TernGrad(Compressor):
         check_choice("packing", packing, PACKINGS)
         check_choice("collective", collective, ("auto", "allgather", "allreduce_int8"))
         check_int("seed", seed, minimum=0)
-        check_choice("backend", backend, ("auto", "torch", "fused"))
+        check_choice("backend", backend, BACKENDS)
         if collective == "allreduce_int8" and scaler_share != "max":
             raise ValueError(
                 f"`collective='allreduce_int8'` sums ternary values, which needs one scaler shared by all ranks, "
@@ -97,28 +99,37 @@ class TernGrad(Compressor):
         self.collective = collective
         self.seed = seed
         self.backend = backend
-        self._fused = FusedTernGrad(self)
         self._streams = RandomStreams(seed)
-        self._device = torch.device("cpu")
+        self._keys = CounterStreams(seed)
+        self._offer_kernels(
+            FusedTernGrad(
+                clip_factor=self.clip_factor, clip_mode=clip_mode, scaler_share=scaler_share, bucket_size=bucket_size,
+                packing=packing, sigma_noise=_SIGMA_NOISE, streams=self._keys,
+            )
+        )
+        #: this compressor travelling as each of its variants, made on first use (see `for_collective`)
+        self._views: dict[str, TernGrad] = {}
 
     # -- setup and state --------------------------------------------------------------------------------
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
-        super().setup(rank, world_size, device)
         if self.collective == "allreduce_int8" and world_size > _INT8_MAX_RANKS:
             raise ValueError(
                 f"`collective='allreduce_int8'` overflows int8 beyond {_INT8_MAX_RANKS} ranks, but the world size is "
                 f"{world_size}. Fix: use `collective='allgather'` or `'auto'`."
             )
-        self._device = device
+        super().setup(rank, world_size, device)  # chooses the backend (may load the kernels): after the checks
         self._streams.reset(rank)
-        self._fused.load_state_dict({})  # the fused backend's counters start afresh too
+        self._keys.reset(rank)  # the fused backend's counters start afresh too
+        self._fused_impl.forget()
+        self._views = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"streams": self._streams.state_dict(), **self._fused.state_dict()}
+        return {"streams": self._streams.state_dict(), **self._keys.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._streams.load_state_dict(state.get("streams", {}))
-        self._fused.load_state_dict(state)
+        self._keys.load_state_dict(state)
+        self._fused_impl.forget()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -149,6 +160,25 @@ class TernGrad(Compressor):
         if 2 * per_byte <= world_size <= _INT8_MAX_RANKS:
             return Aggregation.SUM
         return Aggregation.GATHER
+
+    def collectives(self, world_size: int) -> tuple[CollectiveVariant, ...]:
+        """Both ways when ``collective="auto"``: packed payloads all-gathered, and (with a shared scaler, up to 127
+        ranks) int8 ternaries all-reduced. An explicit ``collective`` is the user's choice: nothing to choose."""
+        if self.collective != "auto":
+            return ()
+        variants = [CollectiveVariant("allgather", Aggregation.GATHER)]
+        if self.scaler_share == "max" and world_size <= _INT8_MAX_RANKS:
+            variants.append(CollectiveVariant("allreduce_int8", Aggregation.SUM))
+        return tuple(variants)
+
+    def _variant(self, name: str) -> "TernGrad":
+        view = self._views.get(name)
+        if view is None:
+            # a shallow copy: the random streams, counters and chosen backend are the same objects
+            view = copy.copy(self)
+            view.collective = cast(Collective, name)  # a declared variant's name is a `collective=` value
+            self._views[name] = view
+        return view
 
     def payload_nbytes(self, numel: int) -> int:
         if self.aggregation_for(self.world_size) is Aggregation.SUM:
@@ -206,8 +236,9 @@ class TernGrad(Compressor):
             return None
         if tensor.numel() == 0:
             return tensor.new_zeros(0, dtype=torch.float32)
-        if self._fused.enabled(tensor.device):
-            return self._fused.local_statistic(tensor, name)
+        fused = self._kernels(tensor.device)
+        if fused is not None:
+            return fused.local_statistic(tensor, name)
         return self._clipped_and_scaler(tensor)[1]
 
     def ternarize(self, tensor: Tensor, scaler: Optional[Tensor] = None, name: str = "") -> tuple[Tensor, Tensor]:
@@ -220,8 +251,9 @@ class TernGrad(Compressor):
         """
         if tensor.numel() == 0:
             return tensor.new_zeros(0, dtype=torch.int8), tensor.new_zeros(0, dtype=torch.float32)
-        if self._fused.enabled(tensor.device):
-            return self._fused.ternarize(tensor, name, scaler)
+        fused = self._kernels(tensor.device)
+        if fused is not None:
+            return fused.ternarize(tensor, name, scaler)
         chunks, local = self._clipped_and_scaler(tensor)
         s = local if scaler is None else scaler.to(chunks.device, torch.float32)
         rnd = torch.rand(chunks.shape, generator=self._streams.get(name, chunks.device), device=chunks.device)
@@ -232,8 +264,9 @@ class TernGrad(Compressor):
         return ternary.reshape(-1)[: tensor.numel()], s
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        if self._fused.enabled(tensor.device) and tensor.numel() > 0:
-            return self._fused.compress(tensor, name, shared)
+        fused = self._kernels(tensor.device)
+        if fused is not None and tensor.numel() > 0:
+            return fused.compress(tensor, name, shared, self.aggregation_for(self.world_size))
         ternary, s = self.ternarize(tensor, shared if self.scaler_share == "max" else None, name)
         stats = {"sparsity": (ternary == 0).float().mean().nan_to_num(0.0), "scaler": max_or_zero(s)}
         ctx: dict[str, Any] = {}
@@ -266,36 +299,45 @@ class TernGrad(Compressor):
             out = values.float() * per_elem
         return out.to(packet.dtype).view(packet.shape)
 
+    def _decoder(self, packets: Sequence[Packet]) -> Optional[FusedTernGrad]:
+        """The fused path when it decodes every one of ``packets`` (else the torch ops do)."""
+        fused = self._kernels(packets[0].payload.device)
+        return fused if fused is not None and all(fused.decodes(p) for p in packets) else None
+
     def decompress(self, packet: Packet) -> Tensor:
-        if self._fused.decodes(packet):
-            return self._fused.decompress(packet)
+        fused = self._decoder([packet])
+        if fused is not None:
+            return fused.decompress(packet)
         values, scale = self._values_and_scale(packet)
         return self._scaled(values, scale, packet)
 
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         if "scale" not in packets[0].ctx:
             return super().decompress_sum(packets)
-        if all(self._fused.decodes(p) for p in packets):
-            return self._fused.decompress_sum(packets)
+        fused = self._decoder(packets)
+        if fused is not None:
+            return fused.decompress_sum(packets)
         # shared scaler: add the integer ternaries exactly, scale once
         total = self._values_and_scale(packets[0])[0].to(torch.int32)
         for packet in packets[1:]:
             total = total + self._values_and_scale(packet)[0]
         return self._scaled(total, packets[0].ctx["scale"], packets[0])
 
-    def _fused_sums(self, packets: Sequence[Packet]) -> bool:
-        """Whether the fused kernel sums ``packets`` (one shared scaler, packed payloads it decodes)."""
-        return "scale" in packets[0].ctx and all(self._fused.decodes(p) for p in packets)
+    def _fused_sums(self, packets: Sequence[Packet]) -> Optional[FusedTernGrad]:
+        """The fused path when it sums ``packets`` (one shared scaler, packed payloads it decodes)."""
+        return self._decoder(packets) if "scale" in packets[0].ctx else None
 
     def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        if self._fused_sums(packets):
-            return self._fused.decompress_sum_into(packets, out)
+        fused = self._fused_sums(packets)
+        if fused is not None:
+            return fused.decompress_sum_into(packets, out)
         return super().decompress_sum_into(packets, out)
 
     def decompress_mean_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
         # the fused decoder divides in the pass that writes `out`: one sweep over the bucket instead of two
-        if self._fused_sums(packets):
-            return self._fused.decompress_sum_into(packets, out, divisor=len(packets))
+        fused = self._fused_sums(packets)
+        if fused is not None:
+            return fused.decompress_sum_into(packets, out, divisor=len(packets))
         return super().decompress_mean_into(packets, out)
 
     def clipped(self, tensor: Tensor) -> Tensor:

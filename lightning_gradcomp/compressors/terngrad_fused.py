@@ -11,77 +11,73 @@ Differences from the torch backend, and why they are safe:
 * Decoding gives exactly the torch backend's bits, so ranks on different backends still agree.
 * ``local_statistic`` keeps the statistics it computed for ``compress`` (keyed by name, checked against the
   tensor's identity and version), so the hook's statistic + compress reads the gradient twice, not three times.
+
+It takes TernGrad's settings and random streams, not the compressor: :mod:`~lightning_gradcomp.compressors.terngrad`
+imports this module, never the reverse.
 """
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, Packet
-from lightning_gradcomp.kernels.rng import stream_id, stream_key
-from lightning_gradcomp.wire import pack_ternary, packed_nbytes
-
-if TYPE_CHECKING:
-    from lightning_gradcomp.compressors.terngrad import TernGrad
+from lightning_gradcomp.compressors.streams import CounterStreams
+from lightning_gradcomp.wire import Packing, pack_ternary, packed_nbytes
 
 
 class FusedTernGrad:
-    """The fused code path of one :class:`TernGrad` instance (reads its settings, keeps its RNG counters)."""
+    """TernGrad's fused code path, given TernGrad's settings and its counter-based random streams.
 
-    def __init__(self, owner: "TernGrad") -> None:
-        self.owner = owner
-        #: draws made so far per parameter name: the counter-based generator's state (with the seed)
-        self.counters: dict[str, int] = {}
+    Args:
+        clip_factor, clip_mode, scaler_share, bucket_size, packing: as :class:`~lightning_gradcomp.compressors.TernGrad`.
+        sigma_noise: a chunk whose sigma is at most this times its max |g| counts as constant (not clipped).
+        streams: the random streams (their counters are the generator's state, checkpointed by the compressor).
+    """
+
+    def __init__(
+        self,
+        *,
+        clip_factor: float,
+        clip_mode: str,
+        scaler_share: str,
+        bucket_size: Optional[int],
+        packing: Packing,
+        sigma_noise: float,
+        streams: CounterStreams,
+    ) -> None:
+        self.clip_factor = clip_factor
+        self.clip_mode = clip_mode
+        self.scaler_share = scaler_share
+        self.bucket_size = bucket_size
+        self.packing: Packing = packing
+        self.sigma_noise = sigma_noise
+        self.streams = streams
         self._pending: dict[str, tuple[Tensor, int, Tensor, Optional[Tensor]]] = {}
-
-    # -- when -------------------------------------------------------------------------------------------
-    def enabled(self, device: torch.device) -> bool:
-        """Whether compression of a tensor on ``device`` takes the fused path."""
-        backend = self.owner.backend
-        if backend != "auto":
-            return backend == "fused"
-        return device.type == "cpu" and kernels.fused_available()
 
     def decodes(self, packet: Packet) -> bool:
         """Whether this path decodes ``packet`` (2-bit packed payloads; exact, so any backend's packet)."""
-        return (
-            self.owner.packing == "2bit"
-            and packet.payload.dtype == torch.uint8
-            and packet.numel > 0
-            and self.enabled(packet.payload.device)
-        )
+        return self.packing == "2bit" and packet.payload.dtype == torch.uint8 and packet.numel > 0
 
-    # -- state ------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {"counters": dict(self.counters)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.counters = dict(state.get("counters", {}))
+    def forget(self) -> None:
+        """Drop the statistics kept between ``local_statistic`` and ``compress`` (the state was replaced)."""
         self._pending = {}
 
     # -- compress ---------------------------------------------------------------------------------------
     def _bucket(self, numel: int) -> int:
-        return self.owner.bucket_size or max(numel, 1)
+        return self.bucket_size or max(numel, 1)
 
     def _scaler_and_clip(self, tensor: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        from lightning_gradcomp.compressors.terngrad import _SIGMA_NOISE  # the owner's module imports this one
-
-        owner = self.owner
-        return kernels.terngrad_scale_clip(tensor, self._bucket(tensor.numel()), owner.clip_factor, owner.clip_mode, _SIGMA_NOISE)
+        bucket = self._bucket(tensor.numel())
+        return kernels.terngrad_scale_clip(tensor, bucket, self.clip_factor, self.clip_mode, self.sigma_noise)
 
     def _take(self, tensor: Tensor, name: str) -> tuple[Tensor, Optional[Tensor]]:
         cached = self._pending.pop(name, None)
         if cached is not None and cached[0] is tensor and cached[1] == tensor._version:
             return cached[2], cached[3]
         return self._scaler_and_clip(tensor)
-
-    def _key(self, name: str) -> tuple[int, int]:
-        counter = self.counters.get(name, 0)
-        self.counters[name] = counter + 1
-        return stream_key(self.owner.seed, self.owner.rank, counter, stream_id(name))
 
     def local_statistic(self, tensor: Tensor, name: str) -> Tensor:
         scaler, clip = self._scaler_and_clip(tensor)
@@ -91,26 +87,26 @@ class FusedTernGrad:
     def ternarize(self, tensor: Tensor, name: str, scaler: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         local, clip = self._take(tensor, name)
         s = local if scaler is None else scaler.reshape(-1).to(local.device, torch.float32)
-        values, _ = kernels.ternarize_int8(tensor, s, clip, self._bucket(tensor.numel()), self._key(name))
+        values, _ = kernels.ternarize_int8(tensor, s, clip, self._bucket(tensor.numel()), self.streams.key(name))
         return values, s
 
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor]) -> Packet:
-        owner = self.owner
+    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor], aggregation: Aggregation) -> Packet:
+        """One packet travelling as ``aggregation`` (int8 ternaries to sum, or a packed payload to gather)."""
         n = tensor.numel()
         local, clip = self._take(tensor, name)
         s = local
-        if shared is not None and owner.scaler_share == "max":
+        if shared is not None and self.scaler_share == "max":
             s = shared.reshape(-1).to(local.device, torch.float32)
-        bucket, key = self._bucket(n), self._key(name)
+        bucket, key = self._bucket(n), self.streams.key(name)
         ctx: dict[str, Any] = {"scale": s}
-        if owner.aggregation_for(owner.world_size) is Aggregation.SUM:
+        if aggregation is Aggregation.SUM:
             payload, nonzero = kernels.ternarize_int8(tensor, s, clip, bucket, key)
-        elif owner.packing == "2bit":
+        elif self.packing == "2bit":
             payload, nonzero = kernels.ternarize_pack(tensor, s, clip, bucket, key)
         else:
             values, nonzero = kernels.ternarize_int8(tensor, s, clip, bucket, key)
-            payload = pack_ternary(values, owner.packing)
-        if owner.scaler_share != "max":
+            payload = pack_ternary(values, self.packing)
+        if self.scaler_share != "max":
             payload = torch.cat((payload, s.contiguous().view(torch.uint8)))
             ctx = {}
         stats = {"sparsity": 1.0 - nonzero.reshape(()).float() / max(n, 1), "scaler": s.max()}

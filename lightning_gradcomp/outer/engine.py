@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 
 from lightning_gradcomp.outer.exchange import InFlight
 from lightning_gradcomp.outer.fragments import due, sync_offset
-from lightning_gradcomp.weightgrad.sites import SiteGroups
+from lightning_gradcomp.sites import SiteGroups
 
 
 UnsentView = Literal["global", "gaia"]

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from lightning_gradcomp import checkpoint as ckpt
 from lightning_gradcomp import comm
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
-from lightning_gradcomp.weightgrad.sites import SiteGroups
+from lightning_gradcomp.sites import SiteGroups
 
 
 class FlatBucket:

@@ -31,7 +31,7 @@ from lightning_gradcomp.outer.exchange import LeaderExchange
 from lightning_gradcomp.outer.fragments import strided_fragments
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.validation import check_bool, check_int, check_number
-from lightning_gradcomp.weightgrad.sites import (
+from lightning_gradcomp.sites import (
     SiteGroups,
     SiteLayout,
     check_site_options,
@@ -222,6 +222,7 @@ class DiLoCoStrategy(GradCompStrategy):
         assert self.groups is not None and self.comm_state is not None
         g = self.groups
         module = self.lightning_module
+        assert module is not None
         fragments = strided_fragments(list(named), self.num_fragments)  # fragments > layers fails here, before step 1
         start_sites_from_rank0(module)
         state_device = None if self.outer_state_device is None else torch.device(self.outer_state_device)

@@ -27,7 +27,7 @@ from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
-from lightning_gradcomp.weightgrad.sites import (
+from lightning_gradcomp.sites import (
     SiteGroups,
     SiteLayout,
     check_site_options,
@@ -198,6 +198,7 @@ class WeightGradStrategy(GradCompStrategy):
     def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
         assert self.groups is not None and self.comm_state is not None
         module = self.lightning_module
+        assert module is not None
         g = self.groups
         start_sites_from_rank0(module)
         self.synchronizer = GradientSynchronizer(

@@ -47,7 +47,7 @@ from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.exchange import InFlight, sync_buffers
 from lightning_gradcomp.weightgrad import quantize
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
-from lightning_gradcomp.weightgrad.sites import SiteGroups
+from lightning_gradcomp.sites import SiteGroups
 
 WanQuantization = Literal["loss_aware", "terngrad", "none"]
 SiteView = Literal["global", "gaia"]

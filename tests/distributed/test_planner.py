@@ -28,6 +28,8 @@ def test_planner_choices_and_parity() -> None:
     assert r["int8"]["plans"] == ["allreduce_int8"] and r["int8"]["collectives"]["allreduce_int8"] > 0
     for a, b in zip(r["int8"]["params"], r["terngrad"]["params"]):
         assert torch.equal(a, b)
+    # the planner handed its choice to the hook per bucket; the compressor itself was left on "auto"
+    assert r["int8"]["described"] == r["terngrad"]["described"] and r["int8"]["described"]["collective"] == "auto"
     # ranks given different links vote; the split vote falls back to plain fp32 on both (no collective mismatch)
     assert r["split_rank0_alone"]["plans"] != ["allreduce_fp32"]  # so rank 0's own choice really differed
     assert results[0]["split"]["plans"] == results[1]["split"]["plans"] == ["allreduce_fp32"]

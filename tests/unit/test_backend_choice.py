@@ -1,0 +1,70 @@
+"""The compressors with fused kernels choose their backend once: in ``setup``, or at the first call without it."""
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from lightning_gradcomp import kernels
+from lightning_gradcomp.compressors import AdaComp, GradientDropping, TernGrad
+from lightning_gradcomp.compressors.backends import Backend, KernelBacked
+
+MAKERS: dict[str, Callable[[Backend], KernelBacked]] = {
+    "terngrad": lambda backend: TernGrad(backend=backend),
+    "graddrop": lambda backend: GradientDropping(backend=backend),
+    "adacomp": lambda backend: AdaComp(backend=backend),
+}
+EXPLICIT: tuple[Backend, ...] = ("torch", "fused")
+
+
+def _round_trip(comp: KernelBacked, x: torch.Tensor) -> None:
+    if comp.uses_memory:
+        comp.observe_gradient(x, "w")
+    shared = comp.local_statistic(x, "w")
+    packet = comp.compress(x, "w", shared)
+    comp.decompress(packet)
+    comp.decompress_sum_into([packet, packet], torch.empty_like(x))
+    comp.decompress_mean_into([packet, packet], torch.empty_like(x))
+
+
+@pytest.mark.parametrize("key", sorted(MAKERS))
+def test_auto_asks_for_the_kernels_once_in_setup_and_never_per_call(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[int] = []
+
+    def fused_available() -> bool:
+        asked.append(1)
+        return False
+
+    monkeypatch.setattr(kernels, "fused_available", fused_available)
+    comp = MAKERS[key]("auto")
+    assert comp.chosen_backend is None and not asked  # constructing compiles nothing
+    comp.setup(0, 2, torch.device("cpu"))
+    assert comp.chosen_backend == "torch" and len(asked) == 1
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        _round_trip(comp, x)
+    assert len(asked) == 1
+
+
+@pytest.mark.parametrize("key", sorted(MAKERS))
+def test_an_explicit_backend_is_what_setup_chooses(key: str) -> None:
+    for backend in EXPLICIT:
+        comp = MAKERS[key](backend)
+        comp.setup(0, 2, torch.device("cpu"))
+        assert comp.chosen_backend == backend and comp.describe()["backend"] == backend
+
+
+def test_without_setup_the_first_call_chooses_for_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels, "fused_available", lambda: True)
+    comp = TernGrad(backend="auto")
+    comp.compress(torch.randn(100), "w")
+    assert comp.chosen_backend == "fused"
+    monkeypatch.setattr(kernels, "fused_available", lambda: False)
+    comp.compress(torch.randn(100), "w")
+    assert comp.chosen_backend == "fused"  # kept: the compressor does not switch between calls
+
+
+def test_off_cpu_auto_chooses_torch_ops() -> None:
+    comp = TernGrad(backend="auto")
+    comp.setup(0, 2, torch.device("meta"))  # any device but the CPU: the compiled kernels are CPU-only
+    assert comp.chosen_backend == "torch"
