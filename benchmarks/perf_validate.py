@@ -1,4 +1,4 @@
-"""Validate the performance model (lightning_gradcomp.perfmodel) against the emulated-cluster step times.
+"""Validate the performance model (gradcomp_lab.perfmodel) against the emulated-cluster step times.
 
 Reads the JSON written by ``benchmarks/step_time.py``, profiles each model's compute (one process, one thread,
 one worker's batch) and TernGrad's codec on this machine, predicts every measured configuration and prints
@@ -27,13 +27,12 @@ import torch  # noqa: E402
 
 from lightning_gradcomp import registry  # noqa: E402
 from lightning_gradcomp.costmodel import Link, Network, parse_rate  # noqa: E402
-from lightning_gradcomp.perfmodel import (  # noqa: E402
-    Codec,
+from lightning_gradcomp.codec import Codec, measure_codec  # noqa: E402
+from gradcomp_lab.perfmodel import (  # noqa: E402
     ComputeTime,
     ddp_bucket_fractions,
     fp32_codec,
     measure_cast_codec,
-    measure_codec,
     predict,
     profile_compute,
 )

@@ -48,7 +48,7 @@ def tower_strategy(recipe: str, workers: int) -> str:
     """The recipe's compressor (or fp32 for a DDP baseline) inside a TowerStrategy of ``workers``, as JSON."""
     strategy = yaml.safe_load((ROOT / recipe).read_text())["trainer"]["strategy"]
     compressor = strategy["init_args"]["compressor"] if isinstance(strategy, dict) else {
-        "class_path": "lightning_gradcomp.Identity"}
+        "class_path": "lightning_gradcomp.compressors.Identity"}
     return json.dumps({"class_path": "lightning_gradcomp.towers.TowerStrategy",
                        "init_args": {"num_workers": workers, "compressor": compressor}}, separators=(",", ":"))
 

@@ -40,8 +40,8 @@ def main() -> None:
     print(f"# machine: {machine()}")
     rows = []
     for opt in args.optimizers:
-        runs = [("fp32", 1, "lightning_gradcomp.Identity")]
-        runs += [("terngrad", n, "lightning_gradcomp.TernGrad") for n in args.workers]
+        runs = [("fp32", 1, "lightning_gradcomp.compressors.Identity")]
+        runs += [("terngrad", n, "lightning_gradcomp.compressors.TernGrad") for n in args.workers]
         for method, n, compressor in runs:
             ov = overrides(args.steps, n if method != "fp32" else 1, compressor, args.val_batches)
             torch.manual_seed(0)

@@ -9,4 +9,4 @@
 from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.strategy import DiLoCoStrategy, register
 
-__all__ = ["DiLoCoStrategy", "OuterSync", "register"]
+__all__ = ["DiLoCoStrategy", "OuterSync"]

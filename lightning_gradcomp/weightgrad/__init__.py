@@ -17,7 +17,6 @@ __all__ = [
     "encode",
     "loss_aware_ternary",
     "new_site_groups",
-    "register",
     "site_layout",
     "stochastic_ternary",
 ]

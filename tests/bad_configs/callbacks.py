@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_gradcomp import GradCompStrategy, TernGrad
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.callbacks import SigmaClip, SigmaClipping
 from tests.bad_configs import BadConfig
 

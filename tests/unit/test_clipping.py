@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from lightning_gradcomp import GradCompStrategy, TernGrad
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.callbacks import SigmaClip, SigmaClipping
 
 

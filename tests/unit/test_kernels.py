@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gradcomp import TernGrad, kernels
+from lightning_gradcomp import kernels
+from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.wire import pack_ternary, packed_nbytes, unpack_ternary
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_gradcomp.models import (
+from gradcomp_lab.models import (
     BN50DNN,
     MLP,
     AlexNet,
@@ -22,8 +22,8 @@ from lightning_gradcomp.models import (
     Seq2SeqAttention,
     VGGA,
 )
-from lightning_gradcomp.models.layers import SameMaxPool2d, WithinChannelLRN, tf_lrn
-from lightning_gradcomp.tasks import regularized_parameters
+from gradcomp_lab.models.layers import SameMaxPool2d, WithinChannelLRN, tf_lrn
+from gradcomp_lab.tasks import regularized_parameters
 
 
 @pytest.fixture(autouse=True)

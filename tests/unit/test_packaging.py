@@ -19,7 +19,7 @@ tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Py
 def test_core_imports_without_wandb() -> None:
     code = (
         "import sys; sys.modules['wandb'] = None\n"  # as if not installed: any import of it raises
-        "import lightning_gradcomp, lightning_gradcomp.cli, lightning_gradcomp.callbacks, lightning_gradcomp.tasks\n"
+        "import lightning_gradcomp, gradcomp_lab.cli, lightning_gradcomp.callbacks, gradcomp_lab.tasks\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -51,7 +51,7 @@ def test_require_returns_the_module_or_names_the_extra(monkeypatch) -> None:
 
 
 def test_report_names_a_wrong_path_even_without_matplotlib(tmp_path: Path, monkeypatch, capsys) -> None:
-    from lightning_gradcomp import report
+    from gradcomp_lab import report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(SystemExit) as exit_info:
@@ -81,7 +81,7 @@ def test_ci_runs_the_readme_commands() -> None:
 def test_cli_wandb_logger_without_wandb_names_the_extra(monkeypatch, capsys) -> None:
     import lightning.pytorch.loggers.wandb as lightning_wandb
 
-    from lightning_gradcomp.cli import GradCompCLI
+    from gradcomp_lab.cli import GradCompCLI
 
     from lightning_utilities.core.imports import RequirementCache
 

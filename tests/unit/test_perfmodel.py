@@ -7,10 +7,10 @@ from torch import nn
 
 from lightning_gradcomp.compressors import Aggregation, TernGrad
 from lightning_gradcomp.costmodel import Link, Network, ring_allreduce_seconds
-from lightning_gradcomp.emulate import cluster as emulate_cluster
-from lightning_gradcomp.perfmodel import (
+from gradcomp_lab.emulate import cluster as emulate_cluster
+from lightning_gradcomp.codec import Codec, measure_codec
+from gradcomp_lab.perfmodel import (
     PAPER_MODELS,
-    Codec,
     ComputeTime,
     bucket_fractions,
     comm_seconds,
@@ -18,7 +18,6 @@ from lightning_gradcomp.perfmodel import (
     fp32_codec,
     main,
     measure_cast_codec,
-    measure_codec,
     paper_curve,
     predict,
     profile_compute,
