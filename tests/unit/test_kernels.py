@@ -353,7 +353,8 @@ def test_selection_arguments_are_validated() -> None:
 def test_without_the_extension_one_warning_and_the_same_results() -> None:
     code = (
         "import torch\n"
-        "from lightning_gradcomp import TernGrad, kernels\n"
+        "from lightning_gradcomp import kernels\n"
+        "from lightning_gradcomp.compressors import TernGrad\n"
         "assert not kernels.fused_available()\n"
         "c = TernGrad(backend='auto'); assert not c._fused.enabled(torch.device('cpu'))\n"
         "f = TernGrad(backend='fused'); g = torch.randn(999)\n"
