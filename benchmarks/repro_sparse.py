@@ -49,7 +49,7 @@ def tower_strategy(recipe: str, workers: int) -> str:
     strategy = yaml.safe_load((ROOT / recipe).read_text())["trainer"]["strategy"]
     compressor = strategy["init_args"]["compressor"] if isinstance(strategy, dict) else {
         "class_path": "lightning_gradcomp.compressors.Identity"}
-    return json.dumps({"class_path": "lightning_gradcomp.towers.TowerStrategy",
+    return json.dumps({"class_path": "lightning_gradcomp.TowerStrategy",
                        "init_args": {"num_workers": workers, "compressor": compressor}}, separators=(",", ":"))
 
 

@@ -28,6 +28,7 @@ from lightning_gradcomp.registry import (  # noqa: E402
 )
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook  # noqa: E402
 from lightning_gradcomp.strategy import GradCompStrategy  # noqa: E402
+from lightning_gradcomp.towers import TowerStrategy  # noqa: E402
 
 register_strategies(GradCompStrategy)
 
@@ -54,6 +55,7 @@ __all__ = [
     "GradCompFabricStrategy",
     "GradCompState",
     "GradCompStrategy",
+    "TowerStrategy",
     "WeightGradStrategy",
     "compressor_names",
     "gradcomp_hook",
