@@ -128,15 +128,15 @@ def probe_links(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def predict(r: dict[str, Any], compute_s: float, shapes: list, args: argparse.Namespace, world: int,
             links: tuple[Any, Any]) -> float:
-    from lightning_gradcomp import registry
-    from lightning_gradcomp.costmodel import Network
-    from lightning_gradcomp.codec import measure_codec
     from gradcomp_lab.perfmodel import (
         comm_seconds,
         ddp_bucket_fractions,
         fp32_codec,
         hierarchical_comm_seconds,
     )
+    from lightning_gradcomp import registry
+    from lightning_gradcomp.codec import measure_codec
+    from lightning_gradcomp.costmodel import Network
 
     net = Network(links[0], sites=args.sites, wan=links[1])
     base, _, hier = r["strategy"].partition("@")

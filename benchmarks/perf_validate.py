@@ -24,10 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from step_time import BATCH, MALLOC_REUSE_ENV, build_model, input_shape  # noqa: E402
 
-from lightning_gradcomp import registry  # noqa: E402
-from lightning_gradcomp.costmodel import Link, Network, parse_rate  # noqa: E402
-from lightning_gradcomp.codec import Codec, measure_codec  # noqa: E402
 from gradcomp_lab.perfmodel import (  # noqa: E402
     ComputeTime,
     ddp_bucket_fractions,
@@ -36,7 +34,9 @@ from gradcomp_lab.perfmodel import (  # noqa: E402
     predict,
     profile_compute,
 )
-from step_time import BATCH, MALLOC_REUSE_ENV, build_model, input_shape  # noqa: E402
+from lightning_gradcomp import registry  # noqa: E402
+from lightning_gradcomp.codec import Codec, measure_codec  # noqa: E402
+from lightning_gradcomp.costmodel import Link, Network, parse_rate  # noqa: E402
 
 
 def _same_allocator_as(reports: dict[str, dict]) -> None:

@@ -21,9 +21,9 @@ from collections import defaultdict
 from typing import Any
 
 import yaml
+from _recipe_runner import FASHION, ROOT, command_line, machine, run_recipe
 from lightning.pytorch import Callback
 
-from _recipe_runner import FASHION, ROOT, command_line, machine, run_recipe
 from lightning_gradcomp.compressors.adacomp import layer_kind
 
 

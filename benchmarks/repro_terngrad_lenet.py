@@ -14,7 +14,6 @@ Usage: python benchmarks/repro_terngrad_lenet.py [--steps 400] [--workers 2 4 8]
 import argparse
 
 import torch
-
 from _recipe_runner import FASHION, command_line, machine, run_recipe
 
 RECIPES = {"momentum": "recipes/terngrad/lenet_mnist_fig3.yaml", "sgd": "recipes/terngrad/lenet_mnist_fig3_sgd.yaml"}

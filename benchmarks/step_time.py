@@ -260,9 +260,9 @@ def machine() -> dict[str, Any]:
 
 
 def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
+    from gradcomp_lab.emulate import Cluster, EmulationUnavailable, check_available, run_on_cluster
     from lightning_gradcomp import registry
     from lightning_gradcomp.costmodel import parse_rate
-    from gradcomp_lab.emulate import Cluster, EmulationUnavailable, check_available, run_on_cluster
 
     try:
         check_available()

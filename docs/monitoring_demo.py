@@ -72,8 +72,8 @@ def _rank(rank: int, world_size: int, port: int, run: str, log_dir: str, steps: 
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_gradcomp import GradCompStrategy
-    from lightning_gradcomp.compressors import TernGrad
     from lightning_gradcomp.callbacks import CompressionMonitor
+    from lightning_gradcomp.compressors import TernGrad
 
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0

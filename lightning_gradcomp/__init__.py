@@ -19,6 +19,7 @@ if not _logging.getLogger().hasHandlers():
     _logger.addHandler(_logging.StreamHandler())
     _logger.propagate = False
 
+from lightning_gradcomp.hook import GradCompState, gradcomp_hook  # noqa: E402
 from lightning_gradcomp.registry import (  # noqa: E402
     compressor_names,
     make_compressor,
@@ -26,19 +27,18 @@ from lightning_gradcomp.registry import (  # noqa: E402
     register_strategies,
     strategy_names,
 )
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook  # noqa: E402
 from lightning_gradcomp.strategy import GradCompStrategy  # noqa: E402
 from lightning_gradcomp.towers import TowerStrategy  # noqa: E402
 
 register_strategies(GradCompStrategy)
 
 from lightning_gradcomp.weightgrad import WeightGradStrategy  # noqa: E402  (needs the modules above)
-from lightning_gradcomp.weightgrad import register as _register_weightgrad  # noqa: E402
+from lightning_gradcomp.weightgrad.strategy import register as _register_weightgrad  # noqa: E402
 
 _register_weightgrad()
 
 from lightning_gradcomp.outer import DiLoCoStrategy  # noqa: E402
-from lightning_gradcomp.outer import register as _register_diloco  # noqa: E402
+from lightning_gradcomp.outer.strategy import register as _register_diloco  # noqa: E402
 
 _register_diloco()
 

@@ -11,7 +11,6 @@ from gradcomp_lab.data.files import download_url, require_files
 from gradcomp_lab.data.text import TokenWindows
 from lightning_gradcomp.validation import check_int, check_number
 
-
 #: non-overlapping character windows (one implementation of windowing: :class:`TokenWindows`)
 CharChunks = TokenWindows
 

@@ -4,9 +4,9 @@ import argparse
 import sys
 from typing import Optional
 
-from lightning_gradcomp.costmodel import parse_rate
 from gradcomp_lab.emulate.cluster import EmulationUnavailable, check_available, cleanup_stale
 from gradcomp_lab.emulate.launcher import RankFailed, launch
+from lightning_gradcomp.costmodel import parse_rate
 
 
 def main(argv: Optional[list[str]] = None) -> None:

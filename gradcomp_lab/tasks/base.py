@@ -8,8 +8,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_gradcomp.optimizers import SignSGD
 from gradcomp_lab.schedules import WarmupCosine
+from lightning_gradcomp.optimizers import SignSGD
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 OptimizerName = Literal["sgd", "momentum", "adam", "adagrad", "adamw", "signsgd"]

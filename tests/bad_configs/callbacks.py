@@ -5,8 +5,8 @@ from types import SimpleNamespace
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.callbacks import SigmaClip, SigmaClipping
+from lightning_gradcomp.compressors import TernGrad
 from tests.bad_configs import BadConfig
 
 

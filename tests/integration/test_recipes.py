@@ -43,6 +43,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
 import lightning_gradcomp
 from gradcomp_lab.cli import GradCompCLI
 from tests.integration.recipe_data import ROOT, data_overrides, recipe_paths, write_datasets

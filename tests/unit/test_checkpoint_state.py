@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.checkpoint import CHECKPOINT_KEY, complete_epoch_end, rank_state, restore, select
+from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.pipeline import LayerTransform
 

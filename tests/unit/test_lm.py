@@ -6,13 +6,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradcomp_lab.data import ByteTokenizer, StdlibSourceDataModule, TinyShakespeareDataModule, TokenWindows
-from gradcomp_lab.data import WikiTextDataModule
+from gradcomp_lab.data import (
+    ByteTokenizer,
+    StdlibSourceDataModule,
+    TinyShakespeareDataModule,
+    TokenWindows,
+    WikiTextDataModule,
+)
 from gradcomp_lab.data.files import DatasetNotFoundError
 from gradcomp_lab.models import GPT
-from lightning_gradcomp.optimizers import SignSGD
 from gradcomp_lab.schedules import WarmupCosine
 from gradcomp_lab.tasks import CharLanguageModel
+from lightning_gradcomp.optimizers import SignSGD
 
 
 def test_byte_tokenizer_round_trips_unicode() -> None:

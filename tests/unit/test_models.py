@@ -10,6 +10,7 @@ from torch import nn
 from gradcomp_lab.models import (
     BN50DNN,
     MLP,
+    VGGA,
     AlexNet,
     CharLSTM,
     Cifar10CNN,
@@ -20,7 +21,6 @@ from gradcomp_lab.models import (
     ResNet18,
     ResNet50,
     Seq2SeqAttention,
-    VGGA,
 )
 from gradcomp_lab.models.layers import SameMaxPool2d, WithinChannelLRN, tf_lrn
 from gradcomp_lab.tasks import regularized_parameters

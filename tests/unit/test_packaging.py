@@ -80,10 +80,9 @@ def test_ci_runs_the_readme_commands() -> None:
 
 def test_cli_wandb_logger_without_wandb_names_the_extra(monkeypatch, capsys) -> None:
     import lightning.pytorch.loggers.wandb as lightning_wandb
+    from lightning_utilities.core.imports import RequirementCache
 
     from gradcomp_lab.cli import GradCompCLI
-
-    from lightning_utilities.core.imports import RequirementCache
 
     # what Lightning sees without the package: an unmet requirement
     monkeypatch.setattr(lightning_wandb, "_WANDB_AVAILABLE", RequirementCache("wandb>=999"))

@@ -5,10 +5,7 @@ import math
 import pytest
 from torch import nn
 
-from lightning_gradcomp.compressors import Aggregation, TernGrad
-from lightning_gradcomp.costmodel import Link, Network, ring_allreduce_seconds
 from gradcomp_lab.emulate import cluster as emulate_cluster
-from lightning_gradcomp.codec import Codec, measure_codec
 from gradcomp_lab.perfmodel import (
     PAPER_MODELS,
     ComputeTime,
@@ -22,6 +19,9 @@ from gradcomp_lab.perfmodel import (
     predict,
     profile_compute,
 )
+from lightning_gradcomp.codec import Codec, measure_codec
+from lightning_gradcomp.compressors import Aggregation, TernGrad
+from lightning_gradcomp.costmodel import Link, Network, ring_allreduce_seconds
 
 
 @pytest.mark.parametrize(("model", "millions"), [("alexnet", 60.97), ("googlenet", 7.0), ("vgg_a", 132.86)])
