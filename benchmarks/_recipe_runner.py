@@ -20,7 +20,8 @@ from lightning.pytorch import LightningDataModule, LightningModule  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 import lightning_gradcomp  # noqa: E402, F401  (registers the strategy names)
-FASHION = "lightning_gradcomp.data.FashionMNISTDataModule"
+
+FASHION = "gradcomp_lab.data.FashionMNISTDataModule"
 
 
 def command_line(recipe: str, overrides: list[str]) -> str:

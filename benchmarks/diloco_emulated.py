@@ -2,7 +2,7 @@
 bf16 DDP and the best per-step compressor, over a 1 Gbit/s and a 100 Mbit/s link between two sites.
 
 Each run is the language-model benchmark's worker (``benchmarks/lm.py --worker``: the DiLoCo benchmark's recipes,
-1000 steps of 4 x 8 x 64 tokens) on 4 ranks launched by ``lightning_gradcomp.emulate`` as 2 sites of 2: every rank
+1000 steps of 4 x 8 x 64 tokens) on 4 ranks launched by ``gradcomp_lab.emulate`` as 2 sites of 2: every rank
 in its own network namespace, a 10 Gbit/s link inside a site, the WAN rate between the sites' bridges. DiLoCo's
 sites are the emulator's (``site_size=2``): inner DDP over the fast link, the outer round over the slow one.
 Training time excludes validation; the time to the target is interpolated linearly between the validations
@@ -82,7 +82,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             overrides = [*overrides, *SHORTER]
             if not args.saved and (args.force or not path.exists()):
                 print(f"[emulated {wan}] {label}: {command_line(recipe, overrides)}", flush=True)
-                cmd = [sys.executable, "-m", "lightning_gradcomp.emulate", "--nproc", "4", "--sites", "2",
+                cmd = [sys.executable, "-m", "gradcomp_lab.emulate", "--nproc", "4", "--sites", "2",
                        "--bandwidth", LAN, "--wan-bandwidth", wan, "--timeout", "1800", "--",
                        sys.executable, str(ROOT / "benchmarks/lm.py"), "--worker", label, str(path), recipe, *overrides]
                 subprocess.run(cmd, check=True, cwd=ROOT)

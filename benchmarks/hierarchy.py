@@ -2,14 +2,14 @@
 
 Run under the emulated-cluster launcher (each rank runs this script; rank and world from the environment)::
 
-    python -m lightning_gradcomp.emulate --nproc 4 --sites 2 --bandwidth inf --wan-bandwidth 1gbit -- \\
+    python -m gradcomp_lab.emulate --nproc 4 --sites 2 --bandwidth inf --wan-bandwidth 1gbit -- \\
         python benchmarks/hierarchy.py --sites 2 --lan inf --wan 1gbit
 
 Per model (``mlp``: the communication-bound MLP of ``benchmarks/step_time.py`` at ``--mlp-width``; ``gpt``: the
 byte-level GPT of ``recipes/lm/gpt_stdlib_ddp.yaml``, width 128, depth 2, context 128, batch 8) and strategy, DDP
 with the gradcomp hook runs ``--warmup + --steps`` steps; a step's time is the max over ranks, the table gives
 the median of the timed steps, and the performance model's prediction
-(:func:`lightning_gradcomp.perfmodel.hierarchical_comm_seconds` for ``NAME@hier``, ``comm_seconds`` on the
+(:func:`gradcomp_lab.perfmodel.hierarchical_comm_seconds` for ``NAME@hier``, ``comm_seconds`` on the
 two-level network for the flat ones; compute measured here without communication, codec measured here and
 scaled by ranks per core, LAN and WAN rates probed here as ``benchmarks/step_time.py`` does).
 
@@ -45,7 +45,7 @@ def build(model: str, width: int) -> tuple[nn.Module, Any]:
         net = build_model("mlp", width)
         x, y = torch.randn(32, 1, 28, 28, generator=gen), torch.randint(0, 10, (32,), generator=gen)
         return net, lambda m: nn.functional.cross_entropy(m(x), y)
-    from lightning_gradcomp.models import GPT
+    from gradcomp_lab.models import GPT
 
     torch.manual_seed(1234)
     net = GPT(vocab_size=256, width=128, depth=2, num_heads=4, context=128)
@@ -128,15 +128,15 @@ def probe_links(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def predict(r: dict[str, Any], compute_s: float, shapes: list, args: argparse.Namespace, world: int,
             links: tuple[Any, Any]) -> float:
-    from lightning_gradcomp import registry
-    from lightning_gradcomp.costmodel import Network
-    from lightning_gradcomp.perfmodel import (
+    from gradcomp_lab.perfmodel import (
         comm_seconds,
         ddp_bucket_fractions,
         fp32_codec,
         hierarchical_comm_seconds,
-        measure_codec,
     )
+    from lightning_gradcomp import registry
+    from lightning_gradcomp.codec import measure_codec
+    from lightning_gradcomp.costmodel import Network
 
     net = Network(links[0], sites=args.sites, wan=links[1])
     base, _, hier = r["strategy"].partition("@")

@@ -1,12 +1,12 @@
 """Where a step's time goes, per rank: forward, backward (with the hook), update, CPU seconds, hook phases.
 
-Runs inside an emulated cluster (one process per rank, launched by ``lightning_gradcomp.emulate``), trains the
+Runs inside an emulated cluster (one process per rank, launched by ``gradcomp_lab.emulate``), trains the
 3x4096 MLP of ``step_time.py`` with stock DDP and with the gradcomp hook for each strategy, with a barrier before
 every step so the ranks start together, and prints per rank the medians over the timed steps: wall time of
 forward, backward and optimizer step, the process's CPU seconds per step (all its threads; ``sys`` is the part spent
 in the kernel: system calls, page faults, TCP), and the hook's time split (``lightning_gradcomp.stats.HookStats``: compress, collective_wait, decompress; summed over buckets).
 
-    python -m lightning_gradcomp.emulate --nproc 4 --bandwidth 1gbit -- \\
+    python -m gradcomp_lab.emulate --nproc 4 --bandwidth 1gbit -- \\
         python benchmarks/hook_breakdown.py --batch 8 --strategies ddp terngrad terngrad:ignore
 
 ``NAME:ignore`` runs the hook with ``nonfinite="ignore"`` (no non-finite guard), to show what the guard costs.

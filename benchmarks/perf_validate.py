@@ -1,4 +1,4 @@
-"""Validate the performance model (lightning_gradcomp.perfmodel) against the emulated-cluster step times.
+"""Validate the performance model (gradcomp_lab.perfmodel) against the emulated-cluster step times.
 
 Reads the JSON written by ``benchmarks/step_time.py``, profiles each model's compute (one process, one thread,
 one worker's batch) and TernGrad's codec on this machine, predicts every measured configuration and prints
@@ -24,20 +24,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from step_time import BATCH, MALLOC_REUSE_ENV, build_model, input_shape  # noqa: E402
 
-from lightning_gradcomp import registry  # noqa: E402
-from lightning_gradcomp.costmodel import Link, Network, parse_rate  # noqa: E402
-from lightning_gradcomp.perfmodel import (  # noqa: E402
-    Codec,
+from gradcomp_lab.perfmodel import (  # noqa: E402
     ComputeTime,
     ddp_bucket_fractions,
     fp32_codec,
     measure_cast_codec,
-    measure_codec,
     predict,
     profile_compute,
 )
-from step_time import BATCH, MALLOC_REUSE_ENV, build_model, input_shape  # noqa: E402
+from lightning_gradcomp import registry  # noqa: E402
+from lightning_gradcomp.codec import Codec, measure_codec  # noqa: E402
+from lightning_gradcomp.costmodel import Link, Network, parse_rate  # noqa: E402
 
 
 def _same_allocator_as(reports: dict[str, dict]) -> None:

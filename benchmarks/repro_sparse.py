@@ -21,9 +21,9 @@ from collections import defaultdict
 from typing import Any
 
 import yaml
+from _recipe_runner import FASHION, ROOT, command_line, machine, run_recipe
 from lightning.pytorch import Callback
 
-from _recipe_runner import FASHION, ROOT, command_line, machine, run_recipe
 from lightning_gradcomp.compressors.adacomp import layer_kind
 
 
@@ -48,8 +48,8 @@ def tower_strategy(recipe: str, workers: int) -> str:
     """The recipe's compressor (or fp32 for a DDP baseline) inside a TowerStrategy of ``workers``, as JSON."""
     strategy = yaml.safe_load((ROOT / recipe).read_text())["trainer"]["strategy"]
     compressor = strategy["init_args"]["compressor"] if isinstance(strategy, dict) else {
-        "class_path": "lightning_gradcomp.Identity"}
-    return json.dumps({"class_path": "lightning_gradcomp.towers.TowerStrategy",
+        "class_path": "lightning_gradcomp.compressors.Identity"}
+    return json.dumps({"class_path": "lightning_gradcomp.TowerStrategy",
                        "init_args": {"num_workers": workers, "compressor": compressor}}, separators=(",", ":"))
 
 

@@ -14,7 +14,6 @@ Usage: python benchmarks/repro_terngrad_lenet.py [--steps 400] [--workers 2 4 8]
 import argparse
 
 import torch
-
 from _recipe_runner import FASHION, command_line, machine, run_recipe
 
 RECIPES = {"momentum": "recipes/terngrad/lenet_mnist_fig3.yaml", "sgd": "recipes/terngrad/lenet_mnist_fig3_sgd.yaml"}
@@ -40,8 +39,8 @@ def main() -> None:
     print(f"# machine: {machine()}")
     rows = []
     for opt in args.optimizers:
-        runs = [("fp32", 1, "lightning_gradcomp.Identity")]
-        runs += [("terngrad", n, "lightning_gradcomp.TernGrad") for n in args.workers]
+        runs = [("fp32", 1, "lightning_gradcomp.compressors.Identity")]
+        runs += [("terngrad", n, "lightning_gradcomp.compressors.TernGrad") for n in args.workers]
         for method, n, compressor in runs:
             ov = overrides(args.steps, n if method != "fp32" else 1, compressor, args.val_batches)
             torch.manual_seed(0)

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FASHION = "lightning_gradcomp.data.FashionMNISTDataModule"
-LENET = json.dumps({"class_path": "lightning_gradcomp.models.LeNet",
+FASHION = "gradcomp_lab.data.FashionMNISTDataModule"
+LENET = json.dumps({"class_path": "gradcomp_lab.models.LeNet",
                     "init_args": {"num_classes": 10, "in_channels": 1, "image_size": 28, "padding": "valid", "init": "caffe", "conv_relu": False}},
                    separators=(",", ":"))
 
@@ -62,7 +62,7 @@ def main() -> None:
             ov = overrides(args.steps, log_dir) + list(args.extra)
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}")
             start = time.perf_counter()
-            out = subprocess.run([sys.executable, "-m", "lightning_gradcomp.cli", "fit", "--config", recipe, *ov],
+            out = subprocess.run([sys.executable, "-m", "gradcomp_lab.cli", "fit", "--config", recipe, *ov],
                                  cwd=ROOT, env=env, capture_output=True, text=True)
             seconds = time.perf_counter() - start
             if out.returncode != 0:

@@ -1,7 +1,7 @@
 """Step time of data-parallel training over an emulated cluster (issue 8, part 4).
 
 For every world size N and link bandwidth, builds an emulated cluster (one network namespace per rank, veth
-pairs into a bridge, ``tc tbf`` on every link; see :mod:`lightning_gradcomp.emulate`), and runs, inside one
+pairs into a bridge, ``tc tbf`` on every link; see :mod:`gradcomp_lab.emulate`), and runs, inside one
 process group per cluster, every (model, strategy) pair for ``warmup + steps`` training steps. A step's time is
 the max over ranks; the table gives the median over the timed steps and the ratio to fp32 DDP measured in the
 same run on the same cluster.
@@ -200,7 +200,7 @@ def _run_one(model_name: str, strategy: str, args: argparse.Namespace, link: dic
         dist.all_reduce(c, op=dist.ReduceOp.MAX)
         out["compute_s"] = statistics.median(c.tolist())
     if args.profile_compute and base == "terngrad":
-        from lightning_gradcomp.perfmodel import measure_codec
+        from lightning_gradcomp.codec import measure_codec
 
         codec = measure_codec(registry.make_compressor("terngrad"), [(n, tuple(p.shape)) for n, p in model.named_parameters()], world)
         c = torch.tensor([codec.encode_s + codec.decode_s], dtype=torch.float64)
@@ -260,9 +260,9 @@ def machine() -> dict[str, Any]:
 
 
 def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
+    from gradcomp_lab.emulate import Cluster, EmulationUnavailable, check_available, run_on_cluster
     from lightning_gradcomp import registry
     from lightning_gradcomp.costmodel import parse_rate
-    from lightning_gradcomp.emulate import Cluster, EmulationUnavailable, check_available, run_on_cluster
 
     try:
         check_available()

@@ -11,7 +11,7 @@ Two ways to run:
 
 * under the emulated-cluster launcher (each rank runs the script; rank and world come from the environment)::
 
-      python -m lightning_gradcomp.emulate --nproc 4 --bandwidth 1gbit --sites 2 --wan-bandwidth 100mbit -- \
+      python -m gradcomp_lab.emulate --nproc 4 --bandwidth 1gbit --sites 2 --wan-bandwidth 100mbit -- \
           python benchmarks/weightgrad_wan.py --worker --sites 2
 
 Task: an MLP on scikit-learn's digits (default; 1437 train / 360 validation images, 8x8) or Fashion-MNIST

@@ -71,8 +71,9 @@ def _rank(rank: int, world_size: int, port: int, run: str, log_dir: str, steps: 
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_gradcomp import GradCompStrategy, TernGrad
+    from lightning_gradcomp import GradCompStrategy
     from lightning_gradcomp.callbacks import CompressionMonitor
+    from lightning_gradcomp.compressors import TernGrad
 
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--runs", nargs="+", default=["terngrad", "topk"], choices=["terngrad", "topk"])
     args = parser.parse_args()
-    from lightning_gradcomp import report
+    from gradcomp_lab import report
 
     log_dir = tempfile.mkdtemp(prefix="gradcomp_demo_")
     ctx = mp.get_context("spawn")

@@ -23,9 +23,9 @@ def train(strategy: str, out: Path, epochs: int) -> None:
     import lightning.pytorch as pl
 
     import lightning_gradcomp  # noqa: F401  (registers "terngrad")
-    from lightning_gradcomp.data import DigitsDataModule
-    from lightning_gradcomp.models import MLP
-    from lightning_gradcomp.tasks import ImageClassifier
+    from gradcomp_lab.data import DigitsDataModule
+    from gradcomp_lab.models import MLP
+    from gradcomp_lab.tasks import ImageClassifier
 
     pl.seed_everything(0, verbose=False)
     data = DigitsDataModule(batch_size=32)

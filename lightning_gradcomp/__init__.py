@@ -2,6 +2,11 @@
 
 Importing the package registers the strategy names (``Trainer(strategy="terngrad")``, ``Fabric(strategy="terngrad")``,
 and ``"terngrad_notebook"`` for interactive sessions).
+
+The top level holds the strategies, the DDP communication hook and the registry of names; compressors are spelt
+from their subpackage (``lightning_gradcomp.compressors.TernGrad``), callbacks from theirs
+(``lightning_gradcomp.callbacks.CompressionMonitor``). The recipes' data, models and tasks are not part of the
+library: they live in ``gradcomp_lab``.
 """
 
 import logging as _logging
@@ -14,21 +19,26 @@ if not _logging.getLogger().hasHandlers():
     _logger.addHandler(_logging.StreamHandler())
     _logger.propagate = False
 
-from lightning_gradcomp import registry as _registry  # noqa: E402
-from lightning_gradcomp.compressors import Compressor, Identity, Packet, TernGrad  # noqa: E402
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook  # noqa: E402
-from lightning_gradcomp.pipeline import LayerTransform  # noqa: E402
+from lightning_gradcomp.registry import (  # noqa: E402
+    compressor_names,
+    make_compressor,
+    register_compressor,
+    register_strategies,
+    strategy_names,
+)
 from lightning_gradcomp.strategy import GradCompStrategy  # noqa: E402
+from lightning_gradcomp.towers import TowerStrategy  # noqa: E402
 
-_registry.register_strategies(GradCompStrategy)
+register_strategies(GradCompStrategy)
 
 from lightning_gradcomp.weightgrad import WeightGradStrategy  # noqa: E402  (needs the modules above)
-from lightning_gradcomp.weightgrad import register as _register_weightgrad  # noqa: E402
+from lightning_gradcomp.weightgrad.strategy import register as _register_weightgrad  # noqa: E402
 
 _register_weightgrad()
 
 from lightning_gradcomp.outer import DiLoCoStrategy  # noqa: E402
-from lightning_gradcomp.outer import register as _register_diloco  # noqa: E402
+from lightning_gradcomp.outer.strategy import register as _register_diloco  # noqa: E402
 
 _register_diloco()
 
@@ -36,20 +46,21 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES 
 
 from lightning_gradcomp.fabric import GradCompFabricStrategy  # noqa: E402
 
-_registry.register_strategies(GradCompFabricStrategy, _FABRIC_STRATEGIES)
+register_strategies(GradCompFabricStrategy, _FABRIC_STRATEGIES)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Compressor",
     "DiLoCoStrategy",
     "GradCompFabricStrategy",
     "GradCompState",
     "GradCompStrategy",
-    "Identity",
-    "LayerTransform",
-    "Packet",
-    "TernGrad",
+    "TowerStrategy",
     "WeightGradStrategy",
+    "compressor_names",
     "gradcomp_hook",
+    "make_compressor",
+    "register_compressor",
+    "register_strategies",
+    "strategy_names",
 ]

@@ -1,7 +1,7 @@
 """Optional dependencies: import one, or fail with the ``pip install 'lightning_gradcomp[extra]'`` that fixes it.
 
-The core (strategy, compressors, callbacks, CLI) needs none of them; each extra of ``pyproject.toml`` serves one
-feature (``wandb``: W&B logging; ``report``: ``gradcomp report`` plots).
+The library (strategy, compressors, callbacks) and the lab's CLI need none of them; each extra of ``pyproject.toml``
+serves one feature (``wandb``: W&B logging; ``report``: ``gradcomp report`` plots, in ``gradcomp_lab``).
 """
 
 import importlib

@@ -209,11 +209,11 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int) -> None:
         """Log (INFO, visible by default) what runs: the compressor, its collectives, bytes per step against fp32.
 
-        The bytes are :func:`~lightning_gradcomp.perfmodel.measure_codec`'s: a copy of the compressor packs random
+        The bytes are :func:`~lightning_gradcomp.codec.measure_codec`'s: a copy of the compressor packs random
         tensors of every compressed parameter's shape (exact for fixed-size encodings; an estimate for sparse ones,
         whose size follows the data). The progress bar's ``comp_ratio`` then shows the measured ratio of each step.
         """
-        from lightning_gradcomp.perfmodel import measure_codec
+        from lightning_gradcomp.codec import measure_codec
 
         shapes = [(n, tuple(p.shape)) for n, p in named.items() if n not in float_names]
         dense = sum(4 * p.numel() for p in named.values())

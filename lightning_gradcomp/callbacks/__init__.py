@@ -1,12 +1,17 @@
-"""Lightning callbacks: per-layer pipeline steps (clipping, momentum correction), monitoring, evaluation."""
+"""Lightning callbacks: per-layer pipeline steps (clipping, momentum correction), monitoring."""
 
 from lightning_gradcomp.callbacks.base import PipelineCallback
-from lightning_gradcomp.callbacks.clipping import SigmaClip, SigmaClipping
-from lightning_gradcomp.callbacks.clipping import Clip, ClippingCallback, LocalGradientClipping, NormClip
-from lightning_gradcomp.callbacks.ema import ExponentialMovingAverage
+from lightning_gradcomp.callbacks.clipping import (
+    Clip,
+    ClippingCallback,
+    LocalGradientClipping,
+    NormClip,
+    SigmaClip,
+    SigmaClipping,
+)
+from lightning_gradcomp.callbacks.momentum import MomentumCorrect, MomentumCorrection
 from lightning_gradcomp.callbacks.monitor import CompressionMonitor
 from lightning_gradcomp.callbacks.progress import CompressionProgressBar
-from lightning_gradcomp.callbacks.momentum import MomentumCorrect, MomentumCorrection
 from lightning_gradcomp.callbacks.schedule import CompressionSchedule
 
 __all__ = [
@@ -15,7 +20,6 @@ __all__ = [
     "CompressionMonitor",
     "CompressionProgressBar",
     "CompressionSchedule",
-    "ExponentialMovingAverage",
     "LocalGradientClipping",
     "MomentumCorrect",
     "MomentumCorrection",

@@ -7,6 +7,6 @@
 """
 
 from lightning_gradcomp.outer.engine import OuterSync
-from lightning_gradcomp.outer.strategy import DiLoCoStrategy, register
+from lightning_gradcomp.outer.strategy import DiLoCoStrategy
 
-__all__ = ["DiLoCoStrategy", "OuterSync", "register"]
+__all__ = ["DiLoCoStrategy", "OuterSync"]

@@ -2,22 +2,16 @@
 
 from lightning_gradcomp.weightgrad.quantize import decode, encode, loss_aware_ternary, stochastic_ternary
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
-from lightning_gradcomp.sites import SiteGroups, SiteLayout, new_site_groups, site_layout
-from lightning_gradcomp.weightgrad.strategy import GatheredFP32, WeightGradStrategy, register
+from lightning_gradcomp.weightgrad.strategy import GatheredFP32, WeightGradStrategy
 from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer
 
 __all__ = [
     "GatheredFP32",
     "GradientSynchronizer",
     "SignificanceFilter",
-    "SiteGroups",
-    "SiteLayout",
     "WeightGradStrategy",
     "decode",
     "encode",
     "loss_aware_ternary",
-    "new_site_groups",
-    "register",
-    "site_layout",
     "stochastic_ternary",
 ]

@@ -4,8 +4,9 @@ from types import SimpleNamespace
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_gradcomp import GradCompStrategy, TernGrad
+from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import SigmaClip, SigmaClipping
+from lightning_gradcomp.compressors import TernGrad
 from tests.bad_configs import BadConfig
 
 

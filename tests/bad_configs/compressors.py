@@ -1,6 +1,7 @@
 """Unknown options to any registered compressor (one mechanism in ``Compressor``, so every compressor has it)."""
 
-from lightning_gradcomp import TernGrad, registry
+from lightning_gradcomp import registry
+from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.adacomp import AdaComp
 from tests.bad_configs import BadConfig
 

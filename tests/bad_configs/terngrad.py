@@ -2,7 +2,7 @@
 
 import torch
 
-from lightning_gradcomp import TernGrad
+from lightning_gradcomp.compressors import TernGrad
 from tests.bad_configs import BadConfig
 
 

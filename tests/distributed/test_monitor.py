@@ -131,7 +131,7 @@ def test_residual_statistics_and_report(runs, tmp_path: Path) -> None:
         assert 0 <= last[_key("sparsity", name)] < 0.5
         assert last[_key("compression_ratio", name)] == 2.0
 
-    from lightning_gradcomp import report
+    from gradcomp_lab import report
 
     pytest.importorskip("matplotlib", reason="`gradcomp report` plots need the optional [report] extra (matplotlib)")
     for source, name in ((results[0]["half_csv_dir"], "csv"), (results[0]["half_tb_dir"], "tb")):

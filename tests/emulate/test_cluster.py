@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from lightning_gradcomp.emulate import Cluster, EmulationUnavailable, RankFailed, check_available, list_namespaces, run_on_cluster
+from gradcomp_lab.emulate import (
+    Cluster,
+    EmulationUnavailable,
+    RankFailed,
+    check_available,
+    list_namespaces,
+    run_on_cluster,
+)
 
 try:
     check_available()

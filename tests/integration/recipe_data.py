@@ -11,20 +11,20 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from lightning_gradcomp.data.idx import write_idx
+from gradcomp_lab.data.idx import write_idx
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
 
 #: datamodule class -> sub-folder of the generated data root
 DATA_DIRS = {
-    "lightning_gradcomp.data.MNISTDataModule": "mnist",
-    "lightning_gradcomp.data.FashionMNISTDataModule": "mnist",
-    "lightning_gradcomp.data.CIFAR10DataModule": "cifar10",
-    "lightning_gradcomp.data.ImageFolderDataModule": "imagenet",
-    "lightning_gradcomp.data.TinyShakespeareDataModule": "tinyshakespeare",
-    "lightning_gradcomp.data.ParallelTextDataModule": "parallel",
-    "lightning_gradcomp.data.StdlibSourceDataModule": "stdlib",
+    "gradcomp_lab.data.MNISTDataModule": "mnist",
+    "gradcomp_lab.data.FashionMNISTDataModule": "mnist",
+    "gradcomp_lab.data.CIFAR10DataModule": "cifar10",
+    "gradcomp_lab.data.ImageFolderDataModule": "imagenet",
+    "gradcomp_lab.data.TinyShakespeareDataModule": "tinyshakespeare",
+    "gradcomp_lab.data.ParallelTextDataModule": "parallel",
+    "gradcomp_lab.data.StdlibSourceDataModule": "stdlib",
 }
 
 

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+from gradcomp_lab.cli import GradCompCLI
 from lightning_gradcomp import DiLoCoStrategy, GradCompStrategy
-from lightning_gradcomp.cli import GradCompCLI
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.towers import TowerStrategy
 from lightning_gradcomp.weightgrad import WeightGradStrategy

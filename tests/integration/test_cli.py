@@ -25,7 +25,7 @@ trainer:
     class_path: lightning_gradcomp.GradCompStrategy
     init_args:
       compressor:
-        class_path: lightning_gradcomp.TernGrad
+        class_path: lightning_gradcomp.compressors.TernGrad
         init_args:
           clip_factor: 2.5
           clip_mode: code
@@ -45,7 +45,7 @@ trainer:
 
 def _gradcomp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    code = "import sys; from lightning_gradcomp.cli import main; main()"
+    code = "import sys; from gradcomp_lab.cli import main; main()"
     script = cwd / "gradcomp_entry.py"
     script.write_text(code)
     return subprocess.run(
@@ -99,13 +99,13 @@ NESTED_TYPOS = {
     "option": (
         ("clip_factor: 2.5", "clip_factr: 2.5"),
         "Expected `trainer.strategy.init_args.compressor.init_args.clip_factr` to be an option of "
-        "lightning_gradcomp.TernGrad, but it has no option 'clip_factr' (given 2.5). Fix: did you mean 'clip_factor'?",
+        "lightning_gradcomp.compressors.TernGrad, but it has no option 'clip_factr' (given 2.5). Fix: did you mean 'clip_factor'?",
     ),
     "class_path": (
-        ("class_path: lightning_gradcomp.TernGrad", "class_path: lightning_gradcomp.TernGrd"),
+        ("class_path: lightning_gradcomp.compressors.TernGrad", "class_path: lightning_gradcomp.compressors.TernGrd"),
         "Expected `trainer.strategy.init_args.compressor.class_path` to name an importable class, but got "
-        "'lightning_gradcomp.TernGrd' (module 'lightning_gradcomp' has no attribute 'TernGrd'). "
-        "Fix: did you mean 'lightning_gradcomp.TernGrad'?",
+        "'lightning_gradcomp.compressors.TernGrd' (module 'lightning_gradcomp.compressors' has no attribute 'TernGrd'). "
+        "Fix: did you mean 'lightning_gradcomp.compressors.TernGrad'?",
     ),
     "list": (
         ('exclude: ["net.4.*"]', 'exclude: "net.4.*"'),

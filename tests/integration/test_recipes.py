@@ -43,8 +43,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
 import lightning_gradcomp
-from lightning_gradcomp.cli import GradCompCLI
+from gradcomp_lab.cli import GradCompCLI
 from tests.integration.recipe_data import ROOT, data_overrides, recipe_paths, write_datasets
 
 RECIPES = recipe_paths()

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from lightning_gradcomp import GradCompStrategy, TernGrad
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.towers import TowerStrategy, _tower_slice
 from tests.distributed.lightning_ranks import fit_tiny
 from tests.harness import run_ranks

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lightning_gradcomp import TernGrad
 from lightning_gradcomp.checkpoint import CHECKPOINT_KEY, complete_epoch_end, rank_state, restore, select
+from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.pipeline import LayerTransform
 
@@ -38,7 +38,7 @@ def test_another_world_size_is_refused_with_the_fix() -> None:
 
 
 def test_a_stateless_checkpoint_resumes_on_any_world_size() -> None:
-    from lightning_gradcomp import Identity
+    from lightning_gradcomp.compressors import Identity
 
     entry = rank_state(_state(Identity()))
     ckpt = {CHECKPOINT_KEY: {"version": 1, "world_size": 4, "ranks": [entry] * 4}}
@@ -47,7 +47,7 @@ def test_a_stateless_checkpoint_resumes_on_any_world_size() -> None:
 
 def test_a_partial_restore_is_refused() -> None:
     entry = select(_checkpoint(2), 0, 2, reset=False)
-    from lightning_gradcomp import Identity
+    from lightning_gradcomp.compressors import Identity
 
     with pytest.raises(ValueError, match="Expected the compressor to be TernGrad"):
         restore(_state(Identity()), entry, torch.device("cpu"))

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from lightning_gradcomp import GradCompStrategy, TernGrad
+from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import SigmaClip, SigmaClipping
+from lightning_gradcomp.compressors import TernGrad
 
 
 def test_sigma_clip_clips_at_c_sigma_and_keeps_the_rest() -> None:

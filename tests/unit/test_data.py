@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_gradcomp.data import (
+from gradcomp_lab.data import (
     CIFAR10DataModule,
     DatasetNotFoundError,
     DigitsDataModule,
@@ -22,9 +22,9 @@ from lightning_gradcomp.data import (
     read_idx,
     write_idx,
 )
-from lightning_gradcomp.data.files import download_url, extract_archive, md5sum
-from lightning_gradcomp.data.mnist import DEBIAN_FASHION_MNIST
-from lightning_gradcomp.data.transforms import PerImageStandardize, RandomContrast, RandomResizedCrop
+from gradcomp_lab.data.files import download_url, extract_archive, md5sum
+from gradcomp_lab.data.mnist import DEBIAN_FASHION_MNIST
+from gradcomp_lab.data.transforms import PerImageStandardize, RandomContrast, RandomResizedCrop
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """Our TF-style EMA against Lightning's ``WeightAveraging``: the same arithmetic, different evaluation semantics.
 
-Shows why ``ExponentialMovingAverage`` stays ours (``lightning_gradcomp/callbacks/ema.py`` docstring): with
+Shows why ``ExponentialMovingAverage`` stays ours (``gradcomp_lab/ema.py`` docstring): with
 :func:`tf_ema_avg_fn` and a first update at fit start Lightning's callback computes the same shadows step by step
 (and evaluates with the current batch-norm statistics, as TF does), but it leaves the averages in the model after
 training, and without that first update it starts from the step-1 weights.
@@ -15,8 +15,7 @@ from lightning.pytorch.callbacks import Callback, WeightAveraging
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradcomp.callbacks import ExponentialMovingAverage
-from lightning_gradcomp.callbacks.ema import tf_ema_avg_fn
+from gradcomp_lab.ema import ExponentialMovingAverage, tf_ema_avg_fn
 
 
 class _Net(L.LightningModule):

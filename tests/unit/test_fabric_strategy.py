@@ -6,9 +6,10 @@ import pytest
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-from lightning_gradcomp import GradCompFabricStrategy, TernGrad
+from lightning_gradcomp import GradCompFabricStrategy
 from lightning_gradcomp.callbacks import MomentumCorrection, SigmaClipping
 from lightning_gradcomp.callbacks.clipping import SigmaClip
+from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.registry import NOTEBOOK_SUFFIX, compressor_names, make_compressor
 
 

@@ -77,9 +77,10 @@ def test_ownership_depends_on_sizes_only_and_splits_the_model() -> None:
 def test_the_performance_model_predicts_the_hierarchical_schedule() -> None:
     import math
 
+    from gradcomp_lab.perfmodel import comm_seconds, hierarchical_comm_seconds
+    from lightning_gradcomp.codec import Codec
     from lightning_gradcomp.compressors.base import Aggregation
     from lightning_gradcomp.costmodel import Link, Network, ring_allgather_seconds, ring_allreduce_seconds
-    from lightning_gradcomp.perfmodel import Codec, comm_seconds, hierarchical_comm_seconds
 
     lan, wan = Link(math.inf, 0.0), Link(1e8, 1e-3)
     net = Network(lan, sites=2, wan=wan)
@@ -99,7 +100,7 @@ def test_the_performance_model_predicts_the_hierarchical_schedule() -> None:
 
 
 def test_gradcomp_perf_predicts_hierarchical_rows(capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_gradcomp.perfmodel import main
+    from gradcomp_lab.perfmodel import main
 
     main(["predict", "--model", "alexnet", "--compressor", "terngrad", "--nproc", "8", "--link", "1gbit",
           "--gpus-per-node", "4", "--hierarchical"])

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gradcomp import TernGrad, kernels
+from lightning_gradcomp import kernels
+from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.wire import pack_ternary, packed_nbytes, unpack_ternary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -352,7 +353,8 @@ def test_selection_arguments_are_validated() -> None:
 def test_without_the_extension_one_warning_and_the_same_results() -> None:
     code = (
         "import torch\n"
-        "from lightning_gradcomp import TernGrad, kernels\n"
+        "from lightning_gradcomp import kernels\n"
+        "from lightning_gradcomp.compressors import TernGrad\n"
         "assert not kernels.fused_available()\n"
         "c = TernGrad(backend='auto'); c.setup(0, 1, torch.device('cpu')); assert c.chosen_backend == 'torch'\n"
         "f = TernGrad(backend='fused'); g = torch.randn(999)\n"

@@ -6,13 +6,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_gradcomp.data import ByteTokenizer, StdlibSourceDataModule, TinyShakespeareDataModule, TokenWindows
-from lightning_gradcomp.data import WikiTextDataModule
-from lightning_gradcomp.data.files import DatasetNotFoundError
-from lightning_gradcomp.models import GPT
+from gradcomp_lab.data import (
+    ByteTokenizer,
+    StdlibSourceDataModule,
+    TinyShakespeareDataModule,
+    TokenWindows,
+    WikiTextDataModule,
+)
+from gradcomp_lab.data.files import DatasetNotFoundError
+from gradcomp_lab.models import GPT
+from gradcomp_lab.schedules import WarmupCosine
+from gradcomp_lab.tasks import CharLanguageModel
 from lightning_gradcomp.optimizers import SignSGD
-from lightning_gradcomp.schedules import WarmupCosine
-from lightning_gradcomp.tasks import CharLanguageModel
 
 
 def test_byte_tokenizer_round_trips_unicode() -> None:

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from lightning_gradcomp.models import LeNet
-from lightning_gradcomp.tasks import ImageClassifier
+from gradcomp_lab.models import LeNet
+from gradcomp_lab.tasks import ImageClassifier
 
 
 def tf_polynomial_decay(step: int, max_steps: int, power: float) -> float:

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_gradcomp.models import (
+from gradcomp_lab.models import (
     BN50DNN,
     MLP,
+    VGGA,
     AlexNet,
     CharLSTM,
     Cifar10CNN,
@@ -20,10 +21,9 @@ from lightning_gradcomp.models import (
     ResNet18,
     ResNet50,
     Seq2SeqAttention,
-    VGGA,
 )
-from lightning_gradcomp.models.layers import SameMaxPool2d, WithinChannelLRN, tf_lrn
-from lightning_gradcomp.tasks import regularized_parameters
+from gradcomp_lab.models.layers import SameMaxPool2d, WithinChannelLRN, tf_lrn
+from gradcomp_lab.tasks import regularized_parameters
 
 
 @pytest.fixture(autouse=True)

@@ -85,7 +85,7 @@ def test_layer_key_and_argument_errors() -> None:
 
 
 def test_report_cli_rejects_a_missing_or_empty_log(tmp_path, capsys) -> None:
-    from lightning_gradcomp import report
+    from gradcomp_lab import report
 
     with pytest.raises(SystemExit) as exit_info:
         report.main([str(tmp_path / "nope")])

@@ -19,7 +19,7 @@ tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Py
 def test_core_imports_without_wandb() -> None:
     code = (
         "import sys; sys.modules['wandb'] = None\n"  # as if not installed: any import of it raises
-        "import lightning_gradcomp, lightning_gradcomp.cli, lightning_gradcomp.callbacks, lightning_gradcomp.tasks\n"
+        "import lightning_gradcomp, gradcomp_lab.cli, lightning_gradcomp.callbacks, gradcomp_lab.tasks\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -51,7 +51,7 @@ def test_require_returns_the_module_or_names_the_extra(monkeypatch) -> None:
 
 
 def test_report_names_a_wrong_path_even_without_matplotlib(tmp_path: Path, monkeypatch, capsys) -> None:
-    from lightning_gradcomp import report
+    from gradcomp_lab import report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(SystemExit) as exit_info:
@@ -80,10 +80,9 @@ def test_ci_runs_the_readme_commands() -> None:
 
 def test_cli_wandb_logger_without_wandb_names_the_extra(monkeypatch, capsys) -> None:
     import lightning.pytorch.loggers.wandb as lightning_wandb
-
-    from lightning_gradcomp.cli import GradCompCLI
-
     from lightning_utilities.core.imports import RequirementCache
+
+    from gradcomp_lab.cli import GradCompCLI
 
     # what Lightning sees without the package: an unmet requirement
     monkeypatch.setattr(lightning_wandb, "_WANDB_AVAILABLE", RequirementCache("wandb>=999"))
@@ -124,5 +123,5 @@ def test_ci_lints_and_type_checks_the_library_after_the_install() -> None:
     assert {re.split(r"[<>=!~ \[]", r)[0] for r in lint} == {"ruff", "mypy"}
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     install = next(i for i, line in enumerate(ci) if line.startswith("python3 -m venv .venv && "))
-    steps = [ci.index(step) for step in ('pip install -e ".[lint]"', "ruff check lightning_gradcomp", "mypy")]
+    steps = [ci.index(step) for step in ('pip install -e ".[lint]"', "ruff check lightning_gradcomp gradcomp_lab", "mypy")]
     assert install < steps[0] < steps[1] < steps[2] < ci.index("python -m pytest -q tests")

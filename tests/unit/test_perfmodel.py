@@ -5,12 +5,9 @@ import math
 import pytest
 from torch import nn
 
-from lightning_gradcomp.compressors import Aggregation, TernGrad
-from lightning_gradcomp.costmodel import Link, Network, ring_allreduce_seconds
-from lightning_gradcomp.emulate import cluster as emulate_cluster
-from lightning_gradcomp.perfmodel import (
+from gradcomp_lab.emulate import cluster as emulate_cluster
+from gradcomp_lab.perfmodel import (
     PAPER_MODELS,
-    Codec,
     ComputeTime,
     bucket_fractions,
     comm_seconds,
@@ -18,11 +15,13 @@ from lightning_gradcomp.perfmodel import (
     fp32_codec,
     main,
     measure_cast_codec,
-    measure_codec,
     paper_curve,
     predict,
     profile_compute,
 )
+from lightning_gradcomp.codec import Codec, measure_codec
+from lightning_gradcomp.compressors import Aggregation, TernGrad
+from lightning_gradcomp.costmodel import Link, Network, ring_allreduce_seconds
 
 
 @pytest.mark.parametrize(("model", "millions"), [("alexnet", 60.97), ("googlenet", 7.0), ("vgg_a", 132.86)])

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_gradcomp import report
+from gradcomp_lab import report
 
 pytest.importorskip("matplotlib")
 

@@ -7,7 +7,8 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_gradcomp import GradCompStrategy, Identity, TernGrad
+from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.compressors import Identity, TernGrad
 from lightning_gradcomp.registry import compressor_names
 
 

@@ -10,9 +10,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradcomp.callbacks import ExponentialMovingAverage
-from lightning_gradcomp.models import MLP, CharLSTM, LeNet, Seq2SeqAttention
-from lightning_gradcomp.tasks import CharLanguageModel, ImageClassifier, Seq2SeqTask
+from gradcomp_lab.ema import ExponentialMovingAverage
+from gradcomp_lab.models import MLP, CharLSTM, LeNet, Seq2SeqAttention
+from gradcomp_lab.tasks import CharLanguageModel, ImageClassifier, Seq2SeqTask
 
 
 @pytest.fixture(autouse=True)
@@ -190,7 +190,7 @@ def test_char_lm_and_seq2seq_tasks_train() -> None:
 def test_lightning_cli_builds_nested_objects(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_gradcomp.data import DigitsDataModule
+    from gradcomp_lab.data import DigitsDataModule
 
     monkeypatch.setattr(sys, "argv", ["gradcomp"])  # only `args` below, not pytest's own arguments
     cli = LightningCLI(
@@ -202,14 +202,14 @@ def test_lightning_cli_builds_nested_objects(monkeypatch: pytest.MonkeyPatch) ->
         save_config_callback=None,
         args=[
             "--seed_everything=0",
-            "--model=lightning_gradcomp.tasks.ImageClassifier",
-            "--model.model=lightning_gradcomp.models.LeNet",
+            "--model=gradcomp_lab.tasks.ImageClassifier",
+            "--model.model=gradcomp_lab.models.LeNet",
             "--model.model.padding=valid",
             "--model.weight_decay_in_loss=true",
-            "--data=lightning_gradcomp.data.DigitsDataModule",
+            "--data=gradcomp_lab.data.DigitsDataModule",
             "--data.batch_size=16",
             "--trainer.logger=false",
-            "--trainer.callbacks+=lightning_gradcomp.callbacks.ExponentialMovingAverage",
+            "--trainer.callbacks+=gradcomp_lab.ema.ExponentialMovingAverage",
             "--trainer.callbacks.decay=0.99",
         ],
     )

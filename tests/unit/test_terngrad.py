@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from lightning_gradcomp import TernGrad
-from lightning_gradcomp.compressors import Aggregation
+from lightning_gradcomp.compressors import Aggregation, TernGrad
 from lightning_gradcomp.wire import pack_ternary, packed_nbytes, unpack_ternary
 
 
