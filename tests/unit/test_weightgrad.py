@@ -12,10 +12,9 @@ from lightning_gradcomp.weightgrad import (
     decode,
     encode,
     loss_aware_ternary,
-    new_site_groups,
-    site_layout,
     stochastic_ternary,
 )
+from lightning_gradcomp.sites import new_site_groups, site_layout
 from tests.harness import free_port
 
 
