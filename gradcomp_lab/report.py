@@ -42,6 +42,7 @@ _PHASES = ("compress", "collective_wait", "decompress")
 _HISTOGRAM_KINDS = ("original", "clipped", "compressed", "averaged")
 
 Series = dict[str, list[tuple[int, float]]]
+Histogram = tuple[int, list[float], list[float]]  # (step, bucket edges, bucket counts)
 
 
 def find_log(run: Path) -> Path:
@@ -84,7 +85,7 @@ def load_scalars(log: Path) -> Series:
     return {k: sorted(v) for k, v in series.items()}
 
 
-def load_histograms(log: Path) -> dict[str, list[tuple[int, list[float], list[float]]]]:
+def load_histograms(log: Path) -> dict[str, list[Histogram]]:
     """``gradcomp/histogram/...`` histograms of a TensorBoard log: ``{tag: [(step, edges, counts), ...]}``.
 
     CSV logs hold no histograms: an empty dict.
@@ -190,12 +191,12 @@ def figures(run: Path, layers: Optional[Sequence[str]] = None) -> dict[str, Any]
         fig, ax = plt.subplots(figsize=(8, 4.5))
         total = lines.pop("total", None)
         for i, (name, points) in enumerate(merge_identical(lines).items()):
-            steps, values = zip(*points)
-            ax.plot(steps, values, label=name, marker=_MARKERS[i % len(_MARKERS)], markersize=4 + (i % 3),
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, label=name, marker=_MARKERS[i % len(_MARKERS)], markersize=4 + (i % 3),
                     linestyle=_LINESTYLES[i % len(_LINESTYLES)], linewidth=1.2, alpha=0.85)
         if total is not None:
-            steps, values = zip(*total)
-            ax.plot(steps, values, label="total", color="black", linestyle="--", linewidth=2)
+            xs, ys = zip(*total)
+            ax.plot(xs, ys, label="total", color="black", linestyle="--", linewidth=2)
             lines["total"] = total
         values = [v for points in lines.values() for _, v in points]
         if statistic in _LOG_SCALE and values and min(values) > 0:
@@ -233,7 +234,7 @@ def figures(run: Path, layers: Optional[Sequence[str]] = None) -> dict[str, Any]
         out["time_split"] = fig
 
     # TernGrad Fig. 2: the four stages of one layer's gradient at the last logged step, side by side
-    by_layer: dict[str, dict[str, list]] = defaultdict(dict)
+    by_layer: dict[str, dict[str, Histogram]] = defaultdict(dict)
     for tag, events in load_histograms(log).items():
         layer, kind = tag[len(f"{PREFIX}histogram/") :].rsplit("/", 1)
         if layers is None or any(fnmatch.fnmatchcase(layer, p) for p in layers):

@@ -7,13 +7,14 @@ uint32 per dimension, then the data in big-endian C order.
 import gzip
 import struct
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
 from gradcomp_lab.data.files import PathLike
 
-_CODE_TO_DTYPE = {
+# annotated: dtype[uint8] and the string-built dtype[Any] would otherwise join to dict[int, object]
+_CODE_TO_DTYPE: dict[int, np.dtype[Any]] = {
     0x08: np.dtype(np.uint8),
     0x09: np.dtype(np.int8),
     0x0B: np.dtype(">i2"),

@@ -82,7 +82,7 @@ class AlexNet(nn.Module):
         )  # fmt: skip
 
     @staticmethod
-    def _init(layer: nn.Module, std: float, bias: float, init: str) -> None:
+    def _init(layer: nn.Conv2d | nn.Linear, std: float, bias: float, init: str) -> None:
         if init == "terngrad":
             trunc_normal_tf_(layer.weight, std)
             if layer.bias is not None:

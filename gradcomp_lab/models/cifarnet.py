@@ -37,6 +37,7 @@ class CifarNet(nn.Module):
         init = ((self.conv1, 0.05, 0.0), (self.conv2, 0.05, 0.1), (self.fc3, 0.04, 0.1), (self.fc4, 0.04, 0.1))
         for layer, std, bias in (*init, (self.logits, 1.0 / 192.0, 0.0)):
             trunc_normal_tf_(layer.weight, std)
+            assert layer.bias is not None  # every layer above is built with its default bias=True
             nn.init.constant_(layer.bias, bias)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -45,7 +46,7 @@ class CifarNet(nn.Module):
         x = torch.relu(self.fc3(x.flatten(1)))
         return self.logits(torch.relu(self.fc4(x)))
 
-    def regularized_parameters(self) -> list[nn.Parameter]:
+    def regularized_parameters(self) -> list[Tensor]:
         """The tutorial applies L2 weight decay (0.004) to the fc3 and fc4 weights only."""
         return [self.fc3.weight, self.fc4.weight]
 
@@ -85,8 +86,10 @@ class Cifar10CNN(nn.Module):
         )
         self.fc = nn.Linear(64 * size * size, num_classes)
         convs = [m for m in self.features if isinstance(m, nn.Conv2d)]
-        for layer, std in zip((*convs, self.fc), (1e-4, 0.01, 0.01, 0.1)):
+        layers: list[nn.Conv2d | nn.Linear] = [*convs, self.fc]
+        for layer, std in zip(layers, (1e-4, 0.01, 0.01, 0.1)):
             nn.init.normal_(layer.weight, std=std)
+            assert layer.bias is not None  # every layer above is built with its default bias=True
             nn.init.zeros_(layer.bias)
 
     def forward(self, x: Tensor) -> Tensor:

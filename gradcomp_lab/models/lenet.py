@@ -56,6 +56,7 @@ class LeNet(nn.Module):
         if init != "torch":
             for layer, std in ((self.conv1, 0.05), (self.conv2, 0.05), (self.fc3, 0.048), (self.fc4, 0.0767)):
                 trunc_normal_tf_(layer.weight, std) if init == "tf" else caffe_xavier_(layer.weight)
+                assert layer.bias is not None  # every layer above is built with its default bias=True
                 nn.init.zeros_(layer.bias)
 
     def forward(self, x: Tensor) -> Tensor:

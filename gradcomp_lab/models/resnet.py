@@ -92,7 +92,9 @@ class ResNet(nn.Module):
         if zero_init_residual:
             for module in self.modules():
                 if isinstance(module, (BasicBlock, Bottleneck)):
-                    nn.init.zeros_(module.body[-1].weight)
+                    last_norm = module.body[-1]
+                    assert isinstance(last_norm, nn.BatchNorm2d)  # _conv_bn ends every body with its BN
+                    nn.init.zeros_(last_norm.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc(self.stages(self.stem(x)).mean(dim=(-2, -1)))

@@ -90,7 +90,13 @@ class TrainingTask(LightningModule):
         check_choice("lr_schedule", lr_schedule, ("constant", "poly", "staircase", "cosine"))
         check_int("warmup_steps", warmup_steps, minimum=0)
         check_number("end_factor", end_factor, minimum=0.0, maximum=1.0)
-        for beta in adam_betas:
+        if len(adam_betas) != 2:
+            raise ValueError(
+                f"Expected `adam_betas` to be two numbers (beta1, beta2), but got {adam_betas!r}. "
+                "Fix: pass e.g. (0.9, 0.95)."
+            )
+        beta1, beta2 = adam_betas  # also turns the list a YAML config gives into the pair AdamW takes
+        for beta in (beta1, beta2):
             check_number("adam_betas", beta, minimum=0.0, maximum=1.0, max_open=True)
         if max_steps is not None:
             check_int("max_steps", max_steps, minimum=1)
@@ -110,7 +116,7 @@ class TrainingTask(LightningModule):
         self.weight_decay, self.weight_decay_in_loss = weight_decay, weight_decay_in_loss
         self.lr_schedule, self.max_steps, self.poly_power = lr_schedule, max_steps, poly_power
         self.decay_steps, self.decay_epochs, self.decay_rate = decay_steps, decay_epochs, decay_rate
-        self.warmup_steps, self.end_factor, self.adam_betas = warmup_steps, end_factor, tuple(adam_betas)
+        self.warmup_steps, self.end_factor, self.adam_betas = warmup_steps, end_factor, (beta1, beta2)
 
     def regularization(self) -> Tensor:
         """``weight_decay * sum(0.5 * ||w||^2)`` when the decay lives in the loss, else 0."""
@@ -130,12 +136,12 @@ class TrainingTask(LightningModule):
             check_int("max_steps", steps, minimum=1, fix="set `max_steps` (or the Trainer's) for cosine decay")
             return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(int(steps), self.warmup_steps, self.end_factor))
         if self.lr_schedule == "staircase":
-            steps = self.decay_steps
-            if steps is None:
+            step_size = self.decay_steps
+            if step_size is None:
                 self.trainer.estimated_stepping_batches  # noqa: B018  (loads the train loader to count batches)
                 per_epoch = max(1, self.trainer.num_training_batches // self.trainer.accumulate_grad_batches)
-                steps = max(1, round(float(self.decay_epochs or 0.0) * per_epoch))
-            return torch.optim.lr_scheduler.StepLR(optimizer, step_size=steps, gamma=self.decay_rate)
+                step_size = max(1, round(float(self.decay_epochs or 0.0) * per_epoch))
+            return torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=self.decay_rate)
         return None
 
     @override

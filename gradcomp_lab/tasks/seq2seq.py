@@ -1,6 +1,6 @@
 """Sequence-to-sequence training (translation-like), teacher-forced, with optional greedy BLEU."""
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,6 +22,13 @@ def _tokens(ids: Tensor) -> str:
         if i != PAD_ID:
             out.append(str(i))
     return " ".join(out)
+
+
+@runtime_checkable
+class GreedyDecoder(Protocol):
+    """A model that BLEU can score: ``greedy_decode(src, src_lengths, max_len)`` returns ``(B, <= max_len)`` ids."""
+
+    def greedy_decode(self, src: Tensor, src_lengths: Tensor, max_len: int) -> Tensor: ...
 
 
 class Seq2SeqTask(TrainingTask):
@@ -56,6 +63,11 @@ class Seq2SeqTask(TrainingTask):
         super().__init__(model, optimizer, lr, **kwargs)
         check_number("label_smoothing", label_smoothing, minimum=0.0, maximum=1.0, max_open=True)
         check_int("max_decode_len", max_decode_len, minimum=1)
+        if bleu and not isinstance(model, GreedyDecoder):
+            raise ValueError(
+                f"Expected `model` to have `greedy_decode(src, src_lengths, max_len)` with `bleu=True`, but got "
+                f"{type(model).__name__}. Fix: set `bleu=False` or use e.g. Seq2SeqAttention."
+            )
         self.save_hyperparameters(ignore=["model"])
         self.label_smoothing, self.bleu, self.max_decode_len = label_smoothing, bleu, max_decode_len
         self.val_loss, self.val_acc, self.val_bleu = MeanMetric(), MeanMetric(), BLEUScore()
@@ -88,7 +100,9 @@ class Seq2SeqTask(TrainingTask):
         self.log(f"{stage}_loss", loss_m, prog_bar=True)
         self.log(f"{stage}_acc", acc_m)
         if self.bleu:
-            hypotheses = self.model.greedy_decode(src, src_lengths, self.max_decode_len)
+            decoder = self.model
+            assert isinstance(decoder, GreedyDecoder)  # __init__ checked it when bleu is on
+            hypotheses = decoder.greedy_decode(src, src_lengths, self.max_decode_len)
             bleu_m([_tokens(h) for h in hypotheses], [[_tokens(r)] for r in tgt_out])
             self.log(f"{stage}_bleu", bleu_m)
 

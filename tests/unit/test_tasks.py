@@ -47,6 +47,8 @@ def test_task_applies_schedule_per_step() -> None:
     assert lrs == pytest.approx([0.1, 0.1 * math.sqrt(0.75), 0.1 * math.sqrt(0.5), 0.1 * math.sqrt(0.25), 0.0])
     with pytest.raises(ValueError, match="decay_steps"):
         ImageClassifier(LeNet(), lr_schedule="staircase")
+    with pytest.raises(ValueError, match="`adam_betas`"):
+        ImageClassifier(LeNet(), optimizer="adamw", adam_betas=(0.9, 0.95, 0.99))  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- EMA
@@ -158,6 +160,7 @@ def test_optimizer_choices() -> None:
     assert isinstance(build("adam"), torch.optim.Adam) and isinstance(build("adagrad"), torch.optim.Adagrad)
     with pytest.raises(ValueError, match="`optimizer`"):
         build("rmsprop")
+    assert build("adamw").param_groups[0]["betas"] == (0.9, 0.95)
 
 
 def test_char_lm_and_seq2seq_tasks_train() -> None:
@@ -185,6 +188,8 @@ def test_char_lm_and_seq2seq_tasks_train() -> None:
     metrics = trainer.callback_metrics
     assert {"val_loss", "val_acc", "val_ppl", "val_bleu"} <= set(metrics)
     assert float(metrics["val_ppl"]) == pytest.approx(math.exp(float(metrics["val_loss"])), rel=1e-5)
+    with pytest.raises(ValueError, match="greedy_decode"):
+        Seq2SeqTask(LeNet(), bleu=True)  # BLEU needs a decoder: refused at construction, not at the first validation
 
 
 def test_lightning_cli_builds_nested_objects(monkeypatch: pytest.MonkeyPatch) -> None:
