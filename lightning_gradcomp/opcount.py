@@ -152,6 +152,11 @@ def mlp(tensors: int, width: int = 32, seed: int = 0) -> nn.Module:
 def single_rank_group() -> Iterator[None]:
     """The default process group: the existing one, else a 1-rank Gloo group in this process (destroyed after)."""
     if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise ValueError(
+                f"Expected no default process group or one of world size 1, but got world size {dist.get_world_size()}. "
+                "Fix: count ops in a process without a group (one is made here) or in a 1-rank group."
+            )
         yield
         return
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
