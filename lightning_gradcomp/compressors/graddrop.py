@@ -328,8 +328,10 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         magnitudes = flat.abs()
         thr = self.threshold(magnitudes, name)
         keep = ~(magnitudes <= thr)  # dropped at or below the threshold; a NaN never is, so it is sent
-        if not keep.any() and thr > 0:  # nothing above it: every |x| ties with it, send the ties
-            keep = ~(magnitudes < thr)
+        # nothing above it (then no NaN either, and every |x| <= thr): send the ties |x| == thr. Decided on the
+        # device as a mask, not with `if not keep.any()`: a branch would read a scalar back to the host per
+        # tensor, which on CUDA drains the stream; the selected set is the same
+        keep |= (magnitudes == thr) & ~keep.any() & (thr > 0)
         overflow = flat.new_zeros(())
         if self.quantize == "none" and self.values == "fp16":
             # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
