@@ -2,7 +2,7 @@
 
 For every registered compressor (and Gradient Dropping's and AdaComp's torch backends, the path CUDA runs: the
 fused kernels are CPU-only), one step at world size 1 of a residual MLP with 40 and with 160 parameter
-tensors is counted with :func:`lightning_gradcomp.opcount.hook_op_overhead` (ops with the hook minus ops of the
+tensors is counted with :func:`gradcomp_lab.opcount.hook_op_overhead` (ops with the hook minus ops of the
 same step of plain DDP). Counts are deterministic: a hook whose count grows with the number of tensors runs a
 per-parameter loop, which on a GPU costs a kernel launch per op and a stream drain per host read.
 
@@ -23,7 +23,7 @@ from lightning_gradcomp import registry
 from lightning_gradcomp.compressors.adacomp import AdaComp
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.graddrop import GradientDropping
-from lightning_gradcomp.opcount import hook_op_overhead
+from gradcomp_lab.opcount import hook_op_overhead
 
 SIZES = (40, 160)
 

@@ -1,7 +1,7 @@
 """The gradcomp hook's dispatched ops and host reads per step do not grow with the number of parameter tensors.
 
 Issue 17's deterministic test (counts, never timings): one step at world size 1 (an in-process 1-rank Gloo group)
-of residual MLPs with 40 and 160 parameter tensors, counted by :mod:`lightning_gradcomp.opcount` as ops beyond the
+of residual MLPs with 40 and 160 parameter tensors, counted by :mod:`gradcomp_lab.opcount` as ops beyond the
 same step of plain DDP. Compressors whose hook path still loops over parameters are strict xfails: the test
 fails the day their count stops growing, so the marker must go with the batched pipeline that fixes them.
 """
@@ -13,7 +13,7 @@ import torch
 
 from lightning_gradcomp import registry
 from lightning_gradcomp.compressors.graddrop import GradientDropping
-from lightning_gradcomp.opcount import OpCount, count_ops, hook_op_overhead
+from gradcomp_lab.opcount import OpCount, count_ops, hook_op_overhead
 
 PER_PARAMETER_LOOP = pytest.mark.xfail(strict=True, reason="per-parameter loop: issue 17's batched pipeline")
 
