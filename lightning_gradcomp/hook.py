@@ -40,6 +40,7 @@ from lightning_gradcomp.guard import (
 from lightning_gradcomp.ledger import LayerRecord, Ledger
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.planner import CollectivePlanner
 from lightning_gradcomp.router import Router
 from lightning_gradcomp.stats import NO_OBSERVER, HookObserver, HookStats
 
@@ -112,7 +113,7 @@ class GradCompState:
         memory: Optional[ResidualMemory] = None,
         nonfinite: NonFinite = "skip",
         keep_per_rank: bool = False,
-        planner: Optional[Any] = None,
+        planner: Optional[CollectivePlanner] = None,
         stats: Optional[HookStats] = None,
         pipeline_bytes: Optional[int] = None,
         hierarchy: Optional[Any] = None,
@@ -147,7 +148,7 @@ class GradCompState:
         return self.router.float_names
 
     @property
-    def planner(self) -> Optional[Any]:
+    def planner(self) -> Optional[CollectivePlanner]:
         return self.router.planner
 
     @property
