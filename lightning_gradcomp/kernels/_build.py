@@ -76,6 +76,20 @@ def cpu_source() -> str:
     return "\n".join(_source_texts())
 
 
+def translation_unit() -> str:
+    """The one translation unit compiled: the header's text in place of each ``#include "common.h"``.
+
+    Handed to ``load_inline`` as text, not as files on an include path: ninja would then track the header's
+    modification time, and a fresh checkout of the same source (same extension name, newer files) would silently
+    recompile inside the first training step, past the compile notice.
+    """
+    texts = _source_texts()
+    headers, sources = texts[: len(_HEADERS)], texts[len(_HEADERS) :]
+    for name in _HEADERS:
+        sources = tuple(text.replace(f'#include "{name}"', f"// {name}: above") for text in sources)
+    return "\n".join((*headers, *sources))
+
+
 def build_directory() -> Optional[str]:
     """Where torch builds and caches the extension (``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``)."""
     try:
@@ -106,7 +120,6 @@ def build_inputs() -> list[str]:
         torch_version,
         sys.version,
         sysconfig.get_paths()["include"],
-        str(SOURCE_DIR),  # an include path in the ninja file, as torch's below
         os.environ.get("CXX", "c++"),
         *include_paths(),
         *library_paths(),
@@ -164,8 +177,7 @@ def cpu_extension() -> Optional[ModuleType]:
 
                 _module = load_inline(
                     name=current_extension_name(),
-                    cpp_sources=list(_source_texts()[len(_HEADERS) :]),
-                    extra_include_paths=[str(SOURCE_DIR)],  # for `#include "common.h"`
+                    cpp_sources=[translation_unit()],
                     functions=FUNCTIONS,
                     # -O3 auto-vectorises; target_clones in the source picks AVX-512/AVX2/baseline at run time,
                     # so no -march=native: the build stays valid on any x86-64 machine sharing the cache

@@ -401,3 +401,15 @@ def test_extension_name_is_keyed_by_the_environment_not_only_the_source(monkeypa
     assert extension_name(CPU_SOURCE, build_inputs()) != here
     monkeypatch.undo()
     assert extension_name(CPU_SOURCE + " ", build_inputs()) != here
+
+
+def test_the_translation_unit_includes_no_file_of_the_checkout() -> None:
+    # a quoted include makes ninja track that file's modification time: a fresh checkout of the same source (same
+    # extension name, newer files) would then recompile inside the first step, after is_compiled() said it need not
+    import re
+
+    from lightning_gradcomp.kernels._build import _source_texts, translation_unit
+
+    unit = translation_unit()
+    assert re.findall(r'^\s*#include\s+"', unit, flags=re.M) == []
+    assert all(line in unit for text in _source_texts() for line in text.splitlines() if '#include "' not in line)
