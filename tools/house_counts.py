@@ -49,8 +49,10 @@ def top_level_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return units
 
 
-def state_fields(root: Path) -> int:
+def state_fields(root: Path) -> object:
     """Attributes of ``GradCompState``: class-level annotations (a dataclass) or ``self.x =`` in ``__init__``."""
+    if not (root / "hook.py").exists():
+        return "n/a (no hook.py)"
     tree = ast.parse((root / "hook.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GradCompState")
     annotated = {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
