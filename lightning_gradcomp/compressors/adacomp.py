@@ -129,7 +129,7 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         self.local_count = local_count
         self.wire = wire
         self.backend = backend
-        self._offer_kernels(FusedAdaComp(scale_factor=self.scale_factor, quantizer=quantizer))
+        self._offer_kernels(FusedAdaComp(self))
         self._gradients: dict[str, Tensor] = {}
         #: per parameter name: layer type and L_T, filled at first compression
         self.layer_kinds: dict[str, LayerKind] = {}

@@ -200,12 +200,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         self.backend = backend
         self._streams = RandomStreams(seed)
         self._keys = CounterStreams(seed)
-        self._offer_kernels(
-            FusedGradientDropping(
-                sample=sample, sample_fraction=self.sample_fraction, min_sample=min_sample, max_sample=max_sample,
-                fp16_overflow=quantize == "none" and values == "fp16", streams=self._keys,
-            )
-        )
+        self._offer_kernels(FusedGradientDropping(self, streams=self._keys))
         self._device = torch.device("cpu")
         # global scope: the latest sample (and the elements each value stands for) per parameter name, the
         # names seen in the current step, and the threshold selected on the previous step's pool

@@ -35,7 +35,7 @@ import this one, never the reverse.
 import math
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Optional, TypeVar
+from typing import Optional, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -102,45 +102,53 @@ class FusedSumCompressor(KernelBacked[F]):
         return out
 
 
+class GradientDroppingSettings(Protocol):
+    """The settings of :class:`~lightning_gradcomp.compressors.GradientDropping` the fused path reads (at each call)."""
+
+    @property
+    def sample(self) -> str: ...
+
+    @property
+    def sample_fraction(self) -> float: ...
+
+    @property
+    def min_sample(self) -> int: ...
+
+    @property
+    def max_sample(self) -> int: ...
+
+    @property
+    def quantize(self) -> str: ...
+
+    @property
+    def values(self) -> str: ...
+
+
 class FusedGradientDropping:
-    """Gradient Dropping's fused steps: the threshold sample and the survivors, given its settings and streams.
+    """Gradient Dropping's fused steps: the threshold's sample and the survivors above a threshold.
 
     :class:`~lightning_gradcomp.compressors.GradientDropping` composes them with its own threshold selection
     (which keeps the global scope's pool).
 
     Args:
-        sample, sample_fraction, min_sample, max_sample: as ``GradientDropping``.
-        fp16_overflow: whether survivors beyond fp16's range stay behind (``values="fp16"``, unquantized).
+        settings: the compressor's settings, read at each call (a schedule may change them between steps).
         streams: the random sample's streams (their counters are checkpointed by the compressor).
     """
 
-    def __init__(
-        self,
-        *,
-        sample: str,
-        sample_fraction: float,
-        min_sample: int,
-        max_sample: int,
-        fp16_overflow: bool,
-        streams: CounterStreams,
-    ) -> None:
-        self.sample = sample
-        self.sample_fraction = sample_fraction
-        self.min_sample = min_sample
-        self.max_sample = max_sample
-        self.fp16_overflow = fp16_overflow
+    def __init__(self, settings: GradientDroppingSettings, streams: CounterStreams) -> None:
+        self.settings = settings
         self.streams = streams
 
     def threshold_sample(self, flat: Tensor, name: str) -> tuple[Tensor, float]:
         """:meth:`GradientDropping.threshold_sample` on the values (not their magnitudes): the same sample
         for ``"exact"`` and ``"strided"``, counter-based random positions for ``"random"``."""
         n = flat.numel()
-        if self.sample == "exact" or n == 0:
+        if self.settings.sample == "exact" or n == 0:
             return flat.abs(), 1.0
-        if self.sample == "strided":
-            size = min(self.max_sample, n)
+        if self.settings.sample == "strided":
+            size = min(self.settings.max_sample, n)
             return kernels.sample_abs(flat, size, "strided"), n / size
-        size = max(self.min_sample, math.ceil(self.sample_fraction * n))
+        size = max(self.settings.min_sample, math.ceil(self.settings.sample_fraction * n))
         if size >= n:
             return flat.abs(), 1.0
         return kernels.sample_abs(flat, size, "random", self.streams.key(name)), n / size
@@ -152,7 +160,7 @@ class FusedGradientDropping:
         if idx.numel() == 0 and thr > 0:  # nothing above it: every |x| ties with it, send the ties
             idx, kept = kernels.select_above(flat, thr, inclusive=True)
         overflow = flat.new_zeros(())
-        if self.fp16_overflow:
+        if self.settings.quantize == "none" and self.settings.values == "fp16":
             # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
             fits = ~(kept.abs() > torch.finfo(torch.float16).max)
             overflow = (~fits).sum().float()
@@ -160,16 +168,25 @@ class FusedGradientDropping:
         return idx.long(), kept, overflow
 
 
+class AdaCompSettings(Protocol):
+    """The settings of :class:`~lightning_gradcomp.compressors.AdaComp` the fused path reads (at each call)."""
+
+    @property
+    def scale_factor(self) -> float: ...
+
+    @property
+    def quantizer(self) -> str: ...
+
+
 class FusedAdaComp:
-    """AdaComp's fused adaptive selection, given its settings.
+    """AdaComp's fused adaptive selection.
 
     Args:
-        scale_factor, quantizer: as :class:`~lightning_gradcomp.compressors.AdaComp`.
+        settings: the compressor's settings, read at each call (a schedule may change them between steps).
     """
 
-    def __init__(self, *, scale_factor: float, quantizer: str) -> None:
-        self.scale_factor = scale_factor
-        self.quantizer = quantizer
+    def __init__(self, settings: AdaCompSettings) -> None:
+        self.settings = settings
         # H lives here between its computation and the selection: one buffer the size of the largest parameter,
         # reused, because a fresh one per tensor costs its page faults (as much as the selection itself)
         self._scratch: Optional[Tensor] = None
@@ -180,7 +197,7 @@ class FusedAdaComp:
         if self._scratch is None or self._scratch.numel() < n or self._scratch.device != g.device:
             self._scratch = torch.empty(n, dtype=torch.float32, device=g.device)
         h = self._scratch[:n]
-        factor = self.scale_factor - 1.0
+        factor = self.settings.scale_factor - 1.0
         if factor == 1.0:  # the paper's H = G + dW (an fma by 1 rounds once, like the plain sum)
             return torch.add(g, dw, out=h)
         torch.mul(dw, factor, out=h)
@@ -191,7 +208,7 @@ class FusedAdaComp:
         sel = kernels.adacomp_select(g, self._look_ahead(g, dw), size)
         scale = sel.gmax.mean()
         keep = sel.values != 0  # G = 0 is never sent
-        if self.quantizer == "ternary":
+        if self.settings.quantizer == "ternary":
             keep &= 2 * sel.values.abs() >= scale  # nearest of {-s, 0, s} is not 0
         values = sel.values[keep]
         return sel.index[keep].long(), torch.sign(values).long(), scale

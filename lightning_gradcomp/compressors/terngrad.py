@@ -102,10 +102,7 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         self._streams = RandomStreams(seed)
         self._keys = CounterStreams(seed)
         self._offer_kernels(
-            FusedTernGrad(
-                clip_factor=self.clip_factor, clip_mode=clip_mode, scaler_share=scaler_share, bucket_size=bucket_size,
-                packing=packing, sigma_noise=_SIGMA_NOISE, streams=self._keys,
-            )
+            FusedTernGrad(self, sigma_noise=_SIGMA_NOISE, streams=self._keys)
         )
         #: this compressor travelling as each of its variants, made on first use (see `for_collective`)
         self._views: dict[str, TernGrad] = {}

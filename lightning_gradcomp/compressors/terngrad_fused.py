@@ -12,12 +12,13 @@ Differences from the torch backend, and why they are safe:
 * ``local_statistic`` keeps the statistics it computed for ``compress`` (keyed by name, checked against the
   tensor's identity and version), so the hook's statistic + compress reads the gradient twice, not three times.
 
-It takes TernGrad's settings and random streams, not the compressor: :mod:`~lightning_gradcomp.compressors.terngrad`
-imports this module, never the reverse.
+It reads TernGrad's settings through :class:`TernGradSettings`, a protocol the compressor satisfies, so
+:mod:`~lightning_gradcomp.compressors.terngrad` imports this module and never the reverse; the settings are read at
+each call, not copied, so a setting changed between steps (``CompressionSchedule``) reaches both backends.
 """
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -28,38 +29,43 @@ from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.wire import Packing, pack_ternary, packed_nbytes
 
 
+class TernGradSettings(Protocol):
+    """The settings of :class:`~lightning_gradcomp.compressors.TernGrad` the fused path reads (at each call)."""
+
+    @property
+    def clip_factor(self) -> float: ...
+
+    @property
+    def clip_mode(self) -> str: ...
+
+    @property
+    def scaler_share(self) -> str: ...
+
+    @property
+    def bucket_size(self) -> Optional[int]: ...
+
+    @property
+    def packing(self) -> Packing: ...
+
+
 class FusedTernGrad:
     """TernGrad's fused code path, given TernGrad's settings and its counter-based random streams.
 
     Args:
-        clip_factor, clip_mode, scaler_share, bucket_size, packing: as :class:`~lightning_gradcomp.compressors.TernGrad`.
+        settings: the compressor's settings, read at each call.
         sigma_noise: a chunk whose sigma is at most this times its max |g| counts as constant (not clipped).
         streams: the random streams (their counters are the generator's state, checkpointed by the compressor).
     """
 
-    def __init__(
-        self,
-        *,
-        clip_factor: float,
-        clip_mode: str,
-        scaler_share: str,
-        bucket_size: Optional[int],
-        packing: Packing,
-        sigma_noise: float,
-        streams: CounterStreams,
-    ) -> None:
-        self.clip_factor = clip_factor
-        self.clip_mode = clip_mode
-        self.scaler_share = scaler_share
-        self.bucket_size = bucket_size
-        self.packing: Packing = packing
+    def __init__(self, settings: TernGradSettings, sigma_noise: float, streams: CounterStreams) -> None:
+        self.settings = settings
         self.sigma_noise = sigma_noise
         self.streams = streams
         self._pending: dict[str, tuple[Tensor, int, Tensor, Optional[Tensor]]] = {}
 
     def decodes(self, packet: Packet) -> bool:
         """Whether this path decodes ``packet`` (2-bit packed payloads; exact, so any backend's packet)."""
-        return self.packing == "2bit" and packet.payload.dtype == torch.uint8 and packet.numel > 0
+        return self.settings.packing == "2bit" and packet.payload.dtype == torch.uint8 and packet.numel > 0
 
     def forget(self) -> None:
         """Drop the statistics kept between ``local_statistic`` and ``compress`` (the state was replaced)."""
@@ -67,11 +73,11 @@ class FusedTernGrad:
 
     # -- compress ---------------------------------------------------------------------------------------
     def _bucket(self, numel: int) -> int:
-        return self.bucket_size or max(numel, 1)
+        return self.settings.bucket_size or max(numel, 1)
 
     def _scaler_and_clip(self, tensor: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         bucket = self._bucket(tensor.numel())
-        return kernels.terngrad_scale_clip(tensor, bucket, self.clip_factor, self.clip_mode, self.sigma_noise)
+        return kernels.terngrad_scale_clip(tensor, bucket, self.settings.clip_factor, self.settings.clip_mode, self.sigma_noise)
 
     def _take(self, tensor: Tensor, name: str) -> tuple[Tensor, Optional[Tensor]]:
         cached = self._pending.pop(name, None)
@@ -95,18 +101,18 @@ class FusedTernGrad:
         n = tensor.numel()
         local, clip = self._take(tensor, name)
         s = local
-        if shared is not None and self.scaler_share == "max":
+        if shared is not None and self.settings.scaler_share == "max":
             s = shared.reshape(-1).to(local.device, torch.float32)
         bucket, key = self._bucket(n), self.streams.key(name)
         ctx: dict[str, Any] = {"scale": s}
         if aggregation is Aggregation.SUM:
             payload, nonzero = kernels.ternarize_int8(tensor, s, clip, bucket, key)
-        elif self.packing == "2bit":
+        elif self.settings.packing == "2bit":
             payload, nonzero = kernels.ternarize_pack(tensor, s, clip, bucket, key)
         else:
             values, nonzero = kernels.ternarize_int8(tensor, s, clip, bucket, key)
-            payload = pack_ternary(values, self.packing)
-        if self.scaler_share != "max":
+            payload = pack_ternary(values, self.settings.packing)
+        if self.settings.scaler_share != "max":
             payload = torch.cat((payload, s.contiguous().view(torch.uint8)))
             ctx = {}
         stats = {"sparsity": 1.0 - nonzero.reshape(()).float() / max(n, 1), "scaler": s.max()}

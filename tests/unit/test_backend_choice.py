@@ -68,3 +68,50 @@ def test_off_cpu_auto_chooses_torch_ops() -> None:
     comp = TernGrad(backend="auto")
     comp.setup(0, 2, torch.device("meta"))  # any device but the CPU: the compiled kernels are CPU-only
     assert comp.chosen_backend == "torch"
+
+
+needs_kernels = pytest.mark.skipif(not kernels.fused_available(), reason="the fused CPU kernels cannot be built here")
+
+
+def _sent(comp: KernelBacked, x: torch.Tensor) -> torch.Tensor:
+    if comp.uses_memory:
+        comp.observe_gradient(x, "w")
+    return comp.decompress(comp.compress(x, "w", comp.local_statistic(x, "w")))
+
+
+@needs_kernels
+def test_a_terngrad_setting_changed_between_steps_reaches_the_fused_path() -> None:
+    # CompressionSchedule(attribute=...) sets the compressor's attribute before a step; the fused path must read it
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    x[0] = 50.0  # an outlier the c*sigma clip cuts, so the scaler follows clip_factor
+    fused, torch_ops = TernGrad(backend="fused"), TernGrad(backend="torch")
+    for comp in (fused, torch_ops):
+        comp.setup(0, 1, torch.device("cpu"))
+    before = _sent(fused, x).abs().max()
+    for comp in (fused, torch_ops):
+        comp.clip_factor = 1.0
+    after = _sent(fused, x).abs().max()
+    assert torch.allclose(after, _sent(torch_ops, x).abs().max(), rtol=1e-5)
+    assert after < 0.5 * before
+
+
+@needs_kernels
+def test_gradient_droppings_sample_fraction_changed_between_steps_reaches_the_fused_path() -> None:
+    x = torch.randn(200_000, generator=torch.Generator().manual_seed(1))
+    comp = GradientDropping(sample="random", backend="fused")
+    comp.setup(0, 1, torch.device("cpu"))
+    fused = comp._kernels(x.device)
+    assert fused is not None
+    comp.sample_fraction = 0.01
+    sample, _ = fused.threshold_sample(x, "w")
+    assert sample.numel() == 2000  # 1 % of the tensor, not the 0.1 % it was built with
+
+
+@needs_kernels
+def test_an_adacomp_setting_changed_between_steps_reaches_the_fused_path() -> None:
+    x = torch.randn(5_000, generator=torch.Generator().manual_seed(2))
+    fused, torch_ops = AdaComp(backend="fused"), AdaComp(backend="torch")
+    for comp in (fused, torch_ops):
+        comp.setup(0, 1, torch.device("cpu"))
+        comp.scale_factor = 4.0
+    assert torch.equal(_sent(fused, x), _sent(torch_ops, x))
