@@ -28,8 +28,9 @@ What is exactly the same as the torch backend, and what is not:
   same code on the same payloads in rank order, so replicas stay bit-identical.
 * AdaComp's ``selection="local"`` (a top-k per bin) has no kernel: it stays on torch ops.
 
-The fused classes take the settings and random streams they need, never the compressor: the compressor modules
-import this one, never the reverse.
+The fused classes read their compressor's settings through the protocols declared here (at each call, so a
+scheduled setting reaches them) and get the random streams they need: the compressor modules import this one,
+never the reverse.
 """
 
 import math
