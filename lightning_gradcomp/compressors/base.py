@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_options
 
 
@@ -82,6 +83,91 @@ class Packet:
     def with_payload(self, payload: Tensor) -> "Packet":
         """A packet with another rank's (or a summed) payload and this rank's local decode context."""
         return replace(self, payload=payload, stats={})
+
+
+@dataclass
+class FlatPacket:
+    """The compressed form of a group of layers laid out in one flat tensor (:class:`~lightning_gradcomp.segments.Segments`).
+
+    A batched compressor makes one from the whole group in a fixed number of ops; the default, built from
+    :class:`Packet` s one layer at a time, keeps them in ``layers``.
+
+    Attributes:
+        payload: a 1-D tensor, exactly what crosses the wire for the group.
+        segments: the group's layout (names, shapes).
+        dtype: dtype of the original gradients.
+        layer_nbytes: bytes each layer put in ``payload``: Python ints when they depend on shapes only, else an
+            int64 device tensor (read on the host only when someone asks: a logging step, a size exchange).
+        ctx: further local decode context, e.g. per-layer scalers every rank agreed on.
+        stats: per-layer statistics, each a ``[layers]`` tensor on the payload's device.
+        layers: the per-layer packets the default (looping) path made, else ``None``.
+    """
+
+    payload: Tensor
+    segments: Segments
+    dtype: torch.dtype
+    layer_nbytes: "tuple[int, ...] | Tensor"
+    ctx: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    layers: Optional[list[Packet]] = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this packet puts on the wire."""
+        return self.payload.numel() * self.payload.element_size()
+
+    def with_payload(self, payload: Tensor, layer_nbytes: "tuple[int, ...] | Tensor | None" = None) -> "FlatPacket":
+        """Another rank's (or a summed) payload with this rank's local decode context; ``layer_nbytes``: that
+        rank's per-layer sizes when they differ from this rank's (variable-size payloads)."""
+        sizes = self.layer_nbytes if layer_nbytes is None else layer_nbytes
+        layers = None
+        if self.layers is not None:
+            assert isinstance(sizes, tuple), "the looping path's per-layer sizes are host integers"
+            layers, offset = [], 0
+            for packet, n in zip(self.layers, sizes):
+                layers.append(packet.with_payload(_slice_payload(payload, offset, n, packet.payload.dtype)))
+                offset += n
+        return replace(self, payload=payload, layer_nbytes=sizes, stats={}, layers=layers)
+
+
+def _slice_payload(raw: Tensor, offset: int, nbytes: int, dtype: torch.dtype) -> Tensor:
+    """The ``nbytes`` at byte ``offset`` of a group payload, as a 1-D tensor of ``dtype``: a slice when the group
+    payload has that dtype, else bytes reinterpreted (copied first: a byte slice may be misaligned for a wider dtype)."""
+    if raw.dtype == dtype:
+        width = raw.element_size()
+        return raw[offset // width : (offset + nbytes) // width]
+    part = raw.view(torch.uint8)[offset : offset + nbytes]
+    return part if dtype == torch.uint8 else part.clone().view(dtype)
+
+
+@dataclass
+class SharedStatistic:
+    """A group's local statistics, to be max-reduced over ranks as one float32 vector.
+
+    Attributes:
+        values: the 1-D float32 vector.
+        lengths: elements of ``values`` per layer, ``-1`` for a layer without one (the default, looping path);
+            ``None`` when a batched compressor lays ``values`` out itself.
+    """
+
+    values: Tensor
+    lengths: Optional[tuple[int, ...]] = None
+
+    def with_values(self, values: Tensor) -> "SharedStatistic":
+        return replace(self, values=values)
+
+    def per_layer(self) -> list[Optional[Tensor]]:
+        """The statistic of each layer (``None`` where it had none); only for the looping layout."""
+        assert self.lengths is not None, "a batched compressor's statistic has no per-layer layout"
+        out: list[Optional[Tensor]] = []
+        offset = 0
+        for n in self.lengths:
+            if n < 0:
+                out.append(None)
+            else:
+                out.append(self.values[offset : offset + n])
+                offset += n
+        return out
 
 
 def max_or_zero(values: Tensor) -> Tensor:
@@ -246,6 +332,63 @@ class Compressor(ABC):
         Used for error feedback: ``residual = tensor - sent``. Override where an exact form is cheaper.
         """
         return self.decompress(packet)
+
+    # -- a group of layers in one flat tensor (the hook's batched pipeline) -------------------------------------
+    # The defaults below loop over the layers with the per-layer methods above, so every compressor travels through
+    # the hook's one pipeline; a batched compressor overrides them with a fixed number of ops per group (see
+    # :mod:`lightning_gradcomp.segments`) and sets :attr:`batched`. Overrides must give what the loop gives: the
+    # same values bit for bit where the compressor is deterministic, the same statistics where it draws.
+
+    #: whether the ``*_flat`` methods run a fixed number of ops per group rather than the default loop over layers
+    batched: bool = False
+
+    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
+        """The group's local statistics (:meth:`local_statistic` of every layer) as one vector, or ``None``."""
+        local = [self.local_statistic(x, name) for name, x in segments.items(flat)]
+        if all(s is None for s in local):
+            return None
+        present = [s.reshape(-1).float() for s in local if s is not None]
+        return SharedStatistic(torch.cat(present), tuple(-1 if s is None else s.numel() for s in local))
+
+    def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
+        """:meth:`observe_gradient` for every layer of the group (nothing when the compressor does not override it)."""
+        if type(self).observe_gradient is not Compressor.observe_gradient:
+            for name, x in segments.items(flat):
+                self.observe_gradient(x, name)
+
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        """Compress the group ``flat`` (laid out as ``segments``); ``shared``: its reduced :meth:`flat_statistic`."""
+        per_layer = shared.per_layer() if shared is not None else [None] * len(segments)
+        packets = [self.compress(x, name, s) for (name, x), s in zip(segments.items(flat), per_layer)]
+        dtypes = {p.payload.dtype for p in packets}
+        parts = [p.payload.reshape(-1) if len(dtypes) == 1 else p.payload.reshape(-1).view(torch.uint8) for p in packets]
+        payload = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return FlatPacket(payload, segments, flat.dtype, tuple(p.nbytes for p in packets), layers=packets)
+
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        """Decode a group packet to the flat ``[segments.total]`` tensor of ``packet.dtype`` (linear in the payload
+        for ``Aggregation.SUM``)."""
+        assert packet.layers is not None, f"{type(self).__name__} makes batched packets but decodes them by layer"
+        parts = [self.decompress(p).reshape(-1) for p in packet.layers]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        """The ranks' mean of a gathered group, written into ``out`` (flat ``[segments.total]``); returns ``out``.
+
+        Must equal :meth:`decompress_mean_into` of every layer bit for bit (the ranks summed in the given order).
+        """
+        segments = packets[0].segments
+        for i, view in enumerate(segments.views(out)):
+            layers = [p.layers[i] for p in packets if p.layers is not None]
+            self.decompress_mean_into(layers, view)
+        return out
+
+    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
+        """What this rank effectively contributed for the group (flat), for error feedback."""
+        if packet.layers is None:
+            return self.decompress_flat(packet)
+        parts = [self.sent(x, p).reshape(-1) for x, p in zip(packet.segments.views(flat), packet.layers)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Called by the strategy once the optimizers exist, before the first step: warn or raise about an

@@ -1,0 +1,146 @@
+"""The layout of several layers in one flat tensor, and the segment-aware ops a batched compressor runs over it.
+
+A DDP bucket holds its parameters' gradients back to back in one 1-D buffer. A batched compressor treats the
+layers of a group as *segments* of such a flat tensor: per-layer scalers become one ``scatter_reduce`` over
+segment ids, per-element use of them one ``index_select``, per-layer padding (to a packing word or a bin) one
+``index_copy_``. The number of dispatched ops (kernel launches on a GPU) is then fixed per group, whatever the
+number of layers. Index tensors are built once per layout and device and kept here; a layout is made once per
+group of names (see :class:`SegmentsCache`).
+"""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Padding:
+    """The segments laid out with each one padded to a multiple of ``multiple`` elements.
+
+    Attributes:
+        multiple: each padded segment's length is a multiple of this.
+        numels: padded length of each segment.
+        offsets: start of each padded segment, and the padded total last.
+    """
+
+    multiple: int
+    numels: tuple[int, ...]
+    offsets: tuple[int, ...]
+    _index: dict[torch.device, Tensor] = field(default_factory=dict, repr=False, compare=False)
+    _source: "Segments | None" = field(default=None, repr=False, compare=False)
+
+    @property
+    def total(self) -> int:
+        return self.offsets[-1]
+
+    def index(self, device: torch.device) -> Tensor:
+        """int64 ``[segments.total]``: the padded position of every element of the flat tensor."""
+        cached = self._index.get(device)
+        if cached is None:
+            assert self._source is not None
+            seg = self._source
+            shift = [p - o for p, o in zip(self.offsets[:-1], seg.offsets[:-1])]
+            per_element = torch.tensor(shift, dtype=torch.int64).repeat_interleave(torch.tensor(seg.numels))
+            cached = (torch.arange(seg.total, dtype=torch.int64) + per_element).to(device)
+            self._index[device] = cached
+        return cached
+
+    def pad(self, flat: Tensor, fill: float = 0.0) -> Tensor:
+        """``flat`` with each segment padded by ``fill`` to its padded length (a new tensor)."""
+        out = flat.new_full((self.total,), fill)
+        return out.index_copy_(0, self.index(flat.device), flat)
+
+    def unpad(self, padded: Tensor) -> Tensor:
+        """The flat tensor back from its padded layout (the padding dropped)."""
+        return padded.index_select(0, self.index(padded.device))
+
+
+class Segments:
+    """Consecutive layers (name, shape) laid out back to back in one flat tensor.
+
+    Args:
+        names: the layers' parameter names, in flat order.
+        shapes: their shapes.
+    """
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[torch.Size]) -> None:
+        if len(names) != len(shapes):
+            raise ValueError(f"Expected one shape per name but got {len(names)} names and {len(shapes)} shapes. "
+                             "Fix: pass the shapes of the named layers.")
+        self.names: tuple[str, ...] = tuple(names)
+        self.shapes: tuple[torch.Size, ...] = tuple(torch.Size(s) for s in shapes)
+        self.numels: tuple[int, ...] = tuple(s.numel() for s in self.shapes)
+        offsets = [0]
+        for n in self.numels:
+            offsets.append(offsets[-1] + n)
+        self.offsets: tuple[int, ...] = tuple(offsets)
+        self._ids: dict[torch.device, Tensor] = {}
+        self._paddings: dict[int, Padding] = {}
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __repr__(self) -> str:
+        return f"Segments({len(self)} layers, {self.total} elements)"
+
+    @property
+    def total(self) -> int:
+        """Elements in all segments."""
+        return self.offsets[-1]
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """Each segment of ``flat`` as a view of its layer's shape (one op per layer: for fallbacks and logging)."""
+        return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+    def items(self, flat: Tensor) -> Iterator[tuple[str, Tensor]]:
+        """(name, view) of every segment of ``flat``."""
+        return zip(self.names, self.views(flat))
+
+    def ids(self, device: torch.device) -> Tensor:
+        """int64 ``[total]``: the segment index of every element."""
+        cached = self._ids.get(device)
+        if cached is None:
+            cached = torch.arange(len(self)).repeat_interleave(torch.tensor(self.numels, dtype=torch.int64)).to(device)
+            self._ids[device] = cached
+        return cached
+
+    def reduce(self, values: Tensor, how: Literal["amax", "amin", "sum"]) -> Tensor:
+        """``[len]``: ``how`` over each segment of ``values`` (``[total]``); an empty segment gives 0."""
+        out = values.new_zeros(len(self))
+        return out.scatter_reduce_(0, self.ids(values.device), values, how, include_self=False)
+
+    def expand(self, per_segment: Tensor) -> Tensor:
+        """``[total]``: each segment's value repeated over its elements."""
+        return per_segment.index_select(0, self.ids(per_segment.device))
+
+    def padding(self, multiple: int) -> Padding:
+        """This layout with every segment padded to a multiple of ``multiple`` elements (cached)."""
+        cached = self._paddings.get(multiple)
+        if cached is None:
+            numels = tuple(-(-n // multiple) * multiple for n in self.numels)
+            offsets = [0]
+            for n in numels:
+                offsets.append(offsets[-1] + n)
+            cached = Padding(multiple, numels, tuple(offsets), _source=self)
+            self._paddings[multiple] = cached
+        return cached
+
+
+class SegmentsCache:
+    """One :class:`Segments` per tuple of names, so its index tensors are built once per layout and device."""
+
+    def __init__(self) -> None:
+        self._layouts: dict[tuple[str, ...], Segments] = {}
+
+    def get(self, names: Sequence[str], shapes: Sequence[torch.Size]) -> Segments:
+        key = tuple(names)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = Segments(key, shapes)
+        return layout
+
+
+__all__ = ["Padding", "Segments", "SegmentsCache"]
