@@ -79,6 +79,7 @@ class Segments:
         self.offsets: tuple[int, ...] = tuple(offsets)
         self._ids: dict[torch.device, Tensor] = {}
         self._paddings: dict[int, Padding] = {}
+        self._firsts: dict[tuple[object, ...], Tensor] = {}
 
     def __len__(self) -> int:
         return len(self.names)
@@ -115,6 +116,34 @@ class Segments:
     def expand(self, per_segment: Tensor) -> Tensor:
         """``[total]``: each segment's value repeated over its elements."""
         return per_segment.index_select(0, self.ids(per_segment.device))
+
+    def sort(self, values: Tensor, descending: bool = False) -> tuple[Tensor, Tensor]:
+        """Each segment of ``values`` sorted on its own, segments kept in place: ``(sorted, index)`` with
+        ``sorted == values[index]``.
+
+        Two stable sorts (by value, then by segment id) instead of one per layer: a fixed number of ops. Ties keep
+        their flat order, as a stable sort of each layer would.
+        """
+        order = torch.sort(values, descending=descending, stable=True).indices
+        by_segment = torch.sort(self.ids(values.device).index_select(0, order), stable=True).indices
+        index = order.index_select(0, by_segment)
+        return values.index_select(0, index), index
+
+    def firsts(self, counts: Sequence[int], device: torch.device) -> Tensor:
+        """int64: the flat positions of the first ``counts[s]`` elements of every segment ``s``, segment after
+        segment (with :meth:`sort`, the positions of each layer's top ``counts[s]``); cached per counts."""
+        key = ("firsts", tuple(counts), device)
+        cached = self._firsts.get(key)
+        if cached is None:
+            if any(not 0 <= c <= n for c, n in zip(counts, self.numels)) or len(counts) != len(self):
+                raise ValueError(f"Expected one count in [0, numel] per segment but got {list(counts)} for numels "
+                                 f"{list(self.numels)}. Fix: clamp each layer's count to its size before asking.")
+            starts = torch.tensor(self.offsets[:-1], dtype=torch.int64)
+            sizes = torch.tensor(list(counts), dtype=torch.int64)
+            within = torch.arange(int(sizes.sum())) - (sizes.cumsum(0) - sizes).repeat_interleave(sizes)
+            cached = (starts.repeat_interleave(sizes) + within).to(device)
+            self._firsts[key] = cached
+        return cached
 
     def padding(self, multiple: int) -> Padding:
         """This layout with every segment padded to a multiple of ``multiple`` elements (cached)."""
