@@ -18,7 +18,7 @@ which sees every aten op, including those called from C++ extensions and inside 
 
 Only the calling thread is counted (the modes are thread-local): at world size 1 the hook decodes inline, so one
 step at world size 1 sees everything the hook does. :func:`hook_op_overhead` measures the hook's ops beyond
-plain DDP that way.
+DDP with torch's own all-reduce hook that way.
 
 Written here rather than taken from torch: ``torch.utils.flop_counter`` counts flops of a few matmul-like ops,
 and ``torch.profiler`` records times with per-event overhead and no notion of host reads; neither counts
@@ -211,8 +211,18 @@ def step_ops(
 
 
 def hook_op_overhead(make_compressor: Callable[[], Compressor], tensors: int, width: int = 32) -> OpCount:
-    """Ops one step with the gradcomp hook dispatches beyond the same step of plain DDP, on :func:`mlp` (``tensors``)."""
-    return step_ops(mlp(tensors, width), make_compressor()).minus(step_ops(mlp(tensors, width), None))
+    """Ops one step with the gradcomp hook dispatches beyond the same step of DDP with torch's own all-reduce comm
+    hook, on :func:`mlp` (``tensors``).
+
+    The baseline registers a hook too because DDP's reducer treats any hooked bucket alike: after the hook it copies
+    the bucket back into each ``.grad`` (a view, a slice and a copy per parameter), where unhooked DDP fuses that
+    copy into its division by the world size. Those per-parameter ops are DDP's, whatever the hook, so they are in
+    the baseline and the difference is what the gradcomp hook itself dispatches.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    with_hook = step_ops(mlp(tensors, width), make_compressor())
+    return with_hook.minus(step_ops(mlp(tensors, width), None, hook=allreduce_hook, hook_state=None))
 
 
 __all__ = ["DATA_DEPENDENT_OPS", "OpCount", "count_ops", "hook_op_overhead", "mlp", "single_rank_group", "step_ops"]

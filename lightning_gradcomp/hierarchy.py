@@ -33,6 +33,7 @@ from torch import Tensor
 
 from lightning_gradcomp import comm
 from lightning_gradcomp.guard import observe_decoded
+from lightning_gradcomp.groups import LayerViews, layer_offsets
 from lightning_gradcomp.hook import GradCompState, _exchange_bucket
 from lightning_gradcomp.sites import SiteLayout, new_site_groups, site_layout
 from lightning_gradcomp.validation import check_choice, check_int
@@ -198,17 +199,18 @@ def new_site_exchange(layout: SiteLayout, rank: int, sizes: Sequence[tuple[str, 
 
 
 class _ShareBucket:
-    """The part of a DDP bucket one local rank owns, shaped like ``dist.GradBucket`` for the flat hook.
+    """The part of a DDP bucket one local rank owns, a :class:`~lightning_gradcomp.groups.HookBucket` for the flat hook.
 
     ``buffer()`` is the whole (site-averaged) bucket: the guard checks all of it, so every cross-site group takes
-    the same decision; ``gradients()``/``parameters()`` are the share's only.
+    the same decision; ``parameters()`` are the share's only, at ``layer_offsets()`` in the buffer.
     """
 
     def __init__(self, bucket: dist.GradBucket, indices: Sequence[int]) -> None:
         self._bucket = bucket
-        grads, params = bucket.gradients(), bucket.parameters()
-        self._grads = [grads[i] for i in indices]
+        params = bucket.parameters()
+        starts = layer_offsets(bucket)
         self._params = [params[i] for i in indices]
+        self._offsets = tuple(starts[i] for i in indices)
 
     def index(self) -> int:
         return self._bucket.index()
@@ -220,10 +222,13 @@ class _ShareBucket:
         return self._bucket.buffer()
 
     def gradients(self) -> list[Tensor]:
-        return self._grads
+        return list(LayerViews(self.buffer(), self._offsets, [p.shape for p in self._params]))
 
     def parameters(self) -> list[Tensor]:
         return self._params
+
+    def layer_offsets(self) -> tuple[int, ...]:
+        return self._offsets
 
 
 def hierarchical_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
@@ -248,7 +253,7 @@ def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch
     share = _ShareBucket(bucket, owned)
     # the flat hook on this rank's share, with the cross-site group; its collectives are waited for here so the
     # dense exchange of the decoded shares is issued from the hook body (never from a `.then`, see comm)
-    _exchange_bucket(state, share).wait()  # type: ignore[arg-type]
+    _exchange_bucket(state, share).wait()
     if state.step_nonfinite:  # the guard filled the bucket with NaN on every rank
         site.lan_bytes[bucket.index()] = 0 if skipping else buffer.numel() * buffer.element_size()
         return comm.completed(buffer)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp import comm
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.guard import (
     NonFinite,
@@ -37,7 +37,8 @@ from lightning_gradcomp.guard import (
     local_flag,
     observe_decoded,
 )
-from lightning_gradcomp.ledger import LayerRecord, Ledger
+from lightning_gradcomp.groups import HookBucket, LayerGroup, LayerViews, Layouts, layer_offsets, pipeline_chunks
+from lightning_gradcomp.ledger import GroupRecord, LayerRecord, Ledger
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
 from lightning_gradcomp.planner import CollectivePlanner
@@ -97,6 +98,7 @@ class GradCompState:
         observer: the monitor's :class:`~lightning_gradcomp.stats.HookStats`, or a no-op observer.
         pipeline_bytes: as above.
         scratch: reused concatenation and all-gather buffers (see :class:`~lightning_gradcomp.comm.Scratch`).
+        layouts: each bucket layout's groups of layers compressed together (:class:`~lightning_gradcomp.groups.Layouts`).
         extra: further per-rank state saved with the checkpoint: name -> object with ``state_dict`` /
             ``load_state_dict`` (WeightGrad's synchronizer, DiLoCo's outer state, per-rank optimizer states).
     """
@@ -128,6 +130,7 @@ class GradCompState:
         self.observer: HookObserver = NO_OBSERVER if stats is None else stats
         self.pipeline_bytes = pipeline_bytes
         self.scratch = comm.Scratch()
+        self.layouts = Layouts()
         self.extra: dict[str, Any] = {}
 
     def observe(self, stats: Optional[HookStats]) -> None:
@@ -204,26 +207,53 @@ class GradCompState:
         return self.ledger.dense_bytes_per_step()
 
 
-def _prepare(
-    state: GradCompState, grads: Sequence[Tensor], names: Sequence[str], route: Sequence[Compressor], observe: bool = True
-) -> list[Tensor]:
-    """Transforms and error feedback, per parameter; returns what each compressor will see.
+def _transform_group(state: GradCompState, group: LayerGroup, x: Tensor) -> Tensor:
+    """The layer transforms (clipping, momentum correction), layer by layer, on a group's flat gradients (a new
+    flat tensor). Transforms are per-layer objects, so this is the one per-layer loop left on the hook's path; it
+    runs only when a callback attached one."""
+    parts = []
+    for name, view in group.segments.items(x):
+        is_float = state.router.is_float(name)
+        for transform in state.transforms:
+            if transform.applies_to_float or not is_float:
+                view = transform.before_compress(view, name)
+        parts.append(view.reshape(-1))
+    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
-    ``observe=False`` leaves the monitor's input statistics to a later :func:`_observe_inputs`, for a bucket whose
-    non-finite check is decided later (a histogram of a NaN gradient fails).
-    """
-    transformed = []
-    for grad, name in zip(grads, names):
+
+def _prepare(state: GradCompState, group: LayerGroup, buffer: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A group's gradients, flat: as taken from the bucket, after the transforms, and as its compressor will see
+    them (after error feedback)."""
+    original = group.take(buffer)
+    transformed = _transform_group(state, group, original) if state.transforms else original
+    x = transformed
+    if group.compressor.uses_memory:
+        group.compressor.observe_gradient_flat(x, group.segments)
+        x = state.memory.compensate_flat(x, group.segments)
+    return original, transformed, x
+
+
+def _observe_inputs(state: GradCompState, groups: Sequence[LayerGroup], prepared: Sequence[tuple[Tensor, ...]]) -> None:
+    """The monitor's input statistics: each gradient before and after the transforms (before error feedback)."""
+    if state.observer.active:
+        for group, (original, transformed, _) in zip(groups, prepared):
+            for name, before, after in zip(group.segments.names, group.segments.views(original),
+                                           group.segments.views(transformed)):
+                state.observer.observe_input(name, before, after, group.compressor)
+
+
+def _prepare_layers(
+    state: GradCompState, grads: Sequence[Tensor], names: Sequence[str], route: Sequence[Compressor]
+) -> list[Tensor]:
+    """The multi-round path's :func:`_prepare`, layer by layer (its compressor takes a list of tensors)."""
+    inputs = []
+    for grad, name, compressor in zip(grads, names, route):
         x = grad
         is_float = state.router.is_float(name)
         for transform in state.transforms:
             if transform.applies_to_float or not is_float:
                 x = transform.before_compress(x, name)
-        transformed.append(x)
-    if observe:
-        _observe_inputs(state, grads, transformed, names, route)
-    inputs = []
-    for x, name, compressor in zip(transformed, names, route):
+        state.observer.observe_input(name, grad, x, compressor)
         if compressor.uses_memory:
             compressor.observe_gradient(x, name)
             x = state.memory.compensate(x, name)
@@ -231,33 +261,25 @@ def _prepare(
     return inputs
 
 
-def _observe_inputs(
-    state: GradCompState, grads: Sequence[Tensor], inputs: Sequence[Tensor], names: Sequence[str], route: Sequence[Compressor]
-) -> None:
-    """The monitor's input statistics: each gradient before and after the transforms (before error feedback)."""
-    for grad, x, name, compressor in zip(grads, inputs, names, route):
-        state.observer.observe_input(name, grad, x, compressor)
-
-
 def _shared_statistics(
     state: GradCompState,
     bucket_index: int,
+    groups: Sequence[LayerGroup],
     inputs: Sequence[Tensor],
-    names: Sequence[str],
-    route: Sequence[Compressor],
     flag: Optional[Tensor] = None,
-) -> tuple[list[Optional[Tensor]], Optional[int]]:
-    """Each compressor's local statistic, max-reduced over ranks in one small collective per bucket.
+) -> tuple[list[Optional[SharedStatistic]], Optional[int]]:
+    """Each group's local statistics, max-reduced over ranks in one small collective per bucket.
 
     ``flag`` (the non-finite guard's, one float32) is reduced in the same collective, after the statistics;
     returns the statistics and the reduced flag (``None`` without one).
     """
-    local = [c.local_statistic(x, n) for x, n, c in zip(inputs, names, route)]
-    present = [s.reshape(-1).float() for s in local if s is not None]
+    local = [g.compressor.flat_statistic(x, g.segments) for g, x in zip(groups, inputs)]
+    present = [s.values for s in local if s is not None]
     if not present and flag is None:
         state.ledger.record_shared(bucket_index, 0)
         return local, None
-    flat = torch.cat(present + ([] if flag is None else [flag.reshape(1).float()]))
+    parts = present + ([] if flag is None else [flag.reshape(1).float()])
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
     if state.world_size > 1:
         with state.observer.blocking():
             comm.all_reduce_max_(flat, state.process_group)
@@ -265,14 +287,15 @@ def _shared_statistics(
     worst = None if flag is None else int(flat[-1].item())
     # the statistics' bytes (the guard's flag is not counted, as when it travels alone)
     state.ledger.record_shared(bucket_index, (flat.numel() - (flag is not None)) * flat.element_size())
-    shared: list[Optional[Tensor]] = []
+    shared: list[Optional[SharedStatistic]] = []
     offset = 0
     for s in local:
         if s is None:
             shared.append(None)
         else:
-            shared.append(flat[offset : offset + s.numel()].view_as(s))
-            offset += s.numel()
+            n = s.values.numel()
+            shared.append(s.with_values(flat[offset : offset + n]))
+            offset += n
     return shared, worst
 
 
@@ -297,11 +320,15 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
         return _exchange_bucket(state, bucket)
 
 
-def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _exchange_bucket(state: GradCompState, bucket: HookBucket) -> torch.futures.Future[torch.Tensor]:
     state.ledger.bucket_called(bucket.is_last())
     timer = state.observer.start_bucket()
-    grads = bucket.gradients()
-    names = [state.names[id(p)] for p in bucket.parameters()]
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    names = [state.names[id(p)] for p in params]
+    shapes = [p.shape for p in params]
+    positions = layer_offsets(bucket)
+    grads = LayerViews(buffer, positions, shapes)
     # one routing decision per bucket (may run one small agreed all-reduce the first time the planner sees it)
     route = state.router.route(state, names, grads)
 
@@ -312,27 +339,31 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
     # with nothing stateful before the statistics, the guard's flag rides in their all-reduce: one blocking
     # round trip per bucket instead of two (each one a point where every rank waits for the slowest)
     shared_flag = not multiround and can_share_collective(state, route)
-    if not shared_flag and bucket_is_nonfinite(state, bucket.buffer(), grads, names):
-        return comm.completed(bucket.buffer().fill_(float("nan")))
+    if not shared_flag and bucket_is_nonfinite(state, buffer, grads, names):
+        return comm.completed(buffer.fill_(float("nan")))
     if multiround:
-        return _multiround_exchange(state, bucket, grads, names, route)
+        return _multiround_exchange(state, bucket, list(grads), names, route)
 
-    inputs = _prepare(state, grads, names, route, observe=not shared_flag)
-    flag = local_flag(state, bucket.buffer()) if shared_flag else None
-    shared, worst = _shared_statistics(state, bucket.index(), inputs, names, route, flag)
+    groups = state.layouts.groups(names, shapes, positions, route, buffer.element_size(), state.pipeline_bytes)
+    prepared = [_prepare(state, g, buffer) for g in groups]
+    inputs = [p[2] for p in prepared]
+    if not shared_flag:
+        _observe_inputs(state, groups, prepared)
+    flag = local_flag(state, buffer) if shared_flag else None
+    shared, worst = _shared_statistics(state, bucket.index(), groups, inputs, flag)
     if shared_flag:
-        if bucket_is_nonfinite(state, bucket.buffer(), grads, names, worst=worst):
-            return comm.completed(bucket.buffer().fill_(float("nan")))
-        _observe_inputs(state, grads, inputs, names, route)
+        if bucket_is_nonfinite(state, buffer, grads, names, worst=worst):
+            return comm.completed(buffer.fill_(float("nan")))
+        _observe_inputs(state, groups, prepared)
 
     decoders: list[Callable[[], None]] = []
     futures: list[torch.futures.Future] = []
-    for chunk in pipeline_chunks([x.numel() * x.element_size() for x in inputs], state.pipeline_bytes):
+    for chunk in range(groups[-1].chunk + 1 if groups else 0):
         # compress one chunk, then launch its collectives before compressing the next: the next chunk's
         # compression overlaps this chunk's transfer
-        packets = [_compress_one(state, inputs[i], names[i], route[i], shared[i]) for i in chunk]
-        key = (bucket.index(), len(decoders))
-        chunk_futures, decoder = _launch(state, key, chunk, packets, names, route, grads)
+        members = [k for k, g in enumerate(groups) if g.chunk == chunk]
+        packets = [_compress_group(state, groups[k], inputs[k], shared[k]) for k in members]
+        chunk_futures, decoder = _launch(state, (bucket.index(), chunk), [groups[k] for k in members], packets, buffer)
         futures.extend(chunk_futures)
         decoders.append(decoder)
     timer.launched()
@@ -341,52 +372,47 @@ def _exchange_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
         timer.decode_started()
         for decoder in decoders:
             decoder()
-        observe_decoded(state, bucket.buffer())  # an encoding may overflow: finite in, non-finite out
+        observe_decoded(state, buffer)  # an encoding may overflow: finite in, non-finite out
         timer.decode_done()
-        return bucket.buffer()
+        return buffer
 
     if not futures:
         return comm.completed(decode(None))
     return torch.futures.collect_all(futures).then(lambda fut: decode(fut.wait()))
 
 
-def pipeline_chunks(nbytes: Sequence[int], limit: Optional[int]) -> list[list[int]]:
-    """Consecutive parameter indices grouped so each group holds about ``limit`` bytes of input.
-
-    A group closes once it reaches ``limit``; a parameter is never split. ``None`` (or 0): one group. Sizes
-    are the same on every rank, so every rank forms the same groups and issues the same collectives.
-    """
-    if not limit:
-        return [list(range(len(nbytes)))] if nbytes else []
-    chunks: list[list[int]] = [[]]
-    filled = 0
-    for i, n in enumerate(nbytes):
-        if chunks[-1] and filled >= limit:
-            chunks.append([])
-            filled = 0
-        chunks[-1].append(i)
-        filled += n
-    return chunks
-
-
-def _compress_one(state: GradCompState, x: Tensor, name: str, compressor: Compressor, shared: Optional[Tensor]) -> Packet:
-    """Compress one parameter; update its residual and the transforms; record what was sent."""
-    packet = compressor.compress(x, name, shared)
+def _compress_group(state: GradCompState, group: LayerGroup, x: Tensor, shared: Optional[SharedStatistic]) -> FlatPacket:
+    """Compress one group; update its residuals and the transforms; record what was sent."""
+    compressor = group.compressor
+    packet = compressor.compress_flat(x, group.segments, shared)
     sent: Optional[Tensor] = None
     if compressor.uses_memory or state.transforms:
-        sent = compressor.sent(x, packet)
-        _after_send(state, name, x, sent, compressor.uses_memory)
-    state.observer.observe_packet(name, compressor, x, packet, sent)
-    state.ledger.record(name, LayerRecord(
-        nbytes=packet.nbytes, numel=x.numel(), aggregation=compressor.aggregation_for(state.world_size), stats=packet.stats
+        sent = compressor.sent_flat(x, packet)
+        if compressor.uses_memory:
+            state.memory.update_flat(group.segments, x, sent)
+        if state.transforms:
+            for (name, xi), si in zip(group.segments.items(x), group.segments.views(sent)):
+                _after_transforms(state, name, xi, si)
+    if state.observer.active:
+        state.observer.observe_group(group.segments, compressor, x, packet, sent)
+    state.ledger.record_group(GroupRecord(
+        segments=group.segments,
+        layer_nbytes=packet.layer_nbytes,
+        aggregation=compressor.aggregation_for(state.world_size),
+        stats=packet.stats,
+        layer_stats=None if packet.layers is None else [p.stats for p in packet.layers],
     ))
     return packet
 
 
 def _after_send(state: GradCompState, name: str, x: Tensor, sent: Tensor, uses_memory: bool) -> None:
-    """What was not sent becomes the residual; the transforms see what was (one path for one-shot and multi-round)."""
+    """What was not sent becomes the residual; the transforms see what was (the multi-round path, layer by layer)."""
     if uses_memory:
         state.memory.update(name, x, sent)
+    _after_transforms(state, name, x, sent)
+
+
+def _after_transforms(state: GradCompState, name: str, x: Tensor, sent: Tensor) -> None:
     is_float = state.router.is_float(name)
     for transform in state.transforms:
         if transform.applies_to_float or not is_float:
@@ -403,25 +429,28 @@ def _concat(state: GradCompState, key: tuple[object, ...], parts: Sequence[Tenso
     return flat
 
 
+def _host_sizes(packet: FlatPacket) -> Tensor:
+    sizes = packet.layer_nbytes
+    return sizes if isinstance(sizes, Tensor) else torch.tensor(sizes, dtype=torch.int64, device=packet.payload.device)
+
+
 def _launch(
     state: GradCompState,
     key: tuple[int, int],
-    chunk: Sequence[int],
-    packets: Sequence[Packet],
-    names: Sequence[str],
-    route: Sequence[Compressor],
-    grads: Sequence[Tensor],
+    groups: Sequence[LayerGroup],
+    packets: Sequence[FlatPacket],
+    buffer: Tensor,
 ) -> tuple[list[torch.futures.Future], Callable[[], None]]:
-    """Start the collectives of one group of packets; returns their futures and the decoder to run after them.
+    """Start the collectives of one chunk's groups; returns their futures and the decoder to run after them.
 
     Channels: summable payloads grouped by dtype (one all-reduce each), the rest as bytes (one all-gather).
-    ``key`` (bucket index, group index) names the group's reused buffers.
+    ``key`` (bucket index, chunk index) names the chunk's reused buffers.
     """
     world = state.world_size
     sum_groups: dict[torch.dtype, list[int]] = {}
     gather_idx: list[int] = []
-    for k, (i, packet) in enumerate(zip(chunk, packets)):
-        if route[i].aggregation_for(world) is Aggregation.SUM:
+    for k, (group, packet) in enumerate(zip(groups, packets)):
+        if group.compressor.aggregation_for(world) is Aggregation.SUM:
             sum_groups.setdefault(packet.payload.dtype, []).append(k)
         else:
             gather_idx.append(k)
@@ -438,58 +467,71 @@ def _launch(
         sum_buffers.append((idx, flat))
 
     gathered: Optional[Tensor] = None
-    sizes: list[list[int]] = []  # per rank, the byte length of each gathered packet
-    if gather_idx:
-        own = [packets[k].nbytes for k in gather_idx]
+    sizes: list[list[int]] = []  # per rank, the byte length of each gathered layer's packet
+    if gather_idx and world > 1:
         parts = [_as_bytes(packets[k].payload) for k in gather_idx]
-        longest = sum(own)
-        if world > 1 and not all(route[chunk[k]].fixed_size for k in gather_idx):
-            # variable-size payloads: sizes first (waited for), then every rank pads to the largest total
+        if not all(groups[k].compressor.fixed_size for k in gather_idx):
+            # variable-size payloads: per-layer sizes first (waited for: the bucket's one host read), then every
+            # rank pads to the largest total
+            own = torch.cat([_host_sizes(packets[k]) for k in gather_idx])
             with state.observer.blocking():
-                table = comm.all_gather_sizes(torch.tensor(own, dtype=torch.int64, device=parts[0].device),
-                                              state.process_group, world)
+                table = comm.all_gather_sizes(own, state.process_group, world)
             state.ledger.count("allgather_sizes")
             sizes = table.tolist()
-            longest = max(sum(row) for row in sizes)
         else:
-            sizes = [own] * world
+            own_sizes = [n for k in gather_idx for n in packets[k].layer_nbytes]  # type: ignore[union-attr]
+            sizes = [own_sizes] * world
+        longest = max(sum(row) for row in sizes)
         flat = _concat(state, (*key, "gather"), parts, longest)
-        if world > 1 and flat.numel() > 0:
+        if flat.numel() > 0:
             out = state.scratch.take((*key, "gathered"), world * flat.numel(), flat.dtype, flat.device)
             fut, gathered = comm.all_gather(flat, state.process_group, world, out=out)
             futures.append(fut)
             state.ledger.count("allgather")
         else:
-            gathered = flat.new_zeros((world, 0)) if flat.numel() == 0 else flat.unsqueeze(0)
+            gathered = flat.new_zeros((world, 0))
 
     def decode() -> None:
         for idx, flat in sum_buffers:
             offset = 0
             for k in idx:
-                i, packet = chunk[k], packets[k]
+                group, packet = groups[k], packets[k]
                 n = packet.payload.numel()
-                total = route[i].decompress(packet.with_payload(flat[offset : offset + n]))
-                grads[i].copy_(total.div_(world) if total.is_floating_point() else total.float() / world)
-                state.observer.observe_averaged(names[i], grads[i])
+                total = group.compressor.decompress_flat(packet.with_payload(flat[offset : offset + n]))
+                group.put(buffer, total.div_(world) if total.is_floating_point() else total.float() / world)
+                _observe_averaged(state, group, buffer)
                 offset += n
-        if gather_idx:
-            assert gathered is not None
-            starts = [0] * world
-            for j, k in enumerate(gather_idx):
-                i, packet = chunk[k], packets[k]
-                compressor = route[i]
+        starts = [0] * world
+        layer = 0  # the first layer of the current group in the chunk's per-layer size rows
+        for k in gather_idx:
+            group, packet = groups[k], packets[k]
+            compressor = group.compressor
+            if gathered is None:  # one rank: its own packet is the gathered one
+                per_rank = [packet]
+            else:
                 per_rank = []
+                count = len(group.segments)
                 for r in range(world):
-                    raw = gathered[r, starts[r] : starts[r] + sizes[r][j]]
-                    per_rank.append(packet.with_payload(_from_bytes(raw, packet.payload.dtype)))
-                    starts[r] += sizes[r][j]
-                # decoded and averaged straight into DDP's bucket view: no full-size temporary
-                compressor.decompress_mean_into(per_rank, grads[i])
-                if state.ledger.per_rank is not None:
-                    state.ledger.keep_per_rank(names[i], [compressor.decompress(q) for q in per_rank])
-                state.observer.observe_averaged(names[i], grads[i])
+                    row = tuple(sizes[r][layer : layer + count])
+                    raw = gathered[r, starts[r] : starts[r] + sum(row)]
+                    per_rank.append(packet.with_payload(_from_bytes(raw, packet.payload.dtype), layer_nbytes=row))
+                    starts[r] += sum(row)
+                layer += count
+            # decoded and averaged straight into DDP's bucket when the group's layers are adjacent there
+            group.put(buffer, compressor.decompress_flat_mean_into(per_rank, group.target(buffer)))
+            if state.ledger.per_rank is not None:
+                decoded = [group.segments.views(compressor.decompress_flat(q)) for q in per_rank]
+                for i, name in enumerate(group.segments.names):
+                    state.ledger.keep_per_rank(name, [d[i] for d in decoded])
+            _observe_averaged(state, group, buffer)
 
     return futures, decode
+
+
+def _observe_averaged(state: GradCompState, group: LayerGroup, buffer: Tensor) -> None:
+    if state.observer.active:
+        for name, view in group.segments.items(group.take(buffer)):
+            state.observer.observe_averaged(name, view)
 
 
 # -- multi-round compressors (PowerSGD) ------------------------------------------------------------------------
@@ -505,7 +547,7 @@ def _multiround_exchange(
     compressor = state.compressor
     assert isinstance(compressor, MultiRoundCompressor)
     world = state.world_size
-    inputs = _prepare(state, grads, names, route)
+    inputs = _prepare_layers(state, grads, names, route)
 
     def all_reduce(tensor: Tensor) -> Tensor:
         if world > 1:

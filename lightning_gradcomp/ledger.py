@@ -7,11 +7,12 @@ exchange report to it.
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation
+from lightning_gradcomp.segments import Segments
 
 
 @dataclass
@@ -24,6 +25,40 @@ class LayerRecord:
     stats: dict[str, Tensor]
 
 
+@dataclass
+class GroupRecord:
+    """What the hook last did for a group of layers compressed together (the batched pipeline).
+
+    Attributes:
+        segments: the group's layout.
+        layer_nbytes: bytes per layer, host integers or an int64 device tensor (read only when asked).
+        aggregation: how the group travelled.
+        stats: per-layer statistics as ``[layers]`` device tensors (a batched compressor's).
+        layer_stats: per-layer statistics of the looping path, one dict per layer.
+    """
+
+    segments: Segments
+    layer_nbytes: Union[tuple[int, ...], Tensor]
+    aggregation: Aggregation
+    stats: dict[str, Tensor]
+    layer_stats: Optional[list[dict[str, Tensor]]] = None
+
+    def nbytes(self) -> int:
+        """Bytes of the whole group (one host read when the sizes are a device tensor)."""
+        sizes = self.layer_nbytes
+        return sum(sizes) if isinstance(sizes, tuple) else int(sizes.sum())
+
+    def layers(self) -> dict[str, LayerRecord]:
+        """One :class:`LayerRecord` per layer (a logging step's cost: a host read and a slice per statistic)."""
+        sizes = self.layer_nbytes
+        nbytes = list(sizes) if isinstance(sizes, tuple) else [int(n) for n in sizes.tolist()]
+        out = {}
+        for i, (name, numel) in enumerate(zip(self.segments.names, self.segments.numels)):
+            stats = self.layer_stats[i] if self.layer_stats is not None else {k: v[i] for k, v in self.stats.items()}
+            out[name] = LayerRecord(nbytes=nbytes[i], numel=numel, aggregation=self.aggregation, stats=stats)
+        return out
+
+
 class Ledger:
     """The hook's accounting for one :class:`~lightning_gradcomp.hook.GradCompState`.
 
@@ -32,7 +67,7 @@ class Ledger:
             application needs them).
 
     Attributes:
-        records: the latest :class:`LayerRecord` per parameter name.
+        records: the latest :class:`LayerRecord` per parameter name (a group's records are made when read).
         shared_stat_bytes: bytes of the statistic all-reduce in the latest round, per bucket index.
         collectives: how many collectives of each kind ran.
         hook_calls: bucket hook calls since construction.
@@ -40,7 +75,10 @@ class Ledger:
     """
 
     def __init__(self, keep_per_rank: bool = False) -> None:
-        self.records: dict[str, LayerRecord] = {}
+        self._singles: dict[str, LayerRecord] = {}
+        self._groups: dict[tuple[str, ...], GroupRecord] = {}
+        self._owner: dict[str, tuple[str, ...]] = {}
+        self._records: Optional[dict[str, LayerRecord]] = None
         self.shared_stat_bytes: dict[int, int] = {}
         self.collectives: Counter = Counter()
         self.hook_calls = 0
@@ -64,8 +102,40 @@ class Ledger:
         """``n`` collectives of ``kind`` were issued."""
         self.collectives[kind] += n
 
+    @property
+    def records(self) -> dict[str, LayerRecord]:
+        """The latest record of every parameter, by name (made once per change, from the groups and single records)."""
+        if self._records is None:
+            records = dict(self._singles)
+            for group in self._groups.values():
+                records.update(group.layers())
+            self._records = records
+        return self._records
+
     def record(self, name: str, record: LayerRecord) -> None:
-        self.records[name] = record
+        """One parameter's record."""
+        self._release(name)
+        self._singles[name] = record
+        self._records = None
+
+    def record_group(self, group: GroupRecord) -> None:
+        """A group's record; replaces the records of its names, and a stale group (an old bucket layout) that held any."""
+        key = group.segments.names
+        for name in key:
+            if self._owner.get(name) != key:
+                self._release(name)
+            self._singles.pop(name, None)
+            self._owner[name] = key
+        self._groups[key] = group
+        self._records = None
+
+    def _release(self, name: str) -> None:
+        key = self._owner.get(name)
+        if key is not None:
+            group = self._groups.pop(key)
+            for n in key:
+                del self._owner[n]
+            self._singles.update(group.layers())
 
     def record_shared(self, bucket_index: int, nbytes: int) -> None:
         """Bytes of a bucket's shared-statistics all-reduce this round."""
@@ -77,8 +147,9 @@ class Ledger:
 
     def bytes_per_step(self) -> int:
         """Bytes this rank contributed to the collectives of one full backward (payloads + shared statistics)."""
-        return sum(r.nbytes for r in self.records.values()) + sum(self.shared_stat_bytes.values())
+        singles = sum(r.nbytes for r in self._singles.values())
+        return singles + sum(g.nbytes() for g in self._groups.values()) + sum(self.shared_stat_bytes.values())
 
     def dense_bytes_per_step(self) -> int:
         """What plain fp32 DDP would have contributed for the same parameters."""
-        return sum(4 * r.numel for r in self.records.values())
+        return 4 * (sum(r.numel for r in self._singles.values()) + sum(g.segments.total for g in self._groups.values()))

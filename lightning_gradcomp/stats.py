@@ -152,6 +152,9 @@ class HookObserver:
     :class:`HookStats` (the monitor's) overrides them all.
     """
 
+    #: whether anyone listens: the hook skips its per-layer loops for an observer that does not
+    active: bool = False
+
     def start_bucket(self) -> Union[BucketTimer, _NoTimer]:
         """Start timing one bucket's hook call."""
         return NO_TIMER
@@ -166,6 +169,10 @@ class HookObserver:
     def observe_packet(self, name: str, compressor: Any, compressed_input: Tensor, packet: Any,
                        sent: Optional[Tensor]) -> None:
         """One layer's packet, with what it carries of the compressed input (``sent``, when computed)."""
+
+    def observe_group(self, segments: Any, compressor: Any, compressed_input: Tensor, packet: Any,
+                      sent: Optional[Tensor]) -> None:
+        """A group's packet (:class:`~lightning_gradcomp.compressors.base.FlatPacket`), flat input and local decode."""
 
     def observe_averaged(self, name: str, averaged: Tensor) -> None:
         """One layer's decoded, averaged gradient."""
@@ -183,6 +190,8 @@ class HookStats(HookObserver):
         bins: bins per histogram.
         device: the device gradients live on (picks the clock).
     """
+
+    active = True
 
     def __init__(self, histogram_layers: Sequence[str] = ("*",), bins: int = 64,
                  device: torch.device = torch.device("cpu")) -> None:
@@ -251,6 +260,25 @@ class HookStats(HookObserver):
             self.layer_stats.setdefault(name, {})["sparsity"] = (sent == 0).float().mean()
         if want_hist:
             self.histograms.setdefault(name, {})["compressed"] = histogram(sent, self.bins)
+
+    def observe_group(self, segments: Any, compressor: Any, compressed_input: Tensor, packet: Any,
+                      sent: Optional[Tensor]) -> None:
+        """A group's packet: each layer's sparsity (unless its packet reports one) and histogram of what it sent."""
+        if not self.capture:
+            return
+        reported = [
+            "sparsity" in packet.stats or (packet.layers is not None and "sparsity" in packet.layers[i].stats)
+            for i in range(len(segments))
+        ]
+        if all(reported) and not any(self.wants_histogram(n) for n in segments.names):
+            return
+        if sent is None:
+            sent = compressor.sent_flat(compressed_input, packet)
+        for name, view, has in zip(segments.names, segments.views(sent), reported):
+            if not has:
+                self.layer_stats.setdefault(name, {})["sparsity"] = (view == 0).float().mean()
+            if self.wants_histogram(name):
+                self.histograms.setdefault(name, {})["compressed"] = histogram(view, self.bins)
 
     def observe_averaged(self, name: str, averaged: Tensor) -> None:
         """The decoded average every rank applies (called from the decode callback)."""

@@ -146,27 +146,27 @@ class SharedStatistic:
 
     Attributes:
         values: the 1-D float32 vector.
-        lengths: elements of ``values`` per layer, ``-1`` for a layer without one (the default, looping path);
+        shapes: each layer's statistic shape (``None`` for a layer without one) in the default, looping path;
             ``None`` when a batched compressor lays ``values`` out itself.
     """
 
     values: Tensor
-    lengths: Optional[tuple[int, ...]] = None
+    shapes: Optional[tuple[Optional[torch.Size], ...]] = None
 
     def with_values(self, values: Tensor) -> "SharedStatistic":
         return replace(self, values=values)
 
     def per_layer(self) -> list[Optional[Tensor]]:
-        """The statistic of each layer (``None`` where it had none); only for the looping layout."""
-        assert self.lengths is not None, "a batched compressor's statistic has no per-layer layout"
+        """The statistic of each layer in its own shape (``None`` where it had none); only for the looping layout."""
+        assert self.shapes is not None, "a batched compressor's statistic has no per-layer layout"
         out: list[Optional[Tensor]] = []
         offset = 0
-        for n in self.lengths:
-            if n < 0:
+        for shape in self.shapes:
+            if shape is None:
                 out.append(None)
             else:
-                out.append(self.values[offset : offset + n])
-                offset += n
+                out.append(self.values[offset : offset + shape.numel()].view(shape))
+                offset += shape.numel()
         return out
 
 
@@ -344,11 +344,13 @@ class Compressor(ABC):
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         """The group's local statistics (:meth:`local_statistic` of every layer) as one vector, or ``None``."""
+        if type(self).local_statistic is Compressor.local_statistic:
+            return None
         local = [self.local_statistic(x, name) for name, x in segments.items(flat)]
         if all(s is None for s in local):
             return None
         present = [s.reshape(-1).float() for s in local if s is not None]
-        return SharedStatistic(torch.cat(present), tuple(-1 if s is None else s.numel() for s in local))
+        return SharedStatistic(torch.cat(present), tuple(None if s is None else s.shape for s in local))
 
     def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
         """:meth:`observe_gradient` for every layer of the group (nothing when the compressor does not override it)."""
