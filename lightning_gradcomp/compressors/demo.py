@@ -31,9 +31,10 @@ chunk shape ``n1 x n2`` form one *chunk class*; their chunks are gathered from t
 scatters them back with one ``index_copy_``. The ops per group grow with the number of distinct chunk shapes, not
 with the number of layers. The group payload holds, class after class, the values of all its chunks, then their
 indices; each layer still puts exactly its own packet's bytes on the wire. A single layer (:meth:`DeMo.compress`) is
-a group of one: one implementation. The selected coefficients are those of the layer-by-layer path; their values
-may differ from it in the last bit, because BLAS sums a product of another height in another order
-(``tests/unit/test_flat_demo_powersgd.py``).
+a group of one: one implementation. Against the layer-by-layer path, where a class holds chunks of several layers,
+coefficients and decoded values may differ in the last bit (BLAS may sum a product of another height in another
+order), so a chunk whose k-th and (k+1)-th magnitudes are within a rounding error of each other may select the other
+one; every rank runs the same products, so replicas agree (``tests/unit/test_flat_demo_powersgd.py``).
 """
 
 import math
