@@ -126,7 +126,9 @@ class PowerSGD(MultiRoundCompressor):
             generator = torch.Generator().manual_seed(int(self._seeds.randint(1_000_000_000)))
             for i, m, r in needs:
                 fresh[i] = torch.randn(m, r, generator=generator, dtype=tensors[i].dtype).to(tensors[i].device)
-        stacks = [torch.stack([fresh[i] if i in fresh else self.q_memory[names[i]] for i in group]) for group in groups]
+        # ``to``: a state loaded from a checkpoint holds CPU tensors (no op when already there)
+        stacks = [torch.stack([fresh[i] if i in fresh else self.q_memory[names[i]].to(tensors[i].device) for i in group])
+                  for group in groups]
         return [orthogonalize_(q, self.orthogonalization_epsilon) for q in stacks]
 
     def _exchange(
