@@ -20,20 +20,34 @@ parameter, as the reference code (github.com/bloc97/DeMo, ``demo.py``):
 Tensors with more than 2 dimensions are chunked as ``(shape[0], numel / shape[0])`` matrices (the reference
 handles only 1-D and 2-D); 0-d tensors as one element; empty tensors send nothing.
 
-Wire format (exact, gathered): per chunk ``min(topk, chunk elements)`` float32 values, then as many in-chunk
+Wire format (exact, gathered): per chunk ``min(topk, chunk elements)`` float32 values and as many in-chunk
 indices as int16 (``index_dtype="int16"``; the reference sends int64, ``index_dtype="int64"``). At the defaults
-(chunk 64, top-32) a 64x64 chunk of 16384 fp32 bytes travels in 32 x (4 + 2) = 192 bytes: 85x less.
+(chunk 64, top-32) a 64x64 chunk of 16384 fp32 bytes travels in 32 x (4 + 2) = 192 bytes: 85x less. A layer's
+packet holds its values, then its indices.
+
+Batched (the hook's flat pipeline, :meth:`DeMo.compress_flat`): the layers of a group whose chunking gives the same
+chunk shape ``n1 x n2`` form one *chunk class*; their chunks are gathered from the flat gradient with one
+``index_select``, stacked, transformed with one batched product per side and cut with one ``topk``; decoding
+scatters them back with one ``index_copy_``. The ops per group grow with the number of distinct chunk shapes, not
+with the number of layers. The group payload holds, class after class, the values of all its chunks, then their
+indices; each layer still puts exactly its own packet's bytes on the wire. A single layer (:meth:`DeMo.compress`) is
+a group of one: one implementation. Against the layer-by-layer path, where a class holds chunks of several layers,
+coefficients and decoded values may differ in the last bit (BLAS may sum a product of another height in another
+order), so a chunk whose k-th and (k+1)-th magnitudes are within a rounding error of each other may select the other
+one; every rank runs the same products, so replicas agree (``tests/unit/test_flat_demo_powersgd.py``).
 """
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 IndexDtype = Literal["int16", "int64"]
@@ -60,6 +74,21 @@ def largest_divisor(size: int, target: int) -> int:
     return 1
 
 
+def dct_blocks(blocks: Tensor, d1: Tensor, d2: Tensor) -> Tensor:
+    """The 2-D DCT ``D1 @ B @ D2.T`` of every block ``B`` of ``blocks`` (``[K, n1, n2]``), ``[K, n1, n2]``.
+
+    One batched product per side whatever ``K``. A side of 1 is skipped: its DCT is exactly the identity.
+    """
+    y = blocks if d1.shape[0] == 1 else torch.matmul(d1, blocks)
+    return y if d2.shape[0] == 1 else torch.matmul(y, d2.mT)
+
+
+def idct_blocks(coeffs: Tensor, d1: Tensor, d2: Tensor) -> Tensor:
+    """The inverse of :func:`dct_blocks`: ``D1.T @ C @ D2`` of every block of ``coeffs`` (``[K, n1, n2]``)."""
+    y = coeffs if d1.shape[0] == 1 else torch.matmul(d1.mT, coeffs)
+    return y if d2.shape[0] == 1 else torch.matmul(y, d2)
+
+
 class ChunkedDCT:
     """The chunked 2-D DCT of one tensor shape: :meth:`encode` to ``(chunks, n1 * n2)`` coefficients and back.
 
@@ -67,6 +96,7 @@ class ChunkedDCT:
         shape: the tensor's shape (more than 2 dimensions: treated as ``(shape[0], rest)``; 0-d: ``(1,)``).
         chunk: target chunk edge.
         dtype: dtype of the transform matrices (the tensor's).
+        device: device of the transform matrices.
     """
 
     def __init__(self, shape: torch.Size, chunk: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -80,16 +110,66 @@ class ChunkedDCT:
         self.chunks = (rows // self.n1) * (cols // self.n2) if numel else 0
         self.chunk_numel = self.n1 * self.n2
 
+    def blocks(self, x: Tensor) -> Tensor:
+        """The chunks of ``x`` (the tensor, any shape of its numel), ``[chunks, n1, n2]``, row of chunks after row."""
+        blocks = x.reshape(self.rows // self.n1, self.n1, self.cols // self.n2, self.n2).transpose(1, 2)
+        return blocks.reshape(self.chunks, self.n1, self.n2)
+
+    def positions(self) -> Tensor:
+        """int64 ``[numel]`` (CPU): the flat position of every element of :meth:`blocks`, chunk after chunk."""
+        return self.blocks(torch.arange(self.rows * self.cols)).reshape(-1)
+
     def encode(self, x: Tensor) -> Tensor:
         """Coefficients ``(chunks, n1 * n2)`` of ``x``: ``D1 @ block @ D2.T`` per chunk."""
-        blocks = x.reshape(self.rows // self.n1, self.n1, self.cols // self.n2, self.n2)
-        coeffs = torch.einsum("yhxw,bh,dw->yxbd", blocks, self.d1, self.d2)
-        return coeffs.reshape(self.chunks, self.chunk_numel)
+        return dct_blocks(self.blocks(x), self.d1, self.d2).reshape(self.chunks, self.chunk_numel)
 
     def decode(self, coeffs: Tensor, shape: torch.Size) -> Tensor:
         """The tensor of ``shape`` whose chunks have coefficients ``coeffs`` (``D1.T @ C @ D2`` per chunk)."""
-        c = coeffs.reshape(self.rows // self.n1, self.cols // self.n2, self.n1, self.n2)
-        return torch.einsum("yxbd,bh,dw->yhxw", c, self.d1, self.d2).reshape(shape)
+        blocks = idct_blocks(coeffs.reshape(self.chunks, self.n1, self.n2), self.d1, self.d2)
+        out = blocks.new_empty(self.rows * self.cols)
+        return out.index_copy_(0, self.positions().to(out.device), blocks.reshape(-1)).view(shape)
+
+
+@dataclass(frozen=True)
+class _ChunkClass:
+    """The chunks of every layer of a group whose chunks are ``n1 x n2``, stacked: one transform and one top-k.
+
+    Attributes:
+        n1, n2: the chunk shape.
+        k: coefficients kept per chunk.
+        chunks: chunks of the class (all its layers).
+        d1, d2: the DCT matrices of the two sides.
+        positions: int64 ``[chunks * n1 * n2]``: the flat position in the group of every chunk element, chunk
+            after chunk, layer after layer.
+        values_at, indices_at: byte offsets of the class's values and indices in the group payload.
+    """
+
+    n1: int
+    n2: int
+    k: int
+    chunks: int
+    d1: Tensor
+    d2: Tensor
+    positions: Tensor
+    values_at: int
+    indices_at: int
+
+
+@dataclass(frozen=True)
+class _GroupPlan:
+    """How a group of layers (shapes, dtype, device) is chunked: its chunk classes and per-layer constants.
+
+    Attributes:
+        classes: the chunk classes, in order of their first layer.
+        chunk_layer: int64 ``[all chunks]``: the layer of every chunk, class after class (per-layer statistics).
+        layer_nbytes: wire bytes of every layer.
+        sparsity: float32 ``[layers]``: share of each layer's coefficients not sent (0 for an empty layer).
+    """
+
+    classes: tuple[_ChunkClass, ...]
+    chunk_layer: Tensor
+    layer_nbytes: tuple[int, ...]
+    sparsity: Tensor
 
 
 class DeMo(Compressor):
@@ -107,6 +187,7 @@ class DeMo(Compressor):
     aggregation = Aggregation.GATHER
     uses_memory = True
     fixed_size = True
+    batched = True
 
     def __init__(self, topk: int = 32, chunk: int = 64, beta: float = 0.999, index_dtype: IndexDtype = "int16") -> None:
         super().__init__()
@@ -120,14 +201,8 @@ class DeMo(Compressor):
         check_number("beta", beta, minimum=0.0, maximum=1.0, max_open=True, fix="use DeMo's 0.999")
         check_choice("index_dtype", index_dtype, tuple(_INDEX_DTYPES))
         self.topk, self.chunk, self.beta, self.index_dtype = topk, chunk, float(beta), index_dtype
-        self._transforms: dict[tuple[torch.Size, torch.dtype, torch.device], ChunkedDCT] = {}
-
-    def transform(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> ChunkedDCT:
-        """The (cached) chunked DCT of a tensor shape."""
-        key = (torch.Size(shape), dtype, device)
-        if key not in self._transforms:
-            self._transforms[key] = ChunkedDCT(torch.Size(shape), self.chunk, dtype, device)
-        return self._transforms[key]
+        self._plans: dict[tuple[tuple[torch.Size, ...], torch.dtype, torch.device], _GroupPlan] = {}
+        self._layers: dict[torch.Size, Segments] = {}
 
     def kept_per_chunk(self, shape: torch.Size) -> int:
         """Coefficients sent per chunk of a tensor of ``shape``."""
@@ -139,41 +214,116 @@ class DeMo(Compressor):
         k = min(self.topk, t.chunk_numel)
         return t.chunks * k * (4 + _INDEX_DTYPES[self.index_dtype].itemsize)
 
+    def _plan(self, segments: Segments, dtype: torch.dtype, device: torch.device) -> _GroupPlan:
+        """The (cached) chunking of a group: built once per layout, dtype and device, on the host."""
+        key = (segments.shapes, dtype, device)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        members: dict[tuple[int, int], list[tuple[int, ChunkedDCT]]] = {}
+        sparsity = []
+        for i, shape in enumerate(segments.shapes):
+            t = ChunkedDCT(shape, self.chunk, dtype, device)
+            sparsity.append(1.0 - min(self.topk, t.chunk_numel) / t.chunk_numel if t.chunks else 0.0)
+            if t.chunks:
+                members.setdefault((t.n1, t.n2), []).append((i, t))
+        index_size = _INDEX_DTYPES[self.index_dtype].itemsize
+        classes, chunk_layer, at = [], [], 0
+        for (n1, n2), layers in members.items():
+            k = min(self.topk, n1 * n2)
+            chunks = sum(t.chunks for _, t in layers)
+            positions = torch.cat([t.positions() + segments.offsets[i] for i, t in layers]).to(device)
+            first = layers[0][1]
+            classes.append(_ChunkClass(n1, n2, k, chunks, first.d1, first.d2, positions, at, at + 4 * chunks * k))
+            chunk_layer += [torch.full((t.chunks,), i, dtype=torch.int64) for i, t in layers]
+            at += chunks * k * (4 + index_size)
+        plan = _GroupPlan(
+            classes=tuple(classes),
+            chunk_layer=(torch.cat(chunk_layer) if chunk_layer else torch.zeros(0, dtype=torch.int64)).to(device),
+            layer_nbytes=tuple(self.packet_bytes(s) for s in segments.shapes),
+            sparsity=torch.tensor(sparsity, dtype=torch.float32, device=device),
+        )
+        self._plans[key] = plan
+        return plan
+
+    def _layer(self, shape: torch.Size) -> Segments:
+        """The layout of one tensor alone: the per-layer methods are the batched ones on a group of one."""
+        layout = self._layers.get(shape)
+        if layout is None:
+            layout = self._layers[shape] = Segments(("",), (shape,))
+        return layout
+
+    @staticmethod
+    def _energy_kept(plan: _GroupPlan, kept: list[Tensor], total: list[Tensor], layers: int, like: Tensor) -> Tensor:
+        """Per layer: the share of the momentum's energy the packet removes from it (the transform is orthonormal,
+        so coefficient energy is tensor energy); 1 for a layer without energy, an empty one included."""
+        if not kept:
+            return torch.ones(layers, dtype=torch.float32, device=like.device)
+        kept_l = like.new_zeros(layers).index_add_(0, plan.chunk_layer, torch.cat(kept))
+        total_l = like.new_zeros(layers).index_add_(0, plan.chunk_layer, torch.cat(total))
+        return torch.where(total_l > 0, kept_l / total_l, torch.ones_like(total_l)).float()
+
+    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
+        return None
+
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        x = flat.detach()
+        plan = self._plan(segments, x.dtype, x.device)
+        index_dtype = _INDEX_DTYPES[self.index_dtype]
+        parts: list[Tensor] = []
+        kept: list[Tensor] = []
+        total: list[Tensor] = []
+        for c in plan.classes:
+            blocks = x.index_select(0, c.positions).view(c.chunks, c.n1, c.n2)
+            coeffs = dct_blocks(blocks, c.d1, c.d2).reshape(c.chunks, c.n1 * c.n2)
+            indices = torch.topk(coeffs.abs(), c.k, dim=1, sorted=False).indices
+            values = torch.gather(coeffs, 1, indices)
+            parts += [values.float().reshape(-1).view(torch.uint8), indices.to(index_dtype).reshape(-1).view(torch.uint8)]
+            kept.append(values.pow(2).sum(1))
+            total.append(coeffs.pow(2).sum(1))
+        payload = torch.cat(parts) if parts else x.new_empty(0, dtype=torch.uint8)
+        stats = {"sparsity": plan.sparsity, "energy_kept": self._energy_kept(plan, kept, total, len(segments), x)}
+        return FlatPacket(payload, segments, x.dtype, plan.layer_nbytes, stats=stats)
+
+    def _sum_into(self, payloads: Sequence[Tensor], plan: _GroupPlan, out: Tensor) -> Tensor:
+        """The sum of the payloads' decoded groups, in the given (rank) order, written over ``out`` (flat).
+
+        Summed in the coefficient domain (linear), one ``scatter_add_`` per payload: a payload's indices are
+        distinct within each chunk, so each call is free of colliding writes and the ranks add up in the given
+        order on every device (one call for all ranks would leave that order to atomics on a GPU).
+        """
+        index_dtype = _INDEX_DTYPES[self.index_dtype]
+        index_size = index_dtype.itemsize
+        for c in plan.classes:
+            n = c.chunks * c.k
+            coeffs = out.new_zeros(c.chunks, c.n1 * c.n2)
+            for payload in payloads:
+                raw = payload.view(torch.uint8)
+                # clone: a slice of a gathered byte buffer may be misaligned for wider dtypes
+                values = raw[c.values_at : c.values_at + 4 * n].clone().view(torch.float32).to(out.dtype)
+                indices = raw[c.indices_at : c.indices_at + index_size * n].clone().view(index_dtype).long()
+                coeffs.scatter_add_(1, indices.view(c.chunks, c.k), values.view(c.chunks, c.k))
+            blocks = idct_blocks(coeffs.view(c.chunks, c.n1, c.n2), c.d1, c.d2)
+            out.index_copy_(0, c.positions, blocks.reshape(-1))
+        return out
+
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        out = torch.empty(packet.segments.total, dtype=packet.dtype, device=packet.payload.device)
+        return self._sum_into([packet.payload], self._plan(packet.segments, packet.dtype, out.device), out)
+
+    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        first = packets[0]
+        plan = self._plan(first.segments, first.dtype, out.device)
+        return self._sum_into([p.payload for p in packets], plan, out).div_(len(packets))
+
+    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
+        return self._decayed(flat, self.decompress_flat(packet))
+
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
         x = tensor.detach()
-        t = self.transform(x.shape, x.dtype, x.device)
-        if t.chunks == 0:
-            empty = x.new_empty(0, dtype=torch.uint8)
-            return Packet(payload=empty, shape=x.shape, dtype=x.dtype, stats={"sparsity": x.new_zeros((), dtype=torch.float32)})
-        coeffs = t.encode(x)
-        k = min(self.topk, t.chunk_numel)
-        indices = torch.topk(coeffs.abs(), k, dim=1, sorted=False).indices
-        values = torch.gather(coeffs, 1, indices)
-        payload = torch.cat((
-            values.float().reshape(-1).view(torch.uint8),
-            indices.to(_INDEX_DTYPES[self.index_dtype]).reshape(-1).view(torch.uint8),
-        ))
-        total = coeffs.pow(2).sum()
-        # orthonormal transform: the share of the momentum's energy this packet removes from it
-        energy = torch.where(total > 0, values.pow(2).sum() / total, torch.ones_like(total)).float()
-        stats = {"sparsity": x.new_tensor(1.0 - k / t.chunk_numel, dtype=torch.float32), "energy_kept": energy}
-        return Packet(payload=payload, shape=x.shape, dtype=x.dtype, stats=stats)
-
-    def _coefficients(self, packets: Sequence[Packet]) -> tuple[ChunkedDCT, Tensor]:
-        """The packets' coefficients summed in the given order, ``(chunks, n1 * n2)``."""
-        first = packets[0]
-        t = self.transform(first.shape, first.dtype, first.payload.device)
-        k = min(self.topk, t.chunk_numel)
-        n = t.chunks * k
-        coeffs = torch.zeros(t.chunks, t.chunk_numel, dtype=first.dtype, device=first.payload.device)
-        index_dtype = _INDEX_DTYPES[self.index_dtype]
-        for packet in packets:
-            raw = packet.payload
-            # clone: a slice of a gathered byte buffer may be misaligned for wider dtypes
-            values = raw[: 4 * n].clone().view(torch.float32).to(first.dtype).view(t.chunks, k)
-            indices = raw[4 * n :].clone().view(index_dtype).long().view(t.chunks, k)
-            coeffs.scatter_add_(1, indices, values)
-        return t, coeffs
+        group = self.compress_flat(x.reshape(-1), self._layer(x.shape))
+        stats = {key: value[0] for key, value in group.stats.items()}
+        return Packet(payload=group.payload, shape=x.shape, dtype=x.dtype, stats=stats)
 
     def decompress(self, packet: Packet) -> Tensor:
         return self.decompress_sum([packet])
@@ -181,10 +331,12 @@ class DeMo(Compressor):
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         # linear: summing in the coefficient domain and transforming once equals transforming each and summing
         first = packets[0]
-        if first.numel == 0:
-            return torch.zeros(first.shape, dtype=first.dtype, device=first.payload.device)
-        t, coeffs = self._coefficients(packets)
-        return t.decode(coeffs, first.shape)
+        out = torch.empty(first.numel, dtype=first.dtype, device=first.payload.device)
+        plan = self._plan(self._layer(first.shape), first.dtype, out.device)
+        return self._sum_into([p.payload for p in packets], plan, out).view(first.shape)
+
+    def _decayed(self, x: Tensor, q: Tensor) -> Tensor:
+        return x - self.beta * (x - q)
 
     def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
         """``x - beta * (x - q)``, so the hook's residual ``x - sent`` is DeMo's decayed momentum ``beta * (m - q)``.
@@ -192,8 +344,7 @@ class DeMo(Compressor):
         The hook's error feedback keeps ``x - sent`` and adds it to the next gradient, which makes the next
         input ``g + beta * (m - q)``: DeMo's ``m <- beta * m + g`` after the transmitted ``q`` was removed.
         """
-        q = self.decompress(packet)
-        return tensor - self.beta * (tensor - q)
+        return self._decayed(tensor, self.decompress(packet))
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": "DeMo", "topk": self.topk, "chunk": self.chunk, "beta": self.beta,

@@ -15,6 +15,13 @@ min_compression_rate >= n * m``), are all-reduced dense; they travel in the same
 Unlike torch's hook, both rounds are issued from the hook body through
 :meth:`~lightning_gradcomp.compressors.multiround.MultiRoundCompressor.exchange`, so it cannot hang on Gloo
 with several buckets. Factors are kept by parameter name, not by bucket index.
+
+Batched by shape: the tensors of a bucket with the same shape are stacked, so P, Q and the approximation are one
+``torch.bmm`` each and the orthogonalization runs on the whole stack (:func:`orthogonalize_` takes a batch); dense
+tensors of one shape travel stacked too. The ops per exchange grow with the number of distinct shapes, not of
+tensors; the rounds stay two all-reduces for the whole bucket, each laid out shape group after shape group
+(``tests/unit/test_flat_demo_powersgd.py``). A fresh random Q (the first step, a new shape, ``warm_start=False``)
+is still drawn tensor by tensor in layer order, as torch's hook draws it, so the random start stays torch's.
 """
 
 from collections.abc import Sequence
@@ -30,23 +37,33 @@ from lightning_gradcomp.validation import check_int, check_number
 
 
 def orthogonalize_(matrix: Tensor, epsilon: float = 0.0) -> Tensor:
-    """Orthonormalize the columns of ``matrix`` in place (as torch's PowerSGD does), and return it.
+    """Orthonormalize the columns of ``matrix`` (``[m, r]``, or a batch ``[B, m, r]`` of them, each on its own) in
+    place, as torch's PowerSGD does, and return it.
 
     Gram-Schmidt for rank <= 2 (faster there, and the only choice for half precision), QR otherwise.
     """
-    rank = matrix.shape[1]
+    rank = matrix.shape[-1]
     if rank <= 2 or matrix.dtype in (torch.float16, torch.bfloat16):
         for i in range(rank):
-            col = matrix[:, i : i + 1]
+            col = matrix[..., i : i + 1]
             # torch divides by the bare norm (NaN for an all-zero column, e.g. a layer with no gradient this step);
             # clamping at the smallest normal float changes nothing else and sends zeros instead
-            col /= torch.norm(col, dim=0, keepdim=True).clamp_min(torch.finfo(col.dtype).tiny) + epsilon
+            col /= torch.norm(col, dim=-2, keepdim=True).clamp_min(torch.finfo(col.dtype).tiny) + epsilon
             if i + 1 < rank:
-                rest = matrix[:, i + 1 :]
-                rest -= torch.sum(col * rest, dim=0, keepdim=True) * col
+                rest = matrix[..., i + 1 :]
+                rest -= torch.sum(col * rest, dim=-2, keepdim=True) * col
     else:
         matrix.copy_(torch.linalg.qr(matrix).Q)
     return matrix
+
+
+def _by_shape(tensors: Sequence[Tensor], indices: Sequence[int]) -> list[list[int]]:
+    """``indices`` grouped by their tensors' shape, dtype and device (the tensors a stack can hold), groups in the
+    order of their first member, members in the given order."""
+    groups: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
+    for i in indices:
+        groups.setdefault((tensors[i].shape, tensors[i].dtype, tensors[i].device), []).append(i)
+    return list(groups.values())
 
 
 class PowerSGD(MultiRoundCompressor):
@@ -96,65 +113,77 @@ class PowerSGD(MultiRoundCompressor):
             return None
         return n, m, r
 
-    def _initial_qs(self, matrices: Sequence[Tensor], names: Sequence[str], plans: Sequence[tuple[int, int, int]]) -> list[Tensor]:
-        needs = [
-            not self.warm_start or name not in self.q_memory or self.q_memory[name].shape != (m, r)
-            for name, (_, m, r) in zip(names, plans)
-        ]
-        generator = None
-        if any(needs):  # one seed per exchange, as torch draws one per bucket
+    def _initial_qs(self, tensors: Sequence[Tensor], names: Sequence[str], groups: Sequence[list[int]],
+                    plans: dict[int, tuple[int, int, int]]) -> list[Tensor]:
+        """The orthogonalized starting Q of every low-rank group, ``[B, m, r]``: the last step's where there is one."""
+        fresh: dict[int, Tensor] = {}
+        needs = []
+        for i in sorted(plans):  # layer order: the order torch draws in
+            _, m, r = plans[i]
+            if not self.warm_start or names[i] not in self.q_memory or self.q_memory[names[i]].shape != (m, r):
+                needs.append((i, m, r))
+        if needs:  # one seed per exchange, as torch draws one per bucket
             generator = torch.Generator().manual_seed(int(self._seeds.randint(1_000_000_000)))
-        qs = []
-        for need, name, matrix, (_, m, r) in zip(needs, names, matrices, plans):
-            if need:
-                q = torch.randn(m, r, generator=generator, dtype=matrix.dtype).to(matrix.device)
-            else:
-                q = self.q_memory[name]
-            qs.append(orthogonalize_(q, self.orthogonalization_epsilon))
-        return qs
+            for i, m, r in needs:
+                fresh[i] = torch.randn(m, r, generator=generator, dtype=tensors[i].dtype).to(tensors[i].device)
+        # ``to``: a state loaded from a checkpoint holds CPU tensors (no op when already there)
+        stacks = [torch.stack([fresh[i] if i in fresh else self.q_memory[names[i]].to(tensors[i].device) for i in group])
+                  for group in groups]
+        return [orthogonalize_(q, self.orthogonalization_epsilon) for q in stacks]
 
     def _exchange(
         self, tensors: Sequence[Tensor], names: Sequence[str], all_reduce: AllReduce, world_size: int
     ) -> tuple[list[Exchanged], dict[str, tuple[Tensor, Tensor]]]:
-        plans = [self.plan(t.shape) for t in tensors]
-        dense = [i for i, p in enumerate(plans) if p is None]
-        lowrank = [i for i, p in enumerate(plans) if p is not None]
-        matrices = [tensors[i].detach().reshape(tensors[i].shape[0], -1) for i in lowrank]
-        lr_names = [names[i] for i in lowrank]
-        lr_plans = [plans[i] for i in lowrank]
-        qs = self._initial_qs(matrices, lr_names, lr_plans)  # type: ignore[arg-type]
-        ps = [matrix @ q for matrix, q in zip(matrices, qs)]
+        with torch.no_grad():  # gradients in, no graph: and no per-tensor ``detach`` op
+            return self._exchange_groups(tensors, names, all_reduce, world_size)
 
-        # round 1: dense tensors and the P factors, one all-reduce
-        parts = [tensors[i].detach().reshape(-1) for i in dense] + [p.reshape(-1) for p in ps]
+    def _exchange_groups(
+        self, tensors: Sequence[Tensor], names: Sequence[str], all_reduce: AllReduce, world_size: int
+    ) -> tuple[list[Exchanged], dict[str, tuple[Tensor, Tensor]]]:
+        plans = {i: p for i, p in enumerate(self.plan(t.shape) for t in tensors) if p is not None}
+        dense = _by_shape(tensors, [i for i in range(len(tensors)) if i not in plans])
+        lowrank = _by_shape(tensors, list(plans))
+        shapes = [plans[group[0]] for group in lowrank]
+        matrices = [torch.stack([tensors[i] for i in group]).view(len(group), n, m)
+                    for group, (n, m, _) in zip(lowrank, shapes)]
+        qs = self._initial_qs(tensors, names, lowrank, plans)
+        ps = [torch.bmm(matrix, q) for matrix, q in zip(matrices, qs)]
+
+        # round 1: dense tensors and the P factors, one all-reduce, shape group after shape group
+        stacked_dense = [torch.stack([tensors[i] for i in group]) for group in dense]
+        parts = [d.view(-1) for d in stacked_dense] + [p.view(-1) for p in ps]
         results: list[Optional[Exchanged]] = [None] * len(tensors)
         if parts:
             flat = all_reduce(torch.cat(parts))
             offset = 0
-            for i in dense:
-                n = tensors[i].numel()
-                mean = flat[offset : offset + n].view_as(tensors[i]) / world_size
-                results[i] = Exchanged(mean=mean, sent=tensors[i], nbytes=n * tensors[i].element_size())
-                offset += n
+            for group, stack in zip(dense, stacked_dense):
+                means = (flat[offset : offset + stack.numel()].view_as(stack) / world_size).unbind(0)
+                nbytes = tensors[group[0]].numel() * stack.element_size()
+                for i, mean in zip(group, means):
+                    results[i] = Exchanged(mean=mean, sent=tensors[i], nbytes=nbytes)
+                offset += stack.numel()
             for k, p in enumerate(ps):
-                ps[k] = orthogonalize_(flat[offset : offset + p.numel()].view_as(p).clone(), self.orthogonalization_epsilon)
+                # orthogonalized in place: this part of the round's buffer is read by nothing else
+                ps[k] = orthogonalize_(flat[offset : offset + p.numel()].view_as(p), self.orthogonalization_epsilon)
                 offset += p.numel()
 
         factors: dict[str, tuple[Tensor, Tensor]] = {}
         if lowrank:
             # round 2: the Q factors
-            qs = [matrix.t() @ p for matrix, p in zip(matrices, ps)]
-            flat_q = all_reduce(torch.cat([q.reshape(-1) for q in qs])) / world_size
+            local_qs = [torch.bmm(matrix.mT, p) for matrix, p in zip(matrices, ps)]
+            flat_q = all_reduce(torch.cat([q.view(-1) for q in local_qs])) / world_size
             offset = 0
-            for k, i in enumerate(lowrank):
-                q = flat_q[offset : offset + qs[k].numel()].view_as(qs[k])
+            for group, (n, m, r), p, local_q in zip(lowrank, shapes, ps, local_qs):
+                q = flat_q[offset : offset + local_q.numel()].view_as(local_q)
                 offset += q.numel()
-                approx = (ps[k] @ q.t()).view_as(tensors[i])
-                nbytes = (ps[k].numel() + q.numel()) * approx.element_size()
-                results[i] = Exchanged(mean=approx, sent=approx, nbytes=nbytes)
-                factors[names[i]] = (ps[k], q)
-                if self.warm_start:
-                    self.q_memory[names[i]] = q
+                first = tensors[group[0]]
+                approx = torch.bmm(p, q.mT).view(len(group), *first.shape).unbind(0)
+                nbytes = (n + m) * r * first.element_size()
+                for i, a, p_i, q_i in zip(group, approx, p.unbind(0), q.unbind(0)):
+                    results[i] = Exchanged(mean=a, sent=a, nbytes=nbytes)
+                    factors[names[i]] = (p_i, q_i)
+                    if self.warm_start:
+                        self.q_memory[names[i]] = q_i
         return [r for r in results if r is not None], factors
 
     def exchange(self, tensors: Sequence[Tensor], names: Sequence[str], all_reduce: AllReduce) -> list[Exchanged]:
