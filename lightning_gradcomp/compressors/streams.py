@@ -90,8 +90,11 @@ class CounterStreams:
         keys. The layer's flat offset is folded into its first key, so the flat position indexes the draw.
         """
         keys = [self.key(name) for name in segments.names]
-        table = [[(k0 - offset) & MASK32, k1] for (k0, k1), offset in zip(keys, segments.offsets)]
-        per_element = segments.expand(torch.tensor(table, dtype=torch.int64, device=device).view(-1, 2))
+        table = torch.tensor([[(k0 - offset) & MASK32, k1] for (k0, k1), offset in zip(keys, segments.offsets)],
+                             dtype=torch.int64).view(-1, 2)
+        if device.type == "cuda":  # a blocking copy from pageable memory would wait for the stream: pin, copy async
+            table = table.pin_memory().to(device, non_blocking=True)
+        per_element = segments.expand(table.to(device))
         return uniform(torch.arange(segments.total, device=device), per_element[:, 0], per_element[:, 1])
 
     def state_dict(self) -> dict[str, Any]:

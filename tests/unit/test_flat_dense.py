@@ -7,6 +7,7 @@ QSGD's draws included: their counter-based streams draw per layer in one call), 
 statistics; and they dispatch the same number of ops for 8 and 32 layers, with no host read.
 """
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -14,9 +15,11 @@ import torch
 from torch import Tensor
 
 from gradcomp_lab.opcount import OpCount, count_ops
+from lightning_gradcomp.bits import pack_bits
 from lightning_gradcomp.compressors import BF16, FP16, QSGD, Identity, OneBit
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket
 from lightning_gradcomp.compressors.int8 import Int8
+from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.segments import Segments
 
 RANKS = 3
@@ -136,3 +139,84 @@ def test_batched_ops_do_not_grow_with_the_number_of_layers(name: str) -> None:
     assert few.total == many.total, (few.ops - many.ops) + (many.ops - few.ops)
     assert few.host_reads == many.host_reads == 0
     assert few.data_dependent == many.data_dependent == 0
+
+
+# -- the draws: counter-based per-name streams ----------------------------------------------------------------------
+def test_a_group_draws_what_its_layers_draw_one_by_one() -> None:
+    segments, _ = _group(SHAPES)
+    together, alone = CounterStreams(7), CounterStreams(7)
+    together.reset(1)
+    alone.reset(1)
+    for _ in range(2):
+        expected = torch.cat([alone.uniform(name, n, torch.device("cpu")) for name, n in zip(segments.names, segments.numels)])
+        assert torch.equal(together.uniform_flat(segments, torch.device("cpu")), expected)
+    assert together.counters == alone.counters == {name: 2 for name in segments.names}
+    # distinct layers, ranks and steps draw distinct numbers
+    twin = Segments(["a", "b"], [torch.Size([64])] * 2)
+    first = CounterStreams(7).uniform_flat(twin, torch.device("cpu"))
+    assert not torch.equal(first[:64], first[64:])
+    other_rank = CounterStreams(7)
+    other_rank.reset(2)
+    assert not torch.equal(other_rank.uniform_flat(twin, torch.device("cpu")), first)
+
+
+@pytest.mark.parametrize("name", ["int8", "qsgd"])
+def test_stream_state_round_trips_and_old_generator_states_are_refused(name: str) -> None:
+    segments, flats = _group(SHAPES)
+    ran, resumed = _ranks(name)[0], _ranks(name)[0]
+    shared = ran.flat_statistic(flats[0], segments)
+    ran.compress_flat(flats[0], segments, shared)
+    resumed.load_state_dict(ran.state_dict())
+    assert torch.equal(ran.compress_flat(flats[1], segments, shared).payload,
+                       resumed.compress_flat(flats[1], segments, shared).payload)
+    generator_state = {"streams": {"layer0.weight": ("cpu", torch.Generator().get_state())}}
+    with pytest.raises(ValueError, match="resume_compression='reset'"):
+        resumed.load_state_dict(generator_state)
+
+
+def test_int8_batched_rounding_is_unbiased_with_the_bernoulli_variance() -> None:
+    segments, flats = _group([torch.Size([40]), torch.Size([1]), torch.Size([5, 6])])
+    compressor = Int8(seed=1)
+    compressor.setup(0, 2, torch.device("cpu"))  # 2 ranks: 63 levels
+    x = flats[0]
+    shared = compressor.flat_statistic(x, segments)
+    draws = 1000
+    samples = torch.stack([compressor.decompress_flat(compressor.compress_flat(x, segments, shared)) for _ in range(draws)])
+    step = segments.expand(shared.values / compressor.levels)
+    frac = (x.abs() / step).frac()
+    variance = step**2 * frac * (1 - frac)  # one Bernoulli(frac) step of size scale / L
+    excess = (samples.mean(0) - x).abs() - 5 * (variance / draws).sqrt()
+    assert excess.max() < 1e-5, excess.max()
+    # the summed variance (each element's sample variance alone is too noisy where frac is near 0 or 1)
+    torch.testing.assert_close(samples.var(0).sum(), variance.sum(), rtol=0.05, atol=0)
+
+
+def test_qsgd_batched_rounding_has_the_bernoulli_variance() -> None:
+    segments, flats = _group([torch.Size([40]), torch.Size([1]), torch.Size([5, 6])])
+    compressor = QSGD(levels=3, bucket_size=16, seed=1)
+    compressor.setup(0, 1, torch.device("cpu"))
+    x = flats[0]
+    draws = 1000
+    samples = torch.stack([compressor.decompress_flat(compressor.compress_flat(x, segments)) for _ in range(draws)])
+    padding = segments.padding(16)
+    norms = padding.pad(x).view(-1, 16).norm(dim=1).index_select(0, padding.index(x.device) // 16)
+    frac = (x.abs() / norms * 3).frac()
+    variance = (norms / 3) ** 2 * frac * (1 - frac)
+    excess = (samples.mean(0) - x).abs() - 5 * (variance / draws).sqrt()
+    assert excess.max() < 1e-5, excess.max()
+    # the summed variance (each element's sample variance alone is too noisy where frac is near 0 or 1)
+    torch.testing.assert_close(samples.var(0).sum(), variance.sum(), rtol=0.05, atol=0)
+
+
+def test_onebit_wire_format_is_unchanged() -> None:
+    """Signs bit-packed then (pos, neg) means per row as float32: what a per-layer packet has always carried."""
+    x = torch.randn(5, 13)
+    packet = OneBit("row").compress(x, "w")
+    positive = x >= 0
+    means = [torch.stack((r[p].mean() if p.any() else r.new_zeros(()), -r[~p].mean() if (~p).any() else r.new_zeros(())))
+             for r, p in zip(x, positive)]
+    expected = torch.cat((pack_bits(positive, 1), torch.stack(means).reshape(-1).view(torch.uint8)))
+    assert packet.payload.shape == expected.shape
+    assert torch.equal(packet.payload[: math.ceil(65 / 8)], expected[: math.ceil(65 / 8)])
+    scales = packet.payload[math.ceil(65 / 8) :].clone().view(torch.float32)
+    torch.testing.assert_close(scales, expected[math.ceil(65 / 8) :].clone().view(torch.float32), rtol=1e-6, atol=0)
