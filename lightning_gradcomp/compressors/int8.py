@@ -16,17 +16,10 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-
 from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import (
-    Aggregation,
-    Compressor,
-    FlatPacket,
-    Packet,
-    SharedStatistic,
-    max_or_zero,
-)
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.base import max_or_zero
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_int

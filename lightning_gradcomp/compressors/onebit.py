@@ -29,7 +29,6 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
-
 from typing_extensions import override
 
 from lightning_gradcomp.bits import packed_bits_nbytes

@@ -15,13 +15,11 @@ draws exactly what its layers would draw one by one: both paths give the same co
 """
 
 import math
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
-
-from collections.abc import Sequence
-
 from typing_extensions import override
 
 from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
@@ -129,10 +127,10 @@ class QSGD(WithoutStatistic):
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         layout = self._layout(segments)
         x = flat.detach().float()
-        norms = torch.linalg.vector_norm(layout.padding.pad(x).view(-1, self.bucket_size), dim=1, dtype=torch.float64)
-        norms = norms.float()
-        bucket = layout.bucket_of(x.device)
-        level = self._round(x.abs() * self._inverse(norms).index_select(0, bucket), self._streams.uniform_flat(segments, x.device))
+        buckets = layout.padding.pad(x).view(-1, self.bucket_size)  # zero padding changes no norm
+        norms = torch.linalg.vector_norm(buckets, dim=1, dtype=torch.float64).float()
+        scaled = x.abs() * self._inverse(norms).index_select(0, layout.bucket_of(x.device))
+        level = self._round(scaled, self._streams.uniform_flat(segments, x.device))
         payload = layout.payload(self.width).join(level * 2 + (x < 0).to(torch.int32), norms)
         zeros = segments.reduce((level == 0).float(), "sum")
         stats = {"sparsity": zeros / layout.numels(x.device), "norm": layout.buckets.reduce(norms, "amax")}

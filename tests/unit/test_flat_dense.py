@@ -148,7 +148,8 @@ def test_a_group_draws_what_its_layers_draw_one_by_one() -> None:
     together.reset(1)
     alone.reset(1)
     for _ in range(2):
-        expected = torch.cat([alone.uniform(name, n, torch.device("cpu")) for name, n in zip(segments.names, segments.numels)])
+        cpu = torch.device("cpu")
+        expected = torch.cat([alone.uniform(name, n, cpu) for name, n in zip(segments.names, segments.numels)])
         assert torch.equal(together.uniform_flat(segments, torch.device("cpu")), expected)
     assert together.counters == alone.counters == {name: 2 for name in segments.names}
     # distinct layers, ranks and steps draw distinct numbers
@@ -181,7 +182,8 @@ def test_int8_batched_rounding_is_unbiased_with_the_bernoulli_variance() -> None
     x = flats[0]
     shared = compressor.flat_statistic(x, segments)
     draws = 1000
-    samples = torch.stack([compressor.decompress_flat(compressor.compress_flat(x, segments, shared)) for _ in range(draws)])
+    packets = [compressor.compress_flat(x, segments, shared) for _ in range(draws)]
+    samples = torch.stack([compressor.decompress_flat(p) for p in packets])
     step = segments.expand(shared.values / compressor.levels)
     frac = (x.abs() / step).frac()
     variance = step**2 * frac * (1 - frac)  # one Bernoulli(frac) step of size scale / L
@@ -213,7 +215,8 @@ def test_onebit_wire_format_is_unchanged() -> None:
     x = torch.randn(5, 13)
     packet = OneBit("row").compress(x, "w")
     positive = x >= 0
-    means = [torch.stack((r[p].mean() if p.any() else r.new_zeros(()), -r[~p].mean() if (~p).any() else r.new_zeros(())))
+    zero = x.new_zeros(())
+    means = [torch.stack((r[p].mean() if p.any() else zero, -r[~p].mean() if (~p).any() else zero))
              for r, p in zip(x, positive)]
     expected = torch.cat((pack_bits(positive, 1), torch.stack(means).reshape(-1).view(torch.uint8)))
     assert packet.payload.shape == expected.shape
