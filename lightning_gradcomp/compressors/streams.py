@@ -80,8 +80,10 @@ class CounterStreams:
         return stream_key(self.seed, self.rank, counter, stream_id(name))
 
     def uniform(self, name: str, numel: int, device: torch.device) -> Tensor:
-        """float32 ``[numel]`` uniforms in [0, 1) (24 random bits, as ``torch.rand``): the next draw of ``name``."""
-        return uniform(torch.arange(numel, device=device), *self.key(name))
+        """float32 ``[numel]`` uniforms in [0, 1) (24 random bits, as ``torch.rand``): the next draw of ``name``;
+        an empty tensor draws nothing (its counter stays, as in TernGrad's fused kernels)."""
+        index = torch.arange(numel, device=device)
+        return uniform(index, *self.key(name)) if numel else index.float()
 
     def uniform_flat(self, segments: Segments, device: torch.device) -> Tensor:
         """float32 ``[segments.total]``: :meth:`uniform` of every layer of the group, in a fixed number of ops.
@@ -89,7 +91,7 @@ class CounterStreams:
         Bit-identical to drawing layer after layer: element ``i`` of layer ``s`` hashes ``i`` with that layer's
         keys. The layer's flat offset is folded into its first key, so the flat position indexes the draw.
         """
-        keys = [self.key(name) for name in segments.names]
+        keys = [self.key(name) if n else (0, 0) for name, n in zip(segments.names, segments.numels)]
         table = torch.tensor([[(k0 - offset) & MASK32, k1] for (k0, k1), offset in zip(keys, segments.offsets)],
                              dtype=torch.int64).view(-1, 2)
         if device.type == "cuda":  # a blocking copy from pageable memory would wait for the stream: pin, copy async

@@ -56,8 +56,8 @@ def lowbias32(x: Tensor) -> Tensor:
 
 
 def hash_index(index: Tensor, k0: "int | Tensor", k1: "int | Tensor") -> Tensor:
-    """The 32-bit draws (as int64) of the given element indices; the keys are one stream's, or int64 tensors of
-    per-element keys (several streams in one call: a group of layers, each drawing its own)."""
+    """The 32-bit draws (as int64) of the given element indices; the keys are one stream's, or int64 tensors of one
+    key per element (several streams drawn in one pass: a group of layers)."""
     return lowbias32(lowbias32((index + k0) & MASK32) ^ k1)
 
 
