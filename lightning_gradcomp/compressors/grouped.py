@@ -27,7 +27,8 @@ _DERIVED: "weakref.WeakKeyDictionary[Segments, dict[Hashable, Any]]" = weakref.W
 
 
 def derived(segments: Segments, key: Hashable, build: Callable[[], T]) -> T:
-    """``build()``, made once per ``segments`` and ``key`` and kept while ``segments`` lives."""
+    """``build()``, made once per ``segments`` and ``key`` and kept while ``segments`` lives (what it builds must
+    not refer to ``segments``, or neither would ever be freed)."""
     cache = _DERIVED.setdefault(segments, {})
     if key not in cache:
         cache[key] = build()

@@ -26,7 +26,7 @@ from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic, max_or_zero
 from lightning_gradcomp.compressors.grouped import PackedPayload, WithoutStatistic, derived, mean_of_decoded
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
-from lightning_gradcomp.segments import Padding, Segments
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_int
 
 
@@ -127,7 +127,7 @@ class QSGD(WithoutStatistic):
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         layout = self._layout(segments)
         x = flat.detach().float()
-        buckets = layout.padding.pad(x).view(-1, self.bucket_size)  # zero padding changes no norm
+        buckets = segments.padding(self.bucket_size).pad(x).view(-1, self.bucket_size)  # zeros change no norm
         norms = torch.linalg.vector_norm(buckets, dim=1, dtype=torch.float64).float()
         scaled = x.abs() * self._inverse(norms).index_select(0, layout.bucket_of(x.device))
         level = self._round(scaled, self._streams.uniform_flat(segments, x.device))
@@ -156,22 +156,25 @@ class QSGD(WithoutStatistic):
 
 
 class _Buckets:
-    """A group of layers cut into QSGD buckets: each layer padded to whole buckets of ``size`` elements."""
+    """A group of layers cut into QSGD buckets: each layer padded to whole buckets of ``size`` elements.
+
+    Holds no reference to the group's :class:`Segments` (it is cached weakly by them: :func:`derived`).
+    """
 
     def __init__(self, segments: Segments, size: int) -> None:
-        self.segments = segments
-        self.size = size
-        self.padding: Padding = segments.padding(size)
+        padding = segments.padding(size)
         #: the buckets, layer by layer: a layer of ``n`` elements has ``ceil(n / size)``
-        self.buckets = Segments(segments.names, [torch.Size([n // size]) for n in self.padding.numels])
+        self.buckets = Segments(segments.names, [torch.Size([n // size]) for n in padding.numels])
+        self._bucket_of = padding.index(torch.device("cpu")) // size
+        self._numels = torch.tensor(segments.numels, dtype=torch.float32).clamp_min(1)
+        self._layers = Segments(segments.names, segments.shapes)  # for the payload layouts, built per width
         self._payloads: dict[int, PackedPayload] = {}
         self._on: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     def _tensors(self, device: torch.device) -> tuple[Tensor, Tensor]:
         cached = self._on.get(device)
         if cached is None:
-            numels = torch.tensor(self.segments.numels, dtype=torch.float32).clamp_min(1).to(device)
-            cached = self._on[device] = (self.padding.index(device) // self.size, numels)
+            cached = self._on[device] = (self._bucket_of.to(device), self._numels.to(device))
         return cached
 
     def bucket_of(self, device: torch.device) -> Tensor:
@@ -186,5 +189,5 @@ class _Buckets:
         """The group's payload at ``width`` bits per code (the width follows ``levels``, settable between steps)."""
         layout = self._payloads.get(width)
         if layout is None:
-            layout = self._payloads[width] = PackedPayload(self.segments, width, self.buckets.numels)
+            layout = self._payloads[width] = PackedPayload(self._layers, width, self.buckets.numels)
         return layout

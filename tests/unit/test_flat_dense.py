@@ -7,6 +7,7 @@ QSGD's draws included: their counter-based streams draw per layer in one call), 
 statistics; and they dispatch the same number of ops for 8 and 32 layers, with no host read.
 """
 
+import gc
 import math
 from collections.abc import Callable
 
@@ -224,3 +225,20 @@ def test_onebit_wire_format_is_unchanged() -> None:
     assert torch.equal(packet.payload[: math.ceil(65 / 8)], expected[: math.ceil(65 / 8)])
     scales = packet.payload[math.ceil(65 / 8) :].clone().view(torch.float32)
     torch.testing.assert_close(scales, expected[math.ceil(65 / 8) :].clone().view(torch.float32), rtol=1e-6, atol=0)
+
+
+def test_layouts_derived_from_a_group_go_with_it() -> None:
+    """The layouts cached per group (bit paddings, buckets, rows) are freed with its Segments: nothing in them
+    refers back to it."""
+    from lightning_gradcomp.compressors import grouped
+
+    compressors = [_ranks("qsgd")[0], _ranks("onebit-row")[0]]
+    gc.collect()  # the groups of earlier tests
+    before = len(grouped._DERIVED)
+    segments, flats = _group(SHAPES)
+    for compressor in compressors:
+        compressor.compress_flat(flats[0], segments)
+    assert len(grouped._DERIVED) == before + 1
+    del segments
+    gc.collect()
+    assert len(grouped._DERIVED) == before
