@@ -4,6 +4,10 @@ One ``torch.Generator`` per parameter name, seeded from (seed, rank, name). A si
 bucket order would make every draw depend on DDP's bucket layout, which DDP rebuilds after step 0 (reverse
 order): a resumed run would not repeat the uninterrupted one, and emulated workers (towers) would not match
 real ranks. Distinct ranks must draw distinct streams, or their stochastic rounding would be correlated.
+
+:class:`CounterStreams` keys every draw by (seed, rank, name, counter) instead: a pure function, so a group of
+layers laid out in one flat tensor draws in one call exactly what its layers would draw one by one
+(:meth:`CounterStreams.uniform_flat`), which a ``torch.Generator`` per name cannot do.
 """
 
 import hashlib
