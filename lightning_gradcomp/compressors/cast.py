@@ -9,11 +9,14 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.grouped import WithoutStatistic
+from lightning_gradcomp.segments import Segments
 
 
-class Cast(Compressor):
+class Cast(WithoutStatistic):
     """Send gradients cast to a 16-bit float dtype; the sum over ranks is taken in that dtype.
 
     Args:
@@ -21,6 +24,7 @@ class Cast(Compressor):
     """
 
     aggregation = Aggregation.SUM
+    batched = True
 
     def __init__(self, dtype: torch.dtype = torch.float16) -> None:
         super().__init__()
@@ -32,13 +36,27 @@ class Cast(Compressor):
         self.dtype = dtype
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        # pre-divide (as torch's compress hooks do) so the summed payload is the mean and stays in range
-        payload = (tensor.detach().reshape(-1) / self.world_size).to(self.dtype)
-        return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype)
+        return Packet(payload=self._cast(tensor.detach().reshape(-1)), shape=tensor.shape, dtype=tensor.dtype)
 
     def decompress(self, packet: Packet) -> Tensor:
+        return self._uncast(packet.payload, packet.dtype).view(packet.shape)
+
+    @override
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        width = torch.finfo(self.dtype).bits // 8
+        return FlatPacket(self._cast(flat.detach()), segments, flat.dtype, tuple(n * width for n in segments.numels))
+
+    @override
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        return self._uncast(packet.payload, packet.dtype)
+
+    def _cast(self, flat: Tensor) -> Tensor:
+        # pre-divide (as torch's compress hooks do) so the summed payload is the mean and stays in range
+        return (flat / self.world_size).to(self.dtype)
+
+    def _uncast(self, payload: Tensor, dtype: torch.dtype) -> Tensor:
         # linear in the payload; the hook divides the decoded sum by the world size again
-        return (packet.payload.to(packet.dtype) * self.world_size).view(packet.shape)
+        return payload.to(dtype) * self.world_size
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": type(self).__name__, "dtype": str(self.dtype).removeprefix("torch.")}

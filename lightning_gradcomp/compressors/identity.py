@@ -3,17 +3,21 @@
 from typing import Optional
 
 from torch import Tensor
+from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.grouped import WithoutStatistic
+from lightning_gradcomp.segments import Segments
 
 
-class Identity(Compressor):
+class Identity(WithoutStatistic):
     """Sends the gradient unchanged (summed by all-reduce), exactly like DDP's default hook.
 
     Also the path for tensors a strategy keeps in float (``exclude`` patterns, ``min_numel``).
     """
 
     aggregation = Aggregation.SUM
+    batched = True
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
         return Packet(payload=tensor.detach().reshape(-1), shape=tensor.shape, dtype=tensor.dtype)
@@ -23,3 +27,16 @@ class Identity(Compressor):
 
     def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
         return tensor
+
+    @override
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        width = flat.element_size()
+        return FlatPacket(flat.detach(), segments, flat.dtype, tuple(n * width for n in segments.numels))
+
+    @override
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        return packet.payload
+
+    @override
+    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
+        return flat

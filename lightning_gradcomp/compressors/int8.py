@@ -6,15 +6,22 @@ uses the same scale and at most ``L = 127 // world_size`` levels per side: the s
 ``max|x|`` (one small max all-reduce per bucket, as TernGrad's shared scaler), and each element is rounded
 stochastically to one of ``-L .. L`` (unbiased: ``E[q] * scale / L == x``). With 2 ranks that is 63 levels, with
 4 ranks 31, with 8 ranks 15: fewer levels as the group grows, which is the price of summing in int8.
+
+The rounding draws come from counter-based streams, one per parameter name (:class:`CounterStreams`): a group of
+layers draws in one call exactly what its layers would draw one by one, so the batched path and the per-layer
+one give the same codes bit for bit, and the state that a checkpoint keeps is one counter per name.
 """
 
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet, max_or_zero
-from lightning_gradcomp.compressors.streams import RandomStreams
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.base import max_or_zero
+from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_int
 
 _INT8_MAX = 127
@@ -28,12 +35,13 @@ class Int8(Compressor):
     """
 
     aggregation = Aggregation.SUM
+    batched = True
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
         check_int("seed", seed, minimum=0)
         self.seed = seed
-        self._streams = RandomStreams(seed)
+        self._streams = CounterStreams(seed)
 
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         if world_size > _INT8_MAX:
@@ -55,13 +63,8 @@ class Int8(Compressor):
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
         flat = tensor.detach().reshape(-1).float()
         scale = (shared if shared is not None else _amax(tensor)).reshape(()).float()
-        levels = self.levels
-        # |x| / scale * L in [0, L]; a zero scale (all-zero tensor on every rank) sends zeros; no host read
-        inverse = torch.where(scale > 0, levels / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-        y = flat.abs().mul_(inverse)
-        low = y.floor()
-        rnd = torch.rand(flat.shape, generator=self._streams.get(name, flat.device), device=flat.device)
-        codes = (low + (rnd < (y - low)).float()).clamp_(max=levels).mul_(torch.sign(flat)).to(torch.int8)
+        rnd = self._streams.uniform(name, flat.numel(), flat.device)
+        codes = self._round(flat, self._inverse(scale), rnd)
         stats = {"scaler": max_or_zero(scale.reshape(1))}
         return Packet(payload=codes, shape=tensor.shape, dtype=tensor.dtype, ctx={"scale": scale}, stats=stats)
 
@@ -70,11 +73,39 @@ class Int8(Compressor):
         step = packet.ctx["scale"] / self.levels
         return (packet.payload.float() * step).to(packet.dtype).view(packet.shape)
 
+    @override
+    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
+        # laid out as the per-layer statistics are (one value per layer), so either path reads it
+        return SharedStatistic(_amax_flat(flat, segments), (1,) * len(segments))
+
+    @override
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        x = flat.detach().float()
+        scale = shared.values if shared is not None else _amax_flat(x, segments)
+        rnd = self._streams.uniform_flat(segments, x.device)
+        codes = self._round(x, segments.expand(self._inverse(scale)), rnd)
+        return FlatPacket(codes, segments, flat.dtype, segments.numels, ctx={"scale": scale}, stats={"scaler": scale})
+
+    @override
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        step = packet.segments.expand(packet.ctx["scale"] / self.levels)
+        return (packet.payload.float() * step).to(packet.dtype)
+
+    def _inverse(self, scale: Tensor) -> Tensor:
+        """L / scale (0 where the scale is 0: an all-zero tensor on every rank sends zeros), without a host read."""
+        return torch.where(scale > 0, self.levels / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+
+    def _round(self, flat: Tensor, inverse: Tensor, rnd: Tensor) -> Tensor:
+        """int8 codes of ``flat``: |x| / scale * L in [0, L] rounded up with probability its fraction, signed."""
+        y = flat.abs().mul_(inverse)
+        low = y.floor()
+        return (low + (rnd < (y - low)).float()).clamp_(max=self.levels).mul_(torch.sign(flat)).to(torch.int8)
+
     def state_dict(self) -> dict[str, Any]:
         return {"streams": self._streams.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._streams.load_state_dict(state.get("streams", {}))
+        load_counters(self._streams, state.get("streams", {}), type(self).__name__)
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": type(self).__name__, "levels": self.levels, "seed": self.seed}
@@ -83,3 +114,8 @@ class Int8(Compressor):
 def _amax(tensor: Tensor) -> Tensor:
     """The largest magnitude (0 for an empty tensor), one float32: the scale every rank shares."""
     return tensor.detach().abs().amax().float().reshape(1) if tensor.numel() else tensor.new_zeros(1, dtype=torch.float32)
+
+
+def _amax_flat(flat: Tensor, segments: Segments) -> Tensor:
+    """:func:`_amax` of every layer of a group, ``[layers]``."""
+    return segments.reduce(flat.detach().abs().float(), "amax")

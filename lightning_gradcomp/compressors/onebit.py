@@ -11,6 +11,10 @@ in their layout), or the whole tensor (``"tensor"``: fewer bytes, and on the dig
 
 On the wire (exact): ``ceil(n / 8)`` bytes of signs plus two float32 reconstruction values per group.
 
+One implementation for a layer and for a group of layers (the hook's batched path): the groups of all layers are
+segments of the flat tensor, their counts and sums one ``scatter_reduce`` each (each group summed element after
+element, so a layer gets the same means alone or in a group), the payload the per-layer payloads back to back.
+
 Momentum: error feedback sends at most the group's mean magnitude per element and step, so a large entry's
 remainder arrives over several steps; heavy optimizer momentum integrates those late arrivals into overshoot.
 With SGD momentum >= 0.8 OneBit needs a smaller learning rate than fp32 at the same lr/(1 - momentum) (it
@@ -19,15 +23,18 @@ diverges where fp32 converges; the encoding itself is exact: ``docs/baselines.md
 """
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet, max_or_zero
+from lightning_gradcomp.bits import packed_bits_nbytes
+from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.grouped import PackedPayload, WithoutStatistic, derived, mean_of_decoded
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_choice
 
 Granularity = Literal["tensor", "row"]
@@ -37,7 +44,7 @@ Granularity = Literal["tensor", "row"]
 HEAVY_MOMENTUM = 0.8
 
 
-class OneBit(Compressor):
+class OneBit(WithoutStatistic):
     """Sign plus two reconstruction values per group, bit-packed, with error feedback.
 
     Args:
@@ -47,15 +54,13 @@ class OneBit(Compressor):
 
     aggregation = Aggregation.GATHER
     uses_memory = True
+    batched = True
 
     def __init__(self, granularity: Granularity = "row") -> None:
         super().__init__()
         check_choice("granularity", granularity, ("tensor", "row"))
         self.granularity: Granularity = granularity
-
-    def _groups(self, tensor: Tensor) -> Tensor:
-        groups = self._num_groups(tensor.shape)
-        return tensor.detach().float().reshape(groups, tensor.numel() // max(groups, 1))
+        self._single: dict[torch.Size, Segments] = {}
 
     def _num_groups(self, shape: torch.Size) -> int:
         if shape.numel() == 0:  # nothing to reconstruct: no group, no reconstruction values, 0 bytes
@@ -67,29 +72,53 @@ class OneBit(Compressor):
         return packed_bits_nbytes(numel, 1) + 8 * num_groups
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        groups = self._groups(tensor)
-        positive = groups >= 0
-        count_pos = positive.sum(dim=1)
-        count_neg = groups.shape[1] - count_pos
-        sum_pos = torch.where(positive, groups, 0.0).sum(dim=1)
-        sum_neg = torch.where(positive, 0.0, -groups).sum(dim=1)
-        # an empty side never gets decoded; clamp the count only to avoid 0/0
-        mean_pos = sum_pos / count_pos.clamp(min=1)
-        mean_neg = sum_neg / count_neg.clamp(min=1)
-        scales = torch.stack((mean_pos, mean_neg), dim=1).reshape(-1)  # [pos0, neg0, pos1, neg1, ...]
-        payload = torch.cat((pack_bits(positive, 1), scales.view(torch.uint8)))
-        stats = {"scale": max_or_zero(torch.maximum(mean_pos, mean_neg))}
-        return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
+        group = self.compress_flat(tensor.detach().reshape(-1), self._alone(tensor.shape))
+        stats = {"scale": group.stats["scale"].reshape(())}
+        return Packet(payload=group.payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
 
     def decompress(self, packet: Packet) -> Tensor:
-        n = packet.numel
-        nbits = packed_bits_nbytes(n, 1)
-        positive = unpack_bits(packet.payload[:nbits], n, 1).bool()
-        # clone: a slice at an odd byte offset cannot be reinterpreted as float32 in place
-        scales = packet.payload[nbits:].clone().view(torch.float32).view(-1, 2)
-        groups = positive.view(scales.shape[0], n // max(scales.shape[0], 1))
-        out = torch.where(groups, scales[:, :1], -scales[:, 1:])
-        return out.to(packet.dtype).view(packet.shape)
+        segments = self._alone(packet.shape)
+        group = FlatPacket(packet.payload, segments, packet.dtype, (packet.nbytes,))
+        return self.decompress_flat(group).view(packet.shape)
+
+    @override
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        groups = self._layout(segments)
+        x = flat.detach().float()
+        positive = x >= 0
+        count_pos = groups.rows.reduce(positive.to(torch.int64), "sum")
+        count_neg = groups.lengths(x.device) - count_pos
+        # summed element after element (a scatter), so in float64: float32 would drift by ~1e-5 over 1e6 elements
+        wide = x.double()
+        sum_pos = groups.rows.reduce(torch.where(positive, wide, 0.0), "sum")
+        sum_neg = groups.rows.reduce(torch.where(positive, 0.0, -wide), "sum")
+        # an empty side never gets decoded; clamp the count only to avoid 0/0
+        mean_pos = (sum_pos / count_pos.clamp(min=1)).float()
+        mean_neg = (sum_neg / count_neg.clamp(min=1)).float()
+        payload = groups.payload.join(positive, torch.stack((mean_pos, mean_neg), dim=1))  # [pos0, neg0, pos1, ...]
+        stats = {"scale": groups.per_layer.reduce(torch.maximum(mean_pos, mean_neg), "amax")}
+        return FlatPacket(payload, segments, flat.dtype, groups.payload.layer_nbytes, stats=stats)
+
+    @override
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        groups = self._layout(packet.segments)
+        positive, scales = groups.payload.split(packet.payload)
+        per_element = groups.rows.expand(scales.view(-1, 2))
+        return torch.where(positive.bool(), per_element[:, 0], -per_element[:, 1]).to(packet.dtype)
+
+    @override
+    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        return mean_of_decoded(self.decompress_flat, packets, out)
+
+    def _layout(self, segments: Segments) -> "_Groups":
+        return derived(segments, ("onebit", self.granularity), lambda: _Groups(segments, self._num_groups))
+
+    def _alone(self, shape: torch.Size) -> Segments:
+        """A group of one layer of ``shape`` (kept: its derived layouts live as long as it does)."""
+        segments = self._single.get(shape)
+        if segments is None:
+            segments = self._single[shape] = Segments(("",), (shape,))
+        return segments
 
     def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Warn when an optimizer applies SGD momentum of :data:`HEAVY_MOMENTUM` or more (see the module docs)."""
@@ -108,3 +137,29 @@ class OneBit(Compressor):
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": "OneBit", "granularity": self.granularity}
+
+
+class _Groups:
+    """The reconstruction groups of a group of layers (rows or whole layers), as segments of its flat tensor.
+
+    Args:
+        segments: the layers.
+        num_groups: groups of a layer of a given shape (its elements split evenly among them).
+    """
+
+    def __init__(self, segments: Segments, num_groups: Callable[[torch.Size], int]) -> None:
+        counts = [num_groups(shape) for shape in segments.shapes]
+        sizes = [torch.Size([n // g]) for n, g in zip(segments.numels, counts) for _ in range(g)]
+        #: every group of every layer, in flat order
+        self.rows = Segments([name for name, g in zip(segments.names, counts) for _ in range(g)], sizes)
+        #: the groups of each layer, to reduce a per-group value to a per-layer one
+        self.per_layer = Segments(segments.names, [torch.Size([g]) for g in counts])
+        self.payload = PackedPayload(segments, 1, [2 * g for g in counts])
+        self._lengths: dict[torch.device, Tensor] = {}
+
+    def lengths(self, device: torch.device) -> Tensor:
+        """int64 ``[groups]``: elements per group."""
+        cached = self._lengths.get(device)
+        if cached is None:
+            cached = self._lengths[device] = torch.tensor(self.rows.numels, dtype=torch.int64).to(device)
+        return cached

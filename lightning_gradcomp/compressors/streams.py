@@ -4,14 +4,20 @@ One ``torch.Generator`` per parameter name, seeded from (seed, rank, name). A si
 bucket order would make every draw depend on DDP's bucket layout, which DDP rebuilds after step 0 (reverse
 order): a resumed run would not repeat the uninterrupted one, and emulated workers (towers) would not match
 real ranks. Distinct ranks must draw distinct streams, or their stochastic rounding would be correlated.
+
+:class:`CounterStreams` keys every draw by (seed, rank, name, counter) instead: a pure function, so a group of
+layers laid out in one flat tensor draws in one call exactly what its layers would draw one by one
+(:meth:`CounterStreams.uniform_flat`), which a ``torch.Generator`` per name cannot do.
 """
 
 import hashlib
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from lightning_gradcomp.kernels.rng import stream_id, stream_key
+from lightning_gradcomp.kernels.rng import MASK32, stream_id, stream_key, uniform
+from lightning_gradcomp.segments import Segments
 
 
 class RandomStreams:
@@ -77,9 +83,47 @@ class CounterStreams:
         self.counters[name] = counter + 1
         return stream_key(self.seed, self.rank, counter, stream_id(name))
 
+    def uniform(self, name: str, numel: int, device: torch.device) -> Tensor:
+        """float32 ``[numel]`` uniforms in [0, 1) (24 random bits, as ``torch.rand``): the next draw of ``name``;
+        an empty tensor draws nothing (its counter stays, as in TernGrad's fused kernels)."""
+        index = torch.arange(numel, device=device)
+        return uniform(index, *self.key(name)) if numel else index.float()
+
+    def uniform_flat(self, segments: Segments, device: torch.device) -> Tensor:
+        """float32 ``[segments.total]``: :meth:`uniform` of every layer of the group, in a fixed number of ops.
+
+        Bit-identical to drawing layer after layer: element ``i`` of layer ``s`` hashes ``i`` with that layer's
+        keys. The layer's flat offset is folded into its first key, so the flat position indexes the draw.
+        """
+        keys = [self.key(name) if n else (0, 0) for name, n in zip(segments.names, segments.numels)]
+        table = torch.tensor([[(k0 - offset) & MASK32, k1] for (k0, k1), offset in zip(keys, segments.offsets)],
+                             dtype=torch.int64).view(-1, 2)
+        if device.type == "cuda":  # a blocking copy from pageable memory would wait for the stream: pin, copy async
+            table = table.pin_memory().to(device, non_blocking=True)
+        per_element = segments.expand(table.to(device))
+        return uniform(torch.arange(segments.total, device=device), per_element[:, 0], per_element[:, 1])
+
     def state_dict(self) -> dict[str, Any]:
         return {"counters": dict(self.counters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s counters; ``state`` may hold other keys (a compressor's whole state)."""
         self.counters = dict(state.get("counters", {}))
+
+
+def load_counters(streams: CounterStreams, state: dict[str, Any], owner: str) -> None:
+    """Restore ``streams`` from what :meth:`CounterStreams.state_dict` saved; ``state`` holds nothing (a fresh
+    start) or those counters.
+
+    Raises:
+        ValueError: ``state`` holds per-name ``torch.Generator`` states (a :class:`RandomStreams` checkpoint of
+            ``owner`` from before its draws became counter-based): they cannot be turned into counters, and
+            starting the streams afresh silently would make the resumed run differ from the uninterrupted one.
+    """
+    if state and "counters" not in state:
+        raise ValueError(
+            f"Expected `{owner}`'s random-stream state to be per-name counters but got torch.Generator states for "
+            f"{sorted(state)[:3]}... (a checkpoint from before its stochastic rounding moved to counter-based "
+            "streams). Fix: resume with resume_compression='reset', or with the version that wrote the checkpoint."
+        )
+    streams.load_state_dict(state)
