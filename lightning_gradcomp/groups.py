@@ -63,7 +63,7 @@ class LayerViews(Sequence[Tensor]):
             self._views = [self._buffer[o : o + s.numel()].view(s) for o, s in zip(self._offsets, self._shapes)]
         return self._views
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def,override]
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
         return self._all()[i]
 
     def __len__(self) -> int:

@@ -37,7 +37,7 @@ from lightning_gradcomp.guard import (
     local_flag,
     observe_decoded,
 )
-from lightning_gradcomp.groups import HookBucket, LayerGroup, LayerViews, Layouts, layer_offsets, pipeline_chunks
+from lightning_gradcomp.groups import HookBucket, LayerGroup, LayerViews, Layouts, layer_offsets
 from lightning_gradcomp.ledger import GroupRecord, LayerRecord, Ledger
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
@@ -470,7 +470,8 @@ def _launch(
     sizes: list[list[int]] = []  # per rank, the byte length of each gathered layer's packet
     if gather_idx and world > 1:
         parts = [_as_bytes(packets[k].payload) for k in gather_idx]
-        if not all(groups[k].compressor.fixed_size for k in gather_idx):
+        known = [packets[k].layer_nbytes for k in gather_idx]
+        if not all(groups[k].compressor.fixed_size and isinstance(n, tuple) for k, n in zip(gather_idx, known)):
             # variable-size payloads: per-layer sizes first (waited for: the bucket's one host read), then every
             # rank pads to the largest total
             own = torch.cat([_host_sizes(packets[k]) for k in gather_idx])
@@ -479,8 +480,7 @@ def _launch(
             state.ledger.count("allgather_sizes")
             sizes = table.tolist()
         else:
-            own_sizes = [n for k in gather_idx for n in packets[k].layer_nbytes]  # type: ignore[union-attr]
-            sizes = [own_sizes] * world
+            sizes = [[n for row in known for n in row]] * world
         longest = max(sum(row) for row in sizes)
         flat = _concat(state, (*key, "gather"), parts, longest)
         if flat.numel() > 0:
@@ -541,7 +541,7 @@ def _observe_averaged(state: GradCompState, group: LayerGroup, buffer: Tensor) -
 
 
 def _multiround_exchange(
-    state: GradCompState, bucket: dist.GradBucket, grads: Sequence[Tensor], names: Sequence[str], route: Sequence[Compressor]
+    state: GradCompState, bucket: HookBucket, grads: Sequence[Tensor], names: Sequence[str], route: Sequence[Compressor]
 ) -> torch.futures.Future[torch.Tensor]:
     """Transforms and error feedback, then fp32 layers in one all-reduce, then the compressor's rounds."""
     compressor = state.compressor
