@@ -106,13 +106,16 @@ def select(plan: DGCPlan, magnitudes: Tensor, starts: Sequence[int]) -> tuple[Te
 
     # count[l, j] = #{|x| >= t_j} of layer l, from each element's level (thresholds only decrease)
     reach = seg.expand(ladder[0])
-    level = (magnitudes >= reach).to(torch.int64)
+    narrow = torch.uint8 if plan.iters < 255 else torch.int32  # levels reach iters + 1: a byte a pass when it fits
+    level = (magnitudes >= reach).to(narrow)
     for _ in range(plan.iters):
         reach = reach * plan.lower_bound  # the same float32 products as the ladder's
         level += magnitudes >= reach
     width = plan.iters + 2
-    hist = level.new_zeros(n * width).index_add_(0, seg.ids(level.device) * width + level, torch.ones_like(level))
-    at_least = hist.view(n, width).flip(1).cumsum(1).flip(1)
+    ids = seg.ids(level.device)
+    hist = torch.zeros(n * width, dtype=torch.int32, device=level.device)
+    hist.index_add_(0, ids * width + level, torch.ones_like(level, dtype=torch.int32))
+    at_least = hist.view(n, width).to(torch.int64).flip(1).cumsum(1).flip(1)
     counts = at_least[:, 1:].flip(1)  # counts[:, j] = elements reaching t_j
 
     k, exact = t["k"], t["exact"]

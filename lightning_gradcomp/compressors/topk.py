@@ -18,6 +18,11 @@ and its int32 index (DGC's code sends fp32 + int64 by default, fp16 + int32 as a
 value plus one float32 scale per tensor; the rounding error stays in the residual like the unsent elements. Tensors with
 ``dim() <= 1`` (biases, norms) are sent dense as float32 values when ``dense_1d`` (DGC's code compresses only
 ``dim() > 1``).
+
+A group of layers (the hook's batched pipeline, :meth:`TopK.compress_flat`) is compressed and decoded in a fixed
+number of ops: the group payload's layout is :mod:`~lightning_gradcomp.compressors.topk_flat`'s (the same bytes
+per layer as here), DGC's selection of all layers at once :mod:`~lightning_gradcomp.compressors.dgc_flat`'s. DGC's
+sample offsets come from per-name counter streams computed on the host, so both paths draw the same ones.
 """
 
 import math

@@ -60,7 +60,7 @@ def kth_largest(values: Tensor, segments: Segments, k: Tensor) -> tuple[Tensor, 
 
     Four passes of 8 bits each, from the top: a 256-bin histogram per segment of the elements that share the
     digits found so far, then the digit where the count from the top reaches ``k``. Ops: a fixed number
-    (about 15 per pass), whatever the number of segments.
+    (about 12 per pass, int32 where the whole group is touched), whatever the number of segments.
 
     Args:
         values: ``[segments.total]`` float32.
@@ -74,22 +74,26 @@ def kth_largest(values: Tensor, segments: Segments, k: Tensor) -> tuple[Tensor, 
     """
     n = len(segments)
     device = values.device
-    keys = order_key(values)
-    rows = segments.ids(device) * _BINS
+    bits = values.contiguous().view(torch.int32)
+    signed = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # ordered as signed integers: negative floats' magnitude bits flipped
+    ids = segments.ids(device)
+    rows = ids * _BINS
+    weight = torch.ones_like(bits)  # 1 for the elements whose higher digits are the ones found so far
     prefix = torch.zeros(n, dtype=torch.int64, device=device)
     remaining = k.to(torch.int64)
     for shift in range(32 - _RADIX_BITS, -1, -_RADIX_BITS):
-        digit = (keys >> shift) & (_BINS - 1)
+        digit = (signed >> shift) & (_BINS - 1)
         if shift == 32 - _RADIX_BITS:
-            weight = torch.ones_like(keys)
-        else:  # only the elements whose higher digits are the ones found so far
-            weight = ((keys >> (shift + _RADIX_BITS)) == segments.expand(prefix)).to(torch.int64)
-        hist = keys.new_zeros(n * _BINS).index_add_(0, rows + digit, weight).view(n, _BINS)
+            digit ^= _BINS // 2  # the sign bit flipped: unsigned order of the top byte
+        hist = torch.zeros(n * _BINS, dtype=torch.int32, device=device).index_add_(0, rows + digit, weight)
+        hist = hist.view(n, _BINS).to(torch.int64)
         from_top = hist.flip(1).cumsum(1).flip(1)  # elements with this digit or a larger one
-        chosen = ((from_top >= remaining.unsqueeze(1)).sum(1) - 1).clamp_(min=0).unsqueeze(1)
-        above = from_top.gather(1, chosen) - hist.gather(1, chosen)
+        chosen = ((from_top >= remaining.unsqueeze(1)).sum(1) - 1).clamp_(min=0)
+        above = from_top.gather(1, chosen.unsqueeze(1)) - hist.gather(1, chosen.unsqueeze(1))
         remaining = remaining - above.squeeze(1)
-        prefix = prefix * _BINS + chosen.squeeze(1)
+        prefix = prefix * _BINS + chosen
+        if shift:
+            weight = weight * (digit == chosen.to(torch.int32).index_select(0, ids))
     return from_order_key(prefix), remaining
 
 
