@@ -128,6 +128,27 @@ def test_dgc_threshold_adapted_every_time_allowed() -> None:
     assert torch.equal(batched.sent_flat(x, packet), Compressor.sent_flat(looping, x, reference))
 
 
+@pytest.mark.parametrize("name", ["topk", "dgc", "dgc_sparse_1d"])
+@pytest.mark.parametrize("case", ["one_nan", "many_nans", "infinities", "zeros"])
+def test_non_finite_and_zero_gradients_match_the_loop(name: str, case: str) -> None:
+    # NaN ranks above everything in torch.topk and sorts first; DGC never selects it (|x| >= t is false), and
+    # a NaN among the top samples makes DGC's threshold NaN: nothing is sent from that layer
+    seg = _segments([(300, 200), (50, 40), (7,)])
+    batched, looping = _pair(COMPRESSORS[name])
+    x = torch.randn(seg.total, generator=torch.Generator().manual_seed(3))
+    if case == "one_nan":
+        x[5] = float("nan")
+    elif case == "many_nans":
+        x[100:140] = float("nan")
+    elif case == "infinities":
+        x[7], x[9] = float("inf"), -float("inf")
+    else:
+        x.zero_()
+    packet, reference = batched.compress_flat(x, seg), Compressor.compress_flat(looping, x, seg)
+    assert _sizes(packet) == reference.layer_nbytes
+    assert torch.equal(_bits(batched.sent_flat(x, packet)), _bits(Compressor.sent_flat(looping, x, reference)))
+
+
 def test_dgc_int2_loops_over_layers() -> None:
     dgc = DGC(0.01, value_dtype="int2")
     dgc.setup(0, 1, CPU)
