@@ -117,8 +117,7 @@ class TopK(Compressor):
         if self.value_dtype == _INT2:
             values = flat[indices].float()
             scale = values.abs().amax().reshape(1) / _INT2_HALF_RANGE if values.numel() else values.new_zeros(1)
-            step = torch.where(scale > 0, scale, 1.0)  # no host read: an all-zero selection codes 0 * anything
-            codes = (values / step + _INT2_HALF_RANGE).round_().clamp_(0, 3)
+            codes = topk_flat.int2_codes(values, scale)
             payload = torch.cat((scale.view(torch.uint8), index_bytes, pack_bits(codes, 2)))
         else:
             values = flat[indices].to(_VALUE_DTYPES[self.value_dtype])
@@ -214,7 +213,7 @@ def _int2_values_indices(payload: Tensor) -> tuple[Tensor, Tensor]:
     scale = payload[:4].clone().view(torch.float32)
     indices = payload[4 : 4 + 4 * k].clone().view(torch.int32).long()
     codes = unpack_bits(payload[4 + 4 * k :], k, 2).float()
-    return (codes - _INT2_HALF_RANGE) * scale, indices
+    return topk_flat.int2_values(codes, scale), indices
 
 
 class DGC(TopK):

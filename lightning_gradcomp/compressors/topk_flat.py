@@ -108,6 +108,18 @@ class SparseLayout:
         return cached
 
 
+def int2_codes(values: Tensor, scale: Tensor) -> Tensor:
+    """int2 codes (float, 0..3) of ``values`` given their layer's scale ``s = max|value| / 1.5`` (per value, or
+    one broadcast): the nearest of ``{-1.5, -0.5, 0.5, 1.5} * s``."""
+    step = torch.where(scale > 0, scale, 1.0)  # no host read: an all-zero selection codes 0 * anything
+    return (values / step + INT2_HALF_RANGE).round_().clamp_(0, 3)
+
+
+def int2_values(codes: Tensor, scale: Tensor) -> Tensor:
+    """The values int2 ``codes`` stand for: ``(code - 1.5) * scale``."""
+    return (codes - INT2_HALF_RANGE) * scale
+
+
 def _as(raw: Tensor, dtype: torch.dtype) -> Tensor:
     """Bytes ``raw`` reinterpreted as ``dtype``: a view where aligned, else a copy (a gathered payload may start
     anywhere in its rank's buffer)."""
@@ -136,8 +148,7 @@ def encode(flat: Tensor, layout: SparseLayout, indices: Tensor) -> Tensor:
     sel = layout.selection
     values = picked.float()
     scale = sel.reduce(values.abs(), "amax") / INT2_HALF_RANGE  # an empty layer: 0, as the per-layer path
-    step = torch.where(scale > 0, scale, 1.0)  # no host read: an all-zero selection codes 0 * anything
-    codes = (values / sel.expand(step) + INT2_HALF_RANGE).round_().clamp_(0, 3)
+    codes = int2_codes(values, sel.expand(scale))
     packed = pack_bits(sel.padding(4).pad(codes, 0.0), 2)
     scales = scale.index_select(0, layout.sparse_layers)
     return torch.cat((_bytes(dense), _bytes(scales), index_bytes, packed))
@@ -167,7 +178,7 @@ def decode(payload: Tensor, layout: SparseLayout) -> tuple[Tensor, Tensor, Tenso
     padding = sel.padding(4)
     codes = padding.unpad(unpack_bits(payload[offset:], padding.total, 2)).float()
     scale = scales.new_zeros(len(sel)).index_copy_(0, layout.sparse_layers, scales)
-    return dense, indices, (codes - INT2_HALF_RANGE) * sel.expand(scale)
+    return dense, indices, int2_values(codes, sel.expand(scale))
 
 
 def decode_sent(payload: Tensor, layout: SparseLayout, dtype: torch.dtype) -> Tensor:
@@ -210,5 +221,5 @@ def sent_nbytes(layout: SparseLayout, sent: Tensor) -> Tensor:
         [4 * n if d else 0 for n, d in zip(layout.segments.numels, layout.dense)], dtype=torch.int64))
     return sent * (4 + layout.value_nbytes) + dense
 
-__all__ = ["INT2_HALF_RANGE", "SparseLayout", "decode", "decode_mean_into", "decode_sent", "density", "encode",
+__all__ = ["INT2_HALF_RANGE", "int2_codes", "int2_values", "SparseLayout", "decode", "decode_mean_into", "decode_sent", "density", "encode",
            "sent_nbytes", "sparse_count"]
