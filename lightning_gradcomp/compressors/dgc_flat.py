@@ -51,13 +51,17 @@ class DGCPlan:
         seg, device = self.layout.segments, self.layout.device
         lengths = [-(-n // s) if s else 0 for n, s in zip(seg.numels, self.strides)]
         self.samples = Segments(seg.names, [torch.Size([n]) for n in lengths])
-        base = [o + s * j for o, s, n in zip(seg.offsets, self.strides, lengths) for j in range(n)]
-        limit = [o + n for o, n, m in zip(seg.offsets, seg.numels, lengths) for _ in range(m)]
+        # sample j of layer l sits at offset_l + stride_l * j (before this step's random start is added)
+        owner = self.samples.ids(torch.device("cpu"))
+        starts = torch.tensor(seg.offsets[:-1], dtype=torch.int64)
+        within = torch.arange(self.samples.total) - torch.tensor(self.samples.offsets[:-1]).index_select(0, owner)
+        base = starts.index_select(0, owner) + torch.tensor(self.strides).index_select(0, owner) * within
+        limit = (starts + torch.tensor(seg.numels)).index_select(0, owner)
         k = self.layout.counts
         last = max(0, self.samples.total - 1)
         t = {
-            "base": torch.tensor(base, dtype=torch.int64),
-            "limit": torch.tensor(limit, dtype=torch.int64),
+            "base": base,
+            "limit": limit,
             "sample_starts": torch.tensor([min(o, last) for o in self.samples.offsets[:-1]], dtype=torch.int64),
             "k": torch.tensor(k, dtype=torch.int64),
             "upper": torch.tensor([self.upper_bound * c for c in k], dtype=torch.float64),
