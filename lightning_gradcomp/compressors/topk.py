@@ -18,6 +18,11 @@ and its int32 index (DGC's code sends fp32 + int64 by default, fp16 + int32 as a
 value plus one float32 scale per tensor; the rounding error stays in the residual like the unsent elements. Tensors with
 ``dim() <= 1`` (biases, norms) are sent dense as float32 values when ``dense_1d`` (DGC's code compresses only
 ``dim() > 1``).
+
+A group of layers (the hook's batched pipeline, :meth:`TopK.compress_flat`) is compressed and decoded in a fixed
+number of ops: the group payload's layout is :mod:`~lightning_gradcomp.compressors.topk_flat`'s (the same bytes
+per layer as here), DGC's selection of all layers at once :mod:`~lightning_gradcomp.compressors.dgc_flat`'s. DGC's
+sample offsets come from per-name counter streams computed on the host, so both paths draw the same ones.
 """
 
 import math
@@ -28,15 +33,17 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
-from lightning_gradcomp.compressors.streams import RandomStreams
+from lightning_gradcomp.compressors import dgc_flat, topk_flat
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.streams import CounterStreams
+from lightning_gradcomp.compressors.topk_flat import INT2_HALF_RANGE as _INT2_HALF_RANGE
+from lightning_gradcomp.compressors.topk_flat import SparseLayout
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 ValueDtype = Literal["fp32", "fp16", "int2"]
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _INT2 = "int2"
-# int2 codes 0..3 stand for (code - 1.5) * s: two magnitudes per sign
-_INT2_HALF_RANGE = 1.5
 
 #: the DGC paper's sparsity warm-up as kept fractions: 75%, 93.75%, 98.4375%, 99.6%, 99.9% sparsity
 #: (one value per warm-up epoch, the last one kept afterwards; 99.6% is taken as 1 - 4**-4 = 99.609%)
@@ -74,6 +81,8 @@ class TopK(Compressor):
         self._ratio = float(ratio)
         self.value_dtype: ValueDtype = value_dtype
         self.dense_1d = bool(dense_1d)
+        # per group layout and settings (a group's Segments is made once and reused every step)
+        self._layouts: dict[tuple[Any, ...], SparseLayout] = {}
 
     @property
     def ratio(self) -> float:
@@ -108,8 +117,7 @@ class TopK(Compressor):
         if self.value_dtype == _INT2:
             values = flat[indices].float()
             scale = values.abs().amax().reshape(1) / _INT2_HALF_RANGE if values.numel() else values.new_zeros(1)
-            step = torch.where(scale > 0, scale, 1.0)  # no host read: an all-zero selection codes 0 * anything
-            codes = (values / step + _INT2_HALF_RANGE).round_().clamp_(0, 3)
+            codes = topk_flat.int2_codes(values, scale)
             payload = torch.cat((scale.view(torch.uint8), index_bytes, pack_bits(codes, 2)))
         else:
             values = flat[indices].to(_VALUE_DTYPES[self.value_dtype])
@@ -145,6 +153,52 @@ class TopK(Compressor):
             out.index_add_(0, indices, values.to(first.dtype))
         return out.view(first.shape)
 
+    # -- a group of layers at once (the hook's batched pipeline; wire layout in topk_flat) ------------------------
+    batched = True
+
+    def _layout(self, segments: Segments, device: torch.device) -> SparseLayout:
+        key = (segments, self._ratio, self.value_dtype, self.dense_1d, device)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) > 64:  # stale ratios of a schedule, old bucket layouts
+                self._layouts.clear()
+            dense = tuple(self.is_dense(s) for s in segments.shapes)
+            counts = tuple(0 if d or n == 0 else min(self.num_selects(n), n) for n, d in zip(segments.numels, dense))
+            layout = self._layouts[key] = SparseLayout(segments, self.value_dtype, dense, counts, device)
+        return layout
+
+    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
+        return None
+
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        """Every sparse layer's ``k`` largest |x| (a per-segment sort, then each segment's first k positions: a
+        fixed size, no data-dependent op); ties at the k-th largest are broken by lowest position."""
+        layout = self._layout(segments, flat.device)
+        x = flat.detach()
+        _, order = segments.sort(x.abs(), descending=True)
+        indices = order.index_select(0, segments.firsts(layout.counts, flat.device))
+        stats = {"density": layout.constant("density", lambda: topk_flat.density(layout, layout.counts))}
+        return FlatPacket(topk_flat.encode(x, layout, indices), segments, flat.dtype, layout.fixed_nbytes(),
+                          ctx={"layout": layout}, stats=stats)
+
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        if packet.layers is not None:
+            return super().decompress_flat(packet)
+        return topk_flat.decode_sent(packet.payload, packet.ctx["layout"], packet.dtype)
+
+    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
+        return self.decompress_flat(packet) if packet.layers is None else super().sent_flat(flat, packet)
+
+    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        if packets[0].layers is not None:
+            return super().decompress_flat_mean_into(packets, out)
+        first = packets[0]
+        return topk_flat.decode_mean_into([p.payload for p in packets], first.ctx["layout"], first.dtype, out)
+
+    def setup(self, rank: int, world_size: int, device: torch.device) -> None:
+        super().setup(rank, world_size, device)
+        self._layouts = {}
+
     def describe(self) -> dict[str, Any]:
         return {"compressor": type(self).__name__, "ratio": self._ratio, "value_dtype": self.value_dtype,
                 "dense_1d": self.dense_1d}
@@ -159,7 +213,7 @@ def _int2_values_indices(payload: Tensor) -> tuple[Tensor, Tensor]:
     scale = payload[:4].clone().view(torch.float32)
     indices = payload[4 : 4 + 4 * k].clone().view(torch.int32).long()
     codes = unpack_bits(payload[4 + 4 * k :], k, 2).float()
-    return (codes - _INT2_HALF_RANGE) * scale, indices
+    return topk_flat.int2_values(codes, scale), indices
 
 
 class DGC(TopK):
@@ -200,11 +254,23 @@ class DGC(TopK):
         self.lower_bound = float(lower_bound)
         self.max_adaptation_iters = max_adaptation_iters
         self.seed = seed
-        self._streams = RandomStreams(seed)
+        self._streams = CounterStreams(seed)
+        self._plans: dict[tuple[Any, ...], dgc_flat.DGCPlan] = {}
 
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
         self._streams.reset(rank)
+        self._plans = {}
+
+    @property
+    def batched(self) -> bool:  # type: ignore[override]
+        """int2 values need two data-dependent sizes per group (indices and padded codes): they loop over layers."""
+        return self.value_dtype != _INT2
+
+    def _start(self, name: str, stride: int) -> int:
+        """The sample's random offset in ``[0, stride)`` for ``name``'s next draw: a pure function of (seed, rank,
+        name, draw number) computed on the host (no op, no read), the same in the per-layer and group paths."""
+        return self._streams.key(name)[0] % stride
 
     def state_dict(self) -> dict[str, Any]:
         return {"streams": self._streams.state_dict()}
@@ -232,8 +298,7 @@ class DGC(TopK):
         if stride == 1:
             samples = importance
         else:
-            start = int(torch.randint(0, stride, (1,), generator=self._streams.get(name, torch.device("cpu"))))
-            samples = importance[start::stride]
+            samples = importance[self._start(name, stride) :: stride]
         top_k_samples = min(top_k_samples, samples.numel())
         threshold = torch.topk(samples, top_k_samples, sorted=False).values.min()
         indices = torch.nonzero(importance >= threshold).view(-1)
@@ -250,6 +315,36 @@ class DGC(TopK):
                 threshold = threshold * self.lower_bound
                 indices = torch.nonzero(importance >= threshold).view(-1)
         return indices[:num_selects]
+
+    def _plan(self, segments: Segments, device: torch.device) -> dgc_flat.DGCPlan:
+        key = (segments, self._ratio, self.value_dtype, self.dense_1d, self.sample_ratio, self.upper_bound,
+               self.lower_bound, self.max_adaptation_iters, device)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 64:
+                self._plans.clear()
+            layout = self._layout(segments, device)
+            sampled = [self.sampling(n) if k else (0, 0, 0) for n, k in zip(segments.numels, layout.counts)]
+            plan = self._plans[key] = dgc_flat.DGCPlan(
+                layout, tuple(s[0] for s in sampled), tuple(s[2] for s in sampled), self.lower_bound,
+                self.upper_bound, self.max_adaptation_iters)
+        return plan
+
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        """DGC's selection of every layer (:mod:`~lightning_gradcomp.compressors.dgc_flat`): one ``nonzero`` per
+        group; the per-layer sizes stay on the device (``layer_nbytes`` an int64 tensor)."""
+        if not self.batched:
+            return Compressor.compress_flat(self, flat, segments, shared)
+        plan = self._plan(segments, flat.device)
+        starts = [0] * len(segments)
+        for i in plan.drawn:
+            starts[i] = self._start(segments.names[i], plan.strides[i])
+        x = flat.detach()
+        indices, sent = dgc_flat.select(plan, x.abs(), starts)
+        layout = plan.layout
+        return FlatPacket(topk_flat.encode(x, layout, indices), segments, flat.dtype,
+                          topk_flat.sent_nbytes(layout, sent), ctx={"layout": layout},
+                          stats={"density": topk_flat.density(layout, sent)})
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "sample_ratio": self.sample_ratio, "upper_bound": self.upper_bound,

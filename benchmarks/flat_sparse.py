@@ -1,0 +1,70 @@
+"""TopK and DGC on one group of layers: the per-layer loop (the base ``*_flat`` methods) against the batched
+overrides, for compress + sent + the mean of 3 ranks' gathered payloads.
+
+Per compressor and number of layers (pairs of a 256x256 weight and a 256 bias): aten ops, host reads and
+data-dependent ops (deterministic), and the median wall time of a few repetitions on this machine's CPU (one torch
+thread; times depend on the machine and its load, counts do not).
+
+    python benchmarks/flat_sparse.py [--layers 8 32 128] [--repeat 3]
+"""
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from gradcomp_lab.opcount import count_ops
+from lightning_gradcomp.compressors import DGC, TopK
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.segments import Segments
+
+RANKS = 3
+COMPRESSORS: dict[str, Callable[[], Compressor]] = {"topk(0.01)": lambda: TopK(0.01), "dgc(0.001)": lambda: DGC(0.001)}
+
+
+def _step(c: Compressor, seg: Segments, xs: list[torch.Tensor], loop: bool) -> None:
+    owner = Compressor if loop else type(c)
+    packets = [owner.compress_flat(c, x, seg) for x in xs]
+    owner.sent_flat(c, xs[0], packets[0])
+    out = torch.empty(seg.total)
+    owner.decompress_flat_mean_into(c, [packets[0].with_payload(p.payload, p.layer_nbytes) for p in packets], out)
+
+
+def measure(make: Callable[[], Compressor], layers: int, loop: bool, repeat: int) -> tuple[int, int, int, float]:
+    """(ops, host reads, data-dependent ops, median ms) of one step after a warm-up one."""
+    seg = Segments([f"l{i}" for i in range(layers)], [torch.Size(s) for s in [(256, 256), (256,)] * (layers // 2)])
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(seg.total, generator=gen) for _ in range(RANKS)]
+    c = make()
+    c.setup(0, RANKS, torch.device("cpu"))
+    _step(c, seg, xs, loop)
+    with count_ops() as counted:
+        _step(c, seg, xs, loop)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        _step(c, seg, xs, loop)
+        times.append(1000 * (time.perf_counter() - start))
+    return counted.total, counted.host_reads, counted.data_dependent, statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print("| compressor | layers | loop ops | loop host reads | loop data-dep. | loop ms | batched ops "
+          "| batched host reads | batched data-dep. | batched ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, make in COMPRESSORS.items():
+        for layers in args.layers:
+            loop, batched = (measure(make, layers, flag, args.repeat) for flag in (True, False))
+            cells = [*loop[:3], f"{loop[3]:.1f}", *batched[:3], f"{batched[3]:.1f}"]
+            print(f"| {name} | {layers} | " + " | ".join(str(c) for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""DGC's selection (``DGC.select``) for a whole group of layers in a fixed number of ops, one data-dependent op
+(the final ``nonzero``) and no host read.
+
+Per layer, ``DGC.select`` takes the ``top_k_samples``-th largest of a strided sample as threshold ``t0``, then tries
+``t0, t0 * lb, t0 * lb**2, ...`` (at most ``max_adaptation_iters`` times) until the count ``c`` of ``|x| >= t``
+is above ``k`` (then an exact top-k of those if ``c > ub * k``) or at least ``lb * k``, and keeps the first ``k``
+survivors by position. Here every layer's samples are sorted at once (:meth:`Segments.sort`), the counts of
+all the thresholds ``t_j`` are one histogram of each element's "level" (how many of its layer's thresholds it
+reaches), the stopping rule is evaluated for every layer at once on those ``[layers, iters + 1]`` counts, and
+the exact top-k (for the layers that need it) is a segmented radix select
+(:func:`~lightning_gradcomp.kernels.segmented.kth_largest`). "The first k survivors" is a segmented prefix count.
+
+The same selected set as ``DGC.select`` when the same sample offsets are drawn (the per-name counter streams
+both use), except that ties at a top-k layer's k-th largest magnitude are broken by position (``torch.topk``
+breaks them as its kernel happens to).
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.topk_flat import SparseLayout
+from lightning_gradcomp.kernels import segmented
+from lightning_gradcomp.segments import Segments
+
+
+@dataclass
+class DGCPlan:
+    """What a group's shapes and DGC's settings fix about its selection (made once per group and settings).
+
+    Attributes:
+        layout: the group's wire layout; ``layout.counts`` are each layer's k.
+        strides: each sparse layer's sample stride (1: the whole layer, no adaptation; 0 for other layers).
+        top_samples: each sparse layer's ``top_k_samples`` (before the cap by the drawn sample's size).
+        lower_bound, upper_bound, iters: DGC's adaptation settings.
+    """
+
+    layout: SparseLayout
+    strides: tuple[int, ...]
+    top_samples: tuple[int, ...]
+    lower_bound: float
+    upper_bound: float
+    iters: int
+    samples: Segments = field(init=False)
+    _tensors: dict[str, Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        seg, device = self.layout.segments, self.layout.device
+        lengths = [-(-n // s) if s else 0 for n, s in zip(seg.numels, self.strides)]
+        self.samples = Segments(seg.names, [torch.Size([n]) for n in lengths])
+        # sample j of layer l sits at offset_l + stride_l * j (before this step's random start is added)
+        owner = self.samples.ids(torch.device("cpu"))
+        starts = torch.tensor(seg.offsets[:-1], dtype=torch.int64)
+        within = torch.arange(self.samples.total) - torch.tensor(self.samples.offsets[:-1]).index_select(0, owner)
+        base = starts.index_select(0, owner) + torch.tensor(self.strides).index_select(0, owner) * within
+        limit = (starts + torch.tensor(seg.numels)).index_select(0, owner)
+        k = self.layout.counts
+        last = max(0, self.samples.total - 1)
+        t = {
+            "base": base,
+            "limit": limit,
+            "sample_starts": torch.tensor([min(o, last) for o in self.samples.offsets[:-1]], dtype=torch.int64),
+            "k": torch.tensor(k, dtype=torch.int64),
+            "upper": torch.tensor([self.upper_bound * c for c in k], dtype=torch.float64),
+            "lower": torch.tensor([self.lower_bound * c for c in k], dtype=torch.float64),
+            "exact": torch.tensor([s <= 1 for s in self.strides], dtype=torch.bool),
+        }
+        self._tensors = {name: v.to(device) for name, v in t.items()}
+
+    @property
+    def drawn(self) -> list[int]:
+        """The layers whose sample starts at a random offset (stride > 1), in group order."""
+        return [i for i, s in enumerate(self.strides) if s > 1]
+
+    def top_in_sample(self, starts: Sequence[int]) -> list[int]:
+        """Each layer's ``top_k_samples`` capped by its drawn sample's size (``len(range(start, n, stride))``)."""
+        return [min(t, len(range(a, n, s))) if s else 0
+                for t, a, n, s in zip(self.top_samples, starts, self.layout.segments.numels, self.strides)]
+
+
+def select(plan: DGCPlan, magnitudes: Tensor, starts: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """``DGC.select`` of every layer: ``(int64 flat positions in ascending order, int64 [layers] counts)``.
+
+    Args:
+        plan: the group's plan.
+        magnitudes: ``|x|`` of the group, ``[segments.total]``.
+        starts: each layer's sample offset drawn this step (0 where the stride is 1 or the layer is not sampled).
+    """
+    seg, t = plan.layout.segments, plan._tensors
+    n = len(seg)
+    if plan.samples.total == 0:  # no sparse layer with elements: nothing selected
+        return torch.zeros(0, dtype=torch.int64, device=magnitudes.device), t["k"] * 0
+    per_step = segmented.host_to_device([*starts, *plan.top_in_sample(starts)], magnitudes.device)
+    start, top = per_step[:n], per_step[n:]
+
+    # the sampled threshold: the top-th largest sample (NaN when a NaN is among the top, as topk's min is)
+    positions = t["base"] + plan.samples.expand(start)
+    valid = positions < t["limit"]
+    picked = magnitudes.index_select(0, positions.clamp(max=seg.total - 1))
+    ordered, _ = plan.samples.sort(torch.where(valid, picked, -1.0), descending=True)
+    head = ordered.index_select(0, t["sample_starts"])
+    kth = ordered.index_select(0, (t["sample_starts"] + top - 1).clamp(min=0, max=plan.samples.total - 1))
+    ladder = [torch.where(head.isnan(), head, kth)]
+    for _ in range(plan.iters):
+        ladder.append(ladder[-1] * plan.lower_bound)
+    thresholds = torch.stack(ladder, 1)  # [layers, iters + 1]
+
+    # count[l, j] = #{|x| >= t_j} of layer l, from each element's level (thresholds only decrease)
+    reach = seg.expand(ladder[0])
+    narrow = torch.uint8 if plan.iters < 255 else torch.int32  # levels reach iters + 1: a byte a pass when it fits
+    level = (magnitudes >= reach).to(narrow)
+    for _ in range(plan.iters):
+        reach = reach * plan.lower_bound  # the same float32 products as the ladder's
+        level += magnitudes >= reach
+    width = plan.iters + 2
+    ids = seg.ids(level.device)
+    hist = torch.zeros(n * width, dtype=torch.int32, device=level.device)
+    hist.index_add_(0, ids * width + level, torch.ones_like(level, dtype=torch.int32))
+    at_least = hist.view(n, width).to(torch.int64).flip(1).cumsum(1).flip(1)
+    counts = at_least[:, 1:].flip(1)  # counts[:, j] = elements reaching t_j
+
+    k, exact = t["k"], t["exact"]
+    if plan.iters:
+        tried = counts[:, : plan.iters]
+        stop = (tried > k.unsqueeze(1)) | (tried >= t["lower"].unsqueeze(1))
+        stopped = stop.any(1) & ~exact
+        chosen = torch.where(stopped, stop.to(torch.uint8).argmax(1), torch.where(exact, 0, plan.iters))
+    else:
+        stopped = torch.zeros_like(exact)
+        chosen = torch.zeros_like(k)
+    count = counts.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    threshold = thresholds.gather(1, chosen.unsqueeze(1)).squeeze(1)
+
+    # top-k layers keep what is above their k-th largest and, of the ties with it, the first ones by position;
+    # the others keep the first k of |x| >= threshold
+    top_k = stopped & (count > t["upper"])
+    finite = torch.where(magnitudes.isnan(), -1.0, magnitudes)  # topk ranks only |x| >= t: never NaN
+    kth_value, ties = segmented.kth_largest(finite, seg, k.clamp(min=1))
+    lower = torch.where(top_k, kth_value, threshold)
+    upper = torch.where(top_k, kth_value, math.inf)
+    quota = torch.where(top_k, ties, k)
+    upper_all = seg.expand(upper)
+    candidate = (magnitudes >= seg.expand(lower)) & (magnitudes <= upper_all)
+    rank = segmented.cumsum(candidate.to(torch.int64), seg)
+    keep = (magnitudes > upper_all) | (candidate & (rank <= seg.expand(quota)))
+    return torch.nonzero(keep).reshape(-1), torch.minimum(count, k)
+
+
+__all__ = ["DGCPlan", "select"]

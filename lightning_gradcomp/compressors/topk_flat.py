@@ -1,0 +1,225 @@
+"""The batched wire of :class:`~lightning_gradcomp.compressors.TopK` and ``DGC``: a whole group of layers
+(:class:`~lightning_gradcomp.segments.Segments`) encoded and decoded in a fixed number of ops.
+
+A group payload is one ``uint8`` tensor of four sections, each 4-byte aligned where it starts (so each is a view
+of the payload, not a copy, when the payload itself is aligned):
+
+``[dense layers' fp32 values][int2: one fp32 scale per sparse layer][int32 indices][values]``
+
+* dense layers (``dim() <= 1`` with ``dense_1d``): their elements in flat order, as float32;
+* indices: positions within the group's flat tensor (global, not per layer), layer after layer;
+* values: ``fp32`` / ``fp16`` per index, or ``int2``'s 2-bit codes, each layer's codes padded with zeros to a
+  whole byte (as a per-layer :func:`~lightning_gradcomp.bits.pack_bits` pads them).
+
+Each layer accounts for exactly the bytes its per-layer packet has (``TopK.compress``): ``4 n`` dense,
+``k (4 + value bytes)`` sparse, ``4 + 4 k + ceil(k / 4)`` with ``int2``; only their order in the payload differs.
+Decoding writes what the per-layer decoders write, bit for bit: ``sent`` copies each value into zeros; the ranks'
+sum starts from +0.0 at sparse positions and -0.0 at dense ones (``-0.0 + v == v`` for every ``v``: what the
+per-layer dense sum, which starts from rank 0's values, gives) and adds the ranks in order, one ``index_add_``
+per rank (no duplicate index within a rank, so even CUDA's atomics add each element in rank order).
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.bits import pack_bits, unpack_bits
+from lightning_gradcomp.segments import Segments
+
+#: int2 codes 0..3 stand for (code - 1.5) * s
+INT2_HALF_RANGE = 1.5
+_INT2 = "int2"
+
+
+@dataclass
+class SparseLayout:
+    """What a group's shapes and the compressor's settings fix about its payload (made once per group and ratio).
+
+    Attributes:
+        segments: the group.
+        value_dtype: ``"fp32"``, ``"fp16"`` or ``"int2"``.
+        dense: per layer, whether it travels dense.
+        counts: per layer, the elements a top-k sends (0 for dense and empty layers); DGC's are at most these.
+        dense_index: int64 flat positions of the dense layers' elements.
+        sparse_layers: int64 indices of the sparse layers (those with an int2 scale).
+        firsts: with a per-segment descending sort, the flat positions of each layer's top ``counts`` elements.
+        selection: the sent elements' layout (``counts`` per layer), for int2's per-layer scales and padding.
+    """
+
+    segments: Segments
+    value_dtype: str
+    dense: tuple[bool, ...]
+    counts: tuple[int, ...]
+    device: torch.device
+    dense_index: Tensor = field(init=False)
+    sparse_layers: Tensor = field(init=False)
+    selection: Segments = field(init=False)
+    _templates: dict[torch.dtype, Tensor] = field(default_factory=dict, init=False, repr=False)
+    _constants: dict[str, Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        seg = self.segments
+        dense_pos = [torch.arange(o, o + n) for o, n, d in zip(seg.offsets, seg.numels, self.dense) if d]
+        self.dense_index = (torch.cat(dense_pos) if dense_pos else torch.zeros(0, dtype=torch.int64)).to(self.device)
+        sparse = [i for i, d in enumerate(self.dense) if not d]
+        self.sparse_layers = torch.tensor(sparse, dtype=torch.int64).to(self.device)
+        self.selection = Segments(seg.names, [torch.Size([k]) for k in self.counts])
+
+    @property
+    def dense_total(self) -> int:
+        return sum(n for n, d in zip(self.segments.numels, self.dense) if d)
+
+    @property
+    def n_sparse(self) -> int:
+        return len(self.dense) - sum(self.dense)
+
+    @property
+    def value_nbytes(self) -> int:
+        return 4 if self.value_dtype == "fp32" else 2
+
+    def fixed_nbytes(self) -> tuple[int, ...]:
+        """Bytes per layer when every sparse layer sends its ``counts`` elements (top-k)."""
+        out = []
+        for n, k, d in zip(self.segments.numels, self.counts, self.dense):
+            if d:
+                out.append(4 * n)
+            elif self.value_dtype == _INT2:
+                out.append(4 + 4 * k + -(-k // 4))
+            else:
+                out.append(k * (4 + self.value_nbytes))
+        return tuple(out)
+
+    def constant(self, name: str, make: Callable[[], Tensor]) -> Tensor:
+        """A per-layout constant tensor ``make()`` on the layout's device, made on first use."""
+        cached = self._constants.get(name)
+        if cached is None:
+            cached = self._constants[name] = make().to(self.device)
+        return cached
+
+    def sum_template(self, dtype: torch.dtype) -> Tensor:
+        """The start of a ranks' sum: -0.0 at dense positions, +0.0 elsewhere (see the module's docstring)."""
+        cached = self._templates.get(dtype)
+        if cached is None:
+            cached = torch.zeros(self.segments.total, dtype=dtype, device=self.device)
+            cached.index_fill_(0, self.dense_index, -0.0)
+            self._templates[dtype] = cached
+        return cached
+
+
+def int2_codes(values: Tensor, scale: Tensor) -> Tensor:
+    """int2 codes (float, 0..3) of ``values`` given their layer's scale ``s = max|value| / 1.5`` (per value, or
+    one broadcast): the nearest of ``{-1.5, -0.5, 0.5, 1.5} * s``."""
+    step = torch.where(scale > 0, scale, 1.0)  # no host read: an all-zero selection codes 0 * anything
+    return (values / step + INT2_HALF_RANGE).round_().clamp_(0, 3)
+
+
+def int2_values(codes: Tensor, scale: Tensor) -> Tensor:
+    """The values int2 ``codes`` stand for: ``(code - 1.5) * scale``."""
+    return (codes - INT2_HALF_RANGE) * scale
+
+
+def _as(raw: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bytes ``raw`` reinterpreted as ``dtype``: a view where aligned, else a copy (a gathered payload may start
+    anywhere in its rank's buffer)."""
+    if dtype == torch.uint8:
+        return raw
+    if raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype)
+
+
+def _bytes(t: Tensor) -> Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+_WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def encode(flat: Tensor, layout: SparseLayout, indices: Tensor) -> Tensor:
+    """The group payload of ``flat`` sending ``indices`` (int64 flat positions of sparse layers' elements, layer
+    after layer; for int2, exactly ``layout.counts`` per layer)."""
+    dense = flat.index_select(0, layout.dense_index).float()
+    picked = flat.index_select(0, indices)
+    index_bytes = _bytes(indices.to(torch.int32))
+    if layout.value_dtype != _INT2:
+        return torch.cat((_bytes(dense), index_bytes, _bytes(picked.to(_WIRE_DTYPES[layout.value_dtype]))))
+    sel = layout.selection
+    values = picked.float()
+    scale = sel.reduce(values.abs(), "amax") / INT2_HALF_RANGE  # an empty layer: 0, as the per-layer path
+    codes = int2_codes(values, sel.expand(scale))
+    packed = pack_bits(sel.padding(4).pad(codes, 0.0), 2)
+    scales = scale.index_select(0, layout.sparse_layers)
+    return torch.cat((_bytes(dense), _bytes(scales), index_bytes, packed))
+
+
+def sparse_count(layout: SparseLayout, payload_nbytes: int) -> int:
+    """How many indices a payload of ``payload_nbytes`` holds (a host integer from its size, no read)."""
+    if layout.value_dtype == _INT2:
+        return layout.selection.total
+    return (payload_nbytes - 4 * layout.dense_total) // (4 + layout.value_nbytes)
+
+
+def decode(payload: Tensor, layout: SparseLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dense float32 values, int64 indices, values)`` of a group payload (values as they travel: fp32, fp16,
+    or int2's dequantized float32)."""
+    count = sparse_count(layout, payload.numel())
+    offset = 4 * layout.dense_total
+    dense = _as(payload[:offset], torch.float32)
+    if layout.value_dtype == _INT2:
+        scales = _as(payload[offset : offset + 4 * layout.n_sparse], torch.float32)
+        offset += 4 * layout.n_sparse
+    indices = _as(payload[offset : offset + 4 * count], torch.int32).long()
+    offset += 4 * count
+    if layout.value_dtype != _INT2:
+        return dense, indices, _as(payload[offset:], _WIRE_DTYPES[layout.value_dtype])
+    sel = layout.selection
+    padding = sel.padding(4)
+    codes = padding.unpad(unpack_bits(payload[offset:], padding.total, 2)).float()
+    scale = scales.new_zeros(len(sel)).index_copy_(0, layout.sparse_layers, scales)
+    return dense, indices, int2_values(codes, sel.expand(scale))
+
+
+def decode_sent(payload: Tensor, layout: SparseLayout, dtype: torch.dtype) -> Tensor:
+    """The flat tensor a payload stands for (each value copied into zeros, as the per-layer decoder does)."""
+    dense, indices, values = decode(payload, layout)
+    out = torch.zeros(layout.segments.total, dtype=dtype, device=payload.device)
+    out.index_copy_(0, layout.dense_index, dense.to(dtype))
+    return out.index_copy_(0, indices, values.to(dtype))
+
+
+def decode_mean_into(payloads: Sequence[Tensor], layout: SparseLayout, dtype: torch.dtype, out: Tensor) -> Tensor:
+    """The ranks' mean of gathered payloads (in rank order) in ``out``, bit for bit the per-layer sum then division."""
+    total = out if out.dtype == dtype else torch.empty(layout.segments.total, dtype=dtype, device=out.device)
+    total.copy_(layout.sum_template(dtype))
+    for payload in payloads:
+        dense, indices, values = decode(payload, layout)
+        total.index_add_(0, layout.dense_index, dense.to(dtype))
+        total.index_add_(0, indices, values.to(dtype))
+    if total is not out:
+        out.copy_(total)
+    return out.div_(len(payloads))
+
+
+def density(layout: SparseLayout, sent: "Sequence[int] | Tensor") -> Tensor:
+    """float32 ``[layers]``: sent / numel per layer (1 for dense layers), rounded as the per-layer stat is
+    (a float64 quotient, then float32)."""
+    numels = layout.segments.numels
+    if not isinstance(sent, Tensor):
+        per = [1.0 if d else k / max(1, n) for k, n, d in zip(sent, numels, layout.dense)]
+        return torch.tensor(per, dtype=torch.float32, device=layout.device)
+    denominators = layout.constant("numel", lambda: torch.tensor([float(max(1, n)) for n in numels], dtype=torch.float64))
+    dense = layout.constant("dense", lambda: torch.tensor(layout.dense, dtype=torch.bool))
+    return torch.where(dense, 1.0, sent.double() / denominators).float()
+
+
+def sent_nbytes(layout: SparseLayout, sent: Tensor) -> Tensor:
+    """int64 ``[layers]``: the bytes each layer puts on the wire when it sends ``sent`` elements (fp32 / fp16
+    values; dense layers their ``4 n``)."""
+    dense = layout.constant("dense_nbytes", lambda: torch.tensor(
+        [4 * n if d else 0 for n, d in zip(layout.segments.numels, layout.dense)], dtype=torch.int64))
+    return sent * (4 + layout.value_nbytes) + dense
+
+__all__ = ["INT2_HALF_RANGE", "int2_codes", "int2_values", "SparseLayout", "decode", "decode_mean_into", "decode_sent", "density", "encode",
+           "sent_nbytes", "sparse_count"]
