@@ -341,6 +341,16 @@ class Compressor(ABC):
 
     #: whether the ``*_flat`` methods run a fixed number of ops per group rather than the default loop over layers
     batched: bool = False
+    #: whether the batched path also runs on CPU. False where the batched ops cost more on a CPU than the per-layer
+    #: loop they replace (a sort of the whole group instead of one partial selection per layer): there a dispatched
+    #: op costs well under a microsecond, where on a GPU each is a kernel launch. Set True to run (and count) on CPU
+    #: the path a GPU runs.
+    batch_on_cpu: bool = True
+
+    def batch_on(self, device: torch.device) -> bool:
+        """Whether :meth:`compress_flat` takes the batched path for a group on ``device`` (the decoders follow the
+        packet: a looping packet carries its per-layer packets)."""
+        return self.batched and (device.type != "cpu" or self.batch_on_cpu)
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         """The group's local statistics (:meth:`local_statistic` of every layer) as one vector, or ``None``."""

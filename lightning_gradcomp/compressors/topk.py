@@ -155,6 +155,9 @@ class TopK(Compressor):
 
     # -- a group of layers at once (the hook's batched pipeline; wire layout in topk_flat) ------------------------
     batched = True
+    # the group's two stable sorts cost 10-20x the per-layer partial selections on a CPU
+    # (`python benchmarks/flat_sparse.py`); on a GPU they are a few kernels instead of dozens per layer
+    batch_on_cpu = False
 
     def _layout(self, segments: Segments, device: torch.device) -> SparseLayout:
         key = (segments, self._ratio, self.value_dtype, self.dense_1d, device)
@@ -173,6 +176,8 @@ class TopK(Compressor):
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         """Every sparse layer's ``k`` largest |x| (a per-segment sort, then each segment's first k positions: a
         fixed size, no data-dependent op); ties at the k-th largest are broken by lowest position."""
+        if not self.batch_on(flat.device):
+            return Compressor.compress_flat(self, flat, segments, shared)
         layout = self._layout(segments, flat.device)
         x = flat.detach()
         _, order = segments.sort(x.abs(), descending=True)
@@ -333,7 +338,7 @@ class DGC(TopK):
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         """DGC's selection of every layer (:mod:`~lightning_gradcomp.compressors.dgc_flat`): one ``nonzero`` per
         group; the per-layer sizes stay on the device (``layer_nbytes`` an int64 tensor)."""
-        if not self.batched:
+        if not self.batch_on(flat.device):
             return Compressor.compress_flat(self, flat, segments, shared)
         plan = self._plan(segments, flat.device)
         starts = [0] * len(segments)

@@ -37,7 +37,18 @@ def _pair(make: Callable[[], Compressor], rank: int = 0) -> tuple[Compressor, Co
     batched, looping = make(), make()
     for c in (batched, looping):
         c.setup(rank, RANKS, CPU)
+    batched.batch_on_cpu = True  # the path a GPU runs (on CPU the hook keeps the per-layer selections)
     return batched, looping
+
+
+def test_on_cpu_the_group_path_loops_unless_asked_and_decodes_either_packet() -> None:
+    seg = _segments()
+    x = torch.randn(seg.total, generator=torch.Generator().manual_seed(7))
+    default, forced = _pair(lambda: TopK(0.05))
+    forced.batch_on_cpu, default.batch_on_cpu = True, False
+    looped, batched = default.compress_flat(x, seg), forced.compress_flat(x, seg)
+    assert looped.layers is not None and batched.layers is None
+    assert torch.equal(default.decompress_flat(looped), forced.decompress_flat(batched))
 
 
 def _gradient(total: int, step: int, rank: int) -> torch.Tensor:
@@ -173,6 +184,7 @@ def test_topk_ties_go_to_the_lowest_positions() -> None:
     seg = _segments([(2, 4), (3, 3)])
     topk = TopK(0.25)  # k = 2 and 3
     topk.setup(0, 1, CPU)
+    topk.batch_on_cpu = True
     x = torch.tensor([1.0, 5.0, -5.0, 5.0, 0.0, 2.0, 5.0, 1.0] + [3.0, -3.0, 3.0, 3.0, 9.0, 0.0, 3.0, 0.0, 1.0])
     sent = topk.sent_flat(x, topk.compress_flat(x, seg))
     kept = torch.nonzero(sent).reshape(-1).tolist()
@@ -209,6 +221,7 @@ def test_ops_do_not_grow_with_the_number_of_layers(name: str) -> None:
     counts = []
     for layers in (8, 32):
         c = COMPRESSORS[name]()
+        c.batch_on_cpu = True
         c.setup(0, RANKS, CPU)
         seg = _layers(layers // 2)
         _step_ops(c, seg)  # the layout's index tensors are made on first use
