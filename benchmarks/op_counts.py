@@ -28,11 +28,25 @@ from gradcomp_lab.opcount import hook_op_overhead
 SIZES = (40, 160)
 
 
+def _gpu_path(factory: Callable[[], Compressor]) -> Callable[[], Compressor]:
+    """``factory`` with the compressor taking, on CPU too, the group path a GPU runs (``batch_on_cpu``)."""
+
+    def make() -> Compressor:
+        compressor = factory()
+        compressor.batch_on_cpu = True
+        return compressor
+
+    return make
+
+
 def compressors() -> dict[str, Callable[[], Compressor]]:
-    """Registry names, plus the torch backends of the compressors whose default on CPU is a fused kernel."""
-    found: dict[str, Callable[[], Compressor]] = {n: registry.COMPRESSORS[n][0] for n in registry.compressor_names()}
-    found["graddrop[torch]"] = lambda: GradientDropping(backend="torch")
-    found["adacomp[torch]"] = lambda: AdaComp(backend="torch")
+    """Registry names, plus the torch backends of the compressors whose default on CPU is a fused kernel; each
+    counted on the path a GPU runs."""
+    found: dict[str, Callable[[], Compressor]] = {
+        n: _gpu_path(registry.COMPRESSORS[n][0]) for n in registry.compressor_names()
+    }
+    found["graddrop[torch]"] = _gpu_path(lambda: GradientDropping(backend="torch"))
+    found["adacomp[torch]"] = _gpu_path(lambda: AdaComp(backend="torch"))
     return found
 
 
