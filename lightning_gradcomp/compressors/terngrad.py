@@ -26,10 +26,21 @@ from typing import Any, Literal, Optional, cast
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant, Packet, max_or_zero
+from lightning_gradcomp import kernels
+from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked, fused_enabled
+from lightning_gradcomp.compressors.base import (
+    Aggregation,
+    CollectiveVariant,
+    FlatPacket,
+    Packet,
+    SharedStatistic,
+    max_or_zero,
+)
 from lightning_gradcomp.compressors.streams import CounterStreams, RandomStreams
+from lightning_gradcomp.compressors.terngrad_flat import FlatTernGrad
 from lightning_gradcomp.compressors.terngrad_fused import FusedTernGrad
+from lightning_gradcomp.kernels._build import extension_for
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.wire import PACKINGS, Packing, pack_ternary, packed_nbytes, unpack_ternary
 
@@ -104,6 +115,9 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         self._offer_kernels(
             FusedTernGrad(self, sigma_noise=_SIGMA_NOISE, streams=self._keys)
         )
+        #: a group of layers in one flat tensor, in a fixed number of torch ops (draws from `_keys`, as fused)
+        self._flat = FlatTernGrad(self, sigma_noise=_SIGMA_NOISE, streams=self._keys)
+        self._device_type: Optional[str] = None
         #: this compressor travelling as each of its variants, made on first use (see `for_collective`)
         self._views: dict[str, TernGrad] = {}
 
@@ -118,6 +132,8 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         self._streams.reset(rank)
         self._keys.reset(rank)  # the fused backend's counters start afresh too
         self._fused_impl.forget()
+        self._flat.forget()
+        self._device_type = device.type
         self._views = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -127,6 +143,7 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         self._streams.load_state_dict(state.get("streams", {}))
         self._keys.load_state_dict(state)
         self._fused_impl.forget()
+        self._flat.forget()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -347,3 +364,40 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         if self.clip_mode == "code" and self.clip_factor:
             chunks = torch.maximum(torch.minimum(chunks, threshold[:, None]), -threshold[:, None])
         return chunks.reshape(-1)[: tensor.numel()].view(tensor.shape)
+
+    # -- a group of layers in one flat tensor (the hook's batched pipeline) -----------------------------------
+    @property  # type: ignore[override]
+    def batched(self) -> bool:
+        """Whether the ``*_flat`` methods run batched: everywhere but the fused backend's compiled CPU kernels, which
+        take one layer per call (the default loop)."""
+        fused_here = self._chosen if self._chosen is not None else fused_enabled(self.backend, torch.device("cpu"))
+        return not (fused_here and self._device_type in (None, "cpu") and kernels.fused_available())
+
+    def _loops(self, flat: Tensor) -> bool:
+        """Whether this group takes the default loop over layers (the compiled CPU kernels, one layer per call)."""
+        return self._kernels(flat.device) is not None and extension_for(flat) is not None
+
+    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
+        if self._loops(flat):
+            return super().flat_statistic(flat, segments)
+        return self._flat.statistic(flat, segments)
+
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        if self._loops(flat):
+            return super().compress_flat(flat, segments, shared)
+        return self._flat.compress(flat, segments, shared, self.aggregation_for(self.world_size))
+
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        if packet.layers is not None:
+            return super().decompress_flat(packet)
+        return self._flat.decompress(packet)
+
+    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        if packets[0].layers is not None:
+            return super().decompress_flat_mean_into(packets, out)
+        return self._flat.decompress_mean_into(packets, out)
+
+    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
+        if packet.layers is not None:
+            return super().sent_flat(flat, packet)
+        return self._flat.decompress(packet)

@@ -55,11 +55,12 @@ def lowbias32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def hash_index(index: Tensor, k0: int, k1: int) -> Tensor:
-    """The 32-bit draws (as int64) of the given element indices."""
+def hash_index(index: Tensor, k0: "int | Tensor", k1: "int | Tensor") -> Tensor:
+    """The 32-bit draws (as int64) of the given element indices; the keys are one stream's, or int64 tensors of one
+    key per element (several streams drawn in one pass: a group of layers)."""
     return lowbias32(lowbias32((index + k0) & MASK32) ^ k1)
 
 
-def uniform(index: Tensor, k0: int, k1: int) -> Tensor:
+def uniform(index: Tensor, k0: "int | Tensor", k1: "int | Tensor") -> Tensor:
     """float32 uniforms in [0, 1) with 24 random bits, one per element index."""
     return (hash_index(index, k0, k1) >> 8).to(torch.float32) * (2.0**-24)
