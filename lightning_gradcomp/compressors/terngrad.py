@@ -21,13 +21,13 @@ and a planner may pick either per bucket (:meth:`TernGrad.collectives`).
 
 import copy
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any, Literal, Optional, cast
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked, fused_enabled
+from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
 from lightning_gradcomp.compressors.base import (
     Aggregation,
     CollectiveVariant,
@@ -116,8 +116,7 @@ class TernGrad(KernelBacked[FusedTernGrad]):
             FusedTernGrad(self, sigma_noise=_SIGMA_NOISE, streams=self._keys)
         )
         #: a group of layers in one flat tensor, in a fixed number of torch ops (draws from `_keys`, as fused)
-        self._flat = FlatTernGrad(self, sigma_noise=_SIGMA_NOISE, streams=self._keys)
-        self._device_type: Optional[str] = None
+        self._flat = FlatTernGrad(self, sigma_noise=_SIGMA_NOISE, streams=self._keys, native=self._native)
         #: this compressor travelling as each of its variants, made on first use (see `for_collective`)
         self._views: dict[str, TernGrad] = {}
 
@@ -133,7 +132,6 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         self._keys.reset(rank)  # the fused backend's counters start afresh too
         self._fused_impl.forget()
         self._flat.forget()
-        self._device_type = device.type
         self._views = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -366,25 +364,18 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         return chunks.reshape(-1)[: tensor.numel()].view(tensor.shape)
 
     # -- a group of layers in one flat tensor (the hook's batched pipeline) -----------------------------------
-    @property  # type: ignore[override]
-    def batched(self) -> bool:
-        """Whether the ``*_flat`` methods run batched: everywhere but the fused backend's compiled CPU kernels, which
-        take one layer per call (the default loop)."""
-        fused_here = self._chosen if self._chosen is not None else fused_enabled(self.backend, torch.device("cpu"))
-        return not (fused_here and self._device_type in (None, "cpu") and kernels.fused_available())
+    #: every ``*_flat`` method runs a fixed number of ops per group: torch ops, or on the fused backend's CPU path
+    #: one call of the compiled kernels per group
+    batched = True
 
-    def _loops(self, flat: Tensor) -> bool:
-        """Whether this group takes the default loop over layers (the compiled CPU kernels, one layer per call)."""
-        return self._kernels(flat.device) is not None and extension_for(flat) is not None
+    def _native(self, flat: Tensor) -> Optional[ModuleType]:
+        """The compiled CPU kernels when the fused backend runs ``flat``'s group with them, else ``None`` (torch ops)."""
+        return extension_for(flat) if self._kernels(flat.device) is not None else None
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
-        if self._loops(flat):
-            return super().flat_statistic(flat, segments)
         return self._flat.statistic(flat, segments)
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        if self._loops(flat):
-            return super().compress_flat(flat, segments, shared)
         return self._flat.compress(flat, segments, shared, self.aggregation_for(self.world_size))
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:

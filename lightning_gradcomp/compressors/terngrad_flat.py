@@ -25,9 +25,10 @@ chunks of a group are themselves :class:`~lightning_gradcomp.segments.Segments`,
 """
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Union
+from types import ModuleType
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -35,6 +36,7 @@ from torch import Tensor
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.streams import CounterStreams
+from lightning_gradcomp.compressors.terngrad_fused import TernGradSettings
 from lightning_gradcomp.kernels import rng
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.wire import Packing
@@ -42,25 +44,6 @@ from lightning_gradcomp.wire import Packing
 _PER_BYTE = {"2bit": 4, "base3": 5}
 _RADIX = {"2bit": 4, "base3": 3}
 _ZERO_CODE = 1  # a ternary t is sent as the code t + 1; padding is a zero
-
-
-class FlatSettings(Protocol):
-    """The settings of :class:`~lightning_gradcomp.compressors.TernGrad` the batched path reads (at each call)."""
-
-    @property
-    def clip_factor(self) -> float: ...
-
-    @property
-    def clip_mode(self) -> str: ...
-
-    @property
-    def scaler_share(self) -> str: ...
-
-    @property
-    def bucket_size(self) -> Optional[int]: ...
-
-    @property
-    def packing(self) -> Packing: ...
 
 
 def chunk_counts(numels: Sequence[int], bucket: Optional[int]) -> tuple[int, ...]:
@@ -103,6 +86,11 @@ class ChunkLayout:
         #: layer i spans ``counts[i]`` chunks: per-layer reductions of per-chunk values
         self.by_layer = Segments(segments.names, [torch.Size((c,)) for c in self.counts])
         self._tensors = _PerDevice()
+
+    def offsets(self) -> Tensor:
+        """int64 ``[layers + 1]`` on the host: where each layer starts in the flat tensor, and the total (for the
+        compiled kernels)."""
+        return self._tensors.get("offsets", torch.device("cpu"), lambda: torch.tensor(self.segments.offsets, dtype=torch.int64))
 
     def lengths(self, device: torch.device) -> Tensor:
         """float64 ``[chunks]``: elements per chunk."""
@@ -152,6 +140,18 @@ class PackLayout:
         self.with_scalers = scalers is not None
         self._extra = extra
         self._tensors = _PerDevice()
+
+    def starts(self) -> Tensor:
+        """int64 ``[layers]`` on the host: where each layer's packed bytes start in the payload (for the compiled
+        kernels)."""
+
+        def build() -> Tensor:
+            starts = [0]
+            for n in self.layer_nbytes[:-1]:
+                starts.append(starts[-1] + n)
+            return torch.tensor(starts[: len(self.segments)], dtype=torch.int64)
+
+        return self._tensors.get("starts", torch.device("cpu"), build)
 
     def weights(self, device: torch.device) -> Tensor:
         """uint8 ``[per, 1]``: the place value of each part's code in a byte (4**j, or 3**j in base 3)."""
@@ -215,19 +215,26 @@ class _Layouts:
     packs: dict[tuple[str, Optional[tuple[int, ...]]], PackLayout] = field(default_factory=dict)
 
 
+#: which compiled kernels run a group: the extension module, or ``None`` for torch ops
+Native = Callable[[Tensor], Optional[ModuleType]]
+
+
 class FlatTernGrad:
-    """TernGrad's batched path: a whole group of layers per call, in a fixed number of torch ops.
+    """TernGrad's batched path: a whole group of layers per call, in a fixed number of ops.
 
     Args:
         settings: the compressor's settings, read at each call.
         sigma_noise: a chunk whose sigma is at most this times its max |g| counts as constant (not clipped).
         streams: the counter-based random streams (shared with the fused backend, checkpointed by the compressor).
+        native: the compiled CPU kernels to run a group with (one call per group, looping over its layers inside),
+            or ``None`` for torch ops; asked at each call with the group's tensor.
     """
 
-    def __init__(self, settings: FlatSettings, sigma_noise: float, streams: CounterStreams) -> None:
+    def __init__(self, settings: TernGradSettings, sigma_noise: float, streams: CounterStreams, native: Native) -> None:
         self.settings = settings
         self.sigma_noise = sigma_noise
         self.streams = streams
+        self.native = native
         self._layouts: "weakref.WeakKeyDictionary[Segments, _Layouts]" = weakref.WeakKeyDictionary()
         #: the statistics :meth:`statistic` computed, for :meth:`compress` of the same tensor
         self._pending: "weakref.WeakKeyDictionary[Segments, tuple[Tensor, int, Tensor, Optional[Tensor]]]" = (
@@ -261,14 +268,24 @@ class FlatTernGrad:
             layout = layouts.packs[key] = PackLayout(segments, self.settings.packing, scalers)
         return layout
 
+    def _bucket(self) -> int:
+        """The kernels' chunk length: 0 for one chunk per layer."""
+        return self.settings.bucket_size or 0
+
     # -- statistics -------------------------------------------------------------------------------------
     def scale_clip(self, flat: Tensor, segments: Segments) -> tuple[Tensor, Optional[Tensor]]:
         """This rank's scaler per chunk and the clip threshold per chunk (``None``: no clipping), as
         :func:`~lightning_gradcomp.kernels.terngrad_scale_clip` gives them layer by layer."""
         chunks = self.chunk_layout(segments)
         x = flat.detach().reshape(-1).to(torch.float32)
-        absmax = chunks.chunks.reduce(x.abs(), "amax")
         s = self.settings
+        ext = self.native(x)
+        if ext is not None:
+            mode = 0 if s.clip_factor == 0.0 else {"paper": 1, "code": 2}[s.clip_mode]
+            offsets = chunks.offsets()
+            scale, clip = ext.terngrad_scale_clip_flat(x.contiguous(), offsets, self._bucket(), s.clip_factor, mode, self.sigma_noise)
+            return scale, clip if mode == 1 else None
+        absmax = chunks.chunks.reduce(x.abs(), "amax")
         if s.clip_factor == 0.0:
             return absmax, None
         d = x.to(torch.float64)
@@ -292,23 +309,39 @@ class FlatTernGrad:
         return self.scale_clip(flat, segments)
 
     # -- compress ---------------------------------------------------------------------------------------
-    def _keys(self, segments: Segments, device: torch.device) -> tuple[Tensor, Tensor]:
-        """int64 ``[layers]`` stream keys (k0, k1) of each layer's next draw; an empty layer draws nothing."""
+    def _keys(self, segments: Segments) -> Tensor:
+        """int64 ``[layers, 2]`` (host): the stream keys (k0, k1) of each layer's next draw; an empty layer draws
+        nothing (its counter stays, as layer by layer)."""
         keys = [self.streams.key(name) if n else (0, 0) for name, n in zip(segments.names, segments.numels)]
-        both = torch.tensor(keys, dtype=torch.int64).reshape(-1, 2).to(device)
-        return both[:, 0], both[:, 1]
+        return torch.tensor(keys, dtype=torch.int64).reshape(-1, 2)
 
     def ternarize(self, flat: Tensor, segments: Segments, scale: Tensor, clip: Optional[Tensor]) -> Tensor:
         """int8 ``[total]`` ternaries: t = sign(g) b, b ~ Bernoulli(min(|g|, clip) / s), the fused backend's draws."""
         chunks = self.chunk_layout(segments)
         x = flat.detach().reshape(-1).to(torch.float32)
-        k0, k1 = self._keys(segments, x.device)
-        u = rng.uniform(chunks.within(x.device), segments.expand(k0), segments.expand(k1))
+        keys = self._keys(segments).to(x.device)
+        u = rng.uniform(chunks.within(x.device), segments.expand(keys[:, 0]), segments.expand(keys[:, 1]))
         a = x.abs()
         if clip is not None:
             a = torch.minimum(a, chunks.chunks.expand(clip))
         keep = u.mul_(chunks.chunks.expand(scale)) < a
         return torch.where(keep, torch.sign(x), 0.0).to(torch.int8)
+
+    def _encode(
+        self, flat: Tensor, segments: Segments, scale: Tensor, clip: Optional[Tensor], packed: bool
+    ) -> tuple[Tensor, Tensor]:
+        """The ternaries (int8 ``[total]``, or 2-bit packed when ``packed``) and the nonzero count of each layer."""
+        ext = self.native(flat)
+        if ext is None:
+            ternary = self.ternarize(flat, segments, scale, clip)
+            nonzero = segments.reduce((ternary != 0).to(torch.int32), "sum")
+            return (self.pack(ternary, self.pack_layout(segments)) if packed else ternary), nonzero
+        x = flat.detach().reshape(-1).to(torch.float32).contiguous()
+        no_clip = x.new_empty(0)
+        return ext.terngrad_ternarize_flat(
+            x, self.chunk_layout(segments).offsets(), self._bucket(), scale.contiguous(),
+            no_clip if clip is None else clip.contiguous(), self._keys(segments), packed,
+        )
 
     def compress(
         self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic], aggregation: Aggregation
@@ -319,16 +352,16 @@ class FlatTernGrad:
         s = local
         if shared is not None and self.settings.scaler_share == "max":
             s = shared.values.to(local.device, torch.float32)
-        ternary = self.ternarize(flat, segments, s, clip)
-        nonzero = segments.reduce((ternary != 0).to(torch.int32), "sum").to(torch.float32)
-        # the fused backend's 1 - nonzero / n; an empty layer is all sparse-or-nothing: 0, as the torch path says
-        sparsity = torch.where(chunks.nonempty(flat.device), 1.0 - nonzero / chunks.numels(flat.device), 0.0)
+        gather = aggregation is Aggregation.GATHER
+        values, nonzero = self._encode(flat, segments, s, clip, packed=gather and self.settings.packing == "2bit")
+        # the fused backend's 1 - nonzero / n; an empty layer sends nothing: 0, as the torch path says
+        sparsity = torch.where(chunks.nonempty(flat.device), 1.0 - nonzero.to(torch.float32) / chunks.numels(flat.device), 0.0)
         stats = {"sparsity": sparsity, "scaler": chunks.by_layer.reduce(s, "amax")}
         ctx: dict[str, Any] = {"scale": s}
-        if aggregation is Aggregation.SUM:
-            return FlatPacket(ternary, segments, flat.dtype, segments.numels, ctx, stats)
+        if not gather:
+            return FlatPacket(values, segments, flat.dtype, segments.numels, ctx, stats)
         layout = self.pack_layout(segments)
-        packed = self.pack(ternary, layout)
+        packed = values if values.dtype == torch.uint8 else self.pack(values, layout)
         if layout.with_scalers:
             payload = packed.new_empty(sum(layout.layer_nbytes))
             packed_at, scalers_at = layout.payload_index(packed.device)
@@ -349,30 +382,54 @@ class FlatTernGrad:
         """uint8 ``[..., per, bytes]``: each byte's codes, part by part."""
         return torch.div(packed.unsqueeze(-2), layout.weights(packed.device), rounding_mode="floor").remainder_(layout.radix)
 
-    def _packed_and_scale(self, packet: FlatPacket, layout: PackLayout) -> tuple[Tensor, Tensor]:
+    def _scale_of(self, packet: FlatPacket, layout: PackLayout) -> Tensor:
+        """The packet's scalers: the shared ones in its context, or those its sender put in the payload."""
         if "scale" in packet.ctx:
-            return packet.payload, packet.ctx["scale"]
-        packed_at, scalers_at = layout.payload_index(packet.payload.device)
-        return packet.payload.index_select(0, packed_at), packet.payload.index_select(0, scalers_at).view(torch.float32)
+            return packet.ctx["scale"]
+        return packet.payload.index_select(0, layout.payload_index(packet.payload.device)[1]).view(torch.float32)
 
     def _scaled(self, values: Tensor, scale: Tensor, segments: Segments, out: Optional[Tensor] = None) -> Tensor:
         """float32 ``values * scale`` (the scaler of each element's chunk), into ``out`` when given (float32)."""
         per_element = self.chunk_layout(segments).chunks.expand(scale.to(values.device, torch.float32))
         return torch.mul(values.to(torch.float32), per_element, out=out)
 
-    def values(self, packet: FlatPacket) -> tuple[Tensor, Tensor]:
-        """The integer values of one packet (ternaries, or their sum over ranks in the int8 form) and its scalers."""
+    def _native_decode(self, packets: Sequence[FlatPacket]) -> Optional[ModuleType]:
+        """The compiled kernels when they decode these packets (2-bit packed payloads on the CPU)."""
+        first = packets[0]
+        if first.payload.dtype != torch.uint8 or self.settings.packing != "2bit":
+            return None
+        return self.native(first.payload)
+
+    def _decode_sum_native(
+        self, ext: ModuleType, packets: Sequence[FlatPacket], scale: Tensor, out: Optional[Tensor], divisor: int
+    ) -> Tensor:
+        """float32 flat: the integer sum of the packets' ternaries, scaled once, divided by ``divisor`` (one call)."""
+        first = packets[0]
+        layout = self.pack_layout(first.segments)
+        return ext.terngrad_decode_sum_flat(
+            [p.payload.contiguous() for p in packets], self.chunk_layout(first.segments).offsets(), layout.starts(),
+            self._bucket(), scale.to(torch.float32).contiguous(), first.payload.new_empty(0, dtype=torch.float32) if out is None else out,
+            divisor,
+        )
+
+    def values(self, packet: FlatPacket) -> Tensor:
+        """The integer values of one packet: ternaries, or their sum over ranks in the int8 form."""
         if packet.payload.dtype == torch.int8:
-            return packet.payload, packet.ctx["scale"]
+            return packet.payload
         layout = self.pack_layout(packet.segments)
-        packed, scale = self._packed_and_scale(packet, layout)
+        packed = packet.payload
+        if layout.with_scalers:
+            packed = packed.index_select(0, layout.payload_index(packed.device)[0])
         codes = self._codes(packed, layout).view(-1).index_select(0, layout.scatter(packed.device))
-        return codes.view(torch.int8) - _ZERO_CODE, scale
+        return codes.view(torch.int8) - _ZERO_CODE
 
     def decompress(self, packet: FlatPacket) -> Tensor:
         """The flat ``[total]`` decoded packet, of ``packet.dtype``."""
-        values, scale = self.values(packet)
-        return self._scaled(values, scale, packet.segments).to(packet.dtype)
+        scale = packet.ctx["scale"] if packet.payload.dtype == torch.int8 else self._scale_of(packet, self.pack_layout(packet.segments))
+        ext = self._native_decode([packet])
+        if ext is not None:
+            return self._decode_sum_native(ext, [packet], scale, None, 1).to(packet.dtype)
+        return self._scaled(self.values(packet), scale, packet.segments).to(packet.dtype)
 
     def decompress_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
         """The ranks' mean into ``out``, as :meth:`TernGrad.decompress_mean_into` rounds it layer by layer."""
@@ -383,15 +440,23 @@ class FlatTernGrad:
                 total.add_(self.decompress(packet))
             return out.copy_(total).div_(ranks)
         # one shared scaler: the exact integer sum over ranks, scaled once
+        scale = first.ctx["scale"]
+        writable = out.dtype == torch.float32 and out.is_contiguous()
+        ext = self._native_decode(packets)
+        if ext is not None:  # divides in the pass that writes, as the fused backend does layer by layer
+            if writable:
+                self._decode_sum_native(ext, packets, scale, out.view(-1), ranks)
+                return out
+            return out.copy_(self._decode_sum_native(ext, packets, scale, None, ranks))
         layout = self.pack_layout(first.segments)
         payloads = torch.stack([p.payload for p in packets])
         sums = self._codes(payloads, layout).sum(0, dtype=torch.int32).view(-1)
         values = sums.index_select(0, layout.scatter(sums.device)).sub_(ranks * _ZERO_CODE)
-        if out.dtype == torch.float32 and out.is_contiguous():
-            self._scaled(values, first.ctx["scale"], first.segments, out=out.view(-1))
+        if writable:
+            self._scaled(values, scale, first.segments, out=out.view(-1))
         else:
-            out.copy_(self._scaled(values, first.ctx["scale"], first.segments).to(first.dtype))
+            out.copy_(self._scaled(values, scale, first.segments).to(first.dtype))
         return out.div_(ranks)
 
 
-__all__ = ["ChunkLayout", "FlatSettings", "FlatTernGrad", "PackLayout", "chunk_counts"]
+__all__ = ["ChunkLayout", "FlatTernGrad", "PackLayout", "chunk_counts"]

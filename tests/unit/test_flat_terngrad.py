@@ -8,7 +8,7 @@ path is checked for the same statistics (scalers, unbiasedness) instead.
 """
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable
 
 import pytest
@@ -32,8 +32,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "base3": {"packing": "base3", "bucket_size": 8},
 }
 VARIANTS = ["allgather", "allreduce_int8"]
-#: the batched path's kernels: torch ops everywhere (the CUDA path)
-TORCH_OPS: Callable[[], AbstractContextManager[None]] = kernels.torch_ops
+#: the batched path's two ways to run: torch ops (the CUDA path), and the compiled CPU kernels (one call per group)
+PATHS: dict[str, Callable[[], AbstractContextManager[None]]] = {"torch-ops": kernels.torch_ops, "compiled": nullcontext}
+
+
+@pytest.fixture(params=sorted(PATHS))
+def path(request: pytest.FixtureRequest) -> Callable[[], AbstractContextManager[None]]:
+    if request.param == "compiled" and not kernels.fused_available():
+        pytest.skip(f"CPU kernels unavailable: {kernels._build.unavailable_reason}")
+    return PATHS[request.param]
 
 
 def _segments(shapes: Sequence[tuple[int, ...]] = SHAPES) -> Segments:
@@ -109,7 +116,9 @@ def _assert_same(batched: dict[str, Any], looped: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_batched_equals_the_fused_loop_bit_for_bit(config: str, variant: str) -> None:
+def test_batched_equals_the_fused_loop_bit_for_bit(
+    config: str, variant: str, path: Callable[[], AbstractContextManager[None]]
+) -> None:
     kwargs = CONFIGS[config]
     if variant == "allreduce_int8" and kwargs.get("scaler_share") == "per_worker":
         pytest.skip("per-worker scalers travel gathered only")
@@ -117,23 +126,25 @@ def test_batched_equals_the_fused_loop_bit_for_bit(config: str, variant: str) ->
     grads = _grads(seg)
     looped = _exchange(_ranks(kwargs, variant), seg, grads, batched=False)
     batched_comps = _ranks(kwargs, variant)
-    with TORCH_OPS():
+    with path():
         batched = _exchange(batched_comps, seg, grads, batched=True)
     _assert_same(batched, looped)
     int8 = batched_comps[0].aggregation_for(RANKS) is Aggregation.SUM
     assert batched["payloads"][0].dtype == (torch.int8 if int8 else torch.uint8)
     assert batched["layer_nbytes"][0][SHAPES.index((0,))] == 0  # an empty layer puts nothing on the wire
     # a second step draws again (the per-name counters advanced) and still matches
-    with TORCH_OPS():
+    with path():
         again = _exchange(batched_comps, seg, grads, batched=True)
     assert not torch.equal(again["payloads"][0], batched["payloads"][0])
 
 
-def test_statistic_is_the_looping_layout_so_either_path_reads_the_other() -> None:
+def test_statistic_is_the_looping_layout_so_either_path_reads_the_other(
+    path: Callable[[], AbstractContextManager[None]],
+) -> None:
     seg = _segments()
     x = _grads(seg)[0]
     comp = TernGrad(bucket_size=7, backend="fused")
-    with TORCH_OPS():
+    with path():
         batched = comp.flat_statistic(x, seg)
     looped = Compressor.flat_statistic(comp, x, seg)
     assert isinstance(batched, SharedStatistic) and isinstance(looped, SharedStatistic)
@@ -205,12 +216,15 @@ def _step_ops(comp: TernGrad, layers: int) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("config", ["paper", "per_worker", "buckets"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_ops_do_not_grow_with_the_number_of_layers_and_nothing_is_read(config: str, variant: str) -> None:
+def test_ops_do_not_grow_with_the_number_of_layers_and_nothing_is_read(
+    config: str, variant: str, path: Callable[[], AbstractContextManager[None]]
+) -> None:
     kwargs = CONFIGS[config]
     if variant == "allreduce_int8" and kwargs.get("scaler_share") == "per_worker":
         pytest.skip("per-worker scalers travel gathered only")
-    comp = _ranks(kwargs, variant, backend="torch")[0]
+    comp = _ranks(kwargs, variant, backend="fused")[0]
     assert isinstance(comp, TernGrad) and comp.batched
-    small, large = _step_ops(comp, 8), _step_ops(comp, 32)
+    with path():
+        small, large = _step_ops(comp, 8), _step_ops(comp, 32)
     assert small == large
     assert small[1:] == (0, 0)  # no host read, no data-dependent size
