@@ -1,5 +1,5 @@
-"""TernGrad over a group of layers laid out in one flat tensor: a fixed number of torch ops per group, whatever the
-number of layers (the hook's batched pipeline, :mod:`lightning_gradcomp.segments`; what CUDA runs).
+"""TernGrad over a group of layers laid out in one flat tensor: a fixed number of ops per group, whatever the number
+of layers (the hook's batched pipeline, :mod:`lightning_gradcomp.segments`).
 
 The maths is the fused backend's (:mod:`~lightning_gradcomp.compressors.terngrad_fused`), so the result equals
 ``backend="fused"`` layer by layer bit for bit given the same scalers:
@@ -13,10 +13,15 @@ The maths is the fused backend's (:mod:`~lightning_gradcomp.compressors.terngrad
   the packed bytes when they are per worker), so the group payload is byte for byte the concatenation of the
   per-layer payloads and ``layer_nbytes`` are today's.
 
-``backend="torch"`` draws from ``torch.Generator`` layer by layer, which cannot be batched; its batched path draws
-from the counter-based stream instead: the same Bernoulli probabilities ``min(|g|, clip) / s`` (a 24-bit uniform
-against them, as ``torch.rand``), the same scalers up to float32 rounding of sigma (float64 sums instead of
-``torch.std``), so the same expectation (unbiased) and variance.
+On the CPU the fused backend runs a group with one call of each compiled kernel (``terngrad_scale_clip_flat``,
+``terngrad_ternarize_flat``, ``terngrad_decode_sum_flat``: the per-layer kernels' tile code looping over the group's
+layers inside), the same bits as those kernels layer by layer; elsewhere (CUDA, no compiler) torch ops.
+
+``backend="torch"`` draws from one ``torch.Generator`` per layer, which cannot be batched; off the CPU its batched
+path draws from the counter-based stream instead (on the CPU it keeps the per-layer loop, see
+:meth:`TernGrad._loops`): the same Bernoulli probabilities ``min(|g|, clip) / s`` (a 24-bit uniform against them, the
+resolution of ``torch.rand``) and the same scalers up to float32 rounding of sigma (float64 sums instead of
+``torch.std``), so the same expectation (unbiased) and variance; different draws.
 
 Chunks: each layer is cut into chunks of ``bucket_size`` elements (the last one shorter), one scaler each; with
 ``bucket_size=None`` one chunk per layer; an empty layer has no chunk (no scaler, no byte on the wire). The
@@ -319,7 +324,10 @@ class FlatTernGrad:
         """int8 ``[total]`` ternaries: t = sign(g) b, b ~ Bernoulli(min(|g|, clip) / s), the fused backend's draws."""
         chunks = self.chunk_layout(segments)
         x = flat.detach().reshape(-1).to(torch.float32)
-        keys = self._keys(segments).to(x.device)
+        keys = self._keys(segments)
+        if x.device.type == "cuda":  # from pinned memory, without waiting: a pageable copy would drain the stream
+            keys = keys.pin_memory().to(x.device, non_blocking=True)
+        keys = keys.to(x.device)
         u = rng.uniform(chunks.within(x.device), segments.expand(keys[:, 0]), segments.expand(keys[:, 1]))
         a = x.abs()
         if clip is not None:

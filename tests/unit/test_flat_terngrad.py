@@ -32,6 +32,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "base3": {"packing": "base3", "bucket_size": 8},
 }
 VARIANTS = ["allgather", "allreduce_int8"]
+#: (config, variant): per-worker scalers travel gathered only (TernGrad declares no int8 variant for them)
+CASES = [(c, v) for c in sorted(CONFIGS) for v in VARIANTS if not (v == "allreduce_int8" and "per_worker" in c)]
 #: the batched path's two ways to run: torch ops (the CUDA path), and the compiled CPU kernels (one call per group)
 PATHS: dict[str, Callable[[], AbstractContextManager[None]]] = {"torch-ops": kernels.torch_ops, "compiled": nullcontext}
 
@@ -114,14 +116,11 @@ def _assert_same(batched: dict[str, Any], looped: dict[str, Any]) -> None:
             assert value == looped[key], key
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize(("config", "variant"), CASES)
 def test_batched_equals_the_fused_loop_bit_for_bit(
     config: str, variant: str, path: Callable[[], AbstractContextManager[None]]
 ) -> None:
     kwargs = CONFIGS[config]
-    if variant == "allreduce_int8" and kwargs.get("scaler_share") == "per_worker":
-        pytest.skip("per-worker scalers travel gathered only")
     seg = _segments()
     grads = _grads(seg)
     looped = _exchange(_ranks(kwargs, variant), seg, grads, batched=False)
@@ -156,42 +155,63 @@ def test_statistic_is_the_looping_layout_so_either_path_reads_the_other(
     assert TernGrad(scaler_share="per_worker").flat_statistic(x, seg) is None
 
 
-def test_torch_backend_batched_has_the_same_scalers_and_is_unbiased() -> None:
-    """``backend="torch"`` draws from torch.Generator per layer; batched it draws from the counter-based stream:
-    the same scalers (up to float32 rounding of sigma) and the same expectation, E[decoded] = clipped gradient."""
+def test_torch_ops_path_has_the_torch_backends_scalers_and_is_unbiased() -> None:
+    """The batched torch-ops path (what CUDA runs, for ``backend="torch"`` too) draws from the counter-based stream,
+    not ``torch.Generator``: the same scalers as the torch backend (up to float32 rounding of sigma) and the same
+    expectation, E[decoded] = the gradient."""
     seg = _segments([(40, 25), (1,), (0,), (300,), (7, 7)])
     g = torch.randn(seg.total, generator=torch.Generator().manual_seed(1))
-    comp = TernGrad(backend="torch", clip_factor=0.0)
-    comp.setup(0, 1, torch.device("cpu"))
-    assert comp.batched
-    shared = comp.flat_statistic(g, seg)
-    assert shared is not None
-    per_layer = [comp.local_statistic(x, name) for name, x in seg.items(g)]
-    assert torch.allclose(shared.values, torch.cat([s for s in per_layer if s is not None]), rtol=1e-6, atol=0.0)
+    comp = TernGrad(backend="fused", clip_factor=0.0)
+    reference = TernGrad(backend="torch", clip_factor=0.0)
+    for c in (comp, reference):
+        c.setup(0, 1, torch.device("cpu"))
     trials = 300
     mean = torch.zeros(seg.total)
-    for _ in range(trials):
-        mean += comp.decompress_flat(comp.compress_flat(g, seg, shared))
+    with kernels.torch_ops():
+        shared = comp.flat_statistic(g, seg)
+        assert shared is not None
+        for _ in range(trials):
+            mean += comp.decompress_flat(comp.compress_flat(g, seg, shared))
+    per_layer = [reference.local_statistic(x, name) for name, x in seg.items(g)]
+    assert torch.allclose(shared.values, torch.cat([s for s in per_layer if s is not None]), rtol=1e-6, atol=0.0)
     mean /= trials
     s = seg.expand(shared.values.index_select(0, torch.tensor([0, 1, 1, 2, 3])))  # no chunk for the empty layer
     stderr = (g.abs() * (s - g.abs())).clamp_min(0).sqrt() / trials**0.5
     assert ((mean - g).abs() <= 5 * stderr + 1e-4).float().mean() > 0.999  # 1e-4: rounding of the sum of 300
     assert (mean - g).mean().abs() < 0.01
-    assert comp.state_dict()["streams"] == {}  # the batched path never touched torch.Generator streams
 
 
-def test_batched_draws_resume_exactly_from_a_state_dict() -> None:
+def test_torch_backend_batches_off_the_cpu_and_keeps_its_generator_loop_on_it() -> None:
+    """On the CPU the torch backend's flat methods loop over layers with torch.Generator, as before (torch.rand is
+    far cheaper there than the counter-based stream in torch ops); on another device they run batched."""
     seg = _segments()
     x = _grads(seg)[0]
-    comp = TernGrad(seed=2, backend="torch")
+    comp = TernGrad(seed=4, backend="torch")
+    comp.setup(0, 2, torch.device("cpu"))
+    assert not comp.batched and TernGrad(backend="fused").batched
+    packet = comp.compress_flat(x, seg, comp.flat_statistic(x, seg))
+    assert packet.layers is not None and comp.state_dict()["counters"] == {}
+    reference = TernGrad(seed=4, backend="torch")
+    reference.setup(0, 2, torch.device("cpu"))
+    assert torch.equal(packet.payload, torch.cat([reference.compress(v, n).payload for n, v in seg.items(x)]))
+    elsewhere = TernGrad(backend="torch")
+    elsewhere.setup(0, 2, torch.device("meta"))
+    assert elsewhere.batched
+
+
+def test_batched_draws_resume_exactly_from_a_state_dict(path: Callable[[], AbstractContextManager[None]]) -> None:
+    seg = _segments()
+    x = _grads(seg)[0]
+    comp = TernGrad(seed=2, backend="fused")
     comp.setup(1, 2, torch.device("cpu"))
-    comp.compress_flat(x, seg, comp.flat_statistic(x, seg))
-    state = comp.state_dict()
-    first = comp.compress_flat(x, seg, comp.flat_statistic(x, seg)).payload
-    resumed = TernGrad(seed=2, backend="torch")
-    resumed.setup(1, 2, torch.device("cpu"))
-    resumed.load_state_dict(state)
-    assert torch.equal(resumed.compress_flat(x, seg, resumed.flat_statistic(x, seg)).payload, first)
+    with path():
+        comp.compress_flat(x, seg, comp.flat_statistic(x, seg))
+        state = comp.state_dict()
+        first = comp.compress_flat(x, seg, comp.flat_statistic(x, seg)).payload
+        resumed = TernGrad(seed=2, backend="fused")
+        resumed.setup(1, 2, torch.device("cpu"))
+        resumed.load_state_dict(state)
+        assert torch.equal(resumed.compress_flat(x, seg, resumed.flat_statistic(x, seg)).payload, first)
 
 
 def _step_ops(comp: TernGrad, layers: int) -> tuple[int, int, int]:
@@ -214,14 +234,11 @@ def _step_ops(comp: TernGrad, layers: int) -> tuple[int, int, int]:
     return counted.total, counted.host_reads, counted.data_dependent
 
 
-@pytest.mark.parametrize("config", ["paper", "per_worker", "buckets"])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(("config", "variant"), [c for c in CASES if c[0] in ("paper", "per_worker", "buckets")])
 def test_ops_do_not_grow_with_the_number_of_layers_and_nothing_is_read(
     config: str, variant: str, path: Callable[[], AbstractContextManager[None]]
 ) -> None:
     kwargs = CONFIGS[config]
-    if variant == "allreduce_int8" and kwargs.get("scaler_share") == "per_worker":
-        pytest.skip("per-worker scalers travel gathered only")
     comp = _ranks(kwargs, variant, backend="fused")[0]
     assert isinstance(comp, TernGrad) and comp.batched
     with path():
