@@ -14,8 +14,8 @@ The maths is the fused backend's (:mod:`~lightning_gradcomp.compressors.terngrad
   per-layer payloads and ``layer_nbytes`` are today's.
 
 On the CPU the fused backend runs a group with one call of each compiled kernel (``terngrad_scale_clip_flat``,
-``terngrad_ternarize_flat``, ``terngrad_decode_sum_flat``: the per-layer kernels' tile code looping over the group's
-layers inside), the same bits as those kernels layer by layer; elsewhere (CUDA, no compiler) torch ops.
+``terngrad_ternarize_flat``, ``terngrad_decode_sum_flat``, ``terngrad_scale_int8_flat``: the per-layer kernels' tile
+code looping over the group's layers inside), the same bits as those kernels layer by layer; elsewhere (CUDA, no compiler) torch ops.
 
 ``backend="torch"`` draws from one ``torch.Generator`` per layer, which cannot be batched; off the CPU its batched
 path draws from the counter-based stream instead (on the CPU it keeps the per-layer loop, see
@@ -433,11 +433,22 @@ class FlatTernGrad:
 
     def decompress(self, packet: FlatPacket) -> Tensor:
         """The flat ``[total]`` decoded packet, of ``packet.dtype``."""
-        scale = packet.ctx["scale"] if packet.payload.dtype == torch.int8 else self._scale_of(packet, self.pack_layout(packet.segments))
+        segments = packet.segments
+        if packet.payload.dtype == torch.int8:  # the all-reduce form: ternaries, or their sum over ranks
+            scale = packet.ctx["scale"]
+            ext = self.native(packet.payload)
+            if ext is not None:
+                decoded = ext.terngrad_scale_int8_flat(
+                    packet.payload.contiguous(), self.chunk_layout(segments).offsets(), self._bucket(),
+                    scale.to(torch.float32).contiguous(), packet.payload.new_empty(0, dtype=torch.float32),
+                )
+                return decoded.to(packet.dtype)
+            return self._scaled(packet.payload, scale, segments).to(packet.dtype)
+        scale = self._scale_of(packet, self.pack_layout(segments))
         ext = self._native_decode([packet])
         if ext is not None:
             return self._decode_sum_native(ext, [packet], scale, None, 1).to(packet.dtype)
-        return self._scaled(self.values(packet), scale, packet.segments).to(packet.dtype)
+        return self._scaled(self.values(packet), scale, segments).to(packet.dtype)
 
     def decompress_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
         """The ranks' mean into ``out``, as :meth:`TernGrad.decompress_mean_into` rounds it layer by layer."""

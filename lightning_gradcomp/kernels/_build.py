@@ -42,6 +42,7 @@ FUNCTIONS = [
     "terngrad_scale_clip_flat",
     "terngrad_ternarize_flat",
     "terngrad_decode_sum_flat",
+    "terngrad_scale_int8_flat",
     "sample_abs",
     "kth_smallest",
     "select_above",

@@ -55,11 +55,12 @@ struct Chunks {
   }
   int64_t size() const { return (int64_t)begin.size(); }
   int64_t items() const { return first.empty() ? 0 : first.back(); }
-  // [b, e) of item w
-  void range(int64_t w, int64_t* b, int64_t* e) const {
+  // [b, e) of item w, and its chunk
+  int64_t range(int64_t w, int64_t* b, int64_t* e) const {
     int64_t c = std::upper_bound(first.begin(), first.end(), w) - first.begin() - 1;
     *b = begin[c] + (w - first[c]) * kTile;
     *e = std::min(begin[c] + len[c], *b + kTile);
+    return c;
   }
 };
 
@@ -554,6 +555,36 @@ torch::Tensor terngrad_decode_sum(std::vector<torch::Tensor> packed, int64_t n, 
     std::vector<int32_t> acc(4 * T);
     std::vector<uint8_t> fields(4 * T);
     for (int64_t t = tb; t < te; ++t) dec.tile(t * T, std::min(m, t * T + T), fields.data(), acc.data(), op);
+  });
+  return out;
+}
+
+LGC_CLONES void scale_int8(const int8_t* __restrict v, int64_t len, float s, float* __restrict out) {
+  for (int64_t k = 0; k < len; ++k) out[k] = (float)v[k] * s;
+}
+
+// int8 values of a group (ternaries, or their sums over ranks: the all-reduce form) times their chunk's scaler, in
+// one pass: float32 [total], equal to values.float() * scale per tensor bit for bit. out: [total] or empty (new).
+torch::Tensor terngrad_scale_int8_flat(torch::Tensor values, torch::Tensor offsets, int64_t bucket, torch::Tensor scale,
+                                       torch::Tensor out_) {
+  check_f32(scale, "scale");
+  TORCH_CHECK(values.scalar_type() == torch::kInt8 && values.is_contiguous() && values.device().is_cpu(),
+              "values must be a contiguous int8 CPU tensor");
+  Group group(offsets);
+  TORCH_CHECK(group.total() == values.numel(), "offsets end at ", group.total(), " but values has ", values.numel());
+  const Chunks chunks = group.chunks(bucket, nullptr);
+  TORCH_CHECK(scale.numel() == chunks.size(), "scale has ", scale.numel(), " entries, expected ", chunks.size());
+  auto out = output(out_, group.total());
+  const int8_t* v = values.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t per_item = std::max<int64_t>(1, group.total() / std::max<int64_t>(1, chunks.items()));
+  at::parallel_for(0, chunks.items(), grain(per_item), [&](int64_t wb, int64_t we) {
+    for (int64_t w = wb; w < we; ++w) {
+      int64_t b, e;
+      const int64_t c = chunks.range(w, &b, &e);
+      scale_int8(v + b, e - b, sp[c], op + b);
+    }
   });
   return out;
 }
