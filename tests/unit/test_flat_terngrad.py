@@ -245,3 +245,23 @@ def test_ops_do_not_grow_with_the_number_of_layers_and_nothing_is_read(
         small, large = _step_ops(comp, 8), _step_ops(comp, 32)
     assert small == large
     assert small[1:] == (0, 0)  # no host read, no data-dependent size
+
+
+@pytest.mark.parametrize("shapes", [[(0,)], [(0,), (0,)], [(1,)], [(0,), (3,), (0,)]], ids=["empty", "empties", "one", "mixed"])
+def test_tiny_groups_and_a_half_precision_strided_out_match_the_loop(
+    shapes: list[tuple[int, ...]], path: Callable[[], AbstractContextManager[None]]
+) -> None:
+    """Groups of only empty or one-element layers, fp16 gradients and an ``out`` the compiled decoder cannot write
+    (fp16, strided): the same bytes and decoded values as the loop."""
+    seg = _segments(shapes)
+    x = torch.randn(seg.total, generator=torch.Generator().manual_seed(2)).half()
+    batched, looped = TernGrad(seed=1, backend="fused"), TernGrad(seed=1, backend="fused")
+    for c in (batched, looped):
+        c.setup(0, 2, torch.device("cpu"))
+    with path():
+        packet = batched.compress_flat(x, seg, batched.flat_statistic(x, seg))
+        out = batched.decompress_flat_mean_into([packet, packet], torch.full((seg.total, 2), float("nan")).half()[:, 0])
+    reference = Compressor.compress_flat(looped, x, seg, Compressor.flat_statistic(looped, x, seg))
+    expected = Compressor.decompress_flat_mean_into(looped, [reference, reference], torch.empty(seg.total).half())
+    assert torch.equal(packet.payload, reference.payload) and packet.layer_nbytes == reference.layer_nbytes
+    assert out.dtype == torch.float16 and torch.equal(out, expected)
