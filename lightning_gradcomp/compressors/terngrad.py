@@ -21,15 +21,26 @@ and a planner may pick either per bucket (:meth:`TernGrad.collectives`).
 
 import copy
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any, Literal, Optional, cast
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant, Packet, max_or_zero
+from lightning_gradcomp.compressors.base import (
+    Aggregation,
+    CollectiveVariant,
+    FlatPacket,
+    Packet,
+    SharedStatistic,
+    max_or_zero,
+)
 from lightning_gradcomp.compressors.streams import CounterStreams, RandomStreams
+from lightning_gradcomp.compressors.terngrad_flat import FlatTernGrad
 from lightning_gradcomp.compressors.terngrad_fused import FusedTernGrad
+from lightning_gradcomp.kernels._build import extension_for
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.wire import PACKINGS, Packing, pack_ternary, packed_nbytes, unpack_ternary
 
@@ -104,6 +115,10 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         self._offer_kernels(
             FusedTernGrad(self, sigma_noise=_SIGMA_NOISE, streams=self._keys)
         )
+        #: a group of layers in one flat tensor, in a fixed number of torch ops (draws from `_keys`, as fused)
+        self._flat = FlatTernGrad(self, sigma_noise=_SIGMA_NOISE, streams=self._keys, native=self._native)
+        #: the device type the gradients live on, from `setup`
+        self._device_type: Optional[str] = None
         #: this compressor travelling as each of its variants, made on first use (see `for_collective`)
         self._views: dict[str, TernGrad] = {}
 
@@ -118,6 +133,8 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         self._streams.reset(rank)
         self._keys.reset(rank)  # the fused backend's counters start afresh too
         self._fused_impl.forget()
+        self._flat.forget()
+        self._device_type = device.type
         self._views = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -127,6 +144,7 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         self._streams.load_state_dict(state.get("streams", {}))
         self._keys.load_state_dict(state)
         self._fused_impl.forget()
+        self._flat.forget()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -347,3 +365,47 @@ class TernGrad(KernelBacked[FusedTernGrad]):
         if self.clip_mode == "code" and self.clip_factor:
             chunks = torch.maximum(torch.minimum(chunks, threshold[:, None]), -threshold[:, None])
         return chunks.reshape(-1)[: tensor.numel()].view(tensor.shape)
+
+    # -- a group of layers in one flat tensor (the hook's batched pipeline) -----------------------------------
+    @property
+    def batched(self) -> bool:  # type: ignore[override]
+        """Whether the ``*_flat`` methods run a fixed number of ops per group (torch ops, or one call of the compiled
+        kernels per group): everywhere but the torch backend on the CPU, which keeps the per-layer ``torch.Generator``
+        reference (see :meth:`_loops`). Before ``setup``: as on a CPU, ``"auto"`` counted as fused."""
+        chosen = self.chosen_backend or ("torch" if self.backend == "torch" else "fused")
+        return chosen == "fused" or self._device_type not in (None, "cpu")
+
+    def _loops(self, flat: Tensor) -> bool:
+        """Whether ``flat``'s group takes the default loop over layers: the torch backend on the CPU, where the
+        counter-based stream in torch ops (int64 hashing, ~30 passes) costs an order of magnitude more per element
+        than ``torch.rand`` and an op's dispatch costs little; elsewhere (CUDA) every op is a kernel launch."""
+        return flat.device.type == "cpu" and self._kernels(flat.device) is None
+
+    def _native(self, flat: Tensor) -> Optional[ModuleType]:
+        """The compiled CPU kernels when the fused backend runs ``flat``'s group with them, else ``None`` (torch ops)."""
+        return extension_for(flat) if self._kernels(flat.device) is not None else None
+
+    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
+        if self._loops(flat):
+            return super().flat_statistic(flat, segments)
+        return self._flat.statistic(flat, segments)
+
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        if self._loops(flat):
+            return super().compress_flat(flat, segments, shared)
+        return self._flat.compress(flat, segments, shared, self.aggregation_for(self.world_size))
+
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        if packet.layers is not None:
+            return super().decompress_flat(packet)
+        return self._flat.decompress(packet)
+
+    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        if packets[0].layers is not None:
+            return super().decompress_flat_mean_into(packets, out)
+        return self._flat.decompress_mean_into(packets, out)
+
+    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
+        if packet.layers is not None:
+            return super().sent_flat(flat, packet)
+        return self._flat.decompress(packet)
