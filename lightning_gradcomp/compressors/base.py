@@ -146,27 +146,28 @@ class SharedStatistic:
 
     Attributes:
         values: the 1-D float32 vector.
-        shapes: each layer's statistic shape (``None`` for a layer without one) in the default, looping path;
-            ``None`` when a batched compressor lays ``values`` out itself.
+        lengths: elements of ``values`` per layer, ``-1`` for a layer without a statistic, when ``values`` holds the
+            layers' statistics one after another (the default, looping layout, which a batched compressor may keep so
+            that either path reads the other's); ``None`` when a batched compressor lays ``values`` out its own way.
     """
 
     values: Tensor
-    shapes: Optional[tuple[Optional[torch.Size], ...]] = None
+    lengths: Optional[tuple[int, ...]] = None
 
     def with_values(self, values: Tensor) -> "SharedStatistic":
         return replace(self, values=values)
 
     def per_layer(self) -> list[Optional[Tensor]]:
-        """The statistic of each layer in its own shape (``None`` where it had none); only for the looping layout."""
-        assert self.shapes is not None, "a batched compressor's statistic has no per-layer layout"
+        """Each layer's statistic, 1-D (``None`` where it had none); only for the looping layout."""
+        assert self.lengths is not None, "a batched compressor's own statistic layout has no per-layer split"
         out: list[Optional[Tensor]] = []
         offset = 0
-        for shape in self.shapes:
-            if shape is None:
+        for n in self.lengths:
+            if n < 0:
                 out.append(None)
             else:
-                out.append(self.values[offset : offset + shape.numel()].view(shape))
-                offset += shape.numel()
+                out.append(self.values[offset : offset + n])
+                offset += n
         return out
 
 
@@ -360,7 +361,7 @@ class Compressor(ABC):
         if all(s is None for s in local):
             return None
         present = [s.reshape(-1).float() for s in local if s is not None]
-        return SharedStatistic(torch.cat(present), tuple(None if s is None else s.shape for s in local))
+        return SharedStatistic(torch.cat(present), tuple(-1 if s is None else s.numel() for s in local))
 
     def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
         """:meth:`observe_gradient` for every layer of the group (nothing when the compressor does not override it)."""

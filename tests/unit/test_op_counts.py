@@ -19,7 +19,7 @@ from gradcomp_lab.opcount import OpCount, count_ops, hook_op_overhead
 PER_PARAMETER_LOOP = pytest.mark.xfail(strict=True, reason="per-parameter loop: issue 17's batched pipeline")
 
 #: compressors whose hook path still loops over parameters (benchmarks/op_counts.py)
-OPS_GROW = frozenset({"terngrad", "graddrop", "adacomp", "powersgd"})
+OPS_GROW = frozenset({"graddrop", "adacomp", "powersgd"})
 #: host reads that grow: the fused CPU Gradient Dropping reads each tensor's threshold as a float for its C++
 #: selection kernel (on CPU a memory load, not a device sync; the kernel takes a float argument)
 HOST_READS_GROW = frozenset({"graddrop"})
