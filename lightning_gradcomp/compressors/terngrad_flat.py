@@ -42,7 +42,6 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.compressors.terngrad_fused import TernGradSettings
-from lightning_gradcomp.kernels import rng
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.wire import Packing
 
@@ -110,16 +109,6 @@ class ChunkLayout:
     def nonempty(self, device: torch.device) -> Tensor:
         """bool ``[layers]``: whether each layer has elements."""
         return self._tensors.get("nonempty", device, lambda: torch.tensor([n > 0 for n in self.segments.numels]))
-
-    def within(self, device: torch.device) -> Tensor:
-        """int64 ``[total]``: each element's index within its layer (its index in the layer's random stream)."""
-
-        def build() -> Tensor:
-            seg = self.segments
-            starts = torch.tensor(seg.offsets[:-1], dtype=torch.int64)
-            return torch.arange(seg.total, dtype=torch.int64) - seg.expand(starts)
-
-        return self._tensors.get("within", device, build)
 
 
 class PackLayout:
@@ -315,7 +304,8 @@ class FlatTernGrad:
 
     # -- compress ---------------------------------------------------------------------------------------
     def _keys(self, segments: Segments) -> Tensor:
-        """int64 ``[layers, 2]`` (host): the stream keys (k0, k1) of each layer's next draw; an empty layer draws
+        """int64 ``[layers, 2]`` (host): the stream keys (k0, k1) of each layer's next draw, for the compiled kernel
+        (the torch path draws through :meth:`CounterStreams.uniform_flat`, the same keys); an empty layer draws
         nothing (its counter stays, as layer by layer)."""
         keys = [self.streams.key(name) if n else (0, 0) for name, n in zip(segments.names, segments.numels)]
         return torch.tensor(keys, dtype=torch.int64).reshape(-1, 2)
@@ -324,11 +314,7 @@ class FlatTernGrad:
         """int8 ``[total]`` ternaries: t = sign(g) b, b ~ Bernoulli(min(|g|, clip) / s), the fused backend's draws."""
         chunks = self.chunk_layout(segments)
         x = flat.detach().reshape(-1).to(torch.float32)
-        keys = self._keys(segments)
-        if x.device.type == "cuda":  # from pinned memory, without waiting: a pageable copy would drain the stream
-            keys = keys.pin_memory().to(x.device, non_blocking=True)
-        keys = keys.to(x.device)
-        u = rng.uniform(chunks.within(x.device), segments.expand(keys[:, 0]), segments.expand(keys[:, 1]))
+        u = self.streams.uniform_flat(segments, x.device)
         a = x.abs()
         if clip is not None:
             a = torch.minimum(a, chunks.chunks.expand(clip))
