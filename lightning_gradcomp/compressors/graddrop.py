@@ -30,8 +30,17 @@ from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend
-from lightning_gradcomp.compressors.base import Aggregation, Packet
+from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.graddrop_flat import (
+    SamplePlan,
+    decode_group_coo32,
+    encode_group_coo32,
+    plan_samples,
+    segment_thresholds,
+    survivors_mask,
+)
 from lightning_gradcomp.compressors.sparse_fused import FusedGradientDropping, FusedSumCompressor, decode_sum
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, RandomStreams
 from lightning_gradcomp.sparse import (
     INDEX_ENCODINGS,
@@ -45,6 +54,7 @@ from lightning_gradcomp.sparse import (
     pack_codes,
     packed_codes_nbytes,
     unpack_codes,
+    value_nbytes,
 )
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
@@ -207,6 +217,8 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         self._pool: dict[str, tuple[Tensor, float]] = {}
         self._seen: set[str] = set()
         self._global_threshold: Optional[Tensor] = None
+        # the batched path's sample plans, per group layout, device and sample settings
+        self._plans: dict[tuple[object, ...], SamplePlan] = {}
 
     # -- setup and state --------------------------------------------------------------------------------
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
@@ -414,6 +426,104 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
 
     def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
         return decode_sum(packets, self._decode, out=out)
+
+    # -- a group of layers in one flat tensor (graddrop_flat) -------------------------------------------
+    def _flat_settings(self) -> bool:
+        """Whether the settings have a batched form: per-layer thresholds, unquantized survivors, coo32."""
+        return self.scope == "layer" and self.quantize == "none" and self.index_encoding == "coo32"
+
+    @property  # type: ignore[override]
+    def batched(self) -> bool:
+        """Whether the ``*_flat`` methods run batched: the torch backend (the path CUDA runs) with
+        :meth:`_flat_settings`; the fused CPU backend and other settings loop over the layers."""
+        torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
+        return torch_ops and self._flat_settings()
+
+    def _batches(self, flat: Tensor, segments: Segments) -> bool:
+        return (
+            self._flat_settings() and self._kernels(flat.device) is None and flat.dtype == torch.float32
+            and segments.total < 2**31  # group indices travel as int32
+        )
+
+    def _sample_plan(self, segments: Segments, device: torch.device) -> SamplePlan:
+        key = (segments.names, segments.shapes, device, self.sample, self.sample_fraction, self.min_sample,
+               self.max_sample, self.drop_ratio)
+        plan = self._plans.get(key)
+        if plan is None:
+            sizes, drawn, strides = [], [], []
+            for n in segments.numels:  # threshold_sample's choices, from the shape alone
+                size, draw, stride = n, 0, 1
+                if self.sample == "strided" and n:
+                    size = min(self.max_sample, n)
+                    stride = n // size
+                elif self.sample == "random" and n:
+                    wanted = max(self.min_sample, math.ceil(self.sample_fraction * n))
+                    if wanted < n:
+                        size = draw = wanted
+                sizes.append(size)
+                drawn.append(draw)
+                strides.append(stride)
+            counts = [drop_count(self.drop_ratio, m) for m in sizes]
+            plan = self._plans[key] = plan_samples(segments, sizes, drawn, strides, counts, device)
+        return plan
+
+    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
+        return None  # no statistic is shared (and the default would visit every layer to learn it)
+
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        if not self._batches(flat, segments):
+            return super().compress_flat(flat, segments, shared)
+        x = flat.detach()
+        device = x.device
+        magnitudes = x.abs()
+        plan = self._sample_plan(segments, device)
+        draws = [  # each layer draws from its own generator, as threshold_sample does
+            torch.randint(n, (d,), generator=self._streams.get(name, device), device=device).add_(offset) if d else None
+            for name, n, d, offset in zip(segments.names, segments.numels, plan.drawn, segments.offsets)
+        ]
+        thresholds = segment_thresholds(magnitudes, plan, draws)
+        keep = survivors_mask(magnitudes, thresholds, segments)
+        stats: dict[str, Tensor] = {}
+        if self.values == "fp16":
+            # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
+            fits = ~(magnitudes > torch.finfo(torch.float16).max)
+            stats["overflow"] = segments.reduce((keep & ~fits).to(torch.float32), "sum")
+            keep &= fits
+        payload = encode_group_coo32(x, keep, self.values)
+        counts = segments.reduce(keep.to(torch.int64), "sum")
+        nbytes = counts * (4 + value_nbytes(self.values))
+        numels = torch.tensor(segments.numels, dtype=torch.float64, device=device)
+        # in float64 then rounded once, as the per-layer packets compute them in Python floats
+        stats = {
+            "sparsity": (1.0 - counts / numels.clamp(min=1)).float(),
+            "threshold": thresholds,
+            "sent": counts.float(),
+            "compression_rate": (4.0 * numels / nbytes.clamp(min=1)).float(),
+            **stats,
+        }
+        return FlatPacket(payload, segments, flat.dtype, nbytes, stats=stats)
+
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        if packet.layers is not None:
+            return super().decompress_flat(packet)
+        index, values = decode_group_coo32(packet.payload, self.values)
+        out = torch.zeros(packet.segments.total, dtype=torch.float32, device=packet.payload.device)
+        return out.index_put_((index,), values).to(packet.dtype)
+
+    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        if packets[0].layers is not None:
+            return super().decompress_flat_mean_into(packets, out)
+        if packets[0].dtype != torch.float32 or out.dtype != torch.float32:
+            total = self.decompress_flat(packets[0]).clone()  # summed in the gradients' dtype, as the loop does
+            for packet in packets[1:]:
+                total.add_(self.decompress_flat(packet))
+            return out.copy_(total).div_(len(packets))
+        # each rank's survivors are distinct positions: added rank after rank, the sums of the dense loop
+        out.zero_()
+        for packet in packets:
+            index, values = decode_group_coo32(packet.payload, self.values)
+            out.index_add_(0, index, values)
+        return out.div_(len(packets))
 
 def _mean(values: Tensor) -> Tensor:
     """Mean of a possibly empty tensor (0 when empty), as a 0-d tensor."""

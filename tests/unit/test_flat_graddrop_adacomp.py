@@ -1,0 +1,141 @@
+"""Gradient Dropping and AdaComp over a group of layers in one flat tensor: the batched torch path against the
+per-layer loop (``Compressor``'s defaults), bit for bit, and its op counts."""
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from gradcomp_lab.opcount import count_ops
+from lightning_gradcomp.compressors import AdaComp, GradientDropping
+from lightning_gradcomp.compressors.base import Compressor, FlatPacket
+from lightning_gradcomp.segments import Segments
+
+RANKS = 3
+#: a 0-element and a 1-element layer, convolutions (AdaComp's L_T 50) and matrices (L_T 500), a partial last bin
+SHAPES = [(30, 40), (1,), (0,), (8, 3, 3, 3), (2500,), (17,), (5, 4, 3)]
+
+
+def _layout(shapes: list[tuple[int, ...]] = SHAPES) -> Segments:
+    return Segments([f"layer{i}.weight" for i in range(len(shapes))], [torch.Size(s) for s in shapes])
+
+
+def _gradient(seg: Segments, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(seg.total, generator=gen) * torch.rand(seg.total, generator=gen) ** 4
+    x[seg.offsets[5] : seg.offsets[6]] = 0.25  # a layer of ties: nothing above its threshold
+    x[seg.offsets[0] : seg.offsets[0] + 7] = 0.0
+    return x
+
+
+def _assert_same_stats(batched: FlatPacket, looped: FlatPacket) -> None:
+    assert looped.layers is not None and batched.layers is None
+    for key in looped.layers[0].stats:
+        expected = torch.stack([p.stats[key].reshape(()) for p in looped.layers])
+        assert torch.equal(batched.stats[key], expected), key
+    assert set(batched.stats) == set(looped.layers[0].stats)
+
+
+def _compare(make: Callable[[], Compressor], seg: Segments, residuals: bool = False) -> None:
+    """Three ranks' steps, batched and looped: packets, sizes, stats, sent and the gathered mean, bit for bit."""
+    batched, looped = [], []
+    for rank in range(RANKS):
+        fast, slow = make(), make()
+        for c in (fast, slow):
+            c.setup(rank, RANKS, torch.device("cpu"))
+        assert fast.batched and type(fast).compress_flat is not Compressor.compress_flat
+        for step in range(2):  # twice: the random streams advance the same way
+            grad = _gradient(seg, 10 * rank + step)
+            x = grad * 1.5 if residuals else grad  # a compensated tensor differs from the fresh gradient
+            fast.observe_gradient_flat(grad, seg)
+            Compressor.observe_gradient_flat(slow, grad, seg)
+            a = fast.compress_flat(x, seg)
+            b = Compressor.compress_flat(slow, x, seg)
+            assert a.payload.dtype == torch.uint8 and a.nbytes == b.nbytes
+            assert isinstance(a.layer_nbytes, Tensor) and a.layer_nbytes.tolist() == list(b.layer_nbytes)
+            _assert_same_stats(a, b)
+            sent = fast.sent_flat(x, a)
+            assert torch.equal(sent, Compressor.sent_flat(slow, x, b))
+            assert torch.equal(fast.decompress_flat(a), Compressor.decompress_flat(slow, b))
+        batched.append((fast, a))
+        looped.append((slow, b))
+    received = [p.with_payload(p.payload.clone(), p.layer_nbytes) for _, p in batched]
+    out = torch.full((seg.total,), float("nan"))
+    batched[0][0].decompress_flat_mean_into(received, out)
+    expected = torch.empty(seg.total)
+    Compressor.decompress_flat_mean_into(looped[0][0], [p for _, p in looped], expected)
+    assert torch.equal(out, expected) and out.abs().sum() > 0
+
+
+GRADDROP_CASES = {
+    "exact": dict(sample="exact"),
+    "strided": dict(sample="strided", max_sample=300),
+    "random": dict(sample="random", sample_fraction=0.05, min_sample=40),
+    "ratio0": dict(drop_ratio=0.0, sample="exact"),
+    "bf16": dict(drop_ratio=0.9, values="bf16"),
+    "fp16": dict(drop_ratio=0.5, values="fp16", sample="exact"),
+}
+
+
+@pytest.mark.parametrize("case", GRADDROP_CASES)
+def test_graddrop_batched_equals_the_layer_loop(case: str) -> None:
+    _compare(lambda: GradientDropping(backend="torch", seed=7, **GRADDROP_CASES[case]), _layout(), residuals=True)
+
+
+def test_graddrop_batched_sends_nan_and_fp16_overflow_as_the_loop() -> None:
+    seg = _layout()
+
+    def make() -> Compressor:
+        return GradientDropping(backend="torch", values="fp16", sample="exact", drop_ratio=0.9)
+
+    fast, slow = make(), make()
+    x = _gradient(seg, 3)
+    x[:40] = float("nan")
+    x[seg.offsets[4] : seg.offsets[4] + 5] = 1e6  # beyond fp16
+    a, b = fast.compress_flat(x, seg), Compressor.compress_flat(slow, x, seg)
+    _assert_same_stats(a, b)
+    assert float(a.stats["overflow"][4]) == 5
+    torch.testing.assert_close(fast.sent_flat(x, a), Compressor.sent_flat(slow, x, b), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("make", [lambda: GradientDropping(backend="fused"),
+                                  lambda: GradientDropping(backend="torch", quantize="2bit"),
+                                  lambda: GradientDropping(backend="torch", scope="global"),
+                                  lambda: GradientDropping(backend="torch", index_encoding="delta16")])
+def test_graddrop_other_settings_loop_over_the_layers(make: Callable[[], Compressor]) -> None:
+    comp = make()
+    comp.setup(0, 1, torch.device("cpu"))
+    seg = _layout()
+    packet = comp.compress_flat(_gradient(seg, 0), seg)
+    assert not comp.batched and packet.layers is not None
+
+
+def _ops_per_step(make: Callable[[], Compressor], layers: int) -> tuple[int, int, int]:
+    seg = _layout([(12, 10), (7,), (3, 2, 2, 2)] * (layers // 3) + [(1,)] * (layers % 3))
+    comp = make()
+    comp.setup(0, RANKS, torch.device("cpu"))
+    grad = _gradient(_layout(SHAPES), 0)[: seg.total]
+
+    def step() -> None:
+        comp.observe_gradient_flat(grad, seg)
+        assert comp.flat_statistic(grad * 2, seg) is None
+        packet = comp.compress_flat(grad * 2, seg)
+        comp.sent_flat(grad * 2, packet)
+        received = [packet.with_payload(packet.payload, packet.layer_nbytes)] * RANKS
+        comp.decompress_flat_mean_into(received, torch.empty(seg.total))
+
+    step()  # the first step builds the group's index tensors, once
+    with count_ops() as counted:
+        step()
+    return counted.total, counted.host_reads, counted.data_dependent
+
+
+@pytest.mark.parametrize("make", [lambda: GradientDropping(backend="torch", sample="strided", max_sample=20),
+                                  lambda: GradientDropping(backend="torch", values="fp16")],
+                         ids=["graddrop_strided", "graddrop_fp16"])
+def test_batched_ops_do_not_grow_with_the_layers(make: Callable[[], Compressor]) -> None:
+    few, many = _ops_per_step(make, 8), _ops_per_step(make, 32)
+    assert few == many
+    total, host_reads, data_dependent = many
+    assert host_reads == 0 and data_dependent == 1  # the survivors' one nonzero per group
