@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
+from lightning_gradcomp.compressors.adacomp_flat import bin_mean
 from lightning_gradcomp.compressors.backends import KernelBacked
 from lightning_gradcomp.compressors.base import Packet
 from lightning_gradcomp.compressors.streams import CounterStreams
@@ -207,7 +208,7 @@ class FusedAdaComp:
     def select(self, g: Tensor, dw: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`AdaComp.select` for ``selection="adaptive"``: the sent indices, ternary values and scale."""
         sel = kernels.adacomp_select(g, self._look_ahead(g, dw), size)
-        scale = sel.gmax.mean()
+        scale = bin_mean(sel.gmax, torch.tensor([sel.gmax.numel()], device=g.device)).reshape(())
         keep = sel.values != 0  # G = 0 is never sent
         if self.settings.quantizer == "ternary":
             keep &= 2 * sel.values.abs() >= scale  # nearest of {-s, 0, s} is not 0

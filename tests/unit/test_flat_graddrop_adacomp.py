@@ -53,6 +53,8 @@ def _compare(make: Callable[[], Compressor], seg: Segments, residuals: bool = Fa
             a = fast.compress_flat(x, seg)
             b = Compressor.compress_flat(slow, x, seg)
             assert a.payload.dtype == torch.uint8 and a.nbytes == b.nbytes
+            if isinstance(fast, AdaComp):  # the layers' payloads back to back, byte for byte
+                assert torch.equal(a.payload, b.payload)
             assert isinstance(a.layer_nbytes, Tensor) and a.layer_nbytes.tolist() == list(b.layer_nbytes)
             _assert_same_stats(a, b)
             sent = fast.sent_flat(x, a)
@@ -139,3 +141,55 @@ def test_batched_ops_do_not_grow_with_the_layers(make: Callable[[], Compressor])
     assert few == many
     total, host_reads, data_dependent = many
     assert host_reads == 0 and data_dependent == 1  # the survivors' one nonzero per group
+
+
+ADACOMP_CASES = {
+    "binary": dict(),
+    "ternary": dict(quantizer="ternary"),
+    "small_bins": dict(bin_size_fc=7, bin_size_conv=3, scale_factor=3.0),  # 8-bit words and many markers
+    "long_bins": dict(bin_sizes={"layer4.*": 2000}, bin_size_conv=70),  # 16-bit words for convolutions too
+}
+
+
+@pytest.mark.parametrize("case", ADACOMP_CASES)
+def test_adacomp_batched_equals_the_layer_loop(case: str) -> None:
+    _compare(lambda: AdaComp(backend="torch", **ADACOMP_CASES[case]), _layout(), residuals=True)
+
+
+def test_adacomp_markers_across_long_gaps_equal_the_loop() -> None:
+    # a layer whose non-empty bins lie more than one marker's reach (63 bins of 8-bit words) apart
+    seg = _layout([(20_000,), (3,), (9_000,)])
+    fast, slow = AdaComp(backend="torch", bin_size_fc=2), AdaComp(backend="torch", bin_size_fc=2)
+    dw = torch.zeros(seg.total)
+    dw[[0, 1, 5, 300, 301, 19_999, 20_001, 20_003, 20_003 + 8_999]] = torch.tensor([1.0, -2, 3, -4, 5, 6, -7, 8, 9])
+    fast.observe_gradient_flat(dw, seg)
+    Compressor.observe_gradient_flat(slow, dw, seg)
+    a, b = fast.compress_flat(dw, seg), Compressor.compress_flat(slow, dw, seg)
+    assert torch.equal(a.payload, b.payload) and a.layer_nbytes.tolist() == list(b.layer_nbytes)
+    assert torch.equal(fast.decompress_flat(a), Compressor.decompress_flat(slow, b))
+
+
+def test_adacomp_batched_needs_the_fresh_gradient() -> None:
+    seg = _layout()
+    with pytest.raises(RuntimeError, match="observe_gradient_flat"):
+        AdaComp(backend="torch").compress_flat(_gradient(seg, 0), seg)
+
+
+@pytest.mark.parametrize("make", [lambda: AdaComp(backend="fused"), lambda: AdaComp(backend="torch", wire="index32"),
+                                  lambda: AdaComp(backend="torch", selection="local")])
+def test_adacomp_other_settings_loop_over_the_layers(make: Callable[[], Compressor]) -> None:
+    comp = make()
+    comp.setup(0, 1, torch.device("cpu"))
+    seg = _layout()
+    comp.observe_gradient_flat(_gradient(seg, 1), seg)
+    packet = comp.compress_flat(_gradient(seg, 0), seg)
+    assert not comp.batched and packet.layers is not None
+
+
+@pytest.mark.parametrize("make", [lambda: AdaComp(backend="torch"), lambda: AdaComp(backend="torch", bin_size_fc=3)],
+                         ids=["adacomp", "adacomp_8bit"])
+def test_adacomp_batched_ops_do_not_grow_with_the_layers(make: Callable[[], Compressor]) -> None:
+    few, many = _ops_per_step(make, 8), _ops_per_step(make, 32)
+    assert few == many
+    total, host_reads, data_dependent = many
+    assert host_reads == 0 and data_dependent == 1  # the payload's one masked_select per group
