@@ -36,7 +36,6 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.backends import BACKENDS, Backend
 from lightning_gradcomp.compressors.adacomp_flat import (
     BinLayout,
     bin_mean,
@@ -44,6 +43,7 @@ from lightning_gradcomp.compressors.adacomp_flat import (
     encode_group_words,
     select_bins,
 )
+from lightning_gradcomp.compressors.backends import BACKENDS, Backend
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp, FusedSumCompressor, decode_sum
 from lightning_gradcomp.segments import Segments
@@ -142,6 +142,7 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         # the batched path: each group's fresh gradient (by its names) and bin layout (by names, shapes, device, L_T)
         self._flat_gradients: dict[tuple[str, ...], Tensor] = {}
         self._layouts: dict[tuple[object, ...], BinLayout] = {}
+        self._kernel_tables: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
         #: per parameter name: layer type and L_T, filled at first compression
         self.layer_kinds: dict[str, LayerKind] = {}
         self.layer_bin_sizes: dict[str, int] = {}
@@ -283,24 +284,35 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
 
     @property  # type: ignore[override]
     def batched(self) -> bool:
-        """Whether the ``*_flat`` methods run batched: the torch backend (the path CUDA runs) with
-        :meth:`_flat_settings`; the fused CPU backend and other settings loop over the layers."""
+        """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
+        backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group)."""
         torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
-        return torch_ops and self._flat_settings()
+        return self._flat_settings() and (torch_ops or kernels.fused_available())
 
     def _batches(self, flat: Tensor) -> bool:
-        return self._flat_settings() and self._kernels(flat.device) is None and flat.dtype == torch.float32
+        return self._flat_settings() and flat.dtype == torch.float32
 
-    def _layout(self, segments: Segments, device: torch.device) -> BinLayout:
+    def _bin_sizes(self, segments: Segments) -> tuple[int, ...]:
         sizes = tuple(self.bin_size(name, shape) for name, shape in zip(segments.names, segments.shapes))
+        for name, shape, size in zip(segments.names, segments.shapes, sizes):
+            self.layer_kinds[name] = layer_kind(name, shape)
+            self.layer_bin_sizes[name] = size
+        return sizes
+
+    def _layout(self, segments: Segments, device: torch.device, sizes: tuple[int, ...]) -> BinLayout:
         key = (segments.names, segments.shapes, device, sizes)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = BinLayout.build(segments, sizes, device)
-            for name, shape, size in zip(segments.names, segments.shapes, sizes):
-                self.layer_kinds[name] = layer_kind(name, shape)
-                self.layer_bin_sizes[name] = size
         return layout
+
+    def _kernel_args(self, segments: Segments, sizes: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """The group's offsets and bin lengths as int64 CPU tensors, for the group kernels."""
+        key = (segments.names, segments.shapes, "kernel", sizes)
+        args = self._kernel_tables.get(key)
+        if args is None:
+            args = self._kernel_tables[key] = (torch.tensor(segments.offsets), torch.tensor(sizes, dtype=torch.int64))
+        return args
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return None  # no statistic is shared (and the default would visit every layer to learn it)
@@ -322,37 +334,61 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
             )
         g = flat.detach()
         dw = dw.detach().float()
-        layout = self._layout(segments, g.device)
-        h = g + (self.scale_factor - 1.0) * dw
-        send, scale = select_bins(g, h, layout, segments, self.quantizer == "ternary")
-        if segments.total:
-            payload, nbytes = encode_group_words(g, send, scale, layout, segments)
+        device = g.device
+        sizes = self._bin_sizes(segments)
+        fused = self._kernels(device)
+        ternary = self.quantizer == "ternary"
+        numels = torch.tensor(segments.numels, dtype=torch.int64, device=device)
+        bin_sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
+        bins = -(-numels // bin_sizes)
+        if fused is not None:  # one kernel call
+            payload, nbytes, scale, counts = kernels.adacomp_group_encode(
+                g, fused.look_ahead(g, dw), *self._kernel_args(segments, sizes), ternary
+            )
         else:
-            payload, nbytes = g.new_zeros(0, dtype=torch.uint8), layout.bins.clone()
-        counts = segments.reduce(send.to(torch.int64), "sum")
-        numels = torch.tensor(segments.numels, dtype=torch.float64, device=g.device)
+            layout = self._layout(segments, device, sizes)
+            send, scale = select_bins(g, g + (self.scale_factor - 1.0) * dw, layout, segments, ternary)
+            if segments.total:
+                payload, nbytes = encode_group_words(g, send, scale, layout, segments)
+            else:
+                payload, nbytes = g.new_zeros(0, dtype=torch.uint8), bins.clone()
+            counts = segments.reduce(send.to(torch.int64), "sum")
+        numels_f = numels.double()
         # in float64 then rounded once, as the per-layer packets compute them in Python floats
         stats = {
-            "sparsity": (1.0 - counts / numels.clamp(min=1)).float(),
-            "sent_per_bin": (counts / layout.bins.clamp(min=1)).float(),
+            "sparsity": (1.0 - counts / numels_f.clamp(min=1)).float(),
+            "sent_per_bin": (counts / bins.clamp(min=1)).float(),
             "scale": scale,
-            "bin_size": layout.bin_sizes.float(),
-            "compression_rate": (4.0 * numels / nbytes.clamp(min=1)).float(),
+            "bin_size": bin_sizes.float(),
+            "compression_rate": (4.0 * numels_f / nbytes.clamp(min=1)).float(),
         }
         return FlatPacket(payload, segments, flat.dtype, nbytes, stats=stats)
 
     def _decode_group(self, packet: FlatPacket) -> tuple[Tensor, Tensor]:
         device = packet.payload.device
         nbytes = torch.as_tensor(packet.layer_nbytes, dtype=torch.int64, device=device)
-        return decode_group_words(packet.payload, nbytes, self._layout(packet.segments, device))
+        layout = self._layout(packet.segments, device, self._bin_sizes(packet.segments))
+        return decode_group_words(packet.payload, nbytes, layout)
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
         if packet.layers is not None:
             return super().decompress_flat(packet)
         out = torch.zeros(packet.segments.total, dtype=torch.float32, device=packet.payload.device)
-        if packet.payload.numel():
-            out.index_add_(0, *self._decode_group(packet))
-        return out.to(packet.dtype)
+        return self._sum_into([packet], out).to(packet.dtype)
+
+    def _sum_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        """The ranks' decoded sum written into ``out`` (float32): one kernel call, or rank after rank onto zeros
+        (each rank's entries are distinct positions, the rest adds 0: the dense loop's sums)."""
+        segments = packets[0].segments
+        if self._kernels(out.device) is not None and out.is_contiguous():
+            sizes = [torch.as_tensor(p.layer_nbytes, dtype=torch.int64) for p in packets]
+            args = self._kernel_args(segments, self._bin_sizes(segments))
+            return kernels.adacomp_group_decode_sum([p.payload for p in packets], sizes, *args, out=out)
+        out.zero_()
+        for packet in packets:
+            if packet.payload.numel():
+                out.index_add_(0, *self._decode_group(packet))
+        return out
 
     def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
         if packets[0].layers is not None:
@@ -362,13 +398,7 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
             for packet in packets[1:]:
                 total.add_(self.decompress_flat(packet))
             return out.copy_(total).div_(len(packets))
-        # rank after rank onto zeros: each rank's entries are distinct positions (the rest adds 0), so these are
-        # the dense loop's sums
-        out.zero_()
-        for packet in packets:
-            if packet.payload.numel():
-                out.index_add_(0, *self._decode_group(packet))
-        return out.div_(len(packets))
+        return self._sum_into(packets, out).div_(len(packets))
 
     def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
         """The sum of the packets written into ``out`` (contiguous float32) by the kernels."""

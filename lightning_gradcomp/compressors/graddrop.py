@@ -40,8 +40,8 @@ from lightning_gradcomp.compressors.graddrop_flat import (
     survivors_mask,
 )
 from lightning_gradcomp.compressors.sparse_fused import FusedGradientDropping, FusedSumCompressor, decode_sum
-from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, RandomStreams
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.sparse import (
     INDEX_ENCODINGS,
     VALUE_FORMATS,
@@ -54,6 +54,7 @@ from lightning_gradcomp.sparse import (
     pack_codes,
     packed_codes_nbytes,
     unpack_codes,
+    value_dtype,
     value_nbytes,
 )
 from lightning_gradcomp.validation import check_choice, check_int, check_number
@@ -434,14 +435,14 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
 
     @property  # type: ignore[override]
     def batched(self) -> bool:
-        """Whether the ``*_flat`` methods run batched: the torch backend (the path CUDA runs) with
-        :meth:`_flat_settings`; the fused CPU backend and other settings loop over the layers."""
+        """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
+        backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group)."""
         torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
-        return torch_ops and self._flat_settings()
+        return self._flat_settings() and (torch_ops or kernels.fused_available())
 
     def _batches(self, flat: Tensor, segments: Segments) -> bool:
         return (
-            self._flat_settings() and self._kernels(flat.device) is None and flat.dtype == torch.float32
+            self._flat_settings() and flat.dtype == torch.float32
             and segments.total < 2**31  # group indices travel as int32
         )
 
@@ -475,22 +476,30 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             return super().compress_flat(flat, segments, shared)
         x = flat.detach()
         device = x.device
-        magnitudes = x.abs()
         plan = self._sample_plan(segments, device)
-        draws = [  # each layer draws from its own generator, as threshold_sample does
-            torch.randint(n, (d,), generator=self._streams.get(name, device), device=device).add_(offset) if d else None
-            for name, n, d, offset in zip(segments.names, segments.numels, plan.drawn, segments.offsets)
-        ]
-        thresholds = segment_thresholds(magnitudes, plan, draws)
-        keep = survivors_mask(magnitudes, thresholds, segments)
-        stats: dict[str, Tensor] = {}
-        if self.values == "fp16":
-            # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
-            fits = ~(magnitudes > torch.finfo(torch.float16).max)
-            stats["overflow"] = segments.reduce((keep & ~fits).to(torch.float32), "sum")
-            keep &= fits
-        payload = encode_group_coo32(x, keep, self.values)
-        counts = segments.reduce(keep.to(torch.int64), "sum")
+        fp16 = self.values == "fp16"
+        if self._kernels(device) is not None:  # one kernel call; its random samples keyed as the fused loop keys them
+            keys = [self._keys.key(name) if d else (0, 0) for name, d in zip(segments.names, plan.drawn)]
+            thresholds, index, values, counts, overflow = kernels.graddrop_group_select(
+                x, *plan.kernel_args[:3], torch.tensor(keys, dtype=torch.int64), plan.kernel_args[3], fp16
+            )
+            payload = torch.cat((index.view(torch.uint8), values.to(value_dtype(self.values)).view(torch.uint8)))
+        else:
+            magnitudes = x.abs()
+            draws = [  # each layer draws from its own generator, as threshold_sample does
+                torch.randint(n, (d,), generator=self._streams.get(name, device), device=device).add_(offset)
+                if d else None
+                for name, n, d, offset in zip(segments.names, segments.numels, plan.drawn, segments.offsets)
+            ]
+            thresholds = segment_thresholds(magnitudes, plan, draws)
+            keep = survivors_mask(magnitudes, thresholds, segments)
+            if fp16:
+                # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
+                fits = ~(magnitudes > torch.finfo(torch.float16).max)
+                overflow = segments.reduce((keep & ~fits).to(torch.float32), "sum")
+                keep &= fits
+            payload = encode_group_coo32(x, keep, self.values)
+            counts = segments.reduce(keep.to(torch.int64), "sum")
         nbytes = counts * (4 + value_nbytes(self.values))
         numels = torch.tensor(segments.numels, dtype=torch.float64, device=device)
         # in float64 then rounded once, as the per-layer packets compute them in Python floats
@@ -499,8 +508,9 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             "threshold": thresholds,
             "sent": counts.float(),
             "compression_rate": (4.0 * numels / nbytes.clamp(min=1)).float(),
-            **stats,
         }
+        if fp16:
+            stats["overflow"] = overflow
         return FlatPacket(payload, segments, flat.dtype, nbytes, stats=stats)
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
@@ -518,10 +528,13 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             for packet in packets[1:]:
                 total.add_(self.decompress_flat(packet))
             return out.copy_(total).div_(len(packets))
+        decoded = [decode_group_coo32(packet.payload, self.values) for packet in packets]
+        if self._kernels(out.device) is not None and out.is_contiguous():  # one kernel call for all ranks
+            kernels.sparse_decode_sum(out.numel(), [i for i, _ in decoded], [v for _, v in decoded], out=out)
+            return out.div_(len(packets))
         # each rank's survivors are distinct positions: added rank after rank, the sums of the dense loop
         out.zero_()
-        for packet in packets:
-            index, values = decode_group_coo32(packet.payload, self.values)
+        for index, values in decoded:
             out.index_add_(0, index, values)
         return out.div_(len(packets))
 

@@ -36,11 +36,13 @@ class SamplePlan:
 
     Attributes:
         segments: the sample's own layout (one segment of ``sizes[s]`` values per layer), for the per-layer sort.
-        drawn: per layer, the random sample size drawn from the layer's generator, or 0 (a fixed sample).
-        fixed: per layer, the fixed sample's flat positions in the group (``None`` where drawn).
+        drawn: per layer, the random sample size drawn from the layer's stream, or 0 (a fixed sample).
+        fixed: per layer, the fixed sample's flat positions in the group (``None`` where drawn, or when ``whole``).
         whole: whether every layer's sample is the whole layer (the sample is the magnitudes themselves).
         kth: flat position, in the sorted samples, of each layer's floor(R * m)-th value (0 where k = 0).
         has_k: per layer, whether k > 0 (else the threshold is 0).
+        kernel_args: int64 CPU tensors for :func:`~lightning_gradcomp.kernels.graddrop_group_select`: the layers'
+            offsets, sample sizes, sample modes (2 whole, 0 strided, 1 random) and k.
     """
 
     segments: Segments
@@ -49,6 +51,7 @@ class SamplePlan:
     whole: bool
     kth: Tensor
     has_k: Tensor
+    kernel_args: tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 def plan_samples(
@@ -57,15 +60,19 @@ def plan_samples(
 ) -> SamplePlan:
     """A :class:`SamplePlan` from per-layer sample ``sizes``, random ``drawn`` sizes (0: fixed), fixed ``strides``
     (1: the whole layer) and drop ``counts`` k (the k-th smallest sampled value is the threshold; 0: none)."""
+    whole = not any(drawn) and all(m == n for m, n in zip(sizes, segments.numels))
     fixed: list[Optional[Tensor]] = []
     for offset, size, draw, stride in zip(segments.offsets, sizes, drawn, strides):
-        fixed.append(None if draw else torch.arange(offset, offset + stride * size, stride, device=device))
+        positions = None if draw or whole else torch.arange(offset, offset + stride * size, stride, device=device)
+        fixed.append(positions)
     sample = Segments(segments.names, [torch.Size((m,)) for m in sizes])
     kth = [o + k - 1 if k else 0 for o, k in zip(sample.offsets, counts)]
-    whole = not any(drawn) and all(m == n for m, n in zip(sizes, segments.numels))
+    modes = [1 if d else 2 if m == n else 0 for d, m, n in zip(drawn, sizes, segments.numels)]
+    kernel_args = tuple(torch.tensor(v, dtype=torch.int64) for v in (segments.offsets, sizes, modes, counts))
     return SamplePlan(
         sample, tuple(drawn), tuple(fixed), whole,
         torch.tensor(kth, dtype=torch.int64, device=device), torch.tensor([k > 0 for k in counts], device=device),
+        kernel_args,  # type: ignore[arg-type]
     )
 
 

@@ -47,6 +47,9 @@ FUNCTIONS = [
     "sparse_decode_sum",
     "bin_words_encode",
     "bin_words_decode_sum",
+    "graddrop_group_select",
+    "adacomp_group_encode",
+    "adacomp_group_decode_sum",
 ]
 _CFLAGS = ["-O3", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

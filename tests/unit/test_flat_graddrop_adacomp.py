@@ -8,8 +8,10 @@ import torch
 from torch import Tensor
 
 from gradcomp_lab.opcount import count_ops
+from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
 from lightning_gradcomp.compressors.base import Compressor, FlatPacket
+from lightning_gradcomp.kernels import torch_ops
 from lightning_gradcomp.segments import Segments
 
 RANKS = 3
@@ -80,16 +82,18 @@ GRADDROP_CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("case", GRADDROP_CASES)
-def test_graddrop_batched_equals_the_layer_loop(case: str) -> None:
-    _compare(lambda: GradientDropping(backend="torch", seed=7, **GRADDROP_CASES[case]), _layout(), residuals=True)
+def test_graddrop_batched_equals_the_layer_loop(case: str, backend: str) -> None:
+    _compare(lambda: GradientDropping(backend=backend, seed=7, **GRADDROP_CASES[case]), _layout(), residuals=True)
 
 
-def test_graddrop_batched_sends_nan_and_fp16_overflow_as_the_loop() -> None:
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_graddrop_batched_sends_nan_and_fp16_overflow_as_the_loop(backend: str) -> None:
     seg = _layout()
 
     def make() -> Compressor:
-        return GradientDropping(backend="torch", values="fp16", sample="exact", drop_ratio=0.9)
+        return GradientDropping(backend=backend, values="fp16", sample="exact", drop_ratio=0.9)
 
     fast, slow = make(), make()
     x = _gradient(seg, 3)
@@ -101,7 +105,7 @@ def test_graddrop_batched_sends_nan_and_fp16_overflow_as_the_loop() -> None:
     torch.testing.assert_close(fast.sent_flat(x, a), Compressor.sent_flat(slow, x, b), rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("make", [lambda: GradientDropping(backend="fused"),
+@pytest.mark.parametrize("make", [lambda: GradientDropping(backend="fused", quantize="threshold"),
                                   lambda: GradientDropping(backend="torch", quantize="2bit"),
                                   lambda: GradientDropping(backend="torch", scope="global"),
                                   lambda: GradientDropping(backend="torch", index_encoding="delta16")])
@@ -133,14 +137,18 @@ def _ops_per_step(make: Callable[[], Compressor], layers: int) -> tuple[int, int
     return counted.total, counted.host_reads, counted.data_dependent
 
 
-@pytest.mark.parametrize("make", [lambda: GradientDropping(backend="torch", sample="strided", max_sample=20),
-                                  lambda: GradientDropping(backend="torch", values="fp16")],
-                         ids=["graddrop_strided", "graddrop_fp16"])
-def test_batched_ops_do_not_grow_with_the_layers(make: Callable[[], Compressor]) -> None:
-    few, many = _ops_per_step(make, 8), _ops_per_step(make, 32)
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+@pytest.mark.parametrize("make", [lambda b: GradientDropping(backend=b, sample="strided", max_sample=20),
+                                  lambda b: GradientDropping(backend=b, values="fp16"),
+                                  lambda b: AdaComp(backend=b), lambda b: AdaComp(backend=b, bin_size_fc=3)],
+                         ids=["graddrop_strided", "graddrop_fp16", "adacomp", "adacomp_8bit"])
+def test_batched_ops_do_not_grow_with_the_layers(make: Callable[[str], Compressor], backend: str) -> None:
+    few, many = _ops_per_step(lambda: make(backend), 8), _ops_per_step(lambda: make(backend), 32)
     assert few == many
     total, host_reads, data_dependent = many
-    assert host_reads == 0 and data_dependent == 1  # the survivors' one nonzero per group
+    # the torch path's one data-dependent op per group: the survivors' nonzero, AdaComp's payload masked_select;
+    # the fused kernels compact inside the one call
+    assert host_reads == 0 and data_dependent == (1 if backend == "torch" else 0)
 
 
 ADACOMP_CASES = {
@@ -151,15 +159,17 @@ ADACOMP_CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("case", ADACOMP_CASES)
-def test_adacomp_batched_equals_the_layer_loop(case: str) -> None:
-    _compare(lambda: AdaComp(backend="torch", **ADACOMP_CASES[case]), _layout(), residuals=True)
+def test_adacomp_batched_equals_the_layer_loop(case: str, backend: str) -> None:
+    _compare(lambda: AdaComp(backend=backend, **ADACOMP_CASES[case]), _layout(), residuals=True)
 
 
-def test_adacomp_markers_across_long_gaps_equal_the_loop() -> None:
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_adacomp_markers_across_long_gaps_equal_the_loop(backend: str) -> None:
     # a layer whose non-empty bins lie more than one marker's reach (63 bins of 8-bit words) apart
     seg = _layout([(20_000,), (3,), (9_000,)])
-    fast, slow = AdaComp(backend="torch", bin_size_fc=2), AdaComp(backend="torch", bin_size_fc=2)
+    fast, slow = AdaComp(backend=backend, bin_size_fc=2), AdaComp(backend=backend, bin_size_fc=2)
     dw = torch.zeros(seg.total)
     dw[[0, 1, 5, 300, 301, 19_999, 20_001, 20_003, 20_003 + 8_999]] = torch.tensor([1.0, -2, 3, -4, 5, 6, -7, 8, 9])
     fast.observe_gradient_flat(dw, seg)
@@ -175,7 +185,8 @@ def test_adacomp_batched_needs_the_fresh_gradient() -> None:
         AdaComp(backend="torch").compress_flat(_gradient(seg, 0), seg)
 
 
-@pytest.mark.parametrize("make", [lambda: AdaComp(backend="fused"), lambda: AdaComp(backend="torch", wire="index32"),
+@pytest.mark.parametrize("make", [lambda: AdaComp(backend="fused", wire="index32"),
+                                  lambda: AdaComp(backend="torch", wire="index32"),
                                   lambda: AdaComp(backend="torch", selection="local")])
 def test_adacomp_other_settings_loop_over_the_layers(make: Callable[[], Compressor]) -> None:
     comp = make()
@@ -186,10 +197,21 @@ def test_adacomp_other_settings_loop_over_the_layers(make: Callable[[], Compress
     assert not comp.batched and packet.layers is not None
 
 
-@pytest.mark.parametrize("make", [lambda: AdaComp(backend="torch"), lambda: AdaComp(backend="torch", bin_size_fc=3)],
-                         ids=["adacomp", "adacomp_8bit"])
-def test_adacomp_batched_ops_do_not_grow_with_the_layers(make: Callable[[], Compressor]) -> None:
-    few, many = _ops_per_step(make, 8), _ops_per_step(make, 32)
-    assert few == many
-    total, host_reads, data_dependent = many
-    assert host_reads == 0 and data_dependent == 1  # the payload's one masked_select per group
+@pytest.mark.skipif(not kernels.fused_available(), reason="the compiled kernels do not load here")
+def test_group_kernels_equal_their_torch_ops_fallbacks() -> None:
+    seg = _layout()
+    g, dw = _gradient(seg, 4), _gradient(seg, 5)
+    offsets = torch.tensor(seg.offsets)
+    sizes = torch.tensor([min(n, 300) for n in seg.numels])
+    modes = torch.tensor([1, 2, 2, 0, 1, 2, 0])
+    keys = torch.tensor([[5, 6]] * len(seg))
+    counts = (sizes * 0.9).long()
+    bins = torch.tensor([3, 500, 500, 50, 2000, 7, 64])
+    compiled = kernels.graddrop_group_select(g, offsets, sizes, modes, keys, counts, True)
+    encoded = kernels.adacomp_group_encode(g, g + dw, offsets, bins, False)
+    with torch_ops():
+        assert all(map(torch.equal, compiled, kernels.graddrop_group_select(g, offsets, sizes, modes, keys, counts, True)))
+        assert all(map(torch.equal, encoded, kernels.adacomp_group_encode(g, g + dw, offsets, bins, False)))
+        fallback = kernels.adacomp_group_decode_sum([encoded[0]] * 2, [encoded[1]] * 2, offsets, bins)
+    assert torch.equal(kernels.adacomp_group_decode_sum([encoded[0]] * 2, [encoded[1]] * 2, offsets, bins), fallback)
+    assert int(compiled[3].sum()) > 0 and int(encoded[3].sum()) > 0
