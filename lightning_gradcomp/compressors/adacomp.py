@@ -282,8 +282,8 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         """Whether the settings have a batched form: the adaptive selection and the paper's wire."""
         return self.selection == "adaptive" and self.wire == "paper"
 
-    @property  # type: ignore[override]
-    def batched(self) -> bool:
+    @property
+    def batched(self) -> bool:  # type: ignore[override]
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
         backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group)."""
         torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen

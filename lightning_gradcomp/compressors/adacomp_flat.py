@@ -96,13 +96,12 @@ class BinLayout:
         wide[first_slot] = True
         wide[first_slot + 1] = True
         slot_index = torch.cat((element_slot, marker_slot, first_slot, first_slot + 1))
-        to = {"device": device}
         return BinLayout(
-            bin_ids=(first_bin[layer] + local_bin).to(**to), in_bin=(local - local_bin * sizes[layer]).to(**to),
-            bins=bins.to(**to), bin_sizes=sizes.to(**to), field_bits=(8 * word_bytes - 2).to(**to),
-            word_bytes=word_bytes.to(**to), offsets=offsets.to(**to), bin_layer=bin_layer.to(**to),
-            first_bin=first_bin[bin_layer].to(**to), last_bin=(first_bin + bins - 1)[bin_layer].to(**to),
-            slots=slots, slot_index=slot_index.to(**to), wide=wide.to(**to),
+            bin_ids=(first_bin[layer] + local_bin).to(device), in_bin=(local - local_bin * sizes[layer]).to(device),
+            bins=bins.to(device), bin_sizes=sizes.to(device), field_bits=(8 * word_bytes - 2).to(device),
+            word_bytes=word_bytes.to(device), offsets=offsets.to(device), bin_layer=bin_layer.to(device),
+            first_bin=first_bin[bin_layer].to(device), last_bin=(first_bin + bins - 1)[bin_layer].to(device),
+            slots=slots, slot_index=slot_index.to(device), wide=wide.to(device),
         )
 
 

@@ -433,8 +433,8 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         """Whether the settings have a batched form: per-layer thresholds, unquantized survivors, coo32."""
         return self.scope == "layer" and self.quantize == "none" and self.index_encoding == "coo32"
 
-    @property  # type: ignore[override]
-    def batched(self) -> bool:
+    @property
+    def batched(self) -> bool:  # type: ignore[override]
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
         backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group)."""
         torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen

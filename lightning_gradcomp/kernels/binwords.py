@@ -98,8 +98,12 @@ def adacomp_group_encode(
         scales.append(scale)
         counts.append(idx.numel())
     payload = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=g.device)
-    as_long = {"dtype": torch.int64, "device": g.device}
-    return payload, torch.tensor(sizes, **as_long), torch.stack(scales) if scales else g.new_zeros(0), torch.tensor(counts, **as_long)
+    return (
+        payload,
+        torch.tensor(sizes, dtype=torch.int64, device=g.device),
+        torch.stack(scales) if scales else g.new_zeros(0),
+        torch.tensor(counts, dtype=torch.int64, device=g.device),
+    )
 
 
 def adacomp_group_decode_sum(
