@@ -215,3 +215,20 @@ def test_group_kernels_equal_their_torch_ops_fallbacks() -> None:
         fallback = kernels.adacomp_group_decode_sum([encoded[0]] * 2, [encoded[1]] * 2, offsets, bins)
     assert torch.equal(kernels.adacomp_group_decode_sum([encoded[0]] * 2, [encoded[1]] * 2, offsets, bins), fallback)
     assert int(compiled[3].sum()) > 0 and int(encoded[3].sum()) > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+@pytest.mark.parametrize("quantizer", ["binary", "ternary"])
+def test_adacomp_batched_handles_nan_as_the_loop(backend: str, quantizer: str) -> None:
+    # a NaN makes its bin's maximum and its layer's scale NaN: binary sends NaN values, ternary nothing of the layer
+    seg = _layout()
+    fast, slow = AdaComp(backend=backend, quantizer=quantizer), AdaComp(backend=backend, quantizer=quantizer)
+    x = _gradient(seg, 6)
+    x[seg.offsets[3] + 5] = float("nan")
+    fast.observe_gradient_flat(x, seg)
+    Compressor.observe_gradient_flat(slow, x, seg)
+    a, b = fast.compress_flat(x, seg), Compressor.compress_flat(slow, x, seg)
+    assert torch.equal(a.payload, b.payload) and a.layer_nbytes.tolist() == list(b.layer_nbytes)
+    sent = fast.sent_flat(x, a)
+    torch.testing.assert_close(sent, Compressor.sent_flat(slow, x, b), rtol=0, atol=0, equal_nan=True)
+    assert bool(torch.isnan(sent).any()) == (quantizer == "binary")
