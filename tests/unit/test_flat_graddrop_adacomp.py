@@ -39,6 +39,16 @@ def _assert_same_stats(batched: FlatPacket, looped: FlatPacket) -> None:
     assert set(batched.stats) == set(looped.layers[0].stats)
 
 
+def _same_state(a: object, b: object) -> bool:
+    if isinstance(a, Tensor):
+        return isinstance(b, Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_state, a, b))
+    return a == b
+
+
 def _compare(make: Callable[[], Compressor], seg: Segments, residuals: bool = False) -> None:
     """Three ranks' steps, batched and looped: packets, sizes, stats, sent and the gathered mean, bit for bit."""
     batched, looped = [], []
@@ -62,6 +72,8 @@ def _compare(make: Callable[[], Compressor], seg: Segments, residuals: bool = Fa
             sent = fast.sent_flat(x, a)
             assert torch.equal(sent, Compressor.sent_flat(slow, x, b))
             assert torch.equal(fast.decompress_flat(a), Compressor.decompress_flat(slow, b))
+        # per-name state (random streams, counters) advanced as the loop advances it: a resumed run repeats
+        assert _same_state(fast.state_dict(), slow.state_dict())
         batched.append((fast, a))
         looped.append((slow, b))
     received = [p.with_payload(p.payload.clone(), p.layer_nbytes) for _, p in batched]
