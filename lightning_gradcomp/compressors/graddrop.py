@@ -35,6 +35,7 @@ from lightning_gradcomp.compressors.graddrop_flat import (
     SamplePlan,
     decode_group_coo32,
     encode_group_coo32,
+    gather_samples,
     plan_samples,
     segment_thresholds,
     survivors_mask,
@@ -99,14 +100,19 @@ def threshold_level(threshold: Tensor, survivors: Tensor) -> Tensor:
     return torch.where(survivors.isnan().any(), float("nan"), level).reshape(1)
 
 
-def select_weighted_threshold(samples: list[Tensor], weights: list[float], ratio: float) -> Tensor:
+def select_weighted_threshold(
+    samples: list[Tensor], weights: list[float], ratio: float, element_weights: Optional[Tensor] = None
+) -> Tensor:
     """The threshold over a pool of samples where each sampled value stands for ``weight`` elements.
 
     Returns the smallest pooled value v such that the represented elements with |x| <= v number at least
-    floor(ratio * total), i.e. :func:`select_threshold` when every weight is 1.
+    floor(ratio * total), i.e. :func:`select_threshold` when every weight is 1. ``element_weights``: each pooled
+    value's weight (float32, in pool order) when the caller keeps it, so the pool costs no op per sample.
     """
-    values = torch.cat([s.float().reshape(-1) for s in samples])
-    w = torch.cat([torch.full((s.numel(),), float(wt), device=values.device) for s, wt in zip(samples, weights)])
+    values = torch.cat([s if s.dim() == 1 else s.reshape(-1) for s in samples]).float() if samples else torch.zeros(0)
+    w = element_weights
+    if w is None:
+        w = torch.cat([torch.full((s.numel(),), float(wt), device=values.device) for s, wt in zip(samples, weights)])
     total = sum(s.numel() * wt for s, wt in zip(samples, weights))
     k = drop_count(ratio, int(round(total)))
     if k == 0 or values.numel() == 0:
@@ -220,6 +226,8 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         self._global_threshold: Optional[Tensor] = None
         # the batched path's sample plans, per group layout, device and sample settings
         self._plans: dict[tuple[object, ...], SamplePlan] = {}
+        # the global pool's per-value weights and the layout they were built for
+        self._pool_weights: tuple[tuple[object, ...], Tensor] = ((), torch.zeros(0))
 
     # -- setup and state --------------------------------------------------------------------------------
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
@@ -291,17 +299,52 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         if self.scope == "layer":
             return select(sample, self.drop_ratio)
         if name in self._seen:  # a name comes back: a new step began, select on the previous step's pool
-            names = sorted(self._pool)
-            self._global_threshold = select_weighted_threshold(
-                [self._pool[n][0] for n in names], [self._pool[n][1] for n in names], self.drop_ratio
-            )
-            self._seen.clear()
+            self._select_global()
         self._seen.add(name)
         # a copy: the sample may be a view of a tensor the hook reuses
         self._pool[name] = (sample.clone(), weight)
         if self._global_threshold is None:  # first step: no whole-model pool yet
             return select(sample, self.drop_ratio)
         return self._global_threshold.to(sample.device)
+
+    def _select_global(self) -> None:
+        """Select the whole-model threshold on the pool (the previous step's samples) and start a new step."""
+        names = sorted(self._pool)
+        samples, weights = [self._pool[n][0] for n in names], [self._pool[n][1] for n in names]
+        key = tuple((n, s.numel(), w, s.device) for n, s, w in zip(names, samples, weights))
+        if self._pool_weights[0] != key:  # each value's weight, kept while the pool's layout stays
+            device = samples[0].device if samples else self._device
+            per_sample = [torch.full((s.numel(),), float(w), device=device) for s, w in zip(samples, weights)]
+            self._pool_weights = (key, torch.cat(per_sample) if per_sample else torch.zeros(0, device=device))
+        self._global_threshold = select_weighted_threshold(samples, weights, self.drop_ratio, self._pool_weights[1])
+        self._seen.clear()
+
+    def _group_thresholds(self, segments: Segments, samples: Tensor, plan: SamplePlan) -> Tensor:
+        """``[layers]``: :meth:`pooled_threshold` of every layer of the group, in order, with a fixed number of ops:
+        the pool keeps the group's samples as views of one copy, and the whole-model threshold is selected again
+        where the loop would, at the first layer of the group already seen this step."""
+        names = segments.names
+        if self.scope == "layer":
+            return segment_thresholds(samples, plan)
+        restart = next((i for i, name in enumerate(names) if name in self._seen), len(names))
+        before = self._global_threshold
+        parts = samples.clone().split(plan.segments.numels)  # a copy: the hook may reuse the tensor sampled
+        for i, name in enumerate(names):
+            if i == restart:
+                self._select_global()
+            self._seen.add(name)
+            self._pool[name] = (parts[i], plan.weights[i])
+        device = samples.device
+        if restart > 0:  # the layers before the restart: the threshold they would have had, per layer at first
+            first = segment_thresholds(samples, plan) if before is None else before.to(device).expand(len(names))
+            if restart == len(names):
+                return first.clone()
+        after = self._global_threshold
+        assert after is not None
+        after = after.to(device).expand(len(names))
+        if restart == 0:
+            return after.clone()
+        return torch.where(torch.arange(len(names), device=device) < restart, first, after)
 
     # -- compress ---------------------------------------------------------------------------------------
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
@@ -429,20 +472,22 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         return decode_sum(packets, self._decode, out=out)
 
     # -- a group of layers in one flat tensor (graddrop_flat) -------------------------------------------
-    def _flat_settings(self) -> bool:
-        """Whether the settings have a batched form: per-layer thresholds, unquantized survivors, coo32."""
-        return self.scope == "layer" and self.quantize == "none" and self.index_encoding == "coo32"
+    def _flat_settings(self, torch_ops: bool) -> bool:
+        """Whether the settings have a batched form: unquantized survivors in coo32, and per-layer thresholds
+        (the whole-model one too on torch ops)."""
+        scope = torch_ops or self.scope == "layer"
+        return scope and self.quantize == "none" and self.index_encoding == "coo32"
 
     @property
     def batched(self) -> bool:  # type: ignore[override]
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
         backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group)."""
         torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
-        return self._flat_settings() and (torch_ops or kernels.fused_available())
+        return self._flat_settings(torch_ops) and (torch_ops or kernels.fused_available())
 
     def _batches(self, flat: Tensor, segments: Segments) -> bool:
         return (
-            self._flat_settings() and flat.dtype == torch.float32
+            self._flat_settings(self._kernels(flat.device) is None) and flat.dtype == torch.float32
             and segments.total < 2**31  # group indices travel as int32
         )
 
@@ -491,7 +536,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
                 if d else None
                 for name, n, d, offset in zip(segments.names, segments.numels, plan.drawn, segments.offsets)
             ]
-            thresholds = segment_thresholds(magnitudes, plan, draws)
+            thresholds = self._group_thresholds(segments, gather_samples(magnitudes, plan, draws), plan)
             keep = survivors_mask(magnitudes, thresholds, segments)
             if fp16:
                 # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)

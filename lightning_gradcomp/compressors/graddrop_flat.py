@@ -43,6 +43,7 @@ class SamplePlan:
         has_k: per layer, whether k > 0 (else the threshold is 0).
         kernel_args: int64 CPU tensors for :func:`~lightning_gradcomp.kernels.graddrop_group_select`: the layers'
             offsets, sample sizes, sample modes (2 whole, 0 strided, 1 random) and k.
+        weights: per layer, how many elements each sampled value stands for (the global scope's pool weights).
     """
 
     segments: Segments
@@ -52,6 +53,7 @@ class SamplePlan:
     kth: Tensor
     has_k: Tensor
     kernel_args: tuple[Tensor, Tensor, Tensor, Tensor]
+    weights: tuple[float, ...]
 
 
 def plan_samples(
@@ -69,30 +71,37 @@ def plan_samples(
     kth = [o + k - 1 if k else 0 for o, k in zip(sample.offsets, counts)]
     modes = [1 if d else 2 if m == n else 0 for d, m, n in zip(drawn, sizes, segments.numels)]
     kernel_args = tuple(torch.tensor(v, dtype=torch.int64) for v in (segments.offsets, sizes, modes, counts))
+    weights = tuple(n / m if m != n else 1.0 for m, n in zip(sizes, segments.numels))  # as threshold_sample weighs
     return SamplePlan(
         sample, tuple(drawn), tuple(fixed), whole,
         torch.tensor(kth, dtype=torch.int64, device=device), torch.tensor([k > 0 for k in counts], device=device),
         kernel_args,  # type: ignore[arg-type]
+        weights,
     )
 
 
-def segment_thresholds(magnitudes: Tensor, plan: SamplePlan, draws: Sequence[Optional[Tensor]]) -> Tensor:
-    """``[layers]`` float32: each layer's k-th smallest sampled |x| (0 where k = 0).
+def gather_samples(magnitudes: Tensor, plan: SamplePlan, draws: Sequence[Optional[Tensor]]) -> Tensor:
+    """Every layer's threshold sample of |x|, back to back (laid out as ``plan.segments``).
 
     Args:
         magnitudes: |x| of the group, flat.
         plan: the group's :class:`SamplePlan`.
-        draws: per layer, the positions drawn in the layer (from its offset) where ``plan.drawn`` says so, else None.
+        draws: per layer, the positions drawn in the group where ``plan.drawn`` says so, else None.
     """
-    if plan.segments.total == 0:
-        return magnitudes.new_zeros(len(plan.segments))
     if plan.whole:
-        sample = magnitudes
-    else:
-        parts = [f if f is not None else d for f, d in zip(plan.fixed, draws)]
-        positions = torch.cat([p for p in parts if p is not None])
-        sample = magnitudes.index_select(0, positions)
-    ordered, _ = plan.segments.sort(sample)
+        return magnitudes
+    parts = [f if f is not None else d for f, d in zip(plan.fixed, draws)]
+    positions = [p for p in parts if p is not None]
+    if not positions:
+        return magnitudes[:0]
+    return magnitudes.index_select(0, torch.cat(positions))
+
+
+def segment_thresholds(samples: Tensor, plan: SamplePlan) -> Tensor:
+    """``[layers]`` float32: each layer's k-th smallest sampled |x| (0 where k = 0), from :func:`gather_samples`."""
+    if plan.segments.total == 0:
+        return samples.new_zeros(len(plan.segments))
+    ordered, _ = plan.segments.sort(samples)
     kth = ordered.index_select(0, plan.kth)
     return torch.where(plan.has_k, kth, 0.0)
 
@@ -127,6 +136,7 @@ __all__ = [
     "SamplePlan",
     "decode_group_coo32",
     "encode_group_coo32",
+    "gather_samples",
     "plan_samples",
     "segment_thresholds",
     "survivors_mask",

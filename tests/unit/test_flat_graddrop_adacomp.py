@@ -91,12 +91,18 @@ GRADDROP_CASES = {
     "ratio0": dict(drop_ratio=0.0, sample="exact"),
     "bf16": dict(drop_ratio=0.9, values="bf16"),
     "fp16": dict(drop_ratio=0.5, values="fp16", sample="exact"),
+    "global_exact": dict(scope="global", sample="exact"),
+    "global_random": dict(scope="global", drop_ratio=0.9, sample_fraction=0.05, min_sample=40),
 }
+#: the whole-model threshold batches on torch ops only (the fused loop keeps it per layer)
+TORCH_ONLY = {"global_exact", "global_random"}
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("case", GRADDROP_CASES)
 def test_graddrop_batched_equals_the_layer_loop(case: str, backend: str) -> None:
+    if backend == "fused" and case in TORCH_ONLY:
+        pytest.skip("the fused backend loops over the layers in global scope")
     _compare(lambda: GradientDropping(backend=backend, seed=7, **GRADDROP_CASES[case]), _layout(), residuals=True)
 
 
@@ -119,7 +125,7 @@ def test_graddrop_batched_sends_nan_and_fp16_overflow_as_the_loop(backend: str) 
 
 @pytest.mark.parametrize("make", [lambda: GradientDropping(backend="fused", quantize="threshold"),
                                   lambda: GradientDropping(backend="torch", quantize="2bit"),
-                                  lambda: GradientDropping(backend="torch", scope="global"),
+                                  lambda: GradientDropping(backend="fused", scope="global"),
                                   lambda: GradientDropping(backend="torch", index_encoding="delta16")])
 def test_graddrop_other_settings_loop_over_the_layers(make: Callable[[], Compressor]) -> None:
     comp = make()
@@ -127,6 +133,30 @@ def test_graddrop_other_settings_loop_over_the_layers(make: Callable[[], Compres
     seg = _layout()
     packet = comp.compress_flat(_gradient(seg, 0), seg)
     assert not comp.batched and packet.layers is not None
+
+
+@pytest.mark.parametrize("sample", ["exact", "random"])
+def test_graddrop_global_scope_restarts_where_the_loop_does(sample: str) -> None:
+    # groups change between steps (DDP rebuilds its buckets after the first): the step restarts at the first layer
+    # seen again, in the middle of a group here, and the layers before it keep the previous threshold
+    layers = [f"layer{i}.weight" for i in range(6)]
+    shapes = {name: torch.Size(s) for name, s in zip(layers, [(30, 40), (1,), (0,), (2500,), (17,), (300,)])}
+    steps = [[layers[:4], layers[4:]], [layers[5:], layers[:5]], [layers[2:4], layers[4:], layers[:2]], [layers]]
+
+    def make() -> GradientDropping:
+        return GradientDropping(backend="torch", scope="global", sample=sample, drop_ratio=0.95, min_sample=40,
+                                sample_fraction=0.05)
+
+    fast, slow = make(), make()
+    for step, groups in enumerate(steps):
+        for names in groups:
+            seg = Segments(names, [shapes[n] for n in names])
+            x = torch.randn(seg.total, generator=torch.Generator().manual_seed(step)) * (1 + step)
+            a, b = fast.compress_flat(x, seg), Compressor.compress_flat(slow, x, seg)
+            _assert_same_stats(a, b)
+            assert torch.equal(fast.sent_flat(x, a), Compressor.sent_flat(slow, x, b))
+        assert torch.equal(fast._global_threshold, slow._global_threshold) if step else fast._global_threshold is None
+    assert _same_state(fast.state_dict(), slow.state_dict())
 
 
 def _ops_per_step(make: Callable[[], Compressor], layers: int) -> tuple[int, int, int]:
@@ -143,7 +173,8 @@ def _ops_per_step(make: Callable[[], Compressor], layers: int) -> tuple[int, int
         received = [packet.with_payload(packet.payload, packet.layer_nbytes)] * RANKS
         comp.decompress_flat_mean_into(received, torch.empty(seg.total))
 
-    step()  # the first step builds the group's index tensors, once
+    step()  # the first steps build the group's index tensors (and the global pool's weights), once
+    step()
     with count_ops() as counted:
         step()
     return counted.total, counted.host_reads, counted.data_dependent
@@ -152,9 +183,12 @@ def _ops_per_step(make: Callable[[], Compressor], layers: int) -> tuple[int, int
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("make", [lambda b: GradientDropping(backend=b, sample="strided", max_sample=20),
                                   lambda b: GradientDropping(backend=b, values="fp16"),
+                                  lambda b: GradientDropping(backend=b, scope="global", sample="strided"),
                                   lambda b: AdaComp(backend=b), lambda b: AdaComp(backend=b, bin_size_fc=3)],
-                         ids=["graddrop_strided", "graddrop_fp16", "adacomp", "adacomp_8bit"])
+                         ids=["graddrop_strided", "graddrop_fp16", "graddrop_global", "adacomp", "adacomp_8bit"])
 def test_batched_ops_do_not_grow_with_the_layers(make: Callable[[str], Compressor], backend: str) -> None:
+    if not make(backend).batched:
+        pytest.skip("loops over the layers on this backend")
     few, many = _ops_per_step(lambda: make(backend), 8), _ops_per_step(lambda: make(backend), 32)
     assert few == many
     total, host_reads, data_dependent = many
