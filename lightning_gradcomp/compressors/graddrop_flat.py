@@ -1,7 +1,8 @@
 """Gradient Dropping over a group of layers in one flat tensor, in a number of ops that does not grow with the layers.
 
 The batched form of :meth:`GradientDropping.compress <lightning_gradcomp.compressors.GradientDropping.compress>`'s
-torch path (the path CUDA runs), for ``scope="layer"``, unquantized survivors and the ``coo32`` index encoding:
+torch path (the path CUDA runs), for unquantized survivors and the ``coo32`` index encoding (the global scope's pool
+is the compressor's, :meth:`GradientDropping._group_thresholds`):
 
 * each layer's threshold sample is taken as today (the whole layer, Marian's stride, or positions drawn from the
   layer's own ``torch.Generator``: one draw per sampled layer, the only op that grows with the layers, and only
