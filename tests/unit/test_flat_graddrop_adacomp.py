@@ -76,7 +76,9 @@ def _compare(make: Callable[[], Compressor], seg: Segments, residuals: bool = Fa
         assert _same_state(fast.state_dict(), slow.state_dict())
         batched.append((fast, a))
         looped.append((slow, b))
-    received = [p.with_payload(p.payload.clone(), p.layer_nbytes) for _, p in batched]
+    # the hook hands remote sizes back as it exchanged them: a device tensor, or host integers
+    received = [p.with_payload(p.payload.clone(), tuple(p.layer_nbytes.tolist()) if r == 1 else p.layer_nbytes)
+                for r, (_, p) in enumerate(batched)]
     out = torch.full((seg.total,), float("nan"))
     batched[0][0].decompress_flat_mean_into(received, out)
     expected = torch.empty(seg.total)
