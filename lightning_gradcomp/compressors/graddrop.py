@@ -319,13 +319,18 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         self._global_threshold = select_weighted_threshold(samples, weights, self.drop_ratio, self._pool_weights[1])
         self._seen.clear()
 
-    def _group_thresholds(self, segments: Segments, samples: Tensor, plan: SamplePlan) -> Tensor:
-        """``[layers]``: :meth:`pooled_threshold` of every layer of the group, in order, with a fixed number of ops:
-        the pool keeps the group's samples as views of one copy, and the whole-model threshold is selected again
-        where the loop would, at the first layer of the group already seen this step."""
+    def _group_thresholds(
+        self, segments: Segments, samples: Tensor, plan: SamplePlan, per_layer: Callable[[], Tensor]
+    ) -> Tensor:
+        """``[layers]``: :meth:`pooled_threshold` of every layer of the group, in order, with a fixed number of ops.
+
+        ``per_layer`` selects each layer's threshold on its own sample (``samples``, laid out as ``plan.segments``).
+        In global scope the pool keeps the group's samples as views of one copy, and the whole-model threshold is
+        selected again where the loop would: at the first layer of the group already seen this step.
+        """
         names = segments.names
         if self.scope == "layer":
-            return segment_thresholds(samples, plan)
+            return per_layer()
         restart = next((i for i, name in enumerate(names) if name in self._seen), len(names))
         before = self._global_threshold
         parts = samples.clone().split(plan.segments.numels)  # a copy: the hook may reuse the tensor sampled
@@ -336,7 +341,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             self._pool[name] = (parts[i], plan.weights[i])
         device = samples.device
         if restart > 0:  # the layers before the restart: the threshold they would have had, per layer at first
-            first = segment_thresholds(samples, plan) if before is None else before.to(device).expand(len(names))
+            first = per_layer() if before is None else before.to(device).expand(len(names))
             if restart == len(names):
                 return first.clone()
         after = self._global_threshold
@@ -472,22 +477,20 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         return decode_sum(packets, self._decode, out=out)
 
     # -- a group of layers in one flat tensor (graddrop_flat) -------------------------------------------
-    def _flat_settings(self, torch_ops: bool) -> bool:
-        """Whether the settings have a batched form: unquantized survivors in coo32, and per-layer thresholds
-        (the whole-model one too on torch ops)."""
-        scope = torch_ops or self.scope == "layer"
-        return scope and self.quantize == "none" and self.index_encoding == "coo32"
+    def _flat_settings(self) -> bool:
+        """Whether the settings have a batched form: unquantized survivors in coo32 (either scope)."""
+        return self.quantize == "none" and self.index_encoding == "coo32"
 
     @property
     def batched(self) -> bool:  # type: ignore[override]
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
-        backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group)."""
+        backend (the path CUDA runs), or on the fused backend with the compiled kernels (a few calls per group)."""
         torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
-        return self._flat_settings(torch_ops) and (torch_ops or kernels.fused_available())
+        return self._flat_settings() and (torch_ops or kernels.fused_available())
 
     def _batches(self, flat: Tensor, segments: Segments) -> bool:
         return (
-            self._flat_settings(self._kernels(flat.device) is None) and flat.dtype == torch.float32
+            self._flat_settings() and flat.dtype == torch.float32
             and segments.total < 2**31  # group indices travel as int32
         )
 
@@ -523,11 +526,14 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         device = x.device
         plan = self._sample_plan(segments, device)
         fp16 = self.values == "fp16"
-        if self._kernels(device) is not None:  # one kernel call; its random samples keyed as the fused loop keys them
-            keys = [self._keys.key(name) if d else (0, 0) for name, d in zip(segments.names, plan.drawn)]
-            thresholds, index, values, counts, overflow = kernels.graddrop_group_select(
-                x, *plan.kernel_args[:3], torch.tensor(keys, dtype=torch.int64), plan.kernel_args[3], fp16
+        if self._kernels(device) is not None:  # kernel calls, its random samples keyed as the fused loop keys them
+            offsets, sizes, modes, ranks, sample_offsets = plan.kernel_args
+            keys = torch.tensor([self._keys.key(n) if d else (0, 0) for n, d in zip(segments.names, plan.drawn)])
+            samples = kernels.graddrop_group_sample(x, offsets, sizes, modes, keys)
+            thresholds = self._group_thresholds(
+                segments, samples, plan, lambda: kernels.graddrop_group_kth(samples, sample_offsets, ranks)
             )
+            index, values, counts, overflow = kernels.graddrop_group_select(x, offsets, thresholds, fp16)
             payload = torch.cat((index.view(torch.uint8), values.to(value_dtype(self.values)).view(torch.uint8)))
         else:
             magnitudes = x.abs()
@@ -536,7 +542,8 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
                 if d else None
                 for name, n, d, offset in zip(segments.names, segments.numels, plan.drawn, segments.offsets)
             ]
-            thresholds = self._group_thresholds(segments, gather_samples(magnitudes, plan, draws), plan)
+            samples = gather_samples(magnitudes, plan, draws)
+            thresholds = self._group_thresholds(segments, samples, plan, lambda: segment_thresholds(samples, plan))
             keep = survivors_mask(magnitudes, thresholds, segments)
             if fp16:
                 # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)

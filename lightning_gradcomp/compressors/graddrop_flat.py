@@ -42,8 +42,9 @@ class SamplePlan:
         whole: whether every layer's sample is the whole layer (the sample is the magnitudes themselves).
         kth: flat position, in the sorted samples, of each layer's floor(R * m)-th value (0 where k = 0).
         has_k: per layer, whether k > 0 (else the threshold is 0).
-        kernel_args: int64 CPU tensors for :func:`~lightning_gradcomp.kernels.graddrop_group_select`: the layers'
-            offsets, sample sizes, sample modes (2 whole, 0 strided, 1 random) and k.
+        kernel_args: int64 CPU tensors for the group kernels (:func:`~lightning_gradcomp.kernels.graddrop_group_sample`
+            and the others): the layers' offsets, sample sizes, sample modes (2 whole, 0 strided, 1 random), k, and
+            the samples' offsets.
         weights: per layer, how many elements each sampled value stands for (the global scope's pool weights).
     """
 
@@ -53,7 +54,7 @@ class SamplePlan:
     whole: bool
     kth: Tensor
     has_k: Tensor
-    kernel_args: tuple[Tensor, Tensor, Tensor, Tensor]
+    kernel_args: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
     weights: tuple[float, ...]
 
 
@@ -71,7 +72,9 @@ def plan_samples(
     sample = Segments(segments.names, [torch.Size((m,)) for m in sizes])
     kth = [o + k - 1 if k else 0 for o, k in zip(sample.offsets, counts)]
     modes = [1 if d else 2 if m == n else 0 for d, m, n in zip(drawn, sizes, segments.numels)]
-    kernel_args = tuple(torch.tensor(v, dtype=torch.int64) for v in (segments.offsets, sizes, modes, counts))
+    kernel_args = tuple(
+        torch.tensor(v, dtype=torch.int64) for v in (segments.offsets, sizes, modes, counts, sample.offsets)
+    )
     weights = tuple(n / m if m != n else 1.0 for m, n in zip(sizes, segments.numels))  # as threshold_sample weighs
     return SamplePlan(
         sample, tuple(drawn), tuple(fixed), whole,

@@ -96,15 +96,11 @@ GRADDROP_CASES = {
     "global_exact": dict(scope="global", sample="exact"),
     "global_random": dict(scope="global", drop_ratio=0.9, sample_fraction=0.05, min_sample=40),
 }
-#: the whole-model threshold batches on torch ops only (the fused loop keeps it per layer)
-TORCH_ONLY = {"global_exact", "global_random"}
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("case", GRADDROP_CASES)
 def test_graddrop_batched_equals_the_layer_loop(case: str, backend: str) -> None:
-    if backend == "fused" and case in TORCH_ONLY:
-        pytest.skip("the fused backend loops over the layers in global scope")
     _compare(lambda: GradientDropping(backend=backend, seed=7, **GRADDROP_CASES[case]), _layout(), residuals=True)
 
 
@@ -127,7 +123,7 @@ def test_graddrop_batched_sends_nan_and_fp16_overflow_as_the_loop(backend: str) 
 
 @pytest.mark.parametrize("make", [lambda: GradientDropping(backend="fused", quantize="threshold"),
                                   lambda: GradientDropping(backend="torch", quantize="2bit"),
-                                  lambda: GradientDropping(backend="fused", scope="global"),
+                                  lambda: GradientDropping(backend="fused", index_encoding="delta16"),
                                   lambda: GradientDropping(backend="torch", index_encoding="delta16")])
 def test_graddrop_other_settings_loop_over_the_layers(make: Callable[[], Compressor]) -> None:
     comp = make()
@@ -137,8 +133,9 @@ def test_graddrop_other_settings_loop_over_the_layers(make: Callable[[], Compres
     assert not comp.batched and packet.layers is not None
 
 
+@pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("sample", ["exact", "random"])
-def test_graddrop_global_scope_restarts_where_the_loop_does(sample: str) -> None:
+def test_graddrop_global_scope_restarts_where_the_loop_does(sample: str, backend: str) -> None:
     # groups change between steps (DDP rebuilds its buckets after the first): the step restarts at the first layer
     # seen again, in the middle of a group here, and the layers before it keep the previous threshold
     layers = [f"layer{i}.weight" for i in range(6)]
@@ -146,7 +143,7 @@ def test_graddrop_global_scope_restarts_where_the_loop_does(sample: str) -> None
     steps = [[layers[:4], layers[4:]], [layers[5:], layers[:5]], [layers[2:4], layers[4:], layers[:2]], [layers]]
 
     def make() -> GradientDropping:
-        return GradientDropping(backend="torch", scope="global", sample=sample, drop_ratio=0.95, min_sample=40,
+        return GradientDropping(backend=backend, scope="global", sample=sample, drop_ratio=0.95, min_sample=40,
                                 sample_fraction=0.05)
 
     fast, slow = make(), make()
@@ -255,14 +252,19 @@ def test_group_kernels_equal_their_torch_ops_fallbacks() -> None:
     keys = torch.tensor([[5, 6]] * len(seg))
     counts = (sizes * 0.9).long()
     bins = torch.tensor([3, 500, 500, 50, 2000, 7, 64])
-    compiled = kernels.graddrop_group_select(g, offsets, sizes, modes, keys, counts, True)
+    samples = kernels.graddrop_group_sample(g, offsets, sizes, modes, keys)
+    sample_offsets = torch.cat((torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)))
+    thresholds = kernels.graddrop_group_kth(samples, sample_offsets, counts)
+    compiled = kernels.graddrop_group_select(g, offsets, thresholds, True)
     encoded = kernels.adacomp_group_encode(g, g + dw, offsets, bins, False)
     with torch_ops():
-        assert all(map(torch.equal, compiled, kernels.graddrop_group_select(g, offsets, sizes, modes, keys, counts, True)))
+        assert torch.equal(samples, kernels.graddrop_group_sample(g, offsets, sizes, modes, keys))
+        assert torch.equal(thresholds, kernels.graddrop_group_kth(samples, sample_offsets, counts))
+        assert all(map(torch.equal, compiled, kernels.graddrop_group_select(g, offsets, thresholds, True)))
         assert all(map(torch.equal, encoded, kernels.adacomp_group_encode(g, g + dw, offsets, bins, False)))
         fallback = kernels.adacomp_group_decode_sum([encoded[0]] * 2, [encoded[1]] * 2, offsets, bins)
     assert torch.equal(kernels.adacomp_group_decode_sum([encoded[0]] * 2, [encoded[1]] * 2, offsets, bins), fallback)
-    assert int(compiled[3].sum()) > 0 and int(encoded[3].sum()) > 0
+    assert int(compiled[2].sum()) > 0 and int(encoded[3].sum()) > 0
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])

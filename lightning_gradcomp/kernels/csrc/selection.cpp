@@ -122,13 +122,10 @@ std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold, bool 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Gradient Dropping over a group of layers back to back in x (layer s: offsets[s] .. offsets[s + 1]), in one call
-// and without a dispatched op per layer (raw loops, outputs allocated once): per layer its threshold sample (mode
-// 2: the whole layer; 0: sizes[s] values at Marian's stride; 1: sizes[s] hashed random positions keyed by keys[s]),
-// its ks[s]-th smallest sampled |x| (1-based, ranked as kth_smallest ranks; threshold 0 when ks[s] == 0), and the
-// survivors as select_above selects them, the ties |x| >= thr when nothing is above a positive threshold; with
-// fp16, survivors beyond fp16's range stay behind, counted.
-// Returns (threshold f32[n], index int32[K] from the group's start, value f32[K], count int64[n], overflow f32[n]).
+// Gradient Dropping over a group of layers back to back, in one call per step of the selection and without a
+// dispatched op per layer (raw loops, outputs allocated once): the samples, their order statistics, the survivors.
+
+// the entries of x[0..n) not at or below thr (inclusive: not below), as indices base + i, appended to out ascending
 void select_layer(const float* xp, int64_t n, float thr, bool inclusive, int32_t base, std::vector<int32_t>& out) {
   const int64_t tiles = (n + kTile - 1) / kTile;
   std::vector<std::vector<int32_t>> idx(tiles);
@@ -144,44 +141,82 @@ void select_layer(const float* xp, int64_t n, float thr, bool inclusive, int32_t
   for (const auto& v : idx) out.insert(out.end(), v.begin(), v.end());
 }
 
-std::vector<torch::Tensor> graddrop_group_select(torch::Tensor x, torch::Tensor offsets, torch::Tensor sizes,
-                                                 torch::Tensor modes, torch::Tensor keys, torch::Tensor ks, bool fp16) {
+// every layer's threshold sample of |x|, back to back: mode 2 the whole layer, 0 sizes[s] values at Marian's stride,
+// 1 sizes[s] hashed random positions keyed by keys[s] (sample_abs's positions)
+torch::Tensor graddrop_group_sample(torch::Tensor x, torch::Tensor offsets, torch::Tensor sizes, torch::Tensor modes,
+                                    torch::Tensor keys) {
   check_f32(x, "x");
-  TORCH_CHECK(x.numel() < (int64_t(1) << 31), "graddrop_group_select: more than 2^31 elements");
   const int64_t layers = offsets.numel() - 1;
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t* sz = sizes.data_ptr<int64_t>();
   const int64_t* md = modes.data_ptr<int64_t>();
   const int64_t* ky = keys.data_ptr<int64_t>();
-  const int64_t* kp = ks.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t s = 0; s < layers; ++s) total += sz[s];
+  auto out = torch::empty({total}, torch::kFloat32);
+  float* op = out.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  auto thresholds = torch::empty({layers}, torch::kFloat32);
+  for (int64_t s = 0, at = 0; s < layers; at += sz[s], ++s) {
+    const float* lp = xp + off[s];
+    const int64_t n = off[s + 1] - off[s], m = sz[s];
+    TORCH_CHECK(md[s] != 2 || m == n, "layer ", s, ": a whole-layer sample of another size");
+    const int64_t stride = std::max<int64_t>(1, n / std::max<int64_t>(1, m));
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t j = md[s] == 2 ? i
+                        : md[s] == 0 ? i * stride
+                                     : (int64_t)(hash_index((uint32_t)i, (uint32_t)ky[2 * s], (uint32_t)ky[2 * s + 1]) % (uint64_t)n);
+      op[at + i] = std::fabs(lp[j]);
+    }
+  }
+  return out;
+}
+
+// each layer's ks[s]-th smallest (1-based) sampled value, ranked as kth_smallest ranks (NaN last); 0 where ks[s] == 0.
+// The samples lie back to back, layer s's from sample_offsets[s] to sample_offsets[s + 1].
+torch::Tensor graddrop_group_kth(torch::Tensor samples, torch::Tensor sample_offsets, torch::Tensor ks) {
+  check_f32(samples, "samples");
+  const int64_t layers = sample_offsets.numel() - 1;
+  const int64_t* off = sample_offsets.data_ptr<int64_t>();
+  const int64_t* kp = ks.data_ptr<int64_t>();
+  const float* sp = samples.data_ptr<float>();
+  auto out = torch::empty({layers}, torch::kFloat32);
+  float* op = out.data_ptr<float>();
+  std::vector<float> v;
+  for (int64_t s = 0; s < layers; ++s) {
+    TORCH_CHECK(kp[s] >= 0 && kp[s] <= off[s + 1] - off[s], "layer ", s, ": rank beyond its sample");
+    if (kp[s] == 0) {
+      op[s] = 0.0f;
+      continue;
+    }
+    v.assign(sp + off[s], sp + off[s + 1]);
+    std::nth_element(v.begin(), v.begin() + (kp[s] - 1), v.end(), [](float a, float b) { return a < b || (a == a && b != b); });
+    op[s] = v[kp[s] - 1];
+  }
+  return out;
+}
+
+// Gradient Dropping's survivors for every layer of a group back to back in x (layer s: offsets[s] .. offsets[s + 1])
+// under its threshold thresholds[s], in one call and without a dispatched op per layer: select_above's rule, the ties
+// |x| >= thr when nothing is above a positive threshold; with fp16, survivors beyond fp16's range stay behind, counted.
+// Returns (index int32[K] from the group's start, value f32[K], count int64[n], overflow f32[n]).
+std::vector<torch::Tensor> graddrop_group_select(torch::Tensor x, torch::Tensor offsets, torch::Tensor thresholds,
+                                                 bool fp16) {
+  check_f32(x, "x");
+  check_f32(thresholds, "thresholds");
+  TORCH_CHECK(x.numel() < (int64_t(1) << 31), "graddrop_group_select: more than 2^31 elements");
+  const int64_t layers = offsets.numel() - 1;
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const float* tp = thresholds.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
   auto counts = torch::empty({layers}, torch::kInt64);
   auto overflow = torch::empty({layers}, torch::kFloat32);
-  float* tp = thresholds.data_ptr<float>();
   int64_t* cp = counts.data_ptr<int64_t>();
   float* fp = overflow.data_ptr<float>();
   std::vector<int32_t> all;
-  std::vector<float> sample;
   for (int64_t s = 0; s < layers; ++s) {
     const float* lp = xp + off[s];
     const int64_t n = off[s + 1] - off[s];
-    float thr = 0.0f;
-    if (kp[s] > 0) {
-      const int64_t m = md[s] == 2 ? n : sz[s];
-      const int64_t stride = std::max<int64_t>(1, n / std::max<int64_t>(1, m));
-      sample.resize(m);
-      for (int64_t i = 0; i < m; ++i) {
-        int64_t j = md[s] == 2 ? i
-                    : md[s] == 0 ? i * stride
-                                 : (int64_t)(hash_index((uint32_t)i, (uint32_t)ky[2 * s], (uint32_t)ky[2 * s + 1]) % (uint64_t)n);
-        sample[i] = std::fabs(lp[j]);
-      }
-      TORCH_CHECK(kp[s] <= m, "drop count beyond the sample in layer ", s);
-      std::nth_element(sample.begin(), sample.begin() + (kp[s] - 1), sample.end(),
-                       [](float a, float b) { return a < b || (a == a && b != b); });
-      thr = sample[kp[s] - 1];
-    }
+    const float thr = tp[s];
     const size_t begin = all.size();
     select_layer(lp, n, thr, false, (int32_t)off[s], all);
     if (all.size() == begin && thr > 0) select_layer(lp, n, thr, true, (int32_t)off[s], all);
@@ -193,7 +228,6 @@ std::vector<torch::Tensor> graddrop_group_select(torch::Tensor x, torch::Tensor 
       }
       all.resize(w);
     }
-    tp[s] = thr;
     cp[s] = (int64_t)(all.size() - begin);
     fp[s] = (float)dropped;
   }
@@ -205,7 +239,7 @@ std::vector<torch::Tensor> graddrop_group_select(torch::Tensor x, torch::Tensor 
     ip[r] = all[r];
     vp[r] = xp[all[r]];
   }
-  return {thresholds, index, value, counts, overflow};
+  return {index, value, counts, overflow};
 }
 
 LGC_CLONES float absmax(const float* x, int64_t len) {
