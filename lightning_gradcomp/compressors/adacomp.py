@@ -357,7 +357,7 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         # in float64 then rounded once, as the per-layer packets compute them in Python floats
         stats = {
             "sparsity": (1.0 - counts / numels_f.clamp(min=1)).float(),
-            "sent_per_bin": (counts / bins.clamp(min=1)).float(),
+            "sent_per_bin": (counts / bins.clamp(min=1).double()).float(),
             "scale": scale,
             "bin_size": bin_sizes.float(),
             "compression_rate": (4.0 * numels_f / nbytes.clamp(min=1)).float(),
