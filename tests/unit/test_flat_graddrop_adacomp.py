@@ -56,6 +56,8 @@ def _compare(make: Callable[[], Compressor], seg: Segments, residuals: bool = Fa
         fast, slow = make(), make()
         for c in (fast, slow):
             c.setup(rank, RANKS, torch.device("cpu"))
+        if getattr(fast, "backend", "torch") == "fused" and not kernels.fused_available():
+            pytest.skip("the compiled kernels do not load here (the fused backend then loops over the layers)")
         assert fast.batched and type(fast).compress_flat is not Compressor.compress_flat
         for step in range(2):  # twice: the random streams advance the same way
             grad = _gradient(seg, 10 * rank + step)
