@@ -284,3 +284,26 @@ def test_adacomp_batched_handles_nan_as_the_loop(backend: str, quantizer: str) -
     sent = fast.sent_flat(x, a)
     torch.testing.assert_close(sent, Compressor.sent_flat(slow, x, b), rtol=0, atol=0, equal_nan=True)
     assert bool(torch.isnan(sent).any()) == (quantizer == "binary")
+
+
+@pytest.mark.parametrize("backend", ["torch", "fused"])
+def test_graddrop_batched_resumes_from_its_state_exactly(backend: str) -> None:
+    # random samples and the global pool: a run restored from a checkpoint repeats the uninterrupted one
+    seg = _layout()
+
+    def make() -> GradientDropping:
+        comp = GradientDropping(backend=backend, scope="global", drop_ratio=0.9, sample_fraction=0.05, min_sample=40)
+        comp.setup(1, RANKS, torch.device("cpu"))
+        return comp
+
+    steps = [_gradient(seg, s) for s in range(4)]
+    through = make()
+    expected = [through.compress_flat(x, seg) for x in steps]
+    first = make()
+    for x in steps[:2]:
+        first.compress_flat(x, seg)
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    for x, want in zip(steps[2:], expected[2:]):
+        got = resumed.compress_flat(x, seg)
+        assert torch.equal(got.payload, want.payload) and torch.equal(got.stats["threshold"], want.stats["threshold"])
