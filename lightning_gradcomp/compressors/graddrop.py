@@ -325,7 +325,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         """``[layers]``: :meth:`pooled_threshold` of every layer of the group, in order, with a fixed number of ops.
 
         ``per_layer`` selects each layer's threshold on its own sample (``samples``, laid out as ``plan.segments``).
-        In global scope the pool keeps the group's samples as views of one copy, and the whole-model threshold is
+        In global scope the pool keeps the group's samples as views of one tensor, and the whole-model threshold is
         selected again where the loop would: at the first layer of the group already seen this step.
         """
         names = segments.names
@@ -333,7 +333,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             return per_layer()
         restart = next((i for i, name in enumerate(names) if name in self._seen), len(names))
         before = self._global_threshold
-        parts = samples.clone().split(plan.segments.numels)  # a copy: the hook may reuse the tensor sampled
+        parts = samples.split(plan.segments.numels)  # views of a tensor of its own (|x|, a gather or a kernel's)
         for i, name in enumerate(names):
             if i == restart:
                 self._select_global()
