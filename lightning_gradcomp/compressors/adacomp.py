@@ -36,9 +36,17 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
+from lightning_gradcomp.compressors.adacomp_flat import (
+    BinLayout,
+    bin_mean,
+    decode_group_words,
+    encode_group_words,
+    select_bins,
+)
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend
-from lightning_gradcomp.compressors.base import Aggregation, Packet
+from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp, FusedSumCompressor, decode_sum
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.sparse import (
     bin_word_bits,
     decode_bin_relative,
@@ -131,6 +139,10 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         self.backend = backend
         self._offer_kernels(FusedAdaComp(self))
         self._gradients: dict[str, Tensor] = {}
+        # the batched path: each group's fresh gradient (by its names) and bin layout (by names, shapes, device, L_T)
+        self._flat_gradients: dict[tuple[str, ...], Tensor] = {}
+        self._layouts: dict[tuple[object, ...], BinLayout] = {}
+        self._kernel_tables: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
         #: per parameter name: layer type and L_T, filled at first compression
         self.layer_kinds: dict[str, LayerKind] = {}
         self.layer_bin_sizes: dict[str, int] = {}
@@ -186,7 +198,7 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         bins = self._bins(g, size)
         mag = bins.abs()
         gmax = mag.amax(dim=1)
-        scale = gmax.mean()
+        scale = bin_mean(gmax, torch.tensor([gmax.numel()], device=g.device)).reshape(())  # as the batched path sums
         if self.selection == "adaptive":
             h = self._bins(g + (self.scale_factor - 1.0) * dw, size)
             send = h.abs() >= gmax[:, None]
@@ -264,6 +276,129 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
             idx, val = self._decode(packet.payload, packet.ctx["bin_size"])
             out[idx] = val
         return out.to(packet.dtype).view(packet.shape)
+
+    # -- a group of layers in one flat tensor (adacomp_flat) --------------------------------------------
+    def _flat_settings(self) -> bool:
+        """Whether the settings have a batched form: the adaptive selection and the paper's wire."""
+        return self.selection == "adaptive" and self.wire == "paper"
+
+    @property
+    def batched(self) -> bool:  # type: ignore[override]
+        """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
+        backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group)."""
+        torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
+        return self._flat_settings() and (torch_ops or kernels.fused_available())
+
+    def _batches(self, flat: Tensor) -> bool:
+        return self._flat_settings() and flat.dtype == torch.float32
+
+    def _bin_sizes(self, segments: Segments) -> tuple[int, ...]:
+        sizes = tuple(self.bin_size(name, shape) for name, shape in zip(segments.names, segments.shapes))
+        for name, shape, size in zip(segments.names, segments.shapes, sizes):
+            self.layer_kinds[name] = layer_kind(name, shape)
+            self.layer_bin_sizes[name] = size
+        return sizes
+
+    def _layout(self, segments: Segments, device: torch.device, sizes: tuple[int, ...]) -> BinLayout:
+        key = (segments.names, segments.shapes, device, sizes)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = BinLayout.build(segments, sizes, device)
+        return layout
+
+    def _kernel_args(self, segments: Segments, sizes: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """The group's offsets and bin lengths as int64 CPU tensors, for the group kernels."""
+        key = (segments.names, segments.shapes, "kernel", sizes)
+        args = self._kernel_tables.get(key)
+        if args is None:
+            args = self._kernel_tables[key] = (torch.tensor(segments.offsets), torch.tensor(sizes, dtype=torch.int64))
+        return args
+
+    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
+        return None  # no statistic is shared (and the default would visit every layer to learn it)
+
+    def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
+        if self._batches(flat):
+            self._flat_gradients[segments.names] = flat
+        else:
+            super().observe_gradient_flat(flat, segments)
+
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        if not self._batches(flat):
+            return super().compress_flat(flat, segments, shared)
+        dw = self._flat_gradients.pop(segments.names, None)
+        if dw is None:
+            raise RuntimeError(
+                f"AdaComp needs this step's gradient of {list(segments.names)} apart from its residue (H = residue "
+                "+ 2 dW). Fix: call `observe_gradient_flat(grad, segments)` before `compress_flat` (the hook does)."
+            )
+        g = flat.detach()
+        dw = dw.detach().float()
+        device = g.device
+        sizes = self._bin_sizes(segments)
+        fused = self._kernels(device)
+        ternary = self.quantizer == "ternary"
+        numels = torch.tensor(segments.numels, dtype=torch.int64, device=device)
+        bin_sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
+        bins = -(-numels // bin_sizes)
+        if fused is not None:  # one kernel call
+            payload, nbytes, scale, counts = kernels.adacomp_group_encode(
+                g, fused.look_ahead(g, dw), *self._kernel_args(segments, sizes), ternary
+            )
+        else:
+            layout = self._layout(segments, device, sizes)
+            send, scale = select_bins(g, g + (self.scale_factor - 1.0) * dw, layout, segments, ternary)
+            if segments.total:
+                payload, nbytes = encode_group_words(g, send, scale, layout, segments)
+            else:
+                payload, nbytes = g.new_zeros(0, dtype=torch.uint8), bins.clone()
+            counts = segments.reduce(send.to(torch.int64), "sum")
+        numels_f = numels.double()
+        # in float64 then rounded once, as the per-layer packets compute them in Python floats
+        stats = {
+            "sparsity": (1.0 - counts / numels_f.clamp(min=1)).float(),
+            "sent_per_bin": (counts / bins.clamp(min=1).double()).float(),
+            "scale": scale,
+            "bin_size": bin_sizes.float(),
+            "compression_rate": (4.0 * numels_f / nbytes.clamp(min=1)).float(),
+        }
+        return FlatPacket(payload, segments, flat.dtype, nbytes, stats=stats)
+
+    def _decode_group(self, packet: FlatPacket) -> tuple[Tensor, Tensor]:
+        device = packet.payload.device
+        nbytes = torch.as_tensor(packet.layer_nbytes, dtype=torch.int64, device=device)
+        layout = self._layout(packet.segments, device, self._bin_sizes(packet.segments))
+        return decode_group_words(packet.payload, nbytes, layout)
+
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        if packet.layers is not None:
+            return super().decompress_flat(packet)
+        out = torch.zeros(packet.segments.total, dtype=torch.float32, device=packet.payload.device)
+        return self._sum_into([packet], out).to(packet.dtype)
+
+    def _sum_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        """The ranks' decoded sum written into ``out`` (float32): one kernel call, or rank after rank onto zeros
+        (each rank's entries are distinct positions, the rest adds 0: the dense loop's sums)."""
+        segments = packets[0].segments
+        if self._kernels(out.device) is not None and out.is_contiguous():
+            sizes = [torch.as_tensor(p.layer_nbytes, dtype=torch.int64) for p in packets]
+            args = self._kernel_args(segments, self._bin_sizes(segments))
+            return kernels.adacomp_group_decode_sum([p.payload for p in packets], sizes, *args, out=out)
+        out.zero_()
+        for packet in packets:
+            if packet.payload.numel():
+                out.index_add_(0, *self._decode_group(packet))
+        return out
+
+    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        if packets[0].layers is not None:
+            return super().decompress_flat_mean_into(packets, out)
+        if packets[0].dtype != torch.float32 or out.dtype != torch.float32:
+            total = self.decompress_flat(packets[0]).clone()  # summed in the gradients' dtype, as the loop does
+            for packet in packets[1:]:
+                total.add_(self.decompress_flat(packet))
+            return out.copy_(total).div_(len(packets))
+        return self._sum_into(packets, out).div_(len(packets))
 
     def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
         """The sum of the packets written into ``out`` (contiguous float32) by the kernels."""

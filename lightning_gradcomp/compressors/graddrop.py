@@ -30,9 +30,19 @@ from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend
-from lightning_gradcomp.compressors.base import Aggregation, Packet
+from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.graddrop_flat import (
+    SamplePlan,
+    decode_group_coo32,
+    encode_group_coo32,
+    gather_samples,
+    plan_samples,
+    segment_thresholds,
+    survivors_mask,
+)
 from lightning_gradcomp.compressors.sparse_fused import FusedGradientDropping, FusedSumCompressor, decode_sum
 from lightning_gradcomp.compressors.streams import CounterStreams, RandomStreams
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.sparse import (
     INDEX_ENCODINGS,
     VALUE_FORMATS,
@@ -45,6 +55,8 @@ from lightning_gradcomp.sparse import (
     pack_codes,
     packed_codes_nbytes,
     unpack_codes,
+    value_dtype,
+    value_nbytes,
 )
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
@@ -88,14 +100,19 @@ def threshold_level(threshold: Tensor, survivors: Tensor) -> Tensor:
     return torch.where(survivors.isnan().any(), float("nan"), level).reshape(1)
 
 
-def select_weighted_threshold(samples: list[Tensor], weights: list[float], ratio: float) -> Tensor:
+def select_weighted_threshold(
+    samples: list[Tensor], weights: list[float], ratio: float, element_weights: Optional[Tensor] = None
+) -> Tensor:
     """The threshold over a pool of samples where each sampled value stands for ``weight`` elements.
 
     Returns the smallest pooled value v such that the represented elements with |x| <= v number at least
-    floor(ratio * total), i.e. :func:`select_threshold` when every weight is 1.
+    floor(ratio * total), i.e. :func:`select_threshold` when every weight is 1. ``element_weights``: each pooled
+    value's weight (float32, in pool order) when the caller keeps it, so the pool costs no op per sample.
     """
-    values = torch.cat([s.float().reshape(-1) for s in samples])
-    w = torch.cat([torch.full((s.numel(),), float(wt), device=values.device) for s, wt in zip(samples, weights)])
+    values = torch.cat([s if s.dim() == 1 else s.reshape(-1) for s in samples]).float() if samples else torch.zeros(0)
+    w = element_weights
+    if w is None:
+        w = torch.cat([torch.full((s.numel(),), float(wt), device=values.device) for s, wt in zip(samples, weights)])
     total = sum(s.numel() * wt for s, wt in zip(samples, weights))
     k = drop_count(ratio, int(round(total)))
     if k == 0 or values.numel() == 0:
@@ -207,6 +224,10 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         self._pool: dict[str, tuple[Tensor, float]] = {}
         self._seen: set[str] = set()
         self._global_threshold: Optional[Tensor] = None
+        # the batched path's sample plans, per group layout, device and sample settings
+        self._plans: dict[tuple[object, ...], SamplePlan] = {}
+        # the global pool's per-value weights and the layout they were built for
+        self._pool_weights: tuple[tuple[object, ...], Tensor] = ((), torch.zeros(0))
 
     # -- setup and state --------------------------------------------------------------------------------
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
@@ -278,17 +299,57 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         if self.scope == "layer":
             return select(sample, self.drop_ratio)
         if name in self._seen:  # a name comes back: a new step began, select on the previous step's pool
-            names = sorted(self._pool)
-            self._global_threshold = select_weighted_threshold(
-                [self._pool[n][0] for n in names], [self._pool[n][1] for n in names], self.drop_ratio
-            )
-            self._seen.clear()
+            self._select_global()
         self._seen.add(name)
         # a copy: the sample may be a view of a tensor the hook reuses
         self._pool[name] = (sample.clone(), weight)
         if self._global_threshold is None:  # first step: no whole-model pool yet
             return select(sample, self.drop_ratio)
         return self._global_threshold.to(sample.device)
+
+    def _select_global(self) -> None:
+        """Select the whole-model threshold on the pool (the previous step's samples) and start a new step."""
+        names = sorted(self._pool)
+        samples, weights = [self._pool[n][0] for n in names], [self._pool[n][1] for n in names]
+        key = tuple((n, s.numel(), w, s.device) for n, s, w in zip(names, samples, weights))
+        if self._pool_weights[0] != key:  # each value's weight, kept while the pool's layout stays
+            device = samples[0].device if samples else self._device
+            per_sample = [torch.full((s.numel(),), float(w), device=device) for s, w in zip(samples, weights)]
+            self._pool_weights = (key, torch.cat(per_sample) if per_sample else torch.zeros(0, device=device))
+        self._global_threshold = select_weighted_threshold(samples, weights, self.drop_ratio, self._pool_weights[1])
+        self._seen.clear()
+
+    def _group_thresholds(
+        self, segments: Segments, samples: Tensor, plan: SamplePlan, per_layer: Callable[[], Tensor]
+    ) -> Tensor:
+        """``[layers]``: :meth:`pooled_threshold` of every layer of the group, in order, with a fixed number of ops.
+
+        ``per_layer`` selects each layer's threshold on its own sample (``samples``, laid out as ``plan.segments``).
+        In global scope the pool keeps the group's samples as views of one tensor, and the whole-model threshold is
+        selected again where the loop would: at the first layer of the group already seen this step.
+        """
+        names = segments.names
+        if self.scope == "layer":
+            return per_layer()
+        restart = next((i for i, name in enumerate(names) if name in self._seen), len(names))
+        before = self._global_threshold
+        parts = samples.split(plan.segments.numels)  # views of a tensor of its own (|x|, a gather or a kernel's)
+        for i, name in enumerate(names):
+            if i == restart:
+                self._select_global()
+            self._seen.add(name)
+            self._pool[name] = (parts[i], plan.weights[i])
+        device = samples.device
+        if restart > 0:  # the layers before the restart: the threshold they would have had, per layer at first
+            first = per_layer() if before is None else before.to(device).expand(len(names))
+            if restart == len(names):
+                return first.clone()
+        after = self._global_threshold
+        assert after is not None
+        after = after.to(device).expand(len(names))
+        if restart == 0:
+            return after.clone()
+        return torch.where(torch.arange(len(names), device=device) < restart, first, after)
 
     # -- compress ---------------------------------------------------------------------------------------
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
@@ -414,6 +475,120 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
 
     def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
         return decode_sum(packets, self._decode, out=out)
+
+    # -- a group of layers in one flat tensor (graddrop_flat) -------------------------------------------
+    def _flat_settings(self) -> bool:
+        """Whether the settings have a batched form: unquantized survivors in coo32 (either scope)."""
+        return self.quantize == "none" and self.index_encoding == "coo32"
+
+    @property
+    def batched(self) -> bool:  # type: ignore[override]
+        """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
+        backend (the path CUDA runs), or on the fused backend with the compiled kernels (a few calls per group)."""
+        torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
+        return self._flat_settings() and (torch_ops or kernels.fused_available())
+
+    def _batches(self, flat: Tensor, segments: Segments) -> bool:
+        return (
+            self._flat_settings() and flat.dtype == torch.float32
+            and segments.total < 2**31  # group indices travel as int32
+        )
+
+    def _sample_plan(self, segments: Segments, device: torch.device) -> SamplePlan:
+        key = (segments.names, segments.shapes, device, self.sample, self.sample_fraction, self.min_sample,
+               self.max_sample, self.drop_ratio)
+        plan = self._plans.get(key)
+        if plan is None:
+            sizes, drawn, strides = [], [], []
+            for n in segments.numels:  # threshold_sample's choices, from the shape alone
+                size, draw, stride = n, 0, 1
+                if self.sample == "strided" and n:
+                    size = min(self.max_sample, n)
+                    stride = n // size
+                elif self.sample == "random" and n:
+                    wanted = max(self.min_sample, math.ceil(self.sample_fraction * n))
+                    if wanted < n:
+                        size = draw = wanted
+                sizes.append(size)
+                drawn.append(draw)
+                strides.append(stride)
+            counts = [drop_count(self.drop_ratio, m) for m in sizes]
+            plan = self._plans[key] = plan_samples(segments, sizes, drawn, strides, counts, device)
+        return plan
+
+    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
+        return None  # no statistic is shared (and the default would visit every layer to learn it)
+
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        if not self._batches(flat, segments):
+            return super().compress_flat(flat, segments, shared)
+        x = flat.detach()
+        device = x.device
+        plan = self._sample_plan(segments, device)
+        fp16 = self.values == "fp16"
+        if self._kernels(device) is not None:  # kernel calls, its random samples keyed as the fused loop keys them
+            offsets, sizes, modes, ranks, sample_offsets = plan.kernel_args
+            keys = torch.tensor([self._keys.key(n) if d else (0, 0) for n, d in zip(segments.names, plan.drawn)])
+            samples = kernels.graddrop_group_sample(x, offsets, sizes, modes, keys)
+            thresholds = self._group_thresholds(
+                segments, samples, plan, lambda: kernels.graddrop_group_kth(samples, sample_offsets, ranks)
+            )
+            index, values, counts, overflow = kernels.graddrop_group_select(x, offsets, thresholds, fp16)
+            payload = torch.cat((index.view(torch.uint8), values.to(value_dtype(self.values)).view(torch.uint8)))
+        else:
+            magnitudes = x.abs()
+            draws = [  # each layer draws from its own generator, as threshold_sample does
+                torch.randint(n, (d,), generator=self._streams.get(name, device), device=device).add_(offset)
+                if d else None
+                for name, n, d, offset in zip(segments.names, segments.numels, plan.drawn, segments.offsets)
+            ]
+            samples = gather_samples(magnitudes, plan, draws)
+            thresholds = self._group_thresholds(segments, samples, plan, lambda: segment_thresholds(samples, plan))
+            keep = survivors_mask(magnitudes, thresholds, segments)
+            if fp16:
+                # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
+                fits = ~(magnitudes > torch.finfo(torch.float16).max)
+                overflow = segments.reduce((keep & ~fits).to(torch.float32), "sum")
+                keep &= fits
+            payload = encode_group_coo32(x, keep, self.values)
+            counts = segments.reduce(keep.to(torch.int64), "sum")
+        nbytes = counts * (4 + value_nbytes(self.values))
+        numels = torch.tensor(segments.numels, dtype=torch.float64, device=device)
+        # in float64 then rounded once, as the per-layer packets compute them in Python floats
+        stats = {
+            "sparsity": (1.0 - counts / numels.clamp(min=1)).float(),
+            "threshold": thresholds,
+            "sent": counts.float(),
+            "compression_rate": (4.0 * numels / nbytes.clamp(min=1)).float(),
+        }
+        if fp16:
+            stats["overflow"] = overflow
+        return FlatPacket(payload, segments, flat.dtype, nbytes, stats=stats)
+
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        if packet.layers is not None:
+            return super().decompress_flat(packet)
+        index, values = decode_group_coo32(packet.payload, self.values)
+        out = torch.zeros(packet.segments.total, dtype=torch.float32, device=packet.payload.device)
+        return out.index_put_((index,), values).to(packet.dtype)
+
+    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        if packets[0].layers is not None:
+            return super().decompress_flat_mean_into(packets, out)
+        if packets[0].dtype != torch.float32 or out.dtype != torch.float32:
+            total = self.decompress_flat(packets[0]).clone()  # summed in the gradients' dtype, as the loop does
+            for packet in packets[1:]:
+                total.add_(self.decompress_flat(packet))
+            return out.copy_(total).div_(len(packets))
+        decoded = [decode_group_coo32(packet.payload, self.values) for packet in packets]
+        if self._kernels(out.device) is not None and out.is_contiguous():  # one kernel call for all ranks
+            kernels.sparse_decode_sum(out.numel(), [i for i, _ in decoded], [v for _, v in decoded], out=out)
+            return out.div_(len(packets))
+        # each rank's survivors are distinct positions: added rank after rank, the sums of the dense loop
+        out.zero_()
+        for index, values in decoded:
+            out.index_add_(0, index, values)
+        return out.div_(len(packets))
 
 def _mean(values: Tensor) -> Tensor:
     """Mean of a possibly empty tensor (0 when empty), as a 0-d tensor."""

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
+from lightning_gradcomp.compressors.adacomp_flat import bin_mean
 from lightning_gradcomp.compressors.backends import KernelBacked
 from lightning_gradcomp.compressors.base import Packet
 from lightning_gradcomp.compressors.streams import CounterStreams
@@ -192,7 +193,7 @@ class FusedAdaComp:
         # reused, because a fresh one per tensor costs its page faults (as much as the selection itself)
         self._scratch: Optional[Tensor] = None
 
-    def _look_ahead(self, g: Tensor, dw: Tensor) -> Tensor:
+    def look_ahead(self, g: Tensor, dw: Tensor) -> Tensor:
         """H = G + (scale_factor - 1) dW, bit for bit the torch backend's ``g + (c - 1) * dw``."""
         n = g.numel()
         if self._scratch is None or self._scratch.numel() < n or self._scratch.device != g.device:
@@ -206,8 +207,8 @@ class FusedAdaComp:
 
     def select(self, g: Tensor, dw: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`AdaComp.select` for ``selection="adaptive"``: the sent indices, ternary values and scale."""
-        sel = kernels.adacomp_select(g, self._look_ahead(g, dw), size)
-        scale = sel.gmax.mean()
+        sel = kernels.adacomp_select(g, self.look_ahead(g, dw), size)
+        scale = bin_mean(sel.gmax, torch.tensor([sel.gmax.numel()], device=g.device)).reshape(())
         keep = sel.values != 0  # G = 0 is never sent
         if self.settings.quantizer == "ternary":
             keep &= 2 * sel.values.abs() >= scale  # nearest of {-s, 0, s} is not 0

@@ -6,12 +6,20 @@ results, after one logged warning. On CUDA tensors the torch-ops path runs (unme
 """
 
 from lightning_gradcomp.kernels._build import cpu_extension, torch_ops
-from lightning_gradcomp.kernels.binwords import bin_words_decode_sum, bin_words_encode
+from lightning_gradcomp.kernels.binwords import (
+    adacomp_group_decode_sum,
+    adacomp_group_encode,
+    bin_words_decode_sum,
+    bin_words_encode,
+)
 from lightning_gradcomp.kernels.rng import stream_key
 from lightning_gradcomp.kernels.selection import (
     AdaCompSelection,
     adacomp_select,
     bin_absmax,
+    graddrop_group_kth,
+    graddrop_group_sample,
+    graddrop_group_select,
     kth_smallest,
     quantile_rank,
     sample_abs,
@@ -37,6 +45,8 @@ def fused_available() -> bool:
 
 __all__ = [
     "AdaCompSelection",
+    "adacomp_group_decode_sum",
+    "adacomp_group_encode",
     "adacomp_select",
     "bin_absmax",
     "bin_words_decode_sum",
@@ -45,6 +55,9 @@ __all__ = [
     "decode",
     "decode_sum",
     "fused_available",
+    "graddrop_group_kth",
+    "graddrop_group_sample",
+    "graddrop_group_select",
     "kth_smallest",
     "quantile_rank",
     "sample_abs",

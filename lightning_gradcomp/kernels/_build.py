@@ -51,6 +51,11 @@ FUNCTIONS = [
     "sparse_decode_sum",
     "bin_words_encode",
     "bin_words_decode_sum",
+    "graddrop_group_sample",
+    "graddrop_group_kth",
+    "graddrop_group_select",
+    "adacomp_group_encode",
+    "adacomp_group_decode_sum",
 ]
 _CFLAGS = ["-O3", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

@@ -201,3 +201,77 @@ def sparse_decode_sum(
     for index, vals in zip(indices, values):
         out.index_add_(0, index.reshape(-1).long(), vals.reshape(-1).float())
     return out
+
+
+def graddrop_group_sample(flat: Tensor, offsets: Tensor, sizes: Tensor, modes: Tensor, keys: Tensor) -> Tensor:
+    """Every layer's threshold sample of |x| for a group of layers laid out back to back, in one call.
+
+    Layer ``s`` (elements ``offsets[s]`` to ``offsets[s + 1]``) gives ``sizes[s]`` values: ``modes[s]`` 2 the whole
+    layer, 0 at Marian's stride, 1 at random positions keyed by ``keys[s]`` (as :func:`sample_abs` draws them).
+    ``offsets``, ``sizes``, ``modes``: int64 CPU tensors; ``keys``: int64 CPU ``[layers, 2]``. The compiled kernel
+    loops over the layers inside the call; the torch-ops fallback loops in Python.
+    """
+    x = _flat32(flat)
+    ext = extension_for(x)
+    if ext is not None:
+        return ext.graddrop_group_sample(x, offsets.contiguous(), sizes.contiguous(), modes.contiguous(), keys.contiguous())
+    parts = [x[:0].abs()]
+    for start, end, size, mode, key in zip(offsets[:-1].tolist(), offsets[1:].tolist(), sizes.tolist(), modes.tolist(),
+                                           keys.tolist()):
+        layer = x[start:end]
+        if mode == 2 or size == 0:
+            parts.append(layer.abs())
+        else:
+            parts.append(sample_abs(layer, size, "strided" if mode == 0 else "random", (key[0], key[1])))
+    return torch.cat(parts)
+
+
+def graddrop_group_kth(samples: Tensor, sample_offsets: Tensor, ranks: Tensor) -> Tensor:
+    """float32 ``[layers]``: each layer's ``ranks[s]``-th smallest (1-based) sampled value, as :func:`kth_smallest`
+    ranks (NaN last); 0 where the rank is 0. Layer ``s``'s sample is ``samples[sample_offsets[s]:sample_offsets[s + 1]]``."""
+    values = _flat32(samples)
+    ext = extension_for(values)
+    if ext is not None:
+        return ext.graddrop_group_kth(values, sample_offsets.contiguous(), ranks.contiguous())
+    out = [
+        kth_smallest(values[start:end], k - 1).to(values.device) if k else values.new_zeros(())
+        for start, end, k in zip(sample_offsets[:-1].tolist(), sample_offsets[1:].tolist(), ranks.tolist())
+    ]
+    return torch.stack(out) if out else values.new_zeros(0)
+
+
+def graddrop_group_select(
+    flat: Tensor, offsets: Tensor, thresholds: Tensor, fp16: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradient Dropping's survivors for every layer of a group laid out back to back, in one call.
+
+    Layer ``s`` (elements ``offsets[s]`` to ``offsets[s + 1]``, an int64 CPU tensor) keeps what :func:`select_above`
+    keeps under ``thresholds[s]`` (float32), or its ties when nothing is above a positive threshold; with ``fp16``,
+    survivors beyond fp16's range stay behind, counted. The compiled kernel loops over the layers inside the call
+    (the thresholds never become Python floats); the torch-ops fallback loops in Python.
+
+    Returns:
+        (int32 indices from the group's start (ascending), float32 values, int64 counts ``[layers]``, float32
+        overflow counts ``[layers]``).
+    """
+    x = _flat32(flat)
+    thr = thresholds.detach().to(torch.float32).contiguous()
+    ext = extension_for(x, thr)
+    if ext is not None:
+        index, values, counts, overflow = ext.graddrop_group_select(x, offsets.contiguous(), thr, fp16)
+        return index, values, counts, overflow
+    parts = []
+    for s, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        layer = x[start:end]
+        idx, kept = select_above(layer, thr[s])
+        if idx.numel() == 0 and thr[s] > 0:  # nothing above it: every |x| ties with it, send the ties
+            idx, kept = select_above(layer, thr[s], inclusive=True)
+        fits = ~(kept.abs() > torch.finfo(torch.float16).max) if fp16 else torch.ones_like(kept, dtype=torch.bool)
+        parts.append(((idx[fits] + start).to(torch.int32), kept[fits], (~fits).sum().float()))
+    device = x.device
+    return (
+        torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, dtype=torch.int32, device=device),
+        torch.cat([p[1] for p in parts]) if parts else x.new_zeros(0),
+        torch.tensor([p[0].numel() for p in parts], dtype=torch.int64, device=device),
+        torch.stack([p[2] for p in parts]) if parts else x.new_zeros(0),
+    )

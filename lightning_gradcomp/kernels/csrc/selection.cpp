@@ -121,6 +121,127 @@ std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold, bool 
   return {oi, ov};
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Gradient Dropping over a group of layers back to back, in one call per step of the selection and without a
+// dispatched op per layer (raw loops, outputs allocated once): the samples, their order statistics, the survivors.
+
+// the entries of x[0..n) not at or below thr (inclusive: not below), as indices base + i, appended to out ascending
+void select_layer(const float* xp, int64_t n, float thr, bool inclusive, int32_t base, std::vector<int32_t>& out) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  std::vector<std::vector<int32_t>> idx(tiles);
+  at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
+    std::vector<int32_t> scratch(kTile);
+    for (int64_t t = tb; t < te; ++t) {
+      int64_t b = t * kTile, e = std::min(n, b + kTile);
+      int c = (inclusive ? select_tile_ge_nan : select_tile_gt_nan)(xp + b, (int)(e - b), thr,
+                                                                  (int32_t)(base + b), scratch.data());
+      idx[t].assign(scratch.begin(), scratch.begin() + c);
+    }
+  });
+  for (const auto& v : idx) out.insert(out.end(), v.begin(), v.end());
+}
+
+// every layer's threshold sample of |x|, back to back: mode 2 the whole layer, 0 sizes[s] values at Marian's stride,
+// 1 sizes[s] hashed random positions keyed by keys[s] (sample_abs's positions)
+torch::Tensor graddrop_group_sample(torch::Tensor x, torch::Tensor offsets, torch::Tensor sizes, torch::Tensor modes,
+                                    torch::Tensor keys) {
+  check_f32(x, "x");
+  const int64_t layers = offsets.numel() - 1;
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* sz = sizes.data_ptr<int64_t>();
+  const int64_t* md = modes.data_ptr<int64_t>();
+  const int64_t* ky = keys.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t s = 0; s < layers; ++s) total += sz[s];
+  auto out = torch::empty({total}, torch::kFloat32);
+  float* op = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t s = 0, at = 0; s < layers; at += sz[s], ++s) {
+    const float* lp = xp + off[s];
+    const int64_t n = off[s + 1] - off[s], m = sz[s];
+    TORCH_CHECK(md[s] != 2 || m == n, "layer ", s, ": a whole-layer sample of another size");
+    const int64_t stride = std::max<int64_t>(1, n / std::max<int64_t>(1, m));
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t j = md[s] == 2 ? i
+                        : md[s] == 0 ? i * stride
+                                     : (int64_t)(hash_index((uint32_t)i, (uint32_t)ky[2 * s], (uint32_t)ky[2 * s + 1]) % (uint64_t)n);
+      op[at + i] = std::fabs(lp[j]);
+    }
+  }
+  return out;
+}
+
+// each layer's ks[s]-th smallest (1-based) sampled value, ranked as kth_smallest ranks (NaN last); 0 where ks[s] == 0.
+// The samples lie back to back, layer s's from sample_offsets[s] to sample_offsets[s + 1].
+torch::Tensor graddrop_group_kth(torch::Tensor samples, torch::Tensor sample_offsets, torch::Tensor ks) {
+  check_f32(samples, "samples");
+  const int64_t layers = sample_offsets.numel() - 1;
+  const int64_t* off = sample_offsets.data_ptr<int64_t>();
+  const int64_t* kp = ks.data_ptr<int64_t>();
+  const float* sp = samples.data_ptr<float>();
+  auto out = torch::empty({layers}, torch::kFloat32);
+  float* op = out.data_ptr<float>();
+  std::vector<float> v;
+  for (int64_t s = 0; s < layers; ++s) {
+    TORCH_CHECK(kp[s] >= 0 && kp[s] <= off[s + 1] - off[s], "layer ", s, ": rank beyond its sample");
+    if (kp[s] == 0) {
+      op[s] = 0.0f;
+      continue;
+    }
+    v.assign(sp + off[s], sp + off[s + 1]);
+    std::nth_element(v.begin(), v.begin() + (kp[s] - 1), v.end(), [](float a, float b) { return a < b || (a == a && b != b); });
+    op[s] = v[kp[s] - 1];
+  }
+  return out;
+}
+
+// Gradient Dropping's survivors for every layer of a group back to back in x (layer s: offsets[s] .. offsets[s + 1])
+// under its threshold thresholds[s], in one call and without a dispatched op per layer: select_above's rule, the ties
+// |x| >= thr when nothing is above a positive threshold; with fp16, survivors beyond fp16's range stay behind, counted.
+// Returns (index int32[K] from the group's start, value f32[K], count int64[n], overflow f32[n]).
+std::vector<torch::Tensor> graddrop_group_select(torch::Tensor x, torch::Tensor offsets, torch::Tensor thresholds,
+                                                 bool fp16) {
+  check_f32(x, "x");
+  check_f32(thresholds, "thresholds");
+  TORCH_CHECK(x.numel() < (int64_t(1) << 31), "graddrop_group_select: more than 2^31 elements");
+  const int64_t layers = offsets.numel() - 1;
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const float* tp = thresholds.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  auto counts = torch::empty({layers}, torch::kInt64);
+  auto overflow = torch::empty({layers}, torch::kFloat32);
+  int64_t* cp = counts.data_ptr<int64_t>();
+  float* fp = overflow.data_ptr<float>();
+  std::vector<int32_t> all;
+  for (int64_t s = 0; s < layers; ++s) {
+    const float* lp = xp + off[s];
+    const int64_t n = off[s + 1] - off[s];
+    const float thr = tp[s];
+    const size_t begin = all.size();
+    select_layer(lp, n, thr, false, (int32_t)off[s], all);
+    if (all.size() == begin && thr > 0) select_layer(lp, n, thr, true, (int32_t)off[s], all);
+    int64_t dropped = 0;
+    if (fp16) {  // not beyond fp16's largest finite value (a NaN fits: it is sent)
+      size_t w = begin;
+      for (size_t r = begin; r < all.size(); ++r) {
+        if (std::fabs(xp[all[r]]) > 65504.0f) ++dropped; else all[w++] = all[r];
+      }
+      all.resize(w);
+    }
+    cp[s] = (int64_t)(all.size() - begin);
+    fp[s] = (float)dropped;
+  }
+  auto index = torch::empty({(int64_t)all.size()}, torch::kInt32);
+  auto value = torch::empty({(int64_t)all.size()}, torch::kFloat32);
+  int32_t* ip = index.data_ptr<int32_t>();
+  float* vp = value.data_ptr<float>();
+  for (size_t r = 0; r < all.size(); ++r) {
+    ip[r] = all[r];
+    vp[r] = xp[all[r]];
+  }
+  return {index, value, counts, overflow};
+}
+
 LGC_CLONES float absmax(const float* x, int64_t len) {
   f8 m = {0};
   int64_t i = 0;
