@@ -389,7 +389,14 @@ class Compressor(ABC):
         """The ranks' mean of a gathered group, written into ``out`` (flat ``[segments.total]``); returns ``out``.
 
         Must equal :meth:`decompress_mean_into` of every layer bit for bit (the ranks summed in the given order).
+        The default decodes looping packets layer by layer, and batched ones with :meth:`decompress_flat`, summed in
+        rank order in the packets' dtype and divided by their number, as the per-layer default does.
         """
+        if packets[0].layers is None:
+            total = self.decompress_flat(packets[0]).clone()  # a packet's decode may be a view of its payload
+            for packet in packets[1:]:
+                total.add_(self.decompress_flat(packet))
+            return out.copy_(total).div_(len(packets))
         segments = packets[0].segments
         for i, view in enumerate(segments.views(out)):
             layers = [p.layers[i] for p in packets if p.layers is not None]

@@ -11,12 +11,11 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
-from lightning_gradcomp.compressors.grouped import WithoutStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.segments import Segments
 
 
-class Cast(WithoutStatistic):
+class Cast(Compressor):
     """Send gradients cast to a 16-bit float dtype; the sum over ranks is taken in that dtype.
 
     Args:

@@ -10,15 +10,13 @@ the hook makes one per group and reuses it every step.
 
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Optional, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.bits import bit_padding, pack_bits_segments, unpack_bits_segments
-from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.segments import Segments
 
 T = TypeVar("T")
@@ -34,15 +32,6 @@ def derived(segments: Segments, key: Hashable, build: Callable[[], T]) -> T:
         cache[key] = build()
     value: T = cache[key]
     return value
-
-
-class WithoutStatistic(Compressor):
-    """A batched compressor that shares no statistic: its group has none, found without visiting the layers (the
-    base class asks every layer's :meth:`~Compressor.local_statistic`, a few ops each)."""
-
-    @override
-    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
-        return None
 
 
 class PackedPayload:
@@ -94,14 +83,4 @@ class PackedPayload:
         return codes, floats
 
 
-def mean_of_decoded(decode: Callable[[FlatPacket], Tensor], packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-    """The ranks' mean of gathered group packets in ``out``: decoded, summed in rank order, divided by their
-    number, as :meth:`~lightning_gradcomp.compressors.base.Compressor.decompress_mean_into` does per layer (bit
-    for bit: the same additions in the same order, in the packets' dtype)."""
-    total = decode(packets[0]).clone()  # the decode of a packet may be a view of its payload
-    for packet in packets[1:]:
-        total.add_(decode(packet))
-    return out.copy_(total).div_(len(packets))
-
-
-__all__ = ["PackedPayload", "WithoutStatistic", "derived", "mean_of_decoded"]
+__all__ = ["PackedPayload", "derived"]

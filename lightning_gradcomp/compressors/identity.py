@@ -5,12 +5,11 @@ from typing import Optional
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
-from lightning_gradcomp.compressors.grouped import WithoutStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.segments import Segments
 
 
-class Identity(WithoutStatistic):
+class Identity(Compressor):
     """Sends the gradient unchanged (summed by all-reduce), exactly like DDP's default hook.
 
     Also the path for tensors a strategy keeps in float (``exclude`` patterns, ``min_numel``).

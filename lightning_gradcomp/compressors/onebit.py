@@ -32,8 +32,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.bits import packed_bits_nbytes
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
-from lightning_gradcomp.compressors.grouped import PackedPayload, WithoutStatistic, derived, mean_of_decoded
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.grouped import PackedPayload, derived
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_choice
 
@@ -44,7 +44,7 @@ Granularity = Literal["tensor", "row"]
 HEAVY_MOMENTUM = 0.8
 
 
-class OneBit(WithoutStatistic):
+class OneBit(Compressor):
     """Sign plus two reconstruction values per group, bit-packed, with error feedback.
 
     Args:
@@ -105,10 +105,6 @@ class OneBit(WithoutStatistic):
         positive, scales = groups.payload.split(packet.payload)
         per_element = groups.rows.expand(scales.view(-1, 2))
         return torch.where(positive.bool(), per_element[:, 0], -per_element[:, 1]).to(packet.dtype)
-
-    @override
-    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        return mean_of_decoded(self.decompress_flat, packets, out)
 
     def _layout(self, segments: Segments) -> "_Groups":
         return derived(segments, ("onebit", self.granularity), lambda: _Groups(segments, self._num_groups))

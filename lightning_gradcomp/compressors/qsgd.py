@@ -15,7 +15,6 @@ draws exactly what its layers would draw one by one: both paths give the same co
 """
 
 import math
-from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -23,14 +22,14 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic, max_or_zero
-from lightning_gradcomp.compressors.grouped import PackedPayload, WithoutStatistic, derived, mean_of_decoded
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic, max_or_zero
+from lightning_gradcomp.compressors.grouped import PackedPayload, derived
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_int
 
 
-class QSGD(WithoutStatistic):
+class QSGD(Compressor):
     """Stochastic quantization to ``levels`` levels of each bucket's L2 norm.
 
     Args:
@@ -143,10 +142,6 @@ class QSGD(WithoutStatistic):
         step = (norms / self.levels).index_select(0, layout.bucket_of(codes.device))
         magnitude = (codes >> 1).float() * step
         return torch.where((codes & 1).bool(), -magnitude, magnitude).to(packet.dtype)
-
-    @override
-    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        return mean_of_decoded(self.decompress_flat, packets, out)
 
     def _layout(self, segments: Segments) -> "_Buckets":
         return derived(segments, ("qsgd", self.bucket_size), lambda: _Buckets(segments, self.bucket_size))

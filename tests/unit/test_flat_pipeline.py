@@ -165,3 +165,19 @@ def test_the_looping_flat_packet_splits_a_remote_payload_by_that_ranks_sizes() -
     assert packet.layer_nbytes == tuple(p.nbytes for p in packet.layers)
     remote = packet.with_payload(packet.payload.view(torch.uint8).clone(), layer_nbytes=packet.layer_nbytes)
     assert torch.equal(topk.decompress_flat(remote), topk.decompress_flat(packet))
+
+
+def test_the_default_gathered_mean_of_batched_packets_sums_in_rank_order_like_each_layer() -> None:
+    # WeightGrad gathers fp32 (GatheredFP32): a batched compressor without its own gathered decoder
+    from lightning_gradcomp.weightgrad.strategy import GatheredFP32
+
+    seg = _segments()
+    gen = torch.Generator().manual_seed(5)
+    compressor = GatheredFP32()
+    xs = [torch.randn(seg.total, generator=gen) * 10 ** r for r in range(3)]
+    packets = [compressor.compress_flat(x, seg) for x in xs]
+    assert packets[0].layers is None
+    got = compressor.decompress_flat_mean_into(packets, torch.empty(seg.total))
+    for i, view in enumerate(seg.views(got)):
+        per_layer = [compressor.compress(seg.views(x)[i], NAMES[i]) for x in xs]
+        assert torch.equal(view, compressor.decompress_mean_into(per_layer, torch.empty(SHAPES[i])))
