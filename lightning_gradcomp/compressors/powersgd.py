@@ -22,6 +22,10 @@ tensors of one shape travel stacked too. The ops per exchange grow with the numb
 tensors; the rounds stay two all-reduces for the whole bucket, each laid out shape group after shape group
 (``tests/unit/test_flat_demo_powersgd.py``). A fresh random Q (the first step, a new shape, ``warm_start=False``)
 is still drawn tensor by tensor in layer order, as torch's hook draws it, so the random start stays torch's.
+
+The hook calls :meth:`PowerSGD.exchange_flat` on a group in one flat tensor: every class's elements are gathered with
+one ``index_select`` (all dense classes in one, all low-rank classes in another) and the results scattered back with
+one ``index_copy`` each, so the hook's whole multi-round path dispatches a number of ops set by the shapes.
 """
 
 from collections.abc import Hashable, Sequence

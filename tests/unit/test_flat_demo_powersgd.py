@@ -318,9 +318,9 @@ def test_powersgd_flat_exchange_is_the_layer_exchange_bit_for_bit(rank: int, war
         looping[r].setup(r, RANKS, CPU)
     for step in range(3):
         xs = [_flat(seg, 10 * step + r) for r in range(RANKS)]
-        ours, our_rounds = _on_ranks(RANKS, lambda r, all_reduce: batched[r].exchange_flat(xs[r], seg, all_reduce))
+        ours, our_rounds = _on_ranks(RANKS, lambda r, all_reduce, xs=xs: batched[r].exchange_flat(xs[r], seg, all_reduce))
         theirs, their_rounds = _on_ranks(
-            RANKS, lambda r, all_reduce: MultiRoundCompressor.exchange_flat(looping[r], xs[r], seg, all_reduce))
+            RANKS, lambda r, all_reduce, xs=xs: MultiRoundCompressor.exchange_flat(looping[r], xs[r], seg, all_reduce))
         assert our_rounds == their_rounds and len(our_rounds) == 2
         for r in range(RANKS):
             mine, ref = ours[r], theirs[r]
