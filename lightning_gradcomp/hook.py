@@ -323,7 +323,7 @@ def _exchange_bucket(state: GradCompState, bucket: HookBucket) -> torch.futures.
     if not shared_flag and bucket_is_nonfinite(state, buffer, grads, names):
         return comm.completed(buffer.fill_(float("nan")))
     if multiround:
-        return _multiround_exchange(state, bucket, grads, names, route)
+        return _multiround_exchange(state, bucket, names, route)
 
     groups = state.layouts.groups(names, shapes, positions, route, buffer.element_size(), state.pipeline_bytes)
     prepared = [_prepare(state, g, buffer) for g in groups]
@@ -509,18 +509,18 @@ def _observe_averaged(state: GradCompState, group: LayerGroup, buffer: Tensor) -
 
 
 # -- multi-round compressors (PowerSGD) ------------------------------------------------------------------------
-# A separate path: it leaves the one-shot path above untouched. Every round is a blocking all-reduce issued from
-# the hook body, in the order the compressor calls it (which depends only on shapes and names), so the sequence
+# A separate path on the one-shot path's pieces (groups, transforms, flat error feedback, ledger records, ``put``).
+# Every round is a blocking all-reduce issued from the hook body, in the order the compressor calls it (which depends only on shapes and names), so the sequence
 # of collectives is identical on every rank whatever the number of buckets. Nothing is left for ``.then``.
 
 
 def _multiround_exchange(
-    state: GradCompState, bucket: HookBucket, grads: Sequence[Tensor], names: Sequence[str], route: Sequence[Compressor]
+    state: GradCompState, bucket: HookBucket, names: Sequence[str], route: Sequence[Compressor]
 ) -> torch.futures.Future[torch.Tensor]:
     """The one-shot path's groups (:meth:`~lightning_gradcomp.groups.Layouts.groups`), transforms and flat error
     feedback; then the fp32 group in one all-reduce, then the compressor's rounds on its group
-    (:meth:`~lightning_gradcomp.compressors.multiround.MultiRoundCompressor.exchange_flat`). ``grads`` (the layers'
-    views) are not read: each group is taken from the bucket in one op."""
+    (:meth:`~lightning_gradcomp.compressors.multiround.MultiRoundCompressor.exchange_flat`). No per-layer view is
+    made: each group is taken from the bucket, and its mean written back, in one op."""
     compressor = state.compressor
     assert isinstance(compressor, MultiRoundCompressor)
     world = state.world_size
