@@ -242,25 +242,6 @@ def _observe_inputs(state: GradCompState, groups: Sequence[LayerGroup], prepared
                 state.observer.observe_input(name, before, after, group.compressor)
 
 
-def _prepare_layers(
-    state: GradCompState, grads: Sequence[Tensor], names: Sequence[str], route: Sequence[Compressor]
-) -> list[Tensor]:
-    """The multi-round path's :func:`_prepare`, layer by layer (its compressor takes a list of tensors)."""
-    inputs = []
-    for grad, name, compressor in zip(grads, names, route):
-        x = grad
-        is_float = state.router.is_float(name)
-        for transform in state.transforms:
-            if transform.applies_to_float or not is_float:
-                x = transform.before_compress(x, name)
-        state.observer.observe_input(name, grad, x, compressor)
-        if compressor.uses_memory:
-            compressor.observe_gradient(x, name)
-            x = state.memory.compensate(x, name)
-        inputs.append(x)
-    return inputs
-
-
 def _shared_statistics(
     state: GradCompState,
     bucket_index: int,
@@ -342,7 +323,7 @@ def _exchange_bucket(state: GradCompState, bucket: HookBucket) -> torch.futures.
     if not shared_flag and bucket_is_nonfinite(state, buffer, grads, names):
         return comm.completed(buffer.fill_(float("nan")))
     if multiround:
-        return _multiround_exchange(state, bucket, list(grads), names, route)
+        return _multiround_exchange(state, bucket, names, route)
 
     groups = state.layouts.groups(names, shapes, positions, route, buffer.element_size(), state.pipeline_bytes)
     prepared = [_prepare(state, g, buffer) for g in groups]
@@ -403,13 +384,6 @@ def _compress_group(state: GradCompState, group: LayerGroup, x: Tensor, shared: 
         layer_stats=None if packet.layers is None else [p.stats for p in packet.layers],
     ))
     return packet
-
-
-def _after_send(state: GradCompState, name: str, x: Tensor, sent: Tensor, uses_memory: bool) -> None:
-    """What was not sent becomes the residual; the transforms see what was (the multi-round path, layer by layer)."""
-    if uses_memory:
-        state.memory.update(name, x, sent)
-    _after_transforms(state, name, x, sent)
 
 
 def _after_transforms(state: GradCompState, name: str, x: Tensor, sent: Tensor) -> None:
@@ -535,19 +509,28 @@ def _observe_averaged(state: GradCompState, group: LayerGroup, buffer: Tensor) -
 
 
 # -- multi-round compressors (PowerSGD) ------------------------------------------------------------------------
-# A separate path: it leaves the one-shot path above untouched. Every round is a blocking all-reduce issued from
-# the hook body, in the order the compressor calls it (which depends only on shapes and names), so the sequence
-# of collectives is identical on every rank whatever the number of buckets. Nothing is left for ``.then``.
+# A separate path on the one-shot path's pieces (groups, transforms, flat error feedback, ledger records, ``put``).
+# Every round is a blocking all-reduce issued from the hook body, in the order the compressor calls it (which
+# depends only on shapes and names), so the sequence of collectives is identical on every rank whatever the number
+# of buckets. Nothing is left for ``.then``.
 
 
 def _multiround_exchange(
-    state: GradCompState, bucket: HookBucket, grads: Sequence[Tensor], names: Sequence[str], route: Sequence[Compressor]
+    state: GradCompState, bucket: HookBucket, names: Sequence[str], route: Sequence[Compressor]
 ) -> torch.futures.Future[torch.Tensor]:
-    """Transforms and error feedback, then fp32 layers in one all-reduce, then the compressor's rounds."""
+    """The one-shot path's groups (:meth:`~lightning_gradcomp.groups.Layouts.groups`), transforms and flat error
+    feedback; then the fp32 group in one all-reduce, then the compressor's rounds on its group
+    (:meth:`~lightning_gradcomp.compressors.multiround.MultiRoundCompressor.exchange_flat`). No per-layer view is
+    made: each group is taken from the bucket, and its mean written back, in one op."""
     compressor = state.compressor
     assert isinstance(compressor, MultiRoundCompressor)
     world = state.world_size
-    inputs = _prepare_layers(state, grads, names, route)
+    buffer = bucket.buffer()
+    # one chunk: the rounds are the bucket's whole (two all-reduces), whatever ``pipeline_bytes``
+    groups = state.layouts.groups(names, [p.shape for p in bucket.parameters()], layer_offsets(bucket), route,
+                                  buffer.element_size(), None)
+    prepared = [_prepare(state, g, buffer) for g in groups]
+    _observe_inputs(state, groups, prepared)
 
     def all_reduce(tensor: Tensor) -> Tensor:
         if world > 1:
@@ -555,27 +538,29 @@ def _multiround_exchange(
             state.ledger.count("allreduce_round")
         return tensor
 
-    def finish(i: int, mean: Tensor, sent: Tensor, nbytes: int, stats: dict[str, Tensor]) -> None:
-        name, x = names[i], inputs[i]
-        _after_send(state, name, x, sent, route[i].uses_memory)
-        state.ledger.record(name, LayerRecord(nbytes=nbytes, numel=x.numel(), aggregation=Aggregation.SUM, stats=stats))
-        grads[i].copy_(mean)
+    def finish(group: LayerGroup, x: Tensor, mean: Tensor, sent: Tensor, layer_nbytes: tuple[int, ...],
+               stats: dict[str, Tensor]) -> None:
+        if group.compressor.uses_memory:
+            state.memory.update_flat(group.segments, x, sent)
+        if state.transforms:
+            for (name, xi), si in zip(group.segments.items(x), group.segments.views(sent)):
+                _after_transforms(state, name, xi, si)
+        state.ledger.record_group(GroupRecord(group.segments, layer_nbytes, Aggregation.SUM, stats))
+        group.put(buffer, mean)
 
-    # the layers routed to fp32 (the user's exclusions, and the planner's choice where compression would not pay:
-    # before the router, this path compressed those anyway while counting a plan_allreduce_fp32) in one all-reduce
-    float_idx = [i for i, c in enumerate(route) if c is not compressor]
-    if float_idx:
-        flat = all_reduce(torch.cat([inputs[i].reshape(-1) for i in float_idx]))
-        offset = 0
-        for i in float_idx:
-            n = inputs[i].numel()
-            finish(i, flat[offset : offset + n].view_as(inputs[i]) / world, inputs[i], n * inputs[i].element_size(), {})
-            offset += n
-    compressed_idx = [i for i, c in enumerate(route) if c is compressor]
-    if compressed_idx:
-        results = compressor.exchange([inputs[i] for i in compressed_idx], [names[i] for i in compressed_idx], all_reduce)
-        for i, result in zip(compressed_idx, results):
-            finish(i, result.mean, result.sent, result.nbytes, result.stats)
+    # the layers routed to fp32 (the user's exclusions, and the planner's choice where compression would not pay)
+    # in one all-reduce, before the compressor's rounds
+    for group, (_, _, x) in zip(groups, prepared):
+        if group.compressor is not compressor:
+            # summed in place where nothing reads the input afterwards (no transform sees it): then, with the group
+            # adjacent in the bucket and no transform, the bucket's own range is reduced and ``put`` copies nothing
+            total = all_reduce(x if not state.transforms else x.clone()).div_(world)
+            nbytes = tuple(n * x.element_size() for n in group.segments.numels)
+            finish(group, x, total, x, nbytes, {})
+    for group, (_, _, x) in zip(groups, prepared):
+        if group.compressor is compressor:
+            result = compressor.exchange_flat(x, group.segments, all_reduce)
+            finish(group, x, result.mean, result.sent, result.layer_nbytes, result.stats)
     state.ledger.record_shared(bucket.index(), 0)
-    observe_decoded(state, bucket.buffer())
-    return comm.completed(bucket.buffer())
+    observe_decoded(state, buffer)
+    return comm.completed(buffer)

@@ -19,15 +19,23 @@ Contract for :meth:`MultiRoundCompressor.exchange`:
 * ``all_reduce`` sums ``t`` over ranks *in place*, blocks until done, and returns ``t``;
 * it returns, per tensor, the mean over ranks to write into the bucket, what this rank counts as sent (for
   error feedback: ``residual = input - sent``), and the exact bytes this rank put on the wire for it.
+
+The hook calls :meth:`MultiRoundCompressor.exchange_flat`: the same exchange on a group of layers laid out back to
+back in one flat tensor (:class:`~lightning_gradcomp.segments.Segments`), with flat results, so the hook's own work
+(error feedback, writing the bucket, the ledger) is one op per group whatever the number of layers. Its default
+runs :meth:`~MultiRoundCompressor.exchange` on the layers' views (ops per layer); a compressor that overrides it
+(PowerSGD) gathers and scatters its shape classes in a fixed number of ops each.
 """
 
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.segments import Segments
 
 #: sums a tensor over ranks in place, waits for it, and returns it
 AllReduce = Callable[[Tensor], Tensor]
@@ -50,6 +58,23 @@ class Exchanged:
     stats: dict[str, Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class FlatExchanged:
+    """The outcome of a multi-round exchange for a group of layers laid out as ``segments`` in one flat tensor.
+
+    Attributes:
+        mean: ``[segments.total]``: the average over ranks (written into DDP's bucket).
+        sent: ``[segments.total]``: what this rank counts as sent; error feedback keeps ``input - sent``.
+        layer_nbytes: exact bytes this rank contributed to the collectives for each layer (shapes determine them).
+        stats: per-layer statistics as ``[layers]`` tensors (the keys every layer's :class:`Exchanged` had).
+    """
+
+    mean: Tensor
+    sent: Tensor
+    layer_nbytes: tuple[int, ...]
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+
 class MultiRoundCompressor(Compressor):
     """Base class of compressors that exchange in several dependent all-reduce rounds (PowerSGD).
 
@@ -68,3 +93,20 @@ class MultiRoundCompressor(Compressor):
             names: the parameters' names, for per-layer state (warm-start factors).
             all_reduce: blocking in-place sum over the group's ``self.world_size`` ranks.
         """
+
+    def exchange_flat(self, flat: Tensor, segments: Segments, all_reduce: AllReduce) -> FlatExchanged:
+        """:meth:`exchange` for the layers of a group laid out as ``segments`` in ``flat`` (not modified).
+
+        The collectives must be those :meth:`exchange` issues for the same layers (number, order, sizes), so a
+        rank on either entry point pairs with the other. The default runs :meth:`exchange` on the layers' views and
+        concatenates the results (ops per layer); overrides do the same in a number of ops that does not grow with
+        the number of layers.
+        """
+        results = self.exchange(segments.views(flat), segments.names, all_reduce)
+        if not results:
+            return FlatExchanged(flat.new_empty(0), flat.new_empty(0), ())
+        mean = torch.cat([r.mean.reshape(-1) for r in results])
+        sent = torch.cat([r.sent.reshape(-1) for r in results])
+        keys = [k for k in results[0].stats if all(k in r.stats for r in results)]
+        stats = {k: torch.stack([r.stats[k] for r in results]) for k in keys}
+        return FlatExchanged(mean, sent, tuple(r.nbytes for r in results), stats)

@@ -22,9 +22,14 @@ tensors of one shape travel stacked too. The ops per exchange grow with the numb
 tensors; the rounds stay two all-reduces for the whole bucket, each laid out shape group after shape group
 (``tests/unit/test_flat_demo_powersgd.py``). A fresh random Q (the first step, a new shape, ``warm_start=False``)
 is still drawn tensor by tensor in layer order, as torch's hook draws it, so the random start stays torch's.
+
+The hook calls :meth:`PowerSGD.exchange_flat` on a group in one flat tensor: every class's elements are gathered with
+one ``index_select`` (all dense classes in one, all low-rank classes in another) and the results scattered back with
+one ``index_copy`` each, so the hook's whole multi-round path dispatches a number of ops set by the shapes.
 """
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -32,7 +37,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Packet
-from lightning_gradcomp.compressors.multiround import AllReduce, Exchanged, MultiRoundCompressor
+from lightning_gradcomp.compressors.multiround import AllReduce, Exchanged, FlatExchanged, MultiRoundCompressor
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_int, check_number
 
 
@@ -57,13 +63,52 @@ def orthogonalize_(matrix: Tensor, epsilon: float = 0.0) -> Tensor:
     return matrix
 
 
-def _by_shape(tensors: Sequence[Tensor], indices: Sequence[int]) -> list[list[int]]:
-    """``indices`` grouped by their tensors' shape, dtype and device (the tensors a stack can hold), groups in the
-    order of their first member, members in the given order."""
-    groups: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = {}
+def _by_kind(kinds: Sequence[Hashable], indices: Sequence[int]) -> list[list[int]]:
+    """``indices`` grouped by ``kinds[i]`` (shape, dtype, device: what one stack can hold), groups in the order of
+    their first member, members in the given order."""
+    groups: dict[Hashable, list[int]] = {}
     for i in indices:
-        groups.setdefault((tensors[i].shape, tensors[i].dtype, tensors[i].device), []).append(i)
+        groups.setdefault(kinds[i], []).append(i)
     return list(groups.values())
+
+
+@dataclass
+class _Classes:
+    """A bucket's tensors sorted into shape classes: the unit every op of the exchange runs on.
+
+    Attributes:
+        plans: ``(n, m, r)`` of every low-rank tensor, by index.
+        dense: the indices of the tensors sent dense, by class.
+        lowrank: the indices of the low-rank tensors, by class.
+    """
+
+    plans: dict[int, tuple[int, int, int]]
+    dense: list[list[int]]
+    lowrank: list[list[int]]
+
+
+@dataclass
+class _FlatPlan:
+    """A group's shape classes and where their elements lie in its flat tensor (built once per layout).
+
+    Attributes:
+        classes: the group's layers by class.
+        layer_units: per layer, the elements it puts on the wire (times the element size: its bytes).
+    """
+
+    classes: _Classes
+    layer_units: tuple[int, ...]
+    _dense: Tensor
+    _lowrank: Tensor
+    _index: dict[torch.device, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    def index(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """int64 flat positions of the dense layers' elements and of the low-rank ones, each class after class
+        (the order their parts take in the rounds); cached per device."""
+        cached = self._index.get(device)
+        if cached is None:
+            cached = self._index[device] = (self._dense.to(device), self._lowrank.to(device))
+        return cached
 
 
 class PowerSGD(MultiRoundCompressor):
@@ -101,6 +146,7 @@ class PowerSGD(MultiRoundCompressor):
         self._seeds = np.random.RandomState(seed)
         #: the averaged Q of the last step, by parameter name (warm start)
         self.q_memory: dict[str, Tensor] = {}
+        self._flat_plans: dict[Segments, _FlatPlan] = {}
 
     def plan(self, shape: torch.Size) -> Optional[tuple[int, int, int]]:
         """``(n, m, r)`` of the low-rank form of a tensor of ``shape``, or ``None`` when it is sent dense."""
@@ -113,81 +159,170 @@ class PowerSGD(MultiRoundCompressor):
             return None
         return n, m, r
 
-    def _initial_qs(self, tensors: Sequence[Tensor], names: Sequence[str], groups: Sequence[list[int]],
-                    plans: dict[int, tuple[int, int, int]]) -> list[Tensor]:
-        """The orthogonalized starting Q of every low-rank group, ``[B, m, r]``: the last step's where there is one."""
+    def _classes(self, shapes: Sequence[torch.Size], kinds: Sequence[Hashable]) -> _Classes:
+        """The tensors of ``shapes`` in classes of one ``kinds`` entry each, dense and low-rank apart."""
+        plans = {i: p for i, p in enumerate(self.plan(s) for s in shapes) if p is not None}
+        dense = _by_kind(kinds, [i for i in range(len(shapes)) if i not in plans])
+        return _Classes(plans, dense, _by_kind(kinds, list(plans)))
+
+    def _flat_plan(self, segments: Segments) -> _FlatPlan:
+        """The shape classes of a group and their elements' positions in its flat tensor (built once per layout:
+        a :class:`~lightning_gradcomp.segments.Segments` is made once per group and reused every step)."""
+        plan = self._flat_plans.get(segments)
+        if plan is None:
+            classes = self._classes(segments.shapes, segments.shapes)
+
+            def positions(groups: list[list[int]]) -> Tensor:
+                ranges = [torch.arange(segments.offsets[i], segments.offsets[i + 1]) for g in groups for i in g]
+                return torch.cat(ranges) if ranges else torch.zeros(0, dtype=torch.int64)
+
+            units = tuple(numel if i not in classes.plans else (classes.plans[i][0] + classes.plans[i][1]) * classes.plans[i][2]
+                          for i, numel in enumerate(segments.numels))
+            plan = _FlatPlan(classes, units, positions(classes.dense), positions(classes.lowrank))
+            self._flat_plans[segments] = plan
+        return plan
+
+    def _initial_qs(self, names: Sequence[str], classes: _Classes, like: Sequence[Tensor]) -> list[Tensor]:
+        """The orthogonalized starting Q of every low-rank class, ``[B, m, r]`` (dtype and device of ``like``, the
+        class's matrices): the last step's where there is one."""
         fresh: dict[int, Tensor] = {}
         needs = []
-        for i in sorted(plans):  # layer order: the order torch draws in
-            _, m, r = plans[i]
-            if not self.warm_start or names[i] not in self.q_memory or self.q_memory[names[i]].shape != (m, r):
-                needs.append((i, m, r))
+        for group, matrix in zip(classes.lowrank, like):
+            for i in group:
+                _, m, r = classes.plans[i]
+                if not self.warm_start or names[i] not in self.q_memory or self.q_memory[names[i]].shape != (m, r):
+                    needs.append((i, m, r, matrix))
         if needs:  # one seed per exchange, as torch draws one per bucket
             generator = torch.Generator().manual_seed(int(self._seeds.randint(1_000_000_000)))
-            for i, m, r in needs:
-                fresh[i] = torch.randn(m, r, generator=generator, dtype=tensors[i].dtype).to(tensors[i].device)
+            for i, m, r, matrix in sorted(needs, key=lambda need: need[0]):  # layer order: the order torch draws in
+                fresh[i] = torch.randn(m, r, generator=generator, dtype=matrix.dtype).to(matrix.device)
         # ``to``: a state loaded from a checkpoint holds CPU tensors (no op when already there)
-        stacks = [torch.stack([fresh[i] if i in fresh else self.q_memory[names[i]].to(tensors[i].device) for i in group])
-                  for group in groups]
+        stacks = [torch.stack([fresh[i] if i in fresh else self.q_memory[names[i]].to(matrix.device) for i in group])
+                  for group, matrix in zip(classes.lowrank, like)]
         return [orthogonalize_(q, self.orthogonalization_epsilon) for q in stacks]
 
-    def _exchange(
-        self, tensors: Sequence[Tensor], names: Sequence[str], all_reduce: AllReduce, world_size: int
-    ) -> tuple[list[Exchanged], dict[str, tuple[Tensor, Tensor]]]:
-        with torch.no_grad():  # gradients in, no graph: and no per-tensor ``detach`` op
-            return self._exchange_groups(tensors, names, all_reduce, world_size)
+    def _rounds(
+        self,
+        dense: Sequence[Tensor],
+        matrices: Sequence[Tensor],
+        classes: _Classes,
+        names: Sequence[str],
+        all_reduce: AllReduce,
+        world_size: int,
+        approx_out: Optional[Tensor] = None,
+    ) -> tuple[Optional[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+        """Both rounds on a bucket's shape classes: the dense values and every P in one all-reduce, every Q in
+        another, each laid out class after class.
 
-    def _exchange_groups(
-        self, tensors: Sequence[Tensor], names: Sequence[str], all_reduce: AllReduce, world_size: int
-    ) -> tuple[list[Exchanged], dict[str, tuple[Tensor, Tensor]]]:
-        plans = {i: p for i, p in enumerate(self.plan(t.shape) for t in tensors) if p is not None}
-        dense = _by_shape(tensors, [i for i in range(len(tensors)) if i not in plans])
-        lowrank = _by_shape(tensors, list(plans))
-        shapes = [plans[group[0]] for group in lowrank]
-        matrices = [torch.stack([tensors[i] for i in group]).view(len(group), n, m)
-                    for group, (n, m, _) in zip(lowrank, shapes)]
-        qs = self._initial_qs(tensors, names, lowrank, plans)
+        Args:
+            dense: the dense tensors' values, 1-D parts in class order (the head of the first round).
+            matrices: each low-rank class's ``[B, n, m]`` stack.
+            classes: the bucket's classes.
+            names: the tensors' names, by index (warm-start factors).
+            all_reduce: blocking in-place sum over the ranks.
+            world_size: the ranks ``all_reduce`` sums over.
+            approx_out: where to write the approximations, class after class, flat (``None``: new tensors).
+
+        Returns:
+            The dense tensors' mean (1-D, laid out as ``dense``; ``None`` without dense tensors), and per low-rank
+            class the approximation ``[B, n, m]`` (its mean and what this rank sent), P ``[B, n, r]`` and Q
+            ``[B, m, r]``.
+        """
+        qs = self._initial_qs(names, classes, matrices)
         ps = [torch.bmm(matrix, q) for matrix, q in zip(matrices, qs)]
 
-        # round 1: dense tensors and the P factors, one all-reduce, shape group after shape group
-        stacked_dense = [torch.stack([tensors[i] for i in group]) for group in dense]
-        parts = [d.view(-1) for d in stacked_dense] + [p.view(-1) for p in ps]
-        results: list[Optional[Exchanged]] = [None] * len(tensors)
+        # round 1: dense values and the P factors
+        parts = [*dense, *(p.view(-1) for p in ps)]
+        dense_mean: Optional[Tensor] = None
         if parts:
             flat = all_reduce(torch.cat(parts))
-            offset = 0
-            for group, stack in zip(dense, stacked_dense):
-                means = (flat[offset : offset + stack.numel()].view_as(stack) / world_size).unbind(0)
-                nbytes = tensors[group[0]].numel() * stack.element_size()
-                for i, mean in zip(group, means):
-                    results[i] = Exchanged(mean=mean, sent=tensors[i], nbytes=nbytes)
-                offset += stack.numel()
+            offset = sum(d.numel() for d in dense)
+            if dense:
+                dense_mean = flat[:offset] / world_size
             for k, p in enumerate(ps):
                 # orthogonalized in place: this part of the round's buffer is read by nothing else
                 ps[k] = orthogonalize_(flat[offset : offset + p.numel()].view_as(p), self.orthogonalization_epsilon)
                 offset += p.numel()
 
-        factors: dict[str, tuple[Tensor, Tensor]] = {}
-        if lowrank:
+        approx: list[Tensor] = []
+        averaged: list[Tensor] = []
+        if classes.lowrank:
             # round 2: the Q factors
             local_qs = [torch.bmm(matrix.mT, p) for matrix, p in zip(matrices, ps)]
             flat_q = all_reduce(torch.cat([q.view(-1) for q in local_qs])) / world_size
-            offset = 0
-            for group, (n, m, r), p, local_q in zip(lowrank, shapes, ps, local_qs):
+            offset = at = 0
+            for group, matrix, p, local_q in zip(classes.lowrank, matrices, ps, local_qs):
                 q = flat_q[offset : offset + local_q.numel()].view_as(local_q)
                 offset += q.numel()
-                first = tensors[group[0]]
-                approx = torch.bmm(p, q.mT).view(len(group), *first.shape).unbind(0)
-                nbytes = (n + m) * r * first.element_size()
-                for i, a, p_i, q_i in zip(group, approx, p.unbind(0), q.unbind(0)):
-                    results[i] = Exchanged(mean=a, sent=a, nbytes=nbytes)
-                    factors[names[i]] = (p_i, q_i)
-                    if self.warm_start:
+                if approx_out is None:
+                    approx.append(torch.bmm(p, q.mT))
+                else:
+                    approx.append(torch.bmm(p, q.mT, out=approx_out[at : at + matrix.numel()].view_as(matrix)))
+                    at += matrix.numel()
+                averaged.append(q)
+                if self.warm_start:
+                    for i, q_i in zip(group, q.unbind(0)):
                         self.q_memory[names[i]] = q_i
+        return dense_mean, approx, ps, averaged
+
+    def _exchange(
+        self, tensors: Sequence[Tensor], names: Sequence[str], all_reduce: AllReduce, world_size: int
+    ) -> tuple[list[Exchanged], dict[str, tuple[Tensor, Tensor]]]:
+        with torch.no_grad():  # gradients in, no graph: and no per-tensor ``detach`` op
+            classes = self._classes([t.shape for t in tensors], [(t.shape, t.dtype, t.device) for t in tensors])
+            stacks = [torch.stack([tensors[i] for i in group]) for group in classes.dense]
+            matrices = [torch.stack([tensors[i] for i in group]).view(len(group), *classes.plans[group[0]][:2])
+                        for group in classes.lowrank]
+            dense_mean, approx, ps, qs = self._rounds(
+                [s.view(-1) for s in stacks], matrices, classes, names, all_reduce, world_size
+            )
+        results: list[Optional[Exchanged]] = [None] * len(tensors)
+        offset = 0
+        for group, stack in zip(classes.dense, stacks):
+            assert dense_mean is not None
+            means = dense_mean[offset : offset + stack.numel()].view_as(stack).unbind(0)
+            nbytes = tensors[group[0]].numel() * stack.element_size()
+            for i, mean in zip(group, means):
+                results[i] = Exchanged(mean=mean, sent=tensors[i], nbytes=nbytes)
+            offset += stack.numel()
+        factors: dict[str, tuple[Tensor, Tensor]] = {}
+        for group, a, p, q in zip(classes.lowrank, approx, ps, qs):
+            first = tensors[group[0]]
+            n, m, r = classes.plans[group[0]]
+            nbytes = (n + m) * r * first.element_size()
+            for i, a_i, p_i, q_i in zip(group, a.view(len(group), *first.shape).unbind(0), p.unbind(0), q.unbind(0)):
+                results[i] = Exchanged(mean=a_i, sent=a_i, nbytes=nbytes)
+                factors[names[i]] = (p_i, q_i)
         return [r for r in results if r is not None], factors
 
     def exchange(self, tensors: Sequence[Tensor], names: Sequence[str], all_reduce: AllReduce) -> list[Exchanged]:
         return self._exchange(tensors, names, all_reduce, self.world_size)[0]
+
+    def exchange_flat(self, flat: Tensor, segments: Segments, all_reduce: AllReduce) -> FlatExchanged:
+        """:meth:`exchange` on a group in one flat tensor: each class's elements gathered with one ``index_select``
+        (all dense classes in one), results scattered back with one ``index_copy`` for the low-rank classes and one
+        for the dense ones; the same rounds, values and bytes as :meth:`exchange` on the group's layers."""
+        plan = self._flat_plan(segments)
+        classes = plan.classes
+        dense_index, lowrank_index = plan.index(flat.device)
+        with torch.no_grad():
+            dense = [flat.index_select(0, dense_index)] if classes.dense else []
+            matrices: list[Tensor] = []
+            approx_out: Optional[Tensor] = None
+            if classes.lowrank:
+                gathered = flat.index_select(0, lowrank_index)
+                at = 0
+                for group in classes.lowrank:
+                    n, m, _ = classes.plans[group[0]]
+                    matrices.append(gathered[at : at + len(group) * n * m].view(len(group), n, m))
+                    at += len(group) * n * m
+                approx_out = torch.empty_like(gathered)
+            dense_mean, _, _, _ = self._rounds(dense, matrices, classes, segments.names, all_reduce, self.world_size,
+                                               approx_out)
+            # a dense layer counts as sent whole (no residual); a low-rank one as its approximation
+            sent = flat if approx_out is None else flat.index_copy(0, lowrank_index, approx_out)
+            mean = sent if dense_mean is None else sent.index_copy(0, dense_index, dense_mean)
+        return FlatExchanged(mean, sent, tuple(u * flat.element_size() for u in plan.layer_units))
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
         """Single-process form: the factors P and Q of this rank alone (a world of one)."""

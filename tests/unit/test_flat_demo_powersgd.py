@@ -1,8 +1,10 @@
 """DeMo's batched flat pipeline and PowerSGD's shape-batched exchange against the layer-by-layer paths, and their op
 counts: a fixed number of ops per distinct (chunk) shape, whatever the number of layers; no host read."""
 
+import contextlib
 import threading
 from collections.abc import Callable, Sequence
+from typing import Optional, TypeVar
 
 import numpy as np
 import pytest
@@ -14,9 +16,13 @@ from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DeMo, PowerSGD
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.demo import ChunkedDCT
+from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
+from lightning_gradcomp.groups import layer_offsets
+from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.compressors.powersgd import orthogonalize_
 from lightning_gradcomp.segments import Segments
 
+T = TypeVar("T")
 CPU = torch.device("cpu")
 RANKS = 3
 #: mixed shapes: several chunk shapes (64x48, 26x35, 1x1 from a prime length, 16x27 from a 4-D kernel, 1x64), layers
@@ -173,19 +179,17 @@ def test_demo_ops_per_group_do_not_grow_with_layers() -> None:
 POWERSGD_SHAPES = [(32, 16), (16,), (16, 24), (32, 16), (8, 3, 3, 3), (), (16, 24), (3, 3), (0, 4), (32, 16), (20, 30)]
 
 
-def _ranks_exchange(compressors: Sequence[PowerSGD], inputs: Sequence[Sequence[Tensor]], names: Sequence[str]
-                    ) -> tuple[list[list], int]:
-    """Each rank's ``exchange`` on its own thread, ``all_reduce`` summing the ranks' tensors in rank order; returns
-    every rank's results and the number of all-reduce rounds (each rank's, asserted equal)."""
-    world = len(compressors)
+def _on_ranks(world: int, call: Callable[[int, Callable[[Tensor], Tensor]], T]) -> tuple[list[T], list[int]]:
+    """``call(rank, all_reduce)`` for every rank on its own thread, ``all_reduce`` summing the ranks' tensors in rank
+    order; returns every rank's result and the sizes of the all-reduce rounds (each rank's, asserted equal)."""
     barrier = threading.Barrier(world)
     slots: list[Tensor] = [torch.zeros(0)] * world
-    rounds = [0] * world
-    results: list[list] = [[] for _ in range(world)]
+    rounds: list[list[int]] = [[] for _ in range(world)]
+    results: list[Optional[T]] = [None] * world
 
     def all_reduce_of(rank: int) -> Callable[[Tensor], Tensor]:
         def all_reduce(t: Tensor) -> Tensor:
-            rounds[rank] += 1
+            rounds[rank].append(t.numel())
             slots[rank] = t.clone()
             barrier.wait()
             total = slots[0].clone()
@@ -196,15 +200,23 @@ def _ranks_exchange(compressors: Sequence[PowerSGD], inputs: Sequence[Sequence[T
         return all_reduce
 
     def run(rank: int) -> None:
-        results[rank] = compressors[rank].exchange(inputs[rank], names, all_reduce_of(rank))
+        results[rank] = call(rank, all_reduce_of(rank))
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert len(set(rounds)) == 1 and all(results), "a rank failed or called all_reduce another number of times"
-    return results, rounds[0]
+    assert all(r == rounds[0] for r in rounds), "a rank called all_reduce another number of times or sizes"
+    assert all(r is not None for r in results), "a rank failed"
+    return [r for r in results if r is not None], rounds[0]
+
+
+def _ranks_exchange(compressors: Sequence[PowerSGD], inputs: Sequence[Sequence[Tensor]], names: Sequence[str]
+                    ) -> tuple[list[list], int]:
+    """Each rank's ``exchange``; returns every rank's results and the number of all-reduce rounds."""
+    results, rounds = _on_ranks(len(compressors), lambda r, all_reduce: compressors[r].exchange(inputs[r], names, all_reduce))
+    return results, len(rounds)
 
 
 def _reference_powersgd(steps: Sequence[Sequence[Sequence[Tensor]]], rank: int, warm_start: bool) -> list[list[Tensor]]:
@@ -285,6 +297,144 @@ def test_powersgd_ops_per_exchange_do_not_grow_with_tensors() -> None:
         counts.append(counted)
         rounds.append(len(calls))
     assert rounds == [2, 2]
+    assert counts[0].ops == counts[1].ops
+    assert counts[0].host_reads == counts[1].host_reads == 0
+    assert counts[0].data_dependent == counts[1].data_dependent == 0
+
+
+# -- PowerSGD on a flat group (the hook's entry point) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("rank", "warm_start"), [(1, True), (2, False), (4, True)], ids=["r1", "r2-cold", "r4-qr"])
+def test_powersgd_flat_exchange_is_the_layer_exchange_bit_for_bit(rank: int, warm_start: bool) -> None:
+    """PowerSGD's ``exchange_flat`` (one gather per class) against the base class's (``exchange`` on the group's views,
+    concatenated) on 3 ranks over 3 steps: the same rounds (number and sizes), bit-identical means, what was sent,
+    per-layer bytes and warm-start factors."""
+    seg = _group(POWERSGD_SHAPES)
+    batched = [PowerSGD(rank=rank, warm_start=warm_start) for _ in range(RANKS)]
+    looping = [PowerSGD(rank=rank, warm_start=warm_start) for _ in range(RANKS)]
+    for r in range(RANKS):
+        batched[r].setup(r, RANKS, CPU)
+        looping[r].setup(r, RANKS, CPU)
+    for step in range(3):
+        xs = [_flat(seg, 10 * step + r) for r in range(RANKS)]
+        ours, our_rounds = _on_ranks(RANKS, lambda r, all_reduce, xs=xs: batched[r].exchange_flat(xs[r], seg, all_reduce))
+        theirs, their_rounds = _on_ranks(
+            RANKS, lambda r, all_reduce, xs=xs: MultiRoundCompressor.exchange_flat(looping[r], xs[r], seg, all_reduce))
+        assert our_rounds == their_rounds and len(our_rounds) == 2
+        for r in range(RANKS):
+            mine, ref = ours[r], theirs[r]
+            assert torch.equal(mine.mean, ref.mean) and torch.equal(mine.sent, ref.sent), f"step {step}, rank {r}"
+            assert mine.layer_nbytes == ref.layer_nbytes
+            assert mine.stats == ref.stats == {}
+            assert batched[r].q_memory.keys() == looping[r].q_memory.keys()
+            assert all(torch.equal(q, looping[r].q_memory[n]) for n, q in batched[r].q_memory.items())
+            # dense layers count as sent whole (no residual), low-rank ones as their approximation
+            for x, sent, shape in zip(seg.views(xs[r]), seg.views(mine.sent), seg.shapes):
+                if batched[r].plan(shape) is None:
+                    assert torch.equal(sent, x)
+        assert all(torch.equal(ours[0].mean, o.mean) for o in ours)  # replicas
+
+
+def test_powersgd_flat_ops_do_not_grow_with_layers() -> None:
+    """``exchange_flat`` on 8 and 32 layers of two low-rank shapes and a dense one, warm-started: the same ops, no
+    host read, no op whose output size depends on the data."""
+    shapes = [(32, 16), (16, 24), (16,)]
+    counts = []
+    for layers in (8, 32):
+        seg = _group([shapes[i % 3] for i in range(layers)])
+        x = _flat(seg, 0)
+        compressor = PowerSGD(rank=2)
+        compressor.setup(0, 2, CPU)
+        calls: list[int] = []
+        compressor.exchange_flat(x, seg, _twice(calls))  # draws the random Qs and builds the group's plan
+        with count_ops() as counted:
+            compressor.exchange_flat(x, seg, _twice(calls))
+        assert len(calls) == 4
+        counts.append(counted)
+    assert counts[0].ops == counts[1].ops
+    assert counts[0].host_reads == counts[1].host_reads == 0
+    assert counts[0].data_dependent == counts[1].data_dependent == 0
+
+
+class _Bucket:
+    """A stand-in for DDP's ``GradBucket``: ``params``' gradients back to back in one buffer."""
+
+    def __init__(self, params: Sequence[Tensor], buffer: Tensor) -> None:
+        self._params, self._buffer = list(params), buffer
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def parameters(self) -> Sequence[Tensor]:
+        return self._params
+
+    def gradients(self) -> Sequence[Tensor]:
+        return [self._buffer[o : o + p.numel()].view(p.shape) for o, p in zip(layer_offsets(self), self._params)]
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def _hook_setup(shapes: Sequence[tuple[int, ...]], excluded: Sequence[int]) -> tuple[GradCompState, list[Tensor]]:
+    params = [torch.zeros(s) for s in shapes]
+    names = {id(p): f"layer{i}" for i, p in enumerate(params)}
+    state = GradCompState(PowerSGD(rank=2), names, float_names=frozenset(f"layer{i}" for i in excluded),
+                          nonfinite="ignore")
+    state.compressor.setup(0, 1, CPU)
+    return state, params
+
+
+def test_hook_runs_powersgd_on_the_buckets_groups() -> None:
+    """The hook's multi-round path (world of one) against ``exchange`` layer by layer with error feedback by hand:
+    excluded layers (between compressed ones: groups not adjacent in the bucket) pass unchanged in fp32, the others
+    are PowerSGD's means, bit for bit; residuals by name, and each layer's bytes in the ledger."""
+    excluded = (1, 4, 5)
+    state, params = _hook_setup(POWERSGD_SHAPES, excluded)
+    reference = PowerSGD(rank=2)
+    reference.setup(0, 1, CPU)
+    seg = _group(POWERSGD_SHAPES)
+    residuals: dict[int, Tensor] = {}
+    compressed = [i for i in range(len(POWERSGD_SHAPES)) if i not in excluded]
+    for step in range(3):
+        grads = _flat(seg, step)
+        buffer = grads.clone()
+        assert gradcomp_hook(state, _Bucket(params, buffer)).wait() is buffer
+        xs = [v + residuals.get(i, 0) for i, v in enumerate(seg.views(grads))]
+        results = reference.exchange([xs[i] for i in compressed], [seg.names[i] for i in compressed], lambda t: t)
+        expected = list(seg.views(grads))
+        for i, result in zip(compressed, results):
+            expected[i] = result.mean
+            residuals[i] = xs[i] - result.sent
+        for i, (got, want) in enumerate(zip(seg.views(buffer), expected)):
+            assert torch.equal(got, want), f"step {step}, layer {i}"
+        for i in compressed:
+            assert torch.equal(state.memory.residuals[seg.names[i]], residuals[i])
+        records = state.records
+        for i, result in zip(compressed, results):
+            assert records[seg.names[i]].nbytes == result.nbytes
+        for i in excluded:
+            assert records[seg.names[i]].nbytes == 4 * seg.numels[i]
+        assert state.bytes_per_step() == sum(r.nbytes for r in results) + 4 * sum(seg.numels[i] for i in excluded)
+
+
+def test_hook_multiround_ops_do_not_grow_with_layers() -> None:
+    """The hook's multi-round path on buckets of 8 and 32 layers of three shapes, every fourth layer excluded (an fp32
+    group interleaved with the compressed one): the same ops, no host read, no data-dependent op."""
+    shapes = [(32, 16), (16,), (16, 24), (16,)]
+    counts = []
+    for layers in (8, 32):
+        layout = [shapes[i % 4] for i in range(layers)]
+        state, params = _hook_setup(layout, excluded=range(3, layers, 4))
+        seg = _group(layout)
+        for step in range(3):
+            buffer = _flat(seg, step)
+            with count_ops() if step == 2 else contextlib.nullcontext() as counted:
+                gradcomp_hook(state, _Bucket(params, buffer)).wait()
+        counts.append(counted)
     assert counts[0].ops == counts[1].ops
     assert counts[0].host_reads == counts[1].host_reads == 0
     assert counts[0].data_dependent == counts[1].data_dependent == 0
