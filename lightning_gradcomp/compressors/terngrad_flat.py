@@ -239,6 +239,16 @@ class FlatTernGrad:
         """Drop the statistics kept between :meth:`statistic` and :meth:`compress` (the state was replaced)."""
         self._pending = weakref.WeakKeyDictionary()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the caches are keyed weakly by layouts of this process: a pickled or deep-copied compressor (a spawned
+        # rank, TowerStrategy's workers) starts without them, as a new one would
+        return {k: v for k, v in self.__dict__.items() if k not in ("_layouts", "_pending")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._layouts = weakref.WeakKeyDictionary()
+        self._pending = weakref.WeakKeyDictionary()
+
     # -- layouts (built once per group and setting) -------------------------------------------------------
     def _of(self, segments: Segments) -> _Layouts:
         layouts = self._layouts.get(segments)

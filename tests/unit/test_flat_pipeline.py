@@ -1,10 +1,15 @@
 """The batched pipeline's pieces: segment ops, flat residuals across bucket layouts, group records, bucket groups."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 
+from lightning_gradcomp import registry
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.compressors.topk import TopK
 from lightning_gradcomp.groups import Layouts
 from lightning_gradcomp.ledger import GroupRecord, LayerRecord, Ledger
@@ -181,3 +186,18 @@ def test_the_default_gathered_mean_of_batched_packets_sums_in_rank_order_like_ea
     for i, view in enumerate(seg.views(got)):
         per_layer = [compressor.compress(seg.views(x)[i], NAMES[i]) for x in xs]
         assert torch.equal(view, compressor.decompress_mean_into(per_layer, torch.empty(SHAPES[i])))
+
+
+@pytest.mark.parametrize("name", registry.compressor_names())
+def test_a_compressor_that_compressed_a_group_still_pickles_and_deep_copies(name: str) -> None:
+    # spawned ranks receive the strategy's compressor pickled; TowerStrategy deep-copies one per worker: the group
+    # caches (weakly keyed by this process's layouts) must not stop either
+    compressor = registry.COMPRESSORS[name][0]()
+    compressor.setup(0, 1, torch.device("cpu"))
+    seg = Segments(["a", "b"], [torch.Size([300]), torch.Size([5, 7])])
+    x = torch.randn(seg.total, generator=torch.Generator().manual_seed(0))
+    compressor.observe_gradient_flat(x, seg)
+    if not isinstance(compressor, MultiRoundCompressor):  # a multi-round one exchanges through the hook only
+        compressor.compress_flat(x, seg, compressor.flat_statistic(x, seg))
+    assert type(pickle.loads(pickle.dumps(compressor))) is type(compressor)
+    assert type(copy.deepcopy(compressor)) is type(compressor)
