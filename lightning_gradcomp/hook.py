@@ -1,17 +1,21 @@
-"""The DDP communication hook: per-parameter compression inside each bucket, overlapping backward.
+"""The DDP communication hook: compression inside each bucket, overlapping backward, in a fixed number of ops.
 
-For each bucket DDP hands us (in the order buckets become ready, identical on every rank):
+For each bucket DDP hands us (in the order buckets become ready, identical on every rank), the bucket is cut into
+groups (:mod:`lightning_gradcomp.groups`: per pipelined chunk, the layers routed to one compressor, laid out back to
+back; made once per layout), and each group goes through the compressor's flat methods, so the number of ops
+dispatched (kernel launches on a GPU) grows with the number of groups, never with the number of layers:
 
-1. per parameter, by name: layer transforms (clipping, momentum correction), then error feedback;
-2. one small max all-reduce of the compressors' local statistics (TernGrad's shared scaler), waited for;
-3. in pipelined groups of consecutive parameters (``pipeline_bytes`` of input each; one group by default):
-   compress every parameter of the group, update residuals, record statistics (as tensors, no host sync),
-   then launch the group's collectives before compressing the next group, so compression of one group
-   overlaps the transfer of the previous;
-4. one collective per channel and group, in a fixed order: an all-reduce per payload dtype for summable
-   packets, and one all-gather of the byte-concatenated packets that must be gathered;
-5. when all of them complete: decode, average, and write into the bucket's buffer in place (compressors
-   that can decode straight into the bucket view do, see ``Compressor.decompress_mean_into``).
+1. per group: its gradients taken from the bucket's buffer in one op, layer transforms (clipping, momentum
+   correction: per layer, only when a callback attached one), then error feedback on one flat residual;
+2. one small max all-reduce of every group's statistics (TernGrad's shared scalers), waited for;
+3. per pipelined chunk (``pipeline_bytes`` of input each; one chunk by default): compress each group, update its
+   residual, record its statistics (as tensors, no host sync), then launch the chunk's collectives before
+   compressing the next chunk, so compression of one chunk overlaps the transfer of the previous;
+4. one collective per channel and chunk, in a fixed order: an all-reduce per payload dtype for summable
+   packets, and one all-gather of the byte-concatenated packets that must be gathered (variable-size ones after
+   an all-gather of their sizes: the bucket's one host read, at world size > 1);
+5. when all of them complete: decode, average, and write each group into the bucket's buffer (straight into it when
+   the group's layers are adjacent there).
 
 Collectives are only launched here, never from ``.then`` callbacks (see :mod:`lightning_gradcomp.comm`).
 """
