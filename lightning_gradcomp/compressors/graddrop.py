@@ -19,6 +19,14 @@ sample to a whole-model pool, and every tensor of step t uses the threshold sele
 t - 1 (weighted so each sample stands for its share of the model); the first step, with no pool yet, uses
 per-layer thresholds. ``benchmarks/graddrop_global_threshold.py`` measures how far this is from a truly
 global threshold (see ``docs/compressors.md``).
+
+The random sample's positions come from counter-based streams (:class:`~lightning_gradcomp.compressors.streams.
+CounterStreams`, keyed by seed, rank, parameter name and a per-name counter): draw i of a tensor of n elements is
+``hash(i) mod n`` (:func:`~lightning_gradcomp.kernels.rng.positions`). Both backends draw exactly these positions,
+per tensor and per group of tensors (the group path draws them all in a fixed number of ops). Until this change the
+torch backend drew them from a ``torch.Generator`` per name (other positions, the same distribution); its state is
+now the per-name counters, and a checkpoint holding the former generator states is refused at
+:meth:`~GradientDropping.load_state_dict` (resume it with ``resume_compression='reset'``).
 """
 
 import math
@@ -149,12 +157,12 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         values: wire format of unquantized values: ``"fp32"`` (the original), ``"bf16"`` or ``"fp16"`` (values
             beyond fp16's range stay in the residual; the ``overflow`` statistic counts them).
         seed: seed of the random sample; rank r draws from seed and r.
-        backend: ``"torch"`` (torch ops, ``torch.Generator`` for the random sample: the reference), ``"fused"``
+        backend: ``"torch"`` (torch ops: the reference, and the path CUDA runs), ``"fused"``
             (:mod:`lightning_gradcomp.kernels`: sampling, order statistic and survivor compaction in fewer
             passes, the sum of all ranks' payloads decoded into one dense tensor; compiled on CPU, torch ops
-            elsewhere) or ``"auto"`` (fused on CPU when the kernels compile here, else torch). Both select the
-            same survivors and send the same bytes, except that ``sample="random"`` draws other sample
-            positions (see :mod:`~lightning_gradcomp.compressors.sparse_fused`).
+            elsewhere) or ``"auto"`` (fused on CPU when the kernels compile here, else torch). Both draw the
+            same random sample, select the same survivors and send the same bytes (see
+            :mod:`~lightning_gradcomp.compressors.sparse_fused`).
     """
 
     aggregation = Aggregation.GATHER
