@@ -538,7 +538,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         fp16 = self.values == "fp16"
         if self._kernels(device) is not None:  # kernel calls, its random samples keyed as the fused loop keys them
             offsets, sizes, modes, ranks, sample_offsets = plan.kernel_args
-            keys = torch.tensor(self._keys.keys(plan.draws), dtype=torch.int64).view(-1, 2)
+            keys = torch.tensor(self._keys.keys(plan.draws))
             samples = kernels.graddrop_group_sample(x, offsets, sizes, modes, keys)
             thresholds = self._group_thresholds(
                 segments, samples, plan, lambda: kernels.graddrop_group_kth(samples, sample_offsets, ranks)
