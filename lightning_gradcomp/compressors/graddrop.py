@@ -23,9 +23,9 @@ global threshold (see ``docs/compressors.md``).
 The random sample's positions come from counter-based streams (:class:`~lightning_gradcomp.compressors.streams.
 CounterStreams`, keyed by seed, rank, parameter name and a per-name counter): draw i of a tensor of n elements is
 ``hash(i) mod n`` (:func:`~lightning_gradcomp.kernels.rng.positions`). Both backends draw exactly these positions,
-per tensor and per group of tensors (the group path draws them all in a fixed number of ops). Until this change the
-torch backend drew them from a ``torch.Generator`` per name (other positions, the same distribution); its state is
-now the per-name counters, and a checkpoint holding the former generator states is refused at
+per tensor and per group of tensors (the group path draws them all in a fixed number of ops). Earlier versions drew
+the torch backend's positions from a ``torch.Generator`` per name (other positions, the same distribution); the
+state is the per-name counters, and a checkpoint holding such generator states is refused at
 :meth:`~GradientDropping.load_state_dict` (resume it with ``resume_compression='reset'``).
 """
 
@@ -37,7 +37,6 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.kernels import rng
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.compressors.graddrop_flat import (
@@ -51,6 +50,7 @@ from lightning_gradcomp.compressors.graddrop_flat import (
 )
 from lightning_gradcomp.compressors.sparse_fused import FusedGradientDropping, FusedSumCompressor, decode_sum
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
+from lightning_gradcomp.kernels import rng
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.sparse import (
     INDEX_ENCODINGS,
