@@ -19,6 +19,14 @@ sample to a whole-model pool, and every tensor of step t uses the threshold sele
 t - 1 (weighted so each sample stands for its share of the model); the first step, with no pool yet, uses
 per-layer thresholds. ``benchmarks/graddrop_global_threshold.py`` measures how far this is from a truly
 global threshold (see ``docs/compressors.md``).
+
+The random sample's positions come from counter-based streams (:class:`~lightning_gradcomp.compressors.streams.
+CounterStreams`, keyed by seed, rank, parameter name and a per-name counter): draw i of a tensor of n elements is
+``hash(i) mod n`` (:func:`~lightning_gradcomp.kernels.rng.positions`). Both backends draw exactly these positions,
+per tensor and per group of tensors (the group path draws them all in a fixed number of ops). Earlier versions drew
+the torch backend's positions from a ``torch.Generator`` per name (other positions, the same distribution); the
+state is the per-name counters, and a checkpoint holding such generator states is refused at
+:meth:`~GradientDropping.load_state_dict` (resume it with ``resume_compression='reset'``).
 """
 
 import math
@@ -41,7 +49,8 @@ from lightning_gradcomp.compressors.graddrop_flat import (
     survivors_mask,
 )
 from lightning_gradcomp.compressors.sparse_fused import FusedGradientDropping, FusedSumCompressor, decode_sum
-from lightning_gradcomp.compressors.streams import CounterStreams, RandomStreams
+from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
+from lightning_gradcomp.kernels import rng
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.sparse import (
     INDEX_ENCODINGS,
@@ -148,12 +157,12 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         values: wire format of unquantized values: ``"fp32"`` (the original), ``"bf16"`` or ``"fp16"`` (values
             beyond fp16's range stay in the residual; the ``overflow`` statistic counts them).
         seed: seed of the random sample; rank r draws from seed and r.
-        backend: ``"torch"`` (torch ops, ``torch.Generator`` for the random sample: the reference), ``"fused"``
+        backend: ``"torch"`` (torch ops: the reference, and the path CUDA runs), ``"fused"``
             (:mod:`lightning_gradcomp.kernels`: sampling, order statistic and survivor compaction in fewer
             passes, the sum of all ranks' payloads decoded into one dense tensor; compiled on CPU, torch ops
-            elsewhere) or ``"auto"`` (fused on CPU when the kernels compile here, else torch). Both select the
-            same survivors and send the same bytes, except that ``sample="random"`` draws other sample
-            positions (see :mod:`~lightning_gradcomp.compressors.sparse_fused`).
+            elsewhere) or ``"auto"`` (fused on CPU when the kernels compile here, else torch). Both draw the
+            same random sample, select the same survivors and send the same bytes (see
+            :mod:`~lightning_gradcomp.compressors.sparse_fused`).
     """
 
     aggregation = Aggregation.GATHER
@@ -215,7 +224,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         self.values: ValueFormat = values
         self.seed = seed
         self.backend = backend
-        self._streams = RandomStreams(seed)
+        # the random sample's streams, one counter per name; both backends draw the same positions from them
         self._keys = CounterStreams(seed)
         self._offer_kernels(FusedGradientDropping(self, streams=self._keys))
         self._device = torch.device("cpu")
@@ -233,20 +242,20 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
         self._device = device
-        self._streams.reset(rank)
-        self._keys.reset(rank)  # the fused backend's counters start afresh too
+        self._keys.reset(rank)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             **self._keys.state_dict(),
-            "streams": self._streams.state_dict(),
             "pool": {n: (s.detach().cpu().clone(), w) for n, (s, w) in self._pool.items()},
             "seen": sorted(self._seen),
             "global_threshold": None if self._global_threshold is None else self._global_threshold.cpu(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._streams.load_state_dict(state.get("streams", {}))
+        # a checkpoint from before the torch backend's draws became counter-based keeps that backend's
+        # torch.Generator states under "streams" (empty when it never drew them): they cannot become counters
+        check_counters(state.get("streams", {}), type(self).__name__)
         self._keys.load_state_dict(state)
         self._pool = {n: (s.to(self._device), w) for n, (s, w) in state.get("pool", {}).items()}
         self._seen = set(state.get("seen", []))
@@ -283,7 +292,8 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         size = max(self.min_sample, math.ceil(self.sample_fraction * n))
         if size >= n:
             return magnitudes, 1.0
-        idx = torch.randint(n, (size,), generator=self._streams.get(name, magnitudes.device), device=magnitudes.device)
+        # the fused kernel's positions (sample_abs), from the same counter-based stream
+        idx = rng.positions(size, n, self._keys.key(name), magnitudes.device)
         return magnitudes[idx], n / size
 
     def threshold(self, magnitudes: Tensor, name: str) -> Tensor:
@@ -528,7 +538,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         fp16 = self.values == "fp16"
         if self._kernels(device) is not None:  # kernel calls, its random samples keyed as the fused loop keys them
             offsets, sizes, modes, ranks, sample_offsets = plan.kernel_args
-            keys = torch.tensor([self._keys.key(n) if d else (0, 0) for n, d in zip(segments.names, plan.drawn)])
+            keys = torch.tensor(self._keys.keys(plan.draws))
             samples = kernels.graddrop_group_sample(x, offsets, sizes, modes, keys)
             thresholds = self._group_thresholds(
                 segments, samples, plan, lambda: kernels.graddrop_group_kth(samples, sample_offsets, ranks)
@@ -537,12 +547,9 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             payload = torch.cat((index.view(torch.uint8), values.to(value_dtype(self.values)).view(torch.uint8)))
         else:
             magnitudes = x.abs()
-            draws = [  # each layer draws from its own generator, as threshold_sample does
-                torch.randint(n, (d,), generator=self._streams.get(name, device), device=device).add_(offset)
-                if d else None
-                for name, n, d, offset in zip(segments.names, segments.numels, plan.drawn, segments.offsets)
-            ]
-            samples = gather_samples(magnitudes, plan, draws)
+            # every drawing layer's positions from its own counter, as threshold_sample and the kernel draw them
+            bits = self._keys.bits_flat(plan.draws, device) if plan.draws.total else None
+            samples = gather_samples(magnitudes, plan, bits)
             thresholds = self._group_thresholds(segments, samples, plan, lambda: segment_thresholds(samples, plan))
             keep = survivors_mask(magnitudes, thresholds, segments)
             if fp16:

@@ -4,11 +4,12 @@ The batched form of :meth:`GradientDropping.compress <lightning_gradcomp.compres
 torch path (the path CUDA runs), for unquantized survivors and the ``coo32`` index encoding (the global scope's pool
 is the compressor's, :meth:`GradientDropping._group_thresholds`):
 
-* each layer's threshold sample is taken as today (the whole layer, Marian's stride, or positions drawn from the
-  layer's own ``torch.Generator``: one draw per sampled layer, the only op that grows with the layers, and only
-  for layers larger than the random sample); the samples, back to back, are sorted per layer at once
-  (:meth:`Segments.sort <lightning_gradcomp.segments.Segments.sort>`) and each layer's floor(R * m)-th value is
-  read at a cached position (``torch.kthvalue`` and a stable sort agree on every value, NaN ranked last);
+* each layer's threshold sample is taken as the per-layer path takes it (the whole layer, Marian's stride, or
+  positions drawn from the counter-based streams of
+  :class:`~lightning_gradcomp.compressors.streams.CounterStreams`: hash(i) mod n, keyed by seed, rank, name and a
+  per-name counter, so the whole group draws in a fixed number of ops); the samples, back to back, are sorted per
+  layer at once (:meth:`Segments.sort <lightning_gradcomp.segments.Segments.sort>`) and each layer's floor(R * m)-th
+  value is read at a cached position (``torch.kthvalue`` and a stable sort agree on every value, NaN ranked last);
 * the drop rule, the tie rule (a layer with nothing above its threshold sends its ties) and the fp16 overflow
   rule are masks over the whole group, per-layer "any" through one segment reduce;
 * one ``nonzero`` per group compacts the survivors; the payload is ``[int32 index x K][value x K]`` with indices
@@ -16,8 +17,8 @@ is the compressor's, :meth:`GradientDropping._group_thresholds`):
   ``coo32`` packet's size (``layer_nbytes``, an int64 device tensor);
 * decoding needs only the payload's length (a shape): K = bytes / (4 + value bytes).
 
-Everything but the sample draws is bit-identical to the per-layer loop, and so are the draws: each layer draws
-from its own generator, in the same amount, as the loop does.
+Everything is bit-identical to the per-layer loop, the draws included: each layer draws from its own counter, as
+the loop does; and the fused backend's kernels draw the same positions.
 """
 
 from collections.abc import Sequence
@@ -37,8 +38,14 @@ class SamplePlan:
 
     Attributes:
         segments: the sample's own layout (one segment of ``sizes[s]`` values per layer), for the per-layer sort.
-        drawn: per layer, the random sample size drawn from the layer's stream, or 0 (a fixed sample).
-        fixed: per layer, the fixed sample's flat positions in the group (``None`` where drawn, or when ``whole``).
+        draws: one segment per layer of the random sample size it draws, 0 for a fixed sample (the layers whose
+            :class:`~lightning_gradcomp.compressors.streams.CounterStreams` counter a step advances, and the layout of
+            :meth:`~lightning_gradcomp.compressors.streams.CounterStreams.bits_flat`'s draws).
+        fixed: int64 ``[segments.total]``, the flat positions in the group of the fixed samples, laid out as
+            ``segments`` (0 in the drawn layers' slots, which ``drawn_slots`` names; empty when ``whole``).
+        drawn_slots: where the drawn positions go in ``fixed``, or ``None`` when every sampled value is drawn.
+        draw_numels: per drawn value (laid out as ``draws``), its layer's numel: the draw is ``bits mod numel``.
+        draw_offsets: per drawn value, its layer's offset in the group.
         whole: whether every layer's sample is the whole layer (the sample is the magnitudes themselves).
         kth: flat position, in the sorted samples, of each layer's floor(R * m)-th value (0 where k = 0).
         has_k: per layer, whether k > 0 (else the threshold is 0).
@@ -49,8 +56,11 @@ class SamplePlan:
     """
 
     segments: Segments
-    drawn: tuple[int, ...]
-    fixed: tuple[Optional[Tensor], ...]
+    draws: Segments
+    fixed: Tensor
+    drawn_slots: Optional[Tensor]
+    draw_numels: Tensor
+    draw_offsets: Tensor
     whole: bool
     kth: Tensor
     has_k: Tensor
@@ -65,11 +75,19 @@ def plan_samples(
     """A :class:`SamplePlan` from per-layer sample ``sizes``, random ``drawn`` sizes (0: fixed), fixed ``strides``
     (1: the whole layer) and drop ``counts`` k (the k-th smallest sampled value is the threshold; 0: none)."""
     whole = not any(drawn) and all(m == n for m, n in zip(sizes, segments.numels))
-    fixed: list[Optional[Tensor]] = []
-    for offset, size, draw, stride in zip(segments.offsets, sizes, drawn, strides):
-        positions = None if draw or whole else torch.arange(offset, offset + stride * size, stride, device=device)
-        fixed.append(positions)
     sample = Segments(segments.names, [torch.Size((m,)) for m in sizes])
+    fixed, slots, numels, offsets = [torch.zeros(0, dtype=torch.int64)], [], [], []
+    for offset, n, size, draw, stride, start in zip(
+        segments.offsets, segments.numels, sizes, drawn, strides, sample.offsets
+    ):
+        if draw:
+            fixed.append(torch.zeros(draw, dtype=torch.int64))
+            slots.append(torch.arange(start, start + draw))
+            numels.append(torch.full((draw,), n, dtype=torch.int64))
+            offsets.append(torch.full((draw,), offset, dtype=torch.int64))
+        elif not whole:
+            fixed.append(torch.arange(offset, offset + stride * size, stride))
+    every = sum(drawn) == sample.total
     kth = [o + k - 1 if k else 0 for o, k in zip(sample.offsets, counts)]
     modes = [1 if d else 2 if m == n else 0 for d, m, n in zip(drawn, sizes, segments.numels)]
     kernel_args = tuple(
@@ -77,28 +95,33 @@ def plan_samples(
     )
     weights = tuple(n / m if m != n else 1.0 for m, n in zip(sizes, segments.numels))  # as threshold_sample weighs
     return SamplePlan(
-        sample, tuple(drawn), tuple(fixed), whole,
+        sample, Segments(segments.names, [torch.Size((d,)) for d in drawn]),
+        torch.cat(fixed).to(device), None if every else torch.cat(slots or fixed[:1]).to(device),
+        torch.cat(numels or fixed[:1]).to(device), torch.cat(offsets or fixed[:1]).to(device), whole,
         torch.tensor(kth, dtype=torch.int64, device=device), torch.tensor([k > 0 for k in counts], device=device),
         kernel_args,  # type: ignore[arg-type]
         weights,
     )
 
 
-def gather_samples(magnitudes: Tensor, plan: SamplePlan, draws: Sequence[Optional[Tensor]]) -> Tensor:
-    """Every layer's threshold sample of |x|, back to back (laid out as ``plan.segments``).
+def gather_samples(magnitudes: Tensor, plan: SamplePlan, bits: Optional[Tensor]) -> Tensor:
+    """Every layer's threshold sample of |x|, back to back (laid out as ``plan.segments``), in a fixed number of ops.
 
     Args:
         magnitudes: |x| of the group, flat.
         plan: the group's :class:`SamplePlan`.
-        draws: per layer, the positions drawn in the group where ``plan.drawn`` says so, else None.
+        bits: the drawing layers' 32-bit draws laid out as ``plan.draws``
+            (:meth:`~lightning_gradcomp.compressors.streams.CounterStreams.bits_flat`), or None when none draws. Draw
+            ``i`` of a layer of ``n`` elements samples its element ``bits[i] mod n``: the fused kernel's arithmetic
+            (``graddrop_group_sample``), so both backends sample the same positions.
     """
     if plan.whole:
         return magnitudes
-    parts = [f if f is not None else d for f, d in zip(plan.fixed, draws)]
-    positions = [p for p in parts if p is not None]
-    if not positions:
-        return magnitudes[:0]
-    return magnitudes.index_select(0, torch.cat(positions))
+    positions = plan.fixed
+    if bits is not None and bits.numel():
+        drawn = bits.remainder(plan.draw_numels).add_(plan.draw_offsets)
+        positions = drawn if plan.drawn_slots is None else positions.index_put((plan.drawn_slots,), drawn)
+    return magnitudes.index_select(0, positions)
 
 
 def segment_thresholds(samples: Tensor, plan: SamplePlan) -> Tensor:

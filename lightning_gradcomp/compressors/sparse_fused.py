@@ -17,12 +17,10 @@ The same maths as the torch backend (the compressors' own torch ops), with fewer
 What is exactly the same as the torch backend, and what is not:
 
 * The selected set, its order, the sent values, the threshold and the payload bytes are bit-identical for
-  ``sample="exact"`` and ``"strided"``, both scopes, every quantizer and wire format (AdaComp's adaptive
-  selection with both quantizers and wires); tests compare both backends byte for byte.
-* ``sample="random"`` draws its sample positions from the counter-based stream of
-  :mod:`lightning_gradcomp.kernels.rng` (keyed by seed, rank, parameter name and a per-name counter),
-  not from ``torch.Generator``: same sample size, same uniform positions with replacement, different draws,
-  so the threshold differs by sampling noise. Given the threshold, everything else is bit-identical.
+  every ``sample``, both scopes, every quantizer and wire format (AdaComp's adaptive selection with both
+  quantizers and wires); tests compare both backends byte for byte. ``sample="random"`` draws its positions from
+  the counter-based stream of :mod:`lightning_gradcomp.kernels.rng` (keyed by seed, rank, parameter name and a
+  per-name counter) on both backends: ``hash(i) mod n``, in the kernels as in the torch ops.
 * The decoded sum equals the torch backend's value for value (``torch.equal``); only an element whose every
   contribution is -0.0 sums to +0.0 instead of -0.0 (the dense sum starts from +0.0). Every rank runs the
   same code on the same payloads in rank order, so replicas stay bit-identical.

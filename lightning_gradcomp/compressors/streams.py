@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.kernels.rng import MASK32, stream_id, stream_key, uniform
+from lightning_gradcomp.kernels.rng import MASK32, hash_index, stream_id, stream_key, to_uniform, uniform
 from lightning_gradcomp.segments import Segments
 
 
@@ -89,19 +89,28 @@ class CounterStreams:
         index = torch.arange(numel, device=device)
         return uniform(index, *self.key(name)) if numel else index.float()
 
-    def uniform_flat(self, segments: Segments, device: torch.device) -> Tensor:
-        """float32 ``[segments.total]``: :meth:`uniform` of every layer of the group, in a fixed number of ops.
+    def keys(self, segments: Segments) -> list[tuple[int, int]]:
+        """The next draw's keys of every layer of the group, in order; an empty layer draws nothing (``(0, 0)``, its
+        counter stays), as :meth:`uniform` leaves it."""
+        return [self.key(name) if n else (0, 0) for name, n in zip(segments.names, segments.numels)]
 
-        Bit-identical to drawing layer after layer: element ``i`` of layer ``s`` hashes ``i`` with that layer's
-        keys. The layer's flat offset is folded into its first key, so the flat position indexes the draw.
+    def bits_flat(self, segments: Segments, device: torch.device) -> Tensor:
+        """int64 ``[segments.total]``: the 32-bit draws (:func:`~lightning_gradcomp.kernels.rng.hash_index`) of every
+        layer of the group, in a fixed number of ops: element ``i`` of layer ``s`` hashes ``i`` with that layer's
+        :meth:`keys`. The layer's flat offset is folded into its first key, so the flat position indexes the draw.
         """
-        keys = [self.key(name) if n else (0, 0) for name, n in zip(segments.names, segments.numels)]
-        table = torch.tensor([[(k0 - offset) & MASK32, k1] for (k0, k1), offset in zip(keys, segments.offsets)],
+        table = torch.tensor([[(k0 - offset) & MASK32, k1] for (k0, k1), offset in zip(self.keys(segments),
+                                                                                        segments.offsets)],
                              dtype=torch.int64).view(-1, 2)
         if device.type == "cuda":  # a blocking copy from pageable memory would wait for the stream: pin, copy async
             table = table.pin_memory().to(device, non_blocking=True)
         per_element = segments.expand(table.to(device))
-        return uniform(torch.arange(segments.total, device=device), per_element[:, 0], per_element[:, 1])
+        return hash_index(torch.arange(segments.total, device=device), per_element[:, 0], per_element[:, 1])
+
+    def uniform_flat(self, segments: Segments, device: torch.device) -> Tensor:
+        """float32 ``[segments.total]``: :meth:`uniform` of every layer of the group, in a fixed number of ops,
+        bit-identical to drawing layer after layer (the uniforms of :meth:`bits_flat`)."""
+        return to_uniform(self.bits_flat(segments, device))
 
     def state_dict(self) -> dict[str, Any]:
         return {"counters": dict(self.counters)}
@@ -111,9 +120,8 @@ class CounterStreams:
         self.counters = dict(state.get("counters", {}))
 
 
-def load_counters(streams: CounterStreams, state: dict[str, Any], owner: str) -> None:
-    """Restore ``streams`` from what :meth:`CounterStreams.state_dict` saved; ``state`` holds nothing (a fresh
-    start) or those counters.
+def check_counters(state: dict[str, Any], owner: str) -> None:
+    """Check that ``state`` holds nothing (a fresh start) or :meth:`CounterStreams.state_dict`'s counters.
 
     Raises:
         ValueError: ``state`` holds per-name ``torch.Generator`` states (a :class:`RandomStreams` checkpoint of
@@ -123,7 +131,13 @@ def load_counters(streams: CounterStreams, state: dict[str, Any], owner: str) ->
     if state and "counters" not in state:
         raise ValueError(
             f"Expected `{owner}`'s random-stream state to be per-name counters but got torch.Generator states for "
-            f"{sorted(state)[:3]}... (a checkpoint from before its stochastic rounding moved to counter-based "
+            f"{sorted(state)[:3]}... (a checkpoint from before its random draws moved to counter-based "
             "streams). Fix: resume with resume_compression='reset', or with the version that wrote the checkpoint."
         )
+
+
+def load_counters(streams: CounterStreams, state: dict[str, Any], owner: str) -> None:
+    """Restore ``streams`` from what :meth:`CounterStreams.state_dict` saved; ``state`` holds nothing (a fresh
+    start) or those counters (else :func:`check_counters` raises)."""
+    check_counters(state, owner)
     streams.load_state_dict(state)

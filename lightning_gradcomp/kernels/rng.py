@@ -61,6 +61,17 @@ def hash_index(index: Tensor, k0: "int | Tensor", k1: "int | Tensor") -> Tensor:
     return lowbias32(lowbias32((index + k0) & MASK32) ^ k1)
 
 
+def to_uniform(bits: Tensor) -> Tensor:
+    """float32 uniforms in [0, 1) with 24 random bits from 32-bit draws (:func:`hash_index`'s)."""
+    return (bits >> 8).to(torch.float32) * (2.0**-24)
+
+
 def uniform(index: Tensor, k0: "int | Tensor", k1: "int | Tensor") -> Tensor:
     """float32 uniforms in [0, 1) with 24 random bits, one per element index."""
-    return (hash_index(index, k0, k1) >> 8).to(torch.float32) * (2.0**-24)
+    return to_uniform(hash_index(index, k0, k1))
+
+
+def positions(size: int, numel: int, key: tuple[int, int], device: torch.device) -> Tensor:
+    """int64 ``[size]`` positions in [0, numel), uniform with replacement: draw ``i`` is ``hash_index(i) mod numel``
+    (the compiled kernels' arithmetic, ``selection.cpp``'s ``sample_abs``)."""
+    return hash_index(torch.arange(size, dtype=torch.int64, device=device), *key) % numel

@@ -57,8 +57,10 @@ def sample_abs(
     ext = extension_for(flat)
     if ext is not None:
         return ext.sample_abs(flat, size, 0 if mode == "strided" else 1, key[0], key[1])
-    i = torch.arange(size, dtype=torch.int64, device=flat.device)
-    pos = i * max(1, n // size) if mode == "strided" else rng.hash_index(i, *key) % n
+    if mode == "strided":
+        pos = torch.arange(size, dtype=torch.int64, device=flat.device) * max(1, n // size)
+    else:
+        pos = rng.positions(size, n, key, flat.device)
     return flat[pos].abs()
 
 

@@ -11,6 +11,8 @@ from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
 from lightning_gradcomp.compressors.base import Compressor, FlatPacket
+from lightning_gradcomp.compressors.graddrop_flat import gather_samples
+from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.kernels import torch_ops
 from lightning_gradcomp.segments import Segments
 
@@ -185,8 +187,10 @@ def _ops_per_step(make: Callable[[], Compressor], layers: int) -> tuple[int, int
 @pytest.mark.parametrize("make", [lambda b: GradientDropping(backend=b, sample="strided", max_sample=20),
                                   lambda b: GradientDropping(backend=b, values="fp16"),
                                   lambda b: GradientDropping(backend=b, scope="global", sample="strided"),
+                                  lambda b: GradientDropping(backend=b, sample="random", min_sample=40),
                                   lambda b: AdaComp(backend=b), lambda b: AdaComp(backend=b, bin_size_fc=3)],
-                         ids=["graddrop_strided", "graddrop_fp16", "graddrop_global", "adacomp", "adacomp_8bit"])
+                         ids=["graddrop_strided", "graddrop_fp16", "graddrop_global", "graddrop_random", "adacomp",
+                              "adacomp_8bit"])
 def test_batched_ops_do_not_grow_with_the_layers(make: Callable[[str], Compressor], backend: str) -> None:
     if not make(backend).batched:
         pytest.skip("loops over the layers on this backend")
@@ -307,3 +311,56 @@ def test_graddrop_batched_resumes_from_its_state_exactly(backend: str) -> None:
     for x, want in zip(steps[2:], expected[2:]):
         got = resumed.compress_flat(x, seg)
         assert torch.equal(got.payload, want.payload) and torch.equal(got.stats["threshold"], want.stats["threshold"])
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
+def test_graddrop_torch_group_sample_draws_the_fused_kernels_positions(compiled: bool) -> None:
+    # on x = each element's flat position, every sampled |x| is the position it was drawn at
+    if compiled and not kernels.fused_available():
+        pytest.skip("the compiled kernels do not load here")
+    seg = _layout([(30, 40), (1,), (0,), (2500,), (17,), (700,), (50, 3)])
+    comp = GradientDropping(backend="torch", sample="random", sample_fraction=0.05, min_sample=40, seed=7)
+    comp.setup(2, RANKS, torch.device("cpu"))
+    plan = comp._sample_plan(seg, torch.device("cpu"))
+    assert plan.draws.numels == (60, 0, 0, 125, 0, 40, 40)  # the two tiny layers and the empty one are not drawn
+    keys = CounterStreams(7)
+    keys.reset(2)
+    offsets, sizes, modes, _, _ = plan.kernel_args
+    position = torch.arange(seg.total, dtype=torch.float32)
+    for _ in range(2):  # the counters move on alike
+        ours = gather_samples(position, plan, comp._keys.bits_flat(plan.draws, torch.device("cpu")))
+        table = torch.tensor(keys.keys(plan.draws), dtype=torch.int64)
+        if compiled:
+            theirs = kernels.graddrop_group_sample(position, offsets, sizes, modes, table)
+        else:
+            with torch_ops():
+                theirs = kernels.graddrop_group_sample(position, offsets, sizes, modes, table)
+        assert torch.equal(ours, theirs)
+        drawn = ours[plan.segments.offsets[0] : plan.segments.offsets[1]]
+        assert drawn.min() >= 0 and drawn.max() < 1200 and drawn.unique().numel() > 40  # uniform over the layer
+    assert comp._keys.counters == keys.counters == {n: 2 for n in ("layer0.weight", "layer3.weight", "layer5.weight",
+                                                                    "layer6.weight")}
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_graddrop_torch_and_fused_backends_select_the_same_random_samples(scope: str) -> None:
+    # the same positions, so the same thresholds and survivors, per group as per layer; the same counters after
+    seg = _layout()
+
+    def make(backend: str) -> GradientDropping:
+        comp = GradientDropping(backend=backend, scope=scope, drop_ratio=0.9, sample_fraction=0.05, min_sample=40)
+        comp.setup(1, RANKS, torch.device("cpu"))
+        return comp
+
+    ref, fused, looped = make("torch"), make("fused"), make("torch")
+    if not fused.batched:
+        pytest.skip("the compiled kernels do not load here (the fused backend then loops over the layers)")
+    for step in range(3):
+        x = _gradient(seg, step)
+        a, b = ref.compress_flat(x, seg), fused.compress_flat(x, seg)
+        assert torch.equal(a.stats["threshold"], b.stats["threshold"]) and torch.equal(a.payload, b.payload)
+        per_layer = torch.stack([looped.compress(x[o : o + n], name).stats["threshold"]
+                                 for name, o, n in zip(seg.names, seg.offsets, seg.numels)])
+        assert torch.equal(a.stats["threshold"], per_layer)
+    assert ref.state_dict()["counters"] == fused.state_dict()["counters"] == looped.state_dict()["counters"]
+    assert ref.state_dict()["counters"] == {f"layer{i}.weight": 3 for i in (0, 3, 4, 6)}  # the layers over 40

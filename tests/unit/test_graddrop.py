@@ -47,6 +47,27 @@ def test_random_sample_size_and_small_tensors_exact() -> None:
     assert abs(sampled - exact) / exact < 0.05
 
 
+def test_random_sample_state_is_counters_and_a_generator_checkpoint_is_refused() -> None:
+    comp = GradientDropping(sample="random", min_sample=10, backend="torch")
+    comp.setup(0, 1, torch.device("cpu"))
+    x = torch.randn(5000)
+    for _ in range(3):
+        comp.compress(x, "w")
+    state = comp.state_dict()
+    assert state["counters"] == {"w": 3} and "streams" not in state
+    resumed = GradientDropping(sample="random", min_sample=10, backend="torch")
+    resumed.setup(0, 1, torch.device("cpu"))
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.compress(x, "w").payload, comp.compress(x, "w").payload)
+    # a checkpoint from when the torch backend drew from a torch.Generator per name: those states are no counters
+    legacy = {"counters": {}, "streams": {"w": ("cpu", torch.Generator().get_state())}}
+    with pytest.raises(ValueError, match=r"Expected `GradientDropping`'s random-stream state to be per-name counters "
+                                         r"but got torch.Generator states for \['w'\].*resume_compression='reset'"):
+        resumed.load_state_dict(legacy)
+    resumed.load_state_dict({"counters": {"w": 1}, "streams": {}})  # one that never drew on the torch backend loads
+    assert resumed.state_dict()["counters"] == {"w": 1}
+
+
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 def test_drop_ratio_zero_sends_every_nonzero_value(backend: str) -> None:
     x = torch.randn(40, 30)

@@ -2,9 +2,9 @@
 
 Both backends run on the same tensors of awkward sizes (1 element, partial last bins, sizes around tile
 boundaries), with ties at the threshold, all-zero tensors and every quantizer and wire format; payloads and
-thresholds must be bit-identical, and decoded sums of 4 payloads equal. The random sample is the one
-documented exception: there the fused backend's statistical property (threshold near the exact quantile)
-and its determinism are tested instead.
+thresholds must be bit-identical, and decoded sums of 4 payloads equal; the random sample too (both backends draw
+from the same counter-based streams), whose statistical property (threshold near the exact quantile) and
+determinism are tested as well.
 """
 
 from collections.abc import Iterator
@@ -76,6 +76,7 @@ GRADDROP = [
     {"sample": "exact"},
     {"sample": "strided", "max_sample": 37},
     {"sample": "random", "min_sample": 1_000_000},  # every tensor here is no larger: selected exactly
+    {"sample": "random", "min_sample": 20, "sample_fraction": 0.01},  # drawn where larger than 20: the same positions
     {"sample": "exact", "drop_ratio": 0.0},
     {"sample": "exact", "drop_ratio": 0.5, "index_encoding": "delta16", "values": "bf16"},
     {"sample": "strided", "max_sample": 100, "values": "fp16"},
@@ -112,7 +113,7 @@ def test_graddrop_global_scope_is_the_same_on_both_backends(compiled: bool) -> N
 
 
 def test_graddrop_random_sample_is_statistically_the_papers_and_deterministic(compiled: bool) -> None:
-    """The fused random sample differs from torch.Generator's draws: test its property and its state instead."""
+    """The random sample's statistical property and its state (the draws both backends share)."""
     x = torch.randn(2_000_000)
     exact = float(select_threshold(x.abs(), 0.99))
     comp = GradientDropping(sample="random", backend="fused")
