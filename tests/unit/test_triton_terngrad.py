@@ -26,13 +26,16 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.base import Compressor, FlatPacket
 from lightning_gradcomp.kernels import rng
-from tests.unit.test_flat_terngrad import CASES, CONFIGS, _assert_same, _exchange, _grads, _ranks, _segments
+from tests.unit.test_flat_terngrad import (
+    CASES, CONFIGS, _assert_same, _exchange, _grads, _ranks, _segments, _step_ops,
+)
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install -e '.[triton]')"
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
 #: groups of layers of mixed sizes with empty and one-element layers (the default: test_flat_terngrad's SHAPES)
 TINY = {"empty": [(0,)], "one": [(1,)], "mixed": [(0,), (3,), (0,), (1,)]}
 
@@ -57,12 +60,13 @@ def _both(run: Callable[[Sequence[Compressor]], Any], kwargs: dict[str, Any], va
 
 # -- the cases, run in the interpreter subprocess ------------------------------------------------------------------
 def _case_exchange(
-    config: str, variant: str, shapes: Optional[Sequence[tuple[int, ...]]] = None, steps: int = 1
+    config: str, variant: str, shapes: Optional[Sequence[tuple[int, ...]]] = None, steps: int = 1,
+    device: torch.device = CPU,
 ) -> None:
     """``steps`` simulated steps of RANKS ranks (from the second on, the counters have advanced): payloads, sent,
     decoded, per-layer bytes, stats and counters equal the torch ops'."""
     seg = _segments() if shapes is None else _segments(shapes)
-    grads = _grads(seg)
+    grads = [g.to(device) for g in _grads(seg)]
 
     def run(comps: Sequence[Compressor]) -> list[dict[str, Any]]:
         return [_exchange(comps, seg, grads, batched=True) for _ in range(steps)]
@@ -75,17 +79,17 @@ def _case_exchange(
 def _gathered(packets: Sequence[FlatPacket]) -> list[FlatPacket]:
     """The packets as the hook's all-gather leaves them: rows of one ``[ranks, longest]`` buffer."""
     n = packets[0].payload.numel()
-    rows = torch.zeros(len(packets), n + 3, dtype=torch.uint8)  # longer rows, as when another group follows
+    rows = packets[0].payload.new_zeros(len(packets), n + 3)  # longer rows, as when another group follows
     for r, p in enumerate(packets):
         rows[r, :n] = p.payload
     return [packets[0].with_payload(rows[r, :n], p.layer_nbytes) for r, p in enumerate(packets)]
 
 
-def _case_mean_into(config: str, out_kind: str) -> None:
+def _case_mean_into(config: str, out_kind: str, device: torch.device = CPU) -> None:
     """Decode-and-average of gathered rows into a float32 ``out``, or an fp16 strided one (fp16 gradients)."""
     seg = _segments()
     half = out_kind == "fp16-strided"
-    grads = [g.half() if half else g for g in _grads(seg)]
+    grads = [(g.half() if half else g).to(device) for g in _grads(seg)]
 
     def run(comps: Sequence[Compressor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         shared = None
@@ -93,7 +97,8 @@ def _case_mean_into(config: str, out_kind: str) -> None:
         if stats[0] is not None:
             shared = stats[0].with_values(torch.stack([s.values for s in stats if s is not None]).amax(0))
         packets = [c.compress_flat(g, seg, shared) for c, g in zip(comps, grads)]
-        out = torch.full((seg.total, 2), float("nan")).half()[:, 0] if half else torch.full((seg.total,), float("nan"))
+        out = torch.full((seg.total, 2), float("nan"), device=device)
+        out = out.half()[:, 0] if half else out[:, 0].contiguous()
         return [p.payload for p in packets], comps[0].decompress_flat_mean_into(_gathered(packets), out)
 
     (payloads, out), (ref_payloads, ref_out) = _both(run, CONFIGS[config], "allgather")
@@ -116,7 +121,8 @@ def _case_nonfinite(variant: str) -> None:
 
 
 def _case_keys_wrap() -> None:
-    """Keys next to 2**32: index + k0 wraps modulo 2**32 as rng.uniform's does, element by element."""
+    """Keys next to 2**32: index + k0 wraps modulo 2**32 as rng.uniform's does, element by element; and a clip of
+    NaN (a chunk with a NaN) under a finite scaler clips to NaN, as torch.minimum does (nothing is kept)."""
     from lightning_gradcomp.kernels import triton_terngrad
 
     numels = [3000, 1, 0, 70]
@@ -124,13 +130,18 @@ def _case_keys_wrap() -> None:
     keys = torch.tensor([[2**32 - 1000, 2**32 - 1], [5, 2**31], [0, 0], [2**32 - 1, 12345]], dtype=torch.int64)
     x = torch.randn(sum(numels), generator=torch.Generator().manual_seed(3))
     scale = torch.tensor([1.0, 0.5, 2.0])
-    ternary, nonzero = triton_terngrad.ternarize(x, tables, keys, scale, None, None)
     layer = torch.repeat_interleave(torch.arange(4), torch.tensor(numels))
+    chunk = torch.tensor([0, 1, 1, 2])[layer]
     within = torch.cat([torch.arange(n) for n in numels])
     u = rng.uniform(within, keys[layer, 0], keys[layer, 1])
-    expected = torch.where(u * scale[torch.tensor([0, 1, 1, 2])][layer] < x.abs(), torch.sign(x), 0.0).to(torch.int8)
-    assert torch.equal(ternary, expected)
-    assert nonzero.tolist() == [int((expected[a:b] != 0).sum()) for a, b in zip([0, 3000, 3001, 3001], [3000, 3001, 3001, 3071])]
+    for clip in (None, torch.tensor([0.8, 0.3, float("nan")])):
+        ternary, nonzero = triton_terngrad.ternarize(x, tables, keys, scale, clip, None)
+        a = x.abs() if clip is None else torch.minimum(x.abs(), clip[chunk])
+        expected = torch.where(u * scale[chunk] < a, torch.sign(x), 0.0).to(torch.int8)
+        assert torch.equal(ternary, expected)
+        starts, ends = [0, 3000, 3001, 3001], [3000, 3001, 3001, 3071]
+        assert nonzero.tolist() == [int((expected[a:b] != 0).sum()) for a, b in zip(starts, ends)]
+        assert (clip is None) == bool(expected[3001:].any())  # the NaN clip keeps nothing
 
 
 def _case_division_modes() -> None:
@@ -162,6 +173,37 @@ def _case_division_modes() -> None:
     assert not torch.equal(results[True], results[False])
 
 
+def _case_op_counts(config: str, variant: str) -> None:
+    """A step (statistic, compress, sent, decode) dispatches the same aten ops for 8 and 32 layers, reads nothing on
+    the host, and launches 3 kernels (ternarize or ternarize + pack, decode for ``sent``, decode of the received);
+    fewer aten ops than the torch ops. The interpreter's own tensor handling inside a launch is not counted."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from lightning_gradcomp.kernels import triton_terngrad
+
+    launches = 0
+    launch = triton_terngrad._launch
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        nonlocal launches
+        launches += 1
+        with _disable_current_modes():  # what a GPU would run as one kernel
+            launch(*args, **kwargs)
+
+    comps = _ranks(CONFIGS[config], variant)
+    triton_terngrad._launch = counted  # type: ignore[assignment]
+    try:
+        with kernels.torch_ops():
+            torch_ops = _step_ops(comps[0], 8)
+            comps = _with_triton(_ranks(CONFIGS[config], variant))
+            small, large = _step_ops(comps[0], 8), _step_ops(comps[0], 32)
+    finally:
+        triton_terngrad._launch = launch  # type: ignore[assignment]
+    assert small == large and small[1:] == (0, 0), (small, large)
+    assert launches == 2 * 2 * 3  # two calls of _step_ops, each a warm-up step and a counted one
+    assert small[0] < torch_ops[0], (small, torch_ops)
+
+
 def _case_choice() -> None:
     """Without forcing, the Triton kernels run on CUDA only; the choice is kept until ``setup``."""
     from lightning_gradcomp.kernels import triton_terngrad
@@ -184,8 +226,10 @@ CASE_FUNCTIONS: dict[str, Callable[[], None]] = {
     **{f"mean-into-{c}-{o}": (lambda c=c, o=o: _case_mean_into(c, o)) for c in ("paper", "per_worker", "base3")
        for o in ("fp32", "fp16-strided")},
     **{f"nonfinite-{v}": (lambda v=v: _case_nonfinite(v)) for v in ("allgather", "allreduce_int8")},
-    "keys-wrap": _case_keys_wrap,
+    "ternarize-keys-wrap-nan-clip": _case_keys_wrap,
     "division-modes": _case_division_modes,
+    **{f"op-counts-{c}-{v}": (lambda c=c, v=v: _case_op_counts(c, v))
+       for c, v in (("paper", "allgather"), ("paper", "allreduce_int8"), ("per_worker", "allgather"))},
     "choice": _case_choice,
 }
 
@@ -222,6 +266,17 @@ def interpreted() -> dict[str, str]:
 @pytest.mark.parametrize("case", sorted(CASE_FUNCTIONS))
 def test_triton_kernels_match_the_torch_ops_in_the_interpreter(interpreted: dict[str, str], case: str) -> None:
     assert interpreted[case] == "ok", interpreted[case]
+
+
+# -- on a GPU, when there is one ---------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run on a GPU: the CUDA torch ops' rounding)")
+@pytest.mark.parametrize(("config", "variant"), CASES)
+def test_triton_kernels_match_the_torch_ops_on_cuda(config: str, variant: str) -> None:
+    _case_exchange(config, variant, steps=2, device=torch.device("cuda"))
+    if variant == "allgather":
+        for out_kind in ("fp32", "fp16-strided"):
+            _case_mean_into(config, out_kind, torch.device("cuda"))
 
 
 # -- compiled for a GPU, without one ------------------------------------------------------------------------------
