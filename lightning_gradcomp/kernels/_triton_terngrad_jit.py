@@ -146,20 +146,23 @@ def decode_kernel(payload_ptr, rank_stride, ranks, meta_ptr, tiles_ptr, scale_pt
     layer, start, offset, numel, packed, at, first_chunk = _layer(meta_ptr, tiles_ptr)
     k = start + tl.arange(0, BLOCK)
     j, in_bytes, w, valid = _parts(packed, numel, k, PER, PER_P2)
+    row = payload_ptr + at + k  # rank r's bytes: advanced by rank_stride per rank (no int32 product r * stride)
     if SHARED:
         sums = tl.zeros(w.shape, tl.int32)
-        for r in range(ranks):
-            byte = tl.load(payload_ptr + r * rank_stride + at + k, mask=in_bytes, other=0).to(tl.int32)
-            sums += _codes(byte, j, RADIX, PER)
+        for _ in range(ranks):
+            sums += _codes(tl.load(row, mask=in_bytes, other=0).to(tl.int32), j, RADIX, PER)
+            row += rank_stride
         v = (sums - ranks).to(tl.float32) * _chunk_values(scale_ptr, first_chunk, w, valid, bucket, CHUNKED)
     else:
-        byte = tl.load(payload_ptr + at + k, mask=in_bytes, other=0).to(tl.int32)
-        v = (_codes(byte, j, RADIX, PER) - 1).to(tl.float32) * _chunk_values(scale_ptr, first_chunk, w, valid, bucket, CHUNKED)
-        for r in range(1, ranks):
-            byte = tl.load(payload_ptr + r * rank_stride + at + k, mask=in_bytes, other=0).to(tl.int32)
-            s = _chunk_values(scale_ptr + r * scale_stride, first_chunk, w, valid, bucket, CHUNKED)
-            # t * s is exact (t in {-1, 0, 1}): a fused multiply-add rounds as the separate add does
-            v = v + (_codes(byte, j, RADIX, PER) - 1).to(tl.float32) * s
+        scales = scale_ptr
+        v = (_codes(tl.load(row, mask=in_bytes, other=0).to(tl.int32), j, RADIX, PER) - 1).to(tl.float32) \
+            * _chunk_values(scales, first_chunk, w, valid, bucket, CHUNKED)
+        for _ in range(1, ranks):
+            row += rank_stride
+            scales += scale_stride
+            t = (_codes(tl.load(row, mask=in_bytes, other=0).to(tl.int32), j, RADIX, PER) - 1).to(tl.float32)
+            # t * s is exact (t in {-1, 0, 1}): even fused into a multiply-add it would round as the separate add
+            v = v + t * _chunk_values(scales, first_chunk, w, valid, bucket, CHUNKED)
     tl.store(out_ptr + offset + w, _divided(v, ranks, inv, DIVIDE), mask=valid)
 
 
