@@ -513,24 +513,25 @@ class FlatTernGrad:
             return self._scaled(packet.payload, scale, segments).to(packet.dtype)
         scale = self._scale_of(packet, self.pack_layout(segments))
         if self.uses_triton(packet.payload):
-            return self._triton_decode([packet], scale, None).to(packet.dtype)
+            return self._triton_decode(packet, packet.payload.contiguous(), 0, 1, scale, None).to(packet.dtype)
         ext = self._native_decode([packet])
         if ext is not None:
             return self._decode_sum_native(ext, [packet], scale, None, 1).to(packet.dtype)
         return self._scaled(self.values(packet), scale, segments).to(packet.dtype)
 
-    def _triton_decode(self, packets: Sequence[FlatPacket], scale: Tensor, out: Optional[Tensor]) -> Tensor:
-        """float32 ``[total]``: the packed packets decoded in one Triton launch, summed (shared ``scale``
-        ``[chunks]``: the integer sum scaled once; per-worker ``[ranks, chunks]``: in rank order), divided by their
-        number into ``out`` (float32, contiguous) when given, else not divided."""
-        first = packets[0]
-        base, stride = _rank_rows([p.payload for p in packets])
-        total = first.segments.total
-        target = torch.empty(total, dtype=torch.float32, device=base.device) if out is None else out
+    def _triton_decode(
+        self, first: FlatPacket, base: Tensor, stride: int, ranks: int, scale: Tensor, out: Optional[Tensor]
+    ) -> Tensor:
+        """float32 ``[total]``: ``ranks`` packed payloads (from ``base``, ``stride`` bytes apart; laid out as
+        ``first``'s) decoded in one Triton launch, summed (shared ``scale`` ``[chunks]``: the integer sum scaled
+        once; per-worker ``[ranks, chunks]``: in rank order), divided by ``ranks`` into ``out`` (float32, contiguous)
+        when given, else not divided."""
+        layout = self.pack_layout(first.segments)
+        target = torch.empty(first.segments.total, dtype=torch.float32, device=base.device) if out is None else out
         return triton_terngrad.decode(
-            base, stride, len(packets), self.tables(first.segments, base.device),
+            base, stride, ranks, self.tables(first.segments, base.device),
             scale.to(base.device, torch.float32).contiguous(), "scale" in first.ctx, self.settings.bucket_size,
-            self.pack_layout(first.segments).per, self.pack_layout(first.segments).radix, target, out is not None,
+            layout.per, layout.radix, target, out is not None,
         )
 
     def _triton_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
@@ -538,17 +539,17 @@ class FlatTernGrad:
         first, ranks = packets[0], len(packets)
         writable = out.dtype == torch.float32 and out.is_contiguous()
         shared = "scale" in first.ctx
+        base, stride = _rank_rows([p.payload for p in packets])
         if shared:
             scale = first.ctx["scale"]
         else:  # every rank's scalers from its payload: [ranks, chunks]
-            base, stride = _rank_rows([p.payload for p in packets])
-            rows = base.as_strided((ranks, sum(self.pack_layout(first.segments).layer_nbytes)), (stride, 1))
-            at = self.pack_layout(first.segments).payload_index(base.device)[1]
-            scale = rows.index_select(1, at).view(torch.float32)
+            layout = self.pack_layout(first.segments)
+            rows = base.as_strided((ranks, sum(layout.layer_nbytes)), (stride, 1))
+            scale = rows.index_select(1, layout.payload_index(base.device)[1]).view(torch.float32)
         if writable:
-            self._triton_decode(packets, scale, out.view(-1))
+            self._triton_decode(first, base, stride, ranks, scale, out.view(-1))
             return out
-        total = self._triton_decode(packets, scale, None)
+        total = self._triton_decode(first, base, stride, ranks, scale, None)
         # as the torch path: a shared scaler's scaled sum in the packet's dtype; per worker, the float32 sum
         return out.copy_(total.to(first.dtype) if shared else total).div_(ranks)
 

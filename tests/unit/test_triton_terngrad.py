@@ -86,10 +86,11 @@ def _gathered(packets: Sequence[FlatPacket]) -> list[FlatPacket]:
 
 
 def _case_mean_into(config: str, out_kind: str, device: torch.device = CPU) -> None:
-    """Decode-and-average of gathered rows into a float32 ``out``, or an fp16 strided one (fp16 gradients)."""
+    """Decode-and-average of gathered rows into a float32 ``out``, or an fp16 strided one (of fp16 gradients:
+    "fp16-strided", or float32 ones: "fp16-out")."""
     seg = _segments()
-    half = out_kind == "fp16-strided"
-    grads = [(g.half() if half else g).to(device) for g in _grads(seg)]
+    half = out_kind != "fp32"
+    grads = [(g.half() if out_kind == "fp16-strided" else g).to(device) for g in _grads(seg)]
 
     def run(comps: Sequence[Compressor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         shared = None
@@ -224,7 +225,7 @@ CASE_FUNCTIONS: dict[str, Callable[[], None]] = {
     **{f"tiny-{name}-{v}": (lambda s=s, v=v: _case_exchange("paper", v, s)) for name, s in TINY.items()
        for v in ("allgather", "allreduce_int8")},
     **{f"mean-into-{c}-{o}": (lambda c=c, o=o: _case_mean_into(c, o)) for c in ("paper", "per_worker", "base3")
-       for o in ("fp32", "fp16-strided")},
+       for o in ("fp32", "fp16-strided", "fp16-out")},
     **{f"nonfinite-{v}": (lambda v=v: _case_nonfinite(v)) for v in ("allgather", "allreduce_int8")},
     "ternarize-keys-wrap-nan-clip": _case_keys_wrap,
     "division-modes": _case_division_modes,
@@ -275,7 +276,7 @@ def test_triton_kernels_match_the_torch_ops_in_the_interpreter(interpreted: dict
 def test_triton_kernels_match_the_torch_ops_on_cuda(config: str, variant: str) -> None:
     _case_exchange(config, variant, steps=2, device=torch.device("cuda"))
     if variant == "allgather":
-        for out_kind in ("fp32", "fp16-strided"):
+        for out_kind in ("fp32", "fp16-strided", "fp16-out"):
             _case_mean_into(config, out_kind, torch.device("cuda"))
 
 
