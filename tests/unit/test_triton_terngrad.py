@@ -40,21 +40,25 @@ CPU = torch.device("cpu")
 TINY = {"empty": [(0,)], "one": [(1,)], "mixed": [(0,), (3,), (0,), (1,)]}
 
 
-def _with_triton(comps: Sequence[Compressor]) -> Sequence[Compressor]:
-    """The compressors with their group path forced onto the Triton kernels (CPU tensors: the interpreter)."""
+def _with_triton(comps: Sequence[Compressor], on: bool = True) -> Sequence[Compressor]:
+    """The compressors with their group path forced onto the Triton kernels (CPU tensors: the interpreter), or
+    (``on=False``) onto the torch ops (on CUDA they would choose Triton)."""
     for comp in comps:
         assert isinstance(comp, TernGrad)
-        comp._flat.triton = True
+        comp._flat.triton = on
     return comps
 
 
 def _both(run: Callable[[Sequence[Compressor]], Any], kwargs: dict[str, Any], variant: str) -> tuple[Any, Any]:
     """``run`` on RANKS fresh compressors through the torch ops, then through the Triton kernels."""
     with kernels.torch_ops():  # the compiled CPU kernels off: the torch ops are the reference on both sides
-        reference = run(_ranks(kwargs, variant))
+        references = _with_triton(_ranks(kwargs, variant), on=False)
+        reference = run(references)
         comps = _with_triton(_ranks(kwargs, variant))
         got = run(comps)
-    assert all(c._flat._triton for c in comps if isinstance(c, TernGrad))  # the kernels did run
+    # the kernels did run, and only on one side
+    assert all(isinstance(c, TernGrad) and c._flat._triton for c in comps)
+    assert not any(isinstance(c, TernGrad) and c._flat._triton for c in references)
     return got, reference
 
 
@@ -191,7 +195,7 @@ def _case_op_counts(config: str, variant: str) -> None:
         with _disable_current_modes():  # what a GPU would run as one kernel
             launch(*args, **kwargs)
 
-    comps = _ranks(CONFIGS[config], variant)
+    comps = _with_triton(_ranks(CONFIGS[config], variant), on=False)
     triton_terngrad._launch = counted  # type: ignore[assignment]
     try:
         with kernels.torch_ops():
