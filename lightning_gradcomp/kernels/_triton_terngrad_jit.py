@@ -125,24 +125,26 @@ def _codes(byte, j, RADIX: tl.constexpr, PER: tl.constexpr):
 
 
 @triton.jit
-def _divided(v, ranks, inv, DIVIDE: tl.constexpr):
-    # 0: no division; 1: true division (torch's Tensor.div_ by an int on the CPU); 2: times the float32
-    # reciprocal (Tensor.div_ by an int on CUDA, ATen's div_true_kernel_cuda for a CPU scalar)
+def _divided(v, divisor, DIVIDE: tl.constexpr):
+    # 0: no division; 1: true division by `divisor`, the ranks (torch's Tensor.div_ by an int on the CPU); 2: times
+    # `divisor`, the float32 reciprocal of the ranks (Tensor.div_ by an int on CUDA: ATen's div_true_kernel_cuda
+    # with a CPU scalar)
     if DIVIDE == 1:
-        return tl.math.div_rn(v, ranks.to(tl.float32))
+        return tl.math.div_rn(v, divisor)
     elif DIVIDE == 2:
-        return v * inv
+        return v * divisor
     else:
         return v
 
 
 @triton.jit
-def decode_kernel(payload_ptr, rank_stride, ranks, meta_ptr, tiles_ptr, scale_ptr, scale_stride, out_ptr, bucket, inv,
+def decode_kernel(payload_ptr, rank_stride, ranks, meta_ptr, tiles_ptr, scale_ptr, scale_stride, out_ptr, bucket, divisor,
                   SHARED: tl.constexpr, DIVIDE: tl.constexpr, CHUNKED: tl.constexpr, PER: tl.constexpr,
                   PER_P2: tl.constexpr, RADIX: tl.constexpr, BLOCK: tl.constexpr):
     """A tile of packed bytes of every rank (rank r's payload at ``payload_ptr + r * rank_stride``) decoded into the
     float32 elements they pack: with a shared scaler the integer sum of the ternaries scaled once, else each rank's
-    ternaries times its scalers (``scale_ptr + r * scale_stride``) summed in rank order; then divided by ``ranks``."""
+    ternaries times its scalers (``scale_ptr + r * scale_stride``) summed in rank order; then divided by ``ranks``
+    (``divisor``: ``ranks``, or its reciprocal to multiply by; see ``_divided``)."""
     layer, start, offset, numel, packed, at, first_chunk = _layer(meta_ptr, tiles_ptr)
     k = start + tl.arange(0, BLOCK)
     j, in_bytes, w, valid = _parts(packed, numel, k, PER, PER_P2)
@@ -163,7 +165,7 @@ def decode_kernel(payload_ptr, rank_stride, ranks, meta_ptr, tiles_ptr, scale_pt
             t = (_codes(tl.load(row, mask=in_bytes, other=0).to(tl.int32), j, RADIX, PER) - 1).to(tl.float32)
             # t * s is exact (t in {-1, 0, 1}): even fused into a multiply-add it would round as the separate add
             v = v + t * _chunk_values(scales, first_chunk, w, valid, bucket, CHUNKED)
-    tl.store(out_ptr + offset + w, _divided(v, ranks, inv, DIVIDE), mask=valid)
+    tl.store(out_ptr + offset + w, _divided(v, divisor, DIVIDE), mask=valid)
 
 
 @triton.jit

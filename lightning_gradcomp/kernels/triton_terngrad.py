@@ -178,10 +178,11 @@ def decode(
     """
     length, chunked = _bucket(bucket)
     mode = 0 if not divide else 2 if reciprocal_division(out.device) else 1
-    inverse = float(numpy.float32(1.0) / numpy.float32(ranks))  # float32 1/ranks, correctly rounded, on the host
+    # the float32 reciprocal (correctly rounded, on the host) to multiply by, or the ranks to divide by
+    divisor = float(numpy.float32(1.0) / numpy.float32(ranks)) if mode == 2 else float(ranks)
     _launch(
         _jit().decode_kernel, tables.bytes, payloads, rank_stride, ranks, tables.meta, tables.bytes, scale,
-        0 if shared else scale.shape[-1], out, length, inverse,
+        0 if shared else scale.shape[-1], out, length, divisor,
         SHARED=shared, DIVIDE=mode, CHUNKED=chunked, BLOCK=BYTE_BLOCK, **_packing(per, radix),
     )
     return out

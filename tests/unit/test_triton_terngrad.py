@@ -96,7 +96,7 @@ def _case_mean_into(config: str, out_kind: str, device: torch.device = CPU) -> N
     half = out_kind != "fp32"
     grads = [(g.half() if out_kind == "fp16-strided" else g).to(device) for g in _grads(seg)]
 
-    def run(comps: Sequence[Compressor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def run(comps: Sequence[Compressor]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         shared = None
         stats = [c.flat_statistic(g, seg) for c, g in zip(comps, grads)]
         if stats[0] is not None:
@@ -104,11 +104,13 @@ def _case_mean_into(config: str, out_kind: str, device: torch.device = CPU) -> N
         packets = [c.compress_flat(g, seg, shared) for c, g in zip(comps, grads)]
         out = torch.full((seg.total, 2), float("nan"), device=device)
         out = out.half()[:, 0] if half else out[:, 0].contiguous()
-        return [p.payload for p in packets], comps[0].decompress_flat_mean_into(_gathered(packets), out)
+        alone = comps[0].decompress_flat_mean_into(packets[:1], out.clone())  # world size 1: the mean of one
+        return [p.payload for p in packets], comps[0].decompress_flat_mean_into(_gathered(packets), out), alone
 
-    (payloads, out), (ref_payloads, ref_out) = _both(run, CONFIGS[config], "allgather")
+    (payloads, out, alone), (ref_payloads, ref_out, ref_alone) = _both(run, CONFIGS[config], "allgather")
     assert all(torch.equal(a, b) for a, b in zip(payloads, ref_payloads))
     assert out.dtype == ref_out.dtype and torch.equal(out, ref_out)
+    assert alone.dtype == ref_alone.dtype and torch.equal(alone, ref_alone)
 
 
 def _case_nonfinite(variant: str) -> None:
@@ -297,7 +299,7 @@ def _compile_all() -> None:
     common = {"meta_ptr": "*i64", "tiles_ptr": "*i64", "scale_ptr": "*fp32", "bucket": "i64"}
     encode = {**common, "x_ptr": "*fp32", "keys_ptr": "*i64", "clip_ptr": "*fp32", "nonzero_ptr": "*i32"}
     decode = {**common, "payload_ptr": "*u8", "rank_stride": "i64", "ranks": "i32", "scale_stride": "i32",
-              "out_ptr": "*fp32", "inv": "fp32"}
+              "out_ptr": "*fp32", "divisor": "fp32"}
     base3 = {"PER": 5, "PER_P2": 8, "RADIX": 3}
     variants: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {
         "ternarize": (jit.ternarize_kernel, {**encode, "out_ptr": "*i8"}, {"HAS_CLIP": True, "CHUNKED": True, "BLOCK": 1024}),
@@ -308,6 +310,10 @@ def _compile_all() -> None:
         "decode-per-worker-reciprocal": (jit.decode_kernel, decode,
                                          {"SHARED": False, "DIVIDE": 2, "CHUNKED": False, "BLOCK": 256,
                                           "PER": 4, "PER_P2": 4, "RADIX": 4}),
+        # one rank (the hook's world size 1): Triton makes an int argument of 1 a compile-time constant
+        "decode-one-rank": (jit.decode_kernel, {k: v for k, v in decode.items() if k != "ranks"},
+                            {"ranks": 1, "SHARED": True, "DIVIDE": 2, "CHUNKED": False, "BLOCK": 256,
+                             "PER": 4, "PER_P2": 4, "RADIX": 4}),
         "scale-int8": (jit.scale_int8_kernel, {**common, "values_ptr": "*i8", "out_ptr": "*fp32"},
                        {"CHUNKED": True, "BLOCK": 1024}),
     }
@@ -326,7 +332,9 @@ def test_kernels_compile_for_a_hopper_gpu_and_round_as_the_torch_ops(tmp_path: P
     report = _subprocess(
         "from tests.unit.test_triton_terngrad import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
     )
-    assert set(report) == {"ternarize", "pack", "decode-shared-true-div", "decode-per-worker-reciprocal", "scale-int8"}
+    assert set(report) == {
+        "ternarize", "pack", "decode-shared-true-div", "decode-per-worker-reciprocal", "decode-one-rank", "scale-int8",
+    }
     for name, counts in report.items():
         assert counts["cubin"] > 0, name
         # no fused multiply-add, no approximate division or reciprocal anywhere
