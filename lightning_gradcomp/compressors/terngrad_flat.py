@@ -15,7 +15,9 @@ The maths is the fused backend's (:mod:`~lightning_gradcomp.compressors.terngrad
 
 On the CPU the fused backend runs a group with one call of each compiled kernel (``terngrad_scale_clip_flat``,
 ``terngrad_ternarize_flat``, ``terngrad_decode_sum_flat``, ``terngrad_scale_int8_flat``: the per-layer kernels' tile
-code looping over the group's layers inside), the same bits as those kernels layer by layer; elsewhere (CUDA, no compiler) torch ops.
+code looping over the group's layers inside), the same bits as those kernels layer by layer. On CUDA with Triton
+installed, Triton kernels (:mod:`lightning_gradcomp.kernels.triton_terngrad`: ternarize and pack, decode-and-average,
+decode of the int8 form; the same bits as the torch ops); elsewhere (CUDA without Triton, no compiler) torch ops.
 
 ``backend="torch"`` draws from one ``torch.Generator`` per layer, which cannot be batched; off the CPU its batched
 path draws from the counter-based stream instead (on the CPU it keeps the per-layer loop, see
@@ -29,6 +31,7 @@ chunks of a group are themselves :class:`~lightning_gradcomp.segments.Segments`,
 ``scatter_reduce`` each.
 """
 
+import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +45,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.compressors.terngrad_fused import TernGradSettings
+from lightning_gradcomp.kernels import triton_terngrad
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.wire import Packing
 
@@ -207,6 +211,8 @@ class PackLayout:
 class _Layouts:
     chunks: dict[Optional[int], ChunkLayout] = field(default_factory=dict)
     packs: dict[tuple[str, Optional[tuple[int, ...]]], PackLayout] = field(default_factory=dict)
+    #: the Triton kernels' tables, per (bucket_size, packing, scaler_share, device)
+    tables: dict[tuple[Optional[int], str, str, torch.device], triton_terngrad.GroupTables] = field(default_factory=dict)
 
 
 #: which compiled kernels run a group: the extension module, or ``None`` for torch ops
@@ -222,13 +228,22 @@ class FlatTernGrad:
         streams: the counter-based random streams (shared with the fused backend, checkpointed by the compressor).
         native: the compiled CPU kernels to run a group with (one call per group, looping over its layers inside),
             or ``None`` for torch ops; asked at each call with the group's tensor.
+        triton: whether the Triton kernels run the groups: ``None`` chooses at the first call (CUDA with Triton
+            importable, :func:`~lightning_gradcomp.kernels.triton_terngrad.usable`); ``True`` forces them (on CPU
+            tensors they need ``TRITON_INTERPRET=1``: the tests), ``False`` never.
     """
 
-    def __init__(self, settings: TernGradSettings, sigma_noise: float, streams: CounterStreams, native: Native) -> None:
+    def __init__(
+        self, settings: TernGradSettings, sigma_noise: float, streams: CounterStreams, native: Native,
+        triton: Optional[bool] = None,
+    ) -> None:
         self.settings = settings
         self.sigma_noise = sigma_noise
         self.streams = streams
         self.native = native
+        self.triton = triton
+        #: whether the Triton kernels run (chosen once, at the first call after construction or `forget`)
+        self._triton: Optional[bool] = None
         self._layouts: "weakref.WeakKeyDictionary[Segments, _Layouts]" = weakref.WeakKeyDictionary()
         #: the statistics :meth:`statistic` computed, for :meth:`compress` of the same tensor
         self._pending: "weakref.WeakKeyDictionary[Segments, tuple[Tensor, int, Tensor, Optional[Tensor]]]" = (
@@ -236,8 +251,30 @@ class FlatTernGrad:
         )
 
     def forget(self) -> None:
-        """Drop the statistics kept between :meth:`statistic` and :meth:`compress` (the state was replaced)."""
+        """Drop the statistics kept between :meth:`statistic` and :meth:`compress` (the state was replaced), and the
+        choice of kernels (``setup`` may have moved the compressor to another device)."""
         self._pending = weakref.WeakKeyDictionary()
+        self._triton = None
+
+    def uses_triton(self, tensor: Tensor) -> bool:
+        """Whether the Triton kernels run the groups (chosen at the first call for ``tensor``'s device, then kept)."""
+        if self._triton is None:
+            self._triton = triton_terngrad.usable(tensor.device) if self.triton is None else self.triton
+        return self._triton
+
+    def tables(self, segments: Segments, device: torch.device) -> triton_terngrad.GroupTables:
+        """The Triton kernels' tables of this group under the current settings, on ``device`` (built once)."""
+        s = self.settings
+        layouts = self._of(segments)
+        key = (s.bucket_size, s.packing, s.scaler_share, device)
+        tables = layouts.tables.get(key)
+        if tables is None:
+            pack = self.pack_layout(segments)
+            starts = tuple(itertools.accumulate(pack.layer_nbytes, initial=0))[:-1]
+            tables = layouts.tables[key] = triton_terngrad.GroupTables(
+                segments.numels, self.chunk_layout(segments).counts, pack.packed, starts, device
+            )
+        return tables
 
     def __getstate__(self) -> dict[str, Any]:
         # the caches are keyed weakly by layouts of this process: a pickled or deep-copied compressor (a spawned
@@ -317,8 +354,14 @@ class FlatTernGrad:
         """int64 ``[layers, 2]`` (host): the stream keys (k0, k1) of each layer's next draw, for the compiled kernel
         (the torch path draws through :meth:`CounterStreams.uniform_flat`, the same keys); an empty layer draws
         nothing (its counter stays, as layer by layer)."""
-        keys = [self.streams.key(name) if n else (0, 0) for name, n in zip(segments.names, segments.numels)]
-        return torch.tensor(keys, dtype=torch.int64).reshape(-1, 2)
+        return torch.tensor(self.streams.keys(segments), dtype=torch.int64).reshape(-1, 2)
+
+    def _keys_on(self, segments: Segments, device: torch.device) -> Tensor:
+        """:meth:`_keys` on ``device``."""
+        keys = self._keys(segments)
+        if device.type == "cuda":  # from pinned memory, without waiting: a pageable copy would drain the stream
+            keys = keys.pin_memory().to(device, non_blocking=True)
+        return keys.to(device)
 
     def ternarize(self, flat: Tensor, segments: Segments, scale: Tensor, clip: Optional[Tensor]) -> Tensor:
         """int8 ``[total]`` ternaries: t = sign(g) b, b ~ Bernoulli(min(|g|, clip) / s), the fused backend's draws."""
@@ -335,6 +378,8 @@ class FlatTernGrad:
         self, flat: Tensor, segments: Segments, scale: Tensor, clip: Optional[Tensor], packed: bool
     ) -> tuple[Tensor, Tensor]:
         """The ternaries (int8 ``[total]``, or 2-bit packed when ``packed``) and the nonzero count of each layer."""
+        if self.uses_triton(flat):
+            return self._triton_encode(flat, segments, scale, clip, packed)
         ext = self.native(flat)
         if ext is None:
             ternary = self.ternarize(flat, segments, scale, clip)
@@ -347,6 +392,23 @@ class FlatTernGrad:
             no_clip if clip is None else clip.contiguous(), self._keys(segments), packed,
         )
 
+    def _triton_encode(
+        self, flat: Tensor, segments: Segments, scale: Tensor, clip: Optional[Tensor], packed: bool
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`_encode` in Triton kernels; packed (in either packing), the bytes sit where the payload has them
+        (a per-worker payload's scaler bytes still to be written)."""
+        x = flat.detach().reshape(-1).contiguous()
+        tables = self.tables(segments, x.device)
+        keys = self._keys_on(segments, x.device)
+        scale, clip = scale.contiguous(), None if clip is None else clip.contiguous()
+        bucket = self.settings.bucket_size
+        if not packed:
+            return triton_terngrad.ternarize(x, tables, keys, scale, clip, bucket)
+        layout = self.pack_layout(segments)
+        payload = torch.empty(sum(layout.layer_nbytes), dtype=torch.uint8, device=x.device)
+        nonzero = triton_terngrad.ternarize_pack(x, tables, keys, scale, clip, bucket, layout.per, layout.radix, payload)
+        return payload, nonzero
+
     def compress(
         self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic], aggregation: Aggregation
     ) -> FlatPacket:
@@ -357,7 +419,8 @@ class FlatTernGrad:
         if shared is not None and self.settings.scaler_share == "max":
             s = shared.values.to(local.device, torch.float32)
         gather = aggregation is Aggregation.GATHER
-        values, nonzero = self._encode(flat, segments, s, clip, packed=gather and self.settings.packing == "2bit")
+        in_place = gather and self.uses_triton(flat)  # the payload's packed bytes, in place
+        values, nonzero = self._encode(flat, segments, s, clip, packed=in_place or gather and self.settings.packing == "2bit")
         # the fused backend's 1 - nonzero / n; an empty layer sends nothing: 0, as the torch path says
         sparsity = torch.where(chunks.nonempty(flat.device), 1.0 - nonzero.to(torch.float32) / chunks.numels(flat.device), 0.0)
         stats = {"sparsity": sparsity, "scaler": chunks.by_layer.reduce(s, "amax")}
@@ -367,9 +430,11 @@ class FlatTernGrad:
         layout = self.pack_layout(segments)
         packed = values if values.dtype == torch.uint8 else self.pack(values, layout)
         if layout.with_scalers:
-            payload = packed.new_empty(sum(layout.layer_nbytes))
             packed_at, scalers_at = layout.payload_index(packed.device)
-            payload.index_copy_(0, packed_at, packed).index_copy_(0, scalers_at, s.contiguous().view(torch.uint8))
+            payload = packed
+            if not in_place:
+                payload = packed.new_empty(sum(layout.layer_nbytes)).index_copy_(0, packed_at, packed)
+            payload.index_copy_(0, scalers_at, s.contiguous().view(torch.uint8))
             packed, ctx = payload, {}
         return FlatPacket(packed, segments, flat.dtype, layout.layer_nbytes, ctx, stats)
 
@@ -432,6 +497,11 @@ class FlatTernGrad:
         segments = packet.segments
         if packet.payload.dtype == torch.int8:  # the all-reduce form: ternaries, or their sum over ranks
             scale = packet.ctx["scale"]
+            if self.uses_triton(packet.payload):
+                values = packet.payload.reshape(-1).contiguous()
+                tables = self.tables(segments, values.device)
+                scale = scale.to(values.device, torch.float32).contiguous()
+                return triton_terngrad.scale_int8(values, tables, scale, self.settings.bucket_size).to(packet.dtype)
             ext = self.native(packet.payload)
             if ext is not None:
                 decoded = ext.terngrad_scale_int8_flat(
@@ -441,14 +511,53 @@ class FlatTernGrad:
                 return decoded.to(packet.dtype)
             return self._scaled(packet.payload, scale, segments).to(packet.dtype)
         scale = self._scale_of(packet, self.pack_layout(segments))
+        if self.uses_triton(packet.payload):
+            return self._triton_decode(packet, packet.payload.contiguous(), 0, 1, scale, None).to(packet.dtype)
         ext = self._native_decode([packet])
         if ext is not None:
             return self._decode_sum_native(ext, [packet], scale, None, 1).to(packet.dtype)
         return self._scaled(self.values(packet), scale, segments).to(packet.dtype)
 
+    def _triton_decode(
+        self, first: FlatPacket, base: Tensor, stride: int, ranks: int, scale: Tensor, out: Optional[Tensor]
+    ) -> Tensor:
+        """float32 ``[total]``: ``ranks`` packed payloads (from ``base``, ``stride`` bytes apart; laid out as
+        ``first``'s) decoded in one Triton launch, summed (shared ``scale`` ``[chunks]``: the integer sum scaled
+        once; per-worker ``[ranks, chunks]``: in rank order), divided by ``ranks`` into ``out`` (float32, contiguous)
+        when given, else not divided."""
+        layout = self.pack_layout(first.segments)
+        target = torch.empty(first.segments.total, dtype=torch.float32, device=base.device) if out is None else out
+        return triton_terngrad.decode(
+            base, stride, ranks, self.tables(first.segments, base.device),
+            scale.to(base.device, torch.float32).contiguous(), "scale" in first.ctx, self.settings.bucket_size,
+            layout.per, layout.radix, target, out is not None,
+        )
+
+    def _triton_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
+        """:meth:`decompress_mean_into` in one Triton launch, the same ops after it as the torch path has."""
+        first, ranks = packets[0], len(packets)
+        writable = out.dtype == torch.float32 and out.is_contiguous()
+        shared = "scale" in first.ctx
+        base, stride = _rank_rows([p.payload for p in packets])
+        if shared:
+            scale = first.ctx["scale"]
+        else:  # every rank's scalers from its payload: [ranks, chunks]
+            layout = self.pack_layout(first.segments)
+            rows = base.as_strided((ranks, sum(layout.layer_nbytes)), (stride, 1))
+            scale = rows.index_select(1, layout.payload_index(base.device)[1]).view(torch.float32)
+        if writable:
+            self._triton_decode(first, base, stride, ranks, scale, out.view(-1))
+            return out
+        total = self._triton_decode(first, base, stride, ranks, scale, None)
+        # as the torch path: a shared scaler's scaled sum in the packet's dtype; per worker, the float32 sum
+        return out.copy_(total.to(first.dtype) if shared else total).div_(ranks)
+
     def decompress_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
         """The ranks' mean into ``out``, as :meth:`TernGrad.decompress_mean_into` rounds it layer by layer."""
         first, ranks = packets[0], len(packets)
+        if self.uses_triton(first.payload) and ("scale" in first.ctx or first.dtype == torch.float32):
+            # (per-worker scalers of another dtype round each rank's decoded tensor: the torch path below)
+            return self._triton_mean_into(packets, out)
         if "scale" not in first.ctx:  # per-worker scalers: decode each rank, sum the decoded in rank order
             total = self.decompress(first)
             for packet in packets[1:]:
@@ -472,6 +581,24 @@ class FlatTernGrad:
         else:
             out.copy_(self._scaled(values, scale, first.segments).to(first.dtype))
         return out.div_(ranks)
+
+
+def _rank_rows(payloads: Sequence[Tensor]) -> tuple[Tensor, int]:
+    """The ranks' uint8 payloads as (rank 0's, stride in bytes to the next rank's): the gathered buffer's rows as
+    they are when evenly spaced in one storage (the hook's all-gather), else stacked (one copy)."""
+    first = payloads[0]
+    if len(payloads) == 1:
+        return first.contiguous(), 0
+    step = payloads[1].data_ptr() - first.data_ptr()
+    rows = all(
+        p.is_contiguous() and p.numel() == first.numel()
+        and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and p.data_ptr() - first.data_ptr() == r * step
+        for r, p in enumerate(payloads)
+    )
+    if rows and step >= first.numel():
+        return first, step
+    return torch.stack([p.reshape(-1) for p in payloads]), first.numel()
 
 
 __all__ = ["ChunkLayout", "FlatTernGrad", "PackLayout", "chunk_counts"]

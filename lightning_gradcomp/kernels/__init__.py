@@ -2,7 +2,8 @@
 
 The CPU kernels are C++ compiled on first use (:mod:`lightning_gradcomp.kernels._build`, cached in torch's
 extension directory). Where compilation is unavailable the same functions run as torch ops with the same
-results, after one logged warning. On CUDA tensors the torch-ops path runs (unmeasured so far).
+results, after one logged warning. On CUDA tensors the torch-ops path runs (unmeasured so far), except TernGrad's
+group path, which runs Triton kernels when Triton imports (:mod:`lightning_gradcomp.kernels.triton_terngrad`).
 """
 
 from lightning_gradcomp.kernels._build import cpu_extension, torch_ops

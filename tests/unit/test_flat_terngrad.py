@@ -85,7 +85,8 @@ def _exchange(comps: Sequence[Compressor], seg: Segments, grads: Sequence[torch.
         decoded = call("decompress_flat")(comps[0], own.with_payload(summed))
     else:
         received = [own.with_payload(p.payload, p.layer_nbytes) for p in packets]
-        decoded = call("decompress_flat_mean_into")(comps[0], received, torch.full((seg.total,), float("nan")))
+        out = torch.full((seg.total,), float("nan"), device=own.payload.device)
+        decoded = call("decompress_flat_mean_into")(comps[0], received, out)
     return {
         "statistic": None if shared is None else shared.values,
         "payloads": [p.payload for p in packets],
