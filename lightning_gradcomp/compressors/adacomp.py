@@ -391,13 +391,9 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         return out
 
     def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        if packets[0].layers is not None:
+        if packets[0].layers is not None or packets[0].dtype != torch.float32 or out.dtype != torch.float32:
+            # looping packets, or a sum the loop makes in the gradients' dtype: the base class's rank-order sum
             return super().decompress_flat_mean_into(packets, out)
-        if packets[0].dtype != torch.float32 or out.dtype != torch.float32:
-            total = self.decompress_flat(packets[0]).clone()  # summed in the gradients' dtype, as the loop does
-            for packet in packets[1:]:
-                total.add_(self.decompress_flat(packet))
-            return out.copy_(total).div_(len(packets))
         return self._sum_into(packets, out).div_(len(packets))
 
     def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:

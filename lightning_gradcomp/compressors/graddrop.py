@@ -580,13 +580,9 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         return out.index_put_((index,), values).to(packet.dtype)
 
     def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        if packets[0].layers is not None:
+        if packets[0].layers is not None or packets[0].dtype != torch.float32 or out.dtype != torch.float32:
+            # looping packets, or a sum the loop makes in the gradients' dtype: the base class's rank-order sum
             return super().decompress_flat_mean_into(packets, out)
-        if packets[0].dtype != torch.float32 or out.dtype != torch.float32:
-            total = self.decompress_flat(packets[0]).clone()  # summed in the gradients' dtype, as the loop does
-            for packet in packets[1:]:
-                total.add_(self.decompress_flat(packet))
-            return out.copy_(total).div_(len(packets))
         decoded = [decode_group_coo32(packet.payload, self.values) for packet in packets]
         if self._kernels(out.device) is not None and out.is_contiguous():  # one kernel call for all ranks
             kernels.sparse_decode_sum(out.numel(), [i for i, _ in decoded], [v for _, v in decoded], out=out)
