@@ -380,13 +380,7 @@ def _compress_group(state: GradCompState, group: LayerGroup, x: Tensor, shared: 
                 _after_transforms(state, name, xi, si)
     if state.observer.active:
         state.observer.observe_group(group.segments, compressor, x, packet, sent)
-    state.ledger.record_group(GroupRecord(
-        segments=group.segments,
-        layer_nbytes=packet.layer_nbytes,
-        aggregation=compressor.aggregation_for(state.world_size),
-        stats=packet.stats,
-        layer_stats=None if packet.layers is None else [p.stats for p in packet.layers],
-    ))
+    state.ledger.record_group(GroupRecord.of(packet, compressor.aggregation_for(state.world_size)))
     return packet
 
 

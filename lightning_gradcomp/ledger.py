@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation
+from lightning_gradcomp.compressors.base import Aggregation, FlatPacket
 from lightning_gradcomp.segments import Segments
 
 
@@ -42,6 +42,12 @@ class GroupRecord:
     aggregation: Aggregation
     stats: dict[str, Tensor]
     layer_stats: Optional[list[dict[str, Tensor]]] = None
+
+    @classmethod
+    def of(cls, packet: FlatPacket, aggregation: Aggregation) -> "GroupRecord":
+        """The record of a group packet that travelled as ``aggregation``."""
+        layer_stats = None if packet.layers is None else [p.stats for p in packet.layers]
+        return cls(packet.segments, packet.layer_nbytes, aggregation, packet.stats, layer_stats)
 
     def nbytes(self) -> int:
         """Bytes of the whole group (one host read when the sizes are a device tensor)."""

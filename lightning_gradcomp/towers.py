@@ -3,9 +3,9 @@
 TernGrad's experiments use up to 64 workers with a total batch of 64; the original code emulates them by
 splitting each batch into N "towers" in one process. :class:`TowerStrategy` does the same with the real
 compressors: each tower is a worker r of N with its own compressor state (random stream seeded from r, its
-own residuals), the shared statistic is the max over towers, and packets are combined exactly as the hook
-combines them (payload sums in rank order for summable encodings, ``decompress_sum`` in rank order for
-gathered ones), then averaged.
+own residuals), the shared statistic is the max over towers, and each group of layers (the fp32 ones, the
+compressed ones) goes through the compressor's flat methods exactly as the hook's groups do (payload sums in rank
+order for summable encodings, ``decompress_flat_mean_into`` in rank order for gathered ones).
 
 Relation to a real multi-process run with N ranks and per-rank batch M/N: tower r takes the samples
 ``batch[r::N]``, which are the samples a ``DistributedSampler`` (no shuffling) gives rank r, so the same
@@ -27,8 +27,9 @@ import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
-from lightning_gradcomp.hook import LayerRecord
+from lightning_gradcomp.ledger import GroupRecord, LayerRecord, Ledger
 from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.wiring import select_float_names
 from lightning_gradcomp.validation import check_int
 
@@ -111,9 +112,8 @@ class TowerStrategy(SingleDeviceStrategy):
         self._memories: list[ResidualMemory] = []
         self._float_names: frozenset[str] = frozenset()
         self._identity = Identity()
-        #: the latest record per parameter name (bytes are those of ONE worker, as in the hook)
-        self.records: dict[str, LayerRecord] = {}
-        self._stat_bytes: dict[str, int] = {}
+        #: what the emulated hook did (bytes are those of ONE worker, as in the hook)
+        self.ledger = Ledger()
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -129,32 +129,41 @@ class TowerStrategy(SingleDeviceStrategy):
             self._workers.append(worker)
         self._memories = [ResidualMemory() for _ in range(self.num_workers)]
 
-    def _exchange(self, name: str, grads: list[Tensor]) -> Tensor:
-        """What every worker's hook would write for parameter ``name``: the decoded average."""
+    def _exchange(self, index: int, segments: Segments, flats: list[Tensor], dense: bool) -> Tensor:
+        """What every worker's hook would write for the group ``segments`` (each worker's gradients flat in
+        ``flats``): the decoded average, flat. The hook's group step, with the ranks' collectives done in place:
+        statistics max-reduced over the workers, payloads summed or decoded in rank order."""
         n = self.num_workers
-        workers = [self._identity] * n if name in self._float_names else self._workers
-        xs = grads
+        workers = [self._identity] * n if dense else self._workers
+        xs = flats
         if workers[0].uses_memory:
-            for w, g in zip(workers, grads):
-                w.observe_gradient(g, name)
-            xs = [self._memories[r].compensate(g, name) for r, g in enumerate(grads)]
+            for w, x in zip(workers, flats):
+                w.observe_gradient_flat(x, segments)
+            xs = [self._memories[r].compensate_flat(x, segments) for r, x in enumerate(flats)]
         # a compressor has a shared statistic on every worker or on none
-        local = [s for s in (w.local_statistic(x, name) for w, x in zip(workers, xs)) if s is not None]
-        self._stat_bytes[name] = 4 * local[0].numel() if local else 0
-        shared = torch.stack([s.float() for s in local]).amax(dim=0) if local else None
-        packets = [w.compress(x, name, shared) for w, x in zip(workers, xs)]
+        local = [w.flat_statistic(x, segments) for w, x in zip(workers, xs)]
+        shared = None
+        if local[0] is not None:
+            shared = local[0].with_values(torch.stack([s.values for s in local if s is not None]).amax(dim=0))
+        self.ledger.record_shared(index, 0 if shared is None else 4 * shared.values.numel())
+        packets = [w.compress_flat(x, segments, shared) for w, x in zip(workers, xs)]
         if workers[0].uses_memory:
             for r, (w, x, p) in enumerate(zip(workers, xs, packets)):
-                self._memories[r].update(name, x, w.sent(x, p))
+                self._memories[r].update_flat(segments, x, w.sent_flat(x, p))
         aggregation = workers[0].aggregation_for(n)
-        self.records[name] = LayerRecord(packets[0].nbytes, grads[0].numel(), aggregation, packets[0].stats)
+        self.ledger.record_group(GroupRecord.of(packets[0], aggregation))
         if aggregation is Aggregation.SUM:
             total = packets[0].payload.clone()
             for p in packets[1:]:
                 total += p.payload
-            decoded = workers[0].decompress(packets[0].with_payload(total))
+            decoded = workers[0].decompress_flat(packets[0].with_payload(total))
             return decoded.div_(n) if decoded.is_floating_point() else decoded.float() / n
-        return workers[0].decompress_sum(packets).div_(n)
+        return workers[0].decompress_flat_mean_into(packets, torch.empty_like(flats[0]))
+
+    @property
+    def records(self) -> dict[str, LayerRecord]:
+        """The latest record per parameter name (bytes are those of ONE worker, as in the hook)."""
+        return self.ledger.records
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -179,7 +188,16 @@ class TowerStrategy(SingleDeviceStrategy):
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 per_tower.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
                 losses.append(loss.detach())
-            averaged = [self._exchange(name, [g[j] for g in per_tower]) for j, (name, _) in enumerate(named)]
+            averaged: list[Tensor] = [torch.empty(0)] * len(named)
+            # two groups, as the hook's routing makes them: the layers sent in fp32, and the compressed ones
+            for index, dense in enumerate((True, False)):
+                members = [j for j, (name, _) in enumerate(named) if (name in self._float_names) == dense]
+                if not members:
+                    continue
+                segments = Segments([named[j][0] for j in members], [params[j].shape for j in members])
+                flats = [torch.cat([g[j].reshape(-1) for j in members]) for g in per_tower]
+                for j, view in zip(members, segments.views(self._exchange(index, segments, flats, dense))):
+                    averaged[j] = view
             # a surrogate whose gradient is exactly the exchanged average and whose value is the mean tower
             # loss, so Lightning's own backward, clipping and optimizer step run unchanged
             zero = torch.zeros((), device=self.root_device)
@@ -191,4 +209,4 @@ class TowerStrategy(SingleDeviceStrategy):
 
     def bytes_per_step(self) -> int:
         """Bytes one emulated worker contributes per step: payloads plus shared statistics, as in the hook."""
-        return sum(r.nbytes for r in self.records.values()) + sum(self._stat_bytes.values())
+        return self.ledger.bytes_per_step()

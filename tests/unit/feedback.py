@@ -1,4 +1,8 @@
-"""The hook's per-parameter error-feedback sequence in one process, for unit tests of compressors with memory."""
+"""The hook's error-feedback sequence for one layer, in one process, for unit tests of compressors with memory.
+
+The hook runs the same sequence per group of layers with the flat methods; ``tests/unit/test_flat_*.py`` compare
+each compressor's group path with its per-layer methods, which this helper drives.
+"""
 
 from typing import Optional
 
@@ -11,7 +15,7 @@ from lightning_gradcomp.memory import ResidualMemory
 def feedback_step(
     compressor: Compressor, memory: ResidualMemory, grad: Tensor, name: str
 ) -> tuple[Optional[Tensor], Tensor, Packet, Tensor]:
-    """What :func:`~lightning_gradcomp.hook.gradcomp_hook` does for one parameter, in the same order.
+    """What :func:`~lightning_gradcomp.hook.gradcomp_hook` does for a group, for one parameter, in the same order.
 
     Returns the old residual (``None`` on the first step), the compensated tensor, the packet and what it sent.
     """
