@@ -123,6 +123,14 @@ class LayerGroup:
             return buffer[span[0] : span[1]]
         return buffer.new_empty(self.segments.total)
 
+    def fill(self, buffer: Tensor, value: float) -> None:
+        """Set the group's places in ``buffer`` to ``value`` (one op)."""
+        span = self.span
+        if span is None:
+            buffer.index_fill_(0, self.index(buffer.device), value)
+        else:
+            buffer[span[0] : span[1]].fill_(value)
+
     def put(self, buffer: Tensor, values: Tensor) -> None:
         """Write the group's flat ``values`` into its places in ``buffer`` (nothing when ``values`` is already
         the buffer's own range)."""

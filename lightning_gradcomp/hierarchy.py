@@ -249,7 +249,8 @@ def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch
             dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=site.site_group)
         state.ledger.count("site_allreduce")
         buffer.div_(k)
-    owned = [i for i, p in enumerate(bucket.parameters()) if state.names[id(p)] in site.owned]
+    params = bucket.parameters()
+    owned = [i for i, p in enumerate(params) if state.names[id(p)] in site.owned]
     share = _ShareBucket(bucket, owned)
     # the flat hook on this rank's share, with the cross-site group; its collectives are waited for here so the
     # dense exchange of the decoded shares is issued from the hook body (never from a `.then`, see comm)
@@ -257,10 +258,15 @@ def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch
     if state.step_nonfinite:  # the guard filled the bucket with NaN on every rank
         site.lan_bytes[bucket.index()] = 0 if skipping else buffer.numel() * buffer.element_size()
         return comm.completed(buffer)
+    # the others' shares come from them: zero theirs here (one op for all of them, the groups' cached index)
     mine = set(owned)
-    for i, grad in enumerate(bucket.gradients()):  # views into the buffer: the others' shares come from them
-        if i not in mine:
-            grad.zero_()
+    others = [i for i in range(len(params)) if i not in mine]
+    if others:
+        positions = layer_offsets(bucket)
+        for group in state.layouts.groups([state.names[id(params[i])] for i in others], [params[i].shape for i in others],
+                                          [positions[i] for i in others], [state.router.identity] * len(others),
+                                          buffer.element_size(), None):
+            group.fill(buffer, 0.0)
     future = comm.all_reduce_sum(buffer, site.site_group)
     state.ledger.count("site_allreduce")
     site.lan_bytes[bucket.index()] = 2 * buffer.numel() * buffer.element_size()
