@@ -35,7 +35,7 @@ from torch import Tensor
 from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
 from lightning_gradcomp.compressors import dgc_flat, topk_flat
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
-from lightning_gradcomp.compressors.streams import CounterStreams
+from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
 from lightning_gradcomp.compressors.topk_flat import INT2_HALF_RANGE as _INT2_HALF_RANGE
 from lightning_gradcomp.compressors.topk_flat import SparseLayout
 from lightning_gradcomp.segments import Segments
@@ -281,7 +281,9 @@ class DGC(TopK):
         return {"streams": self._streams.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._streams.load_state_dict(state.get("streams", {}))
+        # a checkpoint from when DGC drew its sample offsets from a torch.Generator per name is refused, as int8's,
+        # QSGD's and Gradient Dropping's are: starting the streams afresh would resume a different run silently
+        load_counters(self._streams, state.get("streams", {}), type(self).__name__)
 
     def sampling(self, numel: int) -> tuple[int, int, int]:
         """(sample stride, number of samples, top-k of the samples), as DGC's code computes them."""

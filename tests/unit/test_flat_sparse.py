@@ -262,3 +262,12 @@ def test_order_key_round_trips_and_orders_floats() -> None:
     keys = segmented.order_key(x)
     assert torch.equal(_bits(segmented.from_order_key(keys)), _bits(x))
     assert bool((keys[1:] > keys[:-1]).all())
+
+
+def test_dgc_refuses_a_checkpoint_of_its_former_generator_streams() -> None:
+    dgc, _ = _pair(COMPRESSORS["dgc"])
+    legacy = {"streams": {"layer0": ("cpu", torch.Generator().get_state())}}
+    with pytest.raises(ValueError, match=r"Expected `DGC`'s random-stream state to be per-name counters.*"
+                                         r"resume_compression='reset'"):
+        dgc.load_state_dict(legacy)
+    dgc.load_state_dict({})  # nothing saved: a fresh start
