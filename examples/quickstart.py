@@ -23,6 +23,7 @@ def train(strategy: str, out: Path, epochs: int) -> None:
     import lightning.pytorch as pl
 
     import lightning_gradcomp  # noqa: F401  (registers "terngrad")
+    from gradcomp_lab.cli import close_process_group
     from gradcomp_lab.data import DigitsDataModule
     from gradcomp_lab.models import MLP
     from gradcomp_lab.tasks import ImageClassifier
@@ -47,6 +48,7 @@ def train(strategy: str, out: Path, epochs: int) -> None:
     sent = state.bytes_per_step() if state is not None else dense
     if trainer.global_rank == 0:
         out.write_text(json.dumps({"accuracy": accuracy, "bytes_per_step": sent, "ratio": dense / sent}))
+    close_process_group()  # as `gradcomp fit` does: left to interpreter shutdown, Gloo's threads may abort the process
 
 
 def compile_kernels() -> None:

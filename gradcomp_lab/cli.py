@@ -141,7 +141,7 @@ def main(args: Optional[list[str]] = None) -> None:
         getattr(importlib.import_module(module), function)(argv[1:])
         return
     GradCompCLI(args=args)
-    _close_process_group()
+    close_process_group()
     if args is None:  # the console script: this process is ours to end
         _exit_without_native_teardown()
 
@@ -162,7 +162,7 @@ def _exit_without_native_teardown() -> None:
     os._exit(0)
 
 
-def _close_process_group() -> None:
+def close_process_group() -> None:
     """Destroy the process group the run created, while the interpreter is still whole.
 
     Lightning keeps it after ``fit``; left to interpreter shutdown, a Gloo group's worker threads could be torn
