@@ -82,14 +82,9 @@ LGC_CLONES int select_tile_ge(const float* x, int len, float thr, int32_t base, 
   return select_tile_impl<true, false>(x, len, thr, base, out);
 }
 
-// (int32 index, float32 value) of the entries not at or below the threshold: |x| > threshold or NaN (inclusive:
-// |x| >= threshold or NaN), in ascending index order
-std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold, bool inclusive) {
-  check_f32(x, "x");
-  const int64_t n = x.numel();
-  TORCH_CHECK(n < (int64_t(1) << 31), "select_above: more than 2^31 elements");
-  const float* xp = x.data_ptr<float>();
-  const float thr = (float)threshold;
+// the entries of x[0..n) not at or below thr (inclusive: not below), as indices base + i, per tile of kTile entries
+// (ascending within and across tiles)
+std::vector<std::vector<int32_t>> select_tiles(const float* xp, int64_t n, float thr, bool inclusive, int32_t base) {
   const int64_t tiles = (n + kTile - 1) / kTile;
   std::vector<std::vector<int32_t>> idx(tiles);
   at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
@@ -99,10 +94,23 @@ std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold, bool 
     std::vector<int32_t> scratch(kTile);
     for (int64_t t = tb; t < te; ++t) {
       int64_t b = t * kTile, e = std::min(n, b + kTile);
-      int c = (inclusive ? select_tile_ge_nan : select_tile_gt_nan)(xp + b, (int)(e - b), thr, (int32_t)b, scratch.data());
+      int c = (inclusive ? select_tile_ge_nan : select_tile_gt_nan)(xp + b, (int)(e - b), thr,
+                                                                  (int32_t)(base + b), scratch.data());
       idx[t].assign(scratch.begin(), scratch.begin() + c);
     }
   });
+  return idx;
+}
+
+// (int32 index, float32 value) of the entries not at or below the threshold: |x| > threshold or NaN (inclusive:
+// |x| >= threshold or NaN), in ascending index order
+std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold, bool inclusive) {
+  check_f32(x, "x");
+  const int64_t n = x.numel();
+  TORCH_CHECK(n < (int64_t(1) << 31), "select_above: more than 2^31 elements");
+  const float* xp = x.data_ptr<float>();
+  const auto idx = select_tiles(xp, n, (float)threshold, inclusive, 0);
+  const int64_t tiles = (int64_t)idx.size();
   std::vector<int64_t> start(tiles + 1, 0);
   for (int64_t t = 0; t < tiles; ++t) start[t + 1] = start[t] + (int64_t)idx[t].size();
   auto oi = torch::empty({start[tiles]}, torch::kInt32);
@@ -127,18 +135,7 @@ std::vector<torch::Tensor> select_above(torch::Tensor x, double threshold, bool 
 
 // the entries of x[0..n) not at or below thr (inclusive: not below), as indices base + i, appended to out ascending
 void select_layer(const float* xp, int64_t n, float thr, bool inclusive, int32_t base, std::vector<int32_t>& out) {
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  std::vector<std::vector<int32_t>> idx(tiles);
-  at::parallel_for(0, tiles, grain(kTile), [&](int64_t tb, int64_t te) {
-    std::vector<int32_t> scratch(kTile);
-    for (int64_t t = tb; t < te; ++t) {
-      int64_t b = t * kTile, e = std::min(n, b + kTile);
-      int c = (inclusive ? select_tile_ge_nan : select_tile_gt_nan)(xp + b, (int)(e - b), thr,
-                                                                  (int32_t)(base + b), scratch.data());
-      idx[t].assign(scratch.begin(), scratch.begin() + c);
-    }
-  });
-  for (const auto& v : idx) out.insert(out.end(), v.begin(), v.end());
+  for (const auto& v : select_tiles(xp, n, thr, inclusive, base)) out.insert(out.end(), v.begin(), v.end());
 }
 
 // every layer's threshold sample of |x|, back to back: mode 2 the whole layer, 0 sizes[s] values at Marian's stride,
