@@ -149,7 +149,7 @@ class ResidualMemory:
         if key is None:
             return self._single.get(name)
         segments, flat = self._flat[key]
-        i = segments.names.index(name)
+        i = segments.position[name]  # a dict: state_dict reads every name, a list search would be quadratic
         return flat[segments.offsets[i] : segments.offsets[i + 1]].view(segments.shapes[i])
 
     def _names(self) -> list[str]:

@@ -77,6 +77,8 @@ class Segments:
         for n in self.numels:
             offsets.append(offsets[-1] + n)
         self.offsets: tuple[int, ...] = tuple(offsets)
+        #: name -> position in the layout
+        self.position: dict[str, int] = {name: i for i, name in enumerate(self.names)}
         self._ids: dict[torch.device, Tensor] = {}
         self._paddings: dict[int, Padding] = {}
         self._firsts: dict[tuple[object, ...], Tensor] = {}
