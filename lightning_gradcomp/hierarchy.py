@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lightning_gradcomp import comm
 from lightning_gradcomp.guard import observe_decoded
-from lightning_gradcomp.groups import LayerViews, layer_offsets
+from lightning_gradcomp.groups import layer_offsets
 from lightning_gradcomp.hook import GradCompState, _exchange_bucket
 from lightning_gradcomp.sites import SiteLayout, new_site_groups, site_layout
 from lightning_gradcomp.validation import check_choice, check_int
@@ -220,9 +220,6 @@ class _ShareBucket:
 
     def buffer(self) -> Tensor:
         return self._bucket.buffer()
-
-    def gradients(self) -> list[Tensor]:
-        return list(LayerViews(self.buffer(), self._offsets, [p.shape for p in self._params]))
 
     def parameters(self) -> list[Tensor]:
         return self._params
