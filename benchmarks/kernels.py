@@ -316,9 +316,9 @@ def main() -> None:
     print(f"machine: {machine}")
     print(f"load average before: {os.getloadavg()[0]:.1f} (other processes share these cores; ratios are per-repeat)")
     print(f"compile on first use: {compile_s if compile_s is None else round(compile_s, 1)} s ({compile_note})")
-    from lightning_gradcomp.kernels import triton_terngrad
+    from lightning_gradcomp.kernels import triton_launch
 
-    group = "triton" if triton_terngrad.usable(device) else "compiled C++" if device.type == "cpu" else "torch ops"
+    group = "triton" if triton_launch.usable(device) else "compiled C++" if device.type == "cpu" else "torch ops"
     print(f"group kernels (the 'fused' column of the group rows): {group}")
     memory_gbps = memory_copy_gbps(device)
     print(f"memory-copy bandwidth: {memory_gbps:.2f} GB/s (copy_ of 256 MB of fp32 into a preallocated tensor, median)")

@@ -45,7 +45,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.compressors.terngrad_fused import TernGradSettings
-from lightning_gradcomp.kernels import triton_terngrad
+from lightning_gradcomp.kernels import triton_launch, triton_terngrad
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.wire import Packing
 
@@ -229,7 +229,7 @@ class FlatTernGrad:
         native: the compiled CPU kernels to run a group with (one call per group, looping over its layers inside),
             or ``None`` for torch ops; asked at each call with the group's tensor.
         triton: whether the Triton kernels run the groups: ``None`` chooses at the first call (CUDA with Triton
-            importable, :func:`~lightning_gradcomp.kernels.triton_terngrad.usable`); ``True`` forces them (on CPU
+            importable, :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True`` forces them (on CPU
             tensors they need ``TRITON_INTERPRET=1``: the tests), ``False`` never.
     """
 
@@ -259,7 +259,7 @@ class FlatTernGrad:
     def uses_triton(self, tensor: Tensor) -> bool:
         """Whether the Triton kernels run the groups (chosen at the first call for ``tensor``'s device, then kept)."""
         if self._triton is None:
-            self._triton = triton_terngrad.usable(tensor.device) if self.triton is None else self.triton
+            self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
         return self._triton
 
     def tables(self, segments: Segments, device: torch.device) -> triton_terngrad.GroupTables:

@@ -18,9 +18,8 @@ Where the torch ops read an int64 index per element (segment ids, index within t
 table of tiles (:class:`GroupTables`): each program takes ``BLOCK`` elements (or packed bytes) of one layer, so a
 kernel reads the gradient once and writes its output once.
 
-Triton is imported on first use (the library imports without it); :func:`available` says whether it imports.
-Under ``TRITON_INTERPRET=1`` (set before Triton is imported) the kernels run on CPU tensors in Triton's
-interpreter: how the tests compare them with the torch ops without a GPU.
+Triton is imported on first use (:mod:`~lightning_gradcomp.kernels.triton_launch` says whether it imports, and
+launches); under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors in Triton's interpreter.
 """
 
 import functools
@@ -32,24 +31,11 @@ import numpy
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.kernels.triton_launch import launch, tiles
+
 #: elements per program of the element kernels; packed bytes per program of the packing and decoding kernels
 ELEMENT_BLOCK = 1024
 BYTE_BLOCK = 256
-
-
-@functools.cache
-def available() -> bool:
-    """Whether Triton imports here (tried once per process)."""
-    try:
-        _jit()
-    except Exception:  # not installed, or installed but failing to load (no matching libraries, say): torch ops run
-        return False
-    return True
-
-
-def usable(device: torch.device) -> bool:
-    """Whether these kernels run a group on ``device``: CUDA with Triton importable."""
-    return device.type == "cuda" and available()
 
 
 @functools.cache
@@ -57,12 +43,6 @@ def _jit() -> ModuleType:
     from lightning_gradcomp.kernels import _triton_terngrad_jit
 
     return _triton_terngrad_jit
-
-
-def _tiles(lengths: Sequence[int], block: int) -> Tensor:
-    """int64 ``[tiles, 2]``: (layer, start) of every ``block``-long tile of every layer of ``lengths``."""
-    rows = [(i, start) for i, n in enumerate(lengths) for start in range(0, n, block)]
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
 
 
 class GroupTables:
@@ -88,8 +68,8 @@ class GroupTables:
         columns = (offsets[:-1], list(numels), list(packed), list(starts), first_chunk[:-1])
         #: int64 ``[layers, 5]``: offset, numel, packed bytes, payload start, first chunk of each layer
         self.meta = torch.tensor(list(zip(*columns)), dtype=torch.int64).reshape(-1, 5).to(device)
-        self.elements = _tiles(numels, ELEMENT_BLOCK).to(device)
-        self.bytes = _tiles(packed, BYTE_BLOCK).to(device)
+        self.elements = tiles(numels, ELEMENT_BLOCK).to(device)
+        self.bytes = tiles(packed, BYTE_BLOCK).to(device)
         self.layers = len(numels)
         self.total = offsets[-1]
 
@@ -99,14 +79,12 @@ def _bucket(bucket: Optional[int]) -> tuple[int, bool]:
     return (bucket, True) if bucket else (1, False)
 
 
+def _launch_tiles(kernel: object, table: Tensor, *args: object, **constants: object) -> None:
+    launch(kernel, table.shape[0], *args, **constants)  # one program per row of the tile table
+
+
 def _packing(per: int, radix: int) -> dict[str, int]:
     return {"PER": per, "PER_P2": 1 << (per - 1).bit_length(), "RADIX": radix}
-
-
-def _launch(kernel: object, tiles: Tensor, *args: object, **constants: object) -> None:
-    if tiles.shape[0]:  # a group of empty layers has no tile (and a grid of 0 programs is not launched)
-        # no fused multiply-add: each product and sum rounds as the torch op it stands for
-        kernel[(tiles.shape[0],)](*args, **constants, enable_fp_fusion=False)  # type: ignore[index]
 
 
 def ternarize(
@@ -125,7 +103,7 @@ def ternarize(
     out = torch.empty(tables.total, dtype=torch.int8, device=x.device)
     nonzero = torch.zeros(tables.layers, dtype=torch.int32, device=x.device)
     length, chunked = _bucket(bucket)
-    _launch(
+    _launch_tiles(
         _jit().ternarize_kernel, tables.elements, x, tables.meta, tables.elements, keys, scale,
         scale if clip is None else clip, out, nonzero, length,
         HAS_CLIP=clip is not None, CHUNKED=chunked, BLOCK=ELEMENT_BLOCK,
@@ -142,7 +120,7 @@ def ternarize_pack(
     int32 ``[layers]`` nonzero counts."""
     nonzero = torch.zeros(tables.layers, dtype=torch.int32, device=x.device)
     length, chunked = _bucket(bucket)
-    _launch(
+    _launch_tiles(
         _jit().ternarize_pack_kernel, tables.bytes, x, tables.meta, tables.bytes, keys, scale,
         scale if clip is None else clip, out, nonzero, length,
         HAS_CLIP=clip is not None, CHUNKED=chunked, BLOCK=BYTE_BLOCK, **_packing(per, radix),
@@ -180,7 +158,7 @@ def decode(
     mode = 0 if not divide else 2 if reciprocal_division(out.device) else 1
     # the float32 reciprocal (correctly rounded, on the host) to multiply by, or the ranks to divide by
     divisor = float(numpy.float32(1.0) / numpy.float32(ranks)) if mode == 2 else float(ranks)
-    _launch(
+    _launch_tiles(
         _jit().decode_kernel, tables.bytes, payloads, rank_stride, ranks, tables.meta, tables.bytes, scale,
         0 if shared else scale.shape[-1], out, length, divisor,
         SHARED=shared, DIVIDE=mode, CHUNKED=chunked, BLOCK=BYTE_BLOCK, **_packing(per, radix),
@@ -192,7 +170,7 @@ def scale_int8(values: Tensor, tables: GroupTables, scale: Tensor, bucket: Optio
     """float32 ``[total]``: the int8 ``values`` times the scalers of their chunks."""
     out = torch.empty(tables.total, dtype=torch.float32, device=values.device)
     length, chunked = _bucket(bucket)
-    _launch(
+    _launch_tiles(
         _jit().scale_int8_kernel, tables.elements, values, tables.meta, tables.elements, scale, out, length,
         CHUNKED=chunked, BLOCK=ELEMENT_BLOCK,
     )
@@ -200,6 +178,6 @@ def scale_int8(values: Tensor, tables: GroupTables, scale: Tensor, bucket: Optio
 
 
 __all__ = [
-    "BYTE_BLOCK", "ELEMENT_BLOCK", "GroupTables", "available", "decode", "reciprocal_division", "scale_int8",
-    "ternarize", "ternarize_pack", "usable",
+    "BYTE_BLOCK", "ELEMENT_BLOCK", "GroupTables", "decode", "reciprocal_division", "scale_int8", "ternarize",
+    "ternarize_pack",
 ]

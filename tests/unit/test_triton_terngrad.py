@@ -1,20 +1,12 @@
 """TernGrad's Triton kernels (lightning_gradcomp/kernels/triton_terngrad.py, the CUDA path of a group) against the
 torch ops they replace, bit for bit, without a GPU.
 
-The kernels run in Triton's interpreter on CPU tensors. ``TRITON_INTERPRET=1`` must be set before Triton is
-imported, so they run in one subprocess (:func:`_main`) that runs every case and reports each one's outcome; the
-tests of this process only read that report, and neither the variable nor Triton leaks into other tests. A second
-subprocess compiles every kernel for a Hopper GPU (sm_90) with Triton's real code generator down to a cubin
-(no GPU is needed to compile): what the interpreter cannot show, that the kernels compile for CUDA and round as the
-torch ops do (true division only as ``div.rn``, no fused multiply-add).
+The cases run in Triton's interpreter in one subprocess (``tests/triton_interpreter.py``); a second subprocess
+compiles every kernel for a Hopper GPU (sm_90) down to a cubin: what the interpreter cannot show, that the kernels
+compile for CUDA and round as the torch ops do (true division only as ``div.rn``, no fused multiply-add).
 """
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -26,15 +18,11 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.base import Compressor, FlatPacket
 from lightning_gradcomp.kernels import rng
+from tests.triton_interpreter import compile_for_hopper, interpret, needs_triton, run_subprocess
 from tests.unit.test_flat_terngrad import (
     CASES, CONFIGS, _assert_same, _exchange, _grads, _ranks, _segments, _step_ops,
 )
 
-needs_triton = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="triton is not installed (pip install -e '.[triton]')"
-)
-
-ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 #: groups of layers of mixed sizes with empty and one-element layers (the default: test_flat_terngrad's SHAPES)
 TINY = {"empty": [(0,)], "one": [(1,)], "mixed": [(0,), (3,), (0,), (1,)]}
@@ -189,7 +177,7 @@ def _case_op_counts(config: str, variant: str) -> None:
     from lightning_gradcomp.kernels import triton_terngrad
 
     launches = 0
-    launch = triton_terngrad._launch
+    launch = triton_terngrad.launch
 
     def counted(*args: Any, **kwargs: Any) -> None:
         nonlocal launches
@@ -198,14 +186,14 @@ def _case_op_counts(config: str, variant: str) -> None:
             launch(*args, **kwargs)
 
     comps = _with_triton(_ranks(CONFIGS[config], variant), on=False)
-    triton_terngrad._launch = counted  # type: ignore[assignment]
+    triton_terngrad.launch = counted  # type: ignore[assignment]
     try:
         with kernels.torch_ops():
             torch_ops = _step_ops(comps[0], 8)
             comps = _with_triton(_ranks(CONFIGS[config], variant))
             small, large = _step_ops(comps[0], 8), _step_ops(comps[0], 32)
     finally:
-        triton_terngrad._launch = launch  # type: ignore[assignment]
+        triton_terngrad.launch = launch  # type: ignore[assignment]
     assert small == large and small[1:] == (0, 0), (small, large)
     assert launches == 2 * 2 * 3  # two calls of _step_ops, each a warm-up step and a counted one
     assert small[0] < torch_ops[0], (small, torch_ops)
@@ -213,10 +201,10 @@ def _case_op_counts(config: str, variant: str) -> None:
 
 def _case_choice() -> None:
     """Without forcing, the Triton kernels run on CUDA only; the choice is kept until ``setup``."""
-    from lightning_gradcomp.kernels import triton_terngrad
+    from lightning_gradcomp.kernels import triton_launch
 
-    assert triton_terngrad.available() and triton_terngrad.usable(torch.device("cuda"))
-    assert not triton_terngrad.usable(torch.device("cpu"))
+    assert triton_launch.available() and triton_launch.usable(torch.device("cuda"))
+    assert not triton_launch.usable(torch.device("cpu"))
     comp = TernGrad(backend="fused")
     comp.setup(0, 2, torch.device("cpu"))
     seg = _segments()
@@ -226,7 +214,7 @@ def _case_choice() -> None:
     assert comp._flat._triton is False
 
 
-CASE_FUNCTIONS: dict[str, Callable[[], None]] = {
+INTERPRETED: dict[str, Callable[[], None]] = {
     **{f"exchange-{c}-{v}": (lambda c=c, v=v: _case_exchange(c, v, steps=2 if c == "paper" else 1)) for c, v in CASES},
     **{f"tiny-{name}-{v}": (lambda s=s, v=v: _case_exchange("paper", v, s)) for name, s in TINY.items()
        for v in ("allgather", "allreduce_int8")},
@@ -241,36 +229,13 @@ CASE_FUNCTIONS: dict[str, Callable[[], None]] = {
 }
 
 
-def _main() -> None:
-    """Run every case (in the subprocess, under ``TRITON_INTERPRET=1``); print one JSON line: case -> "ok" or the
-    traceback."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"  # read at each launch (torch may have imported Triton already)
-    report = {}
-    for name, case in CASE_FUNCTIONS.items():
-        try:
-            case()
-            report[name] = "ok"
-        except Exception:
-            report[name] = traceback.format_exc()
-    print(json.dumps(report))
-
-
-def _subprocess(code: str, env: dict[str, str]) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return report
-
-
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, str]:
-    return _subprocess("from tests.unit.test_triton_terngrad import _main; _main()", {"TRITON_INTERPRET": "1"})
+    return interpret("tests.unit.test_triton_terngrad", "INTERPRETED")
 
 
 @needs_triton
-@pytest.mark.parametrize("case", sorted(CASE_FUNCTIONS))
+@pytest.mark.parametrize("case", sorted(INTERPRETED))
 def test_triton_kernels_match_the_torch_ops_in_the_interpreter(interpreted: dict[str, str], case: str) -> None:
     assert interpreted[case] == "ok", interpreted[case]
 
@@ -290,10 +255,6 @@ def test_triton_kernels_match_the_torch_ops_on_cuda(config: str, variant: str) -
 def _compile_all() -> None:
     """Compile each kernel for sm_90 (in the subprocess, without ``TRITON_INTERPRET``); print, per kernel variant,
     the counts of PTX instructions that decide the rounding."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from lightning_gradcomp.kernels import _triton_terngrad_jit as jit
 
     common = {"meta_ptr": "*i64", "tiles_ptr": "*i64", "scale_ptr": "*fp32", "bucket": "i64"}
@@ -317,19 +278,12 @@ def _compile_all() -> None:
         "scale-int8": (jit.scale_int8_kernel, {**common, "values_ptr": "*i8", "out_ptr": "*fp32"},
                        {"CHUNKED": True, "BLOCK": 1024}),
     }
-    report = {}
-    for name, (fn, signature, constants) in variants.items():
-        source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constants}}, constexprs=constants)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
-        ptx = compiled.asm["ptx"]
-        report[name] = {op: ptx.count(op) for op in ("fma.", "div.rn.f32", "div.full", "div.approx", "rcp.approx")}
-        report[name]["cubin"] = len(compiled.asm["cubin"])
-    print(json.dumps(report))
+    print(json.dumps(compile_for_hopper(variants)))
 
 
 @needs_triton
 def test_kernels_compile_for_a_hopper_gpu_and_round_as_the_torch_ops(tmp_path: Path) -> None:
-    report = _subprocess(
+    report = run_subprocess(
         "from tests.unit.test_triton_terngrad import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
     )
     assert set(report) == {
@@ -347,9 +301,9 @@ def test_the_library_imports_and_chooses_torch_ops_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"  # `import triton` raises ImportError
         "import torch, lightning_gradcomp\n"
-        "from lightning_gradcomp.kernels import triton_terngrad\n"
-        "assert not triton_terngrad.available() and not triton_terngrad.usable(torch.device('cuda'))\n"
+        "from lightning_gradcomp.kernels import triton_launch\n"
+        "assert not triton_launch.available() and not triton_launch.usable(torch.device('cuda'))\n"
         "import json; print(json.dumps({'ok': True}))\n"
     )
-    assert _subprocess(code, {})["ok"]
+    assert run_subprocess(code, {})["ok"]
 

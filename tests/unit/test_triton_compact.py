@@ -1,0 +1,77 @@
+"""Stream compaction in Triton (lightning_gradcomp/kernels/triton_compact.py) against torch.nonzero and
+index_select, in Triton's interpreter (tests/triton_interpreter.py), and compiled for an sm_90 GPU."""
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.triton_interpreter import compile_for_hopper, interpret, needs_triton, run_subprocess
+
+
+def _case(n: int, density: float, dtype: torch.dtype, known_counts: bool) -> None:
+    from lightning_gradcomp.kernels import triton_compact
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    mask = torch.rand(n, generator=torch.Generator().manual_seed(n + 1)) < density
+    counts = triton_compact.tile_counts(mask)
+    assert counts.dtype == torch.int64 and counts.numel() == -(-n // triton_compact.BLOCK)
+    positions = torch.nonzero(mask).reshape(-1)
+    assert int(counts.sum()) == positions.numel()
+    # longer outputs than the count: the kernels write only the kept slots
+    index = torch.full((positions.numel() + 3,), -7, dtype=torch.int32)
+    values = torch.full((positions.numel() + 3,), 9.0, dtype=dtype)
+    triton_compact.compact(mask, x, index, values, counts if known_counts else None)
+    assert torch.equal(index[: positions.numel()].long(), positions)
+    assert torch.equal(values[: positions.numel()], x.index_select(0, positions).to(dtype))
+    assert index[positions.numel():].eq(-7).all() and values[positions.numel():].eq(9.0).all()
+
+
+def _uint8_mask() -> None:
+    from lightning_gradcomp.kernels import triton_compact
+
+    x = torch.arange(3000, dtype=torch.float32)
+    mask = (torch.arange(3000) % 7 == 0).to(torch.uint8)
+    index = torch.empty(429, dtype=torch.int32)
+    values = torch.empty(429)
+    triton_compact.compact(mask, x, index, values)
+    assert torch.equal(index.long(), torch.arange(0, 3000, 7)) and torch.equal(values, x[::7])
+
+
+CASES: dict[str, Callable[[], None]] = {
+    **{f"n{n}-d{d}-{str(t)[6:]}-{'known' if k else 'counted'}": (lambda n=n, d=d, t=t, k=k: _case(n, d, t, k))
+       for n in (0, 1, 1023, 1024, 5000) for d in (0.0, 0.01, 0.5, 1.0)
+       for t in (torch.float32, torch.float16) for k in (False, True)},
+    "uint8-mask": _uint8_mask,
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    return interpret("tests.unit.test_triton_compact")
+
+
+@needs_triton
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_compaction_matches_nonzero_and_index_select(interpreted: dict[str, str], case: str) -> None:
+    assert interpreted[case] == "ok", interpreted[case]
+
+
+def _compile_all() -> None:
+    from lightning_gradcomp.kernels import _triton_compact_jit as jit
+
+    print(json.dumps(compile_for_hopper({
+        "count": (jit.count_kernel, {"mask_ptr": "*u8", "n": "i64", "counts_ptr": "*i64"}, {"BLOCK": 1024}),
+        "compact": (jit.compact_kernel, {"mask_ptr": "*u8", "n": "i64", "starts_ptr": "*i64", "x_ptr": "*fp32",
+                                         "index_ptr": "*i32", "values_ptr": "*fp16"}, {"BLOCK": 1024}),
+    })))
+
+
+@needs_triton
+def test_compaction_kernels_compile_for_a_hopper_gpu(tmp_path: Path) -> None:
+    report = run_subprocess(
+        "from tests.unit.test_triton_compact import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
+    )
+    assert set(report) == {"count", "compact"} and all(r["cubin"] > 0 for r in report.values())
