@@ -16,7 +16,7 @@ from torch import Tensor
 def available() -> bool:
     """Whether Triton imports here (tried once per process)."""
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.language  # noqa: F401
     except Exception:  # not installed, or installed but failing to load (no matching libraries, say): torch ops run
         return False
