@@ -26,3 +26,15 @@ def compact_kernel(mask_ptr, n, starts_ptr, x_ptr, index_ptr, values_ptr, BLOCK:
     tl.store(index_ptr + slot, w.to(tl.int32), mask=keep)
     v = tl.load(x_ptr + w, mask=keep, other=0.0)
     tl.store(values_ptr + slot, v.to(values_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def scatter_add_kernel(index_ptr, values_ptr, count, out_ptr, BLOCK: tl.constexpr):
+    """``out[index[i]] += values[i]`` (in ``out``'s dtype) for ``i < count``; the indices of one call are distinct, so
+    no two programs touch one element and the sum needs no atomics (one call per rank: rank order)."""
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = i < count
+    at = tl.load(index_ptr + i, mask=valid, other=0).to(tl.int64)
+    v = tl.load(values_ptr + i, mask=valid, other=0.0).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + at, tl.load(out_ptr + at, mask=valid, other=0.0) + v, mask=valid)

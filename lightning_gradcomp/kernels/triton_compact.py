@@ -1,4 +1,5 @@
-"""Stream compaction in Triton: the positions and values a mask keeps, in position order, in two launches.
+"""Stream compaction in Triton (the positions and values a mask keeps, in position order, in two launches), and its
+inverse for decoders (:func:`scatter_add`).
 
 What ``torch.nonzero(mask)`` then ``x.index_select(0, positions).to(dtype)`` compute, fused: the values are read
 once, where kept. The size of the result is the mask's count; :func:`tile_counts` gives it per tile on the device,
@@ -55,4 +56,12 @@ def compact(
            BLOCK=BLOCK)
 
 
-__all__ = ["BLOCK", "compact", "tile_counts"]
+def scatter_add(index: Tensor, values: Tensor, out: Tensor) -> Tensor:
+    """``out.index_add_(0, index, values.to(out.dtype))`` for distinct ``index`` (int32 or int64) into a contiguous
+    ``out``, with the conversion fused: what a sparse decoder runs once per rank, in rank order, so every element's
+    sum over ranks is added in that order (no float atomics)."""
+    launch(_jit().scatter_add_kernel, programs(index.numel(), BLOCK), index, values, index.numel(), out, BLOCK=BLOCK)
+    return out
+
+
+__all__ = ["BLOCK", "compact", "scatter_add", "tile_counts"]

@@ -1,5 +1,5 @@
 """Stream compaction in Triton (lightning_gradcomp/kernels/triton_compact.py) against torch.nonzero and
-index_select, in Triton's interpreter (tests/triton_interpreter.py), and compiled for an sm_90 GPU."""
+index_select (and its inverse against index_add_), in Triton's interpreter (tests/triton_interpreter.py), and compiled for an sm_90 GPU."""
 
 import json
 from collections.abc import Callable
@@ -40,11 +40,29 @@ def _uint8_mask() -> None:
     assert torch.equal(index.long(), torch.arange(0, 3000, 7)) and torch.equal(values, x[::7])
 
 
+def _scatter(dtype: torch.dtype, index_dtype: torch.dtype) -> None:
+    from lightning_gradcomp.kernels import triton_compact
+
+    gen = torch.Generator().manual_seed(5)
+    out = torch.randn(3000, generator=gen)
+    expected = out.clone()
+    for rank in range(3):  # rank after rank, as a decoder adds them; indices distinct within a rank
+        index = torch.randperm(3000, generator=gen)[:1100].to(index_dtype)
+        values = torch.randn(1100, generator=gen).to(dtype)
+        expected.index_add_(0, index.long(), values.to(torch.float32))
+        assert triton_compact.scatter_add(index, values, out) is out
+    assert torch.equal(out, expected)
+    empty = torch.zeros(0, dtype=index_dtype)
+    assert torch.equal(triton_compact.scatter_add(empty, torch.zeros(0, dtype=dtype), out), expected)
+
+
 CASES: dict[str, Callable[[], None]] = {
     **{f"n{n}-d{d}-{str(t)[6:]}-{'known' if k else 'counted'}": (lambda n=n, d=d, t=t, k=k: _case(n, d, t, k))
        for n in (0, 1, 1023, 1024, 5000) for d in (0.0, 0.01, 0.5, 1.0)
        for t in (torch.float32, torch.float16) for k in (False, True)},
     "uint8-mask": _uint8_mask,
+    **{f"scatter-add-{str(t)[6:]}-{str(i)[6:]}": (lambda t=t, i=i: _scatter(t, i))
+       for t in (torch.float32, torch.float16) for i in (torch.int32, torch.int64)},
 }
 
 
@@ -66,6 +84,8 @@ def _compile_all() -> None:
         "count": (jit.count_kernel, {"mask_ptr": "*u8", "n": "i64", "counts_ptr": "*i64"}, {"BLOCK": 1024}),
         "compact": (jit.compact_kernel, {"mask_ptr": "*u8", "n": "i64", "starts_ptr": "*i64", "x_ptr": "*fp32",
                                          "index_ptr": "*i32", "values_ptr": "*fp16"}, {"BLOCK": 1024}),
+        "scatter-add": (jit.scatter_add_kernel, {"index_ptr": "*i32", "values_ptr": "*fp16", "count": "i64",
+                                                 "out_ptr": "*fp32"}, {"BLOCK": 1024}),
     })))
 
 
@@ -74,4 +94,5 @@ def test_compaction_kernels_compile_for_a_hopper_gpu(tmp_path: Path) -> None:
     report = run_subprocess(
         "from tests.unit.test_triton_compact import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
     )
-    assert set(report) == {"count", "compact"} and all(r["cubin"] > 0 for r in report.values())
+    assert set(report) == {"count", "compact", "scatter-add"} and all(r["cubin"] > 0 for r in report.values())
+    assert all(r["fma."] == 0 for r in report.values())
