@@ -3,9 +3,11 @@
 TernGrad's experiments use up to 64 workers with a total batch of 64; the original code emulates them by
 splitting each batch into N "towers" in one process. :class:`TowerStrategy` does the same with the real
 compressors: each tower is a worker r of N with its own compressor state (random stream seeded from r, its
-own residuals), the shared statistic is the max over towers, and each group of layers (the fp32 ones, the
-compressed ones) goes through the compressor's flat methods exactly as the hook's groups do (payload sums in rank
-order for summable encodings, ``decompress_flat_mean_into`` in rank order for gathered ones).
+own residuals, its own :class:`~lightning_gradcomp.hook.GradCompState`), and each tower's gradients, laid out flat
+as one DDP bucket, go through the hook's own group step (:func:`lightning_gradcomp.hook._prepare` and
+``_compress_group``: error feedback, compression, residual update, records); only the collectives are done in
+place: the shared statistic is the max over towers, payloads are summed in rank order for summable encodings and
+decoded with ``decompress_flat_mean_into`` in rank order for gathered ones.
 
 Relation to a real multi-process run with N ranks and per-rank batch M/N: tower r takes the samples
 ``batch[r::N]``, which are the samples a ``DistributedSampler`` (no shuffling) gives rank r, so the same
@@ -24,12 +26,10 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp.compressors.base import Aggregation, Compressor
-from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
-from lightning_gradcomp.ledger import GroupRecord, LayerRecord, Ledger
-from lightning_gradcomp.memory import ResidualMemory
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.hook import GradCompState, _compress_group, _prepare
+from lightning_gradcomp.ledger import LayerRecord, Ledger
 from lightning_gradcomp.wiring import select_float_names
 from lightning_gradcomp.validation import check_int
 
@@ -108,12 +108,9 @@ class TowerStrategy(SingleDeviceStrategy):
         self.compressor = _emulable(registry.make_compressor(compressor) if isinstance(compressor, str) else compressor)
         self.exclude = list(exclude or [])
         self.min_numel = min_numel
-        self._workers: list[Compressor] = []
-        self._memories: list[ResidualMemory] = []
+        #: one hook state per emulated worker (its compressor, residuals and records)
+        self._states: list[GradCompState] = []
         self._float_names: frozenset[str] = frozenset()
-        self._identity = Identity()
-        #: what the emulated hook did (bytes are those of ONE worker, as in the hook)
-        self.ledger = Ledger()
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -122,43 +119,53 @@ class TowerStrategy(SingleDeviceStrategy):
         assert module is not None  # Lightning connects the module before setup
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self._float_names = select_float_names(named, self.exclude, self.min_numel)
-        self._workers = []
+        self._states = []
         for rank in range(self.num_workers):
             worker = copy.deepcopy(self.compressor)
             worker.setup(rank, self.num_workers, self.root_device)
-            self._workers.append(worker)
-        self._memories = [ResidualMemory() for _ in range(self.num_workers)]
+            self._states.append(GradCompState(worker, {}, self._float_names, world_size=self.num_workers))
 
-    def _exchange(self, index: int, segments: Segments, flats: list[Tensor], dense: bool) -> Tensor:
-        """What every worker's hook would write for the group ``segments`` (each worker's gradients flat in
-        ``flats``): the decoded average, flat. The hook's group step, with the ranks' collectives done in place:
-        statistics max-reduced over the workers, payloads summed or decoded in rank order."""
+    @property
+    def ledger(self) -> Ledger:
+        """What the emulated hook did: worker 0's records (bytes are those of ONE worker, as in the hook)."""
+        return self._states[0].ledger if self._states else Ledger()
+
+    def _exchange(self, index: int, buffers: list[Tensor], names: list[str], shapes: list[torch.Size],
+                  positions: list[int]) -> Tensor:
+        """What every worker's hook would write for the bucket of ``names`` (each worker's gradients flat in
+        ``buffers``): the decoded average, flat. Each group of layers goes through the hook's group step on each
+        worker, with the ranks' collectives done in place."""
+        route = [s.router.route_with(None, names) for s in self._states]
+        groups = [s.layouts.groups(names, shapes, positions, r, buffers[0].element_size(), None)
+                  for s, r in zip(self._states, route)]
+        # as the hook: every group prepared, then the statistics of the bucket, then each group compressed
+        xs = [[_prepare(s, group, b)[2] for group in worker_groups]
+              for s, worker_groups, b in zip(self._states, groups, buffers)]
+        shared: list[Optional[SharedStatistic]] = []
+        for g, group in enumerate(groups[0]):
+            local = [worker_groups[g].compressor.flat_statistic(x[g], group.segments) for worker_groups, x in zip(groups, xs)]
+            # a compressor has a shared statistic on every worker or on none
+            shared.append(None if local[0] is None else
+                          local[0].with_values(torch.stack([s.values for s in local if s is not None]).amax(dim=0)))
+        for state in self._states:
+            state.ledger.record_shared(index, sum(4 * s.values.numel() for s in shared if s is not None))
+        averaged = torch.empty_like(buffers[0])
+        for g, group in enumerate(groups[0]):
+            packets = [_compress_group(s, worker_groups[g], x[g], shared[g])
+                       for s, worker_groups, x in zip(self._states, groups, xs)]
+            group.put(averaged, self._mean(group.compressor, packets, xs[0][g]))
+        return averaged
+
+    def _mean(self, compressor: Compressor, packets: list[FlatPacket], like: Tensor) -> Tensor:
+        """The workers' packets decoded and averaged, as the hook's collectives and decoders combine them."""
         n = self.num_workers
-        workers = [self._identity] * n if dense else self._workers
-        xs = flats
-        if workers[0].uses_memory:
-            for w, x in zip(workers, flats):
-                w.observe_gradient_flat(x, segments)
-            xs = [self._memories[r].compensate_flat(x, segments) for r, x in enumerate(flats)]
-        # a compressor has a shared statistic on every worker or on none
-        local = [w.flat_statistic(x, segments) for w, x in zip(workers, xs)]
-        shared = None
-        if local[0] is not None:
-            shared = local[0].with_values(torch.stack([s.values for s in local if s is not None]).amax(dim=0))
-        self.ledger.record_shared(index, 0 if shared is None else 4 * shared.values.numel())
-        packets = [w.compress_flat(x, segments, shared) for w, x in zip(workers, xs)]
-        if workers[0].uses_memory:
-            for r, (w, x, p) in enumerate(zip(workers, xs, packets)):
-                self._memories[r].update_flat(segments, x, w.sent_flat(x, p))
-        aggregation = workers[0].aggregation_for(n)
-        self.ledger.record_group(GroupRecord.of(packets[0], aggregation))
-        if aggregation is Aggregation.SUM:
+        if compressor.aggregation_for(n) is Aggregation.SUM:
             total = packets[0].payload.clone()
             for p in packets[1:]:
                 total += p.payload
-            decoded = workers[0].decompress_flat(packets[0].with_payload(total))
+            decoded = compressor.decompress_flat(packets[0].with_payload(total))
             return decoded.div_(n) if decoded.is_floating_point() else decoded.float() / n
-        return workers[0].decompress_flat_mean_into(packets, torch.empty_like(flats[0]))
+        return compressor.decompress_flat_mean_into(packets, torch.empty_like(like))
 
     @property
     def records(self) -> dict[str, LayerRecord]:
@@ -188,16 +195,15 @@ class TowerStrategy(SingleDeviceStrategy):
                 grads = torch.autograd.grad(loss, params, allow_unused=True)
                 per_tower.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
                 losses.append(loss.detach())
-            averaged: list[Tensor] = [torch.empty(0)] * len(named)
-            # two groups, as the hook's routing makes them: the layers sent in fp32, and the compressed ones
-            for index, dense in enumerate((True, False)):
-                members = [j for j, (name, _) in enumerate(named) if (name in self._float_names) == dense]
-                if not members:
-                    continue
-                segments = Segments([named[j][0] for j in members], [params[j].shape for j in members])
-                flats = [torch.cat([g[j].reshape(-1) for j in members]) for g in per_tower]
-                for j, view in zip(members, segments.views(self._exchange(index, segments, flats, dense))):
-                    averaged[j] = view
+            # each tower's gradients laid out as one DDP bucket: the hook's groups (fp32 layers, compressed ones)
+            names = [name for name, _ in named]
+            shapes = [p.shape for p in params]
+            positions = [0]
+            for p in params[:-1]:
+                positions.append(positions[-1] + p.numel())
+            buffers = [torch.cat([g.reshape(-1) for g in grads]) for grads in per_tower]
+            flat = self._exchange(0, buffers, names, shapes, positions)
+            averaged = [flat[o : o + p.numel()].view_as(p) for o, p in zip(positions, params)]
             # a surrogate whose gradient is exactly the exchanged average and whose value is the mean tower
             # loss, so Lightning's own backward, clipping and optimizer step run unchanged
             zero = torch.zeros((), device=self.root_device)

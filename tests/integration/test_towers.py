@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.compressors import TernGrad
+from lightning_gradcomp.compressors import GradientDropping, TernGrad
 from lightning_gradcomp.towers import TowerStrategy, _tower_slice
 from tests.distributed.lightning_ranks import fit_tiny
 from tests.harness import run_ranks
@@ -18,6 +18,22 @@ def test_two_towers_match_two_real_ranks(collective: str) -> None:
     emulated = fit_tiny(0, 1, towers, 5, None, 32, 1)
     torch.testing.assert_close(emulated["params"], real[0]["params"], rtol=1e-5, atol=1e-6)
     assert towers.bytes_per_step() == real[0]["bytes_per_step"]
+
+
+def test_towers_with_error_feedback_and_fp32_layers_match_two_real_ranks() -> None:
+    """Gradient Dropping (residuals on every worker) with the biases sent in fp32 (two groups per bucket, each
+    through the hook's group step): the same parameters and bytes as two real ranks."""
+    options = {"exclude": ["*.bias"]}
+    real = run_ranks(fit_tiny, 2, GradCompStrategy(GradientDropping(drop_ratio=0.9), **options), 5, None, 16, None,
+                     True)
+    towers = TowerStrategy(2, GradientDropping(drop_ratio=0.9), **options)
+    emulated = fit_tiny(0, 1, towers, 5, None, 32, 1)
+    torch.testing.assert_close(emulated["params"], real[0]["params"], rtol=1e-5, atol=1e-6)
+    assert towers.bytes_per_step() == real[0]["bytes_per_step"]
+    assert {name for name, r in towers.records.items() if r.numel and r.nbytes == 4 * r.numel} >= {"net.0.bias"}
+    # the residuals are each worker's own: the towers kept them, and they differ (each tower saw other samples)
+    residuals = [state.memory.residuals["net.0.weight"] for state in towers._states]
+    assert residuals[0].abs().sum() > 0 and not torch.equal(residuals[0], residuals[1])
 
 
 def test_many_towers_run_and_count_bytes() -> None:
