@@ -1,0 +1,137 @@
+"""Time to a target validation loss on the emulated cluster, over a 1 Gbit/s and a 100 Mbit/s link between two sites.
+
+Two grids of the language-model benchmark's runs (``benchmarks/lm.py --worker``), each on 4 ranks launched by
+``gradcomp_lab.emulate`` as 2 sites of 2: every rank in its own network namespace, a 10 Gbit/s link inside a
+site, the WAN rate between the sites' bridges.
+
+* ``--grid diloco`` (issue 15): DiLoCo with int8 pseudo-gradients against DDP, bf16 DDP and the best per-step
+  compressor, on the DiLoCo benchmark's recipes (1000 steps of 4 x 8 x 64 tokens, validated every 200). DiLoCo's
+  sites are the emulator's (``site_size=2``): inner DDP over the fast link, the outer round over the slow one.
+* ``--grid lm`` (issue 16): the per-step compressors on the language-model benchmark's recipes (``recipes/lm``,
+  200 steps of 4 x 8 x 128 tokens, validated every 25): plain DDP, bf16 DDP, PowerSGD at ranks 1 and 4, and the
+  compressors and settings of ``docs/transformers.md`` that came within a few percent of DDP's loss.
+
+Training time excludes validation; the time to the target is interpolated linearly between the validations that
+bracket its first crossing. Needs root (network namespaces).
+
+    sudo python benchmarks/emulated.py --grid diloco                    # both WAN rates (about 25 min on 2 cores)
+    python benchmarks/emulated.py --grid diloco --saved --target 1.3    # the tables of the stored runs
+    sudo python benchmarks/emulated.py --grid lm                        # both WAN rates
+    python benchmarks/emulated.py --grid lm --saved --target 2.6
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.lm import command_line  # noqa: E402
+
+#: PowerSGD at another rank than its recipe's, as a command-line override of the language-model recipes
+_RANK = ["--trainer.strategy=lightning_gradcomp.GradCompStrategy",
+         "--trainer.strategy.init_args.compressor=lightning_gradcomp.compressors.PowerSGD",
+         "--trainer.strategy.init_args.compressor.init_args.rank={}"]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Runs (label -> recipe and overrides), the overrides every run gets, and where the results go."""
+
+    runs: dict[str, tuple[str, list[str]]]
+    common: list[str]
+    out: Path
+
+
+GRIDS = {
+    # 1000 steps (the benchmark's schedule over half the run), validated every 200: a multiple of H = 50, so
+    # DiLoCo's sites are identical when validated
+    "diloco": Grid({
+        "ddp": ("recipes/diloco/gpt_stdlib_ddp.yaml", []),
+        "bf16": ("recipes/diloco/gpt_stdlib_ddp.yaml", ["--trainer.strategy=bf16"]),
+        "powersgd_r4": ("recipes/diloco/gpt_stdlib_powersgd_r4.yaml", []),
+        "diloco_int8_h50": ("recipes/diloco/gpt_stdlib_diloco_int8.yaml", ["--trainer.strategy.init_args.site_size=2"]),
+    }, ["--trainer.max_steps=1000", "--trainer.val_check_interval=200"], ROOT / "docs/data/diloco_emulated"),
+    "lm": Grid({
+        "ddp": ("recipes/lm/gpt_stdlib_ddp.yaml", []),
+        "bf16": ("recipes/lm/gpt_stdlib_bf16.yaml", []),
+        "powersgd_r1": ("recipes/lm/gpt_stdlib_powersgd.yaml", []),
+        "powersgd_r4": ("recipes/lm/gpt_stdlib_ddp.yaml", [o.format(4) for o in _RANK]),
+        "powersgd_r16": ("recipes/lm/gpt_stdlib_powersgd_r16.yaml", []),
+        "terngrad": ("recipes/lm/gpt_stdlib_terngrad.yaml", []),
+        "qsgd": ("recipes/lm/gpt_stdlib_qsgd.yaml", []),
+        "demo_k64": ("recipes/lm/gpt_stdlib_demo_k64.yaml", []),
+    }, ["--trainer.val_check_interval=25"], ROOT / "docs/data/lm_emulated"),
+}
+WANS = ("1gbit", "100mbit")
+LAN = "10gbit"
+
+
+def time_to(run: dict[str, Any], target: float) -> Optional[float]:
+    """Training seconds until the validation loss first reaches ``target`` (linear between validations)."""
+    points = [(0.0, float("inf"))] + [(t, loss) for t, (_, loss) in zip(run["val_train_seconds"], run["val_curve"])]
+    for (t0, l0), (t1, l1) in zip(points, points[1:]):
+        if l1 <= target:
+            if l0 == float("inf"):
+                return t1
+            return t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+    return None
+
+
+def summarize(results: dict[str, list[dict[str, Any]]], target: float) -> str:
+    lines = []
+    for wan, runs in results.items():
+        ddp_time = next((time_to(r, target) for r in runs if r["label"] == "ddp"), None)
+        lines += [f"\nWAN {wan} (LAN {LAN}), target validation loss {target}:\n",
+                  "| run | final val loss | s/step (median) | bytes/rank/step | time to target (s) | DDP time / this | command |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in runs:
+            t = time_to(r, target)
+            speedup = f"{ddp_time / t:.2f}x" if t and ddp_time else "n/a"
+            lines.append(f"| {r['label']} | {r['final_val_loss']:.4f} | {r['median_step_seconds']:.3f} | "
+                         f"{r['bytes_per_step']:.0f} | {'not reached' if t is None else f'{t:.0f}'} | {speedup} | "
+                         f"`{r['command']}` |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="diloco", help="which runs (see the docstring)")
+    parser.add_argument("--out", type=Path, default=None, help="where the JSONs go (default: the grid's own folder)")
+    parser.add_argument("--only", nargs="*", default=None, help="labels of the grid")
+    parser.add_argument("--wan", nargs="*", default=list(WANS), help="WAN rates")
+    parser.add_argument("--target", type=float, default=1.0, help="validation loss to reach (nats per byte)")
+    parser.add_argument("--force", action="store_true")
+    parser.add_argument("--saved", action="store_true", help="run nothing: the tables of the stored runs")
+    args = parser.parse_args(argv)
+    grid = GRIDS[args.grid]
+    out = grid.out if args.out is None else args.out
+    results: dict[str, list[dict[str, Any]]] = {}
+    for wan in args.wan:
+        for label, (recipe, overrides) in grid.runs.items():
+            if args.only is not None and label not in args.only:
+                continue
+            path = out / wan / f"{label}.json"
+            overrides = [*overrides, *grid.common]
+            if not args.saved and (args.force or not path.exists()):
+                print(f"[emulated {wan}] {label}: {command_line(recipe, overrides)}", flush=True)
+                cmd = [sys.executable, "-m", "gradcomp_lab.emulate", "--nproc", "4", "--sites", "2",
+                       "--bandwidth", LAN, "--wan-bandwidth", wan, "--timeout", "1800", "--",
+                       sys.executable, str(ROOT / "benchmarks/lm.py"), "--worker", label, str(path), recipe, *overrides]
+                subprocess.run(cmd, check=True, cwd=ROOT)
+            if path.exists():
+                results.setdefault(wan, []).append(json.loads(path.read_text()))
+    table = summarize(results, args.target)
+    header = f"python benchmarks/emulated.py {' '.join(argv if argv is not None else sys.argv[1:])}"
+    machine = next(iter(results.values()))[0]["machine"]
+    print(f"{header}\n{machine}\n{table}")
+    (out / "summary.json").write_text(json.dumps({"command": header, "table": table, "runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
