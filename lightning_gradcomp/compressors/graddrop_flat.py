@@ -18,7 +18,9 @@ is the compressor's, :meth:`GradientDropping._group_thresholds`):
 * decoding needs only the payload's length (a shape): K = bytes / (4 + value bytes).
 
 Everything is bit-identical to the per-layer loop, the draws included: each layer draws from its own counter, as
-the loop does; and the fused backend's kernels draw the same positions.
+the loop does; and the fused backend's kernels draw the same positions. On CUDA with Triton,
+:mod:`lightning_gradcomp.kernels.triton_graddrop` runs the sample, the selection, the encode and the decoders in
+kernels, bit-identical to these ops (the samples' sort stays here).
 """
 
 from collections.abc import Sequence
