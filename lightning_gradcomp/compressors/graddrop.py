@@ -599,7 +599,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             payload = encode_group_coo32(x, keep, self.values)
             counts = segments.reduce(keep.to(torch.int64), "sum")
         nbytes = counts * (4 + value_nbytes(self.values))
-        numels = torch.tensor(segments.numels, dtype=torch.float64, device=device)
+        numels = plan.numels
         # in float64 then rounded once, as the per-layer packets compute them in Python floats
         stats = {
             "sparsity": (1.0 - counts / numels.clamp(min=1)).float(),
