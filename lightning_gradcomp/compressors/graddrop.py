@@ -162,7 +162,9 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             passes, the sum of all ranks' payloads decoded into one dense tensor; compiled on CPU, torch ops
             elsewhere) or ``"auto"`` (fused on CPU when the kernels compile here, else torch). Both draw the
             same random sample, select the same survivors and send the same bytes (see
-            :mod:`~lightning_gradcomp.compressors.sparse_fused`).
+            :mod:`~lightning_gradcomp.compressors.sparse_fused`). On CUDA with Triton installed, a group of layers
+            (the batched path) runs Triton kernels whatever the backend (``kernels/triton_graddrop.py``): the
+            same bits as the torch ops.
     """
 
     aggregation = Aggregation.GATHER
