@@ -576,8 +576,11 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             payload, counts, overflow_count = triton_graddrop.select_encode(
                 x, tables, thresholds, value_dtype(self.values), fp16
             )
-            overflow = overflow_count.float()
-        elif self._kernels(device) is not None:  # kernel calls, its random samples keyed as the fused loop keys them
+            nbytes, (sparsity, sent, rate, overflow) = triton_graddrop.statistics(
+                counts, overflow_count, plan.numels, value_nbytes(self.values)
+            )
+            return self._flat_packet(payload, segments, flat.dtype, nbytes, thresholds, sparsity, sent, rate, overflow)
+        if self._kernels(device) is not None:  # kernel calls, its random samples keyed as the fused loop keys them
             offsets, sizes, modes, ranks, sample_offsets = plan.kernel_args
             keys = torch.tensor(self._keys.keys(plan.draws))
             samples = kernels.graddrop_group_sample(x, offsets, sizes, modes, keys)
@@ -603,15 +606,20 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         nbytes = counts * (4 + value_nbytes(self.values))
         numels = plan.numels
         # in float64 then rounded once, as the per-layer packets compute them in Python floats
-        stats = {
-            "sparsity": (1.0 - counts / numels.clamp(min=1)).float(),
-            "threshold": thresholds,
-            "sent": counts.float(),
-            "compression_rate": (4.0 * numels / nbytes.clamp(min=1)).float(),
-        }
-        if fp16:
+        sparsity = (1.0 - counts / numels.clamp(min=1)).float()
+        rate = (4.0 * numels / nbytes.clamp(min=1)).float()
+        return self._flat_packet(payload, segments, flat.dtype, nbytes, thresholds, sparsity, counts.float(), rate,
+                                 overflow if fp16 else None)
+
+    def _flat_packet(
+        self, payload: Tensor, segments: Segments, dtype: torch.dtype, nbytes: Tensor, thresholds: Tensor,
+        sparsity: Tensor, sent: Tensor, rate: Tensor, overflow: Optional[Tensor],
+    ) -> FlatPacket:
+        """The group's packet with the per-layer statistics of the per-layer packets (``overflow`` with fp16 values)."""
+        stats = {"sparsity": sparsity, "threshold": thresholds, "sent": sent, "compression_rate": rate}
+        if self.values == "fp16" and overflow is not None:
             stats["overflow"] = overflow
-        return FlatPacket(payload, segments, flat.dtype, nbytes, stats=stats)
+        return FlatPacket(payload, segments, dtype, nbytes, stats=stats)
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
         if packet.layers is not None:

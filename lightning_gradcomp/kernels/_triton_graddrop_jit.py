@@ -93,3 +93,23 @@ def select_kernel(x_ptr, meta_ptr, tiles_ptr, thresholds_ptr, any_ptr, mask_ptr,
     in_first = tl.sum((keep & ((offset + w) // BLOCK == first)).to(tl.int64), axis=0)
     tl.atomic_add(tile_counts_ptr + first, in_first, mask=in_first > 0)
     tl.atomic_add(tile_counts_ptr + first + 1, kept - in_first, mask=kept > in_first)
+
+
+@triton.jit
+def statistics_kernel(counts_ptr, overflow_ptr, numels_ptr, layers, nbytes_ptr, out_ptr,
+                      VALUE_BYTES: tl.constexpr, BLOCK: tl.constexpr):
+    """Per layer, the bytes sent and the rows of ``out_ptr`` (float32 ``[4, layers]``): sparsity, sent, compression
+    rate and fp16 overflow, each in float64 from the int64 counts and float64 numels and rounded once, as the torch
+    path computes them (float64 division is IEEE division, ``div.rn.f64``)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = i < layers
+    counts = tl.load(counts_ptr + i, mask=valid, other=0)
+    numels = tl.load(numels_ptr + i, mask=valid, other=1.0)
+    nbytes = counts * (4 + VALUE_BYTES)
+    tl.store(nbytes_ptr + i, nbytes, mask=valid)
+    sparsity = 1.0 - counts.to(tl.float64) / tl.maximum(numels, 1.0)
+    rate = 4.0 * numels / tl.maximum(nbytes, 1).to(tl.float64)
+    tl.store(out_ptr + i, sparsity.to(tl.float32), mask=valid)
+    tl.store(out_ptr + layers + i, counts.to(tl.float32), mask=valid)
+    tl.store(out_ptr + 2 * layers + i, rate.to(tl.float32), mask=valid)
+    tl.store(out_ptr + 3 * layers + i, tl.load(overflow_ptr + i, mask=valid, other=0).to(tl.float32), mask=valid)

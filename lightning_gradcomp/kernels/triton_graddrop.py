@@ -16,6 +16,8 @@ its path without Triton), bit for bit, in a number of launches that does not dep
   :func:`~lightning_gradcomp.kernels.triton_compact.compact` writes the ``[int32 index x K][value x K]`` payload in
   position order: ``encode_group_coo32``'s ``nonzero``, ``index_select``, conversion and ``cat``. K is read once per
   group (as ``nonzero`` reads it); the per-layer counts stay on the device.
+* :func:`statistics`: the per-layer bytes and the packet's statistics from the counts in one launch, instead of a
+  dozen elementwise ops over ``[layers]`` vectors.
 * :func:`decode` (one packet, ``sent_flat``) and :func:`decode_mean_into` (every rank's packet added in rank order,
   then ``Tensor.div_`` as the torch path divides): ``decode_group_coo32``'s copy and conversions and the
   ``index_put_`` / ``index_add_`` per rank, reading the payload in place where it is aligned for int32.
@@ -39,6 +41,8 @@ from lightning_gradcomp.kernels.triton_launch import launch, programs, tiles
 
 #: sampled values per program of the sample kernel; the selection kernels take triton_compact.BLOCK elements
 SAMPLE_BLOCK = 1024
+#: layers per program of the statistics kernel
+STATISTICS_BLOCK = 128
 #: the sample modes of GroupTables (graddrop_flat.plan_samples's, as the compiled kernels read them)
 STRIDED, RANDOM, WHOLE = 0, 1, 2
 
@@ -124,6 +128,28 @@ def select_encode(
     return payload, counts, overflow
 
 
+def statistics(
+    counts: Tensor, overflow: Tensor, numels: Tensor, value_bytes: int
+) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """Per layer, in one launch: the bytes sent (int64, ``layer_nbytes``) and the float32 statistics sparsity, sent,
+    compression rate and fp16 overflow, as the torch path computes them from the int64 ``counts`` and ``overflow``
+    and the float64 ``numels`` (in float64, rounded once to float32).
+
+    Args:
+        counts: int64 ``[layers]`` survivors.
+        overflow: int64 ``[layers]`` values left out for being beyond fp16's range.
+        numels: float64 ``[layers]``, the layers' numels.
+        value_bytes: bytes per sent value.
+    """
+    layers = counts.numel()
+    nbytes = torch.empty(layers, dtype=torch.int64, device=counts.device)
+    rows = torch.empty(4, layers, dtype=torch.float32, device=counts.device)
+    launch(_jit().statistics_kernel, programs(layers, STATISTICS_BLOCK), counts, overflow, numels, layers, nbytes,
+           rows, VALUE_BYTES=value_bytes, BLOCK=STATISTICS_BLOCK)
+    sparsity, sent, rate, over = rows.unbind(0)
+    return nbytes, (sparsity, sent, rate, over)
+
+
 def _split(payload: Tensor, count: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The int32 index and ``dtype`` value sections of a ``coo32`` payload of ``count`` entries, as views."""
     return payload[: 4 * count].view(torch.int32), payload[4 * count :].view(dtype)
@@ -155,6 +181,6 @@ def decode_mean_into(payloads: Sequence[Tensor], dtype: torch.dtype, out: Tensor
 
 
 __all__ = [
-    "RANDOM", "SAMPLE_BLOCK", "STRIDED", "WHOLE", "GroupTables", "decode", "decode_mean_into", "keys_on", "sample",
-    "select_encode",
+    "RANDOM", "SAMPLE_BLOCK", "STATISTICS_BLOCK", "STRIDED", "WHOLE", "GroupTables", "decode", "decode_mean_into",
+    "keys_on", "sample", "select_encode", "statistics",
 ]

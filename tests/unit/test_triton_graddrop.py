@@ -178,8 +178,8 @@ def _sample_positions() -> None:
 
 def _op_counts(kwargs: dict[str, Any]) -> None:
     """A step (compress, sent, the mean of 3 ranks) dispatches the same aten ops for 8 and 32 layers, reads one
-    number (the survivors' count, as ``nonzero``), and launches 8 kernels (sample, the two selection passes,
-    compaction, the decode of ``sent``, one decode per rank); fewer aten ops than the torch ops. The interpreter's own
+    number (the survivors' count, as ``nonzero``), and launches 9 kernels (sample, the two selection passes,
+    compaction, statistics, the decode of ``sent``, one decode per rank); fewer aten ops than the torch ops. The interpreter's own
     tensor handling inside a launch is not counted."""
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -206,7 +206,7 @@ def _op_counts(kwargs: dict[str, Any]) -> None:
     finally:
         triton_graddrop.launch = triton_compact.launch = launch  # type: ignore[assignment]
     assert few == many and many[1:] == (1, 0), (few, many)
-    per_step = 8 if kwargs.get("sample") == "random" else 7  # whole layers: |x| is the sample, no sample kernel
+    per_step = 9 if kwargs.get("sample") == "random" else 8  # whole layers: |x| is the sample, no sample kernel
     assert launches == 2 * 3 * per_step  # two calls of _ops_per_step, each two warm-up steps and a counted one
     assert many[0] < torch_ops[0], (many, torch_ops)
 
@@ -296,6 +296,9 @@ def _compile_all() -> None:
         "above": (jit.above_kernel, {**tables, "thresholds_ptr": "*fp32", "any_ptr": "*i64"}, {"BLOCK": 1024}),
         **{f"select-{'fp16' if fp16 else 'fp32'}": (jit.select_kernel, select, {"FP16": fp16, "BLOCK": 1024})
            for fp16 in (True, False)},
+        "statistics": (jit.statistics_kernel, {"counts_ptr": "*i64", "overflow_ptr": "*i64", "numels_ptr": "*fp64",
+                                               "layers": "i64", "nbytes_ptr": "*i64", "out_ptr": "*fp32"},
+                       {"VALUE_BYTES": 2, "BLOCK": 128}),
         # the compaction (triton_compact's) with the 16-bit values this compressor sends: its conversion
         **{f"compact-{t}": (compact.compact_kernel, {"mask_ptr": "*u8", "n": "i64", "starts_ptr": "*i64",
                                                      "x_ptr": "*fp32", "index_ptr": "*i32", "values_ptr": f"*{t}"},
@@ -309,7 +312,9 @@ def test_kernels_compile_for_a_hopper_gpu_without_fused_or_approximate_arithmeti
     report = run_subprocess(
         "from tests.unit.test_triton_graddrop import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
     )
-    assert set(report) == {"sample", "above", "select-fp16", "select-fp32", "compact-bf16", "compact-fp16"}
+    assert set(report) == {
+        "sample", "above", "select-fp16", "select-fp32", "statistics", "compact-bf16", "compact-fp16",
+    }
     for name, counts in report.items():
         assert counts["cubin"] > 0, name
         assert all(counts[op] == 0 for op in ("fma.", "div.rn.f32", "div.full", "div.approx", "rcp.approx")), (
@@ -319,3 +324,6 @@ def test_kernels_compile_for_a_hopper_gpu_without_fused_or_approximate_arithmeti
     conversions = [set(re.findall(r"cvt\.r[a-z]*\.(?:bf16|f16)\.f32", ptx.read_text()))
                    for ptx in tmp_path.rglob("compact_kernel.ptx")]
     assert sorted(map(sorted, conversions)) == [["cvt.rn.bf16.f32"], ["cvt.rn.f16.f32"]], conversions
+    # the statistics divide in float64 as torch does: IEEE division, float64 rounded once to float32
+    (statistics,) = [ptx.read_text() for ptx in tmp_path.rglob("statistics_kernel.ptx")]
+    assert "div.rn.f64" in statistics and "cvt.rn.f32.f64" in statistics
