@@ -58,6 +58,9 @@ TARGETS = {
     "terngrad decode": (0.30, "clone"),
     "terngrad decode into out": (0.30, "mem"),
     "graddrop select": (0.20, "mem"),
+    # and the sparse group selection for at least 30 %: Gradient Dropping's compress of a group (sample, the samples'
+    # sort, selection and coo32 encode, with its one host read of the survivors' count)
+    "graddrop group compress": (0.30, "mem"),
     "adacomp select": (0.20, "mem"),
 }
 
@@ -283,6 +286,34 @@ def group_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Cal
     return cases_of("allreduce_int8") + cases_of("allgather")
 
 
+def graddrop_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
+    """(name, torch ops, group kernels) closures of Gradient Dropping's batched path (the paper's settings: R = 0.99,
+    a 0.1 % random sample) on a group of layers of ``n`` elements: compress, the decode of one packet (``sent``) and
+    the mean of ``world`` payloads from the rows of one gathered buffer into a preallocated ``out``. The group
+    kernels are the device's: the compiled C++ on the CPU, Triton on CUDA (``kernels/triton_graddrop.py``)."""
+    from lightning_gradcomp.compressors import GradientDropping
+    from lightning_gradcomp.segments import Segments
+
+    shapes = group_shapes(n)
+    seg = Segments([f"layer{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes])
+    g = torch.randn(seg.total, generator=torch.Generator().manual_seed(0)).to(device)
+    out = torch.empty(seg.total, device=device)
+    comps = {}
+    for reference in (True, False):
+        comp = comps[reference] = GradientDropping(backend="torch" if reference else "fused")
+        comp.setup(0, world, device)
+        comp.triton = False if reference else None  # None: the device's choice
+    packets = {r: c.compress_flat(g, seg) for r, c in comps.items()}
+    rows = {r: p.payload.repeat(world, 1) for r, p in packets.items()}  # one row per rank
+    received = {r: [p.with_payload(rows[r][k], p.layer_nbytes) for k in range(world)] for r, p in packets.items()}
+    cases: list[tuple[str, Callable[[bool], Any]]] = [
+        ("compress", lambda r: comps[r].compress_flat(g, seg)),
+        ("decode", lambda r: comps[r].decompress_flat(packets[r])),
+        (f"mean x{world} into out", lambda r: comps[r].decompress_flat_mean_into(received[r], out)),
+    ]
+    return [(f"graddrop group {what}", lambda fn=fn: fn(True), lambda fn=fn: fn(False)) for what, fn in cases]
+
+
 def compile_seconds(cached: bool) -> tuple[Optional[float], str]:
     """Seconds to compile (fresh extension dir) or load (cached) the CPU kernels in this process."""
     if not cached:
@@ -330,7 +361,9 @@ def main() -> None:
     for size_text in args.sizes.split(","):
         n = _parse_size(size_text)
         src = torch.randn(n, device=device)
-        for name, ref, fused in kernel_cases(n, args.world, device) + group_cases(n, args.world, device):
+        cases = kernel_cases(n, args.world, device) + group_cases(n, args.world, device)
+        cases += graddrop_cases(n, args.world, device)
+        for name, ref, fused in cases:
             if args.only and not name.startswith(tuple(args.only.split(","))):
                 continue
             f = measure(fused, src, args.repeats, args.budget)

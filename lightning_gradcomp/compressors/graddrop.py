@@ -50,7 +50,7 @@ from lightning_gradcomp.compressors.graddrop_flat import (
 )
 from lightning_gradcomp.compressors.sparse_fused import FusedGradientDropping, FusedSumCompressor, decode_sum
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
-from lightning_gradcomp.kernels import rng
+from lightning_gradcomp.kernels import rng, triton_graddrop, triton_launch
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.sparse import (
     INDEX_ENCODINGS,
@@ -162,7 +162,9 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             passes, the sum of all ranks' payloads decoded into one dense tensor; compiled on CPU, torch ops
             elsewhere) or ``"auto"`` (fused on CPU when the kernels compile here, else torch). Both draw the
             same random sample, select the same survivors and send the same bytes (see
-            :mod:`~lightning_gradcomp.compressors.sparse_fused`).
+            :mod:`~lightning_gradcomp.compressors.sparse_fused`). On CUDA with Triton installed, a group of layers
+            (the batched path) runs Triton kernels whatever the backend (``kernels/triton_graddrop.py``): the
+            same bits as the torch ops.
     """
 
     aggregation = Aggregation.GATHER
@@ -237,12 +239,20 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         self._plans: dict[tuple[object, ...], SamplePlan] = {}
         # the global pool's per-value weights and the layout they were built for
         self._pool_weights: tuple[tuple[object, ...], Tensor] = ((), torch.zeros(0))
+        #: whether Triton kernels run the groups (kernels/triton_graddrop.py): ``None`` chooses at the first group call
+        #: after ``setup`` (CUDA with Triton importable); ``True`` forces them (on CPU tensors they need
+        #: ``TRITON_INTERPRET=1``: the tests), ``False`` never
+        self.triton: Optional[bool] = None
+        self._triton: Optional[bool] = None
+        # the Triton kernels' tables, per sample plan key (as _plans)
+        self._tables: dict[tuple[object, ...], triton_graddrop.GroupTables] = {}
 
     # -- setup and state --------------------------------------------------------------------------------
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
         self._device = device
         self._keys.reset(rank)
+        self._triton = None
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -504,9 +514,30 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             and segments.total < 2**31  # group indices travel as int32
         )
 
+    def _uses_triton(self, tensor: Tensor) -> bool:
+        """Whether the Triton kernels run the groups (chosen at the first group call for ``tensor``'s device, then
+        kept until ``setup``)."""
+        if self._triton is None:
+            self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
+        return self._triton
+
+    def _plan_key(self, segments: Segments, device: torch.device) -> tuple[object, ...]:
+        return (segments.names, segments.shapes, device, self.sample, self.sample_fraction, self.min_sample,
+                self.max_sample, self.drop_ratio)
+
+    def _triton_tables(self, segments: Segments, plan: SamplePlan, device: torch.device) -> triton_graddrop.GroupTables:
+        """The Triton kernels' tables of this group and sample plan on ``device`` (built once)."""
+        key = self._plan_key(segments, device)
+        tables = self._tables.get(key)
+        if tables is None:
+            _, sizes, modes, _, _ = plan.kernel_args
+            tables = self._tables[key] = triton_graddrop.GroupTables(
+                segments.numels, sizes.tolist(), modes.tolist(), device
+            )
+        return tables
+
     def _sample_plan(self, segments: Segments, device: torch.device) -> SamplePlan:
-        key = (segments.names, segments.shapes, device, self.sample, self.sample_fraction, self.min_sample,
-               self.max_sample, self.drop_ratio)
+        key = self._plan_key(segments, device)
         plan = self._plans.get(key)
         if plan is None:
             sizes, drawn, strides = [], [], []
@@ -536,6 +567,19 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         device = x.device
         plan = self._sample_plan(segments, device)
         fp16 = self.values == "fp16"
+        if self._uses_triton(x):  # the torch path's ops below, in Triton kernels (the samples' sort excepted)
+            x = x.contiguous()
+            tables = self._triton_tables(segments, plan, device)
+            keys = triton_graddrop.keys_on(self._keys.keys(plan.draws), device) if plan.draws.total else None
+            samples = x.abs() if plan.whole else triton_graddrop.sample(x, tables, keys)
+            thresholds = self._group_thresholds(segments, samples, plan, lambda: segment_thresholds(samples, plan))
+            payload, counts, overflow_count = triton_graddrop.select_encode(
+                x, tables, thresholds, value_dtype(self.values), fp16
+            )
+            nbytes, (sparsity, sent, rate, overflow) = triton_graddrop.statistics(
+                counts, overflow_count, plan.numels, value_nbytes(self.values)
+            )
+            return self._flat_packet(payload, segments, flat.dtype, nbytes, thresholds, sparsity, sent, rate, overflow)
         if self._kernels(device) is not None:  # kernel calls, its random samples keyed as the fused loop keys them
             offsets, sizes, modes, ranks, sample_offsets = plan.kernel_args
             keys = torch.tensor(self._keys.keys(plan.draws))
@@ -560,21 +604,29 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             payload = encode_group_coo32(x, keep, self.values)
             counts = segments.reduce(keep.to(torch.int64), "sum")
         nbytes = counts * (4 + value_nbytes(self.values))
-        numels = torch.tensor(segments.numels, dtype=torch.float64, device=device)
+        numels = plan.numels
         # in float64 then rounded once, as the per-layer packets compute them in Python floats
-        stats = {
-            "sparsity": (1.0 - counts / numels.clamp(min=1)).float(),
-            "threshold": thresholds,
-            "sent": counts.float(),
-            "compression_rate": (4.0 * numels / nbytes.clamp(min=1)).float(),
-        }
-        if fp16:
+        sparsity = (1.0 - counts / numels.clamp(min=1)).float()
+        rate = (4.0 * numels / nbytes.clamp(min=1)).float()
+        return self._flat_packet(payload, segments, flat.dtype, nbytes, thresholds, sparsity, counts.float(), rate,
+                                 overflow if fp16 else None)
+
+    def _flat_packet(
+        self, payload: Tensor, segments: Segments, dtype: torch.dtype, nbytes: Tensor, thresholds: Tensor,
+        sparsity: Tensor, sent: Tensor, rate: Tensor, overflow: Optional[Tensor],
+    ) -> FlatPacket:
+        """The group's packet with the per-layer statistics of the per-layer packets (``overflow`` with fp16 values)."""
+        stats = {"sparsity": sparsity, "threshold": thresholds, "sent": sent, "compression_rate": rate}
+        if self.values == "fp16" and overflow is not None:
             stats["overflow"] = overflow
-        return FlatPacket(payload, segments, flat.dtype, nbytes, stats=stats)
+        return FlatPacket(payload, segments, dtype, nbytes, stats=stats)
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
         if packet.layers is not None:
             return super().decompress_flat(packet)
+        if self._uses_triton(packet.payload):
+            decoded = triton_graddrop.decode(packet.payload, value_dtype(self.values), packet.segments.total)
+            return decoded.to(packet.dtype)
         index, values = decode_group_coo32(packet.payload, self.values)
         out = torch.zeros(packet.segments.total, dtype=torch.float32, device=packet.payload.device)
         return out.index_put_((index,), values).to(packet.dtype)
@@ -583,6 +635,8 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         if packets[0].layers is not None or packets[0].dtype != torch.float32 or out.dtype != torch.float32:
             # looping packets, or a sum the loop makes in the gradients' dtype: the base class's rank-order sum
             return super().decompress_flat_mean_into(packets, out)
+        if self._uses_triton(out) and out.is_contiguous():  # each rank's survivors added in rank order, then div_
+            return triton_graddrop.decode_mean_into([p.payload for p in packets], value_dtype(self.values), out)
         decoded = [decode_group_coo32(packet.payload, self.values) for packet in packets]
         if self._kernels(out.device) is not None and out.is_contiguous():  # one kernel call for all ranks
             kernels.sparse_decode_sum(out.numel(), [i for i, _ in decoded], [v for _, v in decoded], out=out)

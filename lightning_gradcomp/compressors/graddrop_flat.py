@@ -18,7 +18,9 @@ is the compressor's, :meth:`GradientDropping._group_thresholds`):
 * decoding needs only the payload's length (a shape): K = bytes / (4 + value bytes).
 
 Everything is bit-identical to the per-layer loop, the draws included: each layer draws from its own counter, as
-the loop does; and the fused backend's kernels draw the same positions.
+the loop does; and the fused backend's kernels draw the same positions. On CUDA with Triton,
+:mod:`lightning_gradcomp.kernels.triton_graddrop` runs the sample, the selection, the encode and the decoders in
+kernels, bit-identical to these ops (the samples' sort stays here).
 """
 
 from collections.abc import Sequence
@@ -53,6 +55,8 @@ class SamplePlan:
             and the others): the layers' offsets, sample sizes, sample modes (2 whole, 0 strided, 1 random), k, and
             the samples' offsets.
         weights: per layer, how many elements each sampled value stands for (the global scope's pool weights).
+        numels: float64 ``[layers]``, the layers' numels on the device (the statistics' denominators; made once, not
+            copied to the device at every step).
     """
 
     segments: Segments
@@ -66,6 +70,7 @@ class SamplePlan:
     has_k: Tensor
     kernel_args: tuple[Tensor, Tensor, Tensor, Tensor, Tensor]
     weights: tuple[float, ...]
+    numels: Tensor
 
 
 def plan_samples(
@@ -100,7 +105,7 @@ def plan_samples(
         torch.cat(numels or fixed[:1]).to(device), torch.cat(offsets or fixed[:1]).to(device), whole,
         torch.tensor(kth, dtype=torch.int64, device=device), torch.tensor([k > 0 for k in counts], device=device),
         kernel_args,  # type: ignore[arg-type]
-        weights,
+        weights, torch.tensor(segments.numels, dtype=torch.float64, device=device),
     )
 
 

@@ -60,8 +60,17 @@ def scatter_add(index: Tensor, values: Tensor, out: Tensor) -> Tensor:
     """``out.index_add_(0, index, values.to(out.dtype))`` for distinct ``index`` (int32 or int64) into a contiguous
     ``out``, with the conversion fused: what a sparse decoder runs once per rank, in rank order, so every element's
     sum over ranks is added in that order (no float atomics)."""
-    launch(_jit().scatter_add_kernel, programs(index.numel(), BLOCK), index, values, index.numel(), out, BLOCK=BLOCK)
+    launch(_jit().scatter_add_kernel, programs(index.numel(), BLOCK), index, values, index.numel(), out,
+           ACCUMULATE=True, BLOCK=BLOCK)
     return out
 
 
-__all__ = ["BLOCK", "compact", "scatter_add", "tile_counts"]
+def scatter(index: Tensor, values: Tensor, out: Tensor) -> Tensor:
+    """``out[index] = values.to(out.dtype)`` (``index_put_``) for distinct ``index`` (int32 or int64) into a
+    contiguous ``out``: one packet decoded on its own, where :func:`scatter_add` into zeros would turn -0.0 into 0.0."""
+    launch(_jit().scatter_add_kernel, programs(index.numel(), BLOCK), index, values, index.numel(), out,
+           ACCUMULATE=False, BLOCK=BLOCK)
+    return out
+
+
+__all__ = ["BLOCK", "compact", "scatter", "scatter_add", "tile_counts"]

@@ -56,6 +56,18 @@ def _scatter(dtype: torch.dtype, index_dtype: torch.dtype) -> None:
     assert torch.equal(triton_compact.scatter_add(empty, torch.zeros(0, dtype=dtype), out), expected)
 
 
+def _scatter_store(dtype: torch.dtype) -> None:
+    from lightning_gradcomp.kernels import triton_compact
+
+    gen = torch.Generator().manual_seed(6)
+    out = torch.randn(3000, generator=gen)
+    index = torch.randperm(3000, generator=gen)[:1100].to(torch.int32)
+    values = torch.randn(1100, generator=gen).to(dtype)
+    values[:5] = -0.0  # stored as -0.0: an add into zeros would give 0.0
+    expected = out.clone().index_put_((index.long(),), values.float())
+    assert triton_compact.scatter(index, values, out) is out and torch.equal(out.view(torch.int32), expected.view(torch.int32))
+
+
 CASES: dict[str, Callable[[], None]] = {
     **{f"n{n}-d{d}-{str(t)[6:]}-{'known' if k else 'counted'}": (lambda n=n, d=d, t=t, k=k: _case(n, d, t, k))
        for n in (0, 1, 1023, 1024, 5000) for d in (0.0, 0.01, 0.5, 1.0)
@@ -63,6 +75,7 @@ CASES: dict[str, Callable[[], None]] = {
     "uint8-mask": _uint8_mask,
     **{f"scatter-add-{str(t)[6:]}-{str(i)[6:]}": (lambda t=t, i=i: _scatter(t, i))
        for t in (torch.float32, torch.float16) for i in (torch.int32, torch.int64)},
+    **{f"scatter-{str(t)[6:]}": (lambda t=t: _scatter_store(t)) for t in (torch.float32, torch.float16)},
 }
 
 
@@ -84,8 +97,9 @@ def _compile_all() -> None:
         "count": (jit.count_kernel, {"mask_ptr": "*u8", "n": "i64", "counts_ptr": "*i64"}, {"BLOCK": 1024}),
         "compact": (jit.compact_kernel, {"mask_ptr": "*u8", "n": "i64", "starts_ptr": "*i64", "x_ptr": "*fp32",
                                          "index_ptr": "*i32", "values_ptr": "*fp16"}, {"BLOCK": 1024}),
-        "scatter-add": (jit.scatter_add_kernel, {"index_ptr": "*i32", "values_ptr": "*fp16", "count": "i64",
-                                                 "out_ptr": "*fp32"}, {"BLOCK": 1024}),
+        **{name: (jit.scatter_add_kernel, {"index_ptr": "*i32", "values_ptr": "*fp16", "count": "i64",
+                                           "out_ptr": "*fp32"}, {"ACCUMULATE": accumulate, "BLOCK": 1024})
+           for name, accumulate in (("scatter-add", True), ("scatter", False))},
     })))
 
 
@@ -94,5 +108,5 @@ def test_compaction_kernels_compile_for_a_hopper_gpu(tmp_path: Path) -> None:
     report = run_subprocess(
         "from tests.unit.test_triton_compact import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
     )
-    assert set(report) == {"count", "compact", "scatter-add"} and all(r["cubin"] > 0 for r in report.values())
+    assert set(report) == {"count", "compact", "scatter-add", "scatter"} and all(r["cubin"] > 0 for r in report.values())
     assert all(r["fma."] == 0 for r in report.values())
