@@ -1,0 +1,229 @@
+"""AdaComp's Triton kernels (lightning_gradcomp/kernels/triton_adacomp.py, the CUDA path of a group) against the
+torch ops they replace, bit for bit, without a GPU.
+
+The cases run in Triton's interpreter in one subprocess (``tests/triton_interpreter.py``); a second subprocess
+compiles every kernel for a Hopper GPU (sm_90) down to a cubin (no fused multiply-add: H = G + f dW rounds twice,
+as the torch ops' product and sum).
+"""
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from lightning_gradcomp import kernels
+from lightning_gradcomp.compressors import AdaComp
+from lightning_gradcomp.compressors.base import FlatPacket
+from lightning_gradcomp.segments import Segments
+from tests.triton_interpreter import compile_for_hopper, interpret, needs_triton, run_subprocess
+from tests.unit.test_flat_graddrop_adacomp import ADACOMP_CASES, SHAPES
+
+CONFIGS: dict[str, dict[str, Any]] = {**ADACOMP_CASES, "factor": dict(scale_factor=2.7, bin_size_fc=64)}
+#: groups with empty and one-element layers only, and a few tiny ones
+TINY = {"empty": [(0,)], "one": [(1,)], "mixed": [(0,), (3,), (0,), (1,)]}
+
+
+def _segments(shapes: Sequence[tuple[int, ...]]) -> Segments:
+    return Segments([f"layer{i}.weight" for i in range(len(shapes))], [torch.Size(s) for s in shapes])
+
+
+def _gradient(seg: Segments, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(seg.total, generator=gen) * torch.rand(seg.total, generator=gen) ** 4
+    x[: min(7, seg.total)] = 0.0  # an all-zero start: bins that send nothing
+    x[seg.total // 2 : seg.total // 2 + 30] = 0.25  # ties: every element at its bin's maximum
+    return x
+
+
+def _pair(config: dict[str, Any], rank: int, ranks: int) -> tuple[AdaComp, AdaComp]:
+    """(the Triton kernels, the torch ops) for one rank."""
+    comps = AdaComp(backend="torch", **config), AdaComp(backend="torch", **config)
+    for comp, on in zip(comps, (True, False)):
+        comp.setup(rank, ranks, torch.device("cpu"))
+        comp.triton = on
+    return comps
+
+
+def _equal(a: Tensor, b: Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _same_packets(a: FlatPacket, b: FlatPacket) -> None:
+    assert torch.equal(a.payload, b.payload)
+    assert isinstance(a.layer_nbytes, Tensor) and torch.equal(a.layer_nbytes, torch.as_tensor(b.layer_nbytes))
+    assert set(a.stats) == set(b.stats) and all(_equal(a.stats[k], b.stats[k]) for k in b.stats), a.stats
+
+
+def _case_exchange(
+    config: str, shapes: Sequence[tuple[int, ...]] = SHAPES, ranks: int = 3, steps: int = 2,
+    poison: Callable[[Tensor, Segments], None] = lambda x, seg: None,
+) -> None:
+    """``steps`` steps of ``ranks`` ranks, residuals fed back (so the compensated tensor differs from dW): payloads,
+    sizes, stats, sent and the gathered mean equal the torch ops'."""
+    seg = _segments(shapes)
+    with kernels.torch_ops():  # the compiled CPU kernels off: the torch ops are the reference
+        pairs = [_pair(CONFIGS[config], r, ranks) for r in range(ranks)]
+        packets: list[tuple[FlatPacket, FlatPacket]] = []
+        for rank, (fast, ref) in enumerate(pairs):
+            residual = torch.zeros(seg.total)
+            for step in range(steps):
+                grad = _gradient(seg, 10 * rank + step)
+                poison(grad, seg)
+                x = grad + residual
+                got = []
+                for comp in (fast, ref):
+                    comp.observe_gradient_flat(grad, seg)
+                    packet = comp.compress_flat(x, seg)
+                    got.append((packet, comp.sent_flat(x, packet)))
+                (a, sent_a), (b, sent_b) = got
+                _same_packets(a, b)
+                assert _equal(sent_a, sent_b)
+                residual = x - sent_b
+            packets.append((a, b))
+        # the kernels did run, on one side only (an empty group has nothing to run)
+        assert all(fast._triton is (True if seg.total else None) and ref._triton is not True for fast, ref in pairs)
+        means = []
+        for side in range(2):
+            out = torch.full((seg.total,), float("nan"))
+            pairs[0][side].decompress_flat_mean_into([p[side] for p in packets], out)
+            means.append(out)
+    assert _equal(means[0], means[1])
+
+
+def _nonfinite(x: Tensor, seg: Segments) -> None:
+    x[seg.offsets[3] + 5] = float("nan")
+    x[seg.offsets[0] + 100] = float("inf")
+    x[seg.offsets[4] + 7] = -float("inf")
+
+
+def _case_op_counts(config: str) -> None:
+    """A step (compress, sent, decode of 3 ranks) dispatches the same aten ops for 8 and 32 layers, reads the host
+    once (the payload's size) and launches 4 kernels (bin maxima, selection, the compaction's count and copy), and
+    runs no data-dependent op. The interpreter's own tensor handling inside a launch is not counted."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from gradcomp_lab.opcount import count_ops
+    from lightning_gradcomp.kernels import triton_adacomp, triton_compact
+
+    launches = 0
+    launch = triton_adacomp.launch
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        nonlocal launches
+        launches += 1
+        with _disable_current_modes():  # what a GPU would run as one kernel
+            launch(*args, **kwargs)
+
+    def step_ops(layers: int) -> tuple[int, int, int]:
+        seg = _segments([(12, 10), (7,), (3, 2, 2, 2)] * (layers // 3) + [(1,)] * (layers % 3))
+        comp = _pair(CONFIGS[config], 0, 3)[0]
+        grad = _gradient(seg, 0)
+
+        def step() -> None:
+            comp.observe_gradient_flat(grad, seg)
+            packet = comp.compress_flat(grad * 2, seg)
+            comp.sent_flat(grad * 2, packet)
+            comp.decompress_flat_mean_into([packet] * 3, torch.empty(seg.total))
+
+        step()  # the first step builds the group's tables
+        with count_ops() as ops:
+            step()
+        return ops.total, ops.host_reads, ops.data_dependent
+
+    triton_adacomp.launch = counted  # type: ignore[assignment]
+    triton_compact.launch = counted  # type: ignore[assignment]
+    try:
+        with kernels.torch_ops():
+            small = step_ops(8)
+            before = launches
+            large = step_ops(32)
+    finally:
+        triton_adacomp.launch = triton_compact.launch = launch  # type: ignore[assignment]
+    assert small == large and small[1:] == (1, 0), (small, large)
+    assert launches - before == before == 2 * 4  # a warm-up step and a counted one, 4 launches each
+
+
+def _case_choice() -> None:
+    """Without forcing, the Triton kernels run on CUDA only; the choice is made again at ``setup``."""
+    from lightning_gradcomp.kernels import triton_launch
+
+    assert triton_launch.usable(torch.device("cuda")) and not triton_launch.usable(torch.device("cpu"))
+    comp = AdaComp(backend="torch")
+    seg = _segments(SHAPES)
+    x = _gradient(seg, 0)
+    comp.observe_gradient_flat(x, seg)
+    comp.compress_flat(x, seg)
+    assert comp._triton is False
+    comp._triton = True
+    comp.setup(0, 2, torch.device("cpu"))
+    assert comp._triton is None
+
+
+INTERPRETED: dict[str, Callable[[], None]] = {
+    **{f"exchange-{c}": (lambda c=c: _case_exchange(c)) for c in CONFIGS},
+    "one-rank": lambda: _case_exchange("binary", ranks=1, steps=3),
+    **{f"tiny-{name}": (lambda s=s: _case_exchange("small_bins", s)) for name, s in TINY.items()},
+    "long-gaps": lambda: _case_exchange("binary", [(3000,), (3,), (900,)], ranks=1, steps=1),
+    **{f"nonfinite-{q}": (lambda q=q: _case_exchange(q, poison=_nonfinite)) for q in ("binary", "ternary")},
+    **{f"op-counts-{c}": (lambda c=c: _case_op_counts(c)) for c in ("binary", "ternary")},
+    "choice": _case_choice,
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, str]:
+    return interpret("tests.unit.test_triton_adacomp", "INTERPRETED")
+
+
+@needs_triton
+@pytest.mark.parametrize("case", sorted(INTERPRETED))
+def test_triton_kernels_match_the_torch_ops_in_the_interpreter(interpreted: dict[str, str], case: str) -> None:
+    assert interpreted[case] == "ok", interpreted[case]
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run on a GPU: the CUDA torch ops' rounding)")
+@pytest.mark.parametrize("config", CONFIGS)
+def test_triton_kernels_match_the_torch_ops_on_cuda(config: str) -> None:
+    # the torch ops on CUDA against the kernels on CUDA (the interpreter cases compare CPU tensors)
+    seg = _segments(SHAPES)
+    cuda = torch.device("cuda")
+    fast, ref = _pair(CONFIGS[config], 0, 2)
+    for step in range(2):
+        grad, x = _gradient(seg, step).to(cuda), (_gradient(seg, step + 5) * 0.1).to(cuda)
+        got = []
+        for comp in (fast, ref):
+            comp.observe_gradient_flat(grad, seg)
+            got.append(comp.compress_flat(grad + x, seg))
+        _same_packets(*got)
+
+
+def _compile_all() -> None:
+    """Compile each kernel for sm_90 (in the subprocess, without ``TRITON_INTERPRET``)."""
+    from lightning_gradcomp.kernels import _triton_adacomp_jit as jit
+
+    common = {"g_ptr": "*fp32", "meta_ptr": "*i64", "tiles_ptr": "*i64", "gmax_ptr": "*fp32"}
+    select = {**common, "dw_ptr": "*fp32", "factor": "fp32", "scale_ptr": "*fp32", "counts_ptr": "*i64",
+              "first_ptr": "*i64", "last_ptr": "*i64", "words_ptr": "*u8", "used_ptr": "*u8"}
+    variants: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {
+        "bin-max-500": (jit.bin_max_kernel, common, {"BINS": 4, "LPAD": 512}),
+        "bin-max-50": (jit.bin_max_kernel, common, {"BINS": 32, "LPAD": 64}),
+        "select-binary": (jit.select_kernel, select, {"TERNARY": False, "BINS": 4, "LPAD": 512}),
+        "select-ternary": (jit.select_kernel, select, {"TERNARY": True, "BINS": 128, "LPAD": 16}),
+    }
+    print(json.dumps(compile_for_hopper(variants)))
+
+
+@needs_triton
+def test_kernels_compile_for_a_hopper_gpu_without_fused_multiply_add(tmp_path: Path) -> None:
+    report = run_subprocess(
+        "from tests.unit.test_triton_adacomp import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
+    )
+    assert set(report) == {"bin-max-500", "bin-max-50", "select-binary", "select-ternary"}
+    for name, counts in report.items():
+        assert counts["cubin"] > 0, name
+        assert counts["fma."] == counts["div.full"] == counts["div.approx"] == counts["rcp.approx"] == 0, (name, counts)
