@@ -416,6 +416,12 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
             args = self._kernel_args(segments, self._bin_sizes(segments))
             return kernels.adacomp_group_decode_sum([p.payload for p in packets], sizes, *args, out=out)
         out.zero_()
+        if self._uses_triton(out) and out.is_contiguous():  # one launch per rank
+            tables = self._tables(segments, out.device, self._bin_sizes(segments))
+            for packet in packets:
+                nbytes = torch.as_tensor(packet.layer_nbytes, dtype=torch.int64, device=out.device)
+                triton_adacomp.decode_add(packet.payload.reshape(-1).contiguous(), nbytes, tables, out)
+            return out
         for packet in packets:
             if packet.payload.numel():
                 out.index_add_(0, *self._decode_group(packet))

@@ -20,31 +20,29 @@ META = tl.constexpr(8)
 
 @triton.jit
 def _bins(meta_ptr, tiles_ptr, BINS: tl.constexpr, LPAD: tl.constexpr):
-    # the tile's layer row, its bins (a column [BINS, 1], numbered in the layer) and each element's place
+    # the tile's layer row, its bins (numbered in the layer) and each element's place in the [BINS, LPAD] block
     pid = tl.program_id(0)
     layer = tl.load(tiles_ptr + 2 * pid)
     row = meta_ptr + layer * META
     offset = tl.load(row)
     numel = tl.load(row + 1)
     size = tl.load(row + 2)
-    first_bin = tl.load(row + 3)
-    nbins = tl.load(row + 4)
-    b = tl.load(tiles_ptr + 2 * pid + 1) + tl.arange(0, BINS)[:, None]
+    bins = tl.load(tiles_ptr + 2 * pid + 1) + tl.arange(0, BINS)
     j = tl.arange(0, LPAD)[None, :]
-    local = b * size + j
+    local = bins[:, None] * size + j
     valid = (j < size) & (local < numel)
-    return layer, row, offset, size, first_bin, nbins, b, j, local, valid
+    # the bins' places in the group's bin vectors, and which are bins of the layer
+    return layer, row, offset, size, tl.load(row + 3) + bins, bins < tl.load(row + 4), j, local, valid
 
 
 @triton.jit
 def bin_max_kernel(g_ptr, meta_ptr, tiles_ptr, gmax_ptr, BINS: tl.constexpr, LPAD: tl.constexpr):
-    """Each bin's max |G|, NaN when the bin holds a NaN (as ``scatter_reduce`` amax propagates it)."""
-    layer, row, offset, size, first_bin, nbins, b, j, local, valid = _bins(meta_ptr, tiles_ptr, BINS, LPAD)
+    """Each bin's max |G|, NaN when the bin holds a NaN (as ``scatter_reduce`` amax propagates it): the maximum of
+    the magnitudes' bits, as non-negative floats order as their bits do and a NaN's bits exceed infinity's."""
+    layer, row, offset, size, at, in_layer, j, local, valid = _bins(meta_ptr, tiles_ptr, BINS, LPAD)
     m = tl.abs(tl.load(g_ptr + offset + local, mask=valid, other=0.0).to(tl.float32))
-    nan = tl.max((m != m).to(tl.int32), axis=1)
-    top = tl.max(tl.where(m != m, 0.0, m), axis=1)
-    bins = tl.sum(b, axis=1)  # the column as a vector
-    tl.store(gmax_ptr + first_bin + bins, tl.where(nan > 0, float("nan"), top), mask=bins < nbins)
+    top = tl.max(m.to(tl.int32, bitcast=True), axis=1)
+    tl.store(gmax_ptr + at, top.to(tl.float32, bitcast=True), mask=in_layer)
 
 
 @triton.jit
@@ -53,27 +51,70 @@ def select_kernel(g_ptr, dw_ptr, factor, meta_ptr, tiles_ptr, gmax_ptr, scale_pt
     """AdaComp's selection |H| >= gmax(bin), G != 0 (and 2|G| >= scale for the ternary quantizer) with H = G +
     ``factor`` dW, written as the element word slots of the wire (two bytes per slot: the word's low and high byte,
     and whether each is sent); per bin its count and first and last sent offsets (``LPAD``, -1 when none)."""
-    layer, row, offset, size, first_bin, nbins, b, j, local, valid = _bins(meta_ptr, tiles_ptr, BINS, LPAD)
+    layer, row, offset, size, at, in_layer, j, local, valid = _bins(meta_ptr, tiles_ptr, BINS, LPAD)
     bits = tl.load(row + 5)
     wide = tl.load(row + 6) == 2
     first_slot = tl.load(row + 7)
     g = tl.load(g_ptr + offset + local, mask=valid, other=0.0).to(tl.float32)
     dw = tl.load(dw_ptr + offset + local, mask=valid, other=0.0).to(tl.float32)
     h = g + factor * dw  # two roundings (fma off), as the torch ops' product then sum
-    bins = tl.sum(b, axis=1)
-    in_layer = bins < nbins
-    gmax = tl.load(gmax_ptr + first_bin + bins, mask=in_layer, other=0.0)
+    gmax = tl.load(gmax_ptr + at, mask=in_layer, other=0.0)
     send = (tl.abs(h) >= gmax[:, None]) & (g != 0.0) & valid
     if TERNARY:
         send = send & (2.0 * tl.abs(g) >= tl.load(scale_ptr + layer))
     sent = send.to(tl.int32)
-    tl.store(counts_ptr + first_bin + bins, tl.sum(sent, axis=1).to(tl.int64), mask=in_layer)
-    tl.store(first_ptr + first_bin + bins, tl.min(tl.where(send, j, LPAD), axis=1).to(tl.int64), mask=in_layer)
-    tl.store(last_ptr + first_bin + bins, tl.max(tl.where(send, j, -1), axis=1).to(tl.int64), mask=in_layer)
+    tl.store(counts_ptr + at, tl.sum(sent, axis=1).to(tl.int64), mask=in_layer)
+    tl.store(first_ptr + at, tl.min(tl.where(send, j, LPAD), axis=1).to(tl.int64), mask=in_layer)
+    tl.store(last_ptr + at, tl.max(tl.where(send, j, -1), axis=1).to(tl.int64), mask=in_layer)
     code = tl.where(g > 0.0, 2, 0).to(tl.int64)  # sign(G) + 1 of a sent entry (G != 0)
     word = (code << bits) | j
-    slot = 2 * (first_slot + 2 + b * (size + 1) + j + 1)  # after the scale's two slots and the bin's marker
+    slot = 2 * (first_slot + 2 + (local // size) * (size + 1) + j + 1)  # after the scale's two slots and the bin's marker
     tl.store(words_ptr + slot, (word & 0xFF).to(tl.uint8), mask=valid)
     tl.store(words_ptr + slot + 1, ((word >> 8) & 0xFF).to(tl.uint8), mask=valid)
     tl.store(used_ptr + slot, sent.to(tl.uint8), mask=valid)
     tl.store(used_ptr + slot + 1, (send & wide).to(tl.uint8), mask=valid)
+
+
+@triton.jit
+def decode_add_kernel(payload_ptr, starts_ptr, nbytes_ptr, meta_ptr, out_ptr, BLOCK: tl.constexpr):
+    """One rank's payload decoded and added into ``out`` (``out[index] += value``): one program per layer, walking its
+    bytes ``BLOCK`` at a time with the running bin carried from block to block (a marker advances it by its field,
+    an entry whose offset does not increase over the previous entry's by one). A layer's elements are its program's
+    alone and a rank's indices distinct, so no two lanes touch one element: no atomics."""
+    layer = tl.program_id(0)
+    row = meta_ptr + layer * META
+    offset = tl.load(row)
+    size = tl.load(row + 2)
+    bits = tl.load(row + 5)
+    width = tl.load(row + 6)
+    start = tl.load(starts_ptr + layer)
+    n = tl.load(nbytes_ptr + layer)
+    head = tl.arange(0, 4)
+    scale_bytes = tl.load(payload_ptr + start + head, mask=head < n, other=0).to(tl.int32)
+    scale = tl.sum(scale_bytes << (8 * head), axis=0).to(tl.float32, bitcast=True)
+    field_mask = (1 << bits) - 1
+    # a word's high byte: only for 16-bit words (the width compared as a block, as the interpreter refuses a mask
+    # made with a scalar bool)
+    wide = (tl.zeros([BLOCK], tl.int64) + width) == 2
+    carry = tl.zeros((), tl.int64)
+    for first in range(4, n, BLOCK):
+        rel = first + tl.arange(0, BLOCK)
+        starts_word = (rel < n) & ((rel - 4) % width == 0)
+        at = payload_ptr + start + rel
+        word = tl.load(at, mask=starts_word, other=0).to(tl.int64)
+        word |= tl.load(at + 1, mask=starts_word & wide, other=0).to(tl.int64) << 8
+        code = word >> bits
+        field = word & field_mask
+        is_marker = starts_word & (code == 3)
+        has_previous = starts_word & (rel - width >= 4)
+        previous = tl.load(at - width, mask=has_previous, other=0).to(tl.int64)
+        previous |= tl.load(at - width + 1, mask=has_previous & wide, other=0).to(tl.int64) << 8
+        prev_marker = ~has_previous | ((previous >> bits) == 3)
+        implicit = starts_word & ~is_marker & ~prev_marker & (field <= (previous & field_mask))
+        advance = tl.where(is_marker, field, implicit.to(tl.int64))
+        running = carry + tl.cumsum(advance, axis=0)
+        carry += tl.sum(advance, axis=0)
+        entry = starts_word & ~is_marker
+        element = out_ptr + offset + running * size + field
+        value = (code - 1).to(tl.float32) * scale
+        tl.store(element, tl.load(element, mask=entry, other=0.0) + value, mask=entry)

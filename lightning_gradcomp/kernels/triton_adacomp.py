@@ -27,6 +27,8 @@ from lightning_gradcomp.kernels.triton_launch import launch, tiles
 
 #: elements a program holds at most (whole bins; one bin when L_T is longer)
 ELEMENTS = 2048
+#: payload bytes a decoding program walks at a time
+BYTES = 1024
 
 
 @functools.cache
@@ -101,4 +103,12 @@ def select(
     return counts, first, last, words, used
 
 
-__all__ = ["ELEMENTS", "Tables", "bin_maxima", "select"]
+def decode_add(payload: Tensor, nbytes: Tensor, tables: Tables, out: Tensor) -> Tensor:
+    """One rank's payload (uint8, the layers' bytes back to back, ``nbytes`` int64 ``[layers]`` each) decoded and
+    added into the contiguous float32 ``out`` ``[total]``: ``out.index_add_`` of its entries, the rest unchanged."""
+    starts = nbytes.cumsum(0) - nbytes
+    launch(_jit().decode_add_kernel, tables.meta.shape[0], payload, starts, nbytes, tables.meta, out, BLOCK=BYTES)
+    return out
+
+
+__all__ = ["BYTES", "ELEMENTS", "Tables", "bin_maxima", "decode_add", "select"]

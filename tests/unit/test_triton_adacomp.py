@@ -84,8 +84,8 @@ def _case_exchange(
                 assert _equal(sent_a, sent_b)
                 residual = x - sent_b
             packets.append((a, b))
-        # the kernels did run, on one side only (an empty group has nothing to run)
-        assert all(fast._triton is (True if seg.total else None) and ref._triton is not True for fast, ref in pairs)
+        # the kernels did run, on one side only
+        assert all(fast._triton is True and ref._triton is False for fast, ref in pairs)
         means = []
         for side in range(2):
             out = torch.full((seg.total,), float("nan"))
@@ -100,10 +100,23 @@ def _nonfinite(x: Tensor, seg: Segments) -> None:
     x[seg.offsets[4] + 7] = -float("inf")
 
 
+def _case_decode_blocks() -> None:
+    """Layers' payloads decoded over many blocks (the running bin carried from one to the next): 64-byte blocks."""
+    from lightning_gradcomp.kernels import triton_adacomp
+
+    blocks = triton_adacomp.BYTES
+    triton_adacomp.BYTES = 64
+    try:
+        _case_exchange("small_bins", steps=1)
+    finally:
+        triton_adacomp.BYTES = blocks
+
+
 def _case_op_counts(config: str) -> None:
-    """A step (compress, sent, decode of 3 ranks) dispatches the same aten ops for 8 and 32 layers, reads the host
-    once (the payload's size) and launches 4 kernels (bin maxima, selection, the compaction's count and copy), and
-    runs no data-dependent op. The interpreter's own tensor handling inside a launch is not counted."""
+    """A step (compress, sent, decode of 3 ranks) dispatches the same aten ops for 5 and 11 layers, fewer than the
+    torch ops, reads the host once (the payload's size), runs no data-dependent op, and launches 8 kernels: bin
+    maxima, selection, the compaction's count and copy, a decode for ``sent`` and one per rank for the mean. The
+    interpreter's own tensor handling inside a launch is not counted."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from gradcomp_lab.opcount import count_ops
@@ -118,9 +131,9 @@ def _case_op_counts(config: str) -> None:
         with _disable_current_modes():  # what a GPU would run as one kernel
             launch(*args, **kwargs)
 
-    def step_ops(layers: int) -> tuple[int, int, int]:
+    def step_ops(layers: int, on: bool = True) -> tuple[int, int, int]:
         seg = _segments([(12, 10), (7,), (3, 2, 2, 2)] * (layers // 3) + [(1,)] * (layers % 3))
-        comp = _pair(CONFIGS[config], 0, 3)[0]
+        comp = _pair(CONFIGS[config], 0, 3)[0 if on else 1]
         grad = _gradient(seg, 0)
 
         def step() -> None:
@@ -138,13 +151,15 @@ def _case_op_counts(config: str) -> None:
     triton_compact.launch = counted  # type: ignore[assignment]
     try:
         with kernels.torch_ops():
-            small = step_ops(8)
+            torch_ops = step_ops(5, on=False)
+            small = step_ops(5)
             before = launches
-            large = step_ops(32)
+            large = step_ops(11)
     finally:
         triton_adacomp.launch = triton_compact.launch = launch  # type: ignore[assignment]
     assert small == large and small[1:] == (1, 0), (small, large)
-    assert launches - before == before == 2 * 4  # a warm-up step and a counted one, 4 launches each
+    assert launches - before == before == 2 * 8  # a warm-up step and a counted one
+    assert small[0] < torch_ops[0] and torch_ops[1:] == (0, 1), (small, torch_ops)
 
 
 def _case_choice() -> None:
@@ -164,10 +179,11 @@ def _case_choice() -> None:
 
 
 INTERPRETED: dict[str, Callable[[], None]] = {
-    **{f"exchange-{c}": (lambda c=c: _case_exchange(c)) for c in CONFIGS},
+    **{f"exchange-{c}": (lambda c=c: _case_exchange(c, steps=2 if c == "binary" else 1)) for c in CONFIGS},
     "one-rank": lambda: _case_exchange("binary", ranks=1, steps=3),
     **{f"tiny-{name}": (lambda s=s: _case_exchange("small_bins", s)) for name, s in TINY.items()},
     "long-gaps": lambda: _case_exchange("binary", [(3000,), (3,), (900,)], ranks=1, steps=1),
+    "decode-blocks": _case_decode_blocks,
     **{f"nonfinite-{q}": (lambda q=q: _case_exchange(q, poison=_nonfinite)) for q in ("binary", "ternary")},
     **{f"op-counts-{c}": (lambda c=c: _case_op_counts(c)) for c in ("binary", "ternary")},
     "choice": _case_choice,
@@ -214,6 +230,8 @@ def _compile_all() -> None:
         "bin-max-50": (jit.bin_max_kernel, common, {"BINS": 32, "LPAD": 64}),
         "select-binary": (jit.select_kernel, select, {"TERNARY": False, "BINS": 4, "LPAD": 512}),
         "select-ternary": (jit.select_kernel, select, {"TERNARY": True, "BINS": 128, "LPAD": 16}),
+        "decode-add": (jit.decode_add_kernel, {"payload_ptr": "*u8", "starts_ptr": "*i64", "nbytes_ptr": "*i64",
+                                               "meta_ptr": "*i64", "out_ptr": "*fp32"}, {"BLOCK": 1024}),
     }
     print(json.dumps(compile_for_hopper(variants)))
 
@@ -223,7 +241,7 @@ def test_kernels_compile_for_a_hopper_gpu_without_fused_multiply_add(tmp_path: P
     report = run_subprocess(
         "from tests.unit.test_triton_adacomp import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
     )
-    assert set(report) == {"bin-max-500", "bin-max-50", "select-binary", "select-ternary"}
+    assert set(report) == {"bin-max-500", "bin-max-50", "select-binary", "select-ternary", "decode-add"}
     for name, counts in report.items():
         assert counts["cubin"] > 0, name
         assert counts["fma."] == counts["div.full"] == counts["div.approx"] == counts["rcp.approx"] == 0, (name, counts)
