@@ -23,6 +23,7 @@ from tests.triton_interpreter import compile_for_hopper, interpret, needs_triton
 from tests.unit.test_flat_graddrop_adacomp import ADACOMP_CASES, SHAPES
 
 CONFIGS: dict[str, dict[str, Any]] = {**ADACOMP_CASES, "factor": dict(scale_factor=2.7, bin_size_fc=64)}
+CPU = torch.device("cpu")
 #: groups with empty and one-element layers only, and a few tiny ones
 TINY = {"empty": [(0,)], "one": [(1,)], "mixed": [(0,), (3,), (0,), (1,)]}
 
@@ -39,11 +40,11 @@ def _gradient(seg: Segments, seed: int) -> Tensor:
     return x
 
 
-def _pair(config: dict[str, Any], rank: int, ranks: int) -> tuple[AdaComp, AdaComp]:
+def _pair(config: dict[str, Any], rank: int, ranks: int, device: torch.device = CPU) -> tuple[AdaComp, AdaComp]:
     """(the Triton kernels, the torch ops) for one rank."""
     comps = AdaComp(backend="torch", **config), AdaComp(backend="torch", **config)
     for comp, on in zip(comps, (True, False)):
-        comp.setup(rank, ranks, torch.device("cpu"))
+        comp.setup(rank, ranks, device)
         comp.triton = on
     return comps
 
@@ -60,19 +61,20 @@ def _same_packets(a: FlatPacket, b: FlatPacket) -> None:
 
 def _case_exchange(
     config: str, shapes: Sequence[tuple[int, ...]] = SHAPES, ranks: int = 3, steps: int = 2,
-    poison: Callable[[Tensor, Segments], None] = lambda x, seg: None,
+    poison: Callable[[Tensor, Segments], None] = lambda x, seg: None, device: torch.device = CPU,
 ) -> None:
     """``steps`` steps of ``ranks`` ranks, residuals fed back (so the compensated tensor differs from dW): payloads,
     sizes, stats, sent and the gathered mean equal the torch ops'."""
     seg = _segments(shapes)
     with kernels.torch_ops():  # the compiled CPU kernels off: the torch ops are the reference
-        pairs = [_pair(CONFIGS[config], r, ranks) for r in range(ranks)]
+        pairs = [_pair(CONFIGS[config], r, ranks, device) for r in range(ranks)]
         packets: list[tuple[FlatPacket, FlatPacket]] = []
         for rank, (fast, ref) in enumerate(pairs):
-            residual = torch.zeros(seg.total)
+            residual = torch.zeros(seg.total, device=device)
             for step in range(steps):
                 grad = _gradient(seg, 10 * rank + step)
                 poison(grad, seg)
+                grad = grad.to(device)
                 x = grad + residual
                 got = []
                 for comp in (fast, ref):
@@ -88,7 +90,7 @@ def _case_exchange(
         assert all(fast._triton is True and ref._triton is False for fast, ref in pairs)
         means = []
         for side in range(2):
-            out = torch.full((seg.total,), float("nan"))
+            out = torch.full((seg.total,), float("nan"), device=device)
             pairs[0][side].decompress_flat_mean_into([p[side] for p in packets], out)
             means.append(out)
     assert _equal(means[0], means[1])
@@ -205,17 +207,9 @@ def test_triton_kernels_match_the_torch_ops_in_the_interpreter(interpreted: dict
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run on a GPU: the CUDA torch ops' rounding)")
 @pytest.mark.parametrize("config", CONFIGS)
 def test_triton_kernels_match_the_torch_ops_on_cuda(config: str) -> None:
-    # the torch ops on CUDA against the kernels on CUDA (the interpreter cases compare CPU tensors)
-    seg = _segments(SHAPES)
-    cuda = torch.device("cuda")
-    fast, ref = _pair(CONFIGS[config], 0, 2)
-    for step in range(2):
-        grad, x = _gradient(seg, step).to(cuda), (_gradient(seg, step + 5) * 0.1).to(cuda)
-        got = []
-        for comp in (fast, ref):
-            comp.observe_gradient_flat(grad, seg)
-            got.append(comp.compress_flat(grad + x, seg))
-        _same_packets(*got)
+    # the kernels against the torch ops both on CUDA (the interpreter cases compare them on CPU tensors)
+    _case_exchange(config, device=torch.device("cuda"))
+    _case_exchange(config, device=torch.device("cuda"), poison=_nonfinite)
 
 
 def _compile_all() -> None:
