@@ -1,4 +1,4 @@
-"""AdaComp's group kernels for CUDA in Triton: bin maxima, selection and the wire's element words, per group.
+"""AdaComp's group kernels for CUDA in Triton: bin maxima, selection and the wire's element words, and the decode.
 
 They compute what :mod:`~lightning_gradcomp.compressors.adacomp_flat`'s torch ops compute (the CUDA path of a group
 before these kernels, still its path without Triton), bit for bit:
@@ -9,6 +9,9 @@ before these kernels, still its path without Triton), bit for bit:
   are derived from), and the wire's element words written into their word slots with whether each byte is sent.
   The markers and scales (a few words per bin and layer) fill the remaining slots with torch ops, and
   :func:`~lightning_gradcomp.kernels.triton_compact.compact` keeps the sent bytes: ``masked_select``'s result.
+* :func:`decode_add`: one rank's payload decoded and added into a dense float32 tensor (``decode_group_words`` and
+  ``index_add_``): one program per layer walks its bytes, the running bin (markers, implicit advances) carried from
+  block to block; a decoder calls it once per rank, in rank order, so each element's sum keeps that order.
 
 A program holds ``BINS`` whole bins of one layer (a ``[BINS, LPAD]`` block, ``LPAD`` the group's longest L_T
 rounded up to a power of two), so a bin's maximum and selection are one program's reductions and the grid covers
