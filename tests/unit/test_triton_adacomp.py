@@ -73,6 +73,8 @@ def _case_exchange(
             residual = torch.zeros(seg.total, device=device)
             for step in range(steps):
                 grad = _gradient(seg, 10 * rank + step)
+                if step:  # dW = 0 on a third: there H = G, whose bin maximum ties |H| >= gmax exactly
+                    grad[: seg.total // 3] = 0.0
                 poison(grad, seg)
                 grad = grad.to(device)
                 x = grad + residual
@@ -215,6 +217,7 @@ def test_triton_kernels_match_the_torch_ops_on_cuda(config: str) -> None:
 def _compile_all() -> None:
     """Compile each kernel for sm_90 (in the subprocess, without ``TRITON_INTERPRET``)."""
     from lightning_gradcomp.kernels import _triton_adacomp_jit as jit
+    from lightning_gradcomp.kernels import _triton_compact_jit
 
     common = {"g_ptr": "*fp32", "meta_ptr": "*i64", "tiles_ptr": "*i64", "gmax_ptr": "*fp32"}
     select = {**common, "dw_ptr": "*fp32", "factor": "fp32", "scale_ptr": "*fp32", "counts_ptr": "*i64",
@@ -226,6 +229,10 @@ def _compile_all() -> None:
         "select-ternary": (jit.select_kernel, select, {"TERNARY": True, "BINS": 128, "LPAD": 16}),
         "decode-add": (jit.decode_add_kernel, {"payload_ptr": "*u8", "starts_ptr": "*i64", "nbytes_ptr": "*i64",
                                                "meta_ptr": "*i64", "out_ptr": "*fp32"}, {"BLOCK": 1024}),
+        # the shared compaction as the encode runs it: word bytes kept into the uint8 payload
+        "compact-bytes": (_triton_compact_jit.compact_kernel, {"mask_ptr": "*u8", "n": "i64", "starts_ptr": "*i64",
+                                                               "x_ptr": "*u8", "index_ptr": "*i32",
+                                                               "values_ptr": "*u8"}, {"BLOCK": 1024}),
     }
     print(json.dumps(compile_for_hopper(variants)))
 
@@ -235,7 +242,9 @@ def test_kernels_compile_for_a_hopper_gpu_without_fused_multiply_add(tmp_path: P
     report = run_subprocess(
         "from tests.unit.test_triton_adacomp import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
     )
-    assert set(report) == {"bin-max-500", "bin-max-50", "select-binary", "select-ternary", "decode-add"}
+    assert set(report) == {
+        "bin-max-500", "bin-max-50", "select-binary", "select-ternary", "decode-add", "compact-bytes",
+    }
     for name, counts in report.items():
         assert counts["cubin"] > 0, name
         assert counts["fma."] == counts["div.full"] == counts["div.approx"] == counts["rcp.approx"] == 0, (name, counts)
