@@ -76,45 +76,56 @@ def select_kernel(g_ptr, dw_ptr, factor, meta_ptr, tiles_ptr, gmax_ptr, scale_pt
 
 
 @triton.jit
-def decode_add_kernel(payload_ptr, starts_ptr, nbytes_ptr, meta_ptr, out_ptr, BLOCK: tl.constexpr):
-    """One rank's payload decoded and added into ``out`` (``out[index] += value``): one program per layer, walking its
-    bytes ``BLOCK`` at a time with the running bin carried from block to block (a marker advances it by its field,
-    an entry whose offset does not increase over the previous entry's by one). A layer's elements are its program's
-    alone and a rank's indices distinct, so no two lanes touch one element: no atomics."""
-    layer = tl.program_id(0)
+def _words(payload_ptr, starts_ptr, nbytes_ptr, meta_ptr, tiles_ptr, BLOCK: tl.constexpr):
+    # a tile of a layer's word bytes (after its 4 scale bytes) of one rank's payload: per byte whether a word starts
+    # there, its code and offset field, whether it is a marker, and how far it advances the running bin (a marker by
+    # its field, an entry whose offset does not increase over the previous entry's by one)
+    pid = tl.program_id(0)
+    layer = tl.load(tiles_ptr + 2 * pid)
     row = meta_ptr + layer * META
-    offset = tl.load(row)
-    size = tl.load(row + 2)
     bits = tl.load(row + 5)
     width = tl.load(row + 6)
     start = tl.load(starts_ptr + layer)
     n = tl.load(nbytes_ptr + layer)
+    rel = 4 + tl.load(tiles_ptr + 2 * pid + 1) + tl.arange(0, BLOCK)
+    # a word's high byte only for 16-bit words (the width compared as a block: the interpreter refuses a mask made
+    # with a scalar bool)
+    wide = (tl.zeros([BLOCK], tl.int64) + width) == 2
+    field_mask = (1 << bits) - 1
+    starts_word = (rel < n) & ((rel - 4) % width == 0)
+    at = payload_ptr + start + rel
+    word = tl.load(at, mask=starts_word, other=0).to(tl.int64)
+    word |= tl.load(at + 1, mask=starts_word & wide, other=0).to(tl.int64) << 8
+    code = word >> bits
+    field = word & field_mask
+    is_marker = starts_word & (code == 3)
+    has_previous = starts_word & (rel - width >= 4)
+    previous = tl.load(at - width, mask=has_previous, other=0).to(tl.int64)
+    previous |= tl.load(at - width + 1, mask=has_previous & wide, other=0).to(tl.int64) << 8
+    prev_marker = ~has_previous | ((previous >> bits) == 3)
+    implicit = starts_word & ~is_marker & ~prev_marker & (field <= (previous & field_mask))
+    advance = tl.where(is_marker, field, implicit.to(tl.int64))
+    return row, start, n, code, field, starts_word & ~is_marker, advance
+
+
+@triton.jit
+def advance_kernel(payload_ptr, starts_ptr, nbytes_ptr, meta_ptr, tiles_ptr, sums_ptr, BLOCK: tl.constexpr):
+    """How far each tile of word bytes advances its layer's running bin (the first pass of the decode's scan)."""
+    row, start, n, code, field, entry, advance = _words(payload_ptr, starts_ptr, nbytes_ptr, meta_ptr, tiles_ptr, BLOCK)
+    tl.store(sums_ptr + tl.program_id(0), tl.sum(advance, axis=0))
+
+
+@triton.jit
+def decode_add_kernel(payload_ptr, starts_ptr, nbytes_ptr, meta_ptr, tiles_ptr, carry_ptr, out_ptr,
+                      BLOCK: tl.constexpr):
+    """A tile of one rank's word bytes decoded and added into ``out`` (``out[index] += value``), its running bin
+    starting from ``carry`` (the layer's tiles before it). A rank's indices are distinct, so no two lanes touch one
+    element: no atomics."""
+    row, start, n, code, field, entry, advance = _words(payload_ptr, starts_ptr, nbytes_ptr, meta_ptr, tiles_ptr, BLOCK)
     head = tl.arange(0, 4)
     scale_bytes = tl.load(payload_ptr + start + head, mask=head < n, other=0).to(tl.int32)
     scale = tl.sum(scale_bytes << (8 * head), axis=0).to(tl.float32, bitcast=True)
-    field_mask = (1 << bits) - 1
-    # a word's high byte: only for 16-bit words (the width compared as a block, as the interpreter refuses a mask
-    # made with a scalar bool)
-    wide = (tl.zeros([BLOCK], tl.int64) + width) == 2
-    carry = tl.zeros((), tl.int64)
-    for first in range(4, n, BLOCK):
-        rel = first + tl.arange(0, BLOCK)
-        starts_word = (rel < n) & ((rel - 4) % width == 0)
-        at = payload_ptr + start + rel
-        word = tl.load(at, mask=starts_word, other=0).to(tl.int64)
-        word |= tl.load(at + 1, mask=starts_word & wide, other=0).to(tl.int64) << 8
-        code = word >> bits
-        field = word & field_mask
-        is_marker = starts_word & (code == 3)
-        has_previous = starts_word & (rel - width >= 4)
-        previous = tl.load(at - width, mask=has_previous, other=0).to(tl.int64)
-        previous |= tl.load(at - width + 1, mask=has_previous & wide, other=0).to(tl.int64) << 8
-        prev_marker = ~has_previous | ((previous >> bits) == 3)
-        implicit = starts_word & ~is_marker & ~prev_marker & (field <= (previous & field_mask))
-        advance = tl.where(is_marker, field, implicit.to(tl.int64))
-        running = carry + tl.cumsum(advance, axis=0)
-        carry += tl.sum(advance, axis=0)
-        entry = starts_word & ~is_marker
-        element = out_ptr + offset + running * size + field
-        value = (code - 1).to(tl.float32) * scale
-        tl.store(element, tl.load(element, mask=entry, other=0.0) + value, mask=entry)
+    running = tl.load(carry_ptr + tl.program_id(0)) + tl.cumsum(advance, axis=0)
+    element = out_ptr + tl.load(row) + running * tl.load(row + 2) + field
+    value = (code - 1).to(tl.float32) * scale
+    tl.store(element, tl.load(element, mask=entry, other=0.0) + value, mask=entry)

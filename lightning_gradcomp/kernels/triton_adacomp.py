@@ -10,8 +10,8 @@ before these kernels, still its path without Triton), bit for bit:
   The markers and scales (a few words per bin and layer) fill the remaining slots with torch ops, and
   :func:`~lightning_gradcomp.kernels.triton_compact.compact` keeps the sent bytes: ``masked_select``'s result.
 * :func:`decode_add`: one rank's payload decoded and added into a dense float32 tensor (``decode_group_words`` and
-  ``index_add_``): one program per layer walks its bytes, the running bin (markers, implicit advances) carried from
-  block to block; a decoder calls it once per rank, in rank order, so each element's sum keeps that order.
+  ``index_add_``): tiles of each layer's word bytes, the running bin (markers, implicit advances) a scan in two
+  launches; a decoder calls it once per rank, in rank order, so each element's sum keeps that order.
 
 A program holds ``BINS`` whole bins of one layer (a ``[BINS, LPAD]`` block, ``LPAD`` the group's longest L_T
 rounded up to a power of two), so a bin's maximum and selection are one program's reductions and the grid covers
@@ -30,7 +30,7 @@ from lightning_gradcomp.kernels.triton_launch import launch, tiles
 
 #: elements a program holds at most (whole bins; one bin when L_T is longer)
 ELEMENTS = 2048
-#: payload bytes a decoding program walks at a time
+#: payload bytes a decoding program takes
 BYTES = 1024
 
 
@@ -67,6 +67,16 @@ class Tables:
         self.tiles = tiles(bins, self.bins_per_tile).to(device)
         self.bins = first_bin
         self.slots = first_slot
+        # the decode's tiles: each layer's word bytes at most (a word per element, a marker per bin), BYTES each;
+        # those past a rank's actual bytes do nothing
+        self.byte_block = BYTES
+        word_tiles = tiles([w * (n + nb) for n, nb, w in zip(numels, bins, word_bytes)], BYTES)
+        first_tile = torch.zeros(len(numels), dtype=torch.int64)
+        per_layer = torch.bincount(word_tiles[:, 0], minlength=len(numels))
+        first_tile[1:] = per_layer.cumsum(0)[:-1]
+        self.word_tiles = word_tiles.to(device)
+        #: int64 ``[word tiles]``: the first word tile of each tile's layer
+        self.first_word_tile = first_tile[word_tiles[:, 0]].to(device)
 
 
 def _launch(kernel: object, tables: Tables, *args: object, **constants: object) -> None:
@@ -108,9 +118,17 @@ def select(
 
 def decode_add(payload: Tensor, nbytes: Tensor, tables: Tables, out: Tensor) -> Tensor:
     """One rank's payload (uint8, the layers' bytes back to back, ``nbytes`` int64 ``[layers]`` each) decoded and
-    added into the contiguous float32 ``out`` ``[total]``: ``out.index_add_`` of its entries, the rest unchanged."""
+    added into the contiguous float32 ``out`` ``[total]``: ``out.index_add_`` of its entries, the rest unchanged.
+
+    A scan in two launches: each tile's advance of its layer's running bin, their sums before it within the layer
+    (torch ops over tiles), then each tile decoded from there."""
     starts = nbytes.cumsum(0) - nbytes
-    launch(_jit().decode_add_kernel, tables.meta.shape[0], payload, starts, nbytes, tables.meta, out, BLOCK=BYTES)
+    sums = torch.empty(tables.word_tiles.shape[0], dtype=torch.int64, device=out.device)
+    args = (payload, starts, nbytes, tables.meta, tables.word_tiles)
+    launch(_jit().advance_kernel, sums.numel(), *args, sums, BLOCK=tables.byte_block)
+    before = sums.cumsum(0) - sums
+    carry = before - before.index_select(0, tables.first_word_tile)
+    launch(_jit().decode_add_kernel, sums.numel(), *args, carry, out, BLOCK=tables.byte_block)
     return out
 
 
