@@ -146,7 +146,7 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         self._layouts: dict[tuple[object, ...], BinLayout] = {}
         self._kernel_tables: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
         self._triton_tables: dict[tuple[object, ...], triton_adacomp.Tables] = {}
-        #: whether the Triton kernels (:mod:`~lightning_gradcomp.kernels.triton_adacomp`) encode the groups: ``None``
+        #: whether the Triton kernels (:mod:`~lightning_gradcomp.kernels.triton_adacomp`) run the groups: ``None``
         #: chooses at the first group (CUDA with Triton importable); ``True`` forces them (on CPU tensors they need
         #: ``TRITON_INTERPRET=1``: the tests), ``False`` never
         self.triton: Optional[bool] = None
@@ -327,7 +327,8 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         self._triton = None  # chosen again for the device the groups come on
 
     def _uses_triton(self, tensor: Tensor) -> bool:
-        """Whether the Triton kernels encode the groups (chosen at the first group for its device, then kept)."""
+        """Whether the Triton kernels encode and decode the groups (chosen at the first call for its device, then kept
+        until ``setup``)."""
         if self._triton is None:
             self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
         return self._triton
@@ -408,15 +409,16 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         return self._sum_into([packet], out).to(packet.dtype)
 
     def _sum_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        """The ranks' decoded sum written into ``out`` (float32): one kernel call, or rank after rank onto zeros
-        (each rank's entries are distinct positions, the rest adds 0: the dense loop's sums)."""
+        """The ranks' decoded sum written into ``out`` (float32): one compiled kernel call (CPU), or rank after rank
+        onto zeros by the Triton decode or the torch ops (each rank's entries are distinct positions, the rest adds 0:
+        the dense loop's sums)."""
         segments = packets[0].segments
         if self._kernels(out.device) is not None and out.is_contiguous():
             sizes = [torch.as_tensor(p.layer_nbytes, dtype=torch.int64) for p in packets]
             args = self._kernel_args(segments, self._bin_sizes(segments))
             return kernels.adacomp_group_decode_sum([p.payload for p in packets], sizes, *args, out=out)
         out.zero_()
-        if self._uses_triton(out) and out.is_contiguous():  # one launch per rank
+        if self._uses_triton(out) and out.is_contiguous():  # two launches per rank, in rank order
             tables = self._tables(segments, out.device, self._bin_sizes(segments))
             for packet in packets:
                 nbytes = torch.as_tensor(packet.layer_nbytes, dtype=torch.int64, device=out.device)
