@@ -314,6 +314,63 @@ def graddrop_cases(n: int, world: int, device: torch.device) -> list[tuple[str, 
     return [(f"graddrop group {what}", lambda fn=fn: fn(True), lambda fn=fn: fn(False)) for what, fn in cases]
 
 
+#: AdaComp's group rows (the issue's target for a sparse selection: 30 % of the device's copy bandwidth)
+ADACOMP_TARGETS = {"adacomp group compress": (0.30, "mem"), "adacomp group mean x4 into out": (0.30, "mem")}
+TARGETS.update(ADACOMP_TARGETS)
+
+
+def adacomp_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
+    """(name, torch ops, group kernels) closures of AdaComp's batched path on a group of layers of ``n`` elements
+    (convolutions, L_T 50, and matrices, L_T 500).
+
+    The group kernels are the device's: the compiled C++ on the CPU, Triton on CUDA (``kernels/triton_adacomp.py``;
+    torch ops when Triton is not installed). "compress" is the bin maxima, selection and encode of the paper's wire
+    (the fresh gradient observed first, as the hook does); "decode" the payload decoded into a new tensor (what
+    ``sent_flat`` runs); the mean decodes ``world`` payloads from the rows of one gathered buffer into ``out``.
+    """
+    from lightning_gradcomp import kernels
+    from lightning_gradcomp.compressors import AdaComp
+    from lightning_gradcomp.segments import Segments
+
+    shapes = [(size // 9, 1, 3, 3) if i % 2 else (size,) for i, (size,) in enumerate(group_shapes(n))]
+    seg = Segments([f"layer{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes])
+    gen = torch.Generator().manual_seed(0)
+    dw = torch.randn(seg.total, generator=gen).to(device)
+    g = dw + torch.randn(seg.total, generator=gen).to(device)  # the gradient plus a residue
+    out = torch.empty(seg.total, device=device)
+
+    def compressor(reference: bool) -> AdaComp:
+        comp = AdaComp(backend="fused")
+        comp.setup(0, world, device)
+        comp.triton = False if reference else None  # None: the device's choice
+        return comp
+
+    pair = {reference: compressor(reference) for reference in (True, False)}
+
+    def compress(r: bool) -> Any:
+        pair[r].observe_gradient_flat(dw, seg)
+        return pair[r].compress_flat(g, seg)
+
+    def run(r: bool, fn: Callable[[bool], Any]) -> Callable[[], Any]:
+        def timed() -> Any:
+            if not r:
+                return fn(r)
+            with kernels.torch_ops():  # the compiled CPU kernels off too
+                return fn(r)
+
+        return timed
+
+    packets = {r: run(r, compress)() for r in pair}
+    gathered = {r: p.payload.repeat(world, 1) for r, p in packets.items()}  # one row per rank
+    received = {r: [p.with_payload(gathered[r][k]) for k in range(world)] for r, p in packets.items()}
+    rows: list[tuple[str, Callable[[bool], Any]]] = [
+        ("compress", compress),
+        ("decode", lambda r: pair[r].decompress_flat(packets[r])),
+        (f"mean x{world} into out", lambda r: pair[r].decompress_flat_mean_into(received[r], out)),
+    ]
+    return [(f"adacomp group {what}", run(True, fn), run(False, fn)) for what, fn in rows]
+
+
 def compile_seconds(cached: bool) -> tuple[Optional[float], str]:
     """Seconds to compile (fresh extension dir) or load (cached) the CPU kernels in this process."""
     if not cached:
@@ -363,6 +420,7 @@ def main() -> None:
         src = torch.randn(n, device=device)
         cases = kernel_cases(n, args.world, device) + group_cases(n, args.world, device)
         cases += graddrop_cases(n, args.world, device)
+        cases += adacomp_cases(n, args.world, device)
         for name, ref, fused in cases:
             if args.only and not name.startswith(tuple(args.only.split(","))):
                 continue

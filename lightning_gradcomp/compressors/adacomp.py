@@ -40,12 +40,14 @@ from lightning_gradcomp.compressors.adacomp_flat import (
     BinLayout,
     bin_mean,
     decode_group_words,
+    encode_group_kernels,
     encode_group_words,
     select_bins,
 )
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp, FusedSumCompressor, decode_sum
+from lightning_gradcomp.kernels import triton_adacomp, triton_launch
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.sparse import (
     bin_word_bits,
@@ -143,6 +145,12 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         self._flat_gradients: dict[tuple[str, ...], Tensor] = {}
         self._layouts: dict[tuple[object, ...], BinLayout] = {}
         self._kernel_tables: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
+        self._triton_tables: dict[tuple[object, ...], triton_adacomp.Tables] = {}
+        #: whether the Triton kernels (:mod:`~lightning_gradcomp.kernels.triton_adacomp`) run the groups: ``None``
+        #: chooses at the first group (CUDA with Triton importable); ``True`` forces them (on CPU tensors they need
+        #: ``TRITON_INTERPRET=1``: the tests), ``False`` never
+        self.triton: Optional[bool] = None
+        self._triton: Optional[bool] = None
         #: per parameter name: layer type and L_T, filled at first compression
         self.layer_kinds: dict[str, LayerKind] = {}
         self.layer_bin_sizes: dict[str, int] = {}
@@ -314,6 +322,25 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
             args = self._kernel_tables[key] = (torch.tensor(segments.offsets), torch.tensor(sizes, dtype=torch.int64))
         return args
 
+    def setup(self, rank: int, world_size: int, device: torch.device) -> None:
+        super().setup(rank, world_size, device)
+        self._triton = None  # chosen again for the device the groups come on
+
+    def _uses_triton(self, tensor: Tensor) -> bool:
+        """Whether the Triton kernels encode and decode the groups (chosen at the first call for its device, then kept
+        until ``setup``)."""
+        if self._triton is None:
+            self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
+        return self._triton
+
+    def _tables(self, segments: Segments, device: torch.device, sizes: tuple[int, ...]) -> triton_adacomp.Tables:
+        key = (segments.names, segments.shapes, device, sizes)
+        tables = self._triton_tables.get(key)
+        if tables is None:
+            word_bytes = [bin_word_bits(size) // 8 for size in sizes]
+            tables = self._triton_tables[key] = triton_adacomp.Tables(segments.numels, sizes, word_bytes, device)
+        return tables
+
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return None  # no statistic is shared (and the default would visit every layer to learn it)
 
@@ -344,6 +371,11 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         if fused is not None:  # one kernel call
             payload, nbytes, scale, counts = kernels.adacomp_group_encode(
                 g, fused.look_ahead(g, dw), *self._kernel_args(segments, sizes), ternary
+            )
+        elif segments.total and self._uses_triton(g):  # four launches (bin maxima, selection, compaction)
+            payload, nbytes, scale, counts = encode_group_kernels(
+                g.contiguous(), dw.contiguous(), self.scale_factor - 1.0, self._layout(segments, device, sizes),
+                self._tables(segments, device, sizes), ternary,
             )
         else:
             layout = self._layout(segments, device, sizes)
@@ -377,14 +409,21 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         return self._sum_into([packet], out).to(packet.dtype)
 
     def _sum_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        """The ranks' decoded sum written into ``out`` (float32): one kernel call, or rank after rank onto zeros
-        (each rank's entries are distinct positions, the rest adds 0: the dense loop's sums)."""
+        """The ranks' decoded sum written into ``out`` (float32): one compiled kernel call (CPU), or rank after rank
+        onto zeros by the Triton decode or the torch ops (each rank's entries are distinct positions, the rest adds 0:
+        the dense loop's sums)."""
         segments = packets[0].segments
         if self._kernels(out.device) is not None and out.is_contiguous():
             sizes = [torch.as_tensor(p.layer_nbytes, dtype=torch.int64) for p in packets]
             args = self._kernel_args(segments, self._bin_sizes(segments))
             return kernels.adacomp_group_decode_sum([p.payload for p in packets], sizes, *args, out=out)
         out.zero_()
+        if self._uses_triton(out) and out.is_contiguous():  # two launches per rank, in rank order
+            tables = self._tables(segments, out.device, self._bin_sizes(segments))
+            for packet in packets:
+                nbytes = torch.as_tensor(packet.layer_nbytes, dtype=torch.int64, device=out.device)
+                triton_adacomp.decode_add(packet.payload.reshape(-1).contiguous(), nbytes, tables, out)
+            return out
         for packet in packets:
             if packet.payload.numel():
                 out.index_add_(0, *self._decode_group(packet))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.kernels import triton_adacomp, triton_compact
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.sparse import CODE_ADVANCE, bin_word_bits
 
@@ -120,21 +121,11 @@ def select_bins(g: Tensor, h: Tensor, layout: BinLayout, segments: Segments, ter
     return send, scale
 
 
-def encode_group_words(
-    g: Tensor, send: Tensor, scale: Tensor, layout: BinLayout, segments: Segments
-) -> tuple[Tensor, Tensor]:
-    """The paper's wire for every layer, back to back, and each layer's bytes (int64 ``[layers]``): per layer with
-    entries, ``[float32 scale][bin-relative words]`` as :func:`~lightning_gradcomp.sparse.encode_bin_relative`
-    writes them (markers included); nothing for a layer without."""
+def bin_markers(has: Tensor, first_off: Tensor, last_off: Tensor, layout: BinLayout) -> tuple[Tensor, Tensor]:
+    """Which bins carry a marker word, and its word (int64 ``[bins]`` each), from which bins send (``has``) and their
+    first and last sent offsets (read only where ``has``)."""
     nbins = layout.bin_layer.numel()
-    ar = torch.arange(nbins, device=g.device)
-    sent = send.to(torch.int64)
-    counts = segments.reduce(sent, "sum")
-    has = sent.new_zeros(nbins).scatter_reduce_(0, layout.bin_ids, sent, "amax", include_self=False) > 0
-    first_off = torch.where(send, layout.in_bin, _BIG)
-    first_off = first_off.new_full((nbins,), _BIG).scatter_reduce_(0, layout.bin_ids, first_off, "amin")
-    last_off = torch.where(send, layout.in_bin, -1)
-    last_off = last_off.new_full((nbins,), -1).scatter_reduce_(0, layout.bin_ids, last_off, "amax")
+    ar = torch.arange(nbins, device=has.device)
     # the decoder's state before each bin: the last non-empty bin of the layer and its last offset, or the
     # layer's start (bin 0, offset -1)
     seen = torch.cummax(torch.where(has, ar, -1), 0).values
@@ -154,20 +145,76 @@ def encode_group_words(
     start = prev_bin.index_select(0, target)
     marker = (upcoming <= layout.last_bin) & needs.index_select(0, target) & (ar > start)
     marker &= (ar - start - 1) % max_advance == 0
-    marker_word = (CODE_ADVANCE << field_bits) | torch.minimum(max_advance, target - ar + 1)
-    markers = counts.new_zeros(len(segments)).scatter_add_(0, layout.bin_layer, marker.to(torch.int64))
-    element_bits = segments.expand(layout.field_bits)
-    entry_word = ((torch.sign(g).to(torch.int64) + 1) << element_bits) | layout.in_bin
+    return marker, (CODE_ADVANCE << field_bits) | torch.minimum(max_advance, target - ar + 1)
+
+
+def header_words(
+    has: Tensor, first_off: Tensor, last_off: Tensor, counts: Tensor, scale: Tensor, layout: BinLayout
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The words of the slots after the elements' (``layout.slot_index[total:]``: the bins' markers, then each
+    layer's scale halves), whether each is sent, and each layer's bytes (int64 ``[layers]``), given the bins'
+    selection (see :func:`bin_markers`) and each layer's sent count."""
+    marker, marker_word = bin_markers(has, first_off, last_off, layout)
+    markers = counts.new_zeros(counts.numel()).scatter_add_(0, layout.bin_layer, marker.to(torch.int64))
     scale_bits = scale.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     nonempty = counts > 0
-    words = torch.cat((entry_word, marker_word, scale_bits & 0xFFFF, scale_bits >> 16))
-    used = torch.cat((send, marker, nonempty, nonempty))
+    words = torch.cat((marker_word, scale_bits & 0xFFFF, scale_bits >> 16))
+    nbytes = torch.where(nonempty, 4 + layout.word_bytes * (counts + markers), 0)
+    return words, torch.cat((marker, nonempty, nonempty)), nbytes
+
+
+def slot_bytes(words: Tensor, used: Tensor, wide: Tensor) -> tuple[Tensor, Tensor]:
+    """uint8 ``[slots, 2]``: each word's low and high byte, and bool ``[slots, 2]``: which are sent (the high byte of
+    a wide slot only)."""
+    low_high = torch.stack((words & 0xFF, (words >> 8) & 0xFF), dim=1).to(torch.uint8)
+    return low_high, torch.stack((used, used & wide), dim=1)
+
+
+def encode_group_words(
+    g: Tensor, send: Tensor, scale: Tensor, layout: BinLayout, segments: Segments
+) -> tuple[Tensor, Tensor]:
+    """The paper's wire for every layer, back to back, and each layer's bytes (int64 ``[layers]``): per layer with
+    entries, ``[float32 scale][bin-relative words]`` as :func:`~lightning_gradcomp.sparse.encode_bin_relative`
+    writes them (markers included); nothing for a layer without."""
+    nbins = layout.bin_layer.numel()
+    sent = send.to(torch.int64)
+    counts = segments.reduce(sent, "sum")
+    has = sent.new_zeros(nbins).scatter_reduce_(0, layout.bin_ids, sent, "amax", include_self=False) > 0
+    first_off = torch.where(send, layout.in_bin, _BIG)
+    first_off = first_off.new_full((nbins,), _BIG).scatter_reduce_(0, layout.bin_ids, first_off, "amin")
+    last_off = torch.where(send, layout.in_bin, -1)
+    last_off = last_off.new_full((nbins,), -1).scatter_reduce_(0, layout.bin_ids, last_off, "amax")
+    header, header_used, nbytes = header_words(has, first_off, last_off, counts, scale, layout)
+    element_bits = segments.expand(layout.field_bits)
+    entry_word = ((torch.sign(g).to(torch.int64) + 1) << element_bits) | layout.in_bin
+    words = torch.cat((entry_word, header))
+    used = torch.cat((send, header_used))
     slot_words = words.new_zeros(layout.slots).index_copy_(0, layout.slot_index, words)
     slot_used = used.new_zeros(layout.slots).index_copy_(0, layout.slot_index, used)
-    low_high = torch.stack((slot_words & 0xFF, (slot_words >> 8) & 0xFF), dim=1).to(torch.uint8)
-    payload = torch.masked_select(low_high, torch.stack((slot_used, slot_used & layout.wide), dim=1))
-    nbytes = torch.where(nonempty, 4 + layout.word_bytes * (counts + markers), 0)
+    payload = torch.masked_select(*slot_bytes(slot_words, slot_used, layout.wide))
     return payload, nbytes
+
+
+def encode_group_kernels(
+    g: Tensor, dw: Tensor, factor: float, layout: BinLayout, tables: triton_adacomp.Tables, ternary: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`select_bins` then :func:`encode_group_words` by the Triton kernels (:mod:`~lightning_gradcomp.kernels.
+    triton_adacomp`; H = ``g`` + ``factor`` ``dw`` inside them): (payload, bytes, scale, sent count per layer),
+    the same bits. One host read: the payload's size."""
+    gmax = triton_adacomp.bin_maxima(g, tables)
+    scale = bin_mean(gmax, layout.bins)
+    bin_counts, first_off, last_off, words, used = triton_adacomp.select(g, dw, factor, gmax, scale, tables, ternary)
+    counts = bin_counts.new_zeros(layout.bins.numel()).index_add_(0, layout.bin_layer, bin_counts)
+    header, header_used, nbytes = header_words(bin_counts > 0, first_off, last_off, counts, scale, layout)
+    rest = layout.slot_index[g.numel():]
+    header_bytes, header_sent = slot_bytes(header, header_used, layout.wide.index_select(0, rest))
+    words.index_copy_(0, rest, header_bytes)
+    used.index_copy_(0, rest, header_sent.to(torch.uint8))
+    size = int(nbytes.sum())  # the payload's size: the one host read (masked_select's on the torch path)
+    payload = torch.empty(size, dtype=torch.uint8, device=g.device)
+    triton_compact.compact(used.view(-1), words.view(-1), torch.empty(size, dtype=torch.int32, device=g.device),
+                           payload)
+    return payload, nbytes, scale, counts
 
 
 def decode_group_words(payload: Tensor, nbytes: Tensor, layout: BinLayout) -> tuple[Tensor, Tensor]:
@@ -205,4 +252,7 @@ def decode_group_words(payload: Tensor, nbytes: Tensor, layout: BinLayout) -> tu
     return torch.where(entry, index, 0), torch.where(entry, values, 0.0)
 
 
-__all__ = ["BinLayout", "bin_mean", "decode_group_words", "encode_group_words", "select_bins"]
+__all__ = [
+    "BinLayout", "bin_markers", "bin_mean", "decode_group_words", "encode_group_kernels", "encode_group_words",
+    "header_words", "select_bins", "slot_bytes",
+]
