@@ -297,7 +297,9 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
         return self._flat_settings() and (torch_ops or kernels.fused_available())
 
-    def _batches(self, flat: Tensor) -> bool:
+    def batch_on(self, flat: Tensor, segments: Segments) -> bool:
+        """Batched for the settings of :meth:`_flat_settings` and float32 gradients, on every backend (the compiled
+        kernels' group call on the CPU, torch ops or Triton on CUDA)."""
         return self._flat_settings() and flat.dtype == torch.float32
 
     def _bin_sizes(self, segments: Segments) -> tuple[int, ...]:
@@ -345,13 +347,13 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         return None  # no statistic is shared (and the default would visit every layer to learn it)
 
     def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
-        if self._batches(flat):
+        if self.batch_on(flat, segments):
             self._flat_gradients[segments.names] = flat
         else:
             super().observe_gradient_flat(flat, segments)
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        if not self._batches(flat):
+        if not self.batch_on(flat, segments):
             return super().compress_flat(flat, segments, shared)
         dw = self._flat_gradients.pop(segments.names, None)
         if dw is None:

@@ -348,10 +348,11 @@ class Compressor(ABC):
     #: the path a GPU runs.
     batch_on_cpu: bool = True
 
-    def batch_on(self, device: torch.device) -> bool:
-        """Whether :meth:`compress_flat` takes the batched path for a group on ``device`` (the decoders follow the
-        packet: a looping packet carries its per-layer packets)."""
-        return self.batched and (device.type != "cpu" or self.batch_on_cpu)
+    def batch_on(self, flat: Tensor, segments: Segments) -> bool:
+        """Whether :meth:`compress_flat` takes the batched path for the group ``segments`` of ``flat`` (its device,
+        dtype, size): the one place a compressor decides it. The decoders follow the packet: a looping packet
+        carries its per-layer packets. Default: :attr:`batched`, on a CPU only with :attr:`batch_on_cpu`."""
+        return self.batched and (flat.device.type != "cpu" or self.batch_on_cpu)
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         """The group's local statistics (:meth:`local_statistic` of every layer) as one vector, or ``None``."""

@@ -508,7 +508,9 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
         return self._flat_settings() and (torch_ops or kernels.fused_available())
 
-    def _batches(self, flat: Tensor, segments: Segments) -> bool:
+    def batch_on(self, flat: Tensor, segments: Segments) -> bool:
+        """Batched for the settings of :meth:`_flat_settings`, float32 gradients and groups whose positions fit the
+        int32 indices, on every backend (the compiled kernels' group calls on the CPU, torch ops or Triton on CUDA)."""
         return (
             self._flat_settings() and flat.dtype == torch.float32
             and segments.total < 2**31  # group indices travel as int32
@@ -561,7 +563,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         return None  # no statistic is shared (and the default would visit every layer to learn it)
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        if not self._batches(flat, segments):
+        if not self.batch_on(flat, segments):
             return super().compress_flat(flat, segments, shared)
         x = flat.detach()
         device = x.device

@@ -371,27 +371,27 @@ class TernGrad(KernelBacked[FusedTernGrad]):
     def batched(self) -> bool:  # type: ignore[override]
         """Whether the ``*_flat`` methods run a fixed number of ops per group (torch ops, or one call of the compiled
         kernels per group): everywhere but the torch backend on the CPU, which keeps the per-layer ``torch.Generator``
-        reference (see :meth:`_loops`). Before ``setup``: as on a CPU, ``"auto"`` counted as fused."""
+        reference (see :meth:`batch_on`). Before ``setup``: as on a CPU, ``"auto"`` counted as fused."""
         chosen = self.chosen_backend or ("torch" if self.backend == "torch" else "fused")
         return chosen == "fused" or self._device_type not in (None, "cpu")
 
-    def _loops(self, flat: Tensor) -> bool:
-        """Whether ``flat``'s group takes the default loop over layers: the torch backend on the CPU, where the
-        counter-based stream in torch ops (int64 hashing, ~30 passes) costs an order of magnitude more per element
-        than ``torch.rand`` and an op's dispatch costs little; elsewhere (CUDA) every op is a kernel launch."""
-        return flat.device.type == "cpu" and self._kernels(flat.device) is None
+    def batch_on(self, flat: Tensor, segments: Segments) -> bool:
+        """Batched everywhere but with the torch backend on the CPU, which takes the default loop over layers: there
+        the counter-based stream in torch ops (int64 hashing, ~30 passes) costs an order of magnitude more per
+        element than ``torch.rand`` and an op's dispatch costs little; elsewhere (CUDA) every op is a kernel launch."""
+        return flat.device.type != "cpu" or self._kernels(flat.device) is not None
 
     def _native(self, flat: Tensor) -> Optional[ModuleType]:
         """The compiled CPU kernels when the fused backend runs ``flat``'s group with them, else ``None`` (torch ops)."""
         return extension_for(flat) if self._kernels(flat.device) is not None else None
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
-        if self._loops(flat):
+        if not self.batch_on(flat, segments):
             return super().flat_statistic(flat, segments)
         return self._flat.statistic(flat, segments)
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        if self._loops(flat):
+        if not self.batch_on(flat, segments):
             return super().compress_flat(flat, segments, shared)
         return self._flat.compress(flat, segments, shared, self.aggregation_for(self.world_size))
 

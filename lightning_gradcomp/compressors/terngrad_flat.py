@@ -21,7 +21,7 @@ decode of the int8 form; the same bits as the torch ops); elsewhere (CUDA withou
 
 ``backend="torch"`` draws from one ``torch.Generator`` per layer, which cannot be batched; off the CPU its batched
 path draws from the counter-based stream instead (on the CPU it keeps the per-layer loop, see
-:meth:`TernGrad._loops`): the same Bernoulli probabilities ``min(|g|, clip) / s`` (a 24-bit uniform against them, the
+:meth:`TernGrad.batch_on`): the same Bernoulli probabilities ``min(|g|, clip) / s`` (a 24-bit uniform against them, the
 resolution of ``torch.rand``) and the same scalers up to float32 rounding of sigma (float64 sums instead of
 ``torch.std``), so the same expectation (unbiased) and variance; different draws.
 

@@ -176,7 +176,7 @@ class TopK(Compressor):
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         """Every sparse layer's ``k`` largest |x| (a per-segment sort, then each segment's first k positions: a
         fixed size, no data-dependent op); ties at the k-th largest are broken by lowest position."""
-        if not self.batch_on(flat.device):
+        if not self.batch_on(flat, segments):
             return Compressor.compress_flat(self, flat, segments, shared)
         layout = self._layout(segments, flat.device)
         x = flat.detach()
@@ -340,7 +340,7 @@ class DGC(TopK):
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         """DGC's selection of every layer (:mod:`~lightning_gradcomp.compressors.dgc_flat`): one ``nonzero`` per
         group; the per-layer sizes stay on the device (``layer_nbytes`` an int64 tensor)."""
-        if not self.batch_on(flat.device):
+        if not self.batch_on(flat, segments):
             return Compressor.compress_flat(self, flat, segments, shared)
         plan = self._plan(segments, flat.device)
         starts = [0] * len(segments)

@@ -201,3 +201,23 @@ def test_a_compressor_that_compressed_a_group_still_pickles_and_deep_copies(name
         compressor.compress_flat(x, seg, compressor.flat_statistic(x, seg))
     assert type(pickle.loads(pickle.dumps(compressor))) is type(compressor)
     assert type(copy.deepcopy(compressor)) is type(compressor)
+
+
+@pytest.mark.parametrize("name", [n for n in registry.compressor_names() if n != "powersgd"])
+@pytest.mark.parametrize("on_cpu", [False, True])
+def test_batch_on_is_the_one_decision_of_a_groups_path(name: str, on_cpu: bool) -> None:
+    """``Compressor.batch_on(flat, segments)`` says which path ``compress_flat`` takes: a looping packet (per-layer
+    packets in ``packet.layers``) exactly when it says no; with ``batch_on_cpu`` forced, the path a GPU runs."""
+    seg = _segments()
+    comp = registry.make_compressor(name)
+    comp.setup(0, 2, torch.device("cpu"))
+    if on_cpu:
+        comp.batch_on_cpu = True
+    x = torch.randn(seg.total, generator=torch.Generator().manual_seed(1))
+    decided = comp.batch_on(x, seg)
+    if comp.uses_memory:
+        comp.observe_gradient_flat(x, seg)
+    packet = comp.compress_flat(x, seg, comp.flat_statistic(x, seg))
+    assert (packet.layers is None) == decided, (name, decided)
+    # every registered compressor has a batched path for float32 groups at its defaults: the path a GPU runs
+    assert decided == (on_cpu or comp.batch_on_cpu), name
