@@ -29,12 +29,15 @@ def compact_kernel(mask_ptr, n, starts_ptr, x_ptr, index_ptr, values_ptr, BLOCK:
 
 
 @triton.jit
-def scatter_add_kernel(index_ptr, values_ptr, count, out_ptr, BLOCK: tl.constexpr):
+def scatter_add_kernel(index_ptr, values_ptr, count, out_ptr, BLOCK: tl.constexpr, ADD: tl.constexpr = True):
     """``out[index[i]] += values[i]`` (in ``out``'s dtype) for ``i < count``; the indices of one call are distinct, so
-    no two programs touch one element and the sum needs no atomics (one call per rank: rank order)."""
+    no two programs touch one element and the sum needs no atomics (one call per rank: rank order). Without ``ADD``:
+    ``out[index[i]] = values[i]`` (``index_copy_``)."""
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = i < count
     at = tl.load(index_ptr + i, mask=valid, other=0).to(tl.int64)
     v = tl.load(values_ptr + i, mask=valid, other=0.0).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + at, tl.load(out_ptr + at, mask=valid, other=0.0) + v, mask=valid)
+    if ADD:
+        v = tl.load(out_ptr + at, mask=valid, other=0.0) + v
+    tl.store(out_ptr + at, v, mask=valid)

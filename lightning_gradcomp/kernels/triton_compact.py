@@ -64,4 +64,12 @@ def scatter_add(index: Tensor, values: Tensor, out: Tensor) -> Tensor:
     return out
 
 
-__all__ = ["BLOCK", "compact", "scatter_add", "tile_counts"]
+def scatter(index: Tensor, values: Tensor, out: Tensor) -> Tensor:
+    """``out.index_copy_(0, index, values.to(out.dtype))`` for distinct ``index`` (int32 or int64) into a contiguous
+    ``out``, with the conversion fused (a sparse decoder's ``sent``: each value copied, ``-0.0`` kept)."""
+    launch(_jit().scatter_add_kernel, programs(index.numel(), BLOCK), index, values, index.numel(), out, BLOCK=BLOCK,
+           ADD=False)
+    return out
+
+
+__all__ = ["BLOCK", "compact", "scatter", "scatter_add", "tile_counts"]

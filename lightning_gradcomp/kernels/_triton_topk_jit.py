@@ -1,0 +1,101 @@
+"""The Triton bodies of :mod:`lightning_gradcomp.kernels.triton_topk` (that module's docstring says what they compute
+and which torch ops they match; imported only by it, once Triton is known to import; parameters carry Triton's
+annotations, see ``_triton_terngrad_jit``).
+
+Every kernel runs one program per tile, a row ``(layer, start)`` of an int64 ``[tiles, 2]`` table (``BLOCK``
+elements of one layer); a layer's row of the int64 ``[layers, 3]`` table holds its flat offset, numel and first tile.
+
+Elements are ranked by an int32 *key* of their magnitude: ``|x|``'s bits (sign cleared; non-negative floats order as
+their bits do), every NaN one key (above +inf with ``NAN_FIRST``, as a descending sort puts NaN first; else below
++0.0, as DGC's exact top-k ranks NaN as -1). The k-th largest key of each layer is found by a radix select over
+the key's 4 bytes, from the top: pass ``p`` histograms (256 bins per layer, integer atomics: the same counts in
+any order) the ``p``-th byte of the keys whose higher bytes are the ones chosen so far; every later kernel redoes
+the choice from the histograms (``_resolve``: 4 x 256 integers per program), so no launch is spent on it.
+"""
+
+import triton
+import triton.language as tl
+
+BINS = tl.constexpr(256)
+#: the largest magnitude key (+inf's bits) and NaN's keys in either order
+INF_KEY = tl.constexpr(0x7F800000)
+
+
+@triton.jit
+def _tile(tiles_ptr, meta_ptr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    layer = tl.load(tiles_ptr + 2 * pid)
+    start = tl.load(tiles_ptr + 2 * pid + 1)
+    offset = tl.load(meta_ptr + 3 * layer)
+    numel = tl.load(meta_ptr + 3 * layer + 1)
+    first = tl.load(meta_ptr + 3 * layer + 2)
+    w = start + tl.arange(0, BLOCK)
+    return pid, layer, offset, w, w < numel, first
+
+
+@triton.jit
+def _keys(bits_ptr, offset, w, valid, NAN_FIRST: tl.constexpr):
+    # int32 magnitude keys (see the module's docstring); 0 where not valid
+    b = tl.load(bits_ptr + offset + w, mask=valid, other=0) & 0x7FFFFFFF
+    if NAN_FIRST:
+        return tl.where(b > INF_KEY, INF_KEY + 1, b)
+    else:
+        return tl.where(b > INF_KEY, 0, b + 1)
+
+
+@triton.jit
+def _resolve(hist_ptr, layers, layer, k, PASSES: tl.constexpr):
+    # the high bytes of the layer's k-th largest key chosen by the first PASSES passes, and how many keys with those
+    # bytes the top k still takes (kernels/segmented.kth_largest's choice, per layer)
+    bins = tl.arange(0, BINS)
+    prefix = k * 0
+    remaining = k
+    for q in tl.static_range(PASSES):
+        h = tl.load(hist_ptr + (q * layers + layer) * BINS + bins).to(tl.int64)
+        from_top = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with this byte or a larger one
+        chosen = tl.maximum(tl.sum((from_top >= remaining).to(tl.int64), axis=0) - 1, 0)
+        remaining -= tl.sum(tl.where(bins == chosen, from_top - h, 0), axis=0)
+        prefix = prefix * BINS + chosen
+    return prefix, remaining
+
+
+@triton.jit
+def histogram_kernel(bits_ptr, tiles_ptr, meta_ptr, k_ptr, hist_ptr, layers, PASS: tl.constexpr,
+                     NAN_FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    """Radix pass ``PASS``: each tile's histogram of the ``PASS``-th key byte (from the top) of its keys that share
+    the bytes chosen so far, added into its layer's 256 bins of ``hist[PASS]``."""
+    pid, layer, offset, w, valid, first = _tile(tiles_ptr, meta_ptr, BLOCK)
+    key = _keys(bits_ptr, offset, w, valid, NAN_FIRST)
+    if PASS > 0:
+        prefix, remaining = _resolve(hist_ptr, layers, layer, tl.load(k_ptr + layer), PASS)
+        valid = valid & ((key >> (32 - 8 * PASS)).to(tl.int64) == prefix)
+    digit = tl.where(valid, (key >> (24 - 8 * PASS)) & 0xFF, 0)
+    # the elements left out went to bin 0: take them out again
+    left_out = tl.sum((~valid).to(tl.int32), axis=0)
+    h = tl.histogram(digit, BINS) - tl.where(tl.arange(0, BINS) == 0, left_out, 0)
+    tl.atomic_add(hist_ptr + (PASS * layers + layer) * BINS + tl.arange(0, BINS), h, mask=h != 0)
+
+
+@triton.jit
+def ties_kernel(bits_ptr, tiles_ptr, meta_ptr, k_ptr, hist_ptr, layers, ties_ptr, NAN_FIRST: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """How many keys of each tile equal their layer's k-th largest key (int64 per tile)."""
+    pid, layer, offset, w, valid, first = _tile(tiles_ptr, meta_ptr, BLOCK)
+    key = _keys(bits_ptr, offset, w, valid, NAN_FIRST)
+    kth, remaining = _resolve(hist_ptr, layers, layer, tl.load(k_ptr + layer), 4)
+    tl.store(ties_ptr + pid, tl.sum((valid & (key.to(tl.int64) == kth)).to(tl.int64), axis=0))
+
+
+@triton.jit
+def mark_kernel(bits_ptr, tiles_ptr, meta_ptr, k_ptr, hist_ptr, layers, before_ptr, mask_ptr,
+                NAN_FIRST: tl.constexpr, BLOCK: tl.constexpr):
+    """``mask`` = 1 where a layer's top k takes the element: its key above the k-th largest, or equal to it and among
+    the first ``remaining`` such by position (``before[tile]``: how many equal keys the tiles before it hold, counted
+    over the whole group: less the layer's first tile's, within the layer)."""
+    pid, layer, offset, w, valid, first = _tile(tiles_ptr, meta_ptr, BLOCK)
+    key = _keys(bits_ptr, offset, w, valid, NAN_FIRST).to(tl.int64)
+    kth, remaining = _resolve(hist_ptr, layers, layer, tl.load(k_ptr + layer), 4)
+    tie = (valid & (key == kth)).to(tl.int64)
+    rank = tl.load(before_ptr + pid) - tl.load(before_ptr + first) + tl.cumsum(tie, axis=0) - tie
+    keep = valid & ((key > kth) | ((tie != 0) & (rank < remaining)))
+    tl.store(mask_ptr + offset + w, keep.to(tl.uint8), mask=valid)
