@@ -29,7 +29,7 @@ def compact_kernel(mask_ptr, n, starts_ptr, x_ptr, index_ptr, values_ptr, BLOCK:
 
 
 @triton.jit
-def scatter_add_kernel(index_ptr, values_ptr, count, out_ptr, BLOCK: tl.constexpr, ADD: tl.constexpr = True):
+def scatter_add_kernel(index_ptr, values_ptr, count, out_ptr, BLOCK: tl.constexpr, ADD: tl.constexpr):
     """``out[index[i]] += values[i]`` (in ``out``'s dtype) for ``i < count``; the indices of one call are distinct, so
     no two programs touch one element and the sum needs no atomics (one call per rank: rank order). Without ``ADD``:
     ``out[index[i]] = values[i]`` (``index_copy_``)."""

@@ -9,8 +9,9 @@ Elements are ranked by an int32 *key* of their magnitude: ``|x|``'s bits (sign c
 their bits do), every NaN one key (above +inf with ``NAN_FIRST``, as a descending sort puts NaN first; else below
 +0.0, as DGC's exact top-k ranks NaN as -1). The k-th largest key of each layer is found by a radix select over
 the key's 4 bytes, from the top: pass ``p`` histograms (256 bins per layer, integer atomics: the same counts in
-any order) the ``p``-th byte of the keys whose higher bytes are the ones chosen so far; every later kernel redoes
-the choice from the histograms (``_resolve``: 4 x 256 integers per program), so no launch is spent on it.
+any order) the ``p``-th byte of the keys whose higher bytes are the ones chosen so far, then one program per layer
+chooses the byte (``choose_kernel``; the state, int64 ``[layers, 2]``: the bytes chosen so far and how many keys
+with them the top k still takes; after 4 passes: the k-th largest key and how many of its ties are taken).
 """
 
 import triton
@@ -44,31 +45,36 @@ def _keys(bits_ptr, offset, w, valid, NAN_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _resolve(hist_ptr, layers, layer, k, PASSES: tl.constexpr):
-    # the high bytes of the layer's k-th largest key chosen by the first PASSES passes, and how many keys with those
-    # bytes the top k still takes (kernels/segmented.kth_largest's choice, per layer)
-    bins = tl.arange(0, BINS)
-    prefix = k * 0
-    remaining = k
-    for q in tl.static_range(PASSES):
-        h = tl.load(hist_ptr + (q * layers + layer) * BINS + bins).to(tl.int64)
-        from_top = tl.sum(h, axis=0) - tl.cumsum(h, axis=0) + h  # keys with this byte or a larger one
-        chosen = tl.maximum(tl.sum((from_top >= remaining).to(tl.int64), axis=0) - 1, 0)
-        remaining -= tl.sum(tl.where(bins == chosen, from_top - h, 0), axis=0)
-        prefix = prefix * BINS + chosen
-    return prefix, remaining
+def choose_kernel(hist_ptr, k_ptr, state_ptr, layers, PASS: tl.constexpr, ROWS: tl.constexpr):
+    """``ROWS`` layers per program, after radix pass ``PASS``: the byte of each layer's k-th largest key this pass
+    found (the largest whose count of keys from the top reaches the k still wanted), appended to ``state``'s prefix,
+    and how many keys with that prefix the top k still takes (``kernels/segmented.kth_largest``'s choice)."""
+    layer = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    valid = layer < layers
+    if PASS == 0:
+        remaining = tl.load(k_ptr + layer, mask=valid, other=0)
+        prefix = remaining * 0
+    else:
+        prefix = tl.load(state_ptr + 2 * layer, mask=valid, other=0)
+        remaining = tl.load(state_ptr + 2 * layer + 1, mask=valid, other=0)
+    bins = tl.arange(0, BINS)[None, :]
+    h = tl.load(hist_ptr + (PASS * layers + layer[:, None]) * BINS + bins, mask=valid[:, None], other=0).to(tl.int64)
+    from_top = tl.sum(h, axis=1)[:, None] - tl.cumsum(h, axis=1) + h  # keys with this byte or a larger one
+    chosen = tl.maximum(tl.sum((from_top >= remaining[:, None]).to(tl.int64), axis=1) - 1, 0)
+    above = tl.sum(tl.where(bins == chosen[:, None], from_top - h, 0), axis=1)
+    tl.store(state_ptr + 2 * layer + 1, remaining - above, mask=valid)
+    tl.store(state_ptr + 2 * layer, prefix * BINS + chosen, mask=valid)
 
 
 @triton.jit
-def histogram_kernel(bits_ptr, tiles_ptr, meta_ptr, k_ptr, hist_ptr, layers, PASS: tl.constexpr,
+def histogram_kernel(bits_ptr, tiles_ptr, meta_ptr, state_ptr, hist_ptr, layers, PASS: tl.constexpr,
                      NAN_FIRST: tl.constexpr, BLOCK: tl.constexpr):
     """Radix pass ``PASS``: each tile's histogram of the ``PASS``-th key byte (from the top) of its keys that share
     the bytes chosen so far, added into its layer's 256 bins of ``hist[PASS]``."""
     pid, layer, offset, w, valid, first = _tile(tiles_ptr, meta_ptr, BLOCK)
     key = _keys(bits_ptr, offset, w, valid, NAN_FIRST)
     if PASS > 0:
-        prefix, remaining = _resolve(hist_ptr, layers, layer, tl.load(k_ptr + layer), PASS)
-        valid = valid & ((key >> (32 - 8 * PASS)).to(tl.int64) == prefix)
+        valid = valid & ((key >> (32 - 8 * PASS)).to(tl.int64) == tl.load(state_ptr + 2 * layer))
     digit = tl.where(valid, (key >> (24 - 8 * PASS)) & 0xFF, 0)
     # the elements left out went to bin 0: take them out again
     left_out = tl.sum((~valid).to(tl.int32), axis=0)
@@ -77,24 +83,24 @@ def histogram_kernel(bits_ptr, tiles_ptr, meta_ptr, k_ptr, hist_ptr, layers, PAS
 
 
 @triton.jit
-def ties_kernel(bits_ptr, tiles_ptr, meta_ptr, k_ptr, hist_ptr, layers, ties_ptr, NAN_FIRST: tl.constexpr,
-                BLOCK: tl.constexpr):
+def ties_kernel(bits_ptr, tiles_ptr, meta_ptr, state_ptr, ties_ptr, NAN_FIRST: tl.constexpr, BLOCK: tl.constexpr):
     """How many keys of each tile equal their layer's k-th largest key (int64 per tile)."""
     pid, layer, offset, w, valid, first = _tile(tiles_ptr, meta_ptr, BLOCK)
     key = _keys(bits_ptr, offset, w, valid, NAN_FIRST)
-    kth, remaining = _resolve(hist_ptr, layers, layer, tl.load(k_ptr + layer), 4)
+    kth = tl.load(state_ptr + 2 * layer)
     tl.store(ties_ptr + pid, tl.sum((valid & (key.to(tl.int64) == kth)).to(tl.int64), axis=0))
 
 
 @triton.jit
-def mark_kernel(bits_ptr, tiles_ptr, meta_ptr, k_ptr, hist_ptr, layers, before_ptr, mask_ptr,
-                NAN_FIRST: tl.constexpr, BLOCK: tl.constexpr):
+def mark_kernel(bits_ptr, tiles_ptr, meta_ptr, state_ptr, before_ptr, mask_ptr, NAN_FIRST: tl.constexpr,
+                BLOCK: tl.constexpr):
     """``mask`` = 1 where a layer's top k takes the element: its key above the k-th largest, or equal to it and among
     the first ``remaining`` such by position (``before[tile]``: how many equal keys the tiles before it hold, counted
     over the whole group: less the layer's first tile's, within the layer)."""
     pid, layer, offset, w, valid, first = _tile(tiles_ptr, meta_ptr, BLOCK)
     key = _keys(bits_ptr, offset, w, valid, NAN_FIRST).to(tl.int64)
-    kth, remaining = _resolve(hist_ptr, layers, layer, tl.load(k_ptr + layer), 4)
+    kth = tl.load(state_ptr + 2 * layer)
+    remaining = tl.load(state_ptr + 2 * layer + 1)
     tie = (valid & (key == kth)).to(tl.int64)
     rank = tl.load(before_ptr + pid) - tl.load(before_ptr + first) + tl.cumsum(tie, axis=0) - tie
     keep = valid & ((key > kth) | ((tie != 0) & (rank < remaining)))

@@ -60,7 +60,8 @@ def scatter_add(index: Tensor, values: Tensor, out: Tensor) -> Tensor:
     """``out.index_add_(0, index, values.to(out.dtype))`` for distinct ``index`` (int32 or int64) into a contiguous
     ``out``, with the conversion fused: what a sparse decoder runs once per rank, in rank order, so every element's
     sum over ranks is added in that order (no float atomics)."""
-    launch(_jit().scatter_add_kernel, programs(index.numel(), BLOCK), index, values, index.numel(), out, BLOCK=BLOCK)
+    launch(_jit().scatter_add_kernel, programs(index.numel(), BLOCK), index, values, index.numel(), out, BLOCK=BLOCK,
+           ADD=True)
     return out
 
 

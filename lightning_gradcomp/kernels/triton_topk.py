@@ -1,5 +1,5 @@
 """Top-k's exact per-layer selection for CUDA in Triton: every layer's ``k`` largest ``|x|`` of a group in a fixed
-number of launches (6), whatever the number of layers, with no host read.
+number of launches (10), whatever the number of layers, with no host read.
 
 What :meth:`TopK.compress_flat <lightning_gradcomp.compressors.TopK.compress_flat>`'s torch ops select (a segmented
 stable sort of ``|x|``, descending, then each layer's first ``k``): the same set, ties at the k-th largest broken by
@@ -7,7 +7,7 @@ the lowest position, NaN above +inf (as the descending sort puts it):
 
 * :func:`kth_largest`: 4 radix passes (``histogram_kernel``), one per byte of the magnitude key from the top, each a
   256-bin histogram per layer made by integer atomics (their counts are the same whatever order the atomics land
-  in), instead of the two sorts of the whole group;
+  in) then the byte chosen by a program per 16 layers (``choose_kernel``), instead of the two sorts of the group;
 * :func:`mark`: ``ties_kernel`` counts per tile the keys equal to the layer's k-th largest, one ``cumsum`` places
   the tiles, and ``mark_kernel`` writes the selection mask (above the k-th, or among the first ties by position).
 
@@ -25,12 +25,14 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.kernels.triton_launch import launch, tiles
+from lightning_gradcomp.kernels.triton_launch import launch, programs, tiles
 
 #: elements per program
 BLOCK = 1024
 _PASSES = 4
 _BINS = 256
+#: layers per program of the byte choice
+_ROWS = 16
 
 
 @functools.cache
@@ -73,8 +75,8 @@ def _run(kernel: object, tables: SelectTables, *args: object, **constants: objec
 
 
 def kth_largest(x: Tensor, tables: SelectTables, nan_first: bool = True) -> Tensor:
-    """The radix passes over the float32 ``x`` (``[total]``, contiguous): int32 ``[4, layers, 256]`` histograms, from
-    which the later kernels read each layer's k-th largest magnitude (see ``_triton_topk_jit``).
+    """The radix select over the float32 ``x`` (``[total]``, contiguous): int64 ``[layers, 2]``, each layer's k-th
+    largest magnitude key and how many keys equal to it its top k takes (see ``_triton_topk_jit``).
 
     Args:
         x: the group's values.
@@ -83,22 +85,24 @@ def kth_largest(x: Tensor, tables: SelectTables, nan_first: bool = True) -> Tens
     """
     bits = x.view(torch.int32)
     hist = torch.zeros(_PASSES, tables.layers, _BINS, dtype=torch.int32, device=x.device)
+    state = torch.empty(tables.layers, 2, dtype=torch.int64, device=x.device)
     for p in range(_PASSES):
-        _run(_jit().histogram_kernel, tables, bits, tables.tiles, tables.meta, tables.k, hist, tables.layers,
+        _run(_jit().histogram_kernel, tables, bits, tables.tiles, tables.meta, state, hist, tables.layers,
              PASS=p, NAN_FIRST=nan_first, BLOCK=BLOCK)
-    return hist
+        launch(_jit().choose_kernel, programs(tables.layers, _ROWS), hist, tables.k, state, tables.layers, PASS=p,
+               ROWS=_ROWS)
+    return state
 
 
-def mark(x: Tensor, tables: SelectTables, hist: Tensor, mask: Tensor, nan_first: bool = True) -> Tensor:
+def mark(x: Tensor, tables: SelectTables, state: Tensor, mask: Tensor, nan_first: bool = True) -> Tensor:
     """Set ``mask`` (uint8 ``[total]``, zeros where no layer selects) to 1 at each layer's top ``k`` of ``|x|``
-    (ties broken by the lowest position), given :func:`kth_largest`'s histograms."""
+    (ties broken by the lowest position), given :func:`kth_largest`'s state."""
     bits = x.view(torch.int32)
     ties = torch.empty(tables.tiles.shape[0], dtype=torch.int64, device=x.device)
-    _run(_jit().ties_kernel, tables, bits, tables.tiles, tables.meta, tables.k, hist, tables.layers, ties,
-         NAN_FIRST=nan_first, BLOCK=BLOCK)
+    _run(_jit().ties_kernel, tables, bits, tables.tiles, tables.meta, state, ties, NAN_FIRST=nan_first, BLOCK=BLOCK)
     before = ties.cumsum(0) - ties
-    _run(_jit().mark_kernel, tables, bits, tables.tiles, tables.meta, tables.k, hist, tables.layers, before, mask,
-         NAN_FIRST=nan_first, BLOCK=BLOCK)
+    _run(_jit().mark_kernel, tables, bits, tables.tiles, tables.meta, state, before, mask, NAN_FIRST=nan_first,
+         BLOCK=BLOCK)
     return mask
 
 

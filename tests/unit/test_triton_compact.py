@@ -1,5 +1,5 @@
 """Stream compaction in Triton (lightning_gradcomp/kernels/triton_compact.py) against torch.nonzero and
-index_select (and its inverse against index_add_), in Triton's interpreter (tests/triton_interpreter.py), and compiled for an sm_90 GPU."""
+index_select (and its inverses against index_add_ and index_copy_), in Triton's interpreter (tests/triton_interpreter.py), and compiled for an sm_90 GPU."""
 
 import json
 from collections.abc import Callable
@@ -54,6 +54,12 @@ def _scatter(dtype: torch.dtype, index_dtype: torch.dtype) -> None:
     assert torch.equal(out, expected)
     empty = torch.zeros(0, dtype=index_dtype)
     assert torch.equal(triton_compact.scatter_add(empty, torch.zeros(0, dtype=dtype), out), expected)
+    # the copy: index_copy_, -0.0 kept (an add into +0.0 would give +0.0)
+    index = torch.randperm(3000, generator=gen)[:1100].to(index_dtype)
+    values = torch.randn(1100, generator=gen).to(dtype)
+    values[:5] = -0.0
+    expected.index_copy_(0, index.long(), values.to(torch.float32))
+    assert torch.equal(triton_compact.scatter(index, values, out).view(torch.int32), expected.view(torch.int32))
 
 
 CASES: dict[str, Callable[[], None]] = {
@@ -84,8 +90,9 @@ def _compile_all() -> None:
         "count": (jit.count_kernel, {"mask_ptr": "*u8", "n": "i64", "counts_ptr": "*i64"}, {"BLOCK": 1024}),
         "compact": (jit.compact_kernel, {"mask_ptr": "*u8", "n": "i64", "starts_ptr": "*i64", "x_ptr": "*fp32",
                                          "index_ptr": "*i32", "values_ptr": "*fp16"}, {"BLOCK": 1024}),
-        "scatter-add": (jit.scatter_add_kernel, {"index_ptr": "*i32", "values_ptr": "*fp16", "count": "i64",
-                                                 "out_ptr": "*fp32"}, {"BLOCK": 1024}),
+        **{name: (jit.scatter_add_kernel, {"index_ptr": "*i32", "values_ptr": "*fp16", "count": "i64",
+                                           "out_ptr": "*fp32"}, {"BLOCK": 1024, "ADD": add})
+           for name, add in (("scatter-add", True), ("scatter", False))},
     })))
 
 
@@ -94,5 +101,5 @@ def test_compaction_kernels_compile_for_a_hopper_gpu(tmp_path: Path) -> None:
     report = run_subprocess(
         "from tests.unit.test_triton_compact import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
     )
-    assert set(report) == {"count", "compact", "scatter-add"} and all(r["cubin"] > 0 for r in report.values())
+    assert set(report) == {"count", "compact", "scatter-add", "scatter"} and all(r["cubin"] > 0 for r in report.values())
     assert all(r["fma."] == 0 for r in report.values())
