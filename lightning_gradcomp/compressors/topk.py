@@ -359,7 +359,8 @@ class DGC(TopK):
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         """DGC's selection of every layer (:mod:`~lightning_gradcomp.compressors.dgc_flat`): one ``nonzero`` per
-        group; the per-layer sizes stay on the device (``layer_nbytes`` an int64 tensor)."""
+        group (with Triton, :meth:`uses_triton`: kernels, and one read of the selected count); the per-layer sizes
+        stay on the device (``layer_nbytes`` an int64 tensor)."""
         if not self.batch_on(flat.device):
             return Compressor.compress_flat(self, flat, segments, shared)
         plan = self._plan(segments, flat.device)
@@ -367,9 +368,15 @@ class DGC(TopK):
         for i in plan.drawn:
             starts[i] = self._start(segments.names[i], plan.strides[i])
         x = flat.detach()
-        indices, sent = dgc_flat.select(plan, x.abs(), starts)
         layout = plan.layout
-        return FlatPacket(topk_flat.encode(x, layout, indices), segments, flat.dtype,
+        if self.uses_triton(x):
+            x = x.float().contiguous()
+            mask, sent = dgc_flat.select_mask(plan, x, starts)
+            payload = topk_flat.encode_mask(x, layout, mask)
+        else:
+            indices, sent = dgc_flat.select(plan, x, starts)
+            payload = topk_flat.encode(x, layout, indices)
+        return FlatPacket(payload, segments, flat.dtype,
                           topk_flat.sent_nbytes(layout, sent), ctx={"layout": layout},
                           stats={"density": topk_flat.density(layout, sent)})
 

@@ -165,15 +165,27 @@ def encode(flat: Tensor, layout: SparseLayout, indices: Tensor) -> Tensor:
 
 def encode_top_k(flat: Tensor, layout: SparseLayout) -> Tensor:
     """The fp32 / fp16 group payload of every sparse layer's top ``layout.counts`` of ``|flat|`` by the Triton kernels
-    (:mod:`~lightning_gradcomp.kernels.triton_topk` selects, :func:`~lightning_gradcomp.kernels.triton_compact.compact`
-    writes the indices and values in place): :func:`encode` of the torch path's selection, byte for byte."""
+    (:mod:`~lightning_gradcomp.kernels.triton_topk` selects): :func:`encode` of the torch path's selection, byte for
+    byte, with no host read (the count is known)."""
     x = flat.float().contiguous()
-    dense_bytes, count = 4 * layout.dense_total, layout.selection.total
+    return encode_mask(x, layout, triton_topk.select(x, layout.select_tables()), layout.selection.total)
+
+
+def encode_mask(x: Tensor, layout: SparseLayout, mask: Tensor, count: Optional[int] = None) -> Tensor:
+    """The fp32 / fp16 group payload sending the elements of the float32 contiguous ``x`` that the uint8 ``mask``
+    selects (sparse layers' only), by :func:`~lightning_gradcomp.kernels.triton_compact.compact` writing the indices
+    and values in place: :func:`encode` of ``nonzero(mask)``. ``count``: how many are selected, when known; else it
+    is read from the device (one host read, where ``torch.nonzero`` on CUDA reads it too)."""
+    counts = None
+    if count is None:
+        counts = triton_compact.tile_counts(mask)
+        count = int(counts.sum())
+    dense_bytes = 4 * layout.dense_total
     payload = torch.empty(dense_bytes + (4 + layout.value_nbytes) * count, dtype=torch.uint8, device=x.device)
     torch.index_select(x, 0, layout.dense_index, out=payload[:dense_bytes].view(torch.float32))
-    mask = triton_topk.select(x, layout.select_tables())
     index = payload[dense_bytes : dense_bytes + 4 * count].view(torch.int32)
-    triton_compact.compact(mask, x, index, payload[dense_bytes + 4 * count :].view(_WIRE_DTYPES[layout.value_dtype]))
+    values = payload[dense_bytes + 4 * count :].view(_WIRE_DTYPES[layout.value_dtype])
+    triton_compact.compact(mask, x, index, values, counts)
     return payload
 
 
@@ -270,4 +282,4 @@ def sent_nbytes(layout: SparseLayout, sent: Tensor) -> Tensor:
     return sent * (4 + layout.value_nbytes) + dense
 
 __all__ = ["INT2_HALF_RANGE", "int2_codes", "int2_values", "SparseLayout", "decode", "decode_mean_into", "decode_sent",
-           "density", "encode", "encode_top_k", "sections", "sent_nbytes", "sparse_count"]
+           "density", "encode", "encode_mask", "encode_top_k", "sections", "sent_nbytes", "sparse_count"]

@@ -83,25 +83,58 @@ def histogram_kernel(bits_ptr, tiles_ptr, meta_ptr, state_ptr, hist_ptr, layers,
 
 
 @triton.jit
-def ties_kernel(bits_ptr, tiles_ptr, meta_ptr, state_ptr, ties_ptr, NAN_FIRST: tl.constexpr, BLOCK: tl.constexpr):
-    """How many keys of each tile equal their layer's k-th largest key (int64 per tile)."""
-    pid, layer, offset, w, valid, first = _tile(tiles_ptr, meta_ptr, BLOCK)
-    key = _keys(bits_ptr, offset, w, valid, NAN_FIRST)
-    kth = tl.load(state_ptr + 2 * layer)
-    tl.store(ties_ptr + pid, tl.sum((valid & (key.to(tl.int64) == kth)).to(tl.int64), axis=0))
+def _candidates(bits_ptr, offset, w, valid, layer, state_ptr, bounds_ptr, NAN_FIRST: tl.constexpr,
+                BOUNDS: tl.constexpr):
+    # (above, candidate) of a tile: the keys above the layer's k-th largest and those equal to it, or with BOUNDS
+    # the magnitudes above the layer's upper bound and those within [lower, upper] (float compares: NaN in neither)
+    if BOUNDS:
+        mag = (tl.load(bits_ptr + offset + w, mask=valid, other=0) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        lower = tl.load(bounds_ptr + 2 * layer)
+        upper = tl.load(bounds_ptr + 2 * layer + 1)
+        return valid & (mag > upper), valid & (mag >= lower) & (mag <= upper)
+    else:
+        key = _keys(bits_ptr, offset, w, valid, NAN_FIRST).to(tl.int64)
+        kth = tl.load(state_ptr + 2 * layer)
+        return valid & (key > kth), valid & (key == kth)
 
 
 @triton.jit
-def mark_kernel(bits_ptr, tiles_ptr, meta_ptr, state_ptr, before_ptr, mask_ptr, NAN_FIRST: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """``mask`` = 1 where a layer's top k takes the element: its key above the k-th largest, or equal to it and among
-    the first ``remaining`` such by position (``before[tile]``: how many equal keys the tiles before it hold, counted
-    over the whole group: less the layer's first tile's, within the layer)."""
+def ties_kernel(bits_ptr, tiles_ptr, meta_ptr, state_ptr, bounds_ptr, ties_ptr, NAN_FIRST: tl.constexpr,
+                BOUNDS: tl.constexpr, BLOCK: tl.constexpr):
+    """How many candidates each tile holds (int64 per tile): keys equal to their layer's k-th largest, or with
+    ``BOUNDS`` magnitudes within the layer's ``[lower, upper]``."""
     pid, layer, offset, w, valid, first = _tile(tiles_ptr, meta_ptr, BLOCK)
-    key = _keys(bits_ptr, offset, w, valid, NAN_FIRST).to(tl.int64)
-    kth = tl.load(state_ptr + 2 * layer)
-    remaining = tl.load(state_ptr + 2 * layer + 1)
-    tie = (valid & (key == kth)).to(tl.int64)
+    above, candidate = _candidates(bits_ptr, offset, w, valid, layer, state_ptr, bounds_ptr, NAN_FIRST, BOUNDS)
+    tl.store(ties_ptr + pid, tl.sum(candidate.to(tl.int64), axis=0))
+
+
+@triton.jit
+def mark_kernel(bits_ptr, tiles_ptr, meta_ptr, state_ptr, bounds_ptr, before_ptr, mask_ptr, NAN_FIRST: tl.constexpr,
+                BOUNDS: tl.constexpr, BLOCK: tl.constexpr):
+    """``mask`` = 1 where a layer keeps the element: above (see ``ties_kernel``), or a candidate among the first
+    ``state[layer, 1]`` candidates of its layer by position (``before[tile]``: how many candidates the tiles before it
+    hold, counted over the whole group: less the layer's first tile's, within the layer)."""
+    pid, layer, offset, w, valid, first = _tile(tiles_ptr, meta_ptr, BLOCK)
+    above, candidate = _candidates(bits_ptr, offset, w, valid, layer, state_ptr, bounds_ptr, NAN_FIRST, BOUNDS)
+    quota = tl.load(state_ptr + 2 * layer + 1)
+    tie = candidate.to(tl.int64)
     rank = tl.load(before_ptr + pid) - tl.load(before_ptr + first) + tl.cumsum(tie, axis=0) - tie
-    keep = valid & ((key > kth) | ((tie != 0) & (rank < remaining)))
+    keep = above | (candidate & (rank < quota))
     tl.store(mask_ptr + offset + w, keep.to(tl.uint8), mask=valid)
+
+
+@triton.jit
+def levels_kernel(bits_ptr, tiles_ptr, meta_ptr, thresholds_ptr, steps, hist_ptr, WIDTH: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """DGC's threshold counts: each element's level (how many of its layer's ``steps`` thresholds, a row of the
+    float32 ``[layers, steps]`` table, its magnitude reaches) histogrammed into the layer's ``steps + 1`` bins of the
+    int32 ``[layers, steps + 1]`` ``hist`` (integer atomics; ``WIDTH``: a power of two above ``steps``)."""
+    pid, layer, offset, w, valid, first = _tile(tiles_ptr, meta_ptr, BLOCK)
+    mag = (tl.load(bits_ptr + offset + w, mask=valid, other=0) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    level = tl.zeros([BLOCK], dtype=tl.int32)
+    for j in range(0, steps):
+        level += (mag >= tl.load(thresholds_ptr + layer * steps + j)).to(tl.int32)
+    left_out = tl.sum((~valid).to(tl.int32), axis=0)
+    bins = tl.arange(0, WIDTH)
+    h = tl.histogram(tl.where(valid, level, 0), WIDTH) - tl.where(bins == 0, left_out, 0)
+    tl.atomic_add(hist_ptr + layer * (steps + 1) + bins, h, mask=(bins <= steps) & (h != 0))

@@ -21,6 +21,7 @@ Triton is imported on first use; under ``TRITON_INTERPRET=1`` the kernels run on
 import functools
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -94,16 +95,33 @@ def kth_largest(x: Tensor, tables: SelectTables, nan_first: bool = True) -> Tens
     return state
 
 
-def mark(x: Tensor, tables: SelectTables, state: Tensor, mask: Tensor, nan_first: bool = True) -> Tensor:
+def mark(
+    x: Tensor, tables: SelectTables, state: Tensor, mask: Tensor, nan_first: bool = True,
+    bounds: Optional[Tensor] = None,
+) -> Tensor:
     """Set ``mask`` (uint8 ``[total]``, zeros where no layer selects) to 1 at each layer's top ``k`` of ``|x|``
-    (ties broken by the lowest position), given :func:`kth_largest`'s state."""
+    (ties broken by the lowest position), given :func:`kth_largest`'s state.
+
+    With ``bounds`` (float32 ``[layers, 2]``: lower, upper), instead: 1 where ``|x| > upper``, and at the first
+    ``state[:, 1]`` elements by position of each layer with ``lower <= |x| <= upper`` (DGC's rule, float compares)."""
     bits = x.view(torch.int32)
     ties = torch.empty(tables.tiles.shape[0], dtype=torch.int64, device=x.device)
-    _run(_jit().ties_kernel, tables, bits, tables.tiles, tables.meta, state, ties, NAN_FIRST=nan_first, BLOCK=BLOCK)
+    flags = {"NAN_FIRST": nan_first, "BOUNDS": bounds is not None, "BLOCK": BLOCK}
+    limits = state if bounds is None else bounds
+    _run(_jit().ties_kernel, tables, bits, tables.tiles, tables.meta, state, limits, ties, **flags)
     before = ties.cumsum(0) - ties
-    _run(_jit().mark_kernel, tables, bits, tables.tiles, tables.meta, state, before, mask, NAN_FIRST=nan_first,
-         BLOCK=BLOCK)
+    _run(_jit().mark_kernel, tables, bits, tables.tiles, tables.meta, state, limits, before, mask, **flags)
     return mask
+
+
+def level_counts(x: Tensor, tables: SelectTables, thresholds: Tensor) -> Tensor:
+    """int32 ``[layers, steps + 1]``: per layer, how many ``|x|`` reach exactly ``j`` of its ``steps`` thresholds
+    (float32 ``[layers, steps]``, contiguous, decreasing along a row): DGC's counts of every threshold at once."""
+    steps = thresholds.shape[1]
+    hist = torch.zeros(tables.layers, steps + 1, dtype=torch.int32, device=x.device)
+    _run(_jit().levels_kernel, tables, x.view(torch.int32), tables.tiles, tables.meta, thresholds, steps, hist,
+         WIDTH=1 << steps.bit_length(), BLOCK=BLOCK)
+    return hist
 
 
 def select(x: Tensor, tables: SelectTables) -> Tensor:
@@ -112,4 +130,4 @@ def select(x: Tensor, tables: SelectTables) -> Tensor:
     return mark(x, tables, kth_largest(x, tables), mask)
 
 
-__all__ = ["BLOCK", "SelectTables", "kth_largest", "mark", "select"]
+__all__ = ["BLOCK", "SelectTables", "kth_largest", "level_counts", "mark", "select"]

@@ -28,7 +28,9 @@ COMPRESSORS: dict[str, Callable[[], TopK]] = {
     "topk-fp16": lambda: TopK(0.05, value_dtype="fp16"),
     "topk-sparse-1d": lambda: TopK(0.2, dense_1d=False),
     "topk-all": lambda: TopK(1.0, dense_1d=False),
-    "dgc": lambda: DGC(0.01),  # the torch selection; the Triton decode
+    "dgc": lambda: DGC(0.01),
+    "dgc-fp16-sparse-1d": lambda: DGC(0.02, value_dtype="fp16", dense_1d=False),
+    "dgc-no-adaptation": lambda: DGC(0.05, max_adaptation_iters=0),
 }
 
 
@@ -46,11 +48,14 @@ def _ranks(make: Callable[[], TopK], ranks: int, triton: bool) -> list[TopK]:
 
 
 def _gradient(total: int, step: int, rank: int, special: bool) -> torch.Tensor:
-    """Values on a coarse grid (many ties at every layer's k-th largest, across tiles), -0.0s, and with ``special``
-    NaN and +-inf (a descending sort puts NaN first)."""
+    """Values on a coarse grid (many ties at every layer's k-th largest, across tiles), -0.0s, every second step
+    mostly zeros (DGC's sample misses the few large values: an exact top-k follows, or the threshold adapts), and
+    with ``special`` NaN and +-inf (a descending sort puts NaN first)."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
     x = (torch.randn(total, generator=gen) * 2).round() / 4
     x[torch.rand(total, generator=gen) < 0.05] = -0.0
+    if step % 2:
+        x = x * (torch.rand(total, generator=gen) < 0.02)
     if special and total > 2000:
         x[[5, 1300, 1301, 1900]] = torch.tensor([float("nan"), -float("inf"), float("nan"), float("inf")])
     return x
@@ -117,9 +122,9 @@ def _case_selection() -> None:
     assert torch.equal(mask, want)
 
 
-def _step_ops(layers: int) -> tuple[int, int, int]:
+def _step_ops(name: str, layers: int) -> tuple[int, int, int]:
     seg = _segments([(5, 3) if i % 3 else (4,) for i in range(layers)])
-    comps = _ranks(COMPRESSORS["topk"], 2, True)
+    comps = _ranks(COMPRESSORS[name], 2, True)
     x = torch.randn(seg.total, generator=torch.Generator().manual_seed(layers))
 
     def step() -> None:
@@ -133,10 +138,11 @@ def _step_ops(layers: int) -> tuple[int, int, int]:
     return counted.total, counted.host_reads, counted.data_dependent
 
 
-def _case_op_counts() -> None:
+def _case_op_counts(name: str, compress_launches: int, reads: int) -> None:
     """A step of 2 ranks (compress each, sent, the mean) dispatches the same aten ops and launches for 8 and 32
-    layers and reads nothing on the host: per compress 4 radix passes and choices, ties, mark, compaction's count and write; 2
-    scatters for sent and 2 per rank for the mean."""
+    layers; top-k reads nothing on the host, DGC one number per compress (its selected count, which torch.nonzero
+    reads too). Launches per compress: top-k's 4 radix passes and choices, ties, mark, compaction's count and write;
+    DGC's level histogram besides; 2 scatters for sent and 2 per rank for the mean."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from lightning_gradcomp.kernels import triton_compact, triton_topk
@@ -152,11 +158,12 @@ def _case_op_counts() -> None:
 
     triton_topk.launch = triton_compact.launch = counted  # type: ignore[assignment]
     try:
-        small, large = _step_ops(8), _step_ops(32)
+        small, large = _step_ops(name, 8), _step_ops(name, 32)
     finally:
         triton_topk.launch, triton_compact.launch = originals  # type: ignore[assignment]
-    assert small == large and small[1:] == (0, 0), (small, large)
-    assert launches == 2 * 2 * (2 * 12 + 2 + 2 * 2)  # two calls of _step_ops, each a warm-up step and a counted one
+    assert small == large and small[1:] == (reads, 0), (small, large)
+    # two calls of _step_ops, each a warm-up step and a counted one
+    assert launches == 2 * 2 * (2 * compress_launches + 2 + 2 * 2), launches
 
 
 def _case_choice() -> None:
@@ -177,11 +184,13 @@ CASES: dict[str, Callable[[], None]] = {
     **{f"{name}-3-ranks": (lambda n=name: _case_group(n, 3)) for name in COMPRESSORS},
     **{f"{name}-1-rank": (lambda n=name: _case_group(n, 1)) for name in ("topk", "dgc")},
     "topk-nan-inf": lambda: _case_group("topk-sparse-1d", 3, special=True),
+    "dgc-nan-inf": lambda: _case_group("dgc-fp16-sparse-1d", 3, special=True),
     "topk-tiny": lambda: _case_group("topk-sparse-1d", 3, [(0,), (1,), (0,), (3,)]),
     "topk-all-empty": lambda: _case_group("topk", 2, [(0,), (0, 3)]),
     "fp16-out": _case_fp16_out,
     "selection-ties": _case_selection,
-    "op-counts": _case_op_counts,
+    "op-counts-topk": lambda: _case_op_counts("topk", 12, 0),
+    "op-counts-dgc": lambda: _case_op_counts("dgc", 13, 2),
     "choice": _case_choice,
 }
 
@@ -208,8 +217,13 @@ def _compile_all() -> None:
            for p in range(4) for nan in (True, False)},
         **{f"choose-{p}": (jit.choose_kernel, {"hist_ptr": "*i32", "k_ptr": "*i64", "state_ptr": "*i64",
                                                "layers": "i64"}, {"PASS": p, "ROWS": 16}) for p in range(4)},
-        "ties": (jit.ties_kernel, {**common, "ties_ptr": "*i64"}, {"NAN_FIRST": True, "BLOCK": 1024}),
-        "mark": (jit.mark_kernel, {**common, "before_ptr": "*i64", "mask_ptr": "*u8"}, {"NAN_FIRST": True, "BLOCK": 1024}),
+        **{f"ties-{b}": (jit.ties_kernel, {**common, "bounds_ptr": "*fp32", "ties_ptr": "*i64"},
+                         {"NAN_FIRST": not b, "BOUNDS": b, "BLOCK": 1024}) for b in (True, False)},
+        **{f"mark-{b}": (jit.mark_kernel, {**common, "bounds_ptr": "*fp32", "before_ptr": "*i64", "mask_ptr": "*u8"},
+                         {"NAN_FIRST": not b, "BOUNDS": b, "BLOCK": 1024}) for b in (True, False)},
+        "levels": (jit.levels_kernel, {"bits_ptr": "*i32", "tiles_ptr": "*i64", "meta_ptr": "*i64",
+                                       "thresholds_ptr": "*fp32", "steps": "i64", "hist_ptr": "*i32"},
+                   {"WIDTH": 16, "BLOCK": 1024}),
     }
     print(json.dumps(compile_for_hopper(variants)))
 
@@ -219,7 +233,7 @@ def test_kernels_compile_for_a_hopper_gpu(tmp_path: Path) -> None:
     report = run_subprocess(
         "from tests.unit.test_triton_topk import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
     )
-    assert len(report) == 14
+    assert len(report) == 17
     for name, counts in report.items():
         assert counts["cubin"] > 0, name
         assert counts["fma."] == counts["div.full"] == counts["div.approx"] == counts["rcp.approx"] == 0, (name, counts)
