@@ -178,11 +178,14 @@ class TopK(Compressor):
         return layout
 
     def uses_triton(self, tensor: Tensor) -> bool:
-        """Whether the Triton kernels run this compressor's groups (chosen once, until :meth:`setup`; int2 values
-        keep the torch ops)."""
+        """Whether the Triton kernels run this compressor's groups (chosen once, until :meth:`setup`; with int2
+        values they select, and the torch ops code and decode)."""
         if self._triton is None:
             self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
-        return self._triton and self.value_dtype != _INT2
+        return self._triton
+
+    def _triton_wire(self, tensor: Tensor) -> bool:
+        return self.uses_triton(tensor) and self.value_dtype != _INT2
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return None
@@ -207,7 +210,7 @@ class TopK(Compressor):
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
         if packet.layers is not None:
             return super().decompress_flat(packet)
-        return topk_flat.decode_sent(packet.payload, packet.ctx["layout"], packet.dtype, self.uses_triton(packet.payload))
+        return topk_flat.decode_sent(packet.payload, packet.ctx["layout"], packet.dtype, self._triton_wire(packet.payload))
 
     def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
         return self.decompress_flat(packet) if packet.layers is None else super().sent_flat(flat, packet)
@@ -217,7 +220,7 @@ class TopK(Compressor):
             return super().decompress_flat_mean_into(packets, out)
         first = packets[0]
         return topk_flat.decode_mean_into([p.payload for p in packets], first.ctx["layout"], first.dtype, out,
-                                          self.uses_triton(first.payload))
+                                          self._triton_wire(first.payload))
 
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)

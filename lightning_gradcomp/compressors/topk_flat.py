@@ -164,11 +164,17 @@ def encode(flat: Tensor, layout: SparseLayout, indices: Tensor) -> Tensor:
 
 
 def encode_top_k(flat: Tensor, layout: SparseLayout) -> Tensor:
-    """The fp32 / fp16 group payload of every sparse layer's top ``layout.counts`` of ``|flat|`` by the Triton kernels
-    (:mod:`~lightning_gradcomp.kernels.triton_topk` selects): :func:`encode` of the torch path's selection, byte for
-    byte, with no host read (the count is known)."""
+    """The group payload of every sparse layer's top ``layout.counts`` of ``|flat|`` by the Triton kernels
+    (:mod:`~lightning_gradcomp.kernels.triton_topk` selects; fp32 / fp16 values compacted into the payload, int2's
+    coded by :func:`encode`): :func:`encode` of the torch path's selection, byte for byte, with no host read (the
+    count is known)."""
     x = flat.float().contiguous()
-    return encode_mask(x, layout, triton_topk.select(x, layout.select_tables()), layout.selection.total)
+    mask = triton_topk.select(x, layout.select_tables())
+    if layout.value_dtype != _INT2:
+        return encode_mask(x, layout, mask, layout.selection.total)
+    index = torch.empty(layout.selection.total, dtype=torch.int32, device=x.device)
+    triton_compact.compact(mask, x, index, torch.empty_like(index, dtype=torch.float32))
+    return encode(flat, layout, index.long())  # int2's scales and codes: the torch ops
 
 
 def encode_mask(x: Tensor, layout: SparseLayout, mask: Tensor, count: Optional[int] = None) -> Tensor:

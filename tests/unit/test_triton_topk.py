@@ -28,6 +28,7 @@ COMPRESSORS: dict[str, Callable[[], TopK]] = {
     "topk-fp16": lambda: TopK(0.05, value_dtype="fp16"),
     "topk-sparse-1d": lambda: TopK(0.2, dense_1d=False),
     "topk-all": lambda: TopK(1.0, dense_1d=False),
+    "topk-int2": lambda: TopK(0.03, value_dtype="int2", dense_1d=False),  # the kernels select, torch ops code
     "dgc": lambda: DGC(0.01),
     "dgc-fp16-sparse-1d": lambda: DGC(0.02, value_dtype="fp16", dense_1d=False),
     "dgc-no-adaptation": lambda: DGC(0.05, max_adaptation_iters=0),
@@ -38,10 +39,10 @@ def _segments(shapes: Sequence[tuple[int, ...]] = SHAPES) -> Segments:
     return Segments([f"layer{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes])
 
 
-def _ranks(make: Callable[[], TopK], ranks: int, triton: bool) -> list[TopK]:
+def _ranks(make: Callable[[], TopK], ranks: int, triton: bool, device: torch.device = CPU) -> list[TopK]:
     comps = [make() for _ in range(ranks)]
     for r, c in enumerate(comps):
-        c.setup(r, ranks, CPU)
+        c.setup(r, ranks, device)
         c.batch_on_cpu = True  # the group path (a GPU's)
         c.triton = triton
     return comps
@@ -65,25 +66,29 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t.contiguous().view(torch.int16)
 
 
-def _step(comps: list[TopK], seg: Segments, step: int, special: bool) -> tuple[list[FlatPacket], list[Any], Any]:
+def _step(
+    comps: list[TopK], seg: Segments, step: int, special: bool, device: torch.device
+) -> tuple[list[FlatPacket], list[Any], Any]:
     packets, sent = [], []
     for r, c in enumerate(comps):
-        x = _gradient(seg.total, step, r, special)
+        x = _gradient(seg.total, step, r, special).to(device)
         packet = c.compress_flat(x, seg)
         packets.append(packet)
         sent.append(_bits(c.sent_flat(x, packet)))
-    out = torch.empty(seg.total)
+    out = torch.empty(seg.total, device=device)
     comps[0].decompress_flat_mean_into(packets, out)
     return packets, sent, _bits(out)
 
 
-def _case_group(name: str, ranks: int, shapes: Sequence[tuple[int, ...]] = SHAPES, special: bool = False) -> None:
+def _case_group(
+    name: str, ranks: int, shapes: Sequence[tuple[int, ...]] = SHAPES, special: bool = False, device: torch.device = CPU
+) -> None:
     """Two steps of ``ranks`` ranks: payload bytes, per-layer sizes, stats, sent and the ranks' mean equal the
     torch ops' bit for bit."""
     seg = _segments(shapes)
-    reference, kernels = _ranks(COMPRESSORS[name], ranks, False), _ranks(COMPRESSORS[name], ranks, True)
+    reference, kernels = _ranks(COMPRESSORS[name], ranks, False, device), _ranks(COMPRESSORS[name], ranks, True, device)
     for step in range(2):
-        want, got = _step(reference, seg, step, special), _step(kernels, seg, step, special)
+        want, got = _step(reference, seg, step, special, device), _step(kernels, seg, step, special, device)
         for a, b in zip(want[0], got[0]):
             assert torch.equal(a.payload, b.payload), step
             sizes = [s.tolist() if isinstance(s, torch.Tensor) else s for s in (a.layer_nbytes, b.layer_nbytes)]
@@ -167,7 +172,7 @@ def _case_op_counts(name: str, compress_launches: int, reads: int) -> None:
 
 
 def _case_choice() -> None:
-    """Without forcing, the kernels run on CUDA only; int2 values keep the torch ops; the choice lasts until setup."""
+    """Without forcing, the kernels run on CUDA only; the choice lasts until setup."""
     comp = TopK(0.1)
     comp.setup(0, 1, CPU)
     assert not comp.uses_triton(torch.zeros(1))
@@ -175,9 +180,6 @@ def _case_choice() -> None:
     assert not comp.uses_triton(torch.zeros(1))  # chosen once
     comp.setup(0, 1, CPU)
     assert comp.uses_triton(torch.zeros(1))
-    int2 = TopK(0.1, value_dtype="int2")
-    int2.triton = True
-    assert not int2.uses_triton(torch.zeros(1))
 
 
 CASES: dict[str, Callable[[], None]] = {
@@ -204,6 +206,14 @@ def interpreted() -> dict[str, str]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_triton_kernels_match_the_torch_ops_in_the_interpreter(interpreted: dict[str, str], case: str) -> None:
     assert interpreted[case] == "ok", interpreted[case]
+
+
+# -- on a GPU, when there is one ---------------------------------------------------------------------------------
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run on a GPU: the CUDA torch ops' results)")
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_triton_kernels_match_the_torch_ops_on_cuda(name: str) -> None:
+    _case_group(name, 3, special=True, device=torch.device("cuda"))
 
 
 # -- compiled for a GPU, without one ------------------------------------------------------------------------------
