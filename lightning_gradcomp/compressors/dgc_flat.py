@@ -81,24 +81,26 @@ class DGCPlan:
                 for t, a, n, s in zip(self.top_samples, starts, self.layout.segments.numels, self.strides)]
 
 
-def _thresholds(plan: DGCPlan, x: Tensor, starts: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """int64 ``[layers]`` sample sizes' top counts drawn this step, and float32 ``[layers, iters + 1]``: each layer's
-    ladder of thresholds (the top-th largest sample, NaN when a NaN is among the top as topk's min is, then times
-    ``lower_bound`` again and again)."""
+def _thresholds(plan: DGCPlan, source: Tensor, starts: Sequence[int], absolute: bool) -> tuple[Tensor, Tensor]:
+    """The sampled threshold ``[layers]`` and float32 ``[layers, iters + 1]``: each layer's ladder of thresholds (the
+    top-th largest sample, NaN when a NaN is among the top as topk's min is, then times ``lower_bound`` again and
+    again), from the magnitudes, or from the values with ``absolute`` (only the samples' taken)."""
     seg, t = plan.layout.segments, plan._tensors
     n = len(seg)
-    per_step = segmented.host_to_device([*starts, *plan.top_in_sample(starts)], x.device)
+    per_step = segmented.host_to_device([*starts, *plan.top_in_sample(starts)], source.device)
     start, top = per_step[:n], per_step[n:]
     positions = t["base"] + plan.samples.expand(start)
     valid = positions < t["limit"]
-    picked = x.index_select(0, positions.clamp(max=seg.total - 1)).abs()
+    picked = source.index_select(0, positions.clamp(max=seg.total - 1))
+    if absolute:
+        picked = picked.abs()
     ordered, _ = plan.samples.sort(torch.where(valid, picked, -1.0), descending=True)
     head = ordered.index_select(0, t["sample_starts"])
     kth = ordered.index_select(0, (t["sample_starts"] + top - 1).clamp(min=0, max=plan.samples.total - 1))
     ladder = [torch.where(head.isnan(), head, kth)]
     for _ in range(plan.iters):
         ladder.append(ladder[-1] * plan.lower_bound)
-    return top, torch.stack(ladder, 1)
+    return ladder[0], torch.stack(ladder, 1)
 
 
 def _rule(plan: DGCPlan, hist: Tensor, thresholds: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -122,23 +124,22 @@ def _rule(plan: DGCPlan, hist: Tensor, thresholds: Tensor) -> tuple[Tensor, Tens
     return stopped & (count > t["upper"]), threshold, count
 
 
-def select(plan: DGCPlan, x: Tensor, starts: Sequence[int]) -> tuple[Tensor, Tensor]:
+def select(plan: DGCPlan, magnitudes: Tensor, starts: Sequence[int]) -> tuple[Tensor, Tensor]:
     """``DGC.select`` of every layer: ``(int64 flat positions in ascending order, int64 [layers] counts)``.
 
     Args:
         plan: the group's plan.
-        x: the group's values, ``[segments.total]``.
+        magnitudes: ``|x|`` of the group, ``[segments.total]``.
         starts: each layer's sample offset drawn this step (0 where the stride is 1 or the layer is not sampled).
     """
     seg, t = plan.layout.segments, plan._tensors
     n = len(seg)
     if plan.samples.total == 0:  # no sparse layer with elements: nothing selected
-        return torch.zeros(0, dtype=torch.int64, device=x.device), t["k"] * 0
-    magnitudes = x.abs()
-    _, thresholds = _thresholds(plan, x, starts)
+        return torch.zeros(0, dtype=torch.int64, device=magnitudes.device), t["k"] * 0
+    sampled, thresholds = _thresholds(plan, magnitudes, starts, absolute=False)
 
     # count[l, j] = #{|x| >= t_j} of layer l, from each element's level (thresholds only decrease)
-    reach = seg.expand(thresholds[:, 0])
+    reach = seg.expand(sampled)
     narrow = torch.uint8 if plan.iters < 255 else torch.int32  # levels reach iters + 1: a byte a pass when it fits
     level = (magnitudes >= reach).to(narrow)
     for _ in range(plan.iters):
@@ -181,7 +182,7 @@ def select_mask(plan: DGCPlan, x: Tensor, starts: Sequence[int]) -> tuple[Tensor
     if plan.samples.total == 0:
         return mask, t["k"] * 0
     tables = plan.layout.select_tables()
-    _, thresholds = _thresholds(plan, x, starts)
+    _, thresholds = _thresholds(plan, x, starts, absolute=True)
     top_k, threshold, count = _rule(plan, triton_topk.level_counts(x, tables, thresholds.contiguous()), thresholds)
     state = triton_topk.kth_largest(x, tables, nan_first=False)  # the k-th largest key (its bits + 1) and the ties
     kth_value = (state[:, 0] - 1).to(torch.int32).view(torch.float32)

@@ -377,7 +377,7 @@ class DGC(TopK):
             mask, sent = dgc_flat.select_mask(plan, x, starts)
             payload = topk_flat.encode_mask(x, layout, mask)
         else:
-            indices, sent = dgc_flat.select(plan, x, starts)
+            indices, sent = dgc_flat.select(plan, x.abs(), starts)
             payload = topk_flat.encode(x, layout, indices)
         return FlatPacket(payload, segments, flat.dtype,
                           topk_flat.sent_nbytes(layout, sent), ctx={"layout": layout},
