@@ -192,6 +192,8 @@ CASES: dict[str, Callable[[], None]] = {
     "dgc-nan-inf": lambda: _case_group("dgc-fp16-sparse-1d", 3, special=True),
     "topk-tiny": lambda: _case_group("topk-sparse-1d", 3, [(0,), (1,), (0,), (3,)]),
     "topk-all-empty": lambda: _case_group("topk", 2, [(0,), (0, 3)]),
+    "dgc-all-empty": lambda: _case_group("dgc", 2, [(0,), (0, 3)]),
+    "dgc-tiny": lambda: _case_group("dgc-fp16-sparse-1d", 2, [(0,), (1,), (0,), (3,)]),
     "fp16-out": _case_fp16_out,
     "selection-ties": _case_selection,
     "op-counts-topk": lambda: _case_op_counts("topk", 12, 0),
