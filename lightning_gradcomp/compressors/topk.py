@@ -85,7 +85,7 @@ class TopK(Compressor):
         # per group layout and settings (a group's Segments is made once and reused every step)
         self._layouts: dict[tuple[Any, ...], SparseLayout] = {}
         #: whether the Triton kernels (:mod:`~lightning_gradcomp.kernels.triton_topk`) run the groups' selection,
-        #: encode and decode (fp32 / fp16 values): ``None`` chooses at the first group (CUDA with Triton importable,
+        #: encode and decode (int2 values: the selection only): ``None`` chooses at the first group (CUDA with Triton importable,
         #: :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True`` forces them (on CPU tensors: Triton's
         #: interpreter, for tests); ``False``: the torch ops
         self.triton: Optional[bool] = None
