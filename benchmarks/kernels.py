@@ -371,6 +371,56 @@ def adacomp_cases(n: int, world: int, device: torch.device) -> list[tuple[str, C
     return [(f"adacomp group {what}", run(True, fn), run(False, fn)) for what, fn in rows]
 
 
+def topk_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Callable[[], Any], Callable[[], Any]]]:
+    """(name, torch ops, group kernels) closures of TopK's and DGC's batched paths on a group of layers of ``n``
+    elements (every layer sparse, ``dense_1d=False``; ratio 0.01 for top-k, DGC's 0.001).
+
+    The group kernels are Triton's on CUDA (``kernels/triton_topk.py``, ``triton_compact``), the torch ops elsewhere
+    (then both columns run the same ops). "topk select" is the selection alone (the mask of every layer's top k vs
+    the torch path's segmented sort and first k); "compress" is ``compress_flat`` (selection and payload); the mean
+    decodes ``world`` payloads into a preallocated ``out``, as the hook does.
+    """
+    from lightning_gradcomp.compressors import DGC, TopK
+    from lightning_gradcomp.kernels import triton_launch, triton_topk
+    from lightning_gradcomp.segments import Segments
+
+    shapes = group_shapes(n)
+    seg = Segments([f"layer{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes])
+    g = torch.randn(seg.total, generator=torch.Generator().manual_seed(0)).to(device)
+    out = torch.empty(seg.total, device=device)
+    rows: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = []
+    for label, make in (("topk", lambda: TopK(0.01, dense_1d=False)), ("dgc", lambda: DGC(0.001, dense_1d=False))):
+        pair = {}
+        for reference in (True, False):
+            comp = pair[reference] = make()
+            comp.setup(0, world, device)
+            comp.batch_on_cpu = True  # the group path (a GPU's) on either device
+            comp.triton = False if reference else None  # None: the device's choice
+        packets = {r: c.compress_flat(g, seg) for r, c in pair.items()}
+        received = {r: [p.with_payload(p.payload.clone()) for _ in range(world)] for r, p in packets.items()}
+        if label == "topk":
+            layout = pair[True]._layout(seg, device)
+
+            def torch_select() -> Any:
+                _, order = seg.sort(g.abs(), descending=True)
+                return order.index_select(0, seg.firsts(layout.counts, device)).sort().values
+
+            kernel_select = (lambda: triton_topk.select(g, layout.select_tables())) if triton_launch.usable(device) \
+                else torch_select
+            rows.append(("topk select", torch_select, kernel_select))
+        rows += [
+            (f"{label} compress", lambda c=pair[True]: c.compress_flat(g, seg), lambda c=pair[False]: c.compress_flat(g, seg)),
+            (f"{label} decode", lambda r=True: pair[r].decompress_flat(packets[r]), lambda r=False: pair[r].decompress_flat(packets[r])),
+            (f"{label} mean x{world} into out", lambda r=True: pair[r].decompress_flat_mean_into(received[r], out),
+             lambda r=False: pair[r].decompress_flat_mean_into(received[r], out)),
+        ]
+    return rows
+
+
+# issue 17 asks sparse selection on a GPU for at least 30 % of the device's copy bandwidth
+TARGETS.update({"topk select": (0.30, "mem"), "topk compress": (0.30, "mem"), "dgc compress": (0.30, "mem")})
+
+
 def compile_seconds(cached: bool) -> tuple[Optional[float], str]:
     """Seconds to compile (fresh extension dir) or load (cached) the CPU kernels in this process."""
     if not cached:
@@ -421,6 +471,7 @@ def main() -> None:
         cases = kernel_cases(n, args.world, device) + group_cases(n, args.world, device)
         cases += graddrop_cases(n, args.world, device)
         cases += adacomp_cases(n, args.world, device)
+        cases += topk_cases(n, args.world, device)
         for name, ref, fused in cases:
             if args.only and not name.startswith(tuple(args.only.split(","))):
                 continue

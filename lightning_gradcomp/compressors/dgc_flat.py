@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.topk_flat import SparseLayout
-from lightning_gradcomp.kernels import segmented
+from lightning_gradcomp.kernels import segmented, triton_topk
 from lightning_gradcomp.segments import Segments
 
 
@@ -81,6 +81,49 @@ class DGCPlan:
                 for t, a, n, s in zip(self.top_samples, starts, self.layout.segments.numels, self.strides)]
 
 
+def _thresholds(plan: DGCPlan, source: Tensor, starts: Sequence[int], absolute: bool) -> tuple[Tensor, Tensor]:
+    """The sampled threshold ``[layers]`` and float32 ``[layers, iters + 1]``: each layer's ladder of thresholds (the
+    top-th largest sample, NaN when a NaN is among the top as topk's min is, then times ``lower_bound`` again and
+    again), from the magnitudes, or from the values with ``absolute`` (only the samples' taken)."""
+    seg, t = plan.layout.segments, plan._tensors
+    n = len(seg)
+    per_step = segmented.host_to_device([*starts, *plan.top_in_sample(starts)], source.device)
+    start, top = per_step[:n], per_step[n:]
+    positions = t["base"] + plan.samples.expand(start)
+    valid = positions < t["limit"]
+    picked = source.index_select(0, positions.clamp(max=seg.total - 1))
+    if absolute:
+        picked = picked.abs()
+    ordered, _ = plan.samples.sort(torch.where(valid, picked, -1.0), descending=True)
+    head = ordered.index_select(0, t["sample_starts"])
+    kth = ordered.index_select(0, (t["sample_starts"] + top - 1).clamp(min=0, max=plan.samples.total - 1))
+    ladder = [torch.where(head.isnan(), head, kth)]
+    for _ in range(plan.iters):
+        ladder.append(ladder[-1] * plan.lower_bound)
+    return ladder[0], torch.stack(ladder, 1)
+
+
+def _rule(plan: DGCPlan, hist: Tensor, thresholds: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """DGC's stopping rule for every layer from the level histograms (int32 ``[layers, iters + 2]``): ``(top_k, the
+    threshold, its count)`` per layer, ``top_k`` where an exact top-k of the survivors follows."""
+    t = plan._tensors
+    n = len(plan.layout.segments)
+    at_least = hist.view(n, plan.iters + 2).to(torch.int64).flip(1).cumsum(1).flip(1)
+    counts = at_least[:, 1:].flip(1)  # counts[:, j] = elements reaching t_j
+    k, exact = t["k"], t["exact"]
+    if plan.iters:
+        tried = counts[:, : plan.iters]
+        stop = (tried > k.unsqueeze(1)) | (tried >= t["lower"].unsqueeze(1))
+        stopped = stop.any(1) & ~exact
+        chosen = torch.where(stopped, stop.to(torch.uint8).argmax(1), torch.where(exact, 0, plan.iters))
+    else:
+        stopped = torch.zeros_like(exact)
+        chosen = torch.zeros_like(k)
+    count = counts.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    threshold = thresholds.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return stopped & (count > t["upper"]), threshold, count
+
+
 def select(plan: DGCPlan, magnitudes: Tensor, starts: Sequence[int]) -> tuple[Tensor, Tensor]:
     """``DGC.select`` of every layer: ``(int64 flat positions in ascending order, int64 [layers] counts)``.
 
@@ -93,23 +136,10 @@ def select(plan: DGCPlan, magnitudes: Tensor, starts: Sequence[int]) -> tuple[Te
     n = len(seg)
     if plan.samples.total == 0:  # no sparse layer with elements: nothing selected
         return torch.zeros(0, dtype=torch.int64, device=magnitudes.device), t["k"] * 0
-    per_step = segmented.host_to_device([*starts, *plan.top_in_sample(starts)], magnitudes.device)
-    start, top = per_step[:n], per_step[n:]
-
-    # the sampled threshold: the top-th largest sample (NaN when a NaN is among the top, as topk's min is)
-    positions = t["base"] + plan.samples.expand(start)
-    valid = positions < t["limit"]
-    picked = magnitudes.index_select(0, positions.clamp(max=seg.total - 1))
-    ordered, _ = plan.samples.sort(torch.where(valid, picked, -1.0), descending=True)
-    head = ordered.index_select(0, t["sample_starts"])
-    kth = ordered.index_select(0, (t["sample_starts"] + top - 1).clamp(min=0, max=plan.samples.total - 1))
-    ladder = [torch.where(head.isnan(), head, kth)]
-    for _ in range(plan.iters):
-        ladder.append(ladder[-1] * plan.lower_bound)
-    thresholds = torch.stack(ladder, 1)  # [layers, iters + 1]
+    sampled, thresholds = _thresholds(plan, magnitudes, starts, absolute=False)
 
     # count[l, j] = #{|x| >= t_j} of layer l, from each element's level (thresholds only decrease)
-    reach = seg.expand(ladder[0])
+    reach = seg.expand(sampled)
     narrow = torch.uint8 if plan.iters < 255 else torch.int32  # levels reach iters + 1: a byte a pass when it fits
     level = (magnitudes >= reach).to(narrow)
     for _ in range(plan.iters):
@@ -119,24 +149,11 @@ def select(plan: DGCPlan, magnitudes: Tensor, starts: Sequence[int]) -> tuple[Te
     ids = seg.ids(level.device)
     hist = torch.zeros(n * width, dtype=torch.int32, device=level.device)
     hist.index_add_(0, ids * width + level, torch.ones_like(level, dtype=torch.int32))
-    at_least = hist.view(n, width).to(torch.int64).flip(1).cumsum(1).flip(1)
-    counts = at_least[:, 1:].flip(1)  # counts[:, j] = elements reaching t_j
-
-    k, exact = t["k"], t["exact"]
-    if plan.iters:
-        tried = counts[:, : plan.iters]
-        stop = (tried > k.unsqueeze(1)) | (tried >= t["lower"].unsqueeze(1))
-        stopped = stop.any(1) & ~exact
-        chosen = torch.where(stopped, stop.to(torch.uint8).argmax(1), torch.where(exact, 0, plan.iters))
-    else:
-        stopped = torch.zeros_like(exact)
-        chosen = torch.zeros_like(k)
-    count = counts.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    threshold = thresholds.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    top_k, threshold, count = _rule(plan, hist, thresholds)
 
     # top-k layers keep what is above their k-th largest and, of the ties with it, the first ones by position;
     # the others keep the first k of |x| >= threshold
-    top_k = stopped & (count > t["upper"])
+    k = t["k"]
     finite = torch.where(magnitudes.isnan(), -1.0, magnitudes)  # topk ranks only |x| >= t: never NaN
     kth_value, ties = segmented.kth_largest(finite, seg, k.clamp(min=1))
     lower = torch.where(top_k, kth_value, threshold)
@@ -149,4 +166,31 @@ def select(plan: DGCPlan, magnitudes: Tensor, starts: Sequence[int]) -> tuple[Te
     return torch.nonzero(keep).reshape(-1), torch.minimum(count, k)
 
 
-__all__ = ["DGCPlan", "select"]
+def select_mask(plan: DGCPlan, x: Tensor, starts: Sequence[int]) -> tuple[Tensor, Tensor]:
+    """:func:`select` by the Triton kernels (:mod:`~lightning_gradcomp.kernels.triton_topk`): ``(uint8 [total] mask
+    of the selected elements, int64 [layers] counts)``, the same selection. The level histogram and the exact top-k
+    (a radix select ranking NaN below +0.0, as :func:`select`'s -1) are kernels, the rule and the samples' sort
+    (``sample_ratio`` of the elements) torch ops on ``[layers]`` tensors.
+
+    Args:
+        plan: the group's plan.
+        x: the group's values, float32 ``[segments.total]``, contiguous.
+        starts: as :func:`select`'s.
+    """
+    t = plan._tensors
+    mask = torch.zeros(plan.layout.segments.total, dtype=torch.uint8, device=x.device)
+    if plan.samples.total == 0:
+        return mask, t["k"] * 0
+    tables = plan.layout.select_tables()
+    _, thresholds = _thresholds(plan, x, starts, absolute=True)
+    top_k, threshold, count = _rule(plan, triton_topk.level_counts(x, tables, thresholds.contiguous()), thresholds)
+    state = triton_topk.kth_largest(x, tables, nan_first=False)  # the k-th largest key (its bits + 1) and the ties
+    kth_value = (state[:, 0] - 1).to(torch.int32).view(torch.float32)
+    k = t["k"]
+    bounds = torch.stack((torch.where(top_k, kth_value, threshold), torch.where(top_k, kth_value, math.inf)), 1)
+    state[:, 1] = torch.where(top_k, state[:, 1], k)
+    triton_topk.mark(x, tables, state, mask, bounds=bounds)
+    return mask, torch.minimum(count, k)
+
+
+__all__ = ["DGCPlan", "select", "select_mask"]

@@ -38,6 +38,7 @@ from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPac
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
 from lightning_gradcomp.compressors.topk_flat import INT2_HALF_RANGE as _INT2_HALF_RANGE
 from lightning_gradcomp.compressors.topk_flat import SparseLayout
+from lightning_gradcomp.kernels import triton_launch
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
@@ -83,6 +84,12 @@ class TopK(Compressor):
         self.dense_1d = bool(dense_1d)
         # per group layout and settings (a group's Segments is made once and reused every step)
         self._layouts: dict[tuple[Any, ...], SparseLayout] = {}
+        #: whether the Triton kernels (:mod:`~lightning_gradcomp.kernels.triton_topk`) run the groups' selection,
+        #: encode and decode (int2 values: the selection only): ``None`` chooses at the first group (CUDA with Triton importable,
+        #: :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True`` forces them (on CPU tensors: Triton's
+        #: interpreter, for tests); ``False``: the torch ops
+        self.triton: Optional[bool] = None
+        self._triton: Optional[bool] = None
 
     @property
     def ratio(self) -> float:
@@ -170,26 +177,40 @@ class TopK(Compressor):
             layout = self._layouts[key] = SparseLayout(segments, self.value_dtype, dense, counts, device)
         return layout
 
+    def uses_triton(self, tensor: Tensor) -> bool:
+        """Whether the Triton kernels run this compressor's groups (chosen once, until :meth:`setup`; with int2
+        values they select, and the torch ops code and decode)."""
+        if self._triton is None:
+            self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
+        return self._triton
+
+    def _triton_wire(self, tensor: Tensor) -> bool:
+        return self.uses_triton(tensor) and self.value_dtype != _INT2
+
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return None
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         """Every sparse layer's ``k`` largest |x| (a per-segment sort, then each segment's first k positions: a
-        fixed size, no data-dependent op); ties at the k-th largest are broken by lowest position."""
+        fixed size, no data-dependent op), sent in position order; ties at the k-th largest are broken by lowest
+        position. With Triton (:meth:`uses_triton`) a radix select and a compaction in place of the sorts."""
         if not self.batch_on(flat, segments):
             return Compressor.compress_flat(self, flat, segments, shared)
         layout = self._layout(segments, flat.device)
         x = flat.detach()
-        _, order = segments.sort(x.abs(), descending=True)
-        indices = order.index_select(0, segments.firsts(layout.counts, flat.device))
+        if self.uses_triton(x):
+            payload = topk_flat.encode_top_k(x, layout)
+        else:
+            _, order = segments.sort(x.abs(), descending=True)
+            indices = order.index_select(0, segments.firsts(layout.counts, flat.device)).sort().values
+            payload = topk_flat.encode(x, layout, indices)
         stats = {"density": layout.constant("density", lambda: topk_flat.density(layout, layout.counts))}
-        return FlatPacket(topk_flat.encode(x, layout, indices), segments, flat.dtype, layout.fixed_nbytes(),
-                          ctx={"layout": layout}, stats=stats)
+        return FlatPacket(payload, segments, flat.dtype, layout.fixed_nbytes(), ctx={"layout": layout}, stats=stats)
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
         if packet.layers is not None:
             return super().decompress_flat(packet)
-        return topk_flat.decode_sent(packet.payload, packet.ctx["layout"], packet.dtype)
+        return topk_flat.decode_sent(packet.payload, packet.ctx["layout"], packet.dtype, self._triton_wire(packet.payload))
 
     def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
         return self.decompress_flat(packet) if packet.layers is None else super().sent_flat(flat, packet)
@@ -198,11 +219,13 @@ class TopK(Compressor):
         if packets[0].layers is not None:
             return super().decompress_flat_mean_into(packets, out)
         first = packets[0]
-        return topk_flat.decode_mean_into([p.payload for p in packets], first.ctx["layout"], first.dtype, out)
+        return topk_flat.decode_mean_into([p.payload for p in packets], first.ctx["layout"], first.dtype, out,
+                                          self._triton_wire(first.payload))
 
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
         self._layouts = {}
+        self._triton = None
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": type(self).__name__, "ratio": self._ratio, "value_dtype": self.value_dtype,
@@ -339,7 +362,8 @@ class DGC(TopK):
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         """DGC's selection of every layer (:mod:`~lightning_gradcomp.compressors.dgc_flat`): one ``nonzero`` per
-        group; the per-layer sizes stay on the device (``layer_nbytes`` an int64 tensor)."""
+        group (with Triton, :meth:`uses_triton`: kernels, and one read of the selected count); the per-layer sizes
+        stay on the device (``layer_nbytes`` an int64 tensor)."""
         if not self.batch_on(flat, segments):
             return Compressor.compress_flat(self, flat, segments, shared)
         plan = self._plan(segments, flat.device)
@@ -347,9 +371,15 @@ class DGC(TopK):
         for i in plan.drawn:
             starts[i] = self._start(segments.names[i], plan.strides[i])
         x = flat.detach()
-        indices, sent = dgc_flat.select(plan, x.abs(), starts)
         layout = plan.layout
-        return FlatPacket(topk_flat.encode(x, layout, indices), segments, flat.dtype,
+        if self.uses_triton(x):
+            x = x.float().contiguous()
+            mask, sent = dgc_flat.select_mask(plan, x, starts)
+            payload = topk_flat.encode_mask(x, layout, mask)
+        else:
+            indices, sent = dgc_flat.select(plan, x.abs(), starts)
+            payload = topk_flat.encode(x, layout, indices)
+        return FlatPacket(payload, segments, flat.dtype,
                           topk_flat.sent_nbytes(layout, sent), ctx={"layout": layout},
                           stats={"density": topk_flat.density(layout, sent)})
 

@@ -21,11 +21,13 @@ per rank (no duplicate index within a rank, so even CUDA's atomics add each elem
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.bits import pack_bits, unpack_bits
+from lightning_gradcomp.kernels import triton_compact, triton_topk
 from lightning_gradcomp.segments import Segments
 
 #: int2 codes 0..3 stand for (code - 1.5) * s
@@ -58,6 +60,7 @@ class SparseLayout:
     selection: Segments = field(init=False)
     _templates: dict[torch.dtype, Tensor] = field(default_factory=dict, init=False, repr=False)
     _constants: dict[str, Tensor] = field(default_factory=dict, init=False, repr=False)
+    _select: Optional[triton_topk.SelectTables] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         seg = self.segments
@@ -97,6 +100,12 @@ class SparseLayout:
         if cached is None:
             cached = self._constants[name] = make().to(self.device)
         return cached
+
+    def select_tables(self) -> triton_topk.SelectTables:
+        """The Triton selection's tables of this group's ``counts`` (made on first use)."""
+        if self._select is None:
+            self._select = triton_topk.SelectTables(self.segments.numels, self.counts, self.device)
+        return self._select
 
     def sum_template(self, dtype: torch.dtype) -> Tensor:
         """The start of a ranks' sum: -0.0 at dense positions, +0.0 elsewhere (see the module's docstring)."""
@@ -154,6 +163,38 @@ def encode(flat: Tensor, layout: SparseLayout, indices: Tensor) -> Tensor:
     return torch.cat((_bytes(dense), _bytes(scales), index_bytes, packed))
 
 
+def encode_top_k(flat: Tensor, layout: SparseLayout) -> Tensor:
+    """The group payload of every sparse layer's top ``layout.counts`` of ``|flat|`` by the Triton kernels
+    (:mod:`~lightning_gradcomp.kernels.triton_topk` selects; fp32 / fp16 values compacted into the payload, int2's
+    coded by :func:`encode`): :func:`encode` of the torch path's selection, byte for byte, with no host read (the
+    count is known)."""
+    x = flat.float().contiguous()
+    mask = triton_topk.select(x, layout.select_tables())
+    if layout.value_dtype != _INT2:
+        return encode_mask(x, layout, mask, layout.selection.total)
+    index = torch.empty(layout.selection.total, dtype=torch.int32, device=x.device)
+    triton_compact.compact(mask, x, index, torch.empty_like(index, dtype=torch.float32))
+    return encode(flat, layout, index.long())  # int2's scales and codes: the torch ops
+
+
+def encode_mask(x: Tensor, layout: SparseLayout, mask: Tensor, count: Optional[int] = None) -> Tensor:
+    """The fp32 / fp16 group payload sending the elements of the float32 contiguous ``x`` that the uint8 ``mask``
+    selects (sparse layers' only), by :func:`~lightning_gradcomp.kernels.triton_compact.compact` writing the indices
+    and values in place: :func:`encode` of ``nonzero(mask)``. ``count``: how many are selected, when known; else it
+    is read from the device (one host read, where ``torch.nonzero`` on CUDA reads it too)."""
+    counts = None
+    if count is None:
+        counts = triton_compact.tile_counts(mask)
+        count = int(counts.sum())
+    dense_bytes = 4 * layout.dense_total
+    payload = torch.empty(dense_bytes + (4 + layout.value_nbytes) * count, dtype=torch.uint8, device=x.device)
+    torch.index_select(x, 0, layout.dense_index, out=payload[:dense_bytes].view(torch.float32))
+    index = payload[dense_bytes : dense_bytes + 4 * count].view(torch.int32)
+    values = payload[dense_bytes + 4 * count :].view(_WIRE_DTYPES[layout.value_dtype])
+    triton_compact.compact(mask, x, index, values, counts)
+    return payload
+
+
 def sparse_count(layout: SparseLayout, payload_nbytes: int) -> int:
     """How many indices a payload of ``payload_nbytes`` holds (a host integer from its size, no read)."""
     if layout.value_dtype == _INT2:
@@ -161,19 +202,29 @@ def sparse_count(layout: SparseLayout, payload_nbytes: int) -> int:
     return (payload_nbytes - 4 * layout.dense_total) // (4 + layout.value_nbytes)
 
 
-def decode(payload: Tensor, layout: SparseLayout) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dense float32 values, int64 indices, values)`` of a group payload (values as they travel: fp32, fp16,
-    or int2's dequantized float32)."""
+def sections(payload: Tensor, layout: SparseLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dense float32 values, int32 indices, values as they travel)`` of an fp32 / fp16 group payload, views of it
+    where aligned."""
     count = sparse_count(layout, payload.numel())
     offset = 4 * layout.dense_total
     dense = _as(payload[:offset], torch.float32)
-    if layout.value_dtype == _INT2:
-        scales = _as(payload[offset : offset + 4 * layout.n_sparse], torch.float32)
-        offset += 4 * layout.n_sparse
+    indices = _as(payload[offset : offset + 4 * count], torch.int32)
+    return dense, indices, _as(payload[offset + 4 * count :], _WIRE_DTYPES[layout.value_dtype])
+
+
+def decode(payload: Tensor, layout: SparseLayout) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dense float32 values, int64 indices, values)`` of a group payload (values as they travel: fp32, fp16,
+    or int2's dequantized float32)."""
+    if layout.value_dtype != _INT2:
+        dense, indices, values = sections(payload, layout)
+        return dense, indices.long(), values
+    count = sparse_count(layout, payload.numel())
+    offset = 4 * layout.dense_total
+    dense = _as(payload[:offset], torch.float32)
+    scales = _as(payload[offset : offset + 4 * layout.n_sparse], torch.float32)
+    offset += 4 * layout.n_sparse
     indices = _as(payload[offset : offset + 4 * count], torch.int32).long()
     offset += 4 * count
-    if layout.value_dtype != _INT2:
-        return dense, indices, _as(payload[offset:], _WIRE_DTYPES[layout.value_dtype])
     sel = layout.selection
     padding = sel.padding(4)
     codes = padding.unpad(unpack_bits(payload[offset:], padding.total, 2)).float()
@@ -181,19 +232,34 @@ def decode(payload: Tensor, layout: SparseLayout) -> tuple[Tensor, Tensor, Tenso
     return dense, indices, int2_values(codes, sel.expand(scale))
 
 
-def decode_sent(payload: Tensor, layout: SparseLayout, dtype: torch.dtype) -> Tensor:
-    """The flat tensor a payload stands for (each value copied into zeros, as the per-layer decoder does)."""
-    dense, indices, values = decode(payload, layout)
+def decode_sent(payload: Tensor, layout: SparseLayout, dtype: torch.dtype, triton: bool = False) -> Tensor:
+    """The flat tensor a payload stands for (each value copied into zeros, as the per-layer decoder does); with
+    ``triton`` (fp32 / fp16 values) the copies are :func:`~lightning_gradcomp.kernels.triton_compact.scatter`'s."""
     out = torch.zeros(layout.segments.total, dtype=dtype, device=payload.device)
+    if triton:
+        dense, index, values = sections(payload, layout)
+        triton_compact.scatter(layout.dense_index, dense, out)
+        return triton_compact.scatter(index, values, out)
+    dense, indices, values = decode(payload, layout)
     out.index_copy_(0, layout.dense_index, dense.to(dtype))
     return out.index_copy_(0, indices, values.to(dtype))
 
 
-def decode_mean_into(payloads: Sequence[Tensor], layout: SparseLayout, dtype: torch.dtype, out: Tensor) -> Tensor:
-    """The ranks' mean of gathered payloads (in rank order) in ``out``, bit for bit the per-layer sum then division."""
-    total = out if out.dtype == dtype else torch.empty(layout.segments.total, dtype=dtype, device=out.device)
+def decode_mean_into(
+    payloads: Sequence[Tensor], layout: SparseLayout, dtype: torch.dtype, out: Tensor, triton: bool = False
+) -> Tensor:
+    """The ranks' mean of gathered payloads (in rank order) in ``out``, bit for bit the per-layer sum then division;
+    with ``triton`` (fp32 / fp16 values) each rank's adds are :func:`~lightning_gradcomp.kernels.triton_compact
+    .scatter_add`'s."""
+    total = out if out.dtype == dtype and out.is_contiguous() else torch.empty(
+        layout.segments.total, dtype=dtype, device=out.device)
     total.copy_(layout.sum_template(dtype))
     for payload in payloads:
+        if triton:
+            dense, index, values = sections(payload, layout)
+            triton_compact.scatter_add(layout.dense_index, dense, total)
+            triton_compact.scatter_add(index, values, total)
+            continue
         dense, indices, values = decode(payload, layout)
         total.index_add_(0, layout.dense_index, dense.to(dtype))
         total.index_add_(0, indices, values.to(dtype))
@@ -221,5 +287,5 @@ def sent_nbytes(layout: SparseLayout, sent: Tensor) -> Tensor:
         [4 * n if d else 0 for n, d in zip(layout.segments.numels, layout.dense)], dtype=torch.int64))
     return sent * (4 + layout.value_nbytes) + dense
 
-__all__ = ["INT2_HALF_RANGE", "int2_codes", "int2_values", "SparseLayout", "decode", "decode_mean_into", "decode_sent", "density", "encode",
-           "sent_nbytes", "sparse_count"]
+__all__ = ["INT2_HALF_RANGE", "int2_codes", "int2_values", "SparseLayout", "decode", "decode_mean_into", "decode_sent",
+           "density", "encode", "encode_mask", "encode_top_k", "sections", "sent_nbytes", "sparse_count"]
