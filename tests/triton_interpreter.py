@@ -8,6 +8,7 @@ Triton's real code generator (no GPU needed), for what the interpreter cannot sh
 and which rounding instructions they hold.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -58,6 +59,25 @@ def interpret(module: str, cases: str = "CASES") -> dict[str, Any]:
     """The report of ``module``'s mapping ``cases`` run in the interpreter, in a subprocess."""
     code = f"from tests.triton_interpreter import run_cases; from {module} import {cases}; run_cases({cases})"
     return run_subprocess(code, {"TRITON_INTERPRET": "1"})
+
+
+@functools.cache
+def _report(module: str, cases: str) -> dict[str, Any]:
+    return interpret(module, cases)
+
+
+def interpreter_test(module: str, cases: Mapping[str, Callable[[], None]], name: str = "CASES") -> Callable[[str], None]:
+    """A test parametrized over ``cases`` (``module``'s mapping called ``name``), each passing when its case ran "ok"
+    in the interpreter: the whole mapping runs once, in one subprocess, at the first case. Bind it to a ``test_*``
+    name in the test module: ``test_kernels_... = interpreter_test(__name__, CASES)``."""
+
+    @needs_triton
+    @pytest.mark.parametrize("case", sorted(cases))
+    def test(case: str) -> None:
+        report = _report(module, name)
+        assert report[case] == "ok", report[case]
+
+    return test
 
 
 def compile_for_hopper(

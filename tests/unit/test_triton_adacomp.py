@@ -19,7 +19,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp
 from lightning_gradcomp.compressors.base import FlatPacket
 from lightning_gradcomp.segments import Segments
-from tests.triton_interpreter import compile_for_hopper, interpret, needs_triton, run_subprocess
+from tests.triton_interpreter import compile_for_hopper, interpreter_test, needs_triton, run_subprocess
 from tests.unit.test_flat_graddrop_adacomp import ADACOMP_CASES, SHAPES
 
 CONFIGS: dict[str, dict[str, Any]] = {**ADACOMP_CASES, "factor": dict(scale_factor=2.7, bin_size_fc=64)}
@@ -195,15 +195,7 @@ INTERPRETED: dict[str, Callable[[], None]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, str]:
-    return interpret("tests.unit.test_triton_adacomp", "INTERPRETED")
-
-
-@needs_triton
-@pytest.mark.parametrize("case", sorted(INTERPRETED))
-def test_triton_kernels_match_the_torch_ops_in_the_interpreter(interpreted: dict[str, str], case: str) -> None:
-    assert interpreted[case] == "ok", interpreted[case]
+test_triton_kernels_match_the_torch_ops_in_the_interpreter = interpreter_test(__name__, INTERPRETED, "INTERPRETED")
 
 
 @needs_triton

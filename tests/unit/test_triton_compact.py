@@ -5,10 +5,9 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 
-from tests.triton_interpreter import compile_for_hopper, interpret, needs_triton, run_subprocess
+from tests.triton_interpreter import compile_for_hopper, interpreter_test, needs_triton, run_subprocess
 
 
 def _case(n: int, density: float, dtype: torch.dtype, known_counts: bool) -> None:
@@ -46,7 +45,7 @@ def _scatter(dtype: torch.dtype, index_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
     out = torch.randn(3000, generator=gen)
     expected = out.clone()
-    for rank in range(3):  # rank after rank, as a decoder adds them; indices distinct within a rank
+    for _ in range(3):  # rank after rank, as a decoder adds them; indices distinct within a rank
         index = torch.randperm(3000, generator=gen)[:1100].to(index_dtype)
         values = torch.randn(1100, generator=gen).to(dtype)
         expected.index_add_(0, index.long(), values.to(torch.float32))
@@ -79,15 +78,7 @@ CASES: dict[str, Callable[[], None]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, str]:
-    return interpret("tests.unit.test_triton_compact")
-
-
-@needs_triton
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_compaction_matches_nonzero_and_index_select(interpreted: dict[str, str], case: str) -> None:
-    assert interpreted[case] == "ok", interpreted[case]
+test_compaction_matches_nonzero_and_index_select = interpreter_test(__name__, CASES)
 
 
 def _compile_all() -> None:

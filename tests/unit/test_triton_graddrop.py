@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors import GradientDropping
 from lightning_gradcomp.compressors.base import FlatPacket
 from lightning_gradcomp.segments import Segments
-from tests.triton_interpreter import compile_for_hopper, interpret, needs_triton, run_subprocess
+from tests.triton_interpreter import compile_for_hopper, interpreter_test, needs_triton, run_subprocess
 from tests.unit.test_flat_graddrop_adacomp import GRADDROP_CASES, _gradient, _layout, _ops_per_step
 
 CPU = torch.device("cpu")
@@ -261,15 +261,7 @@ INTERPRETED: dict[str, Callable[[], None]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, str]:
-    return interpret("tests.unit.test_triton_graddrop", "INTERPRETED")
-
-
-@needs_triton
-@pytest.mark.parametrize("case", sorted(INTERPRETED))
-def test_triton_kernels_match_the_torch_ops_in_the_interpreter(interpreted: dict[str, str], case: str) -> None:
-    assert interpreted[case] == "ok", interpreted[case]
+test_triton_kernels_match_the_torch_ops_in_the_interpreter = interpreter_test(__name__, INTERPRETED, "INTERPRETED")
 
 
 # -- on a GPU, when there is one ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.base import Compressor, FlatPacket
 from lightning_gradcomp.kernels import rng
-from tests.triton_interpreter import compile_for_hopper, interpret, needs_triton, run_subprocess
+from tests.triton_interpreter import compile_for_hopper, interpreter_test, needs_triton, run_subprocess
 from tests.unit.test_flat_terngrad import (
     CASES, CONFIGS, _assert_same, _exchange, _grads, _ranks, _segments, _step_ops,
 )
@@ -229,15 +229,7 @@ INTERPRETED: dict[str, Callable[[], None]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, str]:
-    return interpret("tests.unit.test_triton_terngrad", "INTERPRETED")
-
-
-@needs_triton
-@pytest.mark.parametrize("case", sorted(INTERPRETED))
-def test_triton_kernels_match_the_torch_ops_in_the_interpreter(interpreted: dict[str, str], case: str) -> None:
-    assert interpreted[case] == "ok", interpreted[case]
+test_triton_kernels_match_the_torch_ops_in_the_interpreter = interpreter_test(__name__, INTERPRETED, "INTERPRETED")
 
 
 # -- on a GPU, when there is one ---------------------------------------------------------------------------------

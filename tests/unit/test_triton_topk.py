@@ -17,7 +17,7 @@ from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DGC, TopK
 from lightning_gradcomp.compressors.base import FlatPacket
 from lightning_gradcomp.segments import Segments
-from tests.triton_interpreter import compile_for_hopper, interpret, needs_triton, run_subprocess
+from tests.triton_interpreter import compile_for_hopper, interpreter_test, needs_triton, run_subprocess
 
 CPU = torch.device("cpu")
 #: mixed sizes: empty, one-element, 1-D (dense unless dense_1d=False), layers over one tile (1024 elements)
@@ -202,15 +202,7 @@ CASES: dict[str, Callable[[], None]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, str]:
-    return interpret("tests.unit.test_triton_topk")
-
-
-@needs_triton
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_kernels_match_the_torch_ops_in_the_interpreter(interpreted: dict[str, str], case: str) -> None:
-    assert interpreted[case] == "ok", interpreted[case]
+test_triton_kernels_match_the_torch_ops_in_the_interpreter = interpreter_test(__name__, CASES)
 
 
 # -- on a GPU, when there is one ---------------------------------------------------------------------------------
