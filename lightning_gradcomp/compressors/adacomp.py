@@ -47,7 +47,7 @@ from lightning_gradcomp.compressors.adacomp_flat import (
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp, FusedSumCompressor, decode_sum
-from lightning_gradcomp.kernels import triton_adacomp, triton_launch
+from lightning_gradcomp.kernels import triton_adacomp
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.sparse import (
     bin_word_bits,
@@ -146,11 +146,6 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         self._layouts: dict[tuple[object, ...], BinLayout] = {}
         self._kernel_tables: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
         self._triton_tables: dict[tuple[object, ...], triton_adacomp.Tables] = {}
-        #: whether the Triton kernels (:mod:`~lightning_gradcomp.kernels.triton_adacomp`) run the groups: ``None``
-        #: chooses at the first group (CUDA with Triton importable); ``True`` forces them (on CPU tensors they need
-        #: ``TRITON_INTERPRET=1``: the tests), ``False`` never
-        self.triton: Optional[bool] = None
-        self._triton: Optional[bool] = None
         #: per parameter name: layer type and L_T, filled at first compression
         self.layer_kinds: dict[str, LayerKind] = {}
         self.layer_bin_sizes: dict[str, int] = {}
@@ -324,16 +319,6 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
             args = self._kernel_tables[key] = (torch.tensor(segments.offsets), torch.tensor(sizes, dtype=torch.int64))
         return args
 
-    def setup(self, rank: int, world_size: int, device: torch.device) -> None:
-        super().setup(rank, world_size, device)
-        self._triton = None  # chosen again for the device the groups come on
-
-    def _uses_triton(self, tensor: Tensor) -> bool:
-        """Whether the Triton kernels encode and decode the groups (chosen at the first call for its device, then kept
-        until ``setup``)."""
-        if self._triton is None:
-            self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
-        return self._triton
 
     def _tables(self, segments: Segments, device: torch.device, sizes: tuple[int, ...]) -> triton_adacomp.Tables:
         key = (segments.names, segments.shapes, device, sizes)
@@ -374,7 +359,7 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
             payload, nbytes, scale, counts = kernels.adacomp_group_encode(
                 g, fused.look_ahead(g, dw), *self._kernel_args(segments, sizes), ternary
             )
-        elif segments.total and self._uses_triton(g):  # four launches (bin maxima, selection, compaction)
+        elif segments.total and self.uses_triton(g):  # four launches (bin maxima, selection, compaction)
             payload, nbytes, scale, counts = encode_group_kernels(
                 g.contiguous(), dw.contiguous(), self.scale_factor - 1.0, self._layout(segments, device, sizes),
                 self._tables(segments, device, sizes), ternary,
@@ -420,7 +405,7 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
             args = self._kernel_args(segments, self._bin_sizes(segments))
             return kernels.adacomp_group_decode_sum([p.payload for p in packets], sizes, *args, out=out)
         out.zero_()
-        if self._uses_triton(out) and out.is_contiguous():  # two launches per rank, in rank order
+        if self.uses_triton(out) and out.is_contiguous():  # two launches per rank, in rank order
             tables = self._tables(segments, out.device, self._bin_sizes(segments))
             for packet in packets:
                 nbytes = torch.as_tensor(packet.layer_nbytes, dtype=torch.int64, device=out.device)

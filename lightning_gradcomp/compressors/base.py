@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradcomp.kernels import triton_launch
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_options
 
@@ -232,6 +233,7 @@ class Compressor(ABC):
         """
         self.rank = rank
         self.world_size = world_size
+        self._triton = None  # chosen again for the device the groups come on
 
     def aggregation_for(self, world_size: int) -> Aggregation:
         """How this compressor travels in a group of ``world_size`` ranks (default: :attr:`aggregation`)."""
@@ -347,6 +349,19 @@ class Compressor(ABC):
     #: op costs well under a microsecond, where on a GPU each is a kernel launch. Set True to run (and count) on CPU
     #: the path a GPU runs.
     batch_on_cpu: bool = True
+
+    #: whether a compressor with Triton group kernels runs them: ``None`` chooses at the first group call after
+    #: :meth:`setup` (CUDA with Triton importable, :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True``
+    #: forces them (on CPU tensors they need ``TRITON_INTERPRET=1``: the tests); ``False`` never
+    triton: Optional[bool] = None
+    _triton: Optional[bool] = None
+
+    def uses_triton(self, tensor: Tensor) -> bool:
+        """Whether this compressor's Triton kernels run the groups on ``tensor``'s device (chosen at the first call,
+        kept until :meth:`setup`; see :attr:`triton`). Meaningful for compressors that have such kernels."""
+        if self._triton is None:
+            self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
+        return self._triton
 
     def batch_on(self, flat: Tensor, segments: Segments) -> bool:
         """Whether :meth:`compress_flat` takes the batched path for the group ``segments`` of ``flat`` (its device,

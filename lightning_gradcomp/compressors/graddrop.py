@@ -50,7 +50,7 @@ from lightning_gradcomp.compressors.graddrop_flat import (
 )
 from lightning_gradcomp.compressors.sparse_fused import FusedGradientDropping, FusedSumCompressor, decode_sum
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
-from lightning_gradcomp.kernels import rng, triton_graddrop, triton_launch
+from lightning_gradcomp.kernels import rng, triton_graddrop
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.sparse import (
     INDEX_ENCODINGS,
@@ -239,11 +239,6 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         self._plans: dict[tuple[object, ...], SamplePlan] = {}
         # the global pool's per-value weights and the layout they were built for
         self._pool_weights: tuple[tuple[object, ...], Tensor] = ((), torch.zeros(0))
-        #: whether Triton kernels run the groups (kernels/triton_graddrop.py): ``None`` chooses at the first group call
-        #: after ``setup`` (CUDA with Triton importable); ``True`` forces them (on CPU tensors they need
-        #: ``TRITON_INTERPRET=1``: the tests), ``False`` never
-        self.triton: Optional[bool] = None
-        self._triton: Optional[bool] = None
         # the Triton kernels' tables, per sample plan key (as _plans)
         self._tables: dict[tuple[object, ...], triton_graddrop.GroupTables] = {}
 
@@ -252,7 +247,6 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         super().setup(rank, world_size, device)
         self._device = device
         self._keys.reset(rank)
-        self._triton = None
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -516,13 +510,6 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             and segments.total < 2**31  # group indices travel as int32
         )
 
-    def _uses_triton(self, tensor: Tensor) -> bool:
-        """Whether the Triton kernels run the groups (chosen at the first group call for ``tensor``'s device, then
-        kept until ``setup``)."""
-        if self._triton is None:
-            self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
-        return self._triton
-
     def _plan_key(self, segments: Segments, device: torch.device) -> tuple[object, ...]:
         return (segments.names, segments.shapes, device, self.sample, self.sample_fraction, self.min_sample,
                 self.max_sample, self.drop_ratio)
@@ -569,7 +556,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         device = x.device
         plan = self._sample_plan(segments, device)
         fp16 = self.values == "fp16"
-        if self._uses_triton(x):  # the torch path's ops below, in Triton kernels (the samples' sort excepted)
+        if self.uses_triton(x):  # the torch path's ops below, in Triton kernels (the samples' sort excepted)
             x = x.contiguous()
             tables = self._triton_tables(segments, plan, device)
             keys = triton_graddrop.keys_on(self._keys.keys(plan.draws), device) if plan.draws.total else None
@@ -626,7 +613,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
         if packet.layers is not None:
             return super().decompress_flat(packet)
-        if self._uses_triton(packet.payload):
+        if self.uses_triton(packet.payload):
             decoded = triton_graddrop.decode(packet.payload, value_dtype(self.values), packet.segments.total)
             return decoded.to(packet.dtype)
         index, values = decode_group_coo32(packet.payload, self.values)
@@ -637,7 +624,7 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         if packets[0].layers is not None or packets[0].dtype != torch.float32 or out.dtype != torch.float32:
             # looping packets, or a sum the loop makes in the gradients' dtype: the base class's rank-order sum
             return super().decompress_flat_mean_into(packets, out)
-        if self._uses_triton(out) and out.is_contiguous():  # each rank's survivors added in rank order, then div_
+        if self.uses_triton(out) and out.is_contiguous():  # each rank's survivors added in rank order, then div_
             return triton_graddrop.decode_mean_into([p.payload for p in packets], value_dtype(self.values), out)
         decoded = [decode_group_coo32(packet.payload, self.values) for packet in packets]
         if self._kernels(out.device) is not None and out.is_contiguous():  # one kernel call for all ranks

@@ -38,7 +38,6 @@ from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPac
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
 from lightning_gradcomp.compressors.topk_flat import INT2_HALF_RANGE as _INT2_HALF_RANGE
 from lightning_gradcomp.compressors.topk_flat import SparseLayout
-from lightning_gradcomp.kernels import triton_launch
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
@@ -84,12 +83,6 @@ class TopK(Compressor):
         self.dense_1d = bool(dense_1d)
         # per group layout and settings (a group's Segments is made once and reused every step)
         self._layouts: dict[tuple[Any, ...], SparseLayout] = {}
-        #: whether the Triton kernels (:mod:`~lightning_gradcomp.kernels.triton_topk`) run the groups' selection,
-        #: encode and decode (int2 values: the selection only): ``None`` chooses at the first group (CUDA with Triton importable,
-        #: :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True`` forces them (on CPU tensors: Triton's
-        #: interpreter, for tests); ``False``: the torch ops
-        self.triton: Optional[bool] = None
-        self._triton: Optional[bool] = None
 
     @property
     def ratio(self) -> float:
@@ -177,13 +170,6 @@ class TopK(Compressor):
             layout = self._layouts[key] = SparseLayout(segments, self.value_dtype, dense, counts, device)
         return layout
 
-    def uses_triton(self, tensor: Tensor) -> bool:
-        """Whether the Triton kernels run this compressor's groups (chosen once, until :meth:`setup`; with int2
-        values they select, and the torch ops code and decode)."""
-        if self._triton is None:
-            self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
-        return self._triton
-
     def _triton_wire(self, tensor: Tensor) -> bool:
         return self.uses_triton(tensor) and self.value_dtype != _INT2
 
@@ -225,7 +211,6 @@ class TopK(Compressor):
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
         self._layouts = {}
-        self._triton = None
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": type(self).__name__, "ratio": self._ratio, "value_dtype": self.value_dtype,
