@@ -19,14 +19,13 @@ a group of any layer sizes in one launch. The layer scale stays :func:`~lightnin
 (a sequential sum per layer; the kernels take its result).
 """
 
-import functools
 from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.kernels.triton_launch import launch, tiles
+from lightning_gradcomp.kernels.triton_launch import bodies, launch, tiles
 
 #: elements a program holds at most (whole bins; one bin when L_T is longer)
 ELEMENTS = 2048
@@ -34,11 +33,8 @@ ELEMENTS = 2048
 BYTES = 1024
 
 
-@functools.cache
 def _jit() -> ModuleType:
-    from lightning_gradcomp.kernels import _triton_adacomp_jit
-
-    return _triton_adacomp_jit
+    return bodies("_triton_adacomp_jit")
 
 
 class Tables:

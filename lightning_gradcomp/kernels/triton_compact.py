@@ -10,24 +10,20 @@ Selection kernels that already know each tile's count (they compute the mask) ma
 :func:`tile_counts`'s launch, as long as their tiles are this module's (``BLOCK`` elements from 0 on).
 """
 
-import functools
 from types import ModuleType
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.kernels.triton_launch import launch, programs
+from lightning_gradcomp.kernels.triton_launch import bodies, launch, programs
 
 #: elements per program
 BLOCK = 1024
 
 
-@functools.cache
 def _jit() -> ModuleType:
-    from lightning_gradcomp.kernels import _triton_compact_jit
-
-    return _triton_compact_jit
+    return bodies("_triton_compact_jit")
 
 
 def tile_counts(mask: Tensor) -> Tensor:

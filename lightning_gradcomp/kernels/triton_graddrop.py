@@ -26,7 +26,6 @@ Triton is imported on first use (:mod:`~lightning_gradcomp.kernels.triton_launch
 kernels run on CPU tensors in Triton's interpreter.
 """
 
-import functools
 import itertools
 from collections.abc import Sequence
 from types import ModuleType
@@ -37,7 +36,7 @@ from torch import Tensor
 
 from lightning_gradcomp.kernels import triton_compact
 from lightning_gradcomp.kernels.segmented import host_to_device
-from lightning_gradcomp.kernels.triton_launch import launch, programs, tiles
+from lightning_gradcomp.kernels.triton_launch import bodies, launch, programs, tiles
 
 #: sampled values per program of the sample kernel; the selection kernels take triton_compact.BLOCK elements
 SAMPLE_BLOCK = 1024
@@ -47,11 +46,8 @@ STATISTICS_BLOCK = 128
 STRIDED, RANDOM, WHOLE = 0, 1, 2
 
 
-@functools.cache
 def _jit() -> ModuleType:
-    from lightning_gradcomp.kernels import _triton_graddrop_jit
-
-    return _triton_graddrop_jit
+    return bodies("_triton_graddrop_jit")
 
 
 class GroupTables:

@@ -6,7 +6,9 @@ replace without a GPU (``tests/triton_interpreter.py``).
 """
 
 import functools
+import importlib
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -21,6 +23,13 @@ def available() -> bool:
     except Exception:  # not installed, or installed but failing to load (no matching libraries, say): torch ops run
         return False
     return True
+
+
+@functools.cache
+def bodies(module: str) -> ModuleType:
+    """The ``@triton.jit`` bodies of ``lightning_gradcomp.kernels.<module>``, imported at their first launch: they import
+    Triton at their top, and the library must import without it."""
+    return importlib.import_module(f"lightning_gradcomp.kernels.{module}")
 
 
 def usable(device: torch.device) -> bool:
@@ -50,4 +59,4 @@ def launch(kernel: object, grid: int, *args: object, **constants: object) -> Non
         kernel[(grid,)](*args, **constants, enable_fp_fusion=False)  # type: ignore[index]
 
 
-__all__ = ["available", "launch", "programs", "tiles", "usable"]
+__all__ = ["available", "bodies", "launch", "programs", "tiles", "usable"]

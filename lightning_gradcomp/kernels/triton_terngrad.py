@@ -22,7 +22,6 @@ Triton is imported on first use (:mod:`~lightning_gradcomp.kernels.triton_launch
 launches); under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors in Triton's interpreter.
 """
 
-import functools
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Optional
@@ -31,18 +30,15 @@ import numpy
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.kernels.triton_launch import launch, tiles
+from lightning_gradcomp.kernels.triton_launch import bodies, launch, tiles
 
 #: elements per program of the element kernels; packed bytes per program of the packing and decoding kernels
 ELEMENT_BLOCK = 1024
 BYTE_BLOCK = 256
 
 
-@functools.cache
 def _jit() -> ModuleType:
-    from lightning_gradcomp.kernels import _triton_terngrad_jit
-
-    return _triton_terngrad_jit
+    return bodies("_triton_terngrad_jit")
 
 
 class GroupTables:

@@ -18,7 +18,6 @@ read on the host.
 Triton is imported on first use; under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors in the interpreter.
 """
 
-import functools
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Optional
@@ -26,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.kernels.triton_launch import launch, programs, tiles
+from lightning_gradcomp.kernels.triton_launch import bodies, launch, programs, tiles
 
 #: elements per program
 BLOCK = 1024
@@ -36,11 +35,8 @@ _BINS = 256
 _ROWS = 16
 
 
-@functools.cache
 def _jit() -> ModuleType:
-    from lightning_gradcomp.kernels import _triton_topk_jit
-
-    return _triton_topk_jit
+    return bodies("_triton_topk_jit")
 
 
 class SelectTables:
