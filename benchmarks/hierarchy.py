@@ -89,7 +89,8 @@ def run(model_name: str, strategy: str, args: argparse.Namespace) -> dict[str, A
     dist.all_reduce(step, op=dist.ReduceOp.MAX)
     numel = sum(p.numel() for p in model.parameters())
     out = {"model": model_name, "strategy": strategy, "params": numel, "median_s": statistics.median(step.tolist()),
-           "wan_bytes": 4 * numel if state is None else state.bytes_per_step()}
+           "wan_bytes": 4 * numel if state is None else state.bytes_per_step(),
+           "lan_bytes": state.hierarchy.lan_bytes_per_step() if state is not None and state.hierarchy is not None else 0}
     if base == "ddp":  # the model's compute: the same steps without communication
         ctimes = []
         for _ in range(args.warmup + args.steps):
@@ -181,11 +182,12 @@ def main() -> None:
         print(f"\n# command: {os.environ.get('HIERARCHY_COMMAND') or ' '.join(['python', *sys.argv])}")
         print(f"# {world} ranks in {args.sites} sites, LAN {args.lan}, WAN {args.wan}; median of {args.steps} steps "
               f"after {args.warmup} warm-up; probed LAN {links[0]}, WAN {links[1]}; load average {os.getloadavg()}")
-        print("| model | strategy | median step (ms) | predicted (ms) | predicted / measured | WAN bytes/step/rank |")
-        print("|---|---|---|---|---|---|")
+        print("| model | strategy | median step (ms) | predicted (ms) | predicted / measured | WAN bytes/step/rank "
+              "| LAN bytes/step/rank |")
+        print("|---|---|---|---|---|---|---|")
         for r, pred in rows:
             print(f"| {r['model']} | {r['strategy']} | {r['median_s'] * 1e3:.1f} | {pred * 1e3:.1f} | "
-                  f"{pred / r['median_s']:.2f} | {r['wan_bytes']:,} |")
+                  f"{pred / r['median_s']:.2f} | {r['wan_bytes']:,} | {r['lan_bytes']:,} |")
     dist.destroy_process_group()
 
 

@@ -336,8 +336,9 @@ def hierarchical_comm_seconds(codec: Codec, dense_bytes: float, world_size: int,
     """Seconds of one step of the hierarchical exchange (:mod:`lightning_gradcomp.hierarchy`) on a two-level
     ``network`` (``sites`` equal sites joined by ``wan``), bucket by bucket as the hook runs them:
 
-    * a dense ring all-reduce of the bucket inside each site (``network.link``), twice (the site's mean in, the
-      decoded shares out);
+    * a dense reduce of each share to its owner inside each site (``network.link``: the site's mean in) and a
+      gather of the decoded shares (out): together the bytes of one ring all-reduce of the bucket, taken at its
+      time (for ``k = 2``, the bucket each way; the all-to-alls' latency is one step each, the ring's ``k - 1``);
     * the compressor's collectives between sites (``codec`` measured for ``sites`` workers): the ``k`` local ranks
       each send their share at once over their site's one WAN link, so together they put ``codec.nbytes`` (the
       whole step's payload, as one flat rank would) on it; its statistics rounds cross the WAN once each.
@@ -350,7 +351,7 @@ def hierarchical_comm_seconds(codec: Codec, dense_bytes: float, world_size: int,
     lan, wan = Network(network.link), Network(network.wan)
     total = 0.0
     for f in bucket_fractions(buckets):
-        total += 2 * ring_allreduce_seconds(dense_bytes * f, k, lan)
+        total += ring_allreduce_seconds(dense_bytes * f, k, lan)
         total += sum(_bucket_seconds(codec, sites, wan, f))
     return total
 

@@ -2,22 +2,31 @@
 
 Per DDP bucket, identically on every rank:
 
-1. a dense sum of the bucket inside the site (the LAN), divided by the site size: every rank of a site then holds
-   the site's mean gradient;
-2. the model's parameters are split into ``k`` contiguous (in the model's order), byte-balanced shares (whole
+1. the model's parameters are split into ``k`` contiguous (in the model's order), byte-balanced shares (whole
    parameters, so layer-wise scalers, thresholds and bins keep their meaning; the split depends on the parameter
-   sizes only and holds for the whole run, see :func:`owned_names`), one per local rank; per bucket, local rank
-   ``j`` runs the flat hook (:func:`lightning_gradcomp.hook._exchange_bucket`: transforms, error
-   feedback, shared statistics, compression, collectives, decode) on share ``j`` only, with the *cross-site*
-   group of the ranks with local index ``j`` in every site, on the parameters of share ``j`` in the bucket. So each
-   local rank puts about ``1/k`` of a step's inter-site bytes on the link, and the compressor averages over sites;
-3. a dense exchange of the decoded shares inside the site (each rank zeroes what it does not own, then a sum), so
-   every rank ends with the same averaged bucket.
+   sizes only and holds for the whole run, see :func:`share_index`), one per local rank. A dense reduce inside the
+   site (the LAN: :func:`lightning_gradcomp.comm.reduce_to_owners_`, each share's segment to its owner, summed
+   there) leaves local rank ``j`` with the site's sum of share ``j`` of the bucket, divided by the site size: the
+   site's mean gradient of that share;
+2. local rank ``j`` runs the flat hook (:func:`lightning_gradcomp.hook._exchange_bucket`: transforms, error
+   feedback, shared statistics, compression, collectives, decode) on its share, with the *cross-site* group of
+   the ranks with local index ``j`` in every site. So each local rank puts about ``1/k`` of a step's inter-site
+   bytes on the link, and the compressor averages over sites;
+3. a dense gather of the decoded shares inside the site (:func:`lightning_gradcomp.comm.gather_from_owners`),
+   unpacked into DDP's bucket: every rank ends with the same averaged bucket.
+
+Each rank sends the other shares once and its own share to the ``k - 1`` others: for ``k = 2`` the bucket once
+per step, whatever the split (a DDP bucket often holds one share only: buckets and shares are both contiguous
+in the model's order), half of what two all-reduces (the mean in, the decoded shares out) would send.
 
 Everything the flat hook keeps per parameter (residuals, random streams, records) is then kept only by the
 share's owner, keyed by parameter name as before; the checkpoint saves every rank's part, so resume is exact.
-The non-finite guard sees the whole site-summed bucket (a NaN on any rank of any site reaches every cross-site
-group) and every rank checks the whole decoded bucket, so every rank skips the same steps.
+
+Non-finite guard: a rank sees only its share after the reduce, so each share's segment carries one more element,
+the *flag slot*: every rank writes ``0`` there when its whole bucket is finite and NaN when not, and the reduce
+sums the site's slots into every share. The flat hook's guard scans its share, slot included, so a
+NaN on any rank of any site reaches every cross-site group and every rank skips the same steps. Every rank
+checks the whole decoded bucket after the gather, so the decoded flags agree too.
 
 Sites are contiguous blocks of global ranks (:mod:`lightning_gradcomp.sites`); all sites must have the
 same size so that every local index has one rank in every site.
@@ -140,6 +149,87 @@ def share_bounds(nbytes: Sequence[int], shares: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def share_index(sizes: Sequence[tuple[str, int]], shares: int) -> dict[str, int]:
+    """Each parameter's share: ``sizes`` (name, bytes, in the model's order) split by :func:`share_bounds`.
+
+    Ownership is fixed for the whole run rather than drawn per DDP bucket: DDP rebuilds its buckets after the first
+    step (and again after a resume), so a per-bucket split would move a parameter's residual between ranks.
+    """
+    bounds = share_bounds([n for _, n in sizes], shares)
+    return {name: j for j, (start, end) in enumerate(bounds) for name, _ in sizes[start:end]}
+
+
+def owned_names(sizes: Sequence[tuple[str, int]], shares: int, share: int) -> frozenset[str]:
+    """The parameters of ``share`` (:func:`share_index`)."""
+    return frozenset(name for name, j in share_index(sizes, shares).items() if j == share)
+
+
+@dataclass(frozen=True)
+class SharePlan:
+    """Where each share of one DDP bucket lies in the bucket and in the site's exchanges.
+
+    Both dense exchanges carry the shares as *segments*, in share order: segment ``j`` is share ``j``'s parameters
+    back to back (in the bucket's order) followed by the flag slot. The parameters are copied as *runs* (adjacent
+    in the bucket and in the segment), so packing costs one copy per run, not per parameter: shares are contiguous
+    in the model's order, so a bucket holds one or two runs per share.
+
+    Attributes:
+        runs: per share, ``(bucket offset, segment offset, elements)`` of each run.
+        lengths: per share, its elements (its segment has one more: the flag slot).
+        params: per share, the bucket's indices of its parameters.
+        offsets: per share, those parameters' offsets in the segment.
+    """
+
+    runs: tuple[tuple[tuple[int, int, int], ...], ...]
+    lengths: tuple[int, ...]
+    params: tuple[tuple[int, ...], ...]
+    offsets: tuple[tuple[int, ...], ...]
+
+    @property
+    def splits(self) -> list[int]:
+        """Each segment's elements, in share order."""
+        return [n + 1 for n in self.lengths]
+
+    def segment(self, j: int, segments: Tensor) -> Tensor:
+        start = sum(self.splits[:j])
+        return segments[start : start + self.lengths[j] + 1]
+
+    def pack(self, buffer: Tensor, segments: Tensor, flag: Tensor) -> None:
+        """Write every share of ``buffer`` into its segment of ``segments``, and ``flag`` into every flag slot."""
+        for j, runs in enumerate(self.runs):
+            segment = self.segment(j, segments)
+            for at, to, n in runs:
+                segment[to : to + n].copy_(buffer[at : at + n])
+            segment[-1:].copy_(flag.reshape(1))
+
+    def unpack(self, segments: Tensor, buffer: Tensor) -> None:
+        """Write every share in ``segments`` back to its place in ``buffer``."""
+        for j, runs in enumerate(self.runs):
+            segment = self.segment(j, segments)
+            for at, to, n in runs:
+                buffer[at : at + n].copy_(segment[to : to + n])
+
+
+def share_plan(shares: Sequence[int], numels: Sequence[int], offsets: Sequence[int], k: int) -> SharePlan:
+    """The plan of a bucket whose parameters (``numels`` at ``offsets``) belong to ``shares`` (of ``k``)."""
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in range(k)]
+    params: list[list[int]] = [[] for _ in range(k)]
+    segment_offsets: list[list[int]] = [[] for _ in range(k)]
+    lengths = [0] * k
+    for i in sorted(range(len(numels)), key=lambda i: offsets[i]):
+        j, n, at = shares[i], numels[i], offsets[i]
+        params[j].append(i)
+        segment_offsets[j].append(lengths[j])
+        last = runs[j][-1] if runs[j] else None
+        if last is not None and last[0] + last[2] == at:  # adjacent in the bucket and in the segment: one copy
+            runs[j][-1] = (last[0], last[1], last[2] + n)
+        else:
+            runs[j].append((at, lengths[j], n))
+        lengths[j] += n
+    return SharePlan(runs=tuple(tuple(r) for r in runs), lengths=tuple(lengths),
+                     params=tuple(tuple(p) for p in params), offsets=tuple(tuple(o) for o in segment_offsets))
+
+
 @dataclass
 class SiteExchange:
     """This rank's place in the hierarchy and the groups it exchanges with.
@@ -150,9 +240,10 @@ class SiteExchange:
         local_rank: this rank's index inside its site (which share of each bucket it owns).
         site_group: the ranks of this site (the fast link).
         cross_group: the ranks with this local index in every site (the slow link); the hook state's group.
-        owned: the names of the parameters whose share this rank compresses and exchanges between sites.
-        lan_bytes: per bucket index, the bytes this rank put on the fast link in the latest step (both dense
-            exchanges, counted as the tensor each all-reduce takes).
+        shares: every parameter's share (:func:`share_index`), by name.
+        lan_bytes: per bucket index, the bytes this rank sent over the fast link in the latest step (the other
+            shares' segments to their owners, then its own segment to the ``k - 1`` others).
+        plans: the :class:`SharePlan` of each bucket, by bucket index and parameter names.
     """
 
     layout: SiteLayout
@@ -160,25 +251,31 @@ class SiteExchange:
     local_rank: int
     site_group: Optional[dist.ProcessGroup]
     cross_group: Optional[dist.ProcessGroup]
-    owned: frozenset[str]
+    shares: dict[str, int]
     lan_bytes: dict[int, int] = field(default_factory=dict)
+    plans: dict[tuple[int, tuple[str, ...]], SharePlan] = field(default_factory=dict)
 
     @property
     def site_size(self) -> int:
         return self.layout.sizes[self.site]
 
+    @property
+    def owned(self) -> frozenset[str]:
+        """The names of the parameters whose share this rank compresses and exchanges between sites."""
+        return frozenset(name for name, j in self.shares.items() if j == self.local_rank)
+
     def lan_bytes_per_step(self) -> int:
         return sum(self.lan_bytes.values())
 
-
-def owned_names(sizes: Sequence[tuple[str, int]], shares: int, share: int) -> frozenset[str]:
-    """The parameters of ``share``: ``sizes`` (name, bytes, in the model's order) split by :func:`share_bounds`.
-
-    Ownership is fixed for the whole run rather than drawn per DDP bucket: DDP rebuilds its buckets after the first
-    step (and again after a resume), so a per-bucket split would move a parameter's residual between ranks.
-    """
-    start, end = share_bounds([n for _, n in sizes], shares)[share]
-    return frozenset(name for name, _ in sizes[start:end])
+    def plan(self, bucket: dist.GradBucket, names: Sequence[str]) -> SharePlan:
+        """The bucket's plan, made the first time its parameters are seen (DDP rebuilds buckets once)."""
+        key = (bucket.index(), tuple(names))
+        plan = self.plans.get(key)
+        if plan is None:
+            numels = [p.numel() for p in bucket.parameters()]
+            plan = share_plan([self.shares[n] for n in names], numels, layer_offsets(bucket), self.site_size)
+            self.plans[key] = plan
+        return plan
 
 
 def new_site_exchange(layout: SiteLayout, rank: int, sizes: Sequence[tuple[str, int]]) -> SiteExchange:
@@ -195,22 +292,22 @@ def new_site_exchange(layout: SiteLayout, rank: int, sizes: Sequence[tuple[str, 
         if j == groups.site_rank:
             cross = group
     return SiteExchange(layout=layout, site=groups.site, local_rank=groups.site_rank, site_group=groups.site_group,
-                        cross_group=cross, owned=owned_names(sizes, k, groups.site_rank))
+                        cross_group=cross, shares=share_index(sizes, k))
 
 
 class _ShareBucket:
-    """The part of a DDP bucket one local rank owns, a :class:`~lightning_gradcomp.groups.HookBucket` for the flat hook.
+    """One local rank's share of a DDP bucket, a :class:`~lightning_gradcomp.groups.HookBucket` for the flat hook.
 
-    ``buffer()`` is the whole (site-averaged) bucket: the guard checks all of it, so every cross-site group takes
-    the same decision; ``parameters()`` are the share's only, at ``layer_offsets()`` in the buffer.
+    ``buffer()`` is the share's segment (after the reduce: the site's mean and the flag slot), or the whole
+    bucket on a step already skipped; ``parameters()`` are the share's only, at ``layer_offsets()`` in it.
     """
 
-    def __init__(self, bucket: dist.GradBucket, indices: Sequence[int]) -> None:
+    def __init__(self, bucket: dist.GradBucket, buffer: Tensor, indices: Sequence[int], offsets: Sequence[int]) -> None:
         self._bucket = bucket
+        self._buffer = buffer
         params = bucket.parameters()
-        starts = layer_offsets(bucket)
         self._params = [params[i] for i in indices]
-        self._offsets = tuple(starts[i] for i in indices)
+        self._offsets = tuple(offsets)
 
     def index(self) -> int:
         return self._bucket.index()
@@ -219,7 +316,7 @@ class _ShareBucket:
         return self._bucket.is_last()
 
     def buffer(self) -> Tensor:
-        return self._bucket.buffer()
+        return self._buffer
 
     def parameters(self) -> list[Tensor]:
         return self._params
@@ -235,40 +332,52 @@ def hierarchical_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.fu
         return _hierarchical_bucket(state, bucket)
 
 
+def _flag_slot(state: GradCompState, buffer: Tensor) -> Tensor:
+    """0 where this rank's bucket is finite, NaN where not (one element): what this rank adds to the flag slots.
+
+    Exact without a bucket-sized temporary or a host read: min and max propagate NaN, and an infinite one times 0
+    is NaN (a sum, the guard's cheap check, may overflow float32 on finite values)."""
+    if state.guard.mode == "ignore":
+        return buffer.new_zeros(())
+    low, high = torch.aminmax(buffer)
+    return low * 0 + high * 0
+
+
 def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     site = state.hierarchy
     assert isinstance(site, SiteExchange), "hierarchical_hook needs a hook state built with `hierarchy=`"
     buffer = bucket.buffer()
-    k = site.site_size
-    skipping = state.step_nonfinite and bucket.index() != 0  # decided on every rank alike: no collective needed
-    if not skipping:
-        with state.observer.blocking():
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=site.site_group)
-        state.ledger.count("site_allreduce")
-        buffer.div_(k)
-    params = bucket.parameters()
-    owned = [i for i, p in enumerate(params) if state.names[id(p)] in site.owned]
-    share = _ShareBucket(bucket, owned)
-    # the flat hook on this rank's share, with the cross-site group; its collectives are waited for here so the
-    # dense exchange of the decoded shares is issued from the hook body (never from a `.then`, see comm)
-    _exchange_bucket(state, share).wait()
-    if state.step_nonfinite:  # the guard filled the bucket with NaN on every rank
-        site.lan_bytes[bucket.index()] = 0 if skipping else buffer.numel() * buffer.element_size()
-        return comm.completed(buffer)
-    # the others' shares come from them: zero theirs here (one op for all of them, the groups' cached index)
-    mine = set(owned)
-    others = [i for i in range(len(params)) if i not in mine]
-    if others:
+    k, j, index = site.site_size, site.local_rank, bucket.index()
+    plan = site.plan(bucket, [state.names[id(p)] for p in bucket.parameters()])
+    if state.step_nonfinite and index != 0:
+        # decided on every rank alike: no collective; the flat hook (which counts the call) fills the bucket
+        site.lan_bytes[index] = 0
         positions = layer_offsets(bucket)
-        for group in state.layouts.groups([state.names[id(params[i])] for i in others], [params[i].shape for i in others],
-                                          [positions[i] for i in others], [state.router.identity] * len(others),
-                                          buffer.element_size(), None):
-            group.fill(buffer, 0.0)
-    future = comm.all_reduce_sum(buffer, site.site_group)
-    state.ledger.count("site_allreduce")
-    site.lan_bytes[bucket.index()] = 2 * buffer.numel() * buffer.element_size()
+        _exchange_bucket(state, _ShareBucket(bucket, buffer, plan.params[j], [positions[i] for i in plan.params[j]]))
+        return comm.completed(buffer)
+
+    splits, size = plan.splits, plan.lengths[j] + 1
+    segments = state.scratch.take(("site", index, "segments"), sum(splits), buffer.dtype, buffer.device)
+    plan.pack(buffer, segments, _flag_slot(state, buffer))
+    mine = state.scratch.take(("site", index, "mine"), size, buffer.dtype, buffer.device)
+    copies = state.scratch.take(("site", index, "copies"), k * size, buffer.dtype, buffer.device)
+    with state.observer.blocking():
+        comm.reduce_to_owners_(mine, segments, splits, site.site_group, copies)
+    state.ledger.count("site_reduce")
+    mine.div_(k)
+    sent = (sum(splits) - size) * buffer.element_size()
+    # the flat hook on this rank's share, with the cross-site group; its collectives are waited for here so the
+    # exchange of the decoded shares is issued from the hook body (never from a `.then`, see comm)
+    _exchange_bucket(state, _ShareBucket(bucket, mine, plan.params[j], plan.offsets[j])).wait()
+    if state.step_nonfinite:  # every cross-site group saw the flag slots: the same decision on every rank
+        site.lan_bytes[index] = sent
+        return comm.completed(buffer.fill_(float("nan")))
+    future = comm.gather_from_owners(segments, mine, splits, site.site_group, copies)
+    state.ledger.count("site_gather")
+    site.lan_bytes[index] = sent + (k - 1) * size * buffer.element_size()
 
     def done(_: object) -> Tensor:
+        plan.unpack(segments, buffer)
         observe_decoded(state, buffer)  # the whole bucket, so every rank keeps the same flags
         return buffer
 

@@ -172,8 +172,8 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
             if self.comm_state.hierarchy is not None:
                 site = self.comm_state.hierarchy
                 log.info(
-                    "gradcomp: hierarchical exchange, %d sites of %d ranks: dense all-reduce inside a site, %s between "
-                    "sites on each local rank's share (rank 0: %d of %d tensors)",
+                    "gradcomp: hierarchical exchange, %d sites of %d ranks: each share reduced to its owner and gathered "
+                    "back inside a site, %s between sites on each local rank's share (rank 0: %d of %d tensors)",
                     site.layout.num_sites, site.site_size, type(self.compressor).__name__, len(site.owned), len(named),
                 )
         self._on_hook_state(named)

@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import CompressionMonitor
+from lightning_gradcomp.hierarchy import share_bounds
 from tests.distributed.reliability_ranks import (
     PROBES,
     InjectingClassifier,
@@ -54,6 +55,8 @@ def _run(world_size: int, strategy: Any, steps: int, callbacks: tuple = (), **op
         out["lan_bytes"] = state.hierarchy.lan_bytes_per_step() if state.hierarchy is not None else 0
         out["collectives"] = dict(state.collectives)
         out["dense_bytes"] = sum(4 * p.numel() for p in module_parameters(trainer))
+        numels = [p.numel() for p in module_parameters(trainer)]
+        out["share_numels"] = [sum(numels[a:b]) for a, b in share_bounds([4 * n for n in numels], SITES[0])]
     return out
 
 

@@ -70,16 +70,34 @@ def test_each_rank_puts_one_kth_of_the_flat_bytes_on_the_wan(runs: list[dict[str
             assert sum(wan) / k == pytest.approx(flat / k)
         else:
             assert sum(wan) < 2 * flat, f"site {site}: {wan} against flat {flat}"
-        # the dense exchanges inside the site: the bucket summed once in, once out (fp32 bytes of every parameter)
-        assert results[start]["hier"]["lan_bytes"] == 2 * results[start]["dense_bytes"]
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_each_rank_sends_the_bucket_once_inside_its_site(runs: list[dict[str, Any]], name: str) -> None:
+    """Inside a site each rank sends the other shares to their owners and its own decoded share to the k - 1
+    others, each share with its flag slot: for k = 2 the bucket's fp32 bytes plus two slots, however unevenly the
+    shares split the bucket (here one weight holds most parameters), half of two all-reduces. One bucket."""
+    results = _ok(runs, name)
+    k = SITES[0]
+    for rank, result in enumerate(results):
+        hier = result["hier"]
+        lengths = hier["share_numels"]
+        me = rank % k
+        expected = sum(n + 1 for j, n in enumerate(lengths) if j != me) + (k - 1) * (lengths[me] + 1)
+        assert hier["lan_bytes"] == 4 * expected, f"rank {rank}"
+        assert hier["lan_bytes"] == hier["dense_bytes"] + 4 * 2, f"rank {rank}"
+    assert max(lengths) > 2 * min(lengths), "the shares are even: the test would not see padding"
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_hierarchical_collectives_per_bucket(runs: list[dict[str, Any]], name: str) -> None:
-    """Two dense site all-reduces per bucket on every rank, whatever the compressor."""
+    """One dense reduce to the shares' owners and one gather from them per bucket on every rank, whatever the
+    compressor."""
     results = _ok(runs, name)
-    counts = [r["hier"]["collectives"]["site_allreduce"] for r in results]
-    assert counts == [counts[0]] * WORLD and counts[0] == 2 * STEPS
+    for kind in ("site_reduce", "site_gather"):
+        counts = [r["hier"]["collectives"][kind] for r in results]
+        assert counts == [STEPS] * WORLD, f"{kind}: {counts}"
+    assert all("site_allreduce" not in r["hier"]["collectives"] for r in results)
 
 
 def test_the_monitor_logs_wan_and_lan_bytes(runs: list[dict[str, Any]]) -> None:
@@ -102,8 +120,8 @@ def test_a_layout_the_world_cannot_take_fails_before_the_first_step(runs: list[d
 
 @pytest.mark.parametrize("name", GUARDED)
 def test_nan_on_one_rank_of_one_site_skips_the_step_on_every_rank(runs: list[dict[str, Any]], name: str) -> None:
-    """The guard sees the whole site-summed bucket: a NaN on rank 3 (site 1, local rank 1) reaches every cross-site
-    group, so all 4 ranks skip step 2, keep finite residuals, and train on identically."""
+    """Every share's segment in the site's reduce carries the flag slot: a NaN on rank 3 (site 1, local rank 1)
+    reaches both cross-site groups, so all 4 ranks skip step 2, keep finite residuals, and train on identically."""
     results = [r["guard"][name] for r in runs]
     for rank, run in enumerate(results):
         assert "error" not in run, f"rank {rank}:\n{run['error']}"
