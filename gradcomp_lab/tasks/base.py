@@ -62,6 +62,9 @@ class TrainingTask(LightningModule):
         warmup_steps: linear warm-up steps of the ``"cosine"`` schedule.
         end_factor: final LR of the ``"cosine"`` schedule as a fraction of ``lr``.
         adam_betas: ``"adamw"``'s betas (GPT-2/nanoGPT: 0.9, 0.95).
+        init_weights: a Lightning checkpoint (or a saved ``state_dict``) whose ``model.*`` weights start this run;
+            the optimizer, schedule and strategy start afresh (DiLoCo's dense warm start: its runs begin from a
+            model pretrained with synchronous training). Loaded on every rank, before the strategy sees the model.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class TrainingTask(LightningModule):
         warmup_steps: int = 0,
         end_factor: float = 0.1,
         adam_betas: tuple[float, float] = (0.9, 0.95),
+        init_weights: Optional[str] = None,
     ) -> None:
         super().__init__()
         check_choice("optimizer", optimizer, _OPTIMIZERS)
@@ -117,6 +121,8 @@ class TrainingTask(LightningModule):
         self.lr_schedule, self.max_steps, self.poly_power = lr_schedule, max_steps, poly_power
         self.decay_steps, self.decay_epochs, self.decay_rate = decay_steps, decay_epochs, decay_rate
         self.warmup_steps, self.end_factor, self.adam_betas = warmup_steps, end_factor, (beta1, beta2)
+        if init_weights is not None:
+            self.model.load_state_dict(_model_weights(init_weights))
 
     def regularization(self) -> Tensor:
         """``weight_decay * sum(0.5 * ||w||^2)`` when the decay lives in the loss, else 0."""
@@ -169,3 +175,20 @@ class TrainingTask(LightningModule):
         if scheduler is None:
             return {"optimizer": optimizer}
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _model_weights(path: str) -> dict[str, Tensor]:
+    """The ``model.*`` entries of a Lightning checkpoint's ``state_dict`` (prefix removed), or a bare state dict."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as exc:
+        raise ValueError(
+            f"Expected `init_weights` to be a readable checkpoint, but got {path!r} ({exc}). Fix: pass the path of a "
+            f"Lightning `.ckpt` (e.g. from `--trainer.enable_checkpointing=true`) or of a `torch.save`d state dict."
+        ) from exc
+    state = saved.get("state_dict", saved) if isinstance(saved, dict) else saved
+    if not isinstance(state, dict):
+        raise ValueError(f"Expected `init_weights` to hold a state dict, but got {type(state).__name__} in {path!r}. "
+                         f"Fix: save `module.state_dict()` or a Lightning checkpoint.")
+    prefixed = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    return prefixed or state

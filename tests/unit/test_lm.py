@@ -167,3 +167,19 @@ def test_language_model_task_configures_optimizer_and_cosine(optimizer: str) -> 
         opt.step()
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-4)
+
+
+def test_init_weights_starts_from_a_checkpoints_model_weights(tmp_path: Path) -> None:
+    """DiLoCo's dense warm start: a Lightning checkpoint's ``model.*`` weights (or a bare state dict) start the run;
+    an unreadable path is refused naming the argument, the value and the fix."""
+    torch.manual_seed(0)
+    trained = CharLanguageModel(GPT(width=16, depth=1, num_heads=2, context=8))
+    torch.save({"state_dict": trained.state_dict(), "epoch": 0}, tmp_path / "run.ckpt")
+    torch.save(trained.model.state_dict(), tmp_path / "bare.pt")
+    for path in ("run.ckpt", "bare.pt"):
+        torch.manual_seed(1)  # another initialization, replaced by the saved weights
+        task = CharLanguageModel(GPT(width=16, depth=1, num_heads=2, context=8), init_weights=str(tmp_path / path))
+        for (name, a), b in zip(trained.model.state_dict().items(), task.model.state_dict().values()):
+            assert torch.equal(a, b), f"{path}: {name}"
+    with pytest.raises(ValueError, match=r"Expected `init_weights` to be a readable checkpoint.*missing\.ckpt.*Fix:"):
+        CharLanguageModel(GPT(width=16, depth=1, num_heads=2, context=8), init_weights=str(tmp_path / "missing.ckpt"))
