@@ -73,20 +73,49 @@ def monitored_run(world_size: int, steps: int, tmp: str) -> dict[str, Any]:
     return {"logged": logged, "wan_bytes": run["wan_bytes"], "lan_bytes": run["lan_bytes"]}
 
 
+class FirstTensorNaN(InjectingClassifier):
+    """On ``bad_rank`` at ``bad_step`` only the first parameter's gradient is NaN. The first parameter is in share 0
+    (shares follow the model's order), so when ``bad_rank`` owns share 1, the other cross-site group (that of share
+    0's owners) sees the NaN in its data and this rank's own group learns of it only through the flag slots."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = StepDataClassifier.training_step(self, batch, batch_idx)
+        if self.global_rank == self.bad_rank and self.trainer.global_step == self.bad_step:
+            first = next(p for p in self.parameters() if p.requires_grad)
+            self._poison = first.register_hook(lambda g: g * float("nan"))
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        poison = getattr(self, "_poison", None)
+        if poison is not None:
+            poison.remove()
+            self._poison = None
+        super().on_train_batch_end(outputs, batch, batch_idx)
+
+
 #: compressors of each kind (shared scaler, stateless, multi-round, residuals) for the guard under the hierarchy
 GUARDED = ["terngrad", "fp32", "powersgd", "memory_probe"]
 
 
 def guarded_run(world_size: int, name: str) -> dict[str, Any]:
-    """NaN gradients on rank 3 (site 1) at step 2 with ``nonfinite='skip'``: parameters after every step, skips."""
+    """A NaN gradient of the first parameter (share 0) on rank 3 (site 1, owner of share 1) at step 2 with
+    ``nonfinite='skip'``: parameters after every step, skips; then the same with ``nonfinite='raise'``: what each
+    rank raised."""
     try:
-        model, trainer = fit(world_size, _strategy(name, site_sizes=SITES), 5, InjectingClassifier(3, 2),
+        model, trainer = fit(world_size, _strategy(name, site_sizes=SITES), 5, FirstTensorNaN(3, 2),
                              loader=step_loader(10))
     except Exception:
         return {"error": traceback.format_exc()}
     state = trainer.strategy.comm_state
-    return {"history": model.history, "skipped": state.skipped_steps,
-            "residuals_finite": all(bool(torch.isfinite(r).all()) for r in state.memory.residuals.values())}
+    out = {"history": model.history, "skipped": state.skipped_steps,
+           "residuals_finite": all(bool(torch.isfinite(r).all()) for r in state.memory.residuals.values())}
+    try:
+        fit(world_size, _strategy(name, site_sizes=SITES, nonfinite="raise"), 5, FirstTensorNaN(3, 2),
+            loader=step_loader(10))
+        out["raised"] = None
+    except Exception as exc:  # noqa: BLE001  (the type is asserted by the test)
+        out["raised"] = (type(exc).__name__, str(exc))
+    return out
 
 
 def refused_run(world_size: int) -> dict[str, Any]:

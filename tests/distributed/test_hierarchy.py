@@ -120,8 +120,9 @@ def test_a_layout_the_world_cannot_take_fails_before_the_first_step(runs: list[d
 
 @pytest.mark.parametrize("name", GUARDED)
 def test_nan_on_one_rank_of_one_site_skips_the_step_on_every_rank(runs: list[dict[str, Any]], name: str) -> None:
-    """Every share's segment in the site's reduce carries the flag slot: a NaN on rank 3 (site 1, local rank 1)
-    reaches both cross-site groups, so all 4 ranks skip step 2, keep finite residuals, and train on identically."""
+    """Every share's segment in the site's reduce carries the flag slot: a NaN in share 0's gradient on rank 3 (site
+    1, owner of share 1) reaches both cross-site groups, so all 4 ranks skip step 2, keep finite residuals, and
+    train on identically."""
     results = [r["guard"][name] for r in runs]
     for rank, run in enumerate(results):
         assert "error" not in run, f"rank {rank}:\n{run['error']}"
@@ -132,6 +133,17 @@ def test_nan_on_one_rank_of_one_site_skips_the_step_on_every_rank(runs: list[dic
         for step in range(len(history)):
             assert torch.equal(history[step], results[0]["history"][step]), f"rank {rank} differs after step {step + 1}"
 
+
+@pytest.mark.parametrize("name", GUARDED)
+def test_nan_on_one_rank_of_one_site_raises_on_every_rank_when_asked(runs: list[dict[str, Any]], name: str) -> None:
+    """With ``nonfinite='raise'`` the flag slots make every rank of both sites stop at step 2 with the guard's error
+    (none hangs waiting for a rank that stopped)."""
+    for rank, result in enumerate(runs):
+        run = result["guard"][name]
+        assert "error" not in run, f"rank {rank}:\n{run['error']}"
+        assert run["raised"] is not None, f"rank {rank} did not stop"
+        kind, message = run["raised"]
+        assert kind == "NonFiniteGradientError" and "Fix:" in message, message
 
 def test_the_planner_works_inside_the_hierarchy(runs: list[dict[str, Any]]) -> None:
     """With `link=` (the link between sites) the planner decides per share on the cross-site group: replicas stay
