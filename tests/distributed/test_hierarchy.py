@@ -145,6 +145,7 @@ def test_nan_on_one_rank_of_one_site_raises_on_every_rank_when_asked(runs: list[
         kind, message = run["raised"]
         assert kind == "NonFiniteGradientError" and "Fix:" in message, message
 
+
 def test_the_planner_works_inside_the_hierarchy(runs: list[dict[str, Any]]) -> None:
     """With `link=` (the link between sites) the planner decides per share on the cross-site group: replicas stay
     identical and training goes on."""
