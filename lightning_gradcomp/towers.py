@@ -30,6 +30,7 @@ from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPac
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.hook import GradCompState, _compress_group, _prepare
 from lightning_gradcomp.ledger import LayerRecord, Ledger
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.wiring import select_float_names
 from lightning_gradcomp.validation import check_int
 
@@ -196,14 +197,10 @@ class TowerStrategy(SingleDeviceStrategy):
                 per_tower.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
                 losses.append(loss.detach())
             # each tower's gradients laid out as one DDP bucket: the hook's groups (fp32 layers, compressed ones)
-            names = [name for name, _ in named]
-            shapes = [p.shape for p in params]
-            positions = [0]
-            for p in params[:-1]:
-                positions.append(positions[-1] + p.numel())
+            layout = Segments([name for name, _ in named], [p.shape for p in params])
             buffers = [torch.cat([g.reshape(-1) for g in grads]) for grads in per_tower]
-            flat = self._exchange(0, buffers, names, shapes, positions)
-            averaged = [flat[o : o + p.numel()].view_as(p) for o, p in zip(positions, params)]
+            flat = self._exchange(0, buffers, list(layout.names), list(layout.shapes), list(layout.offsets[:-1]))
+            averaged = layout.views(flat)
             # a surrogate whose gradient is exactly the exchanged average and whose value is the mean tower
             # loss, so Lightning's own backward, clipping and optimizer step run unchanged
             zero = torch.zeros((), device=self.root_device)

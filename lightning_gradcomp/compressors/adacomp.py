@@ -319,7 +319,6 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
             args = self._kernel_tables[key] = (torch.tensor(segments.offsets), torch.tensor(sizes, dtype=torch.int64))
         return args
 
-
     def _tables(self, segments: Segments, device: torch.device, sizes: tuple[int, ...]) -> triton_adacomp.Tables:
         key = (segments.names, segments.shapes, device, sizes)
         tables = self._triton_tables.get(key)
