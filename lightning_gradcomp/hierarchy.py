@@ -191,7 +191,8 @@ class SharePlan:
         return [n + 1 for n in self.lengths]
 
     def segment(self, j: int, segments: Tensor) -> Tensor:
-        start = sum(self.splits[:j])
+        """Share ``j``'s segment (its flag slot last) in ``segments``, the segments back to back."""
+        start = sum(self.lengths[:j]) + j
         return segments[start : start + self.lengths[j] + 1]
 
     def pack(self, buffer: Tensor, segments: Tensor, flag: Tensor) -> None:
