@@ -134,7 +134,7 @@ class LayerGroup:
         the buffer's own range)."""
         span = self.span
         if span is None:
-            buffer.index_copy_(0, self.index(buffer.device), values)
+            buffer.scatter_(0, self.index(buffer.device), values)
         elif values.data_ptr() != buffer.data_ptr() + span[0] * buffer.element_size():
             buffer[span[0] : span[1]].copy_(values)
 

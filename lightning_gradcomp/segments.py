@@ -3,9 +3,13 @@
 A DDP bucket holds its parameters' gradients back to back in one 1-D buffer. A batched compressor treats the
 layers of a group as *segments* of such a flat tensor: per-layer scalers become one ``scatter_reduce`` over
 segment ids, per-element use of them one ``index_select``, per-layer padding (to a packing word or a bin) one
-``index_copy_``. The number of dispatched ops (kernel launches on a GPU) is then fixed per group, whatever the
+``scatter_``. The number of dispatched ops (kernel launches on a GPU) is then fixed per group, whatever the
 number of layers. Index tensors are built once per layout and device and kept here; a layout is made once per
 group of names (see :class:`SegmentsCache`).
+
+Writes to 1-D positions use ``scatter_``/``scatter_add_``, not ``index_copy_``/``index_add_``: the same values for
+distinct positions, but on CPU torch runs ``index_copy_`` element by element, 3-8x slower than ``scatter_`` on a
+bucket of millions (``benchmarks/scatter_ops.py``).
 """
 
 from collections.abc import Iterator, Sequence
@@ -51,7 +55,7 @@ class Padding:
     def pad(self, flat: Tensor, fill: float = 0.0) -> Tensor:
         """``flat`` with each segment padded by ``fill`` to its padded length (a new tensor)."""
         out = flat.new_full((self.total,), fill)
-        return out.index_copy_(0, self.index(flat.device), flat)
+        return out.scatter_(0, self.index(flat.device), flat)
 
     def unpad(self, padded: Tensor) -> Tensor:
         """The flat tensor back from its padded layout (the padding dropped)."""

@@ -189,8 +189,8 @@ def encode_group_words(
     entry_word = ((torch.sign(g).to(torch.int64) + 1) << element_bits) | layout.in_bin
     words = torch.cat((entry_word, header))
     used = torch.cat((send, header_used))
-    slot_words = words.new_zeros(layout.slots).index_copy_(0, layout.slot_index, words)
-    slot_used = used.new_zeros(layout.slots).index_copy_(0, layout.slot_index, used)
+    slot_words = words.new_zeros(layout.slots).scatter_(0, layout.slot_index, words)
+    slot_used = used.new_zeros(layout.slots).scatter_(0, layout.slot_index, used)
     payload = torch.masked_select(*slot_bytes(slot_words, slot_used, layout.wide))
     return payload, nbytes
 
@@ -208,8 +208,8 @@ def encode_group_kernels(
     header, header_used, nbytes = header_words(bin_counts > 0, first_off, last_off, counts, scale, layout)
     rest = layout.slot_index[g.numel():]
     header_bytes, header_sent = slot_bytes(header, header_used, layout.wide.index_select(0, rest))
-    words.index_copy_(0, rest, header_bytes)
-    used.index_copy_(0, rest, header_sent.to(torch.uint8))
+    words.scatter_(0, rest, header_bytes)
+    used.scatter_(0, rest, header_sent.to(torch.uint8))
     size = int(nbytes.sum())  # the payload's size: the one host read (masked_select's on the torch path)
     payload = torch.empty(size, dtype=torch.uint8, device=g.device)
     triton_compact.compact(used.view(-1), words.view(-1), torch.empty(size, dtype=torch.int32, device=g.device),

@@ -28,7 +28,7 @@ packet holds its values, then its indices.
 Batched (the hook's flat pipeline, :meth:`DeMo.compress_flat`): the layers of a group whose chunking gives the same
 chunk shape ``n1 x n2`` form one *chunk class*; their chunks are gathered from the flat gradient with one
 ``index_select``, stacked, transformed with one batched product per side and cut with one ``topk``; decoding
-scatters them back with one ``index_copy_``. The ops per group grow with the number of distinct chunk shapes, not
+scatters them back with one ``scatter_``. The ops per group grow with the number of distinct chunk shapes, not
 with the number of layers. The group payload holds, class after class, the values of all its chunks, then their
 indices; each layer still puts exactly its own packet's bytes on the wire. A single layer (:meth:`DeMo.compress`) is
 a group of one: one implementation. Against the layer-by-layer path, where a class holds chunks of several layers,
@@ -127,7 +127,7 @@ class ChunkedDCT:
         """The tensor of ``shape`` whose chunks have coefficients ``coeffs`` (``D1.T @ C @ D2`` per chunk)."""
         blocks = idct_blocks(coeffs.reshape(self.chunks, self.n1, self.n2), self.d1, self.d2)
         out = blocks.new_empty(self.rows * self.cols)
-        return out.index_copy_(0, self.positions().to(out.device), blocks.reshape(-1)).view(shape)
+        return out.scatter_(0, self.positions().to(out.device), blocks.reshape(-1)).view(shape)
 
 
 @dataclass(frozen=True)
@@ -304,7 +304,7 @@ class DeMo(Compressor):
                 indices = raw[c.indices_at : c.indices_at + index_size * n].clone().view(index_dtype).long()
                 coeffs.scatter_add_(1, indices.view(c.chunks, c.k), values.view(c.chunks, c.k))
             blocks = idct_blocks(coeffs.view(c.chunks, c.n1, c.n2), c.d1, c.d2)
-            out.index_copy_(0, c.positions, blocks.reshape(-1))
+            out.scatter_(0, c.positions, blocks.reshape(-1))
         return out
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:

@@ -25,7 +25,7 @@ is still drawn tensor by tensor in layer order, as torch's hook draws it, so the
 
 The hook calls :meth:`PowerSGD.exchange_flat` on a group in one flat tensor: every class's elements are gathered with
 one ``index_select`` (all dense classes in one, all low-rank classes in another) and the results scattered back with
-one ``index_copy`` each, so the hook's whole multi-round path dispatches a number of ops set by the shapes.
+one ``scatter`` each, so the hook's whole multi-round path dispatches a number of ops set by the shapes.
 """
 
 from collections.abc import Hashable, Sequence
@@ -300,7 +300,7 @@ class PowerSGD(MultiRoundCompressor):
 
     def exchange_flat(self, flat: Tensor, segments: Segments, all_reduce: AllReduce) -> FlatExchanged:
         """:meth:`exchange` on a group in one flat tensor: each class's elements gathered with one ``index_select``
-        (all dense classes in one), results scattered back with one ``index_copy`` for the low-rank classes and one
+        (all dense classes in one), results scattered back with one ``scatter`` for the low-rank classes and one
         for the dense ones; the same rounds, values and bytes as :meth:`exchange` on the group's layers."""
         plan = self._flat_plan(segments)
         classes = plan.classes
@@ -320,8 +320,8 @@ class PowerSGD(MultiRoundCompressor):
             dense_mean, _, _, _ = self._rounds(dense, matrices, classes, segments.names, all_reduce, self.world_size,
                                                approx_out)
             # a dense layer counts as sent whole (no residual); a low-rank one as its approximation
-            sent = flat if approx_out is None else flat.index_copy(0, lowrank_index, approx_out)
-            mean = sent if dense_mean is None else sent.index_copy(0, dense_index, dense_mean)
+            sent = flat if approx_out is None else flat.scatter(0, lowrank_index, approx_out)
+            mean = sent if dense_mean is None else sent.scatter(0, dense_index, dense_mean)
         return FlatExchanged(mean, sent, tuple(u * flat.element_size() for u in plan.layer_units))
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:

@@ -433,8 +433,8 @@ class FlatTernGrad:
             packed_at, scalers_at = layout.payload_index(packed.device)
             payload = packed
             if not in_place:
-                payload = packed.new_empty(sum(layout.layer_nbytes)).index_copy_(0, packed_at, packed)
-            payload.index_copy_(0, scalers_at, s.contiguous().view(torch.uint8))
+                payload = packed.new_empty(sum(layout.layer_nbytes)).scatter_(0, packed_at, packed)
+            payload.scatter_(0, scalers_at, s.contiguous().view(torch.uint8))
             packed, ctx = payload, {}
         return FlatPacket(packed, segments, flat.dtype, layout.layer_nbytes, ctx, stats)
 

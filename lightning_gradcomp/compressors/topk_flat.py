@@ -15,7 +15,7 @@ Each layer accounts for exactly the bytes its per-layer packet has (``TopK.compr
 ``k (4 + value bytes)`` sparse, ``4 + 4 k + ceil(k / 4)`` with ``int2``; only their order in the payload differs.
 Decoding writes what the per-layer decoders write, bit for bit: ``sent`` copies each value into zeros; the ranks'
 sum starts from +0.0 at sparse positions and -0.0 at dense ones (``-0.0 + v == v`` for every ``v``: what the
-per-layer dense sum, which starts from rank 0's values, gives) and adds the ranks in order, one ``index_add_``
+per-layer dense sum, which starts from rank 0's values, gives) and adds the ranks in order, one ``scatter_add_``
 per rank (no duplicate index within a rank, so even CUDA's atomics add each element in rank order).
 """
 
@@ -228,7 +228,7 @@ def decode(payload: Tensor, layout: SparseLayout) -> tuple[Tensor, Tensor, Tenso
     sel = layout.selection
     padding = sel.padding(4)
     codes = padding.unpad(unpack_bits(payload[offset:], padding.total, 2)).float()
-    scale = scales.new_zeros(len(sel)).index_copy_(0, layout.sparse_layers, scales)
+    scale = scales.new_zeros(len(sel)).scatter_(0, layout.sparse_layers, scales)
     return dense, indices, int2_values(codes, sel.expand(scale))
 
 
@@ -241,8 +241,8 @@ def decode_sent(payload: Tensor, layout: SparseLayout, dtype: torch.dtype, trito
         triton_compact.scatter(layout.dense_index, dense, out)
         return triton_compact.scatter(index, values, out)
     dense, indices, values = decode(payload, layout)
-    out.index_copy_(0, layout.dense_index, dense.to(dtype))
-    return out.index_copy_(0, indices, values.to(dtype))
+    out.scatter_(0, layout.dense_index, dense.to(dtype))
+    return out.scatter_(0, indices, values.to(dtype))
 
 
 def decode_mean_into(
@@ -261,8 +261,8 @@ def decode_mean_into(
             triton_compact.scatter_add(index, values, total)
             continue
         dense, indices, values = decode(payload, layout)
-        total.index_add_(0, layout.dense_index, dense.to(dtype))
-        total.index_add_(0, indices, values.to(dtype))
+        total.scatter_add_(0, layout.dense_index, dense.to(dtype))
+        total.scatter_add_(0, indices, values.to(dtype))
     if total is not out:
         out.copy_(total)
     return out.div_(len(payloads))
