@@ -208,8 +208,9 @@ def encode_group_kernels(
     header, header_used, nbytes = header_words(bin_counts > 0, first_off, last_off, counts, scale, layout)
     rest = layout.slot_index[g.numel():]
     header_bytes, header_sent = slot_bytes(header, header_used, layout.wide.index_select(0, rest))
-    words.scatter_(0, rest, header_bytes)
-    used.scatter_(0, rest, header_sent.to(torch.uint8))
+    # Whole rows of the (slots, word bytes) tables: index_copy_ copies rows, scatter_ would need a 2-D index.
+    words.index_copy_(0, rest, header_bytes)
+    used.index_copy_(0, rest, header_sent.to(torch.uint8))
     size = int(nbytes.sum())  # the payload's size: the one host read (masked_select's on the torch path)
     payload = torch.empty(size, dtype=torch.uint8, device=g.device)
     triton_compact.compact(used.view(-1), words.view(-1), torch.empty(size, dtype=torch.int32, device=g.device),
