@@ -4,16 +4,23 @@ The strategy announces these bytes when training starts; the performance model (
 the times and a cost model of the network to predict a step.
 """
 
+import statistics
 import time
 from dataclasses import dataclass
 
 import torch
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
+from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_int
 
 #: (parameter name, shape) of every tensor a step sends
 Shapes = list[tuple[str, tuple[int, ...]]]
+
+#: timed exchanges of a multi-round compressor (the median is reported): one pass over a large model varies by 2x
+#: on a shared machine
+_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ def measure_codec(compressor: Compressor, shapes: Shapes, world_size: int, timed
     aggregation = compressor.aggregation_for(world_size)
     gen = torch.Generator().manual_seed(0)
     grads = [(name, torch.randn(*shape, generator=gen) * 1e-3) for name, shape in shapes]
+    if isinstance(compressor, MultiRoundCompressor):
+        return _measure_rounds(compressor, grads, aggregation, timed)
     for name, g in grads:  # as the hook does before compressing (AdaComp keeps the step's gradient apart)
         compressor.observe_gradient(g, name)
     start = time.perf_counter()
@@ -61,3 +70,25 @@ def measure_codec(compressor: Compressor, shapes: Shapes, world_size: int, timed
         decode = time.perf_counter() - start
     rounds = 1 if compressor.local_statistic(grads[0][1], grads[0][0]) is not None else 0
     return Codec(float(sum(p.nbytes for p in packets)), aggregation, encode if timed else 0.0, decode, rounds)
+
+
+def _measure_rounds(compressor: MultiRoundCompressor, grads: list[tuple[str, torch.Tensor]], aggregation: Aggregation,
+                    timed: bool) -> Codec:
+    """A multi-round compressor's codec is its exchange (the hook encodes and decodes between its rounds), timed as
+    the hook runs it on one group holding every tensor: error feedback added, :meth:`~lightning_gradcomp.
+    compressors.multiround.MultiRoundCompressor.exchange_flat` with the rounds as identities, the new residual, the
+    mean written back. Its per-layer ``compress`` runs other products (one matrix at a time) and none of the flat
+    path's gathers and scatters, so it under-predicts the hook (``docs/benchmarks.md``, section 5)."""
+    segments = Segments([n for n, _ in grads], [g.shape for _, g in grads])
+    flat = torch.cat([g.reshape(-1) for _, g in grads])
+    residual, buffer = torch.zeros_like(flat), torch.empty_like(flat)
+    result = compressor.exchange_flat(flat + residual, segments, lambda t: t)  # also the warm start: plans, factors
+    times = [0.0]
+    for _ in range(_REPEATS if timed else 0):
+        start = time.perf_counter()
+        compensated = flat + residual
+        result = compressor.exchange_flat(compensated, segments, lambda t: t)
+        torch.sub(compensated, result.sent, out=residual)
+        buffer.copy_(result.mean)
+        times.append(time.perf_counter() - start)
+    return Codec(float(sum(result.layer_nbytes)), aggregation, statistics.median(times[1:] or times), 0.0, 0)

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 from torch import nn
 
 from gradcomp_lab.emulate import cluster as emulate_cluster
@@ -20,7 +21,7 @@ from gradcomp_lab.perfmodel import (
     profile_compute,
 )
 from lightning_gradcomp.codec import Codec, measure_codec
-from lightning_gradcomp.compressors import Aggregation, TernGrad
+from lightning_gradcomp.compressors import Aggregation, PowerSGD, TernGrad
 from lightning_gradcomp.costmodel import Link, Network, ring_allreduce_seconds
 
 
@@ -41,6 +42,18 @@ def test_codec_bytes_are_the_compressors_own() -> None:
     assert cast.encode_s > 0 and cast.decode_s > 0
 
 
+
+def test_a_multiround_codec_times_the_hooks_flat_exchange_and_keeps_the_packets_bytes() -> None:
+    shapes = [("w1", (64, 48)), ("b1", (64,)), ("w2", (64, 48)), ("w3", (10, 64))]
+    per_layer = PowerSGD(rank=2)
+    per_layer.setup(0, 4, torch.device("cpu"))
+    packets = sum(per_layer.compress(torch.randn(*s), n, None).nbytes for n, s in shapes)
+    codec = measure_codec(PowerSGD(rank=2), shapes, 4)
+    # the flat exchange's bytes: the dense bias, and (n + m) r floats per low-rank matrix
+    assert codec.nbytes == packets == 4 * (64 + 2 * (64 + 48) * 2 + (10 + 64) * 2)
+    assert codec.aggregation is Aggregation.SUM and codec.encode_s > 0 and codec.decode_s == 0
+    untimed = measure_codec(PowerSGD(rank=2), shapes, 4, timed=False)
+    assert untimed.nbytes == packets and untimed.encode_s == 0
 def test_step_formula() -> None:
     net = Network(Link(1e9, 0.0))
     p = predict(0.1, fp32_codec(25_000_000), 4, net, batch=32, cpu_share=0.5)
