@@ -67,8 +67,9 @@ def orthogonalize_(matrix: Tensor, epsilon: float = 0.0) -> Tensor:
 def project(matrices: Tensor, factors: Tensor) -> Tensor:
     """``M Q`` for a stack: ``[B, n, m]`` by ``[B, m, r]``, as ``(Q^T M^T)^T`` (a view, not contiguous).
 
-    The same product; on CPU torch's ``bmm`` runs the skinny ``[n, m] x [m, r]`` form for B > 1 up to 5x slower
-    than its transpose (``benchmarks/powersgd_products.py``). On a GPU the transposes are only flags to cuBLAS.
+    The same product; on CPU torch's ``bmm`` runs the skinny ``[n, m] x [m, r]`` form up to 5x slower than its
+    transpose, for stacks of several matrices and for ranks above 1 (``benchmarks/powersgd_products.py``). On a GPU
+    the transposes are only flags to cuBLAS.
     """
     return torch.bmm(factors.mT, matrices.mT).mT
 
