@@ -10,7 +10,6 @@ side by side in one run::
 """
 
 import argparse
-import platform
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scatter_ops import median_ms
+from scatter_ops import add_timing_args, median_ms, print_header, timing_device
 
 from lightning_gradcomp.compressors.powersgd import outer, project, project_back
 
@@ -43,17 +42,11 @@ def products(mat: torch.Tensor, q: torch.Tensor, p: torch.Tensor, out: torch.Ten
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="cpu")
+    add_timing_args(p)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = timing_device(args)
     gen = torch.Generator().manual_seed(0)
-    print(f"# command: python {' '.join(sys.argv)}")
-    print(f"# machine: {platform.node()}, {torch.get_num_threads()} thread(s), device {device}"
-          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, torch {torch.__version__}; "
-          f"median of {args.repeats}")
+    print_header(device, f"median of {args.repeats}")
     print("| product | stack | rank | bmm as written (ms) | form used (ms) | bmm / used | largest difference |")
     print("|---|---|---|---|---|---|---|")
     total_bmm = total_used = 0.0

@@ -26,6 +26,27 @@ def positions(numel: int, layers: int, generator: torch.Generator) -> torch.Tens
     return torch.cat([torch.arange(cuts[i], cuts[i + 1]) for i in order])
 
 
+def add_timing_args(parser: argparse.ArgumentParser) -> None:
+    """The options every side-by-side op benchmark takes: repeats, CPU threads, device."""
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+
+
+def timing_device(args: argparse.Namespace) -> torch.device:
+    """Apply ``--threads`` and return ``--device``."""
+    torch.set_num_threads(args.threads)
+    return torch.device(args.device)
+
+
+def print_header(device: torch.device, detail: str) -> None:
+    """The command and machine lines above a benchmark's table."""
+    print(f"# command: python {' '.join(sys.argv)}")
+    print(f"# machine: {platform.node()}, {torch.get_num_threads()} thread(s), device {device}"
+          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, torch {torch.__version__}; "
+          f"{detail}")
+
+
 def median_ms(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     fn()
     times = []
@@ -45,12 +66,9 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=3_000_000, help="bucket elements (the MLP of benchmarks/hierarchy.py: 2.9 M)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--sparse", type=float, default=0.1, help="share of positions written by the sparse rows")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="cpu")
+    add_timing_args(p)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = timing_device(args)
     gen = torch.Generator().manual_seed(0)
     index = positions(args.numel, args.layers, gen).to(device)
     sparse = torch.randperm(args.numel, generator=gen)[: int(args.sparse * args.numel)].to(device)
@@ -70,10 +88,7 @@ def main() -> None:
         out.zero_()
         b()
         assert torch.equal(a_out, out)
-    print(f"# command: python {' '.join(sys.argv)}")
-    print(f"# machine: {platform.node()}, {torch.get_num_threads()} thread(s), device {device}"
-          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, torch {torch.__version__}; "
-          f"{args.numel:,} fp32 elements, median of {args.repeats}")
+    print_header(device, f"{args.numel:,} fp32 elements, median of {args.repeats}")
     print("| write | index_copy_ / index_add_ (ms) | scatter_ / scatter_add_ (ms) | index_ / scatter_ |")
     print("|---|---|---|---|")
     for name, a, b in rows:
