@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
-from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
+from lightning_gradcomp.compressors.multiround import FlatExchanged, MultiRoundCompressor
+from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_int
 
@@ -81,14 +82,19 @@ def _measure_rounds(compressor: MultiRoundCompressor, grads: list[tuple[str, tor
     path's gathers and scatters, so it under-predicted the hook (``docs/benchmarks.md``, section 8)."""
     segments = Segments([n for n, _ in grads], [g.shape for _, g in grads])
     flat = torch.cat([g.reshape(-1) for _, g in grads])
-    residual, buffer = torch.zeros_like(flat), torch.empty_like(flat)
-    result = compressor.exchange_flat(flat + residual, segments, lambda t: t)  # also the warm start: plans, factors
-    times = [0.0]
+    memory, buffer = ResidualMemory(), torch.empty_like(flat)
+
+    def step() -> FlatExchanged:  # the hook's multi-round group step, with the rounds as identities
+        compensated = memory.compensate_flat(flat, segments)
+        result = compressor.exchange_flat(compensated, segments, lambda t: t)
+        memory.update_flat(segments, compensated, result.sent)
+        buffer.copy_(result.mean)
+        return result
+
+    result = step()  # also the warm start: plans, factors, a residual
+    times: list[float] = []
     for _ in range(_REPEATS if timed else 0):
         start = time.perf_counter()
-        compensated = flat + residual
-        result = compressor.exchange_flat(compensated, segments, lambda t: t)
-        torch.sub(compensated, result.sent, out=residual)
-        buffer.copy_(result.mean)
+        step()
         times.append(time.perf_counter() - start)
-    return Codec(float(sum(result.layer_nbytes)), aggregation, statistics.median(times[1:] or times), 0.0, 0)
+    return Codec(float(sum(result.layer_nbytes)), aggregation, statistics.median(times) if times else 0.0, 0.0, 0)

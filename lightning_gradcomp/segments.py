@@ -8,8 +8,8 @@ number of layers. Index tensors are built once per layout and device and kept he
 group of names (see :class:`SegmentsCache`).
 
 Writes to 1-D positions use ``scatter_``/``scatter_add_``, not ``index_copy_``/``index_add_``: the same values for
-distinct positions, but on CPU torch runs ``index_copy_`` element by element, 3-8x slower than ``scatter_`` on a
-bucket of millions (``benchmarks/scatter_ops.py``).
+distinct positions, but on CPU torch's ``index_copy_`` is 1.7-3.6x slower than ``scatter_`` on a bucket of millions
+(``python benchmarks/scatter_ops.py``, ``docs/benchmarks.md`` section 7).
 """
 
 from collections.abc import Iterator, Sequence
