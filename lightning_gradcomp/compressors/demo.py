@@ -9,10 +9,12 @@ parameter, as the reference code (github.com/bloc97/DeMo, ``demo.py``):
    1-D tensors into chunks of ``n1``) and each chunk is transformed by the orthonormal 2-D DCT-II;
 3. the ``topk`` largest-magnitude coefficients of each chunk are sent (values and in-chunk indices) and their
    inverse transform ``q`` is removed from the momentum: ``m <- m - q``;
-4. the packets are all-gathered, summed in the coefficient domain in rank order, divided by the world size
-   and inverse-transformed (the reference averages each coefficient over the ranks that selected it; we take
-   the plain mean over ranks, the hook's contract; the sign step below sees the same signs whenever one rank
-   dominates a coefficient);
+4. the packets are all-gathered, summed in the coefficient domain in rank order, averaged and inverse-transformed.
+   ``average="ranks"`` (the default) divides every coefficient by the world size: the plain mean, the hook's
+   contract for every other compressor. ``average="selectors"`` divides each coefficient by the number of ranks
+   that sent it, as the reference's ``scatter_reduce(reduce="mean", include_self=False)`` does. The two differ
+   where the ranks' selections differ: a coefficient one rank of four sent counts four times more against the
+   others under ``"selectors"``, so the decoded update, and its sign, can differ;
 5. the optimizer applies ``p <- p * (1 - lr * wd) - lr * sign(update)``:
    :class:`~lightning_gradcomp.optimizers.SignSGD` (``optimizer: signsgd`` in the tasks). The sign is the
    optimizer's part, not the decode's, so the averaged update stays a mean as every compressor's does.
@@ -51,6 +53,7 @@ from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 IndexDtype = Literal["int16", "int64"]
+Average = Literal["ranks", "selectors"]
 _INDEX_DTYPES = {"int16": torch.int16, "int64": torch.int64}
 #: largest chunk edge whose n x n in-chunk indices fit int16
 _MAX_CHUNK = 128
@@ -182,6 +185,9 @@ class DeMo(Compressor):
         chunk: target chunk edge (reference default 64; at most 128 so in-chunk indices fit int16).
         beta: momentum decay ``compression_decay`` in [0, 1) (reference default 0.999).
         index_dtype: ``"int16"`` in-chunk indices on the wire, or the reference's ``"int64"``.
+        average: how the gathered coefficients are averaged: ``"ranks"`` over the world size (the plain mean,
+            as every compressor), or ``"selectors"`` over the ranks that sent each coefficient (the reference's
+            decode). Bytes, residual and replicas are the same under both; only the decoded mean differs.
     """
 
     aggregation = Aggregation.GATHER
@@ -189,7 +195,14 @@ class DeMo(Compressor):
     fixed_size = True
     batched = True
 
-    def __init__(self, topk: int = 32, chunk: int = 64, beta: float = 0.999, index_dtype: IndexDtype = "int16") -> None:
+    def __init__(
+        self,
+        topk: int = 32,
+        chunk: int = 64,
+        beta: float = 0.999,
+        index_dtype: IndexDtype = "int16",
+        average: Average = "ranks",
+    ) -> None:
         super().__init__()
         check_int("topk", topk, minimum=1, fix="send at least 1 coefficient per chunk (DeMo: 32)")
         check_int("chunk", chunk, minimum=1)
@@ -200,7 +213,9 @@ class DeMo(Compressor):
             )
         check_number("beta", beta, minimum=0.0, maximum=1.0, max_open=True, fix="use DeMo's 0.999")
         check_choice("index_dtype", index_dtype, tuple(_INDEX_DTYPES))
+        check_choice("average", average, ("ranks", "selectors"))
         self.topk, self.chunk, self.beta, self.index_dtype = topk, chunk, float(beta), index_dtype
+        self.average: Average = average
         self._plans: dict[tuple[tuple[torch.Size, ...], torch.dtype, torch.device], _GroupPlan] = {}
         self._layers: dict[torch.Size, Segments] = {}
 
@@ -285,24 +300,31 @@ class DeMo(Compressor):
         stats = {"sparsity": plan.sparsity, "energy_kept": self._energy_kept(plan, kept, total, len(segments), x)}
         return FlatPacket(payload, segments, x.dtype, plan.layer_nbytes, stats=stats)
 
-    def _sum_into(self, payloads: Sequence[Tensor], plan: _GroupPlan, out: Tensor) -> Tensor:
+    def _sum_into(self, payloads: Sequence[Tensor], plan: _GroupPlan, out: Tensor, per_selector: bool = False) -> Tensor:
         """The sum of the payloads' decoded groups, in the given (rank) order, written over ``out`` (flat).
 
         Summed in the coefficient domain (linear), one ``scatter_add_`` per payload: a payload's indices are
         distinct within each chunk, so each call is free of colliding writes and the ranks add up in the given
-        order on every device (one call for all ranks would leave that order to atomics on a GPU).
+        order on every device (one call for all ranks would leave that order to atomics on a GPU). With
+        ``per_selector`` each coefficient is divided by the number of payloads that carry it before the inverse
+        transform (the reference's mean over the ranks that selected it).
         """
         index_dtype = _INDEX_DTYPES[self.index_dtype]
         index_size = index_dtype.itemsize
         for c in plan.classes:
             n = c.chunks * c.k
             coeffs = out.new_zeros(c.chunks, c.n1 * c.n2)
+            selectors = out.new_zeros(c.chunks, c.n1 * c.n2) if per_selector else None
             for payload in payloads:
                 raw = payload.view(torch.uint8)
                 # clone: a slice of a gathered byte buffer may be misaligned for wider dtypes
                 values = raw[c.values_at : c.values_at + 4 * n].clone().view(torch.float32).to(out.dtype)
                 indices = raw[c.indices_at : c.indices_at + index_size * n].clone().view(index_dtype).long()
                 coeffs.scatter_add_(1, indices.view(c.chunks, c.k), values.view(c.chunks, c.k))
+                if selectors is not None:
+                    selectors.scatter_add_(1, indices.view(c.chunks, c.k), values.new_ones(c.chunks, c.k))
+            if selectors is not None:
+                coeffs.div_(selectors.clamp_(min=1))  # counts are exact small integers: no rounding but the division
             blocks = idct_blocks(coeffs.view(c.chunks, c.n1, c.n2), c.d1, c.d2)
             out.scatter_(0, c.positions, blocks.reshape(-1))
         return out
@@ -314,6 +336,8 @@ class DeMo(Compressor):
     def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
         first = packets[0]
         plan = self._plan(first.segments, first.dtype, out.device)
+        if self.average == "selectors":
+            return self._sum_into([p.payload for p in packets], plan, out, per_selector=True)
         return self._sum_into([p.payload for p in packets], plan, out).div_(len(packets))
 
     def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
@@ -335,6 +359,14 @@ class DeMo(Compressor):
         plan = self._plan(self._layer(first.shape), first.dtype, out.device)
         return self._sum_into([p.payload for p in packets], plan, out).view(first.shape)
 
+    def decompress_mean_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
+        if self.average == "ranks":
+            return super().decompress_mean_into(packets, out)
+        first = packets[0]
+        flat = torch.empty(first.numel, dtype=first.dtype, device=first.payload.device)
+        plan = self._plan(self._layer(first.shape), first.dtype, flat.device)
+        return out.copy_(self._sum_into([p.payload for p in packets], plan, flat, per_selector=True).view(first.shape))
+
     def _decayed(self, x: Tensor, q: Tensor) -> Tensor:
         return x - self.beta * (x - q)
 
@@ -348,4 +380,4 @@ class DeMo(Compressor):
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": "DeMo", "topk": self.topk, "chunk": self.chunk, "beta": self.beta,
-                "index_dtype": self.index_dtype}
+                "index_dtype": self.index_dtype, "average": self.average}

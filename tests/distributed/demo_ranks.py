@@ -26,13 +26,15 @@ class OddShapes(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))) * self.scale
 
 
-def demo_suite(rank: int, world_size: int, steps: int = 4, topk: int = 8, beta: float = 0.9) -> dict[str, Any]:
+def demo_suite(
+    rank: int, world_size: int, steps: int = 4, topk: int = 8, beta: float = 0.9, average: str = "ranks"
+) -> dict[str, Any]:
     """Trains with DeMo; returns per step every rank's own gradients, the averaged update and the parameters."""
     dist.init_process_group("gloo")
     try:
         torch.manual_seed(0)
         model = OddShapes()
-        compressor = DeMo(topk=topk, beta=beta)
+        compressor = DeMo(topk=topk, beta=beta, average=average)  # type: ignore[arg-type]
         compressor.setup(rank, world_size, torch.device("cpu"))
         names = {id(p): n for n, p in model.named_parameters()}
         state = GradCompState(compressor=compressor, names=names, world_size=world_size)

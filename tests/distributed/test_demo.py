@@ -1,5 +1,6 @@
 """DeMo on 2 and 3 real Gloo ranks: identical replicas, and the averaged update against an independent reference
-(scipy's DCT, the method written out per rank: decayed momentum, top-k per chunk, removal, mean of the rest)."""
+(scipy's DCT, the method written out per rank: decayed momentum, top-k per chunk, removal, mean of the rest), with
+the plain mean over ranks and, on 3 ranks, the reference code's mean over the ranks that sent each coefficient."""
 
 import numpy as np
 import pytest
@@ -14,26 +15,46 @@ pytestmark = pytest.mark.distributed
 STEPS, TOPK, BETA = 4, 8, 0.9
 
 
-@pytest.fixture(scope="module", params=[2, 3])
-def ranks(request: pytest.FixtureRequest) -> list[dict]:
-    return run_ranks(demo_suite, request.param, STEPS, TOPK, BETA, timeout=240)
+@pytest.fixture(scope="module", params=[(2, "ranks"), (3, "ranks"), (3, "selectors")], ids=lambda p: f"{p[0]}-{p[1]}")
+def run(request: pytest.FixtureRequest) -> tuple[list[dict], str]:
+    world_size, average = request.param
+    return run_ranks(demo_suite, world_size, STEPS, TOPK, BETA, average, timeout=240), average
 
 
-def _reference_sent(m: np.ndarray) -> np.ndarray:
-    """The part of momentum ``m`` DeMo transmits: top-``TOPK`` orthonormal DCT coefficients of each chunk."""
-    mat = m.reshape(1, -1) if m.ndim < 2 else m.reshape(m.shape[0], -1)
-    n1 = largest_divisor(mat.shape[0], 64) if m.ndim >= 2 else 1
-    n2 = largest_divisor(mat.shape[1], 64)
-    out = np.zeros_like(mat)
-    for i in range(0, mat.shape[0], n1):
-        for j in range(0, mat.shape[1], n2):
-            coeffs = dctn(mat[i : i + n1, j : j + n2], norm="ortho")
-            flat = coeffs.reshape(-1)
-            keep = np.argsort(-np.abs(flat), kind="stable")[: min(TOPK, flat.size)]
-            sparse = np.zeros_like(flat)
-            sparse[keep] = flat[keep]
-            out[i : i + n1, j : j + n2] = idctn(sparse.reshape(coeffs.shape), norm="ortho")
-    return out.reshape(m.shape)
+@pytest.fixture
+def ranks(run: tuple[list[dict], str]) -> list[dict]:
+    return run[0]
+
+
+def _chunks(shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """The reference's chunking of a tensor of ``shape``: matrix rows, columns and chunk edges ``n1``, ``n2``."""
+    rows, cols = (1, int(np.prod(shape))) if len(shape) < 2 else (shape[0], int(np.prod(shape[1:])))
+    return rows, cols, largest_divisor(rows, 64) if len(shape) >= 2 else 1, largest_divisor(cols, 64)
+
+
+def _reference_coefficients(m: np.ndarray) -> np.ndarray:
+    """The coefficients DeMo transmits of momentum ``m``: its chunks' orthonormal DCT, all but the top ``TOPK``
+    magnitudes of each chunk zeroed (laid out as the matrix of ``m``)."""
+    rows, cols, n1, n2 = _chunks(m.shape)
+    mat, out = m.reshape(rows, cols), np.zeros((rows, cols))
+    for i in range(0, rows, n1):
+        for j in range(0, cols, n2):
+            coeffs = dctn(mat[i : i + n1, j : j + n2], norm="ortho").reshape(-1)
+            keep = np.argsort(-np.abs(coeffs), kind="stable")[: min(TOPK, coeffs.size)]
+            sparse = np.zeros_like(coeffs)
+            sparse[keep] = coeffs[keep]
+            out[i : i + n1, j : j + n2] = sparse.reshape(n1, n2)
+    return out
+
+
+def _reference_decode(coeffs: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor of ``shape`` whose chunks have the DCT coefficients ``coeffs``."""
+    rows, cols, n1, n2 = _chunks(shape)
+    out = np.zeros((rows, cols))
+    for i in range(0, rows, n1):
+        for j in range(0, cols, n2):
+            out[i : i + n1, j : j + n2] = idctn(coeffs[i : i + n1, j : j + n2], norm="ortho")
+    return out.reshape(shape)
 
 
 def test_replicas_stay_bit_identical(ranks: list[dict]) -> None:
@@ -43,17 +64,21 @@ def test_replicas_stay_bit_identical(ranks: list[dict]) -> None:
     assert not torch.equal(ranks[0]["params"][0], ranks[0]["params"][-1])
 
 
-def test_averaged_update_matches_the_reference_method(ranks: list[dict]) -> None:
+def test_averaged_update_matches_the_reference_method(run: tuple[list[dict], str]) -> None:
+    ranks, average = run
     momentum = [{n: np.zeros(g.shape, dtype=np.float64) for n, g in r["local"][0].items()} for r in ranks]
     for step in range(STEPS):
         for name in ranks[0]["local"][step]:
             sent = []
             for r, rank in enumerate(ranks):
                 m = BETA * momentum[r][name] + rank["local"][step][name].double().numpy()
-                q = _reference_sent(m)
-                momentum[r][name] = m - q
-                sent.append(q)
-            expected = torch.from_numpy(np.asarray(np.mean(sent, axis=0))).float()
+                coeffs = _reference_coefficients(m)
+                momentum[r][name] = m - _reference_decode(coeffs, m.shape)
+                sent.append(coeffs)
+            # the plain mean over ranks, or the reference code's mean over the ranks that sent each coefficient
+            senders = len(ranks) if average == "ranks" else np.maximum(np.count_nonzero(sent, axis=0), 1)
+            mean = _reference_decode(np.sum(sent, axis=0) / senders, momentum[0][name].shape)
+            expected = torch.from_numpy(np.asarray(mean)).float()
             torch.testing.assert_close(ranks[0]["averaged"][step][name], expected, rtol=1e-4, atol=1e-6,
                                        msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}")
 

@@ -7,6 +7,7 @@ from lightning_gradcomp import registry
 from lightning_gradcomp.compressors import DeMo
 from lightning_gradcomp.compressors.demo import ChunkedDCT, dct_matrix, largest_divisor
 from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.segments import Segments
 
 
 @pytest.mark.parametrize("shape", [(128, 64), (130, 70), (97,), (256, 128), (8, 3, 3, 3), (), (1,)])
@@ -70,6 +71,33 @@ def test_mean_of_packets_is_decoded_in_the_coefficient_domain() -> None:
     torch.testing.assert_close(demo.decompress_mean_into(packets, out), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_selectors_average_each_coefficient_over_the_ranks_that_sent_it() -> None:
+    """``average="selectors"``: the reference's ``scatter_reduce(reduce="mean", include_self=False)`` per chunk,
+    written out independently here (dense coefficient sums over counts of senders), then inverse-transformed."""
+    demo, plain = DeMo(topk=3, chunk=8, average="selectors"), DeMo(topk=3, chunk=8)
+    t = ChunkedDCT(torch.Size((16, 24)), 8, torch.float32, torch.device("cpu"))
+    xs = [torch.randn(16, 24, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    total, count = torch.zeros(t.chunks, 64), torch.zeros(t.chunks, 64)
+    for x in xs:
+        coeffs = t.encode(x)
+        keep = coeffs.abs().topk(3, dim=1).indices
+        total.scatter_add_(1, keep, coeffs.gather(1, keep))
+        count.scatter_add_(1, keep, torch.ones(keep.shape))
+    assert int(count.max()) > 1 and int((count == 1).sum()) > 0  # the ranks' selections overlap only in part
+    expected = t.decode(total / count.clamp(min=1), torch.Size((16, 24)))
+    packets = [demo.compress(x, "w") for x in xs]
+    torch.testing.assert_close(demo.decompress_mean_into(packets, torch.empty(16, 24)),
+                               expected, rtol=1e-5, atol=1e-6)
+    # the flat path (the hook's) gives the same bits as the per-layer one
+    flat = [demo.compress_flat(x.reshape(-1), Segments(("w",), (torch.Size((16, 24)),))) for x in xs]
+    assert torch.equal(demo.decompress_flat_mean_into(flat, torch.empty(16 * 24)).view(16, 24),
+                       demo.decompress_mean_into(packets, torch.empty(16, 24)))
+    # where selections differ it is not the plain mean; the bytes and what a rank sent (its residual) are the same
+    assert not torch.allclose(plain.decompress_mean_into(packets, torch.empty(16, 24)), expected)
+    assert all(torch.equal(demo.sent(x, p), plain.sent(x, p)) for x, p in zip(xs, packets))
+    assert demo.packet_bytes(torch.Size((16, 24))) == plain.packet_bytes(torch.Size((16, 24)))
+
+
 def test_hook_residual_is_the_decayed_momentum() -> None:
     """Through the hook's error feedback (``x = g + residual``, ``residual = x - sent``): DeMo's recursion."""
     demo, memory = DeMo(topk=2, beta=0.9), ResidualMemory()
@@ -87,7 +115,7 @@ def test_hook_residual_is_the_decayed_momentum() -> None:
 
 @pytest.mark.parametrize(("kwargs", "arg"), [
     ({"topk": 0}, "topk"), ({"chunk": 0}, "chunk"), ({"chunk": 256}, "chunk"), ({"beta": 1.0}, "beta"),
-    ({"beta": -0.1}, "beta"), ({"index_dtype": "int8"}, "index_dtype"),
+    ({"beta": -0.1}, "beta"), ({"index_dtype": "int8"}, "index_dtype"), ({"average": "mean"}, "average"),
 ])
 def test_bad_input_names_argument_value_and_fix(kwargs: dict, arg: str) -> None:
     value = next(iter(kwargs.values()))
