@@ -170,6 +170,31 @@ def summarize(results: list[dict[str, Any]], reference: str = "ddp") -> str:
     return "\n".join(lines)
 
 
+#: where a point's label may go, in points from it, tried in this order: right, below and above it, then to its left
+_LABEL_OFFSETS = ((5, 3, "left"), (5, -11, "left"), (5, 13, "left"), (-5, 3, "right"), (-5, -11, "right"),
+                  (5, -21, "left"), (5, 23, "left"))
+
+
+def _place_labels(ax: Any, labelled: list[tuple[tuple[float, float], str]]) -> None:
+    """Annotate each point with its label at the first of :data:`_LABEL_OFFSETS` whose box overlaps no marker and no
+    label placed before it (the last offset when all do): labels of nearby points stay readable. Needs the final
+    layout."""
+    from matplotlib.transforms import Bbox
+
+    renderer = ax.figure.canvas.get_renderer()
+    # the markers count as placed: a label must not cover another run's point either
+    placed: list[Any] = [Bbox.from_extents(px - 4, py - 4, px + 4, py + 4)
+                         for px, py in (ax.transData.transform(xy) for xy, _ in labelled)]
+    for (x, y), text in labelled:
+        for n, (dx, dy, ha) in enumerate(_LABEL_OFFSETS):
+            label = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, fontsize=8)
+            box = label.get_window_extent(renderer).expanded(1.04, 1.2)
+            if n == len(_LABEL_OFFSETS) - 1 or not any(box.overlaps(other) for other in placed):
+                placed.append(box)
+                break
+            label.remove()
+
+
 def plot(results: list[dict[str, Any]], path: Path, reference: str = "ddp") -> Path:
     """Final validation loss against bytes per step (log scale), one point per run, and the curves."""
     import matplotlib
@@ -180,11 +205,10 @@ def plot(results: list[dict[str, Any]], path: Path, reference: str = "ddp") -> P
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5))
     colors = plt.get_cmap("tab20").colors
     # runs that land on the same point (ddp = fp32, dgc = topk) get one label, not overprinted ones
-    points: dict[tuple[float, float], list[str]] = {}
+    points: dict[tuple[float, float], tuple[tuple[float, float], list[str]]] = {}
     for r in results:
-        points.setdefault((float(f"{r['bytes_per_step']:.3g}"), round(r["final_val_loss"], 2)), []).append(r["label"])
-    for i, ((x, y), labels) in enumerate(sorted(points.items())):
-        left.annotate(" = ".join(labels), (x, y), textcoords="offset points", xytext=(5, 4 - 10 * (i % 2)), fontsize=8)
+        key = (float(f"{r['bytes_per_step']:.3g}"), round(r["final_val_loss"], 2))
+        points.setdefault(key, ((r["bytes_per_step"], r["final_val_loss"]), []))[1].append(r["label"])
     for i, r in enumerate(results):
         color, style = colors[(2 * i) % 20 + (i >= 10)], "-" if i < 10 else "--"
         left.scatter(r["bytes_per_step"], r["final_val_loss"], s=30, color=color)
@@ -209,6 +233,7 @@ def plot(results: list[dict[str, Any]], path: Path, reference: str = "ddp") -> P
     right.set_title("validation loss curves")
     right.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: the curves stay visible
     fig.tight_layout()
+    _place_labels(left, [(xy, " = ".join(labels)) for _, (xy, labels) in sorted(points.items())])
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
