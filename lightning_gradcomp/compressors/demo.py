@@ -314,15 +314,17 @@ class DeMo(Compressor):
         for c in plan.classes:
             n = c.chunks * c.k
             coeffs = out.new_zeros(c.chunks, c.n1 * c.n2)
+            # the count of senders per coefficient, one ``ones`` added per payload
             selectors = out.new_zeros(c.chunks, c.n1 * c.n2) if per_selector else None
+            ones = out.new_ones(c.chunks, c.k) if per_selector else None
             for payload in payloads:
                 raw = payload.view(torch.uint8)
                 # clone: a slice of a gathered byte buffer may be misaligned for wider dtypes
                 values = raw[c.values_at : c.values_at + 4 * n].clone().view(torch.float32).to(out.dtype)
                 indices = raw[c.indices_at : c.indices_at + index_size * n].clone().view(index_dtype).long()
                 coeffs.scatter_add_(1, indices.view(c.chunks, c.k), values.view(c.chunks, c.k))
-                if selectors is not None:
-                    selectors.scatter_add_(1, indices.view(c.chunks, c.k), values.new_ones(c.chunks, c.k))
+                if selectors is not None and ones is not None:
+                    selectors.scatter_add_(1, indices.view(c.chunks, c.k), ones)
             if selectors is not None:
                 coeffs.div_(selectors.clamp_(min=1))  # counts are exact small integers: no rounding but the division
             blocks = idct_blocks(coeffs.view(c.chunks, c.n1, c.n2), c.d1, c.d2)
