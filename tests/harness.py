@@ -1,18 +1,19 @@
-"""Run a function on N real Gloo ranks in spawned processes, with a hard timeout.
+"""Run a function on N real Gloo ranks in processes of their own, with a hard timeout.
 
 Never mocks the collective: each rank is a process with its own ``torch.distributed`` process group over
 loopback. A hung run is killed (Gloo can ignore SIGTERM), and the test fails with the ranks' output.
 """
 
-import contextlib
 import faulthandler
 import os
 import pickle
 import socket
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from multiprocessing import forkserver
 from typing import Any
+from unittest import mock
 
 import torch.multiprocessing as mp
 
@@ -66,45 +67,48 @@ def _worker(
     os._exit(0)
 
 
-#: thread counts a rank's math libraries must read when they load: ``_worker`` sets ``OMP_NUM_THREADS`` only after
-#: the spawned process imported torch, so MKL (dynamic threads by default) still runs BLAS calls made on a Gloo
-#: callback thread (a hook's decoding) with a load-dependent thread count, which changes their rounding
+#: thread counts a rank's math libraries must read when they load (in the fork server): without them, MKL (dynamic
+#: threads by default) runs BLAS calls made on a Gloo callback thread (a hook's decoding) with a load-dependent
+#: thread count, which changes their rounding; ``_worker``'s ``OMP_NUM_THREADS`` comes after torch's import
 SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_DYNAMIC": "FALSE"}
 
 
-@contextlib.contextmanager
-def single_threaded_children() -> Iterator[None]:
-    """Ranks spawned inside this block inherit :data:`SINGLE_THREADED` from the start (run-to-run bit-exact BLAS)."""
-    saved = {k: os.environ.get(k) for k in SINGLE_THREADED}
-    os.environ.update(SINGLE_THREADED)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+#: what the fork server imports once, so that a rank starts in well under a second instead of importing torch and
+#: Lightning anew (about 5 s of CPU per rank; the suite starts some hundred ranks on 2 cores)
+PRELOAD = ["torch", "lightning.pytorch", "lightning_gradcomp", "gradcomp_lab", "tests.harness"]
+
+
+def _context() -> Any:
+    """The fork-server context, its server started (once per test session) with :data:`SINGLE_THREADED` set.
+
+    A rank is forked from the server, so it is a fresh process that never ran a collective or an OpenMP region,
+    with the server's environment: a variable a test sets in its own process after the server started does not
+    reach the ranks (pass it as ``run_ranks(..., env=...)``, which each rank sets first).
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    with mock.patch.dict(os.environ, SINGLE_THREADED):  # the server imports the math libraries: they read these once
+        forkserver.ensure_running()
+    return ctx
 
 
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0, env: dict | None = None
 ) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return the results by rank.
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks forked from the server; return the results by rank.
 
     ``fn`` must be importable (module level). The ranks get torchrun-style environment variables, so a
     ``Trainer`` inside ``fn`` joins the group instead of launching processes.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, port, env or {}, queue, args, timeout), daemon=True)
         for r in range(world_size)
     ]
-    with single_threaded_children():  # every rank's math libraries single-threaded from their first import
-        for p in procs:
-            p.start()
+    for p in procs:
+        p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:

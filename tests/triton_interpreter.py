@@ -1,21 +1,28 @@
 """Running the library's Triton kernels in CI, without a GPU.
 
 Kernels run in Triton's interpreter on CPU tensors, which needs ``TRITON_INTERPRET=1`` set before Triton is
-imported: so a test module's cases run in one subprocess (:func:`interpret`, whose child calls :func:`run_cases`)
-that reports each case's outcome as JSON, and the tests of this process only read the report (neither the
-variable nor Triton leaks into other tests). :func:`compile_for_hopper` compiles kernels for an sm_90 GPU with
+imported: so a test module's cases run in one subprocess (:func:`interpreter_test`, whose child calls
+:func:`run_cases`) that reports each case's outcome as JSON, and the tests of this process only read the report
+(neither the variable nor Triton leaks into other tests). :func:`compile_for_hopper` compiles kernels for an sm_90 GPU with
 Triton's real code generator (no GPU needed), for what the interpreter cannot show: that they compile for CUDA,
 and which rounding instructions they hold.
+
+Every such subprocess is a *job* registered when its test module is imported (collection) and started, all of them,
+at the first test that needs one, two at a time (each is one thread; CI has 2 cores, and the Triton tests' modules
+run one after another, so the jobs overlap only each other): a test then waits for its own job's report.
 """
 
-import functools
+import atexit
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -55,26 +62,47 @@ def run_cases(cases: Mapping[str, Callable[[], None]]) -> None:
     print(json.dumps(report))
 
 
-def interpret(module: str, cases: str = "CASES") -> dict[str, Any]:
-    """The report of ``module``'s mapping ``cases`` run in the interpreter, in a subprocess."""
-    code = f"from tests.triton_interpreter import run_cases; from {module} import {cases}; run_cases({cases})"
-    return run_subprocess(code, {"TRITON_INTERPRET": "1"})
+#: key -> (code, environment) of every registered job; key -> its report, once started
+_JOBS: dict[str, tuple[str, dict[str, str]]] = {}
+_STARTED: dict[str, "Future[dict[str, Any]]"] = {}
+_POOL = ThreadPoolExecutor(max_workers=2)
 
 
-@functools.cache
-def _report(module: str, cases: str) -> dict[str, Any]:
-    return interpret(module, cases)
+def register_job(key: str, code: str, env: Mapping[str, str]) -> Callable[[], dict[str, Any]]:
+    """Register ``run_subprocess(code, env)`` under ``key``; returns the function that waits for its report (the
+    first such call of the session starts every registered job)."""
+    _JOBS[key] = (code, dict(env))
+
+    def report() -> dict[str, Any]:
+        for name, (job_code, job_env) in _JOBS.items():
+            if name not in _STARTED:
+                _STARTED[name] = _POOL.submit(run_subprocess, job_code, job_env)
+        return _STARTED[key].result()
+
+    return report
+
+
+def hopper_job(module: str, function: str = "_compile_all") -> Callable[[], tuple[dict[str, Any], Path]]:
+    """Register the job that calls ``module.function()`` (which prints :func:`compile_for_hopper`'s report) with a
+    Triton cache of its own; returns the function that waits for (the report, that cache directory)."""
+    cache = Path(tempfile.mkdtemp(prefix="gradcomp-triton-cache-"))
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
+    report = register_job(f"{module}:{function}", f"from {module} import {function}; {function}()",
+                          {"TRITON_CACHE_DIR": str(cache)})
+    return lambda: (report(), cache)
 
 
 def interpreter_test(module: str, cases: Mapping[str, Callable[[], None]], name: str = "CASES") -> Callable[[str], None]:
     """A test parametrized over ``cases`` (``module``'s mapping called ``name``), each passing when its case ran "ok"
-    in the interpreter: the whole mapping runs once, in one subprocess, at the first case. Bind it to a ``test_*``
-    name in the test module: ``test_kernels_... = interpreter_test(__name__, CASES)``."""
+    in the interpreter: the whole mapping runs once, in one subprocess (a job). Bind it to a ``test_*`` name in the
+    test module: ``test_kernels_... = interpreter_test(__name__, CASES)``."""
+    code = f"from tests.triton_interpreter import run_cases; from {module} import {name}; run_cases({name})"
+    interpreted = register_job(f"{module}:{name}", code, {"TRITON_INTERPRET": "1"})
 
     @needs_triton
     @pytest.mark.parametrize("case", sorted(cases))
     def test(case: str) -> None:
-        report = _report(module, name)
+        report = interpreted()
         assert report[case] == "ok", report[case]
 
     return test

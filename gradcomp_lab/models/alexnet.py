@@ -6,7 +6,7 @@ from typing import Literal
 from torch import Tensor, nn
 
 from gradcomp_lab.models.layers import CenterOnlyBatchNorm2d, SamePad2d, tf_lrn, trunc_normal_tf_, weights
-from lightning_gradcomp.validation import check_choice, check_number
+from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 
 class AlexNet(nn.Module):
@@ -30,6 +30,7 @@ class AlexNet(nn.Module):
         groups: 2 for the two-tower model, 1 for a single tower.
         bn_momentum: PyTorch BN momentum (``1 - 0.9997`` in the TernGrad code).
         init: ``"terngrad"`` or ``"torch"`` (PyTorch defaults).
+        classifier_width: width of fc6 and fc7 (4096 in the paper; 38M of the 61M parameters are fc6's).
     """
 
     def __init__(
@@ -42,11 +43,13 @@ class AlexNet(nn.Module):
         groups: int = 2,
         bn_momentum: float = 0.0003,
         init: Literal["terngrad", "torch"] = "terngrad",
+        classifier_width: int = 4096,
     ) -> None:
         super().__init__()
         check_number("dropout", dropout, minimum=0.0, maximum=1.0, max_open=True)
         check_number("bn_momentum", bn_momentum, minimum=0.0, maximum=1.0)
         check_choice("init", init, ("terngrad", "torch"))
+        check_int("classifier_width", classifier_width, minimum=1)
         if groups not in (1, 2):
             raise ValueError(f"Expected `groups` to be 1 or 2, but got {groups!r}.")
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
@@ -69,7 +72,8 @@ class AlexNet(nn.Module):
             *conv(384, 256, 3, 1, groups, 0.1), nn.MaxPool2d(3, 2),
         )  # fmt: skip
         self.pool = nn.AdaptiveAvgPool2d((6, 6))
-        fc6, fc7, logits = nn.Linear(256 * 6 * 6, 4096), nn.Linear(4096, 4096), nn.Linear(4096, num_classes)
+        width = classifier_width
+        fc6, fc7, logits = nn.Linear(256 * 6 * 6, width), nn.Linear(width, width), nn.Linear(width, num_classes)
         for layer, std, bias in ((fc6, 0.005, 0.1), (fc7, 0.005, 0.1), (logits, 0.01, 0.0)):
             self._init(layer, std, bias, init)
         # named so that parameter patterns read like the paper: "classifier.logits.*"

@@ -23,7 +23,8 @@ Tensors with more than 2 dimensions are chunked as ``(shape[0], numel / shape[0]
 handles only 1-D and 2-D); 0-d tensors as one element; empty tensors send nothing.
 
 Wire format (exact, gathered): per chunk ``min(topk, chunk elements)`` float32 values and as many in-chunk
-indices as int16 (``index_dtype="int16"``; the reference sends int64, ``index_dtype="int64"``). At the defaults
+indices as int16 (``index_dtype="int16"``; the reference sends int64, ``index_dtype="int64"``; chunks of at most
+16 x 16 can send them as ``"uint8"``, one byte each). At the defaults
 (chunk 64, top-32) a 64x64 chunk of 16384 fp32 bytes travels in 32 x (4 + 2) = 192 bytes: 85x less. A layer's
 packet holds its values, then its indices.
 
@@ -52,11 +53,13 @@ from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPac
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
-IndexDtype = Literal["int16", "int64"]
+IndexDtype = Literal["uint8", "int16", "int64"]
 Average = Literal["ranks", "selectors"]
-_INDEX_DTYPES = {"int16": torch.int16, "int64": torch.int64}
+_INDEX_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int64": torch.int64}
 #: largest chunk edge whose n x n in-chunk indices fit int16
 _MAX_CHUNK = 128
+#: largest chunk edge whose n x n in-chunk indices fit uint8 (16 x 16 = 256)
+_MAX_UINT8_CHUNK = 16
 
 
 @lru_cache(maxsize=64)
@@ -184,7 +187,8 @@ class DeMo(Compressor):
         topk: coefficients sent per chunk (reference default 32; clamped to the chunk's size, as the reference).
         chunk: target chunk edge (reference default 64; at most 128 so in-chunk indices fit int16).
         beta: momentum decay ``compression_decay`` in [0, 1) (reference default 0.999).
-        index_dtype: ``"int16"`` in-chunk indices on the wire, or the reference's ``"int64"``.
+        index_dtype: ``"int16"`` in-chunk indices on the wire, the reference's ``"int64"``, or ``"uint8"`` where
+            ``chunk <= 16`` (a chunk of at most 256 coefficients: 5 bytes per coefficient instead of 6).
         average: how the gathered coefficients are averaged: ``"ranks"`` over the world size (the plain mean,
             as every compressor), or ``"selectors"`` over the ranks that sent each coefficient (the reference's
             decode). Bytes, residual and replicas are the same under both; only the decoded mean differs.
@@ -213,6 +217,11 @@ class DeMo(Compressor):
             )
         check_number("beta", beta, minimum=0.0, maximum=1.0, max_open=True, fix="use DeMo's 0.999")
         check_choice("index_dtype", index_dtype, tuple(_INDEX_DTYPES))
+        if index_dtype == "uint8" and chunk > _MAX_UINT8_CHUNK:
+            raise ValueError(
+                f"Expected `chunk` <= {_MAX_UINT8_CHUNK} with index_dtype='uint8' (a chunk's in-chunk indices must fit "
+                f"a byte), but got {chunk!r}. Fix: use index_dtype='int16', or chunk <= {_MAX_UINT8_CHUNK}."
+            )
         check_choice("average", average, ("ranks", "selectors"))
         self.topk, self.chunk, self.beta, self.index_dtype = topk, chunk, float(beta), index_dtype
         self.average: Average = average

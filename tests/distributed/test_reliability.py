@@ -13,7 +13,7 @@ import torch
 
 from tests.distributed.reliability_ranks import MODES as MODE_TABLE
 from tests.distributed.reliability_ranks import compressors_under_test, resume_runs, suite
-from tests.harness import run_ranks, single_threaded_children
+from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -84,10 +84,10 @@ def test_resume_on_another_world_size_fails_clearly(resumed: list[dict[str, Any]
 
 @pytest.fixture(scope="module")
 def hierarchical_resumed() -> list[dict[str, Any]]:
-    """The hierarchical exchange: 4 ranks as 2 sites of 2. Single-threaded math libraries from the ranks' start:
-    DeMo decodes with BLAS on a Gloo thread, where MKL's dynamic threads otherwise make a run differ from the next
-    by 1 ulp (flat 4-rank runs too; tests/harness.SINGLE_THREADED)."""
-    with tempfile.TemporaryDirectory() as tmpdir, single_threaded_children():
+    """The hierarchical exchange: 4 ranks as 2 sites of 2. The ranks' math libraries are single-threaded from
+    their start (tests/harness.SINGLE_THREADED): DeMo decodes with BLAS on a Gloo thread, where MKL's dynamic threads
+    otherwise make a run differ from the next by 1 ulp."""
+    with tempfile.TemporaryDirectory() as tmpdir:
         return run_ranks(partial(resume_runs, site_sizes=[2, 2]), 4, COMPRESSORS, tmpdir, TOTAL_STEPS, CUT_AT, timeout=600)
 
 

@@ -45,7 +45,7 @@ def write_datasets(root: Path) -> Path:
             pickle.dump(entry, handle, protocol=2)
     from PIL import Image
 
-    for split, n in (("train", 8), ("val", 4)):  # 16 training images: 2 ranks x 4 steps x batch 2 (AlexNet WeightGrad)
+    for split, n in (("train", 16), ("val", 4)):  # 32 training images: 4 ranks x 4 steps x batch 2 (AlexNet WeightGrad)
         for c, wnid in enumerate(("n01440764", "n01443537")):
             folder = root / "imagenet" / split / wnid
             folder.mkdir(parents=True)

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -43,6 +44,18 @@ trainer:
 """
 
 
+def _parse(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``gradcomp ARGS`` that ends before training (``--print_config``, ``--help``, a parse error), in this process:
+    (exit status, stdout, stderr). The same ``main`` as the console script, without a second interpreter's imports."""
+    from gradcomp_lab.cli import main
+
+    capsys.readouterr()
+    with mock.patch.object(sys, "argv", ["gradcomp"]), pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return int(exit_.value.code or 0), out, err
+
+
 def _gradcomp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     code = "import sys; from gradcomp_lab.cli import main; main()"
@@ -53,13 +66,13 @@ def _gradcomp(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_print_config_exposes_every_option(tmp_path: Path) -> None:
+def test_print_config_exposes_every_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "c.yaml"
     config.write_text(FULL_CONFIG)
-    out = _gradcomp("fit", "--config", str(config), "--print_config", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
+    code, out, err = _parse("fit", "--config", str(config), "--print_config", capsys=capsys)
+    assert code == 0, err
     for option in ("clip_mode: code", "packing: base3", "scaler_share: max", "static_graph: true", "exclude:"):
-        assert option in out.stdout
+        assert option in out
 
 
 def test_fit_from_yaml_with_class_path_strategy_on_two_ranks(tmp_path: Path) -> None:
@@ -77,21 +90,23 @@ def test_fit_from_yaml_with_class_path_strategy_on_two_ranks(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("name", ["terngrad", "fp32"])
-def test_registered_name_from_the_command_line(tmp_path: Path, name: str) -> None:
+def test_registered_name_from_the_command_line(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "c.yaml"
     config.write_text(FULL_CONFIG.split("  strategy:")[0])
-    out = _gradcomp("fit", "--config", str(config), f"--trainer.strategy={name}", "--print_config", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert f"strategy: {name}" in out.stdout
+    code, out, err = _parse(
+        "fit", "--config", str(config), f"--trainer.strategy={name}", "--print_config", capsys=capsys
+    )
+    assert code == 0, err
+    assert f"strategy: {name}" in out
 
 
-def test_help_lists_report_and_the_strategy_names(tmp_path: Path) -> None:
+def test_help_lists_report_and_the_strategy_names(capsys: pytest.CaptureFixture[str]) -> None:
     from lightning_gradcomp.registry import strategy_names
 
-    out = _gradcomp("--help", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert "gradcomp report" in out.stdout
-    assert ", ".join(strategy_names()) in out.stdout and "gradcomp" in strategy_names()
+    code, out, err = _parse("--help", capsys=capsys)
+    assert code == 0, err
+    assert "gradcomp report" in out
+    assert ", ".join(strategy_names()) in out and "gradcomp" in strategy_names()
 
 
 #: (YAML mistake, what the first line of stderr must say)
@@ -116,23 +131,27 @@ NESTED_TYPOS = {
 
 
 @pytest.mark.parametrize("mistake", sorted(NESTED_TYPOS))
-def test_nested_typo_is_named_on_the_first_line(tmp_path: Path, mistake: str) -> None:
+def test_nested_typo_is_named_on_the_first_line(
+    tmp_path: Path, mistake: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     (old, new), first = NESTED_TYPOS[mistake]
     config = tmp_path / "c.yaml"
     config.write_text(FULL_CONFIG.replace(old, new))
-    out = _gradcomp("fit", "--config", str(config), cwd=tmp_path)
-    assert out.returncode == 2
-    lines = out.stderr.splitlines()
+    code, _, err = _parse("fit", "--config", str(config), capsys=capsys)
+    assert code == 2
+    lines = err.splitlines()
     assert lines[0].startswith(f"gradcomp: error: {first}"), lines[0]
-    assert len(lines) <= 3, out.stderr  # instead of jsonargparse's 60-line report
+    assert len(lines) <= 3, err  # instead of jsonargparse's 60-line report
 
 
-def test_misspelt_strategy_name_is_answered_with_the_registered_names(tmp_path: Path) -> None:
+def test_misspelt_strategy_name_is_answered_with_the_registered_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "c.yaml"
     config.write_text(FULL_CONFIG.split("  strategy:")[0])
-    out = _gradcomp("fit", "--config", str(config), "--trainer.strategy=terngrd", cwd=tmp_path)
-    assert out.returncode == 2
-    first = out.stderr.splitlines()[0]
+    code, _, err = _parse("fit", "--config", str(config), "--trainer.strategy=terngrd", capsys=capsys)
+    assert code == 2
+    first = err.splitlines()[0]
     assert first.startswith(
         "gradcomp: error: Expected `trainer.strategy` to be a registered strategy name, but got 'terngrd'. "
         "Fix: did you mean 'terngrad'? use one of gradcomp's ["

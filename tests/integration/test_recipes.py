@@ -16,16 +16,15 @@ What runs (the datasets are tiny files in each dataset's real format, written by
     recipe keeps its emulated workers), ``--trainer.fast_dev_run=2`` (2 training and 2 validation batches);
     ``SHARDS`` such processes at once. Under GradCompStrategy the DDP hook compresses and decodes every bucket even
     on one rank.
-  - ``[4proc]`` the CifarNet and VGG-A WeightGradStrategy recipes (6): 4 real ranks (``torch.distributed.run``,
-    Gloo; Lightning reads torchrun's environment), 2 sites of 2. The 8-worker recipes (2 sites of 4) run as 2 sites
-    of 2 (``site_size=2``): 8 processes would cost far more than 4 on 2 cores (WEIGHTGRAD_RANKS says how much).
-  - ``[2proc]`` the two AlexNet WeightGradStrategy recipes: 2 ranks, 2 sites of 1 (``site_size=1``,
-    ``allow_single_rank_sites=true``), because of AlexNet's memory (WEIGHTGRAD_RANKS_BY_MODEL says why).
+  - ``[4proc]`` the WeightGradStrategy recipes (CifarNet, VGG-A and AlexNet: 8): 4 real ranks
+    (``torch.distributed.run``, Gloo; Lightning reads torchrun's environment), 2 sites of 2. The 8-worker recipes
+    (2 sites of 4) run as 2 sites of 2 (``site_size=2``): 8 processes would cost far more than 4 on 2 cores
+    (WEIGHTGRAD_RANKS says how much).
 
   WeightGradStrategy fits run ``staleness_bound`` (T = 4) steps, so that their last step is a WAN round. The
-  only other overrides are ``MODEL_OVERRIDES`` (the MLP, the NMT model and VGG-A's fc layers are
+  only other overrides are ``MODEL_OVERRIDES`` (the MLP, the NMT model, and VGG-A's and AlexNet's fc layers are
   narrowed through their constructors) and ``DATA_OVERRIDES`` (batch sizes the tiny datasets hold; ImageNet
-  images at 64x64, where AlexNet, GoogLeNet and ResNet-18/50 run at full width). After each fit every rank
+  images at 64x64, where GoogLeNet and ResNet-18/50 run at full width). After each fit every rank
   checks: ``global_step`` is the requested count; every parameter is finite; the compressor ran (the gradcomp
   hook ran every step and, unless the compressor is fp32, sent fewer bytes than fp32 DDP would; a TowerStrategy
   recorded its packets; a WeightGrad fit ran at least one WAN round); and with several ranks, the parameter
@@ -57,7 +56,8 @@ DILOCO_RECIPES = recipe_paths("diloco")
 #: by model class: where the real architecture at its recipe width costs several seconds per fit on 2 CPU cores, it
 #: is narrowed through its own constructor (layer types, depth and every other option stay the recipe's). Full width
 #: measured with recipe_fit.py: MLP 3.1 s (x 9 recipes), Seq2SeqAttention 10.0 s (x 4) per fit, 0.2 s narrowed;
-#: VGG-A under WeightGrad on 4 ranks 16.4 s, 4.8 s narrowed
+#: VGG-A under WeightGrad on 4 ranks 16.4 s, 4.8 s narrowed; AlexNet 6-10 s per one-rank fit (x 12) and 27 s under
+#: WeightGrad on 2 ranks (x 2)
 MODEL_OVERRIDES: dict[str, list[str]] = {
     # 3 hidden layers of 4096 (37M parameters): 64 units keep the 4 Linear layers Gradient Dropping sees
     "MLP": ["--model.init_args.model.init_args.hidden_dim=64"],
@@ -68,14 +68,16 @@ MODEL_OVERRIDES: dict[str, list[str]] = {
     ],
     # two fc layers of 4096 (19M of its 28M parameters): the 8 convs with batch norm and the 3 fc layers stay
     "VGGA": ["--model.init_args.model.init_args.classifier_width=64"],
+    # fc6 and fc7 of 4096 (55M of its 61M parameters): the 5 grouped convs, LRN, batch norm and the 3 fc layers stay
+    "AlexNet": ["--model.init_args.model.init_args.classifier_width=64"],
 }  # fmt: skip
 
 #: by datamodule class: per-process batches that the generated datasets hold a few of (recipe_data.py)
 DATA_OVERRIDES: dict[str, list[str]] = {
     "MNISTDataModule": ["--data.init_args.batch_size=8"],  # 32 training images; the 4 towers of fig. 3 get 2 each
     "CIFAR10DataModule": ["--data.init_args.batch_size=4"],  # 80 training images: 5 batches on each of 4 ranks
-    # 16 training JPEGs; AlexNet, GoogLeNet, ResNet-18/50 at full width on 64x64 crops instead of 224x224 (AlexNet's
-    # three 3x3/2 pools need at least 57 pixels; the others pool globally): about 1-3 s per fit
+    # 32 training JPEGs; GoogLeNet, ResNet-18/50 at full width, AlexNet's convs too, on 64x64 crops instead of
+    # 224x224 (AlexNet's three 3x3/2 pools need at least 57 pixels; the others pool globally): about 1-3 s per fit
     "ImageFolderDataModule": [
         "--data.init_args.batch_size=2", "--data.init_args.image_size=64", "--data.init_args.resize_size=64",
     ],
@@ -86,16 +88,9 @@ DATA_OVERRIDES: dict[str, list[str]] = {
 #: WeightGradStrategy recipes run on this many real ranks (torchrun, Gloo), keeping the recipe's number of sites:
 #: 4-worker recipes as they are (2 sites of 2), 8-worker ones (2 sites of 4) as 2 sites of 2. Measured on the 2 shared
 #: cores (recipe_fit.py's per-fit seconds and ``/usr/bin/time``): the 4 CifarNet/VGG-A 8-worker recipes took 68 s on
-#: 8 ranks (38 s of fits, the rest is starting 8 processes), and 17 s of fits on 4 ranks
+#: 8 ranks (38 s of fits, the rest is starting 8 processes), and 17 s of fits on 4 ranks. (AlexNet at full width
+#: needed 3.8 GB per rank under WeightGrad, so its recipes ran on 2 ranks; narrowed, they run on 4 as the others.)
 WEIGHTGRAD_RANKS = 4
-#: ...except AlexNet (61M parameters, 38M of them in fc6; no width argument): under WeightGrad a rank holds its
-#: weights, gradients, DDP buckets, EMA, the synchronizer's anchor, accumulators and the round's quantization
-#: buffers: 3.8 GB peak RSS on one rank and 13 s for its 4 steps (``/usr/bin/time -f "%e s %M KB" python -m
-#: tests.integration.recipe_fit DATA recipes/weightgrad/alexnet_imagenet_weightgrad.yaml::<its overrides>``), which
-#: rules out 4 ranks on a 24 GB CI machine. Its 2 recipes run on 2 ranks as 2 sites of 1 (``allow_single_rank_sites``):
-#: the WAN between processes is real, the in-site TernGrad runs on one rank (the CifarNet and VGG-A recipes, with the
-#: same strategy block, run it between 2 ranks)
-WEIGHTGRAD_RANKS_BY_MODEL: dict[str, int] = {"AlexNet": 2}
 
 
 def _config(recipe: Path) -> dict:
@@ -119,7 +114,7 @@ def fit_plan(recipe: Path) -> tuple[int, list[str]]:
     args = strategy["init_args"]
     workers = config["trainer"]["devices"] * config["trainer"].get("num_nodes", 1)
     sites = workers // args["site_size"]
-    ranks = WEIGHTGRAD_RANKS_BY_MODEL.get(model, WEIGHTGRAD_RANKS)
+    ranks = WEIGHTGRAD_RANKS
     overrides.append(f"--trainer.fast_dev_run={args.get('staleness_bound', 4)}")
     if ranks // sites != args["site_size"]:
         overrides.append(f"--trainer.strategy.init_args.site_size={ranks // sites}")
@@ -210,7 +205,7 @@ def test_one_max_steps_override_moves_the_lr_schedule(data_root: Path, monkeypat
 
 
 #: one launch per number of processes; each subprocess fits its recipes one after another
-LAUNCHES = (1, WEIGHTGRAD_RANKS, *sorted(set(WEIGHTGRAD_RANKS_BY_MODEL.values())))
+LAUNCHES = (1, WEIGHTGRAD_RANKS)
 #: the one-process recipes are split over this many subprocesses running at once (one thread each; CI has 2 cores)
 SHARDS = 2
 

@@ -49,6 +49,21 @@ def test_exact_bytes(shape: tuple[int, ...], index_dtype: str, expected: int) ->
     assert decoded.shape == x.shape
 
 
+def test_uint8_indices_carry_the_same_coefficients_in_five_bytes_each() -> None:
+    """Chunks of at most 16 x 16: the in-chunk index fits a byte; the mean of three ranks' packets decodes to the
+    same tensor as with int16 indices, in 5 bytes per coefficient instead of 6."""
+    xs = [torch.randn(64, 48) for _ in range(3)]  # 4 x 3 chunks of 16 x 16, top-5 of each
+    decoded, sizes = {}, {}
+    for index_dtype in ("int16", "uint8"):
+        demo = DeMo(topk=5, chunk=16, index_dtype=index_dtype)  # type: ignore[arg-type]
+        packets = [demo.compress(x, "w") for x in xs]
+        decoded[index_dtype] = demo.decompress_mean_into(packets, torch.empty(64, 48))
+        sizes[index_dtype] = packets[0].nbytes
+        assert sizes[index_dtype] == demo.packet_bytes(torch.Size((64, 48)))
+    assert sizes == {"int16": 12 * 5 * 6, "uint8": 12 * 5 * 5}
+    assert torch.equal(decoded["int16"], decoded["uint8"])
+
+
 def test_top_k_of_a_sparse_spectrum_is_lossless() -> None:
     t = ChunkedDCT(torch.Size((64, 64)), 64, torch.float32, torch.device("cpu"))
     coeffs = torch.zeros(1, 4096)
@@ -116,6 +131,7 @@ def test_hook_residual_is_the_decayed_momentum() -> None:
 @pytest.mark.parametrize(("kwargs", "arg"), [
     ({"topk": 0}, "topk"), ({"chunk": 0}, "chunk"), ({"chunk": 256}, "chunk"), ({"beta": 1.0}, "beta"),
     ({"beta": -0.1}, "beta"), ({"index_dtype": "int8"}, "index_dtype"), ({"average": "mean"}, "average"),
+    ({"chunk": 32, "index_dtype": "uint8"}, "chunk"),
 ])
 def test_bad_input_names_argument_value_and_fix(kwargs: dict, arg: str) -> None:
     value = next(iter(kwargs.values()))

@@ -8,7 +8,6 @@ as the torch ops' product and sum).
 
 import json
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp
 from lightning_gradcomp.compressors.base import FlatPacket
 from lightning_gradcomp.segments import Segments
-from tests.triton_interpreter import compile_for_hopper, interpreter_test, needs_triton, run_subprocess
+from tests.triton_interpreter import compile_for_hopper, hopper_job, interpreter_test, needs_triton
 from tests.unit.test_flat_graddrop_adacomp import ADACOMP_CASES, SHAPES
 
 CONFIGS: dict[str, dict[str, Any]] = {**ADACOMP_CASES, "factor": dict(scale_factor=2.7, bin_size_fc=64)}
@@ -231,11 +230,12 @@ def _compile_all() -> None:
     print(json.dumps(compile_for_hopper(variants)))
 
 
+_compiled = hopper_job(__name__)
+
+
 @needs_triton
-def test_kernels_compile_for_a_hopper_gpu_without_fused_multiply_add(tmp_path: Path) -> None:
-    report = run_subprocess(
-        "from tests.unit.test_triton_adacomp import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
-    )
+def test_kernels_compile_for_a_hopper_gpu_without_fused_multiply_add() -> None:
+    report, _ = _compiled()
     assert set(report) == {
         "bin-max-500", "bin-max-50", "select-binary", "select-ternary", "advance", "decode-add", "compact-bytes",
     }

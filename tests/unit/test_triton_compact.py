@@ -3,11 +3,10 @@ index_select (and its inverse against index_add_), in Triton's interpreter (test
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from tests.triton_interpreter import compile_for_hopper, interpreter_test, needs_triton, run_subprocess
+from tests.triton_interpreter import compile_for_hopper, hopper_job, interpreter_test, needs_triton
 
 
 def _case(n: int, density: float, dtype: torch.dtype, known_counts: bool) -> None:
@@ -94,10 +93,11 @@ def _compile_all() -> None:
     })))
 
 
+_compiled = hopper_job(__name__)
+
+
 @needs_triton
-def test_compaction_kernels_compile_for_a_hopper_gpu(tmp_path: Path) -> None:
-    report = run_subprocess(
-        "from tests.unit.test_triton_compact import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
-    )
+def test_compaction_kernels_compile_for_a_hopper_gpu() -> None:
+    report, _ = _compiled()
     assert set(report) == {"count", "compact", "scatter-add", "scatter"} and all(r["cubin"] > 0 for r in report.values())
     assert all(r["fma."] == 0 for r in report.values())

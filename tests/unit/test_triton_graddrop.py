@@ -8,7 +8,6 @@ compiles every kernel for a Hopper GPU (sm_90) down to a cubin.
 import json
 import re
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -18,7 +17,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors import GradientDropping
 from lightning_gradcomp.compressors.base import FlatPacket
 from lightning_gradcomp.segments import Segments
-from tests.triton_interpreter import compile_for_hopper, interpreter_test, needs_triton, run_subprocess
+from tests.triton_interpreter import compile_for_hopper, hopper_job, interpreter_test, needs_triton
 from tests.unit.test_flat_graddrop_adacomp import GRADDROP_CASES, _gradient, _layout, _ops_per_step
 
 CPU = torch.device("cpu")
@@ -299,11 +298,12 @@ def _compile_all() -> None:
     print(json.dumps(compile_for_hopper(variants)))
 
 
+_compiled = hopper_job(__name__)
+
+
 @needs_triton
-def test_kernels_compile_for_a_hopper_gpu_without_fused_or_approximate_arithmetic(tmp_path: Path) -> None:
-    report = run_subprocess(
-        "from tests.unit.test_triton_graddrop import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
-    )
+def test_kernels_compile_for_a_hopper_gpu_without_fused_or_approximate_arithmetic() -> None:
+    report, tmp_path = _compiled()
     assert set(report) == {
         "sample", "above", "select-fp16", "select-fp32", "statistics", "compact-bf16", "compact-fp16",
     }

@@ -8,7 +8,6 @@ compile for CUDA and round as the torch ops do (true division only as ``div.rn``
 
 import json
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -18,7 +17,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.base import Compressor, FlatPacket
 from lightning_gradcomp.kernels import rng
-from tests.triton_interpreter import compile_for_hopper, interpreter_test, needs_triton, run_subprocess
+from tests.triton_interpreter import compile_for_hopper, hopper_job, interpreter_test, needs_triton, run_subprocess
 from tests.unit.test_flat_terngrad import (
     CASES, CONFIGS, _assert_same, _exchange, _grads, _ranks, _segments, _step_ops,
 )
@@ -273,11 +272,12 @@ def _compile_all() -> None:
     print(json.dumps(compile_for_hopper(variants)))
 
 
+_compiled = hopper_job(__name__)
+
+
 @needs_triton
-def test_kernels_compile_for_a_hopper_gpu_and_round_as_the_torch_ops(tmp_path: Path) -> None:
-    report = run_subprocess(
-        "from tests.unit.test_triton_terngrad import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
-    )
+def test_kernels_compile_for_a_hopper_gpu_and_round_as_the_torch_ops() -> None:
+    report, _ = _compiled()
     assert set(report) == {
         "ternarize", "pack", "decode-shared-true-div", "decode-per-worker-reciprocal", "decode-one-rank", "scale-int8",
     }

@@ -7,7 +7,6 @@ compiles every kernel for a Hopper GPU (sm_90): that they compile for CUDA, with
 
 import json
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DGC, TopK
 from lightning_gradcomp.compressors.base import FlatPacket
 from lightning_gradcomp.segments import Segments
-from tests.triton_interpreter import compile_for_hopper, interpreter_test, needs_triton, run_subprocess
+from tests.triton_interpreter import compile_for_hopper, hopper_job, interpreter_test, needs_triton
 
 CPU = torch.device("cpu")
 #: mixed sizes: empty, one-element, 1-D (dense unless dense_1d=False), layers over one tile (1024 elements)
@@ -235,11 +234,12 @@ def _compile_all() -> None:
     print(json.dumps(compile_for_hopper(variants)))
 
 
+_compiled = hopper_job(__name__)
+
+
 @needs_triton
-def test_kernels_compile_for_a_hopper_gpu(tmp_path: Path) -> None:
-    report = run_subprocess(
-        "from tests.unit.test_triton_topk import _compile_all; _compile_all()", {"TRITON_CACHE_DIR": str(tmp_path)}
-    )
+def test_kernels_compile_for_a_hopper_gpu() -> None:
+    report, _ = _compiled()
     assert len(report) == 17
     for name, counts in report.items():
         assert counts["cubin"] > 0, name
