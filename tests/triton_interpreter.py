@@ -3,9 +3,9 @@
 Kernels run in Triton's interpreter on CPU tensors, which needs ``TRITON_INTERPRET=1`` set before Triton is
 imported: so a test module's cases run in one subprocess (:func:`interpreter_test`, whose child calls
 :func:`run_cases`) that reports each case's outcome as JSON, and the tests of this process only read the report
-(neither the variable nor Triton leaks into other tests). :func:`compile_for_hopper` compiles kernels for an sm_90 GPU with
-Triton's real code generator (no GPU needed), for what the interpreter cannot show: that they compile for CUDA,
-and which rounding instructions they hold.
+(neither the variable nor Triton leaks into other tests). :func:`compile_for_hopper` compiles kernels for an sm_90
+GPU with Triton's real code generator (no GPU needed), for what the interpreter cannot show: that they compile for
+CUDA, and which rounding instructions they hold.
 
 Every such subprocess is a *job* registered when its test module is imported (collection) and started, all of them,
 at the first test that needs one, two at a time (each is one thread; CI has 2 cores, and the Triton tests' modules

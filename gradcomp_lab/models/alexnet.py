@@ -72,8 +72,8 @@ class AlexNet(nn.Module):
             *conv(384, 256, 3, 1, groups, 0.1), nn.MaxPool2d(3, 2),
         )  # fmt: skip
         self.pool = nn.AdaptiveAvgPool2d((6, 6))
-        width = classifier_width
-        fc6, fc7, logits = nn.Linear(256 * 6 * 6, width), nn.Linear(width, width), nn.Linear(width, num_classes)
+        fc6 = nn.Linear(256 * 6 * 6, classifier_width)
+        fc7, logits = nn.Linear(classifier_width, classifier_width), nn.Linear(classifier_width, num_classes)
         for layer, std, bias in ((fc6, 0.005, 0.1), (fc7, 0.005, 0.1), (logits, 0.01, 0.0)):
             self._init(layer, std, bias, init)
         # named so that parameter patterns read like the paper: "classifier.logits.*"
