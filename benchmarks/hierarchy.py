@@ -8,10 +8,11 @@ Run under the emulated-cluster launcher (each rank runs this script; rank and wo
 Per model (``mlp``: the communication-bound MLP of ``benchmarks/step_time.py`` at ``--mlp-width``; ``gpt``: the
 byte-level GPT of ``recipes/lm/gpt_stdlib_ddp.yaml``, width 128, depth 2, context 128, batch 8) and strategy, DDP
 with the gradcomp hook runs ``--warmup + --steps`` steps; a step's time is the max over ranks, the table gives
-the median of the timed steps, and the performance model's prediction
+the median of the timed steps (with ``--repeats R``, the median over R runs of the whole grid of those medians), and the performance model's prediction
 (:func:`gradcomp_lab.perfmodel.hierarchical_comm_seconds` for ``NAME@hier``, ``comm_seconds`` on the
-two-level network for the flat ones; compute measured here without communication, codec measured here and
-scaled by ranks per core, LAN and WAN rates probed here as ``benchmarks/step_time.py`` does).
+two-level network for the flat ones, as Gloo's one ring over all ranks; compute measured here without
+communication, codec measured here and scaled by ranks per core, LAN and WAN rates probed here as
+``benchmarks/step_time.py`` does).
 
 Strategies: ``ddp`` (stock DDP), ``NAME`` (flat gradcomp hook), ``NAME@hier`` (the hierarchical exchange with
 sites of ``world / sites`` ranks; ``fp32@hier`` is the dense hierarchical all-reduce).
@@ -144,13 +145,14 @@ def predict(r: dict[str, Any], compute_s: float, shapes: list, args: argparse.Na
     numel = r["params"]
     buckets = ddp_bucket_fractions(shapes, args.bucket_cap_mb)
     if base == "ddp":
-        return compute_s + comm_seconds(fp32_codec(numel), world, net, buckets)
+        return compute_s + comm_seconds(fp32_codec(numel), world, net, buckets, two_level_allreduce=False)
     codec = measure_codec(registry.make_compressor(base), shapes, args.sites if hier else world)
     # measured alone on rank 0; in the run, 4 ranks share the host's cores
     codec_s = (codec.encode_s + codec.decode_s) * max(1.0, world / (os.cpu_count() or 1))
     if hier:
         return compute_s + codec_s + hierarchical_comm_seconds(codec, 4.0 * numel, world, net, buckets)
-    return compute_s + codec_s + comm_seconds(codec, world, net, buckets)
+    # the flat rows' collectives are Gloo's one ring over all ranks: every step of it crosses the WAN
+    return compute_s + codec_s + comm_seconds(codec, world, net, buckets, two_level_allreduce=False)
 
 
 def main() -> None:
@@ -164,24 +166,30 @@ def main() -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="runs of the whole grid; each row gives their median")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"Expected --repeats >= 1, but got {args.repeats}. Fix: --repeats 3 (the median of 3 runs of the grid).")
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     links = probe_links(args)
     rows = []
     for model_name in args.models:
-        results = [run(model_name, s, args) for s in args.strategies]
+        # the whole grid once per repeat, so that the machine's slow spells fall on every row alike
+        repeats = [[run(model_name, s, args) for s in args.strategies] for _ in range(args.repeats)]
         if rank == 0:
             model, _ = build(model_name, args.mlp_width)
             shapes = [(n, tuple(q.shape)) for n, q in model.named_parameters()]
-            compute = next(r["compute_s"] for r in results if "compute_s" in r)
-            for r in results:
+            compute = statistics.median(r["compute_s"] for results in repeats for r in results if "compute_s" in r)
+            for row in zip(*repeats):
+                r = dict(row[0], median_s=statistics.median(x["median_s"] for x in row))
                 rows.append((r, predict(r, compute, shapes, args, world, links)))
     if rank == 0:
         print(f"\n# command: {os.environ.get('HIERARCHY_COMMAND') or ' '.join(['python', *sys.argv])}")
         print(f"# {world} ranks in {args.sites} sites, LAN {args.lan}, WAN {args.wan}; median of {args.steps} steps "
-              f"after {args.warmup} warm-up; probed LAN {links[0]}, WAN {links[1]}; load average {os.getloadavg()}")
+              f"after {args.warmup} warm-up, median of {args.repeats} repeats of the grid; probed LAN {links[0]}, "
+              f"WAN {links[1]}; load average {os.getloadavg()}")
         print("| model | strategy | median step (ms) | predicted (ms) | predicted / measured | WAN bytes/step/rank "
               "| LAN bytes/step/rank |")
         print("|---|---|---|---|---|---|---|")

@@ -313,22 +313,39 @@ def ddp_bucket_fractions(shapes: Shapes, bucket_cap_mb: float = 25.0, first_buck
     return bucket_fractions(sizes)
 
 
-def _bucket_seconds(codec: Codec, world_size: int, network: Network, fraction: float) -> tuple[float, float]:
+def _bucket_seconds(codec: Codec, world_size: int, network: Network, fraction: float,
+                    two_level_allreduce: bool = True) -> tuple[float, float]:
     """Seconds of one bucket's payload collective (``fraction`` of the step's bytes) and of its blocking
     statistics rounds."""
     if world_size <= 1:
         return 0.0, 0.0
     nbytes = codec.nbytes * fraction
     if codec.aggregation is Aggregation.SUM:
-        payload = min(ring_allreduce_seconds(nbytes, world_size, network), hierarchical_allreduce_seconds(nbytes, world_size, network))
+        payload = ring_allreduce_seconds(nbytes, world_size, network)
+        if two_level_allreduce:
+            payload = min(payload, hierarchical_allreduce_seconds(nbytes, world_size, network))
     else:
         payload = ring_allgather_seconds(nbytes, world_size, network)
     return payload, codec.rounds * ring_allreduce_seconds(4.0, world_size, network)
 
 
-def comm_seconds(codec: Codec, world_size: int, network: Network, buckets: Buckets = 1) -> float:
-    """Seconds to exchange one step's payloads in ``buckets`` collectives (each pays the latency terms)."""
-    return sum(sum(_bucket_seconds(codec, world_size, network, f)) for f in bucket_fractions(buckets))
+def comm_seconds(codec: Codec, world_size: int, network: Network, buckets: Buckets = 1,
+                 two_level_allreduce: bool = True) -> float:
+    """Seconds to exchange one step's payloads in ``buckets`` collectives (each pays the latency terms).
+
+    Args:
+        codec: the step's payload: bytes, aggregation, statistics rounds.
+        world_size: ranks in the flat process group.
+        network: one link class, or sites joined by a WAN.
+        buckets: DDP's buckets (a count, or each bucket's share of the step's bytes).
+        two_level_allreduce: on a network of sites, whether the backend's all-reduce over the flat group may run
+            the two-level schedule (:func:`~lightning_gradcomp.costmodel.hierarchical_allreduce_seconds`) when it
+            is faster. NCCL arranges its inter-node algorithms by node, so the GPU predictions allow it. Gloo
+            runs one ring over the ranks whatever the topology; every step of that ring crosses the WAN. Give
+            ``False`` to predict Gloo, as the emulated cluster runs it.
+    """
+    return sum(sum(_bucket_seconds(codec, world_size, network, f, two_level_allreduce))
+               for f in bucket_fractions(buckets))
 
 
 def hierarchical_comm_seconds(codec: Codec, dense_bytes: float, world_size: int, network: Network,

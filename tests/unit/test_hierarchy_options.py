@@ -122,6 +122,22 @@ def test_the_performance_model_predicts_the_hierarchical_schedule() -> None:
         hierarchical_comm_seconds(packed, dense, 4, Network(lan))
 
 
+def test_a_flat_gloo_all_reduce_over_sites_is_predicted_as_one_ring() -> None:
+    import math
+
+    from gradcomp_lab.perfmodel import comm_seconds, fp32_codec
+    from lightning_gradcomp.costmodel import Link, Network, hierarchical_allreduce_seconds, ring_allreduce_seconds
+
+    net = Network(Link(math.inf, 0.0), sites=2, wan=Link(1e8, 1e-3))
+    numel = 1_000_000
+    ring, two_level = ring_allreduce_seconds(4.0 * numel, 4, net), hierarchical_allreduce_seconds(4.0 * numel, 4, net)
+    # 2 sites of 2: all 6 steps of the ring (a quarter each) cross the WAN; 2 steps of a half in the two-level one
+    assert two_level < ring
+    # Gloo: one ring over the 4 ranks, as the emulated cluster runs DDP; NCCL-like: the faster schedule
+    assert comm_seconds(fp32_codec(numel), 4, net, two_level_allreduce=False) == pytest.approx(ring)
+    assert comm_seconds(fp32_codec(numel), 4, net) == pytest.approx(two_level)
+
+
 def test_gradcomp_perf_predicts_hierarchical_rows(capsys: pytest.CaptureFixture[str]) -> None:
     from gradcomp_lab.perfmodel import main
 
