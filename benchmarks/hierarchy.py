@@ -8,11 +8,11 @@ Run under the emulated-cluster launcher (each rank runs this script; rank and wo
 Per model (``mlp``: the communication-bound MLP of ``benchmarks/step_time.py`` at ``--mlp-width``; ``gpt``: the
 byte-level GPT of ``recipes/lm/gpt_stdlib_ddp.yaml``, width 128, depth 2, context 128, batch 8) and strategy, DDP
 with the gradcomp hook runs ``--warmup + --steps`` steps; a step's time is the max over ranks, the table gives
-the median of the timed steps (with ``--repeats R``, the median over R runs of the whole grid of those medians), and the performance model's prediction
-(:func:`gradcomp_lab.perfmodel.hierarchical_comm_seconds` for ``NAME@hier``, ``comm_seconds`` on the
-two-level network for the flat ones, as Gloo's one ring over all ranks; compute measured here without
-communication, codec measured here and scaled by ranks per core, LAN and WAN rates probed here as
-``benchmarks/step_time.py`` does).
+the median of the timed steps (with ``--repeats R``, the median over R runs of the whole grid of those
+medians), and the performance model's prediction (:func:`gradcomp_lab.perfmodel.hierarchical_comm_seconds`
+for ``NAME@hier``, ``comm_seconds`` on the two-level network for the flat ones, as Gloo's one ring over all
+ranks; compute measured here without communication, codec measured here and scaled by ranks per core, LAN and
+WAN rates probed here as ``benchmarks/step_time.py`` does).
 
 Strategies: ``ddp`` (stock DDP), ``NAME`` (flat gradcomp hook), ``NAME@hier`` (the hierarchical exchange with
 sites of ``world / sites`` ranks; ``fp32@hier`` is the dense hierarchical all-reduce).
