@@ -56,10 +56,9 @@ from lightning_gradcomp.validation import check_choice, check_int, check_number
 IndexDtype = Literal["uint8", "int16", "int64"]
 Average = Literal["ranks", "selectors"]
 _INDEX_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int64": torch.int64}
-#: largest chunk edge whose n x n in-chunk indices fit int16
-_MAX_CHUNK = 128
-#: largest chunk edge whose n x n in-chunk indices fit uint8 (16 x 16 = 256)
-_MAX_UINT8_CHUNK = 16
+#: largest chunk edge per index dtype: n x n in-chunk indices must fit it (uint8: 16 x 16 = 256; int16: 128 x 128);
+#: int64 keeps int16's bound, the chunks DeMo's reference uses
+_MAX_CHUNK = {"uint8": 16, "int16": 128, "int64": 128}
 
 
 @lru_cache(maxsize=64)
@@ -210,17 +209,12 @@ class DeMo(Compressor):
         super().__init__()
         check_int("topk", topk, minimum=1, fix="send at least 1 coefficient per chunk (DeMo: 32)")
         check_int("chunk", chunk, minimum=1)
-        if chunk > _MAX_CHUNK:
-            raise ValueError(
-                f"Expected `chunk` to be an integer <= {_MAX_CHUNK}, but got {chunk!r}. "
-                f"Fix: use DeMo's 64 (in-chunk indices travel as int16)."
-            )
         check_number("beta", beta, minimum=0.0, maximum=1.0, max_open=True, fix="use DeMo's 0.999")
         check_choice("index_dtype", index_dtype, tuple(_INDEX_DTYPES))
-        if index_dtype == "uint8" and chunk > _MAX_UINT8_CHUNK:
+        if chunk > _MAX_CHUNK[index_dtype]:
             raise ValueError(
-                f"Expected `chunk` <= {_MAX_UINT8_CHUNK} with index_dtype='uint8' (a chunk's in-chunk indices must fit "
-                f"a byte), but got {chunk!r}. Fix: use index_dtype='int16', or chunk <= {_MAX_UINT8_CHUNK}."
+                f"Expected `chunk` to be an integer <= {_MAX_CHUNK[index_dtype]} with index_dtype={index_dtype!r} (a "
+                f"chunk's in-chunk indices must fit it), but got {chunk!r}. Fix: use DeMo's 64 with 'int16' indices."
             )
         check_choice("average", average, ("ranks", "selectors"))
         self.topk, self.chunk, self.beta, self.index_dtype = topk, chunk, float(beta), index_dtype

@@ -113,14 +113,11 @@ def fit_plan(recipe: Path) -> tuple[int, list[str]]:
         return 1, overrides
     args = strategy["init_args"]
     workers = config["trainer"]["devices"] * config["trainer"].get("num_nodes", 1)
-    sites = workers // args["site_size"]
-    ranks = WEIGHTGRAD_RANKS
+    site_size = WEIGHTGRAD_RANKS // (workers // args["site_size"])  # the recipe's number of sites, on fewer ranks
     overrides.append(f"--trainer.fast_dev_run={args.get('staleness_bound', 4)}")
-    if ranks // sites != args["site_size"]:
-        overrides.append(f"--trainer.strategy.init_args.site_size={ranks // sites}")
-    if ranks // sites == 1:
-        overrides.append("--trainer.strategy.init_args.allow_single_rank_sites=true")
-    return ranks, overrides
+    if site_size != args["site_size"]:
+        overrides.append(f"--trainer.strategy.init_args.site_size={site_size}")
+    return WEIGHTGRAD_RANKS, overrides
 
 
 def _class_paths(node: object) -> list[str]:
