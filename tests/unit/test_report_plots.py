@@ -1,7 +1,12 @@
-"""``gradcomp report`` figures: warm-up left out of the time scale, overlapping layers told apart, labels, titles."""
+"""``gradcomp report`` figures: warm-up left out of the time scale, overlapping layers told apart, labels, titles;
+readable at 3, 31 and 295 layers (bounded legends outside the plot, rows grouped by kind, axes that do not magnify
+noise)."""
 
 import csv
+import math
+import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +43,54 @@ def _write_run(root: Path, warmup_ms: float = 2900.0, stall_ms: float = 0.0) -> 
         if step == 25 and stall_ms:
             row["gradcomp/time_ms/compress"] = stall_ms
         row["gradcomp/time_ms/collective_wait"] = 5.0
+        row["gradcomp/time_ms/decompress"] = 1.0
+        rows.append(row)
+    with open(run / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return run
+
+
+_BLOCK = ("ln1-weight", "ln1-bias", "ln2-weight", "ln2-bias", "attn-qkv-weight", "attn-qkv-bias", "attn-proj-weight",
+          "attn-proj-bias", "mlp-0-weight", "mlp-0-bias", "mlp-2-weight", "mlp-2-bias")
+RUNAWAY = "blocks-1-mlp-2-weight"
+
+
+def write_model_run(root: Path, depth: int, seed: int = 0) -> Path:
+    """A TernGrad CSVLogger run of a GPT-like model: ``12 * depth + 7`` layers (31 at depth 2, 295 at depth 24).
+
+    Every weight's compression ratio is 16 and the total 15.96 (the scalers), as TernGrad logs them; the 50-element
+    head bias packs to 15.4. Sparsities scatter between 0.6 and 0.95, scalers over two decades with a common trend;
+    the scaler of ``RUNAWAY`` grows 100-fold over the run. Also ``python -c`` material for looking at the plots::
+
+        python -c "from tests.unit.test_report_plots import write_model_run as w; from gradcomp_lab import report; \\
+            from pathlib import Path; print(report.render(w(Path('/tmp/r31'), 2), Path('/tmp/r31/png')))"
+    """
+    rng = random.Random(seed)
+    names = ["token_embedding-weight", "position_embedding-weight", "segment_embedding-weight"]
+    names += [f"blocks-{b}-{p}" for b in range(depth) for p in _BLOCK]
+    names += ["ln_f-weight", "ln_f-bias", "head-weight", "head-bias"]
+    run = root / "terngrad" / "version_0"
+    run.mkdir(parents=True)
+    (run / "hparams.yaml").write_text("gradcomp:\n  compressor: TernGrad\n  world_size: 2\n")
+    base = {n: (rng.uniform(0.6, 0.95), 10 ** rng.uniform(-2.5, -1.0)) for n in names}
+    rows = []
+    for step in range(0, 300, 5):
+        trend = math.exp(-step / 400) * (1 + 0.3 * math.sin(step / 25))
+        row: dict[str, Any] = {"step": step}
+        for n in names:
+            sparsity, scaler = base[n]
+            row[f"gradcomp/compression_ratio/{n}"] = 15.38 if n == "head-bias" else 16.0
+            row[f"gradcomp/sparsity/{n}"] = min(1.0, max(0.0, sparsity + rng.gauss(0, 0.02)))
+            row[f"gradcomp/density/{n}"] = 1 - row[f"gradcomp/sparsity/{n}"]
+            growth = 100 ** (step / 295) if n == RUNAWAY else 1.0
+            row[f"gradcomp/scaler/{n}"] = scaler * trend * growth * math.exp(rng.gauss(0, 0.15))
+            row[f"gradcomp/bytes/{n}"] = 4096.0 if n.endswith("weight") else 32.0
+        row["gradcomp/compression_ratio/total"] = 15.96
+        row["gradcomp/bytes/total"] = sum(row[f"gradcomp/bytes/{n}"] for n in names)
+        row["gradcomp/time_ms/compress"] = 2900.0 if step == 0 else 10.0 + rng.random()
+        row["gradcomp/time_ms/collective_wait"] = 5.0 + rng.random()
         row["gradcomp/time_ms/decompress"] = 1.0
         rows.append(row)
     with open(run / "metrics.csv", "w", newline="") as f:
