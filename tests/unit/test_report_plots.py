@@ -19,10 +19,12 @@ _LAYERS = ("net-0-weight", "net-0-bias", "net-2-weight")
 
 @pytest.fixture(autouse=True)
 def _close_figures():  # type: ignore[no-untyped-def]
-    yield
     import matplotlib.pyplot as plt
 
-    plt.close("all")
+    before = set(plt.get_fignums())  # the module's laid-out figures stay open for the tests after this one
+    yield
+    for number in set(plt.get_fignums()) - before:
+        plt.close(number)
 
 
 def _write_run(root: Path, warmup_ms: float = 2900.0, stall_ms: float = 0.0) -> Path:
@@ -165,3 +167,89 @@ def test_render_writes_the_figures(tmp_path: Path) -> None:
     assert {p.name for p in written} == {
         "compression_ratio.png", "sparsity.png", "time_split.png", "compression_by_layer.png"
     }
+
+
+_CHECKED = ("compression_ratio", "sparsity", "scaler", "compression_by_layer")
+
+
+@pytest.fixture(scope="module", params=[2, 24], ids=["31_layers", "295_layers"])
+def model_figures(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """The report's figures of a 31- and a 295-layer run, laid out (drawn) as they are saved."""
+    run = write_model_run(tmp_path_factory.mktemp(f"depth{request.param}"), request.param)
+    figures = {stem: fig for stem, fig in report.figures(run).items() if stem in _CHECKED}
+    for fig in figures.values():
+        fig.canvas.draw()
+    yield len(report._by_layer(report.load_scalars(report.find_log(run)), "sparsity", None)), figures
+    import matplotlib.pyplot as plt
+
+    for fig in figures.values():
+        plt.close(fig)
+
+
+def _inside(inner: Any, outer: Any) -> bool:
+    return bool(inner.x0 >= outer.x0 - 1 and inner.y0 >= outer.y0 - 1 and inner.x1 <= outer.x1 + 1
+                and inner.y1 <= outer.y1 + 1)
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    return bool(a.x0 < b.x1 - 1 and b.x0 < a.x1 - 1 and a.y0 < b.y1 - 1 and b.y0 < a.y1 - 1)
+
+
+def test_legends_are_bounded_and_cover_no_plot(model_figures) -> None:  # type: ignore[no-untyped-def]
+    layers, figures = model_figures
+    assert layers in (31, 295)
+    for stem in ("compression_ratio", "sparsity", "scaler"):
+        fig = figures[stem]
+        renderer = fig.canvas.get_renderer()
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+        assert len(legends) == 1, stem
+        legend = legends[0]
+        entries = [t.get_text() for t in legend.get_texts()]
+        assert 2 <= len(entries) <= report.MAX_LINES + 1, (stem, len(entries))  # the layers' lines and the total
+        box = legend.get_window_extent(renderer)
+        assert _inside(box, fig.bbox), (stem, box, fig.bbox)  # no entry runs off an edge
+        for ax in fig.axes:
+            assert not _overlap(box, ax.get_window_extent(renderer)), (stem, "the legend covers a plot")
+
+
+def test_labels_are_whole_and_rows_do_not_collide(model_figures) -> None:  # type: ignore[no-untyped-def]
+    layers, figures = model_figures
+    for stem, fig in figures.items():
+        renderer = fig.canvas.get_renderer()
+        # everything drawn (titles, tick and axis labels, legend, colour bar, notes) lies within the image
+        assert _inside(fig._suptitle.get_window_extent(renderer), fig.bbox), stem
+        for ax in fig.axes:
+            assert _inside(ax.get_tightbbox(renderer), fig.bbox), (stem, ax.get_tightbbox(renderer), fig.bbox)
+        assert fig.get_size_inches()[1] <= 12, (stem, "taller than a page")
+    # the axes labelled with layer names: the heat maps and the bars
+    for ax in (figures["sparsity"].axes[1], figures["scaler"].axes[1], figures["compression_by_layer"].axes[0]):
+        renderer = ax.figure.canvas.get_renderer()
+        labels = [t for t in ax.get_yticklabels() if t.get_text()]
+        assert 2 <= len(labels) <= report.MAX_ROWS, len(labels)
+        boxes = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.y0)
+        for low, high in zip(boxes, boxes[1:]):
+            assert low.y1 <= high.y0 + 0.5, "two layer labels overlap"
+
+
+def test_every_layer_is_drawn_and_the_runaway_named(model_figures) -> None:  # type: ignore[no-untyped-def]
+    layers, figures = model_figures
+    fig = figures["scaler"]
+    spread, heat = fig.axes[0], fig.axes[1]
+    assert heat.collections[0].get_array().shape == (layers, 60)  # one row per layer, one column per logged step
+    assert RUNAWAY in [line.get_label() for line in spread.get_lines()]
+    ticks = [t.get_text() for t in heat.get_yticklabels()]
+    assert ("blocks-*-mlp-2-weight (24)" in ticks) if layers == 295 else (RUNAWAY in ticks)
+    bars = figures["compression_by_layer"].axes[0].patches
+    assert len(bars) == (31 if layers == 31 else 19)  # 295 layers: 12 kinds in the blocks, 7 layers outside them
+
+
+def test_a_constant_series_is_not_magnified(tmp_path: Path) -> None:
+    # every weight at 16, the total at 15.96: two touching lines, not a gap across the plot
+    ax = report.figures(write_model_run(tmp_path, 2))["compression_ratio"].axes[0]
+    low, high = ax.get_ylim()
+    assert low <= 0 < 16 < high
+    assert (16 - 15.96) / (high - low) < 0.01
+    # shares span 0..1, a log axis at least a decade
+    assert report.value_range("sparsity", [0.79, 0.8]) == (0.0, 1.0, False)
+    low, high, log = report.value_range("bytes", [4096.0, 4100.0])
+    assert log and high / low >= 10
