@@ -2,12 +2,15 @@
 
 For people without W&B. ``RUN`` is a ``CSVLogger`` or ``TensorBoardLogger`` directory (a version directory,
 or any directory above one: the most recently written log below it is used) or a ``metrics.csv`` file.
-Writes one PNG per per-layer statistic (one line per layer over steps: TernGrad Fig. 4c, AdaComp Fig. 5;
-layers with identical values share one line labelled ``a = b``; density is left out, it mirrors sparsity),
-the time split per step (a warm-up step far above the rest is left out, a later stall drawn off the scale; both
-named on the plot), the compression ratio by layer (AdaComp Fig. 7) and, from TensorBoard logs, the
-histograms of each layer's original, clipped, compressed and averaged gradient (TernGrad Fig. 2). Needs the ``report`` extra
-(matplotlib; tensorboard to read TensorBoard logs)::
+Writes one PNG per per-layer statistic over steps (TernGrad Fig. 4c, AdaComp Fig. 5): up to ``MAX_LINES`` lines,
+one per layer, layers with identical values sharing one line labelled ``a = b``; with more, the layers' spread (median,
+middle half, range), the ``MAX_NAMED`` layers furthest from the median, and a heat map of every layer over steps,
+grouped by kind beyond ``MAX_ROWS`` layers. Legends sit beside the plot, and y-axes start at 0 (shares span 0 to 1,
+log axes at least a decade), so noise is not magnified; density is left out, it mirrors sparsity. Also the time split
+per step (a warm-up step far above the rest is left out, a later stall drawn off the scale; both named on the plot),
+the compression ratio by layer (AdaComp Fig. 7; by kind beyond ``MAX_ROWS`` layers) and, from TensorBoard logs, the
+histograms of each layer's original, clipped, compressed and averaged gradient (TernGrad Fig. 2). Needs the
+``report`` extra (matplotlib; tensorboard to read TensorBoard logs)::
 
     pip install "lightning_gradcomp[report]"
     gradcomp report lightning_logs/version_0 --out report/
@@ -114,7 +117,7 @@ def natural_key(name: str) -> tuple[tuple[int, int, str], ...]:
 
 
 def layer_kind(name: str) -> str:
-    """The layer key with its first all-digit component as ``*``: ``blocks-3-mlp-0-weight`` -> ``blocks-*-mlp-0-weight``.
+    """The layer key with its first all-digit component as ``*``: ``blocks-3-mlp-0-bias`` -> ``blocks-*-mlp-0-bias``.
 
     The first index is the repeated block (a transformer block, a ``Sequential`` position), so the layers of one
     kind are the same parameter in every block.
@@ -166,19 +169,26 @@ def run_label(log: Path) -> str:
 
 
 def merge_identical(lines: dict[str, list[tuple[int, float]]]) -> dict[str, list[tuple[int, float]]]:
-    """Series with exactly the same points, drawn once under a label naming all of them (``"a = b"``)."""
+    """Series with exactly the same points, drawn once under a label naming all of them (``"a = b"``).
+
+    Many layers are named by kind (:func:`group_label`); the one line shared by many layers of many kinds (every
+    TernGrad weight at 16) is named by what it is not: ``"the other 294 layers"``.
+    """
     groups: dict[tuple[tuple[int, float], ...], list[str]] = {}
     for layer, points in lines.items():
         groups.setdefault(tuple(points), []).append(layer)
-    # one line shared by many layers of many kinds (every TernGrad weight at 16): named by what it is not
-    wide = [layers for layers in groups.values() if len(layers) > _LABEL_NAMES and len(set(map(layer_kind, layers))) > _LABEL_KINDS]
-    labels = {}
-    for points, layers in groups.items():
+    wide = [
+        layers for layers in groups.values()
+        if len(layers) > _LABEL_NAMES and len(set(map(layer_kind, layers))) > _LABEL_KINDS
+    ]
+    out = {}
+    for shared, layers in groups.items():
         if len(wide) == 1 and layers is wide[0]:
-            labels[points] = f"all {len(layers)} layers" if len(groups) == 1 else f"the other {len(layers)} layers"
+            label = f"all {len(layers)} layers" if len(groups) == 1 else f"the other {len(layers)} layers"
         else:
-            labels[points] = group_label(layers)
-    return {labels[points]: list(points) for points in groups}
+            label = group_label(layers)
+        out[label] = list(shared)
+    return out
 
 
 def group_label(layers: Sequence[str]) -> str:
@@ -296,7 +306,8 @@ def _draw_spread(ax: Any, lines: dict[str, list[tuple[int, float]]], log: bool) 
         for step, value in points:
             grid[row, column[step]] = value
     low, q1, median, q3, high = np.nanpercentile(grid, [0, 25, 50, 75, 100], axis=0)
-    ax.fill_between(steps, low, high, color="tab:blue", alpha=0.15, linewidth=0, label=f"all {len(lines)} layers (range)")
+    ax.fill_between(steps, low, high, color="tab:blue", alpha=0.15, linewidth=0,
+                    label=f"all {len(lines)} layers (range)")
     ax.fill_between(steps, q1, q3, color="tab:blue", alpha=0.35, linewidth=0, label="middle half of the layers")
     ax.plot(steps, median, color="tab:blue", linewidth=1.8, label="median layer")
     scale = np.log10 if log else (lambda a: a)
@@ -490,7 +501,9 @@ def _ratio_bars(means: dict[str, float]) -> list[tuple[str, float, float, float]
     kinds: dict[str, list[float]] = defaultdict(list)
     for name, mean in means.items():
         kinds[layer_kind(name)].append(mean)
-    bars = [(f"{kind} ({len(v)})" if len(v) > 1 else kind, sum(v) / len(v), min(v), max(v)) for kind, v in kinds.items()]
+    bars = [
+        (f"{kind} ({len(v)})" if len(v) > 1 else kind, sum(v) / len(v), min(v), max(v)) for kind, v in kinds.items()
+    ]
     if len(bars) <= MAX_ROWS:
         return bars
     kept = sorted(kinds, key=lambda kind: sum(kinds[kind]) / len(kinds[kind]))[: MAX_ROWS - 1]
