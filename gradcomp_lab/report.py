@@ -140,6 +140,18 @@ def _by_layer(series: Series, statistic: str, layers: Optional[Sequence[str]]) -
     return out
 
 
+#: a plot over steps draws at most this many lines of layers (distinct series); with more it draws their spread,
+#: the ``MAX_NAMED`` layers furthest from the median, and a heat map of every layer over steps
+MAX_LINES = 8
+MAX_NAMED = 3
+#: at most this many labelled rows in a heat map or bar chart; with more layers the rows are grouped by kind
+#: (:func:`layer_kind`), so each label stays legible
+MAX_ROWS = 40
+#: shares of a tensor's elements: drawn on their whole range, 0 to 1
+_SHARES = {"sparsity", "density", "clipped_fraction"}
+_LABEL_NAMES = 4
+_LABEL_KINDS = 3
+_LABEL_WIDTH = 40  # characters per legend line; longer labels wrap between words
 #: markers and line styles cycled over layers, so lines that overlap stay distinguishable in print and colour
 _MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
 _LINESTYLES = ("-", "--", "-.", ":")
@@ -208,20 +220,6 @@ def group_label(layers: Sequence[str]) -> str:
     return f"{len(layers)} layers: " + ", ".join(listed) + (f" and {more} more kinds" if more > 0 else "")
 
 
-#: a plot over steps draws at most this many lines of layers (distinct series); with more it draws their spread,
-#: the ``MAX_NAMED`` layers furthest from the median, and a heat map of every layer over steps
-MAX_LINES = 8
-MAX_NAMED = 3
-#: at most this many labelled rows in a heat map or bar chart; with more layers the rows are grouped by kind
-#: (:func:`layer_kind`), so each label stays legible
-MAX_ROWS = 40
-#: shares of a tensor's elements: drawn on their whole range, 0 to 1
-_SHARES = {"sparsity", "density", "clipped_fraction"}
-_LABEL_NAMES = 4
-_LABEL_KINDS = 3
-_LABEL_WIDTH = 40  # characters per legend line; longer labels wrap between words
-
-
 def value_range(statistic: str, values: Sequence[float]) -> tuple[float, float, bool]:
     """``(low, high, log)``: the y-axis (or colour scale) of ``statistic`` for ``values``.
 
@@ -261,10 +259,10 @@ def _heat_height(labels: int) -> float:
 def _row_layout(names: Sequence[str]) -> tuple[list[str], list[float], list[tuple[float, str]], list[float]]:
     """Heat map rows: ``(layers in row order, row edges, (y, label) ticks, y of the separators between kinds)``.
 
-    Up to ``MAX_ROWS`` layers: model order, one row and label per layer. More: grouped by kind (each kind's layers
-    together, in block order), one label per kind at the middle of its rows, and a kind of few layers (the embedding,
-    the head) drawn taller so its label has room and no label covers another. With more kinds than ``MAX_ROWS``:
-    model order and every n-th layer labelled.
+    Up to ``MAX_ROWS`` layers: key order (:func:`natural_key`), one row and label per layer. More: grouped by kind
+    (each kind's layers together, in block order), one label per kind at the middle of its rows, and a kind of few
+    layers (the embedding, the head) drawn taller so its label has room and no label covers another. With more kinds
+    than ``MAX_ROWS``: key order and every n-th layer labelled.
     """
     if len(names) <= MAX_ROWS:
         return list(names), [float(i) for i in range(len(names) + 1)], [(i + 0.5, n) for i, n in enumerate(names)], []
