@@ -253,3 +253,14 @@ def test_a_constant_series_is_not_magnified(tmp_path: Path) -> None:
     assert report.value_range("sparsity", [0.79, 0.8]) == (0.0, 1.0, False)
     low, high, log = report.value_range("bytes", [4096.0, 4100.0])
     assert log and high / low >= 10
+
+
+def test_layers_without_repeated_blocks_stay_within_the_row_bound() -> None:
+    # 60 layers of 60 kinds (no block index to group by): every layer kept, at most 40 labels and bars
+    names = [f"layer_{chr(97 + i // 26)}{chr(97 + i % 26)}-weight" for i in range(60)]
+    order, edges, ticks, separators = report._row_layout(names)
+    assert sorted(order) == sorted(names) and len(edges) == 61 and not separators
+    assert len(ticks) <= 40
+    bars = report._ratio_bars({name: 16.0 - i / 10 for i, name in enumerate(names)})
+    assert len(bars) == 40 and bars[-1][0] == "the other 21 layers"
+    assert bars[-1][2:] == (16.0 - 2.0, 16.0)  # the summarised layers' range: the 21 most compressed
