@@ -74,7 +74,7 @@ def write_model_run(root: Path, depth: int, seed: int = 0) -> Path:
     names += [f"blocks-{b}-{p}" for b in range(depth) for p in _BLOCK]
     names += ["ln_f-weight", "ln_f-bias", "head-weight", "head-bias"]
     run = root / "terngrad" / "version_0"
-    run.mkdir(parents=True)
+    run.mkdir(parents=True, exist_ok=True)  # rerun into the same folder: files rewritten
     (run / "hparams.yaml").write_text("gradcomp:\n  compressor: TernGrad\n  world_size: 2\n")
     base = {n: (rng.uniform(0.6, 0.95), 10 ** rng.uniform(-2.5, -1.0)) for n in names}
     rows = []
