@@ -4,8 +4,13 @@
 (``trainer.strategy: terngrad``) or a ``class_path``/``init_args`` block exposing every option. What it adds to
 LightningCLI (:class:`GradCompCLI`, usable from Python too):
 
-* errors whose first line names the option, the value and the fix (:mod:`gradcomp_lab.cli_errors`), and a
-  misspelt strategy name answered with the registered names instead of Lightning's generic list;
+* errors whose first line names the option by its full key, the value and the fix (:mod:`gradcomp_lab.cli_errors`),
+  without a traceback (``JSONARGPARSE_DEBUG=true`` shows jsonargparse's report and the traceback): a value of the
+  wrong type, a misspelt option or class, and a value a constructor refuses before the first step (``sync_every: 0``,
+  ``warmup_steps`` past ``--trainer.max_steps``); a misspelt strategy name is answered with the registered names
+  instead of Lightning's generic list;
+* ``--print_config`` (and a saved ``config.yaml``) writes a registered strategy or compressor name out as the
+  ``class_path`` and every ``init_args`` value it stands for;
 * the LR schedule's horizon linked to the Trainer's: ``--trainer.max_steps`` alone moves both;
 * ``config.yaml`` saved into the run's log directory, never into the working directory (nothing with
   ``logger: false``, as every recipe has: the recipe and the command line are the record; ``--print_config`` shows
@@ -18,7 +23,7 @@ import os
 import sys
 from typing import Any, NoReturn, Optional
 
-from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
+from jsonargparse import ArgumentError, ArgumentParser, DefaultHelpFormatter, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
@@ -51,8 +56,10 @@ def _description() -> str:
     )
 
 
+#: the LR schedule's horizon follows the Trainer's (source, target): GradCompCLI.add_arguments_to_parser
+_MAX_STEPS_LINK = ("trainer.max_steps", "model.init_args.max_steps")
 #: linked options, target -> source: an error about the target names the source, the option a user sets
-_LINKS = {"model.init_args.max_steps": "trainer.max_steps"}
+_LINKS = {_MAX_STEPS_LINK[1]: _MAX_STEPS_LINK[0]}
 
 
 def _fail(message: str) -> NoReturn:
@@ -96,7 +103,7 @@ def _import_path(cls: type) -> str:
 
 def _compressor_block(name: Any) -> Any:
     """A registered compressor name as ``class_path``/``init_args`` (defaults filled in later); other values as given."""
-    factory = COMPRESSORS.get(name.lower())[0] if isinstance(name, str) and name.lower() in COMPRESSORS else None
+    factory = COMPRESSORS[name.lower()][0] if isinstance(name, str) and name.lower() in COMPRESSORS else None
     if not isinstance(factory, type):  # a factory function (register_compressor) has no class to show
         return name
     return {"class_path": _import_path(factory), "init_args": {}}
@@ -119,14 +126,18 @@ def _expand_names(cfg: Namespace) -> Namespace:
     names = ("compressor", "inner_compressor")
     if not any(isinstance(block["init_args"].get(n), str) for n in names) and isinstance(strategy, Namespace):
         return cfg
-    # a parser of its own fills in the defaults, as the CLI's parser does for a class_path given in YAML
+    # a parser of its own fills in the defaults, as the CLI's parser does for a class_path given in YAML: first the
+    # strategy's (its default compressor may be a name), then those of the compressors the names stand for
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--strategy", type=Strategy)
-    for _ in range(2):  # the strategy's defaults may hold a compressor name: expand it, then fill its defaults
+    try:
         block = parser.parse_object({"strategy": block}).strategy.as_dict()
         block["init_args"].update({n: _compressor_block(block["init_args"][n]) for n in names if n in block["init_args"]})
+        strategy = parser.parse_object({"strategy": block}).strategy
+    except ArgumentError:  # only a display: a value the run itself will refuse is shown as given
+        return cfg
     expanded = cfg.clone()
-    expanded["trainer.strategy"] = parser.parse_object({"strategy": block}).strategy
+    expanded["trainer.strategy"] = strategy
     return expanded
 
 
@@ -165,8 +176,7 @@ class GradCompCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # one `--trainer.max_steps` moves the LR schedule too (tasks.TrainingTask.max_steps); ignored by a model
         # without that argument
-        for target, source in _LINKS.items():
-            parser.link_arguments(source, target, compute_fn=_schedule_steps, apply_on="parse")
+        parser.link_arguments(*_MAX_STEPS_LINK, compute_fn=_schedule_steps, apply_on="parse")
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:

@@ -278,11 +278,11 @@ def instantiation_error(report: str, config: Mapping[str, Any], links: Mapping[s
     options = _options(config)
     candidates = [(key, owner) for key, owner in options if key.rsplit(".", 1)[-1] == name]
     # the class that refused the value is in the report (jsonargparse shows the value it tried to instantiate)
-    mentioned = [(key, owner) for key, owner in candidates if owner is not None and f"'{owner}'" in report]
-    candidates = mentioned or candidates
-    if not candidates:
+    mentioned = [key for key, owner in candidates if owner is not None and f"'{owner}'" in report]
+    keys_named = mentioned or [key for key, _ in candidates]
+    if not keys_named:
         return message
-    full = min(candidates, key=lambda c: c[0].count("."))[0]
+    full = min(keys_named, key=lambda key: key.count("."))
     block = full.rsplit(".", 1)[0] + "." if "." in full else ""
     keys = {key for key, _ in options}
 
