@@ -115,7 +115,8 @@ def _choices(expected: str) -> Optional[list[Any]]:
 def _type_fix(expected: str, value: Any, option: str, default: Any) -> str:
     """The fix for a value of the wrong type: how to write one of the expected type in YAML."""
     name = _type_name(expected)
-    example = f" (its default: `{option}: {default}`)" if default is not inspect.Parameter.empty else ""
+    shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else default  # as YAML
+    example = f" (its default: `{option}: {shown}`)" if default is not inspect.Parameter.empty else ""
     if name.startswith("Sequence") or name.startswith(("list", "tuple")):
         return f"write a YAML list, e.g. `{option}: [{value!r}]`" if isinstance(value, str) else "write a YAML list"
     if name in ("float", "int"):

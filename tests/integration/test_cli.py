@@ -259,6 +259,10 @@ REFUSED_VALUES = {
         .replace("min_numel: 1", "min_numel: 1\n      sync_every: 0"), [],
         "Expected `trainer.strategy.init_args.sync_every` to be an integer >= 1, but got 0. Fix: ", "",
     ),
+    "callback_beside_compressor_option": (  # both have a `clip_factor`: the message names the one refused
+        FULL_CONFIG.replace("clip_factor: 3.0", "clip_factor: -3.0"), [],
+        "Expected `trainer.callbacks.0.init_args.clip_factor` to be a finite number > 0, but got -3.0. Fix: ", "",
+    ),
     "warmup_past_max_steps": (
         LM_CONFIG, ["--trainer.max_steps=20"],
         "Expected `model.init_args.warmup_steps` to be below `trainer.max_steps` (20), but got 100. Fix: ",
