@@ -4,8 +4,13 @@
 (``trainer.strategy: terngrad``) or a ``class_path``/``init_args`` block exposing every option. What it adds to
 LightningCLI (:class:`GradCompCLI`, usable from Python too):
 
-* errors whose first line names the option, the value and the fix (:mod:`gradcomp_lab.cli_errors`), and a
-  misspelt strategy name answered with the registered names instead of Lightning's generic list;
+* errors whose first line names the option by its full key, the value and the fix (:mod:`gradcomp_lab.cli_errors`),
+  without a traceback (``JSONARGPARSE_DEBUG=true`` shows jsonargparse's report and the traceback): a value of the
+  wrong type, a misspelt option or class, and a value a constructor refuses before the first step (``sync_every: 0``,
+  ``warmup_steps`` past ``--trainer.max_steps``); a misspelt strategy name is answered with the registered names
+  instead of Lightning's generic list;
+* ``--print_config`` (and a saved ``config.yaml``) writes a registered strategy or compressor name out as the
+  ``class_path`` and every ``init_args`` value it stands for;
 * the LR schedule's horizon linked to the Trainer's: ``--trainer.max_steps`` alone moves both;
 * ``config.yaml`` saved into the run's log directory, never into the working directory (nothing with
   ``logger: false``, as every recipe has: the recipe and the command line are the record; ``--print_config`` shows
@@ -13,19 +18,21 @@ LightningCLI (:class:`GradCompCLI`, usable from Python too):
 """
 
 import argparse
+import importlib
 import os
 import sys
 from typing import Any, NoReturn, Optional
 
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import ArgumentError, ArgumentParser, DefaultHelpFormatter, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from typing_extensions import override
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
-from gradcomp_lab.cli_errors import summarize
+from gradcomp_lab.cli_errors import instantiation_error, summarize
 from lightning_gradcomp.extras import missing_extra_message
-from lightning_gradcomp.registry import strategy_name_error, strategy_names
+from lightning_gradcomp.registry import COMPRESSORS, strategy_name_error, strategy_names
 
 # subcommands that are not LightningCLI's: name -> ("module:function" taking argv, one-line help)
 _EXTRA_COMMANDS: dict[str, tuple[str, str]] = {
@@ -49,9 +56,20 @@ def _description() -> str:
     )
 
 
+#: the LR schedule's horizon follows the Trainer's (source, target): GradCompCLI.add_arguments_to_parser
+_MAX_STEPS_LINK = ("trainer.max_steps", "model.init_args.max_steps")
+#: linked options, target -> source: an error about the target names the source, the option a user sets
+_LINKS = {_MAX_STEPS_LINK[1]: _MAX_STEPS_LINK[0]}
+
+
 def _fail(message: str) -> NoReturn:
     sys.stderr.write(f"gradcomp: error: {message}\n")
     sys.exit(2)
+
+
+def _debug() -> bool:
+    """``JSONARGPARSE_DEBUG`` set: show jsonargparse's full report and tracebacks instead of the one-line errors."""
+    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() not in ("", "false", "0")
 
 
 class GradCompParser(LightningArgumentParser):
@@ -59,12 +77,68 @@ class GradCompParser(LightningArgumentParser):
 
     @override
     def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
-        # nested parsers raise to the top one; JSONARGPARSE_DEBUG asks for jsonargparse's own report
-        debug = os.environ.get("JSONARGPARSE_DEBUG", "").lower() not in ("", "false", "0")
-        first = summarize(message) if self.exit_on_error and not debug else None
+        # nested parsers raise to the top one
+        first = summarize(message) if self.exit_on_error and not _debug() else None
         if first is None:
             super().error(message, ex)
         _fail(f"{first}\n(every option: `gradcomp fit --help`; jsonargparse's full report: `JSONARGPARSE_DEBUG=true`)")
+
+    @override
+    def dump(self, cfg: Namespace, *args: Any, **kwargs: Any) -> str:
+        # `--print_config` and the saved config.yaml: a registered name as the class and options it stands for
+        if "skip_none" in kwargs:  # LightningCLI's spelling, deprecated by jsonargparse: warned in our frame now
+            kwargs["skip_unset"] = kwargs.pop("skip_none")
+        return super().dump(_expand_names(cfg), *args, **kwargs)
+
+
+def _import_path(cls: type) -> str:
+    """The shortest import path of ``cls``: ``lightning_gradcomp.GradCompStrategy``, as a recipe writes it."""
+    parts = cls.__module__.split(".")
+    for end in range(1, len(parts)):
+        module = ".".join(parts[:end])
+        if getattr(importlib.import_module(module), cls.__qualname__, None) is cls:
+            return f"{module}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _compressor_block(name: Any) -> Any:
+    """A registered compressor name as ``class_path``/``init_args`` (defaults filled in later); other values as given."""
+    factory = COMPRESSORS[name.lower()][0] if isinstance(name, str) and name.lower() in COMPRESSORS else None
+    if not isinstance(factory, type):  # a factory function (register_compressor) has no class to show
+        return name
+    return {"class_path": _import_path(factory), "init_args": {}}
+
+
+def _expand_names(cfg: Namespace) -> Namespace:
+    """``cfg`` with a registered strategy name of ours, and registered compressor names in the strategy's options,
+    written out as the ``class_path`` and every ``init_args`` value they stand for (what the run uses)."""
+    strategy = cfg.get("trainer.strategy") if isinstance(cfg.get("trainer"), Namespace) else None
+    if isinstance(strategy, str) and strategy in StrategyRegistry:
+        entry = StrategyRegistry[strategy]
+        cls = entry["strategy"]
+        if not cls.__module__.startswith("lightning_gradcomp."):
+            return cfg  # Lightning's own names (ddp, ...) stay names
+        block: Any = {"class_path": _import_path(cls), "init_args": dict(entry["init_params"])}
+    elif isinstance(strategy, Namespace) and isinstance(strategy.get("init_args"), Namespace):
+        block = strategy.as_dict()
+    else:
+        return cfg
+    names = ("compressor", "inner_compressor")
+    if not any(isinstance(block["init_args"].get(n), str) for n in names) and isinstance(strategy, Namespace):
+        return cfg
+    # a parser of its own fills in the defaults, as the CLI's parser does for a class_path given in YAML: first the
+    # strategy's (its default compressor may be a name), then those of the compressors the names stand for
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--strategy", type=Strategy)
+    try:
+        block = parser.parse_object({"strategy": block}).strategy.as_dict()
+        block["init_args"].update({n: _compressor_block(block["init_args"][n]) for n in names if n in block["init_args"]})
+        strategy = parser.parse_object({"strategy": block}).strategy
+    except ArgumentError:  # only a display: a value the run itself will refuse is shown as given
+        return cfg
+    expanded = cfg.clone()
+    expanded["trainer.strategy"] = strategy
+    return expanded
 
 
 def _schedule_steps(max_steps: Optional[int]) -> Optional[int]:
@@ -102,8 +176,7 @@ class GradCompCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # one `--trainer.max_steps` moves the LR schedule too (tasks.TrainingTask.max_steps); ignored by a model
         # without that argument
-        parser.link_arguments("trainer.max_steps", "model.init_args.max_steps", compute_fn=_schedule_steps,
-                              apply_on="parse")
+        parser.link_arguments(*_MAX_STEPS_LINK, compute_fn=_schedule_steps, apply_on="parse")
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -121,22 +194,31 @@ class GradCompCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except (ModuleNotFoundError, ValueError) as err:  # jsonargparse wraps the logger's error in a ValueError
+        except (ModuleNotFoundError, ValueError, TypeError) as err:  # jsonargparse wraps a class's error in a ValueError
+            chain: list[BaseException] = []
             cause: Optional[BaseException] = err
-            while cause is not None and not isinstance(cause, ModuleNotFoundError):
+            while cause is not None:
+                chain.append(cause)
                 cause = cause.__cause__
-            if cause is None or "wandb" not in str(cause):
+            missing = next((c for c in chain if isinstance(c, ModuleNotFoundError)), None)
+            if missing is not None and "wandb" in str(missing):
+                # Lightning's WandbLogger names the missing distribution, not the extra that installs it
+                _fail(missing_extra_message("wandb", "wandb", "`WandbLogger`") + f" ({str(missing).splitlines()[0]})")
+            if _debug():
                 raise
-            # Lightning's WandbLogger names the missing distribution, not the extra that installs it
-            _fail(missing_extra_message("wandb", "wandb", "`WandbLogger`") + f" ({str(cause).splitlines()[0]})")
+            # a value a constructor refused: its message, naming the option by its full key, instead of the traceback
+            subcommand = self.config.get("subcommand")
+            config = (self.config[subcommand] if subcommand else self.config).as_dict()
+            first = instantiation_error("\n".join(str(c) for c in chain), config, _LINKS)
+            if first is None:
+                raise
+            _fail(f"{first}\n(the traceback: `JSONARGPARSE_DEBUG=true`)")
 
 
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of ``gradcomp``; returns None (a console script that returns a value exits with 1)."""
     argv = list(sys.argv[1:] if args is None else args)
     if argv and argv[0] in _EXTRA_COMMANDS:
-        import importlib
-
         module, function = _EXTRA_COMMANDS[argv[0]][0].split(":")
         getattr(importlib.import_module(module), function)(argv[1:])
         return

@@ -29,7 +29,7 @@ class WarmupCosine:
         if warmup_steps >= max_steps:
             raise ValueError(
                 f"Expected `warmup_steps` to be below `max_steps` ({max_steps}), but got {warmup_steps}. "
-                "Fix: warm up for a small share of the run (e.g. 5-10%)."
+                f"Fix: warm up for a small share of the run (5 %: `warmup_steps`={max_steps // 20}) or raise `max_steps`."
             )
         check_number("end_factor", end_factor, minimum=0.0, maximum=1.0)
         self.max_steps, self.warmup_steps, self.end_factor = max_steps, warmup_steps, end_factor

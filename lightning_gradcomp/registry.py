@@ -117,8 +117,8 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
     return f"did you mean {close[0]!r}? " if close else ""
 
 
-#: strategy names this package registers besides the compressor names
-_OWN_STRATEGIES = ("gradcomp", "weightgrad")
+#: strategy names this package registers besides the compressor names (each but "gradcomp" also as `*_notebook`)
+_OWN_STRATEGIES = ("gradcomp", "weightgrad", "diloco", "streaming_diloco")
 
 
 def strategy_names() -> list[str]:
@@ -142,9 +142,10 @@ def strategy_name_error(name: str) -> Optional[str]:
             f"Expected `strategy` to be a registered name, but {name!r} is not registered yet. "
             f"Fix: `import lightning_gradcomp` before creating the Trainer (the import registers {strategy_names()})."
         )
-    lightning = sorted(n for n in known if n not in strategy_names())
+    # our `*_notebook` variants are ours too, not Lightning's
+    lightning = sorted(n for n in known if n.removesuffix(NOTEBOOK_SUFFIX) not in strategy_names())
     return (
         f"Expected `strategy` to be a registered strategy name, but got {name!r}. "
-        f"Fix: {did_you_mean(name, [*strategy_names(), *lightning])}use one of gradcomp's {strategy_names()} "
-        f"or Lightning's {lightning}."
+        f"Fix: {did_you_mean(name, sorted({*strategy_names(), *known}))}use one of gradcomp's {strategy_names()} "
+        f"(or `<name>{NOTEBOOK_SUFFIX}` for a notebook) or Lightning's {lightning}."
     )

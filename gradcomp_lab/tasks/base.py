@@ -115,6 +115,9 @@ class TrainingTask(LightningModule):
                 "Fix: set one of them (TernGrad AlexNet: decay_epochs=20)."
             )
         check_number("decay_rate", decay_rate, minimum=0.0, maximum=1.0, min_open=True)
+        if lr_schedule == "cosine" and max_steps is not None:
+            # the schedule's own checks, here before the first step rather than in configure_optimizers on every rank
+            WarmupCosine(max_steps, warmup_steps, end_factor)
         self.model = model
         self.optimizer_name, self.lr, self.momentum = optimizer, lr, momentum
         self.weight_decay, self.weight_decay_in_loss = weight_decay, weight_decay_in_loss
