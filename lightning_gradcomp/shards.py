@@ -61,6 +61,12 @@ def shard_layout(unit: nn.Module) -> ShardLayout:
         records = [] if group is None else [r for r in group.fsdp_params if r.sharded_param.requires_grad]
         params, offsets, shapes, at = [], [], [], 0
         for record in records:
+            if record.offload_to_cpu:
+                raise ValueError(
+                    f"Expected FSDP2 without CPU offload under the compressed replica exchange, but "
+                    f"`{record._param_fqn}` is offloaded (`offload_policy=CPUOffloadPolicy()`). Fix: drop the offload "
+                    f"policy from `fully_shard`: the exchange compresses the shard where FSDP2 reduced it."
+                )
             params.append(record.sharded_param)
             offsets.append(at)
             shapes.append(torch.Size(record.sharded_size))
