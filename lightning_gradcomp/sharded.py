@@ -14,7 +14,6 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -35,7 +34,7 @@ from lightning_gradcomp.wiring import HookWiring, check_backend
 log = logging.getLogger(__name__)
 
 
-class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy):  # type: ignore[misc]
+class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy):
     """Sharded data parallelism (FSDP2) with a compressed exchange of gradient shards between replicas.
 
     The world is a ``(world_size // shard_size, shard_size)`` device mesh named ``("replicate", "shard")``. Shard the
@@ -191,7 +190,8 @@ class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy
             assert module is not None
             named = list(module.named_parameters())
             replicate = self.device_mesh["replicate"]
-            check_replicas([n for n, _ in named], [p.to_local() for _, p in named], replicate.size(),
+            shards = [p.to_local() for _, p in named]  # type: ignore[attr-defined]  # DTensors (checked at setup)
+            check_replicas([n for n, _ in named], shards, replicate.size(),
                            module.trainer.global_step, group=replicate.get_group())
         return output
 

@@ -5,7 +5,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -86,9 +86,12 @@ class Shards(Callback):
         self.shards: list[torch.Tensor] = []
         self.bytes: list[int] = []
         self.skipped: list[int] = []
+        self.batches: list[float] = []
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.batches.append(float(batch[0].sum()))
         self.shards.append(torch.cat([p.to_local().detach().reshape(-1).clone() for p in pl_module.parameters()]))
         state = trainer.strategy.comm_state  # type: ignore[attr-defined]
         self.bytes.append(0 if state is None else state.bytes_per_step())
@@ -102,18 +105,22 @@ def _loader(n: int = 64, batch_size: int = 4) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
-def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 4) -> dict[str, Any]:
+def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 4, save: str = "",
+        resume: str = "") -> dict[str, Any]:
     record = Shards()
+    # a checkpoint at each epoch's end (4 batches per rank), as a user's ModelCheckpoint writes it
+    callbacks: list[Callback] = [record] + ([ModelCheckpoint(dirpath=save, every_n_epochs=1, save_top_k=-1)] if save else [])
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[record])
-    trainer.fit(model, _loader())
+                         enable_checkpointing=bool(save), enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callbacks)
+    trainer.fit(model, _loader(), ckpt_path=resume or None)
     state = trainer.strategy.comm_state  # type: ignore[attr-defined]
     exchange = getattr(trainer.strategy, "exchange", None)
     return {
         "shards": record.shards,
         "bytes": record.bytes,
         "skipped": record.skipped,
+        "batches": record.batches,
         "shard_numel": sum(p.to_local().numel() for p in model.parameters()),
         "collectives": None if state is None else dict(state.collectives),
         "units": None if exchange is None else len(exchange.units),
@@ -129,7 +136,8 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> li
                           optimizer=config.get("optimizer", "adamw"))
         cls = NativeHSDP if kind == "native" else ShardedGradCompStrategy
         try:
-            out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4)))
+            out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4),
+                           config.get("save", ""), config.get("resume", "")))
         except ValueError as error:  # the bad-input configurations: every rank raises the same, before step 0
             out.append({"error": str(error)})
     return out

@@ -4,6 +4,7 @@ Ranks form a (2, 2) mesh ("replicate", "shard"): ranks 0 and 1 shard replica 0, 
 and rank r + 2 hold the same shard. One spawned world runs every configuration (spawns are expensive).
 """
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,3 +101,26 @@ def test_bad_input_is_refused_before_the_first_step(results: list[list[dict[str,
         assert "Expected `shard_size` to divide the world size (4 ranks), but got 3" in results[rank][BAD_SIZE]["error"]
         error = results[rank][UNSHARDED]["error"]
         assert "Expected the model to be sharded with FSDP2 in `configure_model`" in error and "Fix:" in error
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    """8 steps straight against 4 steps, the checkpoint of the first epoch's end (DCP, plus every rank's residuals),
+    and 4 more: the shards match bit for bit at every resumed step (Gradient Dropping with momentum SGD: the residual
+    carries most of the gradient, so a lost residual shows at once)."""
+    path = str(tmp_path / "ckpt")
+    resume = str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")
+    strategy = {"compressor": "graddrop", "shard_size": 2}
+    configs = [
+        {"strategy": strategy, "optimizer": "sgd", "steps": 8},
+        {"strategy": strategy, "optimizer": "sgd", "steps": 4, "save": path},
+        {"strategy": strategy, "optimizer": "sgd", "steps": 8, "resume": resume},
+        # the same checkpoint with the compression state dropped: what a resume that lost the residuals would do
+        {"strategy": dict(strategy, resume_compression="reset"), "optimizer": "sgd", "steps": 8, "resume": resume},
+    ]
+    results = run_ranks(fit_configs, 4, configs, timeout=400.0)
+    for rank in range(4):
+        straight, resumed = results[rank][0]["shards"], results[rank][2]["shards"]
+        assert len(resumed) == 4
+        for step in range(4):
+            assert torch.equal(straight[4 + step], resumed[step]), f"rank {rank}, step {4 + step}"
+        assert not torch.equal(straight[4], results[rank][3]["shards"][0]), "the residuals made no difference"
