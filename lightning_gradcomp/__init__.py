@@ -48,6 +48,10 @@ from lightning_gradcomp.fabric import GradCompFabricStrategy  # noqa: E402
 
 register_strategies(GradCompFabricStrategy, _FABRIC_STRATEGIES)
 
+from lightning_gradcomp.sharded import ShardedGradCompStrategy  # noqa: E402
+
+ShardedGradCompStrategy.register_strategies(None)
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -55,6 +59,7 @@ __all__ = [
     "GradCompFabricStrategy",
     "GradCompState",
     "GradCompStrategy",
+    "ShardedGradCompStrategy",
     "TowerStrategy",
     "WeightGradStrategy",
     "compressor_names",

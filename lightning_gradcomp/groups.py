@@ -47,6 +47,15 @@ def layer_offsets(bucket: HookBucket) -> tuple[int, ...]:
     return tuple(offsets)
 
 
+def layer_shapes(bucket: HookBucket) -> list[torch.Size]:
+    """Each layer's shape in ``bucket.buffer()``: the parameters' own, unless the bucket holds parts of them (a
+    sharded model's gradient shards say so through ``layer_shapes()``)."""
+    own = getattr(bucket, "layer_shapes", None)
+    if own is not None:
+        return [torch.Size(s) for s in own()]
+    return [p.shape for p in bucket.parameters()]
+
+
 class LayerViews(Sequence[Tensor]):
     """Each layer's gradient as a view of the bucket's buffer, made only when first asked for (a planner's first
     look, a raise naming the bad layer, a monitor, per-layer transforms): an op per layer the batched pipeline

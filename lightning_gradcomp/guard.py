@@ -199,6 +199,12 @@ def _nonfinite_names(named_grads: Iterable[tuple[str, Optional[Tensor]]]) -> lis
     return [n for n, g in named_grads if g is not None and not bool(torch.isfinite(g).all())]
 
 
+def mark_skipped(state: GuardedState) -> None:
+    """Skip this step on this rank because another rank's guard did (an engine whose guard agrees within a
+    subgroup only spreads the decision itself, e.g. :func:`lightning_gradcomp.shards.agree_on_skip`)."""
+    _skip_step(state)
+
+
 def _skip_step(state: GuardedState) -> None:
     """Mark the step skipped on this rank (every rank decides the same) and roll back its residuals."""
     state.guard.step_nonfinite = True

@@ -41,7 +41,7 @@ from lightning_gradcomp.guard import (
     local_flag,
     observe_decoded,
 )
-from lightning_gradcomp.groups import HookBucket, LayerGroup, LayerViews, Layouts, layer_offsets
+from lightning_gradcomp.groups import HookBucket, LayerGroup, LayerViews, Layouts, layer_offsets, layer_shapes
 from lightning_gradcomp.ledger import GroupRecord, LayerRecord, Ledger
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
@@ -311,7 +311,7 @@ def _exchange_bucket(state: GradCompState, bucket: HookBucket) -> torch.futures.
     buffer = bucket.buffer()
     params = bucket.parameters()
     names = [state.names[id(p)] for p in params]
-    shapes = [p.shape for p in params]
+    shapes = layer_shapes(bucket)
     positions = layer_offsets(bucket)
     grads = LayerViews(buffer, positions, shapes)
     # one routing decision per bucket (may run one small agreed all-reduce the first time the planner sees it)
@@ -525,7 +525,7 @@ def _multiround_exchange(
     world = state.world_size
     buffer = bucket.buffer()
     # one chunk: the rounds are the bucket's whole (two all-reduces), whatever ``pipeline_bytes``
-    groups = state.layouts.groups(names, [p.shape for p in bucket.parameters()], layer_offsets(bucket), route,
+    groups = state.layouts.groups(names, layer_shapes(bucket), layer_offsets(bucket), route,
                                   buffer.element_size(), None)
     prepared = [_prepare(state, g, buffer) for g in groups]
     _observe_inputs(state, groups, prepared)

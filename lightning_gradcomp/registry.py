@@ -83,12 +83,15 @@ def register_preset(name: str, strategy_cls: type, description: str, strategy_re
                                "(for notebooks)", override=True, start_method="fork", **init_params)
 
 
-def register_strategies(strategy_cls: type[NamedStrategy], strategy_registry: Any = None) -> None:
+def register_strategies(strategy_cls: type[NamedStrategy], strategy_registry: Any = None, prefix: str = "",
+                        notebook: bool = True) -> None:
     """Register every compressor name as a strategy name (lower-cased, as Lightning looks them up).
 
     Each name also gets a ``<name>_notebook`` variant with ``start_method="fork"``: the only start method
     Lightning accepts in an interactive session (``spawn`` and ``popen`` re-run a script file).
     ``strategy_registry`` is the Trainer's ``StrategyRegistry`` by default, or Fabric's ``STRATEGY_REGISTRY``.
+    ``prefix`` goes before each compressor name (``"sharded_"``: ``"sharded_terngrad"``); ``notebook=False``
+    registers no ``_notebook`` variants (a strategy without a ``start_method``).
     """
     if strategy_registry is None:
         from lightning.pytorch.strategies import StrategyRegistry
@@ -96,15 +99,17 @@ def register_strategies(strategy_cls: type[NamedStrategy], strategy_registry: An
         strategy_registry = StrategyRegistry
     for name, (_, description) in COMPRESSORS.items():
         # the name, not an instance, goes into init_params: each Trainer must get a fresh, unshared compressor
-        strategy_registry.register(name, strategy_cls, description=description, override=True, compressor=name)
-        strategy_registry.register(
-            name + NOTEBOOK_SUFFIX,
-            strategy_cls,
-            description=f"{description}; processes forked (for notebooks)",
-            override=True,
-            compressor=name,
-            start_method="fork",
-        )
+        strategy_registry.register(prefix + name, strategy_cls, description=description, override=True,
+                                   compressor=name)
+        if notebook:
+            strategy_registry.register(
+                prefix + name + NOTEBOOK_SUFFIX,
+                strategy_cls,
+                description=f"{description}; processes forked (for notebooks)",
+                override=True,
+                compressor=name,
+                start_method="fork",
+            )
     # the class's own name (GradCompStrategy.strategy_name): the class with its defaults
     strategy_registry.register(
         strategy_cls.strategy_name, strategy_cls, description=f"{strategy_cls.__name__} with its defaults", override=True

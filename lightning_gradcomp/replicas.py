@@ -7,6 +7,7 @@ in a collective.
 """
 
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,8 +32,15 @@ def checksums(params: Sequence[Tensor]) -> Tensor:
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
 
 
-def check_replicas(names: Sequence[str], params: Sequence[Tensor], world_size: int, step: int) -> None:
-    """Compare the parameters of every rank of the default group; all ranks must call it at the same point.
+def check_replicas(
+    names: Sequence[str],
+    params: Sequence[Tensor],
+    world_size: int,
+    step: int,
+    group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """Compare the parameters of every rank of ``group`` (default: the default group); all its ranks must call it at
+    the same point. ``world_size`` is the group's size; the ranks named in an error are ranks of the group.
 
     Raises:
         ReplicaDivergenceError: naming the first parameter (in ``names`` order) whose bits differ between ranks.
@@ -41,7 +49,7 @@ def check_replicas(names: Sequence[str], params: Sequence[Tensor], world_size: i
     if world_size == 1:
         return
     table = local.new_empty(world_size * local.numel())
-    dist.all_gather_single(table, local)
+    dist.all_gather_single(table, local, group=group)
     table = table.view(world_size, -1, 2)
     differs = (table != table[0]).any(dim=2).any(dim=0)
     if bool(differs.any()):

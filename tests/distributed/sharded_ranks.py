@@ -1,0 +1,143 @@
+"""Rank bodies for the sharded (FSDP2) strategy: several Trainer fits in one spawned world of 4 Gloo ranks."""
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+from lightning_gradcomp.optimizers import SignSGD
+from lightning_gradcomp.sharded import ShardedGradCompStrategy
+
+
+class ShardedRegressor(pl.LightningModule):
+    """Three Linear layers, each its own FSDP2 unit, and the root; AdamW. ``nan_at``: at that step, rank 0's
+    gradient of one bias element (which lands in shard 0 only) is NaN."""
+
+    def __init__(self, native: bool = False, nan_at: int = -1, optimizer: str = "adamw") -> None:
+        super().__init__()
+        torch.manual_seed(1234)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 3))
+        self.native, self.nan_at, self.optimizer = native, nan_at, optimizer
+
+    @override
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        # native HSDP shards over the whole 2-D mesh (FSDP2's dense all-reduce between replicas)
+        mesh = self.device_mesh if self.native else self.device_mesh["shard"]
+        for layer in (self.net[0], self.net[2], self.net[4]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+        self.net[0].register_forward_pre_hook(self._poison)
+
+    def _poison(self, layer: nn.Module, args: Any) -> None:
+        # after FSDP2's own pre-forward hook: ``layer.bias`` is the unsharded parameter of this step (reading the
+        # sharded one outside the forward would all-gather on this rank alone)
+        if self.global_step == self.nan_at and self.global_rank == 0 and torch.is_grad_enabled():
+            handles: list[Any] = []
+
+            def poison(grad: torch.Tensor) -> torch.Tensor:
+                handles[0].remove()  # once: FSDP2 keeps the same unsharded parameter object across steps
+                return grad.index_fill(0, torch.tensor([0]), math.nan)
+
+            handles.append(layer.bias.register_hook(poison))
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        if self.optimizer == "sign":
+            return SignSGD(self.parameters(), lr=0.01)
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+class UnshardedRegressor(ShardedRegressor):
+    """Forgets to shard: ``configure_model`` does nothing."""
+
+    @override
+    def configure_model(self) -> None:
+        pass
+
+
+class NativeHSDP(ShardedGradCompStrategy):
+    """Stock HSDP (FSDP2 over the 2-D mesh) with the same mesh, data and loop: the reference."""
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        ModelParallelStrategy.setup(self, trainer)
+
+
+class Shards(Callback):
+    """Each rank's local shards after every optimizer step, the skip count and the bytes between replicas."""
+
+    def __init__(self) -> None:
+        self.shards: list[torch.Tensor] = []
+        self.bytes: list[int] = []
+        self.skipped: list[int] = []
+        self.batches: list[float] = []
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.batches.append(float(batch[0].sum()))
+        self.shards.append(torch.cat([p.to_local().detach().reshape(-1).clone() for p in pl_module.parameters()]))
+        state = trainer.strategy.comm_state  # type: ignore[attr-defined]
+        self.bytes.append(0 if state is None else state.bytes_per_step())
+        self.skipped.append(0 if state is None else state.skipped_steps)
+
+
+def _loader(n: int = 64, batch_size: int = 4) -> DataLoader:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(n, 8, generator=gen)
+    y = torch.randn(n, 3, generator=gen)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 4, save: str = "",
+        resume: str = "") -> dict[str, Any]:
+    record = Shards()
+    # a checkpoint at each epoch's end (4 batches per rank), as a user's ModelCheckpoint writes it
+    callbacks: list[Callback] = [record] + ([ModelCheckpoint(dirpath=save, every_n_epochs=1, save_top_k=-1)] if save else [])
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
+                         enable_checkpointing=bool(save), enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callbacks)
+    trainer.fit(model, _loader(), ckpt_path=resume or None)
+    state = trainer.strategy.comm_state  # type: ignore[attr-defined]
+    exchange = getattr(trainer.strategy, "exchange", None)
+    return {
+        "shards": record.shards,
+        "bytes": record.bytes,
+        "skipped": record.skipped,
+        "batches": record.batches,
+        "shard_numel": sum(p.to_local().numel() for p in model.parameters()),
+        "collectives": None if state is None else dict(state.collectives),
+        "units": None if exchange is None else len(exchange.units),
+    }
+
+
+def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> list[Any]:
+    out: list[Any] = []
+    for config in configs:
+        kind = config.get("kind", "sharded")
+        model_cls = UnshardedRegressor if kind == "unsharded" else ShardedRegressor
+        model = model_cls(native=kind == "native", nan_at=config.get("nan_at", -1),
+                          optimizer=config.get("optimizer", "adamw"))
+        cls = NativeHSDP if kind == "native" else ShardedGradCompStrategy
+        try:
+            out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4),
+                           config.get("save", ""), config.get("resume", "")))
+        except ValueError as error:  # the bad-input configurations: every rank raises the same, before step 0
+            out.append({"error": str(error)})
+    return out

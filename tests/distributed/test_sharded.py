@@ -1,0 +1,126 @@
+"""The sharded strategy (FSDP2 inside a replica, compressed shards between replicas) on 4 real Gloo ranks.
+
+Ranks form a (2, 2) mesh ("replicate", "shard"): ranks 0 and 1 shard replica 0, ranks 2 and 3 replica 1, so rank r
+and rank r + 2 hold the same shard. One spawned world runs every configuration (spawns are expensive).
+"""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+from lightning_gradcomp.registry import compressor_names
+from tests.distributed.sharded_ranks import fit_configs
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+#: the optimizer each method is meant for (DeMo's sign step; DGC's and 1-bit SGD's momentum SGD), AdamW elsewhere
+OPTIMIZER = {"demo": "sign", "dgc": "sgd", "onebit": "sgd"}
+COMPRESSORS = compressor_names()
+
+CONFIGS: list[dict[str, Any]] = [
+    {"kind": "native", "strategy": {"shard_size": 2}},
+    *({"strategy": {"compressor": name, "shard_size": 2}, "optimizer": OPTIMIZER.get(name, "adamw")}
+      for name in COMPRESSORS),
+    # 4 replicas of 1 shard (FSDP2 with a 1-rank shard group: the exchange alone averages)
+    {"strategy": {"compressor": "terngrad", "shard_size": 1}},
+    # a NaN in rank 0's gradient of one bias element: it lands in shard 0 only; every rank must skip the step
+    {"strategy": {"compressor": "graddrop", "shard_size": 2}, "nan_at": 2},
+    # bad input, refused on every rank before the first step
+    {"strategy": {"compressor": "terngrad", "shard_size": 3}},
+    {"kind": "unsharded", "strategy": {"compressor": "terngrad", "shard_size": 2}},
+]
+NATIVE, FIRST = 0, 1
+ONE_SHARD = FIRST + len(COMPRESSORS)
+NAN, BAD_SIZE, UNSHARDED = ONE_SHARD + 1, ONE_SHARD + 2, ONE_SHARD + 3
+
+
+@pytest.fixture(scope="module")
+def results() -> list[list[dict[str, Any]]]:
+    return run_ranks(fit_configs, 4, CONFIGS, timeout=600.0)
+
+
+def _run(results: list[list[dict[str, Any]]], i: int) -> list[dict[str, Any]]:
+    return [results[r][i] for r in range(4)]
+
+
+def test_identity_equals_native_hsdp_bit_for_bit(results: list[list[dict[str, Any]]]) -> None:
+    native, ours = _run(results, NATIVE), _run(results, FIRST + COMPRESSORS.index("fp32"))
+    for rank in range(4):
+        assert len(ours[rank]["shards"]) == 4
+        for step, (a, b) in enumerate(zip(native[rank]["shards"], ours[rank]["shards"])):
+            assert torch.equal(a, b), f"rank {rank} differs from stock HSDP at step {step}"
+
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_every_compressor_keeps_the_replicas_identical_every_step(results: list[list[dict[str, Any]]], name: str) -> None:
+    runs = _run(results, FIRST + COMPRESSORS.index(name))
+    for step in range(4):
+        for rank in (0, 1):
+            assert torch.equal(runs[rank]["shards"][step], runs[rank + 2]["shards"][step]), (
+                f"{name}: rank {rank} and rank {rank + 2} hold different copies of shard {rank} at step {step}")
+    # the shards of one replica are different parts of the model, and the model trains
+    assert runs[0]["shards"][0].numel() + runs[1]["shards"][0].numel() == runs[0]["shard_numel"] + runs[1]["shard_numel"]
+    assert not torch.equal(runs[0]["shards"][0], runs[0]["shards"][-1])
+
+
+def test_bytes_between_replicas_are_the_shard_payloads(results: list[list[dict[str, Any]]]) -> None:
+    for name, width in (("fp32", 4), ("bf16", 2), ("fp16", 2)):
+        runs = _run(results, FIRST + COMPRESSORS.index(name))
+        for rank in range(4):
+            assert runs[rank]["bytes"][-1] == width * runs[rank]["shard_numel"], (name, rank)
+    native = _run(results, NATIVE)
+    assert all(b == 0 for r in native for b in r["bytes"])  # stock HSDP: no hook, nothing counted by us
+    # TernGrad's 2-bit payload per shard (plus its scalers) is far below the fp32 shard
+    tern = _run(results, FIRST + COMPRESSORS.index("terngrad"))
+    assert all(0 < r["bytes"][-1] < 4 * r["shard_numel"] / 8 for r in tern)
+
+
+def test_four_replicas_of_one_shard(results: list[list[dict[str, Any]]]) -> None:
+    runs = _run(results, ONE_SHARD)
+    for step in range(4):
+        assert all(torch.equal(runs[0]["shards"][step], runs[r]["shards"][step]) for r in range(4)), step
+
+
+def test_a_nonfinite_shard_skips_the_step_on_every_rank(results: list[list[dict[str, Any]]]) -> None:
+    runs = _run(results, NAN)
+    for rank in range(4):
+        assert runs[rank]["skipped"] == [0, 0, 1, 1], rank
+        assert torch.equal(runs[rank]["shards"][1], runs[rank]["shards"][2]), f"rank {rank} stepped at the NaN step"
+        assert not torch.equal(runs[rank]["shards"][2], runs[rank]["shards"][3])
+        assert torch.isfinite(runs[rank]["shards"][3]).all()
+    for rank in (0, 1):
+        assert torch.equal(runs[rank]["shards"][3], runs[rank + 2]["shards"][3])
+
+
+def test_bad_input_is_refused_before_the_first_step(results: list[list[dict[str, Any]]]) -> None:
+    for rank in range(4):
+        assert "Expected `shard_size` to divide the world size (4 ranks), but got 3" in results[rank][BAD_SIZE]["error"]
+        error = results[rank][UNSHARDED]["error"]
+        assert "Expected the model to be sharded with FSDP2 in `configure_model`" in error and "Fix:" in error
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    """8 steps straight against 4 steps, the checkpoint of the first epoch's end (DCP, plus every rank's residuals),
+    and 4 more: the shards match bit for bit at every resumed step (Gradient Dropping with momentum SGD: the residual
+    carries most of the gradient, so a lost residual shows at once)."""
+    path = str(tmp_path / "ckpt")
+    resume = str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")
+    strategy = {"compressor": "graddrop", "shard_size": 2}
+    configs = [
+        {"strategy": strategy, "optimizer": "sgd", "steps": 8},
+        {"strategy": strategy, "optimizer": "sgd", "steps": 4, "save": path},
+        {"strategy": strategy, "optimizer": "sgd", "steps": 8, "resume": resume},
+        # the same checkpoint with the compression state dropped: what a resume that lost the residuals would do
+        {"strategy": dict(strategy, resume_compression="reset"), "optimizer": "sgd", "steps": 8, "resume": resume},
+    ]
+    results = run_ranks(fit_configs, 4, configs, timeout=400.0)
+    for rank in range(4):
+        straight, resumed = results[rank][0]["shards"], results[rank][2]["shards"]
+        assert len(resumed) == 4
+        for step in range(4):
+            assert torch.equal(straight[4 + step], resumed[step]), f"rank {rank}, step {4 + step}"
+        assert not torch.equal(straight[4], results[rank][3]["shards"][0]), "the residuals made no difference"
