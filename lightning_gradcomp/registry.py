@@ -126,9 +126,14 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
 _OWN_STRATEGIES = ("gradcomp", "weightgrad", "diloco", "streaming_diloco")
 
 
+#: prefix of the sharded strategy's names (``"sharded_terngrad"``; no ``*_notebook`` variants)
+SHARDED_PREFIX = "sharded_"
+
+
 def strategy_names() -> list[str]:
     """The strategy names ``import lightning_gradcomp`` registers in Lightning's ``StrategyRegistry``."""
-    return sorted({*COMPRESSORS, *_OWN_STRATEGIES})
+    sharded = {SHARDED_PREFIX + n for n in (*COMPRESSORS, "gradcomp")}
+    return sorted({*COMPRESSORS, *_OWN_STRATEGIES, *sharded})
 
 
 def strategy_name_error(name: str) -> Optional[str]:

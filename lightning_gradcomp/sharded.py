@@ -202,4 +202,4 @@ class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        registry.register_strategies(cls, strategy_registry, prefix="sharded_", notebook=False)
+        registry.register_strategies(cls, strategy_registry, prefix=registry.SHARDED_PREFIX, notebook=False)
