@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.optimizers import SignSGD
 from lightning_gradcomp.sharded import ShardedGradCompStrategy
 
@@ -92,10 +93,18 @@ class Shards(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.batches.append(float(batch[0].sum()))
-        self.shards.append(torch.cat([p.to_local().detach().reshape(-1).clone() for p in pl_module.parameters()]))
+        self.shards.append(torch.cat([_local(p).detach().reshape(-1).clone() for p in pl_module.parameters()]))
         state = trainer.strategy.comm_state  # type: ignore[attr-defined]
         self.bytes.append(0 if state is None else state.bytes_per_step())
         self.skipped.append(0 if state is None else state.skipped_steps)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _loader(n: int = 64, batch_size: int = 4) -> DataLoader:
@@ -121,7 +130,14 @@ def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 
         "bytes": record.bytes,
         "skipped": record.skipped,
         "batches": record.batches,
-        "shard_numel": sum(p.to_local().numel() for p in model.parameters()),
+        "shard_numel": sum(_local(p).numel() for p in model.parameters()),
+        # what this rank holds: its parameters (shards), AdamW's moments, the compressor's residuals
+        "memory": {
+            "params": _nbytes(_local(p) for p in model.parameters()),
+            "optimizer": _nbytes(_local(v) for s in trainer.optimizers[0].state.values() for v in s.values()
+                                 if isinstance(v, torch.Tensor) and v.dim() > 0),
+            "residuals": 0 if state is None else _nbytes(state.memory.residuals.values()),
+        },
         "collectives": None if state is None else dict(state.collectives),
         "units": None if exchange is None else len(exchange.units),
     }
@@ -131,10 +147,10 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> li
     out: list[Any] = []
     for config in configs:
         kind = config.get("kind", "sharded")
-        model_cls = UnshardedRegressor if kind == "unsharded" else ShardedRegressor
+        model_cls = UnshardedRegressor if kind in ("unsharded", "ddp") else ShardedRegressor
         model = model_cls(native=kind == "native", nan_at=config.get("nan_at", -1),
                           optimizer=config.get("optimizer", "adamw"))
-        cls = NativeHSDP if kind == "native" else ShardedGradCompStrategy
+        cls = {"native": NativeHSDP, "ddp": GradCompStrategy}.get(kind, ShardedGradCompStrategy)
         try:
             out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4),
                            config.get("save", ""), config.get("resume", "")))

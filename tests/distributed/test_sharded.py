@@ -32,10 +32,12 @@ CONFIGS: list[dict[str, Any]] = [
     # bad input, refused on every rank before the first step
     {"strategy": {"compressor": "terngrad", "shard_size": 3}},
     {"kind": "unsharded", "strategy": {"compressor": "terngrad", "shard_size": 2}},
+    # the same model under our DDP strategy, for the memory comparison
+    {"kind": "ddp", "strategy": {"compressor": "graddrop"}},
 ]
 NATIVE, FIRST = 0, 1
 ONE_SHARD = FIRST + len(COMPRESSORS)
-NAN, BAD_SIZE, UNSHARDED = ONE_SHARD + 1, ONE_SHARD + 2, ONE_SHARD + 3
+NAN, BAD_SIZE, UNSHARDED, DDP = ONE_SHARD + 1, ONE_SHARD + 2, ONE_SHARD + 3, ONE_SHARD + 4
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +103,19 @@ def test_bad_input_is_refused_before_the_first_step(results: list[list[dict[str,
         assert "Expected `shard_size` to divide the world size (4 ranks), but got 3" in results[rank][BAD_SIZE]["error"]
         error = results[rank][UNSHARDED]["error"]
         assert "Expected the model to be sharded with FSDP2 in `configure_model`" in error and "Fix:" in error
+
+
+def test_residuals_and_optimizer_state_are_sharded(results: list[list[dict[str, Any]]]) -> None:
+    """Per rank, Gradient Dropping with AdamW: parameters, AdamW's two moments and the residuals cover this rank's
+    shard only under the sharded strategy, the whole model under DDP (bytes of the tensors each rank holds)."""
+    sharded, ddp = _run(results, FIRST + COMPRESSORS.index("graddrop")), _run(results, DDP)
+    whole = 4 * ddp[0]["shard_numel"]
+    for rank in range(4):
+        own = 4 * sharded[rank]["shard_numel"]
+        assert sharded[rank]["memory"] == {"params": own, "optimizer": 2 * own, "residuals": own}, rank
+        assert ddp[rank]["memory"] == {"params": whole, "optimizer": 2 * whole, "residuals": whole}, rank
+    # a replica's two shards together are the model (the uneven split of a 3-row weight over 2 ranks included)
+    assert sharded[0]["shard_numel"] + sharded[1]["shard_numel"] == ddp[0]["shard_numel"]
 
 
 def test_resume_is_exact(tmp_path: Path) -> None:
