@@ -9,7 +9,7 @@ written with all runs to ``OUT/summary.json``; ``--plot`` draws loss against byt
 
     python benchmarks/lm.py                       # DDP and every registered compressor at its paper default
     python benchmarks/lm.py --quick               # smoke: 2 ranks, a tiny model, 6 steps, DDP and DeMo
-    python benchmarks/lm.py --long                # the same grid for 2000 steps on the narrower GPT (docs/data/lm_long)
+    python benchmarks/lm.py --long                # the same grid for 2000 steps on the narrower GPT (benchmarks/results/lm_long)
     python benchmarks/lm.py --only ddp demo       # some of the grid
     python benchmarks/lm.py --saved --plot docs/img/lm_loss_vs_bytes.png   # the table and plot of every stored run
     python benchmarks/lm.py --run diloco=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy=diloco
@@ -243,10 +243,10 @@ def plot(results: list[dict[str, Any]], path: Path, reference: str = "ddp") -> P
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder of the per-run JSON files (default docs/data/lm; --quick: a temporary folder)")
+                        help="folder of the per-run JSON files (default benchmarks/results/lm; --quick: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, tiny model, 6 steps, DDP and DeMo")
     parser.add_argument("--long", action="store_true",
-                        help="the 2000-step grid on the narrower GPT (default --out docs/data/lm_long)")
+                        help="the 2000-step grid on the narrower GPT (default --out benchmarks/results/lm_long)")
     parser.add_argument("--only", nargs="*", default=None, help="labels of the default grid to run")
     parser.add_argument("--run", action="append", default=[], help="LABEL=RECIPE[::OVERRIDE...] (repeatable)")
     parser.add_argument("--set", action="append", default=[], help="override added to every run (repeatable)")
@@ -262,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     args = parser.parse_args(argv)
     grid = default_grid(args.long)
-    default_out = ROOT / ("docs/data/lm_long" if args.long else "docs/data/lm")
+    default_out = ROOT / ("benchmarks/results/lm_long" if args.long else "benchmarks/results/lm")
     if args.saved:  # every stored run, the default grid's first, then the others by label
         stored = sorted(p.stem for p in (args.out or default_out).glob("*.json") if p.stem != "summary")
         stored = [k for k in stored if args.only is None or k in args.only]
