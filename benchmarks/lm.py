@@ -126,6 +126,7 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
         "outer_rounds": int(getattr(cli.trainer.strategy, "stats", {}).get("rounds", 0)),
         "median_step_seconds": statistics.median(recorder.seconds), "fit_seconds": wall,
         "machine": machine(), "python": sys.version.split()[0], "torch": torch.__version__,
+        **provenance(),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -139,6 +140,20 @@ def bytes_per_step(strategy: Any, module: Any) -> int:
     if state is not None and state.records:
         return int(state.bytes_per_step())
     return 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def provenance() -> dict[str, str]:
+    """The commit of the code that ran (``+dirty`` with uncommitted changes) and the date: the stamp the docs'
+    generated tables carry (``tools/results_tables.py``)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = "+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return {"commit": commit + dirty, "date": time.strftime("%Y-%m-%d", time.gmtime())}
 
 
 def machine() -> str:
