@@ -48,7 +48,7 @@ _CODE_BLOCK = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 _BACKTICKS = re.compile(r"`([^`\n]+)`")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _SUFFIX = re.compile(r"\.(md|py|yaml|yml|json|log|png|txt|toml|sh|cpp|h|cfg|ini|csv)$")
-_PLACEHOLDER = re.compile(r"[<$]|\bNAME\b|\bOUT\b|\.\.\.")
+_PLACEHOLDER = re.compile(r"[<$]|\b[A-Z][A-Z_]{2,}\b|\.\.\.")
 
 
 def _top_level() -> set[str]:
