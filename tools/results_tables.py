@@ -58,7 +58,23 @@ class Table:
 
 
 def _load(paths: list[Path]) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in paths]
+    return [_load_one(p) for p in paths]
+
+
+def _load_one(path: Path) -> dict[str, Any]:
+    """A run's JSON, or a stored Markdown table (``# command: ...`` and ``# ...`` notes above it)."""
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    lines = path.read_text().splitlines()
+    notes = [line[2:] for line in lines if line.startswith("# ")]
+    command = next((n[len("command: "):] for n in notes if n.startswith("command: ")), "")
+    return {"command": command, "notes": [n for n in notes if not n.startswith("command: ")],
+            "table": "\n".join(line for line in lines if line.startswith("|")), "machine": "not recorded in the file"}
+
+
+def _stored_table(runs: list[dict[str, Any]]) -> str:
+    """A table stored as Markdown by its benchmark, with the run's own notes (rates probed, load) above it."""
+    return "\n\n".join("\n".join([*(f"{n}." for n in r["notes"]), "", r["table"]]).strip() for r in runs)
 
 
 def _lm(folder: str, labels: list[str]) -> Callable[[], list[Path]]:
@@ -189,6 +205,10 @@ TABLES = [
           "python tools/results_tables.py --only step-time-grid"),
     Table("step-time-target", lambda: [RESULTS / name for name in TARGET_RUNS], _ratio_table,
           "python benchmarks/ratio_summary.py benchmarks/results/step_time_target_{default_{1..8},reuse_{1..4}}.json"),
+    Table("hierarchy-1gbit", lambda: [RESULTS / "hierarchy/repeats_1gbit.md"], _stored_table,
+          "python tools/results_tables.py --only hierarchy-1gbit"),
+    Table("hierarchy-100mbit", lambda: [RESULTS / "hierarchy/repeats_100mbit.md"], _stored_table,
+          "python tools/results_tables.py --only hierarchy-100mbit"),
     Table("diloco", lambda: [RESULTS / "diloco" / f"{label}.json" for label in _diloco_grid()], _diloco_table,
           "python benchmarks/diloco.py --saved"),
     Table("diloco-emulated-1gbit", lambda: sorted((RESULTS / "diloco_emulated/1gbit").glob("*.json")),
