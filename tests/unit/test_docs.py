@@ -187,3 +187,26 @@ def test_readme_and_docs_have_no_history_no_missing_file_and_no_dead_command() -
 def test_brace_expansion() -> None:
     assert _expand("a_{1..3}.json") == ["a_1.json", "a_2.json", "a_3.json"]
     assert list(itertools.chain(_expand("{x,y}_{1..2}"))) == ["x_1", "x_2", "y_1", "y_2"]
+
+
+def test_generated_tables_in_the_pages_equal_what_the_stored_results_print(capsys) -> None:
+    """Each ``<!-- results:NAME -->`` block is ``tools/results_tables.py``'s rendering of the stored runs: a page
+    cannot drift from its data (``python tools/results_tables.py --write`` regenerates them)."""
+    from tools import results_tables
+
+    pages = results_tables._pages_with_blocks()
+    names = {m.group(2) for text in pages.values() for m in results_tables.BLOCK.finditer(text)}
+    # the key tables are in the pages, and every block names a known table
+    assert {"lm-long-best", "step-time-grid", "diloco"} <= names <= {t.name for t in results_tables.TABLES}
+    assert results_tables.main(["--check"]) == 0, capsys.readouterr().out
+
+
+def test_the_check_sees_a_changed_number_and_the_write_restores_it() -> None:
+    from tools import results_tables
+
+    page = ROOT / "docs" / "transformers.md"
+    text = page.read_text()
+    assert "| demo |" in text
+    drifted = text.replace("| demo |", "| demo | 0.0 |", 1)
+    rendered = {t.name: results_tables.render(t) for t in results_tables.TABLES}
+    assert results_tables.rewrite(drifted, rendered) == text != drifted
