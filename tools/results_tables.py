@@ -275,7 +275,7 @@ def render(table: Table, update: bool = False) -> str:
     stamp = (f"*Generated from {len(paths)} stored run file{'s' * (len(paths) > 1)} under `benchmarks/results/`: "
              f"machine {'; '.join(machines)}; stored {when}, commit{'s' * (len(commits) > 1)} {', '.join(commits)}"
              f"{produced}. Printed by `{table.command}`.*")
-    return f"{stamp}\n\n{table.render(runs)}\n"
+    return f"{stamp}\n\n{table.render(runs)}\n\n"  # a blank line ends the table before the closing marker
 
 
 def _pages_with_blocks() -> dict[Path, str]:
