@@ -211,11 +211,22 @@ TABLES = [
           "python tools/results_tables.py --only hierarchy-100mbit"),
     Table("diloco", lambda: [RESULTS / "diloco" / f"{label}.json" for label in _diloco_grid()], _diloco_table,
           "python benchmarks/diloco.py --saved"),
+    Table("diloco-sweep", lambda: _saved_order(RESULTS / "diloco_sweep"), _lm_table,
+          "python benchmarks/lm.py --saved --out benchmarks/results/diloco_sweep"),
     Table("diloco-emulated-1gbit", lambda: sorted((RESULTS / "diloco_emulated/1gbit").glob("*.json")),
           _emulated("1gbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 1gbit"),
     Table("diloco-emulated-100mbit", lambda: sorted((RESULTS / "diloco_emulated/100mbit").glob("*.json")),
           _emulated("100mbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 100mbit"),
 ]
+
+
+def _saved_order(folder: Path) -> list[Path]:
+    """The runs of a folder in ``benchmarks/lm.py --saved``'s order: the default grid's labels first, then the rest."""
+    from benchmarks.lm import default_grid
+
+    stored = sorted(p.stem for p in folder.glob("*.json") if p.stem != "summary")
+    first = [label for label in default_grid() if label in stored]
+    return [folder / f"{label}.json" for label in first + [s for s in stored if s not in first]]
 
 
 def _diloco_grid() -> list[str]:
