@@ -7,8 +7,9 @@ that silently matches nothing fails too):
    "merging"; an issue of this project's tracker ("issue 8", "issues 17 and 18", "the issue's targets", "#12");
    a branch ("branch `sparsek`", "on another branch", "branches are merged"). The history of the work lives in
    git, not in the pages. External references stay allowed when they name their project: a ``#N`` or "issue N"
-   whose preceding 40 characters name PyTorch/torch, Lightning, DeepSpeed, Triton, NCCL, Gloo or a GitHub
-   ``owner/repo`` (e.g. "PyTorch #64665", "pytorch/pytorch#64665"), or that sits inside a URL. Ordinary words
+   whose preceding 40 characters name PyTorch/torch, Lightning, DeepSpeed, Triton, NCCL, Gloo or GitHub
+   ("PyTorch #64665", "Lightning issue 123"), a ``#N`` right after a GitHub ``owner/repo``
+   ("pytorch/pytorch#64665"), or one inside a URL. Ordinary words
    ("a branch of the Inception block", "DGC's branches") are not matched: only the patterns above are.
 2. **Every cited repository path exists.** A path is a token inside backticks, or a Markdown link target, whose
    first component is a top-level entry of the repository (``docs/``, ``benchmarks/``, ``recipes/``, ...) or
@@ -33,7 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-_EXTERNAL = re.compile(r"(pytorch|torch|lightning|deepspeed|triton|nccl|gloo|github|[\w-]+/[\w.-]+)\W*$", re.I)
+_EXTERNAL = re.compile(r"\b(pytorch|torch|lightning|deepspeed|triton|nccl|gloo|github)\b", re.I)
+_REPO_REF = re.compile(r"[\w-]+/[\w.-]+$")  # pytorch/pytorch#64665: the repository is named right before the number
 _VOCABULARY = [
     (re.compile(r"\b(landings?|landed)\b", re.I), "development history ('landing')"),
     (re.compile(r"\b(merged|merging)\b", re.I), "development history ('merged')"),
@@ -129,7 +131,8 @@ def check(text: str, page: Path) -> list[str]:
             for match in pattern.finditer(plain):
                 problems.append(f"line {number}: {what}: {match.group(0)!r}")
         for match in _ISSUE.finditer(plain):
-            if not _EXTERNAL.search(plain[max(0, match.start() - 40): match.start()]):
+            before = plain[max(0, match.start() - 40): match.start()]
+            if not (_EXTERNAL.search(before) or (match.group(0).startswith("#") and _REPO_REF.search(before))):
                 problems.append(f"line {number}: an issue number of our tracker: {match.group(0)!r}")
         for span in _BACKTICKS.findall(line):
             for token in span.split():
@@ -152,6 +155,7 @@ def test_the_checker_flags_each_rule_and_passes_legitimate_text() -> None:
         "Re-measured on merged `main`": "merged",
         "as asked in issue 8, part 4": "issue number",
         "see #12 for the plan": "issue number",
+        "## Hierarchical exchange (`lightning_gradcomp/hierarchy.py`, issue 18)": "issue number",
         "Gradient Dropping on the fused kernels (branch `sparsek`)": "branch",
         "the launcher is on another branch": "branch",
         "the issue's targets": "the issue",
