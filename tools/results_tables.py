@@ -117,6 +117,12 @@ def _ratio_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _op_counts_table(runs: list[dict[str, Any]]) -> str:
+    from benchmarks.op_counts import markdown
+
+    return "\n\n".join(markdown(run["counts"]) for run in runs)
+
+
 def _diloco_table(runs: list[dict[str, Any]]) -> str:
     from benchmarks.diloco import summarize
 
@@ -205,6 +211,8 @@ TABLES = [
           "python tools/results_tables.py --only step-time-grid"),
     Table("step-time-target", lambda: [RESULTS / name for name in TARGET_RUNS], _ratio_table,
           "python tools/results_tables.py --only step-time-target"),
+    Table("op-counts", lambda: [RESULTS / "op_counts/after.json"], _op_counts_table,
+          "python tools/results_tables.py --only op-counts"),
     Table("hierarchy-1gbit", lambda: [RESULTS / "hierarchy/repeats_1gbit.md"], _stored_table,
           "python tools/results_tables.py --only hierarchy-1gbit"),
     Table("hierarchy-100mbit", lambda: [RESULTS / "hierarchy/repeats_100mbit.md"], _stored_table,
