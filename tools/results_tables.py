@@ -129,6 +129,17 @@ def _diloco_table(runs: list[dict[str, Any]]) -> str:
     return summarize(runs)
 
 
+def _emulated_runs(grid: str, wan: str) -> Callable[[], list[Path]]:
+    """The stored runs of one WAN rate, in ``benchmarks/emulated.py --saved``'s order (its grid's)."""
+    def files() -> list[Path]:
+        from benchmarks.emulated import GRIDS
+
+        spec = GRIDS[grid]
+        return [p for p in (spec.out / wan / f"{label}.json" for label in spec.runs) if p.exists()]
+
+    return files
+
+
 def _emulated(wan: str, target: float) -> Callable[[list[dict[str, Any]]], str]:
     def render(runs: list[dict[str, Any]]) -> str:
         from benchmarks.emulated import summarize
@@ -183,9 +194,9 @@ def _best_table(runs: list[dict[str, Any]]) -> str:
         paper = by_label[default]
         where = f"{setting} (`{recipe}`)" if recipe else setting
         lines.append(
-            f"| {name} | {where} | {' / '.join(f'{100 * r:+.1f} %' for r in ratios)} | "
-            f"{100 * statistics.mean(ratios):+.1f} % | {best['fp32_bytes_per_step'] / best['bytes_per_step']:.1f}x | "
-            f"{100 * (paper['final_val_loss'] / by_label['ddp']['final_val_loss'] - 1):+.1f} %, "
+            f"| {name} | {where} | {' / '.join(f'{100 * r:+.1f}%' for r in ratios)} | "
+            f"{100 * statistics.mean(ratios):+.1f}% | {best['fp32_bytes_per_step'] / best['bytes_per_step']:.1f}x | "
+            f"{100 * (paper['final_val_loss'] / by_label['ddp']['final_val_loss'] - 1):+.1f}%, "
             f"{paper['fp32_bytes_per_step'] / paper['bytes_per_step']:.1f}x |")
     return "\n".join(lines)
 
@@ -203,9 +214,9 @@ TABLES = [
           "powersgd qsgd terngrad topk"),
     Table("lm-defaults", _lm("lm", LM_DEFAULTS), _lm_table,
           "python benchmarks/lm.py --saved --only " + " ".join(LM_DEFAULTS)),
-    Table("lm-emulated-1gbit", lambda: sorted((RESULTS / "lm_emulated/1gbit").glob("*.json")), _emulated("1gbit", 2.45),
+    Table("lm-emulated-1gbit", _emulated_runs("lm", "1gbit"), _emulated("1gbit", 2.45),
           "python benchmarks/emulated.py --grid lm --saved --target 2.45 --wan 1gbit"),
-    Table("lm-emulated-100mbit", lambda: sorted((RESULTS / "lm_emulated/100mbit").glob("*.json")),
+    Table("lm-emulated-100mbit", _emulated_runs("lm", "100mbit"),
           _emulated("100mbit", 2.45), "python benchmarks/emulated.py --grid lm --saved --target 2.45 --wan 100mbit"),
     Table("step-time-grid", lambda: [RESULTS / "step_time_matrix.json"], _step_time_table,
           "python tools/results_tables.py --only step-time-grid"),
@@ -221,9 +232,9 @@ TABLES = [
           "python benchmarks/diloco.py --saved"),
     Table("diloco-sweep", lambda: _saved_order(RESULTS / "diloco_sweep"), _lm_table,
           "python benchmarks/lm.py --saved --out benchmarks/results/diloco_sweep"),
-    Table("diloco-emulated-1gbit", lambda: sorted((RESULTS / "diloco_emulated/1gbit").glob("*.json")),
+    Table("diloco-emulated-1gbit", _emulated_runs("diloco", "1gbit"),
           _emulated("1gbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 1gbit"),
-    Table("diloco-emulated-100mbit", lambda: sorted((RESULTS / "diloco_emulated/100mbit").glob("*.json")),
+    Table("diloco-emulated-100mbit", _emulated_runs("diloco", "100mbit"),
           _emulated("100mbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 100mbit"),
 ]
 
