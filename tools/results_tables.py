@@ -117,6 +117,22 @@ def _ratio_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _perf_validation_table(runs: list[dict[str, Any]]) -> str:
+    """The performance model's error range over repeated runs, per allocator and strategy, at 1 Gbit/s."""
+    columns = [("serial, in situ", "error"), ("timeline, in situ", "overlapped_error"),
+               ("serial, profiled alone", "profiled_error"), ("timeline, profiled alone", "profiled_overlapped_error")]
+    lines = ["| allocator | strategy | runs | " + " | ".join(c for c, _ in columns) + " |", "|---" * 7 + "|"]
+    for run in runs:
+        allocator = "`--malloc-reuse`" if "reuse" in Path(run["_path"]).stem else "glibc default"
+        rows = [r for r in run["rows"] if r["link"] == "1gbit"]
+        for strategy in dict.fromkeys(r["strategy"] for r in rows):
+            mine = [r for r in rows if r["strategy"] == strategy]
+            cells = [f"{100 * min(r[key] for r in mine):+.0f} to {100 * max(r[key] for r in mine):+.0f}%"
+                     for _, key in columns]
+            lines.append(f"| {allocator} | {strategy} | {len(mine)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _op_counts_table(runs: list[dict[str, Any]]) -> str:
     from benchmarks.op_counts import markdown
 
@@ -222,6 +238,9 @@ TABLES = [
           "python tools/results_tables.py --only step-time-grid"),
     Table("step-time-target", lambda: [RESULTS / name for name in TARGET_RUNS], _ratio_table,
           "python tools/results_tables.py --only step-time-target"),
+    Table("perf-validation", lambda: [RESULTS / "perf_validate_target_default.json",
+                                      RESULTS / "perf_validate_target_reuse.json"], _perf_validation_table,
+          "python tools/results_tables.py --only perf-validation"),
     Table("op-counts", lambda: [RESULTS / "op_counts/after.json"], _op_counts_table,
           "python tools/results_tables.py --only op-counts"),
     Table("hierarchy-1gbit", lambda: [RESULTS / "hierarchy/repeats_1gbit.md"], _stored_table,
