@@ -55,6 +55,10 @@ class Table:
     files: Callable[[], list[Path]]
     render: Callable[[list[dict[str, Any]]], str]
     command: str
+    #: the command that produced the stored file, where the file does not record it
+    produced: str = ""
+    #: the machine, where the file does not record it
+    machine: str = ""
 
 
 def _load(paths: list[Path]) -> list[dict[str, Any]]:
@@ -131,6 +135,19 @@ def _perf_validation_table(runs: list[dict[str, Any]]) -> str:
                      for _, key in columns]
             lines.append(f"| {allocator} | {strategy} | {len(mine)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+#: (cluster, model, GPUs) rows of the Fig. 5 table shown in the page; the file holds every row
+FIG5_ROWS = [("a", "alexnet", "4"), ("a", "alexnet", "8"), ("a", "alexnet", "64"), ("a", "alexnet", "128"),
+             ("a", "googlenet", "8"), ("a", "vgg_a", "8"), ("b", "alexnet", "8"), ("b", "vgg_a", "64"),
+             ("b", "vgg_a", "512")]
+
+
+def _fig5_table(runs: list[dict[str, Any]]) -> str:
+    """Selected rows of ``gradcomp-perf fig5``'s stored table (a projection of the performance model)."""
+    lines = runs[0]["table"].splitlines()
+    keep = [line for line in lines[2:] if tuple(c.strip() for c in line.strip("|").split("|")[:3]) in FIG5_ROWS]
+    return "\n".join(lines[:2] + keep)
 
 
 def _op_counts_table(runs: list[dict[str, Any]]) -> str:
@@ -241,12 +258,16 @@ TABLES = [
     Table("perf-validation", lambda: [RESULTS / "perf_validate_target_default.json",
                                       RESULTS / "perf_validate_target_reuse.json"], _perf_validation_table,
           "python tools/results_tables.py --only perf-validation"),
+    Table("fig5", lambda: [RESULTS / "fig5_table.md"], _fig5_table, "python tools/results_tables.py --only fig5",
+          produced="gradcomp-perf fig5 --out docs/img", machine="none: a projection of the performance model"),
     Table("op-counts", lambda: [RESULTS / "op_counts/after.json"], _op_counts_table,
           "python tools/results_tables.py --only op-counts"),
     Table("hierarchy-1gbit", lambda: [RESULTS / "hierarchy/repeats_1gbit.md"], _stored_table,
-          "python tools/results_tables.py --only hierarchy-1gbit"),
+          "python tools/results_tables.py --only hierarchy-1gbit",
+          machine="the 2-core VM of docs/benchmarks.md (not recorded in the file)"),
     Table("hierarchy-100mbit", lambda: [RESULTS / "hierarchy/repeats_100mbit.md"], _stored_table,
-          "python tools/results_tables.py --only hierarchy-100mbit"),
+          "python tools/results_tables.py --only hierarchy-100mbit",
+          machine="the 2-core VM of docs/benchmarks.md (not recorded in the file)"),
     Table("diloco", lambda: [RESULTS / "diloco" / f"{label}.json" for label in _diloco_grid()], _diloco_table,
           "python benchmarks/diloco.py --saved"),
     Table("diloco-sweep", lambda: _saved_order(RESULTS / "diloco_sweep"), _lm_table,
@@ -318,9 +339,10 @@ def render(table: Table, update: bool = False) -> str:
     marks = _provenance(paths, update)
     dates = sorted({m["date"] for m in marks})
     commits = list(dict.fromkeys(m["commit"] for m in sorted(marks, key=lambda m: m["date"])))
-    machines = sorted({_machine(r) for r in runs})
+    machines = [table.machine] if table.machine else sorted({_machine(r) for r in runs})
     when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-    produced = f"; produced by `{runs[0]['command']}`" if len(runs) == 1 and "command" in runs[0] else ""
+    command = table.produced or (runs[0].get("command", "") if len(runs) == 1 else "")
+    produced = f"; produced by `{command}`" if command else ""
     stamp = (f"*Generated from {len(paths)} stored run file{'s' * (len(paths) > 1)} under `benchmarks/results/`: "
              f"machine {'; '.join(machines)}; stored {when}, commit{'s' * (len(commits) > 1)} {', '.join(commits)}"
              f"{produced}. Printed by `{table.command}`.*")
