@@ -73,7 +73,7 @@ def summarize(results: list[dict[str, Any]]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "docs/data/diloco")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/diloco")
     parser.add_argument("--only", nargs="*", default=None, help="labels of the grid to run")
     parser.add_argument("--force", action="store_true", help="rerun runs whose JSON exists")
     parser.add_argument("--saved", action="store_true", help="run nothing: the table of the stored runs")

@@ -56,7 +56,7 @@ GRIDS = {
         "bf16": ("recipes/diloco/gpt_stdlib_ddp.yaml", ["--trainer.strategy=bf16"]),
         "powersgd_r4": ("recipes/diloco/gpt_stdlib_powersgd_r4.yaml", []),
         "diloco_int8_h50": ("recipes/diloco/gpt_stdlib_diloco_int8.yaml", ["--trainer.strategy.init_args.site_size=2"]),
-    }, ["--trainer.max_steps=1000", "--trainer.val_check_interval=200"], ROOT / "docs/data/diloco_emulated"),
+    }, ["--trainer.max_steps=1000", "--trainer.val_check_interval=200"], ROOT / "benchmarks/results/diloco_emulated"),
     "lm": Grid({
         "ddp": ("recipes/lm/gpt_stdlib_ddp.yaml", []),
         "bf16": ("recipes/lm/gpt_stdlib_bf16.yaml", []),
@@ -66,7 +66,7 @@ GRIDS = {
         "terngrad": ("recipes/lm/gpt_stdlib_terngrad.yaml", []),
         "qsgd": ("recipes/lm/gpt_stdlib_qsgd.yaml", []),
         "demo_k64": ("recipes/lm/gpt_stdlib_demo_k64.yaml", []),
-    }, ["--trainer.val_check_interval=25"], ROOT / "docs/data/lm_emulated"),
+    }, ["--trainer.val_check_interval=25"], ROOT / "benchmarks/results/lm_emulated"),
 }
 WANS = ("1gbit", "100mbit")
 LAN = "10gbit"

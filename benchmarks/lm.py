@@ -9,7 +9,7 @@ written with all runs to ``OUT/summary.json``; ``--plot`` draws loss against byt
 
     python benchmarks/lm.py                       # DDP and every registered compressor at its paper default
     python benchmarks/lm.py --quick               # smoke: 2 ranks, a tiny model, 6 steps, DDP and DeMo
-    python benchmarks/lm.py --long                # the same grid for 2000 steps on the narrower GPT (docs/data/lm_long)
+    python benchmarks/lm.py --long                # the same grid for 2000 steps on the narrower GPT (benchmarks/results/lm_long)
     python benchmarks/lm.py --only ddp demo       # some of the grid
     python benchmarks/lm.py --saved --plot docs/img/lm_loss_vs_bytes.png   # the table and plot of every stored run
     python benchmarks/lm.py --run diloco=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy=diloco
@@ -126,6 +126,7 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
         "outer_rounds": int(getattr(cli.trainer.strategy, "stats", {}).get("rounds", 0)),
         "median_step_seconds": statistics.median(recorder.seconds), "fit_seconds": wall,
         "machine": machine(), "python": sys.version.split()[0], "torch": torch.__version__,
+        **provenance(),
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
@@ -139,6 +140,20 @@ def bytes_per_step(strategy: Any, module: Any) -> int:
     if state is not None and state.records:
         return int(state.bytes_per_step())
     return 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def provenance() -> dict[str, str]:
+    """The commit of the code that ran (``+dirty`` with uncommitted changes) and the date: the stamp the docs'
+    generated tables carry (``tools/results_tables.py``)."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = "+dirty" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return {"commit": commit + dirty, "date": time.strftime("%Y-%m-%d", time.gmtime())}
 
 
 def machine() -> str:
@@ -243,10 +258,10 @@ def plot(results: list[dict[str, Any]], path: Path, reference: str = "ddp") -> P
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None,
-                        help="folder of the per-run JSON files (default docs/data/lm; --quick: a temporary folder)")
+                        help="folder of the per-run JSON files (default benchmarks/results/lm; --quick: a temporary folder)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 ranks, tiny model, 6 steps, DDP and DeMo")
     parser.add_argument("--long", action="store_true",
-                        help="the 2000-step grid on the narrower GPT (default --out docs/data/lm_long)")
+                        help="the 2000-step grid on the narrower GPT (default --out benchmarks/results/lm_long)")
     parser.add_argument("--only", nargs="*", default=None, help="labels of the default grid to run")
     parser.add_argument("--run", action="append", default=[], help="LABEL=RECIPE[::OVERRIDE...] (repeatable)")
     parser.add_argument("--set", action="append", default=[], help="override added to every run (repeatable)")
@@ -262,7 +277,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         return
     args = parser.parse_args(argv)
     grid = default_grid(args.long)
-    default_out = ROOT / ("docs/data/lm_long" if args.long else "docs/data/lm")
+    default_out = ROOT / ("benchmarks/results/lm_long" if args.long else "benchmarks/results/lm")
     if args.saved:  # every stored run, the default grid's first, then the others by label
         stored = sorted(p.stem for p in (args.out or default_out).glob("*.json") if p.stem != "summary")
         stored = [k for k in stored if args.only is None or k in args.only]

@@ -6,7 +6,7 @@ tensors is counted with :func:`gradcomp_lab.opcount.hook_op_overhead` (ops with 
 same step of plain DDP). Counts are deterministic: a hook whose count grows with the number of tensors runs a
 per-parameter loop, which on a GPU costs a kernel launch per op and a stream drain per host read.
 
-    python benchmarks/op_counts.py [--out docs/data/op_counts/before.json]
+    python benchmarks/op_counts.py [--out benchmarks/results/op_counts/before.json]
 """
 
 import argparse

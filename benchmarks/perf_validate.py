@@ -8,8 +8,8 @@ rest of backward). Where the step-time JSON holds compute and codec timed on the
 (``--profile-compute``), those totals are used, split into forward / backward / update and encode / decode in
 the proportions profiled here.
 
-    python benchmarks/perf_validate.py docs/data/step_time.json
-    python benchmarks/perf_validate.py docs/data/step_time_target_default_{1..8}.json   # several runs, one table
+    python benchmarks/perf_validate.py benchmarks/results/step_time.json
+    python benchmarks/perf_validate.py benchmarks/results/step_time_target_default_{1..8}.json   # several runs, one table
 """
 
 import argparse

@@ -4,7 +4,7 @@ One run's ratio (a strategy's median step over a baseline's, measured side by si
 host's load; repeating the run and reporting the median of the per-run ratios, with their range, is what a
 target like "TernGrad <= 1/3 of fp32 DDP" can be judged on.
 
-    python benchmarks/ratio_summary.py docs/data/step_time_target_*.json --strategy terngrad --over ddp ddp_bf16
+    python benchmarks/ratio_summary.py benchmarks/results/step_time_target_*.json --strategy terngrad --over ddp ddp_bf16
 """
 
 import argparse

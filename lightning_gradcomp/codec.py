@@ -79,7 +79,7 @@ def _measure_rounds(compressor: MultiRoundCompressor, grads: list[tuple[str, tor
     the hook runs it on one group holding every tensor: error feedback added, :meth:`~lightning_gradcomp.
     compressors.multiround.MultiRoundCompressor.exchange_flat` with the rounds as identities, the new residual, the
     mean written back. Its per-layer ``compress`` runs other products (one matrix at a time) and none of the flat
-    path's gathers and scatters, so it under-predicted the hook (``docs/benchmarks.md``, section 8)."""
+    path's gathers and scatters, so it under-predicted the hook (``docs/benchmarks.md``, section 7)."""
     segments = Segments([n for n, _ in grads], [g.shape for _, g in grads])
     flat = torch.cat([g.reshape(-1) for _, g in grads])
     memory, buffer = ResidualMemory(), torch.empty_like(flat)

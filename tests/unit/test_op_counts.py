@@ -3,7 +3,7 @@
 Issue 17's deterministic test (counts, never timings): one step at world size 1 (an in-process 1-rank Gloo group)
 of residual MLPs with 40 and 160 parameter tensors (one DDP bucket), counted by :mod:`gradcomp_lab.opcount` as ops
 beyond the same step of DDP with torch's own all-reduce hook, on the path a GPU runs (``batch_on_cpu``). Before
-the batched pipeline every compressor grew by 9 to 142 ops per tensor (docs/data/op_counts/before.json).
+the batched pipeline every compressor grew by 9 to 142 ops per tensor (benchmarks/results/op_counts/before.json).
 """
 
 from functools import cache
@@ -79,7 +79,7 @@ def test_counter_sees_scalar_reads_list_reads_and_data_dependent_ops() -> None:
 
 def test_the_fp32_hook_adds_a_few_dozen_ops_per_bucket_and_reads_the_guard_flag_once() -> None:
     # one bucket: the guard's flag (a sum, a test, one read), one concatenation, the all-reduce's bookkeeping and
-    # the averaged write-back; 433 ops at 40 tensors before the batched pipeline (docs/data/op_counts/before.json)
+    # the averaged write-back; 433 ops at 40 tensors before the batched pipeline (benchmarks/results/op_counts/before.json)
     few = _overhead("fp32", 40)
     assert 10 <= few.total <= 40
     assert few.host_reads == 1
