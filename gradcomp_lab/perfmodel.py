@@ -636,43 +636,70 @@ LM_SETTINGS: tuple[StoredSetting, ...] = (
 
 @dataclass(frozen=True)
 class StoredMethod:
-    """A stored setting's measured numbers: bytes (fp32 DDP's over its own, per step) and loss against DDP."""
+    """A stored setting's measured numbers.
+
+    Attributes:
+        setting: what was run.
+        bytes_ratio: fp32 DDP's bytes per step over the run's.
+        loss_vs_ddp: the run's final validation loss over its reference DDP run's, minus 1.
+        measured_ranks: the run's world size.
+        bytes_per_element: bytes per step per compressed parameter element (the layers sent in fp32 taken out).
+        fp32_names: parameters the run sent uncompressed (``exclude``), by their name in the model.
+    """
 
     setting: StoredSetting
     bytes_ratio: float
     loss_vs_ddp: float
     measured_ranks: int
+    bytes_per_element: float
+    fp32_names: tuple[str, ...] = ()
+
+
+def _excluded(run: dict[str, Any]) -> tuple[str, ...]:
+    for override in run.get("overrides", []):
+        if override.startswith("--trainer.strategy.init_args.exclude="):
+            names = override.partition("=")[2].strip("[]").split(",")
+            return tuple(name.strip().removeprefix("model.") for name in names)  # the task holds the GPT as .model
+    return ()
 
 
 def stored_methods(directory: Optional[Path] = None) -> list[StoredMethod]:
-    """:data:`LM_SETTINGS` with the bytes ratio and the final validation loss against DDP of their stored runs."""
+    """:data:`LM_SETTINGS` with the bytes and the final validation loss against DDP of their stored runs."""
     long = (directory or results_dir()) / "lm_long"
     methods = []
     for setting in LM_SETTINGS:
         run, ref = _load_run(long, setting.run), _load_run(long, setting.reference)
+        shapes = _recipe_gpt_shapes(run["recipe"])
+        names = _excluded(run)
+        dense = sum(math.prod(shape) for name, shape in shapes if name in names)
+        per_element = (float(run["bytes_per_step"]) - 4.0 * dense) / (int(run["parameters"]) - dense)
         methods.append(StoredMethod(setting, run["fp32_bytes_per_step"] / run["bytes_per_step"],
-                                    run["final_val_loss"] / ref["final_val_loss"] - 1.0, int(run["world_size"])))
+                                    run["final_val_loss"] / ref["final_val_loss"] - 1.0, int(run["world_size"]),
+                                    per_element, names))
     return methods
 
 
 _STAND_IN: Shapes = [("w", (256, 256))]  # a layer on which each compressor shows its collective at N ranks
 
 
-def stored_codec(method: StoredMethod, numel: int, world_size: int, per_element_s: float) -> Codec:
-    """The step's payload of ``method`` for a model of ``numel`` parameters on ``world_size`` ranks.
+def stored_codec(method: StoredMethod, shapes: Shapes, world_size: int, per_element_s: float) -> Codec:
+    """The step's payload of ``method`` for a model of ``shapes`` on ``world_size`` ranks.
 
-    Bytes: fp32's over the stored ratio, scaled by how the compressor's own bytes on a stand-in layer change from
-    the measured ranks to ``world_size`` (TernGrad's planner turns to an int8 all-reduce from 8 ranks). Collective
-    and statistics rounds: the compressor's at ``world_size``. Compute: ``per_element_s`` per element to encode and
-    as much to decode (memory-bound kernels: an assumption, low for PowerSGD's and DeMo's matrix products).
+    Bytes: the layers the stored run kept in fp32 (its embeddings) at 4 bytes an element, the others at the stored
+    run's bytes per element, scaled by how the compressor's own bytes on a stand-in layer change from the measured
+    ranks to ``world_size`` (TernGrad's planner turns to an int8 all-reduce from 8 ranks). Collective and
+    statistics rounds: the compressor's at ``world_size``. Compute: ``per_element_s`` per element to encode and as
+    much to decode (memory-bound kernels: an assumption, low for PowerSGD's and DeMo's matrix products).
     """
     from lightning_gradcomp import registry
 
+    numel = sum(math.prod(shape) for _, shape in shapes)
     if method.setting.name == "ddp":
         return fp32_codec(numel)
     at = measure_codec(registry.make_compressor(method.setting.name), _STAND_IN, world_size, timed=False)
     was = measure_codec(registry.make_compressor(method.setting.name), _STAND_IN, method.measured_ranks, timed=False)
-    nbytes = 4.0 * numel / method.bytes_ratio * at.nbytes / was.nbytes
+    dense = sum(math.prod(shape) for name, shape in shapes if name in method.fp32_names)
+    nbytes = 4.0 * dense + method.bytes_per_element * (numel - dense) * at.nbytes / was.nbytes
     compute = 0.0 if method.setting.name == "bf16" else per_element_s * numel
     return Codec(nbytes, at.aggregation, compute, compute, at.rounds)
 
@@ -708,6 +735,7 @@ def transformer_projection(
     width: int, depth: int, seq_len: int, batch: int, world_size: int, links: Sequence[str], device: str = "h100",
     vocab: int = 50257, step_s: Optional[float] = None, mfu: Optional[float] = None, gpus_per_node: int = 1,
     intra: str = "900gbit@5us", sync_every: Sequence[int] = (100,), directory: Optional[Path] = None,
+    overlap: bool = False,
 ) -> list[TransformerRow]:
     """Step time of DDP, each compressor at its stored setting, the hierarchical exchange and DiLoCo for a GPT on
     ``world_size`` GPUs, for each link in ``links`` (between nodes when ``gpus_per_node`` > 1, else per GPU).
@@ -728,6 +756,8 @@ def transformer_projection(
         intra: the link between the GPUs of a node.
         sync_every: DiLoCo's H values (one row each, fp32 and int8 pseudo-gradients).
         directory: the stored results (default: :func:`results_dir`).
+        overlap: DDP's timeline for the flat rows (each bucket's exchange behind the rest of backward) instead of
+            communication after compute; the hierarchical hook blocks on every bucket and DiLoCo's rows stay serial.
 
     Returns:
         One row per method and link; ``speedup`` is DDP's step over the method's on the same link. The hierarchical
@@ -759,11 +789,12 @@ def transformer_projection(
         net = Network(Link.parse(intra), sites=world_size // gpus_per_node, wan=link) if hier else Network(link)
         cases: list[tuple[str, StoredMethod, Prediction]] = []
         for method in methods:
-            codec = stored_codec(method, numel, world_size, per_element)
+            codec = stored_codec(method, shapes, world_size, per_element)
             at_n = replace(method, bytes_ratio=4.0 * numel / codec.nbytes)  # the collective at N may differ from 4's
-            cases.append((method.setting.name, at_n, predict(step_s, codec, world_size, net, batch, buckets)))
+            cases.append((method.setting.name, at_n,
+                          predict(step_s, codec, world_size, net, batch, buckets, overlap=overlap)))
             if hier and method.setting.name != "ddp":
-                site_codec = stored_codec(method, numel, world_size // gpus_per_node, per_element)
+                site_codec = stored_codec(method, shapes, world_size // gpus_per_node, per_element)
                 unmeasured = replace(method, bytes_ratio=4.0 * numel / site_codec.nbytes, loss_vs_ddp=math.nan)
                 cases.append((f"hierarchical {method.setting.name}", unmeasured,
                               predict(step_s, site_codec, world_size, net, batch, buckets,
@@ -772,14 +803,14 @@ def transformer_projection(
         sites = world_size // gpus_per_node if hier else world_size
         for h in sync_every:
             for outer, ratio in (("ddp", 1.0), ("int8", 4.0)):  # DiLoCo's fp32 and INTELLECT-1's int8 rounds
-                encoding = StoredMethod(StoredSetting(outer, "", ""), ratio, math.nan, 4)
-                comm = diloco_comm_seconds(stored_codec(encoding, numel, sites, per_element), 4.0 * numel,
+                encoding = StoredMethod(StoredSetting(outer, "", ""), ratio, math.nan, 4, 4.0 / ratio)
+                comm = diloco_comm_seconds(stored_codec(encoding, shapes, sites, per_element), 4.0 * numel,
                                            world_size, net, h, buckets)
                 label = "fp32" if outer == "ddp" else outer
                 setting = StoredSetting(f"diloco H={h} {label}", "", f"{label} pseudo-gradients every {h} steps")
                 loss = diloco_runs.get((h, label), math.nan)
                 # bytes between sites per step: one round's over H (the inner steps' dense traffic stays in a node)
-                cases.append((setting.name, StoredMethod(setting, ratio * h, loss, 4),
+                cases.append((setting.name, StoredMethod(setting, ratio * h, loss, 4, 4.0 / ratio),
                               Prediction(world_size, step_s, 0.0, comm, batch, "outer")))
         for name, method, p in cases:
             rows.append(TransformerRow(name, method.setting.setting, method.bytes_ratio, method.loss_vs_ddp, spec, p,
@@ -876,13 +907,14 @@ def _print_transformer(args: argparse.Namespace) -> None:
     rows = transformer_projection(
         args.width, args.depth, args.seq_len, args.batch, args.nproc, args.link, args.gpu, args.vocab,
         None if args.step_ms is None else args.step_ms / 1e3, args.mfu, args.gpus_per_node, args.intra,
-        args.diloco_h)
+        args.diloco_h, overlap=args.overlap)
     numel = sum(math.prod(shape) for _, shape in gpt_shapes(args.width, args.depth, args.vocab, args.seq_len))
     compute = rows[0].prediction.compute_s
     source = (f"measured {args.step_ms:g} ms" if args.step_ms is not None
               else f"{args.gpu} at {DEVICES[args.gpu].flops / 1e12:g} TFLOP/s x MFU "
                    f"{args.mfu if args.mfu is not None else DEVICES[args.gpu].efficiency:g}")
     nodes = f", {args.gpus_per_node} per node joined by {args.intra}" if args.gpus_per_node > 1 else ""
+    nodes += "; flat rows on DDP's timeline (--overlap)" if args.overlap else "; communication after compute"
     print(f"PROJECTION (a model, not a measurement): GPT width {args.width}, depth {args.depth}, "
           f"{numel / 1e6:.1f}M parameters, {args.batch} x {args.seq_len} tokens per GPU, {args.nproc} GPUs{nodes}; "
           f"compute {compute * 1e3:.1f} ms per step ({source}).")
@@ -951,6 +983,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     tr.add_argument("--link", nargs="+", default=["100mbit", "1gbit", "10gbit", "100gbit"],
                     help="link per GPU, or per node with --gpus-per-node")
     tr.add_argument("--diloco-h", type=int, nargs="+", default=[50, 100], help="DiLoCo's H values")
+    tr.add_argument("--overlap", action="store_true",
+                    help="DDP's timeline for the flat rows: each bucket's exchange behind the rest of backward")
     sub.add_parser("validate", help="the model against the emulated cluster's stored step times, with the error")
     args = parser.parse_args(argv)
     workers = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

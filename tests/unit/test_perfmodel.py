@@ -183,6 +183,21 @@ def test_stored_methods_read_bytes_and_loss_from_the_stored_runs() -> None:
     assert methods["terngrad"].bytes_ratio == pytest.approx(4.26, abs=0.01)
 
 
+def test_stored_codec_gives_back_the_stored_bytes_and_keeps_fp32_layers_fp32() -> None:
+    from gradcomp_lab.perfmodel import gpt_shapes, stored_codec, stored_methods
+
+    stored_model = gpt_shapes(64, 2, 256, 64)  # the runs' model, at their 4 ranks: their own bytes back
+    methods = {m.setting.name: m for m in stored_methods()}
+    for method in methods.values():
+        assert stored_codec(method, stored_model, 4, 0.0).nbytes == pytest.approx(4 * 120576 / method.bytes_ratio)
+    # a wide model: TernGrad's run kept the embeddings in fp32, so they cost 4 bytes an element there too, and the
+    # rest 2 bits plus a 4-byte scaler per 64 elements
+    wide = gpt_shapes(1024, 2, 50257, 512)
+    embeddings = (50257 + 512) * 1024
+    rest = sum(math.prod(s) for _, s in wide) - embeddings
+    assert stored_codec(methods["terngrad"], wide, 4, 0.0).nbytes == pytest.approx(4 * embeddings + rest * (0.25 + 4 / 64))
+
+
 def test_transformer_projection_scales_with_the_link_and_the_given_step() -> None:
     from gradcomp_lab.perfmodel import transformer_projection
 
@@ -198,6 +213,8 @@ def test_transformer_projection_scales_with_the_link_and_the_given_step() -> Non
     diloco = by[("diloco H=10 fp32", "1gbit")]
     assert diloco.prediction.comm_s == pytest.approx(slow.comm_s / 10) and diloco.bytes_ratio == 10
     assert diloco.loss_vs_ddp == pytest.approx(0.2161, abs=0.0005)  # docs/diloco.md: diloco_h10 +21.61 %
+    overlapped = transformer_projection(256, 4, 128, 4, 8, ["1gbit"], step_s=0.05, sync_every=(10,), overlap=True)
+    assert overlapped[0].method == "ddp" and overlapped[0].prediction.step_s < slow.step_s  # behind backward
     with pytest.raises(ValueError, match=r"Expected `step_s` .* but got 0"):
         transformer_projection(256, 4, 128, 4, 8, ["1gbit"], step_s=0.0)
     with pytest.raises(ValueError, match=r"multiple of gpus_per_node=4, but got 6"):
