@@ -251,3 +251,31 @@ def test_transformer_and_validate_commands(capsys: pytest.CaptureFixture) -> Non
     assert "| diloco H=50 int8 |" in out
     main(["validate"])
     assert "mean absolute error 12.2%" in capsys.readouterr().out
+
+
+def test_the_guides_transformer_projections_are_what_the_model_prints() -> None:
+    """docs/choosing.md's "speed-up (projected)" column for the transformer equals the model's output for the command
+    it names (a 1.3B GPT on 16 H100 as 2 nodes of 8), so the page cannot drift from the model."""
+    from pathlib import Path
+
+    from gradcomp_lab.perfmodel import transformer_projection
+
+    rows = transformer_projection(2048, 24, 2048, 8, 16, ["100mbit", "1gbit", "10gbit"], device="h100",
+                                  gpus_per_node=8, sync_every=(50,))
+    model = {(r.link, r.method): r.speedup for r in rows}
+    links = {"100 Mbit/s": "100mbit", "1 Gbit/s": "1gbit", "10 Gbit/s and up": "10gbit"}
+    methods = {"TernGrad per-64 (a)": "hierarchical terngrad", "DeMo (c)": "hierarchical demo",
+               '`strategy="bf16"`': "bf16", "DiLoCo, int8, H = 50 (e)": "diloco H=50 int8",
+               '`"ddp"` here; `"int8"` on GPUs': "int8"}
+    text = (Path(__file__).resolve().parents[2] / "docs" / "choosing.md").read_text()
+    section = text.split("## Transformer trained with AdamW")[1].split("## CNN trained with SGD")[0]
+    checked = 0
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 7 or cells[0] not in links:
+            continue
+        documented = cells[6].split(";")[-1].split("(")[0].strip().removesuffix("x")
+        speedup = model[(links[cells[0]], methods[cells[2]])]
+        assert f"{speedup:.{len(documented.partition('.')[2])}f}" == documented, (cells, speedup)
+        checked += 1
+    assert checked == 8
