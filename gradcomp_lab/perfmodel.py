@@ -22,9 +22,14 @@ Command line (``gradcomp-perf`` or ``python -m gradcomp_lab.perfmodel``)::
 
     gradcomp-perf predict --model alexnet --compressor terngrad --nproc 8 --link 1gbit --device gtx1080
     gradcomp-perf fig5 --out docs/img
+    gradcomp-perf transformer --width 4096 --depth 32 --nproc 64 --gpus-per-node 8 --gpu h100
+    gradcomp-perf validate
 
 The AlexNet, GoogLeNet and VGG-A parameter shapes and FLOP counts are tables in this module (from the
-published layer shapes), so predictions need neither the models nor a GPU.
+published layer shapes), so predictions need neither the models nor a GPU. A transformer (``transformer``) is the
+lab's GPT at any width, depth and context: compute from a GPU's published FLOP/s (or a measured step), each
+compressor at the bytes and loss of its best setting on the stored language-model runs, the hierarchical exchange
+and DiLoCo; ``validate`` prints the model's error against the emulated cluster's stored step times.
 """
 
 import argparse
@@ -32,7 +37,8 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -120,8 +126,10 @@ class Device:
     """A GPU for FLOP-count compute estimates (we cannot profile it here: an assumption, not a measurement).
 
     Attributes:
-        flops: peak fp32 FLOP/s.
-        efficiency: fraction of peak reached by training (cuDNN-era convnets: about 0.4-0.5).
+        flops: published peak FLOP/s at the precision training runs at: fp32 for the GPUs without tensor cores
+            (``gtx1080``, ``p100``), dense (not sparse) bf16/fp16 tensor-core FLOP/s for the others.
+        efficiency: fraction of peak reached by training (cuDNN-era convnets: about 0.4-0.5; a transformer's
+            model FLOP utilisation: about 0.3-0.5, 0.4 assumed).
         memory_bandwidth: bytes/s, bounds the compression kernels (read 4 bytes, write a fraction, per element).
     """
 
@@ -137,9 +145,17 @@ class Device:
         return 8.0 / self.memory_bandwidth  # read the fp32 gradient, write/read the packed codes
 
 
+#: the vendors' data-sheet numbers (SXM parts for A100/H100/H200; A100 80 GB)
 DEVICES = {
     "gtx1080": Device(8.9e12, 0.45, 320e9),
     "p100": Device(10.6e12, 0.45, 732e9),
+    "t4": Device(65e12, 0.4, 320e9),
+    "v100": Device(125e12, 0.4, 900e9),
+    "a100": Device(312e12, 0.4, 2.0e12),
+    "l4": Device(121e12, 0.4, 300e9),
+    "rtx4090": Device(165e12, 0.4, 1.0e12),
+    "h100": Device(989e12, 0.4, 3.35e12),
+    "h200": Device(989e12, 0.4, 4.8e12),
 }
 
 
@@ -532,6 +548,402 @@ def _fig5_table(workers: Sequence[int]) -> None:
                       f"{b.throughput / a.throughput:.2f} | {b.collective} | {c.throughput / a.throughput:.2f} |")
 
 
+# -- transformers ------------------------------------------------------------------------------------------------
+def gpt_shapes(width: int, depth: int, vocab: int = 50257, context: int = 2048) -> Shapes:
+    """Parameter shapes of ``gradcomp_lab.models.GPT`` (GPT-2 layout: pre-norm blocks, a 4x MLP, tied embeddings).
+
+    ``gpt_shapes(64, 2, 256, 64)`` is the stored language-model runs' model: 120,576 parameters.
+    """
+    for name, value in (("width", width), ("depth", depth), ("vocab", vocab), ("context", context)):
+        check_int(name, value, minimum=1)
+    # in the model's parameter order, which DDP's bucket assignment follows
+    shapes: Shapes = [("token_embedding.weight", (vocab, width)), ("position_embedding.weight", (context, width))]
+    for i in range(depth):
+        b = f"blocks.{i}"
+        shapes += [(f"{b}.{norm}.{p}", (width,)) for norm in ("ln1", "ln2") for p in ("weight", "bias")]
+        shapes += _fc(f"{b}.attn.qkv", width, 3 * width) + _fc(f"{b}.attn.proj", width, width)
+        shapes += _fc(f"{b}.mlp.0", width, 4 * width) + _fc(f"{b}.mlp.2", 4 * width, width)
+    return shapes + [("ln_f.weight", (width,)), ("ln_f.bias", (width,))]
+
+
+def transformer_train_flops(width: int, depth: int, seq_len: int, batch: int, vocab: int = 50257) -> float:
+    """FLOPs of one worker's training step (forward and backward) on ``batch`` sequences of ``seq_len`` tokens.
+
+    PaLM's count (Chowdhery et al. 2022, appendix B): ``6 N`` per token for the weights' matrix products, the
+    tied output projection included and the position embeddings not (a lookup), plus ``12 depth seq_len width``
+    per token for the attention scores and their weighted sum.
+    """
+    shapes = gpt_shapes(width, depth, vocab, seq_len)
+    matmul_params = sum(math.prod(shape) for name, shape in shapes if name != "position_embedding.weight")
+    tokens = seq_len * batch
+    return tokens * (6.0 * matmul_params + 12.0 * depth * seq_len * width)
+
+
+def results_dir() -> Path:
+    """The stored benchmark results (the run files the tables and this model read) in this checkout."""
+    root = Path(__file__).resolve().parents[1]
+    for candidate in (root / "benchmarks" / "results", root / "docs" / "data"):
+        if (candidate / "lm_long").is_dir():
+            return candidate
+    raise FileNotFoundError(f"Expected the stored results under {root / 'benchmarks' / 'results'}, but found none. "
+                            f"Fix: run from a checkout of the repository (the results are not in the wheel).")
+
+
+def _load_run(directory: Path, label: str) -> dict[str, Any]:
+    import json
+
+    path = directory / f"{label}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"Expected the stored run {path}, but it does not exist. Fix: restore it from git.")
+    run: dict[str, Any] = json.loads(path.read_text())
+    return run
+
+
+@dataclass(frozen=True)
+class StoredSetting:
+    """One way to train the transformer, as measured on 4 CPU ranks (the language-model benchmark's 2000 steps).
+
+    Attributes:
+        name: the registered compressor (``"ddp"``: DDP in fp32, the reference).
+        run: the stored run (under ``lm_long/``) whose bytes and loss the model reports.
+        setting: what the run sets beyond the registered defaults.
+        reference: the DDP run its loss is compared with (the same warm-up).
+    """
+
+    name: str
+    run: str
+    setting: str
+    reference: str = "ddp"
+
+
+#: each compressor at its best setting found on the language-model benchmark (docs/transformers.md)
+LM_SETTINGS: tuple[StoredSetting, ...] = (
+    StoredSetting("ddp", "ddp", "fp32 all-reduce"),
+    StoredSetting("bf16", "bf16", "bf16 all-reduce"),
+    StoredSetting("int8", "int8", "shared scale, int8 all-reduce"),
+    StoredSetting("qsgd", "qsgd_s31", "31 levels"),
+    StoredSetting("terngrad", "terngrad_fp32emb_clip1_b64", "scaler per 64, clip 1 sigma, fp32 embeddings"),
+    StoredSetting("graddrop", "graddrop_0.8_global_dense100", "drop 0.8, global threshold, 100 dense steps"),
+    StoredSetting("powersgd", "powersgd_r16", "rank 16 (width / 4)"),
+    StoredSetting("onebit", "onebit_fp32emb_dense100", "fp32 embeddings, 100 dense steps"),
+    StoredSetting("topk", "topk_10pct_dense100", "10 %, 100 dense steps"),
+    StoredSetting("dgc", "dgc_10pct_dense100", "10 %, 100 dense steps"),
+    StoredSetting("adacomp", "adacomp_bin10_dense100", "bin 10, 100 dense steps"),
+    StoredSetting("demo", "demo_c16_k8_u8_lr7e-3_warm300", "16x16 chunks, top-8, SignSGD lr 0.007, 300 warm-up",
+                  "ddp_warm300"),
+)
+
+
+@dataclass(frozen=True)
+class StoredMethod:
+    """A stored setting's measured numbers.
+
+    Attributes:
+        setting: what was run.
+        bytes_ratio: fp32 DDP's bytes per step over the run's.
+        loss_vs_ddp: the run's final validation loss over its reference DDP run's, minus 1.
+        measured_ranks: the run's world size.
+        bytes_per_element: bytes per step per compressed parameter element (the layers sent in fp32 taken out).
+        fp32_names: parameters the run sent uncompressed (``exclude``), by their name in the model.
+    """
+
+    setting: StoredSetting
+    bytes_ratio: float
+    loss_vs_ddp: float
+    measured_ranks: int
+    bytes_per_element: float
+    fp32_names: tuple[str, ...] = ()
+
+
+def _excluded(run: dict[str, Any]) -> tuple[str, ...]:
+    for override in run.get("overrides", []):
+        if override.startswith("--trainer.strategy.init_args.exclude="):
+            names = override.partition("=")[2].strip("[]").split(",")
+            return tuple(name.strip().removeprefix("model.") for name in names)  # the task holds the GPT as .model
+    return ()
+
+
+def stored_methods(directory: Optional[Path] = None) -> list[StoredMethod]:
+    """:data:`LM_SETTINGS` with the bytes and the final validation loss against DDP of their stored runs."""
+    long = (directory or results_dir()) / "lm_long"
+    methods = []
+    for setting in LM_SETTINGS:
+        run, ref = _load_run(long, setting.run), _load_run(long, setting.reference)
+        shapes = _recipe_gpt_shapes(run["recipe"])
+        names = _excluded(run)
+        dense = sum(math.prod(shape) for name, shape in shapes if name in names)
+        per_element = (float(run["bytes_per_step"]) - 4.0 * dense) / (int(run["parameters"]) - dense)
+        methods.append(StoredMethod(setting, run["fp32_bytes_per_step"] / run["bytes_per_step"],
+                                    run["final_val_loss"] / ref["final_val_loss"] - 1.0, int(run["world_size"]),
+                                    per_element, names))
+    return methods
+
+
+_STAND_IN: Shapes = [("w", (256, 256))]  # a layer on which each compressor shows its collective at N ranks
+
+
+def stored_codec(method: StoredMethod, shapes: Shapes, world_size: int, per_element_s: float) -> Codec:
+    """The step's payload of ``method`` for a model of ``shapes`` on ``world_size`` ranks.
+
+    Bytes: the layers the stored run kept in fp32 (its embeddings) at 4 bytes an element, the others at the stored
+    run's bytes per element, scaled by how the compressor's own bytes on a stand-in layer change from the measured
+    ranks to ``world_size`` (TernGrad's planner turns to an int8 all-reduce from 8 ranks). Collective and
+    statistics rounds: the compressor's at ``world_size``. Compute: ``per_element_s`` per element to encode and as
+    much to decode (memory-bound kernels: an assumption, low for PowerSGD's and DeMo's matrix products).
+    """
+    from lightning_gradcomp import registry
+
+    numel = sum(math.prod(shape) for _, shape in shapes)
+    if method.setting.name == "ddp":
+        return fp32_codec(numel)
+    at = measure_codec(registry.make_compressor(method.setting.name), _STAND_IN, world_size, timed=False)
+    was = measure_codec(registry.make_compressor(method.setting.name), _STAND_IN, method.measured_ranks, timed=False)
+    dense = sum(math.prod(shape) for name, shape in shapes if name in method.fp32_names)
+    nbytes = 4.0 * dense + method.bytes_per_element * (numel - dense) * at.nbytes / was.nbytes
+    compute = 0.0 if method.setting.name == "bf16" else per_element_s * numel
+    return Codec(nbytes, at.aggregation, compute, compute, at.rounds)
+
+
+def diloco_comm_seconds(codec: Codec, dense_bytes: float, world_size: int, network: Network, sync_every: int,
+                        buckets: Buckets = 1) -> float:
+    """Seconds per step of DiLoCo's communication: a dense all-reduce inside each site every step (DDP over
+    ``network.link``), and every ``sync_every`` steps one exchange of the pseudo-gradients (``codec``) between
+    sites: the hierarchical exchange where sites hold several ranks, the compressor's collective where each rank
+    is a site. Blocking DiLoCo; Streaming DiLoCo hides part of the outer exchange behind the next inner steps,
+    so this is its upper bound."""
+    check_int("sync_every", sync_every, minimum=1)
+    if network.sites == 1:  # every rank is a site: no inner exchange
+        return comm_seconds(codec, world_size, network, buckets) / sync_every
+    inner = comm_seconds(Codec(dense_bytes, Aggregation.SUM), world_size // network.sites, Network(network.link), buckets)
+    return inner + hierarchical_comm_seconds(codec, dense_bytes, world_size, network, buckets) / sync_every
+
+
+@dataclass(frozen=True)
+class TransformerRow:
+    """One method's projected step on one link, against DDP's on the same link."""
+
+    method: str
+    setting: str
+    bytes_ratio: float
+    loss_vs_ddp: float
+    link: str
+    prediction: Prediction
+    speedup: float
+
+
+def transformer_projection(
+    width: int, depth: int, seq_len: int, batch: int, world_size: int, links: Sequence[str], device: str = "h100",
+    vocab: int = 50257, step_s: Optional[float] = None, mfu: Optional[float] = None, gpus_per_node: int = 1,
+    intra: str = "900gbit@5us", sync_every: Sequence[int] = (100,), directory: Optional[Path] = None,
+    overlap: bool = False,
+) -> list[TransformerRow]:
+    """Step time of DDP, each compressor at its stored setting, the hierarchical exchange and DiLoCo for a GPT on
+    ``world_size`` GPUs, for each link in ``links`` (between nodes when ``gpus_per_node`` > 1, else per GPU).
+
+    Args:
+        width: the model's width.
+        depth: its blocks.
+        seq_len: tokens per sequence (also the context).
+        batch: sequences per GPU per step.
+        world_size: GPUs in all.
+        links: link specs (``"100mbit"``, ``"1gbit"``, ``"10gbit@50us"``), one projection each.
+        device: a :data:`DEVICES` name; its published FLOP/s times ``mfu`` give the compute.
+        vocab: vocabulary size (tied embeddings).
+        step_s: one GPU's measured compute step (forward, backward, update, no communication), which replaces the
+            FLOP estimate.
+        mfu: the model FLOP utilisation (default: the device's ``efficiency``).
+        gpus_per_node: GPUs joined by ``intra`` inside a node; 2 or more adds the hierarchical rows.
+        intra: the link between the GPUs of a node.
+        sync_every: DiLoCo's H values (one row each, fp32 and int8 pseudo-gradients).
+        directory: the stored results (default: :func:`results_dir`).
+        overlap: DDP's timeline for the flat rows (each bucket's exchange behind the rest of backward) instead of
+            communication after compute; the hierarchical hook blocks on every bucket and DiLoCo's rows stay serial.
+
+    Returns:
+        One row per method and link; ``speedup`` is DDP's step over the method's on the same link. The hierarchical
+        rows carry no loss (not measured on the language model).
+    """
+    check_int("world_size", world_size, minimum=2)
+    check_int("gpus_per_node", gpus_per_node, minimum=1)
+    if world_size % gpus_per_node:
+        raise ValueError(f"Expected `world_size` to be a multiple of gpus_per_node={gpus_per_node}, but got "
+                         f"{world_size}. Fix: give whole nodes.")
+    gpu = DEVICES[device]
+    if step_s is None:
+        efficiency = gpu.efficiency if mfu is None else mfu
+        if not 0 < efficiency <= 1:
+            raise ValueError(f"Expected `mfu` in (0, 1], but got {mfu}. Fix: e.g. 0.4.")
+        step_s = transformer_train_flops(width, depth, seq_len, batch, vocab) / (gpu.flops * efficiency)
+    elif not step_s > 0:
+        raise ValueError(f"Expected `step_s` (a measured step) > 0 seconds, but got {step_s}. Fix: give the step time.")
+    shapes = gpt_shapes(width, depth, vocab, seq_len)
+    numel = sum(math.prod(shape) for _, shape in shapes)
+    buckets = ddp_bucket_fractions(shapes)
+    per_element = gpu.codec_seconds_per_element()
+    methods = stored_methods(directory)
+    diloco_runs = _diloco_stored(directory or results_dir())
+    rows: list[TransformerRow] = []
+    for spec in links:
+        link = Link.parse(spec)
+        hier = gpus_per_node > 1
+        net = Network(Link.parse(intra), sites=world_size // gpus_per_node, wan=link) if hier else Network(link)
+        cases: list[tuple[str, StoredMethod, Prediction]] = []
+        for method in methods:
+            codec = stored_codec(method, shapes, world_size, per_element)
+            at_n = replace(method, bytes_ratio=4.0 * numel / codec.nbytes)  # the collective at N may differ from 4's
+            cases.append((method.setting.name, at_n,
+                          predict(step_s, codec, world_size, net, batch, buckets, overlap=overlap)))
+            if hier and method.setting.name != "ddp":
+                site_codec = stored_codec(method, shapes, world_size // gpus_per_node, per_element)
+                unmeasured = replace(method, bytes_ratio=4.0 * numel / site_codec.nbytes, loss_vs_ddp=math.nan)
+                cases.append((f"hierarchical {method.setting.name}", unmeasured,
+                              predict(step_s, site_codec, world_size, net, batch, buckets,
+                                      hierarchical_dense_bytes=4.0 * numel)))
+        ddp = cases[0][2]
+        sites = world_size // gpus_per_node if hier else world_size
+        for h in sync_every:
+            for outer, ratio in (("ddp", 1.0), ("int8", 4.0)):  # DiLoCo's fp32 and INTELLECT-1's int8 rounds
+                encoding = StoredMethod(StoredSetting(outer, "", ""), ratio, math.nan, 4, 4.0 / ratio)
+                comm = diloco_comm_seconds(stored_codec(encoding, shapes, sites, per_element), 4.0 * numel,
+                                           world_size, net, h, buckets)
+                label = "fp32" if outer == "ddp" else outer
+                setting = StoredSetting(f"diloco H={h} {label}", "", f"{label} pseudo-gradients every {h} steps")
+                loss = diloco_runs.get((h, label), math.nan)
+                # bytes between sites per step: one round's over H (the inner steps' dense traffic stays in a node)
+                cases.append((setting.name, StoredMethod(setting, ratio * h, loss, 4, 4.0 / ratio),
+                              Prediction(world_size, step_s, 0.0, comm, batch, "outer")))
+        for name, method, p in cases:
+            rows.append(TransformerRow(name, method.setting.setting, method.bytes_ratio, method.loss_vs_ddp, spec, p,
+                                       ddp.step_s / p.step_s))
+    return rows
+
+
+def _diloco_stored(directory: Path) -> dict[tuple[int, str], float]:
+    """DiLoCo's stored loss against DDP by (H, pseudo-gradient encoding), from the DiLoCo benchmark's runs."""
+    found: dict[tuple[int, str], float] = {}
+    folder = directory / "diloco"
+    if not (folder / "ddp.json").is_file():
+        return found
+    ddp = _load_run(folder, "ddp")["final_val_loss"]
+    for path in folder.glob("*.json"):
+        for prefix, outer in (("diloco_h", "fp32"), ("int8_h", "int8")):
+            if path.stem.startswith(prefix) and path.stem[len(prefix):].isdigit():
+                found[(int(path.stem[len(prefix):]), outer)] = _load_run(folder, path.stem)["final_val_loss"] / ddp - 1
+    return found
+
+
+# -- validation against the emulated cluster ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Validation:
+    """One stored emulated run re-predicted on another link from its own step on the first (the ``--step-ms`` use)."""
+
+    benchmark: str
+    run: str
+    given_s: float
+    predicted_s: float
+    measured_s: float
+
+    @property
+    def error(self) -> float:
+        """Predicted over measured, minus 1."""
+        return self.predicted_s / self.measured_s - 1.0
+
+
+def _recipe_gpt_shapes(recipe: str) -> Shapes:
+    import yaml
+
+    model = yaml.safe_load((Path(__file__).resolve().parents[1] / recipe).read_text())["model"]["init_args"]["model"]
+    args = model["init_args"]
+    return gpt_shapes(args["width"], args["depth"], args["vocab_size"], args["context"])
+
+
+def stored_run_comm_seconds(run: dict[str, Any], network: Network, buckets: Buckets) -> float:
+    """Seconds of communication per step of a stored run (its bytes, its compressor's collective) on ``network``,
+    with Gloo's flat ring, as the emulated cluster runs it."""
+    import lightning_gradcomp.compressors as compressors
+
+    n, numel = int(run["world_size"]), int(run["parameters"])
+    if run["strategy"] == "DiLoCoStrategy":  # one outer round's bytes every H = steps / rounds steps
+        sync_every = int(run["steps"]) // int(run["outer_rounds"])
+        outer = Codec(float(run["bytes_per_step"]) * sync_every, Aggregation.SUM, rounds=1)
+        return diloco_comm_seconds(outer, 4.0 * numel, n, network, sync_every, buckets)
+    if run["compressor"] is None:
+        return comm_seconds(fp32_codec(numel), n, network, buckets, two_level_allreduce=False)
+    compressor = getattr(compressors, run["compressor"]["compressor"])()
+    shape = measure_codec(compressor, _STAND_IN, n, timed=False)
+    codec = Codec(float(run["bytes_per_step"]), shape.aggregation, rounds=shape.rounds)
+    return comm_seconds(codec, n, network, buckets, two_level_allreduce=False)
+
+
+def validate_emulated(directory: Optional[Path] = None, given: str = "1gbit", target: str = "100mbit",
+                      lan: str = "10gbit") -> list[Validation]:
+    """Every stored emulated run (``lm_emulated``, ``diloco_emulated``: 4 ranks as 2 sites of 2) measured on both
+    WAN links: its measured step on ``given`` is the step time a user gives (compute, codec and communication
+    on this machine), the model swaps that link's communication for ``target``'s, and the result is compared
+    with the step measured on ``target``."""
+    import json
+
+    root = directory or results_dir()
+    rows = []
+    for benchmark in ("lm_emulated", "diloco_emulated"):
+        for path in sorted((root / benchmark / given).glob("*.json")):
+            other = root / benchmark / target / path.name
+            if not other.is_file():
+                continue
+            fast, slow = json.loads(path.read_text()), json.loads(other.read_text())
+            buckets = ddp_bucket_fractions(_recipe_gpt_shapes(fast["recipe"]))
+
+            def net(wan: str) -> Network:
+                return Network(Link.parse(lan), sites=2, wan=Link.parse(wan))
+
+            base = float(fast["median_step_seconds"])
+            predicted = (base - stored_run_comm_seconds(fast, net(given), buckets)
+                         + stored_run_comm_seconds(slow, net(target), buckets))
+            rows.append(Validation(benchmark, path.stem, base, predicted, float(slow["median_step_seconds"])))
+    return rows
+
+
+def _print_transformer(args: argparse.Namespace) -> None:
+    rows = transformer_projection(
+        args.width, args.depth, args.seq_len, args.batch, args.nproc, args.link, args.gpu, args.vocab,
+        None if args.step_ms is None else args.step_ms / 1e3, args.mfu, args.gpus_per_node, args.intra,
+        args.diloco_h, overlap=args.overlap)
+    numel = sum(math.prod(shape) for _, shape in gpt_shapes(args.width, args.depth, args.vocab, args.seq_len))
+    compute = rows[0].prediction.compute_s
+    source = (f"measured {args.step_ms:g} ms" if args.step_ms is not None
+              else f"{args.gpu} at {DEVICES[args.gpu].flops / 1e12:g} TFLOP/s x MFU "
+                   f"{args.mfu if args.mfu is not None else DEVICES[args.gpu].efficiency:g}")
+    nodes = f", {args.gpus_per_node} per node joined by {args.intra}" if args.gpus_per_node > 1 else ""
+    nodes += "; flat rows on DDP's timeline (--overlap)" if args.overlap else "; communication after compute"
+    print(f"PROJECTION (a model, not a measurement): GPT width {args.width}, depth {args.depth}, "
+          f"{numel / 1e6:.1f}M parameters, {args.batch} x {args.seq_len} tokens per GPU, {args.nproc} GPUs{nodes}; "
+          f"compute {compute * 1e3:.1f} ms per step ({source}).")
+    print("Bytes ratio: fp32 DDP's bytes per step over the method's, on the links between nodes; loss vs DDP: "
+          "final validation loss of the stored CPU run (4 ranks, GPT width 64, 2000 steps), not of this model.\n")
+    links = list(dict.fromkeys(row.link for row in rows))
+    print("| method | setting | bytes ratio | loss vs DDP (measured, CPU) | "
+          + " | ".join(f"{link}: step ms, speed-up" for link in links) + " |")
+    print("|---" * (4 + len(links)) + "|")
+    for method in dict.fromkeys(row.method for row in rows):
+        mine = [row for row in rows if row.method == method]
+        loss = "n/a" if math.isnan(mine[0].loss_vs_ddp) else f"{mine[0].loss_vs_ddp:+.1%}"
+        cells = " | ".join(f"{row.prediction.step_s * 1e3:,.0f}, {row.speedup:.2f}x" for row in mine)
+        print(f"| {method} | {mine[0].setting} | {mine[0].bytes_ratio:.1f}x | {loss} | {cells} |")
+
+
+def _print_validation() -> None:
+    rows = validate_emulated()
+    print("Each run's measured step on the 1gbit WAN given as the step time; the model swaps in the 100mbit WAN's "
+          "communication (4 Gloo ranks as 2 sites of 2, 10gbit inside a site):\n")
+    print("| benchmark | run | given step (1gbit) s | predicted (100mbit) s | measured (100mbit) s | error |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row.benchmark} | {row.run} | {row.given_s:.3f} | {row.predicted_s:.3f} | {row.measured_s:.3f} | "
+              f"{row.error:+.1%} |")
+    errors = [abs(row.error) for row in rows]
+    print(f"\nmean absolute error {statistics.mean(errors):.1%}, largest {max(errors):.1%} ({len(rows)} runs)")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     """``gradcomp-perf``: predict one configuration, or draw the Fig. 5-style curves."""
     from lightning_gradcomp import registry
@@ -553,8 +965,35 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="the hierarchical exchange: dense inside a node (--intra), compressed between nodes (--link)")
     fg = sub.add_parser("fig5", help="Fig. 5-style curves for AlexNet, GoogLeNet and VGG-A")
     fg.add_argument("--out", default="docs/img")
+    tr = sub.add_parser("transformer", help="a GPT on named GPUs and links: DDP, each compressor at its measured "
+                        "bytes, the hierarchical exchange, DiLoCo (a projection, not a measurement)")
+    tr.add_argument("--width", type=int, required=True)
+    tr.add_argument("--depth", type=int, required=True)
+    tr.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    tr.add_argument("--batch", type=int, default=8, help="sequences per GPU per step")
+    tr.add_argument("--vocab", type=int, default=50257)
+    tr.add_argument("--gpu", choices=sorted(DEVICES), default="h100", help="compute from its published FLOP/s")
+    tr.add_argument("--mfu", type=float, default=None, help="model FLOP utilisation (default: 0.4)")
+    tr.add_argument("--step-ms", type=float, default=None,
+                    help="one GPU's measured step without communication (replaces --gpu's FLOP estimate)")
+    tr.add_argument("--nproc", type=int, default=16, help="GPUs in all")
+    tr.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (inside: --intra); >= 2 adds the "
+                    "hierarchical rows")
+    tr.add_argument("--intra", default="900gbit@5us", help="link between the GPUs of a node (NVLink: 900gbit)")
+    tr.add_argument("--link", nargs="+", default=["100mbit", "1gbit", "10gbit", "100gbit"],
+                    help="link per GPU, or per node with --gpus-per-node")
+    tr.add_argument("--diloco-h", type=int, nargs="+", default=[50, 100], help="DiLoCo's H values")
+    tr.add_argument("--overlap", action="store_true",
+                    help="DDP's timeline for the flat rows: each bucket's exchange behind the rest of backward")
+    sub.add_parser("validate", help="the model against the emulated cluster's stored step times, with the error")
     args = parser.parse_args(argv)
     workers = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    if args.command == "transformer":
+        _print_transformer(args)
+        return
+    if args.command == "validate":
+        _print_validation()
+        return
     if args.command == "fig5":
         for path in draw_fig5(args.out, workers):
             print(f"wrote {path}")

@@ -37,8 +37,8 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.segments import Segments
 
-#: sums a tensor over ranks in place, waits for it, and returns it
 AllReduce = Callable[[Tensor], Tensor]
+"""Sums a tensor over ranks in place, waits for it, and returns it."""
 
 
 @dataclass

@@ -45,9 +45,11 @@ ValueDtype = Literal["fp32", "fp16", "int2"]
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _INT2 = "int2"
 
-#: the DGC paper's sparsity warm-up as kept fractions: 75%, 93.75%, 98.4375%, 99.6%, 99.9% sparsity
-#: (one value per warm-up epoch, the last one kept afterwards; 99.6% is taken as 1 - 4**-4 = 99.609%)
 DGC_PAPER_WARMUP: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625, 0.001)
+"""The DGC paper's sparsity warm-up as kept fractions: 75%, 93.75%, 98.4375%, 99.6%, 99.9% sparsity.
+
+One value per warm-up epoch, the last one kept afterwards; 99.6% is taken as 1 - 4**-4 = 99.609%.
+"""
 
 
 def dgc_code_warmup(ratio: float, warmup_epochs: int) -> list[float]:
