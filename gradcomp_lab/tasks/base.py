@@ -127,6 +127,20 @@ class TrainingTask(LightningModule):
         if init_weights is not None:
             self.model.load_state_dict(_model_weights(init_weights))
 
+    @override
+    def configure_model(self) -> None:
+        """Shard the model with FSDP2 when the strategy gives a ``("replicate", "shard")`` device mesh
+        (:class:`~lightning_gradcomp.ShardedGradCompStrategy`): each of the model's ``blocks`` (a transformer's
+        layers), then the model itself, over the mesh's ``"shard"`` dimension. Any other strategy: nothing."""
+        mesh = self._device_mesh
+        if mesh is None or "shard" not in (mesh.mesh_dim_names or ()):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for block in getattr(self.model, "blocks", ()):
+            fully_shard(block, mesh=mesh["shard"])
+        fully_shard(self.model, mesh=mesh["shard"])
+
     def regularization(self) -> Tensor:
         """``weight_decay * sum(0.5 * ||w||^2)`` when the decay lives in the loss, else 0."""
         if not self.weight_decay_in_loss or self.weight_decay == 0.0:

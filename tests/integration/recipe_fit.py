@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from gradcomp_lab.cli import GradCompCLI
-from lightning_gradcomp import DiLoCoStrategy, GradCompStrategy
+from lightning_gradcomp import DiLoCoStrategy, GradCompStrategy, ShardedGradCompStrategy
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.towers import TowerStrategy
 from lightning_gradcomp.weightgrad import WeightGradStrategy
@@ -54,7 +54,7 @@ def _digest(module: torch.nn.Module) -> str:
 
 
 def _compressor_ran(recipe: str, strategy: object, steps: int) -> None:
-    if isinstance(strategy, GradCompStrategy):
+    if isinstance(strategy, (GradCompStrategy, ShardedGradCompStrategy)):
         state = strategy.comm_state
         assert state is not None and state.hook_calls >= steps, (recipe, "the gradcomp hook did not run every step")
         if not isinstance(strategy.compressor, Identity):  # what this rank sent is smaller than fp32 DDP's
@@ -70,6 +70,16 @@ def _compressor_ran(recipe: str, strategy: object, steps: int) -> None:
 def _replicas(recipe: str, cli: GradCompCLI) -> str:
     """Check the replicas that must be bit-identical across ranks; returns what was checked."""
     strategy = cli.trainer.strategy
+    if isinstance(strategy, ShardedGradCompStrategy):
+        # each rank's shard must equal its copies in the other replicas (the same place in the other meshes' rows)
+        shards = [""] * strategy.world_size
+        local = hashlib.sha1(b"".join(getattr(p, "to_local", lambda p=p: p)().detach().contiguous().numpy().tobytes()
+                                      for p in cli.model.parameters()))
+        dist.all_gather_object(shards, local.hexdigest())
+        size = strategy.device_mesh["shard"].size()
+        for r in range(strategy.world_size):
+            assert shards[r] == shards[r % size], (recipe, f"rank {r}'s shard differs from rank {r % size}'s", shards)
+        return f"{strategy.world_size} ranks: every shard identical in its {strategy.world_size // size} replicas"
     if not isinstance(strategy, DDPStrategy) or strategy.world_size == 1:
         return "1 rank"
     digests: list[str] = [""] * strategy.world_size
