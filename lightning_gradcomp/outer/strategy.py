@@ -13,6 +13,7 @@ the main thread in a fixed order on every rank, cannot interleave with the inner
 """
 
 import importlib
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
@@ -30,7 +31,7 @@ from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.exchange import LeaderExchange
 from lightning_gradcomp.outer.fragments import strided_fragments
 from lightning_gradcomp.strategy import GradCompStrategy
-from lightning_gradcomp.validation import check_bool, check_int, check_number
+from lightning_gradcomp.validation import check_bool, check_int, check_number, UnknownOptionError
 from lightning_gradcomp.sites import (
     SiteGroups,
     SiteLayout,
@@ -67,6 +68,36 @@ def resolve_optimizer(outer_optimizer: Union[str, type]) -> type[Optimizer]:
             f"a short name {sorted(_SHORT_OPTIMIZERS)}, or an optimizer class."
         )
     return cls
+
+
+# arguments the strategy sets itself from its own options (``outer_lr``, ``outer_momentum``, ``outer_nesterov``)
+_OWN_ARGUMENTS = {"lr": "outer_lr", "momentum": "outer_momentum", "nesterov": "outer_nesterov"}
+
+
+def check_outer_kwargs(cls: type[Optimizer], outer_kwargs: dict[str, Any]) -> None:
+    """Refuse ``outer_kwargs`` keys the outer optimizer does not take or the strategy sets itself.
+
+    Raises:
+        ValueError: a key is not an argument of ``cls`` (:class:`~lightning_gradcomp.validation.UnknownOptionError`)
+            or duplicates one of the strategy's own options (``lr``: ``outer_lr``; SGD's ``momentum`` and
+            ``nesterov``: ``outer_momentum``, ``outer_nesterov``).
+    """
+    for key, option in _OWN_ARGUMENTS.items():
+        if key in outer_kwargs and (key == "lr" or issubclass(cls, torch.optim.SGD)):
+            raise ValueError(
+                f"Expected `outer_kwargs` without {key!r} (the strategy sets it from `{option}`), but got "
+                f"{outer_kwargs!r}. Fix: pass `{option}={outer_kwargs[key]!r}` instead."
+            )
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return  # the optimizer takes any keyword: its own check runs on the probe in the constructor
+    valid = [n for n in parameters if n not in ("self", "params", *_OWN_ARGUMENTS)]
+    unknown = [key for key in outer_kwargs if key not in valid]
+    if unknown:
+        raise UnknownOptionError(
+            f"Expected `outer_kwargs` to hold arguments of {cls.__name__}, but got {unknown[0]!r} in "
+            f"{outer_kwargs!r}. Fix: use only {valid}."
+        )
 
 
 def tokens_in(batch: Any) -> int:
@@ -167,6 +198,7 @@ class DiLoCoStrategy(GradCompStrategy):
                      fix="beta of the outer error feedback: SparseLoCo-style 0.95, 1 for plain error feedback, 0 for none")
         check_site_options(site_size, site_sizes)
         self.outer_optimizer_class = resolve_optimizer(outer_optimizer)
+        check_outer_kwargs(self.outer_optimizer_class, outer_kwargs or {})
         super().__init__(compressor=inner_compressor, **kwargs)
         self.outer_compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
         if not isinstance(self.outer_compressor, Compressor):
@@ -186,6 +218,13 @@ class DiLoCoStrategy(GradCompStrategy):
         self.mixing = float(mixing)
         self.outer_state_device = outer_state_device
         self.error_decay = float(error_decay)
+        try:  # values the optimizer refuses (e.g. betas outside [0, 1)) fail now, not at the first round
+            self._outer_optimizer([torch.zeros(1)])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"Expected `outer_kwargs` that {self.outer_optimizer_class.__name__} accepts, but got "
+                f"{self.outer_kwargs!r}: {exc}. Fix: pass values {self.outer_optimizer_class.__name__} accepts."
+            ) from exc
         self.layout: Optional[SiteLayout] = None
         self.groups: Optional[SiteGroups] = None
         self.outer: Optional[OuterSync] = None
