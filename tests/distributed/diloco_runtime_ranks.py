@@ -99,7 +99,8 @@ def runtime_scenarios(rank: int, world_size: int, tmpdir: str) -> dict[str, dict
     # rounds on schedule with the replica check every step: only the sites' own ranks must agree between rounds
     out["checked"] = _fit(world_size, DiLoCoStrategy(sync_every=2, check_replicas_every=1), 4)
     out["weightgrad_checked"] = _fit(
-        world_size, WeightGradStrategy(allow_single_rank_sites=True, staleness_bound=2, check_replicas_every=1), 4)
+        world_size, WeightGradStrategy(site_size=1, allow_single_rank_sites=True, staleness_bound=2,
+                                       check_replicas_every=1), 4)
     # a rank whose global weights differ right after a round: every rank raises, naming it
     out["anchor_perturbed"] = _fit(world_size, DiLoCoStrategy(sync_every=2, check_replicas_every=1), 4,
                                    callbacks=[AtStep(1, 1, _perturb_anchor)])
