@@ -93,7 +93,7 @@ def test_resume_from_a_ddp_checkpoint_warns_that_the_outer_state_starts_afresh(
 
 
 def test_nonfinite_pseudo_gradient_names_the_site_and_no_skip_option(runs: list[dict[str, dict[str, Any]]]) -> None:
-    for rank, r in enumerate(runs):
+    for r in runs:
         kind, message = r["nan"]["error"]
         assert kind == "NonFiniteGradientError", message
         assert "pseudo-gradient" in message and "inner step 2" in message and "Fix:" in message, message
