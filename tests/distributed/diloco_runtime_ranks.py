@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
-from lightning_gradcomp import WeightGradStrategy
+from lightning_gradcomp import GradCompStrategy, WeightGradStrategy
 from lightning_gradcomp.callbacks.progress import PROGRESS_BAR_KEY
 from lightning_gradcomp.outer import DiLoCoStrategy
 from tests.distributed.lightning_ranks import random_loader
@@ -116,6 +116,13 @@ def runtime_scenarios(rank: int, world_size: int, tmpdir: str) -> dict[str, dict
     _fit(world_size, "ddp", 2, callbacks=[saver], checkpointing=True)
     out["from_ddp"] = _fit(world_size, DiLoCoStrategy(sync_every=2), 4,
                            ckpt_path=os.path.join(tmpdir, "ddp", "epoch=0-step=2.ckpt"))
+    # resume from a GradCompStrategy checkpoint: its compression state is not DiLoCo's (refused); 'reset' starts afresh
+    saver = ModelCheckpoint(dirpath=os.path.join(tmpdir, "gradcomp"), every_n_train_steps=2, save_top_k=-1)
+    _fit(world_size, GradCompStrategy(compressor="fp32"), 2, callbacks=[saver], checkpointing=True)
+    path = os.path.join(tmpdir, "gradcomp", "epoch=0-step=2.ckpt")
+    out["from_gradcomp"] = _fit(world_size, DiLoCoStrategy(sync_every=2), 4, ckpt_path=path)
+    out["from_gradcomp_reset"] = _fit(world_size, DiLoCoStrategy(sync_every=2, resume_compression="reset"), 4,
+                                      ckpt_path=path)
     # last: a NaN weight on rank 1 before the round at step 2 (its pseudo-gradient is NaN)
     out["nan"] = _fit(world_size, DiLoCoStrategy(sync_every=2), 4, callbacks=[AtStep(1, 1, _nan_weight)])
     out["progress_bar_key"] = {"key": PROGRESS_BAR_KEY}

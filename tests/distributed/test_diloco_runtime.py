@@ -92,6 +92,14 @@ def test_resume_from_a_ddp_checkpoint_warns_that_the_outer_state_starts_afresh(
     assert any("holds no DiLoCo state" in w and "Fix:" in w for w in from_ddp[0]["warnings"]), from_ddp[0]["warnings"]
 
 
+def test_resume_from_a_gradcomp_checkpoint_is_refused_unless_reset(runs: list[dict[str, dict[str, Any]]]) -> None:
+    for r in runs:
+        kind, message = r["from_gradcomp"]["error"]
+        assert kind == "ValueError" and "resume_compression='reset'" in message, message
+    reset = _ok(runs, "from_gradcomp_reset")
+    assert torch.equal(reset[0]["params"], reset[1]["params"])
+
+
 def test_nonfinite_pseudo_gradient_names_the_site_and_no_skip_option(runs: list[dict[str, dict[str, Any]]]) -> None:
     for r in runs:
         kind, message = r["nan"]["error"]
