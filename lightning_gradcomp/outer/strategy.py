@@ -247,11 +247,12 @@ class DiLoCoStrategy(GradCompStrategy):
         layout = site_layout(world_size, site_size=site_size, site_sizes=self.site_sizes, allow_single_rank_sites=True)
         if layout.num_sites == 1:
             where = (
-                "one device" if world_size == 1
-                else f"one site ({'site_sizes' if self.site_sizes else 'site_size'}={self.site_sizes or self.site_size})"
+                "it runs on one device" if world_size == 1
+                else f"its {world_size} ranks form one site "
+                f"({'site_sizes' if self.site_sizes else 'site_size'}={self.site_sizes or self.site_size})"
             )
             rank_zero_warn(
-                f"Expected DiLoCo to run at least 2 sites, but its {world_size} rank(s) form {where}, so no outer "
+                f"Expected DiLoCo to run at least 2 sites, but {where}, so no outer "
                 f"round sends anything between sites: the outer {self.outer_optimizer_class.__name__} steps this one "
                 f"replica on its own pseudo-gradient every {self.sync_every} steps. Fix: run on more devices or "
                 f"nodes (every rank is a site by default), or pass a smaller `site_size`.",
@@ -325,7 +326,7 @@ class DiLoCoStrategy(GradCompStrategy):
         self.outer.take_landed()
         module = self.lightning_module
         assert module is not None
-        if final:
+        if final and self.global_rank == 0:
             log.info(
                 "diloco: final outer round of fragment(s) %s at inner step %d, so every rank leaves fit with the global "
                 "weights", final, self.outer.inner_steps,

@@ -1,7 +1,6 @@
 """DiLoCo at run time on 2 real Gloo ranks (sites of one rank): the end of fit, what is reported as sent, replica
 checks by site, resume and layout warnings, a non-finite pseudo-gradient. One spawned world runs every scenario."""
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -109,7 +108,8 @@ def test_nonfinite_pseudo_gradient_names_the_site_and_no_skip_option(runs: list[
     assert "of site 1" in runs[1]["nan"]["error"][1]
 
 
-@pytest.mark.parametrize("kwargs, world_size, where", [({}, 1, "one device"), ({"site_size": 4}, 4, "one site")])
-def test_one_site_layouts_warn(kwargs: dict[str, Any], world_size: int, where: str, tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match=f"form {where}"):
+@pytest.mark.parametrize("kwargs, world_size, where", [({}, 1, r"runs on one device"),
+                                                       ({"site_size": 4}, 4, r"its 4 ranks form one site \(site_size=4\)")])
+def test_one_site_layouts_warn(kwargs: dict[str, Any], world_size: int, where: str) -> None:
+    with pytest.warns(UserWarning, match=where):
         DiLoCoStrategy(**kwargs).make_layout(world_size)
