@@ -10,6 +10,9 @@ outer optimizer.
 Where the outer round runs: in :meth:`DiLoCoStrategy.optimizer_step`, right after the inner optimizer step. By
 then DDP's backward (and every hook collective) has finished on all ranks, so the outer collectives, issued from
 the main thread in a fixed order on every rank, cannot interleave with the inner ones on the same group.
+
+When training ends, :class:`FinalOuterRound` (the first callback) runs one last round for every fragment not synced
+at the last step, so every rank holds the global weights when ``fit`` returns (``docs/diloco.md``).
 """
 
 import copy
@@ -227,7 +230,8 @@ class DiLoCoStrategy(GradCompStrategy):
         except (TypeError, ValueError) as exc:
             raise ValueError(
                 f"Expected `outer_kwargs` that {self.outer_optimizer_class.__name__} accepts, but got "
-                f"{self.outer_kwargs!r}: {exc}. Fix: pass values {self.outer_optimizer_class.__name__} accepts."
+                f"{self.outer_kwargs!r}: {exc}. Fix: correct the value it names, or leave the key out for "
+                f"{self.outer_optimizer_class.__name__}'s default."
             ) from exc
         self.layout: Optional[SiteLayout] = None
         self.groups: Optional[SiteGroups] = None
