@@ -37,28 +37,44 @@ def check_replicas(
     params: Sequence[Tensor],
     world_size: int,
     step: int,
-    group: Optional[dist.ProcessGroup] = None,
+    rank_sets: Optional[Sequence[Sequence[int]]] = None,
+    scope: str = "every rank must hold the same parameters",
 ) -> None:
-    """Compare the parameters of every rank of ``group`` (default: the default group); all its ranks must call it at
-    the same point. ``world_size`` is the group's size; the ranks named in an error are ranks of the group.
+    """Compare the parameters of the ranks of the default group; all ranks must call it at the same point.
+
+    Every rank gathers the whole table and checks every set, so all of them raise together, also where a set
+    that disagrees is not their own (nobody is left waiting in the next collective).
+
+    Args:
+        names: the parameters' names, for the message.
+        params: the tensors to compare.
+        world_size: ranks in the default group.
+        step: the step the message names.
+        rank_sets: the sets of global ranks that must agree with each other (default: all ranks), e.g. the
+            ranks of each site where sites differ by design between rounds.
+        scope: what must be equal, and when, for the message.
 
     Raises:
-        ReplicaDivergenceError: naming the first parameter (in ``names`` order) whose bits differ between ranks.
+        ReplicaDivergenceError: naming the first parameter (in ``names`` order) whose bits differ inside a set.
     """
     local = checksums(params)
     if world_size == 1:
         return
     table = local.new_empty(world_size * local.numel())
-    dist.all_gather_single(table, local, group=group)
+    dist.all_gather_single(table, local)
     table = table.view(world_size, -1, 2)
-    differs = (table != table[0]).any(dim=2).any(dim=0)
-    if bool(differs.any()):
+    for ranks in rank_sets or [range(world_size)]:
+        ranks = list(ranks)
+        rows = table[ranks]
+        differs = (rows != rows[0]).any(dim=2).any(dim=0)
+        if not bool(differs.any()):
+            continue
         first = int(differs.nonzero()[0])
-        ranks = [r for r in range(world_size) if not torch.equal(table[r, first], table[0, first])]
+        other = [r for r in ranks if not torch.equal(table[r, first], table[ranks[0], first])]
         raise ReplicaDivergenceError(
-            f"Replicas diverged at step {step}: parameter `{names[first]}` on rank(s) {ranks} differs from rank 0 "
-            f"({int(differs.sum())} of {len(names)} parameters differ). Every rank must apply the identical update; "
-            f"a compressor or transform that decodes differently per rank, a rank-dependent optimizer or a hardware "
-            f"fault can cause this. Fix: rerun with `GradCompStrategy(check_replicas_every=1)` to find the first "
-            f"diverging step, and check that decoding uses only what every rank received."
+            f"Replicas diverged at step {step}: parameter `{names[first]}` on rank(s) {other} differs from rank "
+            f"{ranks[0]} ({int(differs.sum())} of {len(names)} parameters differ; {scope}). Every rank must apply "
+            f"the identical update; a compressor or transform that decodes differently per rank, a rank-dependent "
+            f"optimizer or a hardware fault can cause this. Fix: rerun with `check_replicas_every=1` to find the "
+            f"first diverging step, and check that decoding uses only what every rank received."
         )

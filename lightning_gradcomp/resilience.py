@@ -15,6 +15,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -150,13 +151,17 @@ class ResilienceMixin(_StrategyBase):
         if reset and ckpt.CHECKPOINT_KEY in checkpoint:
             rank_zero_warn("gradcomp: `resume_compression='reset'`: residuals, generators and transforms start afresh.")
         elif ckpt.CHECKPOINT_KEY not in checkpoint:
-            rank_zero_warn(
-                f"gradcomp: the checkpoint {checkpoint_path} holds no compression state (written without "
-                f"GradCompStrategy?); residuals, generators and transforms start afresh."
-            )
+            rank_zero_warn(self._without_state_message(checkpoint_path))
         if self.restore_checkpoint_after_setup:
             self._restore_pending()  # the hook of this run exists already; otherwise it is applied at DDP wrap
         return checkpoint
+
+    def _without_state_message(self, checkpoint_path: _PATH) -> str:
+        """The warning for a checkpoint without compression state (written by another strategy)."""
+        return (
+            f"gradcomp: the checkpoint {checkpoint_path} holds no compression state (written without "
+            f"GradCompStrategy?); residuals, generators and transforms start afresh."
+        )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -180,8 +185,28 @@ class ResilienceMixin(_StrategyBase):
             module = self.lightning_module
             assert module is not None  # optimizer steps run only with a module attached
             named = list(module.named_parameters())
-            check_replicas([n for n, _ in named], [p for _, p in named], self.world_size, module.trainer.global_step)
+            sets = self._replica_sets()
+            # a sharded model's parameters are DTensors: each rank compares the shard it holds
+            local = [p.to_local() if isinstance(p, DTensor) else p for _, p in named]
+            check_replicas([n for n, _ in named], local, self.world_size, module.trainer.global_step, sets,
+                           self._replica_scope(sets))
         return output
+
+    def _replica_scope(self, sets: Optional[list[list[int]]]) -> str:
+        """What must be equal after every step, for the divergence message."""
+        return "every rank must hold the same parameters" if sets is None else (
+            "the ranks of each site must hold the same parameters after every step; sites differ between rounds")
+
+    def _replica_sets(self) -> Optional[list[list[int]]]:
+        """The sets of global ranks whose parameters must agree after every optimizer step (``None``: all ranks).
+        Strategies with sites that step apart between rounds (DiLoCo, WeightGrad) return their sites."""
+        return None
+
+    def _check_after_round(self, names: list[str], tensors: list[Tensor], step: int, what: str) -> None:
+        """With ``check_replicas_every`` set: compare on every rank what a round just made global (``what``, for
+        the message). Every rank must call it at the same point (right after the same round)."""
+        if self.check_replicas_every:
+            check_replicas(names, tensors, self.world_size, step, None, f"every rank must hold the same {what}")
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

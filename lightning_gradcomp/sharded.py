@@ -11,7 +11,7 @@ rank's compression state.
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -19,13 +19,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.guard import NonFinite
-from lightning_gradcomp.replicas import check_replicas
 from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
 from lightning_gradcomp.shards import ShardExchange, agree_on_skip, fsdp_units
 from lightning_gradcomp.validation import check_int
@@ -173,27 +171,14 @@ class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy
         super().post_backward(closure_loss)
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union["pl.LightningModule", Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
-        every, self.check_replicas_every = self.check_replicas_every, 0  # the mixin would compare different shards
-        try:
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        finally:
-            self.check_replicas_every = every
-        if every and self._optimizer_steps % every == 0:
-            module = self.lightning_module
-            assert module is not None
-            named = list(module.named_parameters())
-            replicate = self.device_mesh["replicate"]
-            shards = [p.to_local() for _, p in named]  # type: ignore[attr-defined]  # DTensors (checked at setup)
-            check_replicas([n for n, _ in named], shards, replicate.size(),
-                           module.trainer.global_step, group=replicate.get_group())
-        return output
+    def _replica_sets(self) -> Optional[list[list[int]]]:
+        # the ranks holding the same shard: rank = replica * shard_size + shard index (the mesh's row order)
+        size = self.device_mesh["shard"].size()
+        return [list(range(s, self.world_size, size)) for s in range(size)]
+
+    @override
+    def _replica_scope(self, sets: Optional[list[list[int]]]) -> str:
+        return "each rank's shard must be identical in every replica"
 
     def bytes_per_step(self) -> int:
         """Bytes this rank put on the link between replicas in the last step (the ledger's count)."""

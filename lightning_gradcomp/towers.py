@@ -16,6 +16,7 @@ bits (a ring all-reduce adds in another order). ``tests/integration/test_towers.
 """
 
 import copy
+import inspect
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -32,7 +33,7 @@ from lightning_gradcomp.hook import GradCompState, _compress_group, _prepare
 from lightning_gradcomp.ledger import LayerRecord, Ledger
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.wiring import select_float_names
-from lightning_gradcomp.validation import check_int
+from lightning_gradcomp.validation import UnknownOptionError, check_int, check_options
 
 
 def _tower_slice(batch: Any, tower: int, towers: int) -> Any:
@@ -72,6 +73,27 @@ def _emulable(compressor: Any) -> Compressor:
     return compressor
 
 
+# options of the multi-process strategies that have no meaning for workers emulated in one process
+_SITE_OPTIONS = ("site_size", "site_sizes", "hierarchy")
+
+
+def check_tower_options(kwargs: dict[str, Any]) -> None:
+    """Refuse keyword arguments :class:`TowerStrategy` does not take, naming them (instead of Python's ``TypeError``).
+
+    Raises:
+        ValueError: a site option (the towers are one flat group of workers) or any other unknown keyword
+            (:class:`~lightning_gradcomp.validation.UnknownOptionError`).
+    """
+    for name in _SITE_OPTIONS:
+        if name in kwargs:
+            raise UnknownOptionError(
+                f"Expected no `{name}` for TowerStrategy (its workers are one flat group in one process), but got "
+                f"{name}={kwargs[name]!r}. Fix: emulate the workers with `num_workers`, or train sites on real ranks "
+                f"with `GradCompStrategy({name}=...)`, `DiLoCoStrategy` or `WeightGradStrategy` (e.g. `devices=4`)."
+            )
+    check_options("TowerStrategy", kwargs, list(inspect.signature(TowerStrategy.__init__).parameters)[1:-1], kwargs)
+
+
 class TowerStrategy(SingleDeviceStrategy):
     """Emulate ``num_workers`` data-parallel workers with gradient compression in a single process.
 
@@ -85,13 +107,14 @@ class TowerStrategy(SingleDeviceStrategy):
         accelerator: see :class:`~lightning.pytorch.strategies.SingleDeviceStrategy`.
         checkpoint_io: see ``SingleDeviceStrategy``.
         precision_plugin: see ``SingleDeviceStrategy``.
+        **kwargs: refused with the option named (a site option, or a typo), as a ``ValueError``.
     """
 
     strategy_name = "towers"
 
     def __init__(
         self,
-        num_workers: int,
+        num_workers: Optional[int] = None,
         compressor: Union[Compressor, str] = "terngrad",
         exclude: Optional[list[str]] = None,
         min_numel: int = 1,
@@ -99,7 +122,14 @@ class TowerStrategy(SingleDeviceStrategy):
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
+        **kwargs: Any,
     ) -> None:
+        check_tower_options(kwargs)
+        if num_workers is None:
+            raise ValueError(
+                "Expected `num_workers` (how many workers to emulate), but got None. Fix: pass e.g. "
+                "`TowerStrategy(num_workers=8)`."
+            )
         super().__init__(
             device=device, accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )

@@ -30,7 +30,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradcomp.callbacks.clipping import SigmaClip
-from lightning_gradcomp.callbacks.progress import PROGRESS_BAR_KEY, show_compression_ratio  # noqa: F401  (re-export)
+from lightning_gradcomp.callbacks.progress import PROGRESS_BAR_KEY, link_bytes_per_step, show_compression_ratio  # noqa: F401  (re-export)
 from lightning_gradcomp.extras import require
 from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.stats import HookStats
@@ -265,7 +265,7 @@ class CompressionMonitor(Callback):
                                                        force=logging_step or batch_idx == 0)
         if not logging_step:
             return
-        metrics = self._collect(state, self.stats)
+        metrics = self._collect(state, self.stats, link_bytes_per_step(trainer.strategy, state))
         metrics.update(strategy_statistics(trainer.strategy))
         histograms = self._read_histograms(self.stats)
         step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs this batch's metrics at
@@ -282,7 +282,8 @@ class CompressionMonitor(Callback):
         self._armed_at = None
 
     # -- reading the statistics -----------------------------------------------------------------------------
-    def _collect(self, state: GradCompState, stats: HookStats) -> dict[str, float]:
+    def _collect(self, state: GradCompState, stats: HookStats, sent: float) -> dict[str, float]:
+        """The hook's per-layer statistics and the totals (``sent``: this rank's bytes on the link per step)."""
         metrics: dict[str, float] = {}
         keys: list[str] = []
         tensors: list[Tensor] = []
@@ -314,9 +315,9 @@ class CompressionMonitor(Callback):
         if tensors:
             # one device-to-host transfer for every tensor statistic
             metrics.update(zip(keys, torch.stack([t.to(tensors[0].device) for t in tensors]).tolist()))
-        sent = state.bytes_per_step()
         metrics[layer_key("bytes", "total")] = float(sent)
-        # what this rank put on the link between sites: all of it when flat, its share's when hierarchical
+        # what this rank put on the link between sites: all of it when flat, its share's when hierarchical, the
+        # outer rounds' under DiLoCo (its hook runs inside a site)
         metrics[layer_key("wan_bytes", "total")] = float(sent)
         if state.hierarchy is not None:  # and the dense bytes inside the site
             metrics[layer_key("lan_bytes", "total")] = float(state.hierarchy.lan_bytes_per_step())

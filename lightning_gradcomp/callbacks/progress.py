@@ -18,6 +18,13 @@ from lightning_gradcomp.hook import GradCompState
 PROGRESS_BAR_KEY = "comp_ratio"
 
 
+def link_bytes_per_step(strategy: Any, state: GradCompState) -> float:
+    """Bytes this rank put on the link per step: the strategy's own count where it has one (DiLoCo: its outer
+    rounds, averaged over the steps; its hook state only sees the inner exchange inside a site), else the hook's."""
+    own = getattr(strategy, "bytes_per_step", None)
+    return float(own()) if callable(own) else float(state.bytes_per_step())
+
+
 def show_compression_ratio(
     state: GradCompState, pl_module: "pl.LightningModule", shown: Optional[float], force: bool
 ) -> Optional[float]:
@@ -26,7 +33,7 @@ def show_compression_ratio(
     The progress bar keeps the last value it got and ``self.log`` costs tens of microseconds: only changes are sent
     (a fixed-size compressor's ratio never changes), plus refreshes when ``force`` (logging steps, epoch starts).
     """
-    sent = state.bytes_per_step()
+    sent = link_bytes_per_step(pl_module.trainer.strategy, state)
     if not sent:
         return shown
     ratio = state.dense_bytes_per_step() / sent

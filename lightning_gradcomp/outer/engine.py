@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Optional, Protocol
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -72,6 +73,9 @@ class OuterSync:
             ones), ``"gaia"`` into the site's weights; ``None``: the exchange keeps its own error feedback.
     """
 
+    #: the user-facing name of ``sync_every``, for messages (WeightGrad's schedule is its ``staleness_bound``)
+    schedule_option = "sync_every"
+
     def __init__(
         self,
         params: dict[str, nn.Parameter],
@@ -108,6 +112,8 @@ class OuterSync:
         self._in_flight: dict[int, InFlight] = {}
         self._launched_at: dict[int, float] = {}
         self._last_sync = [0] * len(self.fragments)
+        #: fragments applied since :meth:`take_landed` last looked
+        self.landed: list[int] = []
         #: statistics of the latest step, as tensors (for ``CompressionMonitor`` and ``bytes_per_step``)
         self.stats: dict[str, Tensor] = {}
 
@@ -153,8 +159,10 @@ class OuterSync:
         return flight
 
     @torch.no_grad()
-    def finish(self, f: int) -> InFlight:
-        """Wait for fragment ``f``'s exchange; step the anchor with the mean; move this site's weights."""
+    def finish(self, f: int, mixing: Optional[float] = None) -> InFlight:
+        """Wait for fragment ``f``'s exchange; step the anchor with the mean; move this site's weights
+        (``mixing``: the share of them kept, default the engine's)."""
+        mixing = self.mixing if mixing is None else mixing
         flight = self._in_flight.pop(f)
         means = self.exchange.wait(flight)
         names = self.fragments[f]
@@ -175,22 +183,58 @@ class OuterSync:
                 else:
                     p.copy_(new + unsent)
                     self.hidden.pop(name, None)
-            elif self.mixing == 0.0:
+            elif mixing == 0.0:
                 p.copy_(new)
             else:
-                p.lerp_(new, 1.0 - self.mixing)
+                p.lerp_(new, 1.0 - mixing)
         wan, lan = flight.wan_bytes, flight.lan_bytes
         if f == 0:
             buffer_wan, buffer_lan = self.exchange.sync_buffers(self.buffers)
             wan, lan = wan + buffer_wan, lan + buffer_lan
         self.rounds += 1
         self._last_sync[f] = self.inner_steps
+        self.landed.append(f)
         self.wan_bytes_total += wan
         self.stats["bytes_per_round"] = torch.tensor(wan)
         self.stats["lan_bytes_per_round"] = torch.tensor(lan)
         self.stats["compression_ratio"] = torch.tensor(flight.dense_bytes / max(1, flight.wan_bytes))
         self.stats[f"sync_seconds/fragment_{f}"] = torch.tensor(time.monotonic() - self._launched_at.pop(f, time.monotonic()))
         return flight
+
+    @torch.no_grad()
+    def final_round(self) -> list[int]:
+        """End of training: every rank to the global weights, so that all replicas leave training identical.
+
+        An exchange in flight lands as usual; then each fragment whose site weights may differ from the global ones
+        (local steps since its last round, or a share of them kept by ``mixing``) has one more blocking round,
+        applied without mixing. A fragment synced at the last step with ``mixing = 0`` has nothing to send. The
+        choice depends only on the step count and the configuration, so every rank takes part in the same rounds.
+
+        Returns:
+            The fragments that had a final round.
+        """
+        for f in sorted(self._in_flight):
+            self.finish(f)
+        final = [f for f in range(len(self.fragments)) if self.inner_steps > self._last_sync[f] or self.mixing > 0]
+        for f in final:
+            self.start(f)
+            self.finish(f, mixing=0.0)
+        self.stats["inner_steps_since_sync"] = torch.tensor(0)
+        self.stats["rounds"] = torch.tensor(self.rounds)
+        return final
+
+    def agreed(self, fragments: Sequence[int]) -> tuple[list[str], list[Tensor]]:
+        """What every rank of the world holds identically right after ``fragments`` landed, by name: the sites'
+        weights where a landing takes the global weights (``mixing = 0``, ``unsent`` not ``"gaia"``), else only the
+        global weights (anchor; a site keeps part of its own weights). On the parameters' device."""
+        names = [n for f in fragments for n in self.fragments[f]]
+        own = self.mixing == 0.0 and self.unsent != "gaia"
+        return names, [self.params[n] if own else self.anchor[n].to(self.params[n].device) for n in names]
+
+    def take_landed(self) -> list[int]:
+        """The fragments applied since the last call (for checks that must run right after a round)."""
+        landed, self.landed = self.landed, []
+        return landed
 
     def bytes_per_step(self) -> float:
         """Bytes this rank put on the link between sites per inner step so far (averaged over the run)."""
@@ -220,6 +264,7 @@ class OuterSync:
             "last_sync": list(self._last_sync),
             "in_flight": in_flight,
             "exchange": self.exchange.exchange_state(),
+            "sync_every": self.sync_every,
         }
 
     @torch.no_grad()
@@ -241,6 +286,17 @@ class OuterSync:
                 f"Expected the checkpoint's {len(state['fragments'])} fragment(s) of the same layers, but got "
                 f"{len(self.fragments)} fragment(s) of {'the same' if len(state['fragments']) == len(self.fragments) else 'other'} "
                 f"layers. Fix: {fix}."
+            )
+        saved_every = state.get("sync_every", self.sync_every)
+        if saved_every != self.sync_every:
+            # allowed: anchor, outer momentum and the sites' weights stay valid under any schedule (H may be changed
+            # on purpose between phases of a run); every rank follows the same new schedule, so no replica diverges
+            rank_zero_warn(
+                f"Expected `{self.schedule_option}` to be the checkpoint's {saved_every}, but got {self.sync_every}: "
+                f"the outer state carries over and the rounds follow the new schedule from inner step "
+                f"{state['inner_steps']} on (each fragment's next round falls on the next step of the new schedule). "
+                f"Fix: pass `{self.schedule_option}={saved_every}` to continue the checkpoint's schedule.",
+                category=UserWarning,
             )
         for k, v in state["params"].items():
             self.params[k].copy_(v)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_gradcomp import checkpoint as ckpt
 from lightning_gradcomp import comm
+from lightning_gradcomp.guard import NonFiniteGradientError
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.sites import SiteGroups
 
@@ -94,6 +95,23 @@ class InFlight:
     flat: Optional[Tensor] = None
 
 
+def nonfinite_pseudo_gradient(names: Sequence[str], pseudo_gradients: Sequence[Tensor], site: int,
+                              step: int) -> NonFiniteGradientError:
+    """The error every leader raises for a NaN/Inf pseudo-gradient (the outer state runs ``nonfinite="raise"``).
+
+    The guard's own message suggests ``nonfinite='skip'``, which is the inner steps' default and does not apply
+    here: an outer round cannot be skipped, since the site's weights themselves are no longer finite.
+    """
+    local = [n for n, d in zip(names, pseudo_gradients) if not bool(torch.isfinite(d).all())]
+    where = f"`{local[0]}` of site {site}" + (f" (also {local[1:]})" if local[1:] else "") if local else "another site"
+    return NonFiniteGradientError(
+        f"Non-finite pseudo-gradient (NaN or Inf) in {where} at the outer round of inner step {step}: that site's "
+        f"weights are no longer finite, so no outer round can be skipped around it; every site stops here. Fix: make "
+        f"the inner steps stable (a lower inner learning rate, gradient clipping such as `gradient_clip_val=1.0`, "
+        f"checked data); `nonfinite` applies to the inner gradients only."
+    )
+
+
 class LeaderExchange:
     """Compressed all-site averaging of pseudo-gradients through the site leaders (see the module docstring).
 
@@ -129,8 +147,11 @@ class LeaderExchange:
         future = None
         wan = 0
         if g.is_leader and g.layout.num_sites > 1:
-            future = gradcomp_hook(self.state, bucket)  # type: ignore[arg-type]  # duck-typed GradBucket
             names = self.fragments[fragment]
+            try:
+                future = gradcomp_hook(self.state, bucket)  # type: ignore[arg-type]  # duck-typed GradBucket
+            except NonFiniteGradientError as exc:
+                raise nonfinite_pseudo_gradient(names, pseudo_gradients, g.site, step) from exc
             wan = sum(self.state.ledger.records[n].nbytes for n in names) + self.state.ledger.shared_stat_bytes.get(fragment, 0)
         lan = 4 * bucket.buffer().numel() if g.is_leader and g.site_size > 1 else 0  # the decoded mean, broadcast
         return InFlight(bucket.gradients(), future, wan, lan, 4 * bucket.buffer().numel(), step, flat=bucket.buffer())

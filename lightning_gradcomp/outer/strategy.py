@@ -10,14 +10,22 @@ outer optimizer.
 Where the outer round runs: in :meth:`DiLoCoStrategy.optimizer_step`, right after the inner optimizer step. By
 then DDP's backward (and every hook collective) has finished on all ranks, so the outer collectives, issued from
 the main thread in a fixed order on every rank, cannot interleave with the inner ones on the same group.
+
+When training ends, :class:`FinalOuterRound` (the first callback) runs one last round for every fragment not synced
+at the last step, so every rank holds the global weights when ``fit`` returns (``docs/diloco.md``).
 """
 
+import copy
 import importlib
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -30,7 +38,7 @@ from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.exchange import LeaderExchange
 from lightning_gradcomp.outer.fragments import strided_fragments
 from lightning_gradcomp.strategy import GradCompStrategy
-from lightning_gradcomp.validation import check_bool, check_int, check_number
+from lightning_gradcomp.validation import check_bool, check_int, check_number, UnknownOptionError
 from lightning_gradcomp.sites import (
     SiteGroups,
     SiteLayout,
@@ -67,6 +75,36 @@ def resolve_optimizer(outer_optimizer: Union[str, type]) -> type[Optimizer]:
             f"a short name {sorted(_SHORT_OPTIMIZERS)}, or an optimizer class."
         )
     return cls
+
+
+# arguments the strategy sets itself from its own options (``outer_lr``, ``outer_momentum``, ``outer_nesterov``)
+_OWN_ARGUMENTS = {"lr": "outer_lr", "momentum": "outer_momentum", "nesterov": "outer_nesterov"}
+
+
+def check_outer_kwargs(cls: type[Optimizer], outer_kwargs: dict[str, Any]) -> None:
+    """Refuse ``outer_kwargs`` keys the outer optimizer does not take or the strategy sets itself.
+
+    Raises:
+        ValueError: a key is not an argument of ``cls`` (:class:`~lightning_gradcomp.validation.UnknownOptionError`)
+            or duplicates one of the strategy's own options (``lr``: ``outer_lr``; SGD's ``momentum`` and
+            ``nesterov``: ``outer_momentum``, ``outer_nesterov``).
+    """
+    for key, option in _OWN_ARGUMENTS.items():
+        if key in outer_kwargs and (key == "lr" or issubclass(cls, torch.optim.SGD)):
+            raise ValueError(
+                f"Expected `outer_kwargs` without {key!r} (the strategy sets it from `{option}`), but got "
+                f"{outer_kwargs!r}. Fix: pass `{option}={outer_kwargs[key]!r}` instead."
+            )
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return  # the optimizer takes any keyword: its own check runs on the probe in the constructor
+    valid = [n for n in parameters if n not in ("self", "params", *_OWN_ARGUMENTS)]
+    unknown = [key for key in outer_kwargs if key not in valid]
+    if unknown:
+        raise UnknownOptionError(
+            f"Expected `outer_kwargs` to hold arguments of {cls.__name__}, but got {unknown[0]!r} in "
+            f"{outer_kwargs!r}. Fix: use only {valid}."
+        )
 
 
 def tokens_in(batch: Any) -> int:
@@ -167,6 +205,7 @@ class DiLoCoStrategy(GradCompStrategy):
                      fix="beta of the outer error feedback: SparseLoCo-style 0.95, 1 for plain error feedback, 0 for none")
         check_site_options(site_size, site_sizes)
         self.outer_optimizer_class = resolve_optimizer(outer_optimizer)
+        check_outer_kwargs(self.outer_optimizer_class, outer_kwargs or {})
         super().__init__(compressor=inner_compressor, **kwargs)
         self.outer_compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
         if not isinstance(self.outer_compressor, Compressor):
@@ -186,6 +225,14 @@ class DiLoCoStrategy(GradCompStrategy):
         self.mixing = float(mixing)
         self.outer_state_device = outer_state_device
         self.error_decay = float(error_decay)
+        try:  # values the optimizer refuses (e.g. betas outside [0, 1)) fail now, not at the first round
+            self._outer_optimizer([torch.zeros(1)])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"Expected `outer_kwargs` that {self.outer_optimizer_class.__name__} accepts, but got "
+                f"{self.outer_kwargs!r}: {exc}. Fix: correct the value it names, or leave the key out for "
+                f"{self.outer_optimizer_class.__name__}'s default."
+            ) from exc
         self.layout: Optional[SiteLayout] = None
         self.groups: Optional[SiteGroups] = None
         self.outer: Optional[OuterSync] = None
@@ -193,9 +240,29 @@ class DiLoCoStrategy(GradCompStrategy):
 
     # -- sites ----------------------------------------------------------------------------------------------
     def make_layout(self, world_size: int) -> SiteLayout:
-        """The site layout for ``world_size`` ranks (every rank a site unless ``site_size``/``site_sizes``)."""
+        """The site layout for ``world_size`` ranks (every rank a site unless ``site_size``/``site_sizes``).
+
+        Warns when the layout is one site (one device, or ``site_size`` equal to the world size): nothing crosses
+        between sites, so the run is one replica whose outer optimizer steps on its own pseudo-gradient every
+        ``sync_every`` steps. Allowed: it is how a DiLoCo recipe is smoke-tested on one machine before a run over
+        several.
+        """
         site_size = 1 if self.site_size is None and self.site_sizes is None else self.site_size
-        return site_layout(world_size, site_size=site_size, site_sizes=self.site_sizes, allow_single_rank_sites=True)
+        layout = site_layout(world_size, site_size=site_size, site_sizes=self.site_sizes, allow_single_rank_sites=True)
+        if layout.num_sites == 1:
+            where = (
+                "it runs on one device" if world_size == 1
+                else f"its {world_size} ranks form one site "
+                f"({'site_sizes' if self.site_sizes else 'site_size'}={self.site_sizes or self.site_size})"
+            )
+            rank_zero_warn(
+                f"Expected DiLoCo to run at least 2 sites, but {where}, so no outer "
+                f"round sends anything between sites: the outer {self.outer_optimizer_class.__name__} steps this one "
+                f"replica on its own pseudo-gradient every {self.sync_every} steps. Fix: run on more devices or "
+                f"nodes (every rank is a site by default), or pass a smaller `site_size`.",
+                category=UserWarning,
+            )
+        return layout
 
     @override
     def setup_environment(self) -> None:
@@ -209,6 +276,75 @@ class DiLoCoStrategy(GradCompStrategy):
     def _hook_group(self) -> tuple[int, Optional[int], dict[str, Any]]:
         assert self.groups is not None
         return self.groups.site_size, self.groups.site_rank, {}
+
+    @override
+    def _replica_sets(self) -> Optional[list[list[int]]]:
+        # sites step apart between rounds by design: only the ranks of a site must agree after every inner step
+        assert self.layout is not None
+        return [self.layout.ranks(site) for site in range(self.layout.num_sites)]
+
+    @override
+    def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int) -> None:
+        """Log (INFO, rank 0) the two exchanges: the inner one inside each site (``world_size``: the site's ranks)
+        and the outer rounds between sites, in bytes per round and per inner step at ``sync_every``."""
+        from lightning_gradcomp.codec import measure_codec
+
+        assert self.layout is not None
+        if world_size > 1:
+            super()._announce(named, float_names, world_size)  # the inner DDP, inside each site
+        else:
+            log.info("diloco: sites of one rank: no exchange inside a site, each rank takes its inner steps alone")
+        sites = self.layout.num_sites
+        dense = sum(4 * p.numel() for p in named.values())
+        if sites == 1:
+            log.info("diloco: one site: no outer round sends anything (0 bytes per step vs %s for fp32 DDP)", f"{dense:,}")
+            return
+        shapes = [(n, tuple(p.shape)) for n, p in named.items() if n not in float_names]
+        codec = measure_codec(copy.deepcopy(self.outer_compressor), shapes, sites, timed=False) if shapes else None
+        per_window = dense - sum(4 * named[n].numel() for n, _ in shapes) + (codec.nbytes if codec else 0)
+        per_step = per_window / self.sync_every
+        log.info(
+            "diloco: outer rounds between %d sites: %s pseudo-gradients of each site leader, expected %s bytes per %s "
+            "every %d inner steps = %s bytes per inner step at sync_every=%d, vs %s per step for fp32 DDP (%.1fx less)",
+            sites, type(self.outer_compressor).__name__, f"{int(per_window):,}",
+            "round" if self.num_fragments == 1 else f"{self.num_fragments} fragment rounds", self.sync_every,
+            f"{per_step:,.0f}", self.sync_every, f"{dense:,}", dense / max(per_step, 1e-9),
+        )
+
+    @override
+    def _without_state_message(self, checkpoint_path: Any) -> str:
+        return (
+            f"diloco: the checkpoint {checkpoint_path} holds no DiLoCo state (written by another strategy, e.g. DDP): "
+            f"every site starts from its weights as the global weights, with fresh outer momentum, and the first outer "
+            f"round comes {self.sync_every} inner steps from here (DiLoCo's warm start from synchronous training). "
+            f"Fix: to resume a DiLoCo run, pass a checkpoint that run wrote."
+        )
+
+    def final_round(self) -> None:
+        """At the end of ``fit``: one last round for every fragment not synced at the last step, so every rank
+        holds the global weights when ``fit`` returns (:meth:`~lightning_gradcomp.outer.engine.OuterSync.final_round`).
+        """
+        if self.outer is None:
+            return
+        final = self.outer.final_round()
+        self.outer.take_landed()
+        module = self.lightning_module
+        assert module is not None
+        if final and self.global_rank == 0:
+            log.info(
+                "diloco: final outer round of fragment(s) %s at inner step %d, so every rank leaves fit with the global "
+                "weights", final, self.outer.inner_steps,
+            )
+        named = list(module.named_parameters())
+        self._check_after_round([n for n, _ in named], [p for _, p in named], module.trainer.global_step,
+                                "parameters at the end of fit (the global weights)")
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        # first among the callbacks: theirs (and the module's) `on_train_end` already see the global weights
+        if not any(isinstance(c, FinalOuterRound) for c in trainer.callbacks):  # type: ignore[attr-defined]
+            trainer.callbacks.insert(0, FinalOuterRound())  # type: ignore[attr-defined]
+        super().setup(trainer)
 
     def _outer_optimizer(self, anchors: list[Tensor]) -> Optimizer:
         kwargs: dict[str, Any] = {"lr": self.outer_lr}
@@ -276,6 +412,13 @@ class DiLoCoStrategy(GradCompStrategy):
         assert self.outer is not None
         tokens, self._batch_tokens = self._batch_tokens, 0
         self.outer.after_inner_step(tokens)
+        landed = self.outer.take_landed()
+        if landed:
+            module = self.lightning_module
+            assert module is not None
+            names, tensors = self.outer.agreed(landed)
+            self._check_after_round(names, tensors, module.trainer.global_step,
+                                    f"{'weights' if self.mixing == 0 else 'global weights'} right after an outer round")
         return output
 
     @property
@@ -289,6 +432,16 @@ class DiLoCoStrategy(GradCompStrategy):
     def bytes_per_step(self) -> float:
         """Bytes this rank put on the link between sites per inner step, averaged over the run so far."""
         return 0.0 if self.outer is None else self.outer.bytes_per_step()
+
+
+class FinalOuterRound(Callback):
+    """Runs :meth:`DiLoCoStrategy.final_round` when training ends normally (first among the callbacks)."""
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, DiLoCoStrategy):
+            strategy.final_round()
 
 
 def register(strategy_registry: Any = None) -> None:

@@ -272,8 +272,21 @@ class WeightGradStrategy(GradCompStrategy):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.synchronizer is not None and self.comm_state is not None
         self.synchronizer.after_local_step()
+        landed = self.synchronizer.take_landed()
+        if landed:
+            module = self.lightning_module
+            assert module is not None
+            names, tensors = self.synchronizer.agreed(landed)
+            self._check_after_round(names, tensors, module.trainer.global_step,
+                                    f"{'global weights' if self.site_view == 'gaia' else 'weights'} right after a WAN round")
         self._update_stats()
         return output
+
+    @override
+    def _replica_sets(self) -> Optional[list[list[int]]]:
+        # sites step apart between WAN rounds by design: only the ranks of a site must agree after every local step
+        assert self.layout is not None
+        return [self.layout.ranks(site) for site in range(self.layout.num_sites)]
 
     def _serial_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any], **kwargs: Any) -> Any:
         """Algorithm 4: the site applies each worker's gradient in turn (one optimizer step each)."""

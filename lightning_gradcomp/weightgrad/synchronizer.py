@@ -80,6 +80,8 @@ class GradientSynchronizer(OuterSync):
         float_names: layers that cross the WAN unquantized (the strategy's ``exclude`` / ``min_numel``).
     """
 
+    schedule_option = "staleness_bound"
+
     def __init__(
         self,
         params: dict[str, nn.Parameter],

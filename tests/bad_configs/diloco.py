@@ -25,6 +25,14 @@ BAD_CONFIGS = [
     BadConfig("diloco-outer-state-device", lambda: DiLoCoStrategy(outer_state_device="cuda"), "outer_state_device", "'cuda'"),
     BadConfig("diloco-error-decay-above-one", lambda: DiLoCoStrategy(error_decay=1.5), "error_decay", "1.5"),
     BadConfig("diloco-compressor-unknown", lambda: DiLoCoStrategy(compressor="int4"), "compressor", "'int4'"),
+    # the outer optimizer is built at the first round: its arguments are checked at construction
+    BadConfig("diloco-outer-kwargs-unknown", lambda: DiLoCoStrategy(outer_optimizer="adam", outer_kwargs={"betaz": (0.9, 0.95)}),
+              "outer_kwargs", "'betaz'"),
+    BadConfig("diloco-outer-kwargs-sgd-unknown", lambda: DiLoCoStrategy(outer_kwargs={"betas": (0.9, 0.95)}),
+              "outer_kwargs", "'betas'"),
+    BadConfig("diloco-outer-kwargs-value", lambda: DiLoCoStrategy(outer_optimizer="adam", outer_kwargs={"betas": (1.5, 0.95)}),
+              "outer_kwargs", "1.5"),
+    BadConfig("diloco-outer-kwargs-lr", lambda: DiLoCoStrategy(outer_kwargs={"lr": 0.1}), "outer_lr", "0.1"),
 ]
 BAD_CONFIGS.append(
     BadConfig("diloco-hierarchy", lambda: DiLoCoStrategy(hierarchy="node"), "hierarchy", "'node'"),

@@ -12,4 +12,8 @@ BAD_CONFIGS = [
               "compressor", "PowerSGD"),
     BadConfig("towers-compressor-int", lambda: TowerStrategy(num_workers=2, compressor=3), "compressor", "3"),
     BadConfig("towers-workers-zero", lambda: TowerStrategy(num_workers=0), "num_workers", "0"),
+    # the towers are one flat group: a site option is named with the strategies that have sites, not a TypeError
+    BadConfig("towers-site-size", lambda: TowerStrategy(site_size=2), "site_size", "2"),  # type: ignore[call-arg]
+    BadConfig("towers-unknown-option", lambda: TowerStrategy(num_workers=2, workers=4), "workers", "4"),  # type: ignore[call-arg]
+    BadConfig("towers-workers-missing", lambda: TowerStrategy(), "num_workers", "None"),
 ]

@@ -12,6 +12,7 @@ import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from lightning_gradcomp.callbacks import CompressionMonitor
 from lightning_gradcomp.compressors import TopK
 from lightning_gradcomp.outer import DiLoCoStrategy
+from tests.distributed.diloco_runtime_ranks import AtStep
 from tests.distributed.lightning_ranks import TinyClassifier, random_loader
 from tests.distributed.weightgrad_ranks import AdamClassifier
 
@@ -84,10 +85,19 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> li
         recorder = Recorder()
         logger = MemoryLogger() if config.get("monitor") else False
         callbacks: list[Callback] = [recorder] + ([CompressionMonitor(logging_interval=1)] if logger else [])
+        if config.get("perturb") is not None:  # (rank, step): that rank's first weight moved before that step
+            rank_, step_ = config["perturb"]
+            callbacks.append(AtStep(rank_, step_, lambda strategy, module: next(module.parameters()).add_(1e-3)))
         trainer = _trainer(world_size, _strategy(config), config.get("steps", 6), logger=logger,
                            enable_checkpointing=False, callbacks=callbacks)
-        trainer.fit(_model(config), random_loader())
-        out.append({"params": recorder.params, "stats": recorder.stats, "outer_collectives": recorder.outer_collectives,
+        error = None
+        try:
+            trainer.fit(_model(config), random_loader())
+        except Exception as exc:  # only where the config expects one; the test asserts its type
+            if config.get("perturb") is None:
+                raise
+            error = (type(exc).__name__, str(exc))
+        out.append({"error": error, "params": recorder.params, "stats": recorder.stats, "outer_collectives": recorder.outer_collectives,
                     "inner_world": recorder.inner_world, "logged": logger.logged if logger else [],
                     "bytes_per_step": getattr(trainer.strategy, "bytes_per_step", lambda: None)()})
     return out

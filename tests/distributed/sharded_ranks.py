@@ -154,6 +154,6 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> li
         try:
             out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4),
                            config.get("save", ""), config.get("resume", "")))
-        except ValueError as error:  # the bad-input configurations: every rank raises the same, before step 0
+        except (ValueError, RuntimeError) as error:  # bad input (before step 0), a divergence: every rank alike
             out.append({"error": str(error)})
     return out

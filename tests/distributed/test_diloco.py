@@ -32,6 +32,11 @@ CONFIGS: list[dict[str, Any]] = [
     {"model": "adam", "steps": 8, "diloco": {"sync_every": 6, "fragments": 3, "sync_delay": 1, "mixing": 0.5}},
     # 9: the monitor logs the outer statistics
     {"model": "adam", "steps": 4, "monitor": True, "diloco": {"sync_every": 2, "compressor": "int8"}},
+    # 10-11: the replica check every step on 2 sites of 2: ranks of a site every step, every rank after each round;
+    # in 11 rank 1 leaves its site's weights before step 1's update, so every rank raises there
+    {"model": "adam", "steps": 4, "diloco": {"site_size": 2, "sync_every": 3, "check_replicas_every": 1}},
+    {"model": "adam", "steps": 4, "perturb": (1, 1),
+     "diloco": {"site_size": 2, "sync_every": 3, "check_replicas_every": 1}},
 ]
 
 
@@ -148,3 +153,16 @@ def test_resume_with_another_site_layout_is_refused_on_every_rank(tmp_path: Path
     messages = run_ranks(resume_with_another_layout, 4, str(tmp_path), timeout=300)
     for message in messages:
         assert "Expected the site layout [1, 1, 1, 1] of the checkpoint, but got [2, 2]" in message and "Fix:" in message
+
+
+def test_replica_check_compares_the_ranks_of_each_site_and_every_rank_after_a_round(
+        results: list[list[dict[str, Any]]]) -> None:
+    checked = _runs(results, 10)
+    assert all(r["error"] is None for r in checked), [r["error"] for r in checked]
+    _check(checked, site_size=2, sync_every=3)
+    for rank, r in enumerate(_runs(results, 11)):
+        assert r["error"] is not None, f"rank {rank} did not raise"
+        kind, message = r["error"]
+        assert kind == "ReplicaDivergenceError", message
+        assert "step 1" in message and "rank(s) [1] differs from rank 0" in message, message
+        assert "the ranks of each site must hold the same parameters" in message, message

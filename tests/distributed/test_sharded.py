@@ -34,10 +34,12 @@ CONFIGS: list[dict[str, Any]] = [
     {"kind": "unsharded", "strategy": {"compressor": "terngrad", "shard_size": 2}},
     # the same model under our DDP strategy, for the memory comparison
     {"kind": "ddp", "strategy": {"compressor": "graddrop"}},
+    # the replica check compares each shard with its copies in the other replicas (not the two different shards)
+    {"strategy": {"compressor": "terngrad", "shard_size": 2, "check_replicas_every": 1}},
 ]
 NATIVE, FIRST = 0, 1
 ONE_SHARD = FIRST + len(COMPRESSORS)
-NAN, BAD_SIZE, UNSHARDED, DDP = ONE_SHARD + 1, ONE_SHARD + 2, ONE_SHARD + 3, ONE_SHARD + 4
+NAN, BAD_SIZE, UNSHARDED, DDP, CHECKED = (ONE_SHARD + k for k in range(1, 6))
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +118,11 @@ def test_residuals_and_optimizer_state_are_sharded(results: list[list[dict[str, 
         assert ddp[rank]["memory"] == {"params": whole, "optimizer": 2 * whole, "residuals": whole}, rank
     # a replica's two shards together are the model (the uneven split of a 3-row weight over 2 ranks included)
     assert sharded[0]["shard_numel"] + sharded[1]["shard_numel"] == ddp[0]["shard_numel"]
+
+
+def test_replica_check_compares_the_copies_of_each_shard(results: list[list[dict[str, Any]]]) -> None:
+    for rank, run in enumerate(_run(results, CHECKED)):
+        assert "error" not in run and len(run["shards"]) == 4, (rank, run.get("error"))
 
 
 def test_resume_is_exact(tmp_path: Path) -> None:
