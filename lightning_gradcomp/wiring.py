@@ -283,7 +283,9 @@ class HookWiring:
                      "the cost model's choice per bucket" if self.planner is not None else "a sparse encoding",
                      f"{dense:,}")
             return
-        expected = dense - sum(4 * named[n].numel() for n, _ in shapes) + (codec.nbytes if codec else 0)
+        # what the ledger will count: fp32 layers, packets, and the shared statistics' all-reduce
+        expected = dense - sum(4 * named[n].numel() for n, _ in shapes) + (codec.nbytes + codec.shared_nbytes if codec
+                                                                             else 0)
         log.info(
             "gradcomp: %s on %d ranks: %s; expected %s bytes per rank per step vs %s for fp32 DDP (%.1fx less)",
             name, world_size, collectives, f"{int(expected):,}", f"{dense:,}", dense / max(expected, 1),

@@ -1,0 +1,126 @@
+"""Rank bodies for what a run says before and after its first step: the setup line, the first step's measured bytes,
+setup warnings, and each strategy's ``bytes_per_step`` as the progress bar and the monitor show it."""
+
+import logging
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+from lightning_gradcomp.callbacks import CompressionMonitor
+from lightning_gradcomp.optimizers import SignSGD
+from lightning_gradcomp.outer import DiLoCoStrategy
+from lightning_gradcomp.weightgrad import WeightGradStrategy
+from tests.distributed.diloco_ranks import MemoryLogger
+from tests.distributed.fabric_ranks import make_model
+from tests.distributed.lightning_ranks import TinyClassifier, random_loader
+
+
+class _Lines(logging.Handler):
+    """Every ``gradcomp: ...`` line the library logs on this rank."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("gradcomp: "):
+            self.lines.append(message)
+
+
+class _FirstStepBytes(Callback):
+    """``trainer.strategy.bytes_per_step()`` right after the first optimizer step."""
+
+    def __init__(self) -> None:
+        self.first: Any = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.first is None:
+            self.first = trainer.strategy.bytes_per_step()  # type: ignore[attr-defined]
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if name == "signsgd":
+        return SignSGD(params, lr=1e-3)
+    return torch.optim.SGD(params, lr=0.1)
+
+
+class _Classifier(TinyClassifier):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _optimizer(self.optimizer_name, self.parameters())
+
+
+def first_steps(rank: int, world_size: int, api: str, strategy: Any, optimizer: str = "sgd",
+                steps: int = 2) -> dict[str, Any]:
+    """A short run under the Trainer or Fabric; what it logged and warned, and its bytes after step 1 and at the end."""
+    lines = _Lines()
+    logger = logging.getLogger("lightning_gradcomp")
+    logger.addHandler(lines)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if api == "trainer":
+                recorder = _FirstStepBytes()
+                trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps,
+                                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                     enable_model_summary=False, callbacks=[recorder])
+                trainer.fit(_Classifier(optimizer), random_loader())
+                first, last = recorder.first, trainer.strategy.bytes_per_step()  # type: ignore[attr-defined]
+            else:
+                fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+                fabric.launch()
+                model = make_model()
+                model, opt = fabric.setup(model, _optimizer(optimizer, model.parameters()))
+                batches = iter(random_loader(shard=(rank, world_size)))
+                first = None
+                for _ in range(steps):
+                    x, y = next(batches)
+                    opt.zero_grad()
+                    fabric.backward(nn.functional.cross_entropy(model(x), y))
+                    opt.step()
+                    first = fabric.strategy.bytes_per_step() if first is None else first  # type: ignore[attr-defined]
+                last = fabric.strategy.bytes_per_step()  # type: ignore[attr-defined]
+    finally:
+        logger.removeHandler(lines)
+    return {"lines": lines.lines, "warnings": [str(w.message) for w in caught], "first": first, "last": last}
+
+
+def shown_bytes(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """DiLoCo and WeightGrad (every rank its own site, rounds every 2 steps): the progress bar's ``comp_ratio`` and the
+    monitor's totals, beside the strategy's own ``bytes_per_step`` / ``dense_bytes_per_step`` and its hook's."""
+    out = []
+    for strategy in (
+        DiLoCoStrategy(sync_every=2, compressor="int8"),
+        WeightGradStrategy(site_size=1, allow_single_rank_sites=True, staleness_bound=2, compressor="fp32"),
+    ):
+        memory = MemoryLogger()
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=4, logger=memory,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[CompressionMonitor(logging_interval=1)])
+        trainer.fit(TinyClassifier(), random_loader())
+        totals = [m for _, m in memory.logged if "gradcomp/bytes/total" in m]
+        state = strategy.comm_state
+        assert state is not None
+        out.append({
+            "bytes": strategy.bytes_per_step(),
+            "dense": strategy.dense_bytes_per_step(),
+            "hook_bytes": state.bytes_per_step(),
+            "comp_ratio": float(trainer.progress_bar_metrics.get("comp_ratio", float("nan"))),
+            "logged_bytes": totals[-1]["gradcomp/bytes/total"] if totals else None,
+            "logged_ratio": totals[-1].get("gradcomp/compression_ratio/total") if totals else None,
+        })
+    return out
