@@ -34,15 +34,20 @@ class _Lines(logging.Handler):
             self.lines.append(message)
 
 
+def _hook_bytes(strategy: Any) -> int:
+    """What the hook's ledger counted in the latest step (the setup line speaks of the hook)."""
+    return strategy.comm_state.bytes_per_step()
+
+
 class _FirstStepBytes(Callback):
-    """``trainer.strategy.bytes_per_step()`` right after the first optimizer step."""
+    """The hook's bytes right after the first optimizer step."""
 
     def __init__(self) -> None:
         self.first: Any = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.first is None:
-            self.first = trainer.strategy.bytes_per_step()  # type: ignore[attr-defined]
+            self.first = _hook_bytes(trainer.strategy)
 
 
 def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
@@ -79,7 +84,7 @@ def first_steps(rank: int, world_size: int, api: str, strategy: Any, optimizer: 
                                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                      enable_model_summary=False, callbacks=[recorder])
                 trainer.fit(_Classifier(optimizer), random_loader())
-                first, last = recorder.first, trainer.strategy.bytes_per_step()  # type: ignore[attr-defined]
+                first, last = recorder.first, _hook_bytes(trainer.strategy)
             else:
                 fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
                 fabric.launch()
@@ -92,8 +97,8 @@ def first_steps(rank: int, world_size: int, api: str, strategy: Any, optimizer: 
                     opt.zero_grad()
                     fabric.backward(nn.functional.cross_entropy(model(x), y))
                     opt.step()
-                    first = fabric.strategy.bytes_per_step() if first is None else first  # type: ignore[attr-defined]
-                last = fabric.strategy.bytes_per_step()  # type: ignore[attr-defined]
+                    first = _hook_bytes(fabric.strategy) if first is None else first
+                last = _hook_bytes(fabric.strategy)
     finally:
         logger.removeHandler(lines)
     return {"lines": lines.lines, "warnings": [str(w.message) for w in caught], "first": first, "last": last}
@@ -115,9 +120,10 @@ def shown_bytes(rank: int, world_size: int) -> list[dict[str, Any]]:
         totals = [m for _, m in memory.logged if "gradcomp/bytes/total" in m]
         state = strategy.comm_state
         assert state is not None
+        own = [getattr(strategy, m, None) for m in ("bytes_per_step", "dense_bytes_per_step")]
         out.append({
-            "bytes": strategy.bytes_per_step(),
-            "dense": strategy.dense_bytes_per_step(),
+            "bytes": own[0]() if own[0] else None,
+            "dense": own[1]() if own[1] else None,
             "hook_bytes": state.bytes_per_step(),
             "comp_ratio": float(trainer.progress_bar_metrics.get("comp_ratio", float("nan"))),
             "logged_bytes": totals[-1]["gradcomp/bytes/total"] if totals else None,

@@ -70,7 +70,7 @@ def test_compression_on_one_rank_warns_and_claims_no_exchange(api: str) -> None:
 def test_progress_bar_and_monitor_show_each_strategys_own_bytes_per_step() -> None:
     ranks = run_ranks(shown_bytes, 2)
     for run in ranks[0]:  # DiLoCo, WeightGrad: rank 0 logs
-        assert run["bytes"] > 0 and run["dense"] > 0
+        assert run["bytes"] and run["dense"], run  # each strategy answers, and something crossed
         ratio = run["dense"] / run["bytes"]
         assert math.isclose(run["comp_ratio"], ratio, rel_tol=1e-6), run
         assert run["logged_bytes"] == pytest.approx(run["bytes"]) and run["logged_ratio"] == pytest.approx(ratio)

@@ -40,6 +40,7 @@ def _params() -> list[torch.nn.Parameter]:
         (lambda: torch.optim.Adam(_params(), lr=1e-3), "Adam (param group 0: moments of its own"),
         (lambda: torch.optim.SGD(_params(), lr=0.1, momentum=0.9), "SGD with momentum=0.9"),
     ],
+    ids=["adamw", "adam", "sgd-momentum"],
 )
 def test_demo_warns_about_an_optimizer_with_momentum_of_its_own(build: Callable[[], Any], named: str) -> None:
     with pytest.warns(UserWarning, match="Expected DeMo's optimizer to be SignSGD") as caught:
