@@ -390,9 +390,9 @@ class DeMo(Compressor):
 
         DeMo's decoded update is already a momentum (``beta``, decayed in the residual); its update is
         ``sign(update)`` (:class:`~lightning_gradcomp.optimizers.SignSGD`). Adam or AdamW normalise it again with
-        moments of their own, and SGD momentum adds a second momentum: both run, and trained markedly worse in our
-        runs (AdamW: +50 % loss on a small transformer), so the fix is named before the first step. Allowed rather
-        than refused: plain SGD or another optimizer may be a deliberate ablation of DeMo's sign step.
+        moments of their own, and SGD momentum adds a second momentum: both run, but neither is DeMo's method, so the
+        fix is named before the first step. Allowed rather than refused: another optimizer may be a deliberate
+        ablation of DeMo's sign step.
         """
         found = []
         for optimizer in optimizers:
@@ -406,9 +406,9 @@ class DeMo(Compressor):
         if found:
             rank_zero_warn(
                 f"Expected DeMo's optimizer to be SignSGD (DeMo's update is a sign step on its own decayed momentum, "
-                f"beta={self.beta}), but got {'; '.join(found)}. This runs but trains worse. Fix: use "
-                f"`lightning_gradcomp.optimizers.SignSGD(params, lr=..., weight_decay=...)` (`optimizer: signsgd` in "
-                f"a recipe), or plain SGD with momentum=0.",
+                f"beta={self.beta}), but got {'; '.join(found)}. This runs, but it is not DeMo's update and can "
+                f"train much worse. Fix: use `lightning_gradcomp.optimizers.SignSGD(params, lr=..., weight_decay=...)` "
+                f"(`optimizer: signsgd` in a recipe), or plain SGD with momentum=0.",
                 category=UserWarning,
             )
 
