@@ -169,7 +169,7 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
                                                    self.root_device, group_rank=site.site, hierarchy=site)
         if self.global_rank == 0:
             self._announce(named, self.comm_state.float_names, self.comm_state.world_size if self.hierarchy is None
-                           else world_size)
+                           else world_size, in_sites=type(self)._hook_group is not GradCompStrategy._hook_group)
             if self.comm_state.hierarchy is not None:
                 site = self.comm_state.hierarchy
                 log.info(

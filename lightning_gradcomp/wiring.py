@@ -246,7 +246,8 @@ class HookWiring:
                 category=UserWarning,
             )
 
-    def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int) -> None:
+    def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int,
+                  in_sites: bool = False) -> None:
         """Log (INFO, visible by default; call on rank 0) what runs: the compressor, its collectives, and its bytes.
 
         Fixed-size encodings: the exact bytes per rank and step, from
@@ -254,15 +255,18 @@ class HookWiring:
         parameter's shape; the size depends on the shapes only). Sparse encodings (``fixed_size=False``) send what
         each step's gradients select, and a cost-model planner (``link``) may send a bucket in fp32: no number is
         promised for them here; the bytes the first step sent, read from the ledger, follow in their own line
-        (:meth:`_report_first_step`). On one rank nothing is exchanged, and the line says so.
+        (:meth:`_report_first_step`). On one rank nothing is exchanged, and the line says so. ``in_sites``: the hook
+        runs inside each site of ``world_size`` ranks (DiLoCo, WeightGrad; their own line describes the sites).
         """
         from lightning_gradcomp.codec import measure_codec
 
-        name = type(self.compressor).__name__
+        where = f"{'in each site of' if in_sites else 'on'} {world_size} rank{'' if world_size == 1 else 's'}"
+        name = f"{type(self.compressor).__name__} {where}"
         dense = sum(4 * p.numel() for p in named.values())
         if world_size == 1:
-            log.info("gradcomp: %s on 1 rank: nothing is exchanged (no other rank); the compressor still runs every "
-                     "step (fp32 DDP would send %s bytes per rank per step on 2 or more)", name, f"{dense:,}")
+            log.info("gradcomp: %s: nothing is exchanged (no other rank%s); the compressor still runs every step "
+                     "(fp32 DDP would send %s bytes per rank per step on 2 or more)", name,
+                     " in the site" if in_sites else "", f"{dense:,}")
             return
         shapes = [(n, tuple(p.shape)) for n, p in named.items() if n not in float_names]
         codec = measure_codec(copy.deepcopy(self.compressor), shapes, world_size, timed=False) if shapes else None
@@ -278,8 +282,8 @@ class HookWiring:
             if self.planner is not None:
                 collectives += "; per bucket, plain fp32 instead where the cost model of `link` says it is faster"
         if codec is not None and self._measured_later():
-            log.info("gradcomp: %s on %d ranks: %s; bytes follow the data (%s): step 1's measured bytes follow, vs %s "
-                     "for fp32 DDP per rank per step", name, world_size, collectives,
+            log.info("gradcomp: %s: %s; bytes follow the data (%s): step 1's measured bytes follow, vs %s "
+                     "for fp32 DDP per rank per step", name, collectives,
                      "the cost model's choice per bucket" if self.planner is not None else "a sparse encoding",
                      f"{dense:,}")
             return
@@ -287,8 +291,8 @@ class HookWiring:
         expected = dense - sum(4 * named[n].numel() for n, _ in shapes) + (codec.nbytes + codec.shared_nbytes if codec
                                                                              else 0)
         log.info(
-            "gradcomp: %s on %d ranks: %s; expected %s bytes per rank per step vs %s for fp32 DDP (%.1fx less)",
-            name, world_size, collectives, f"{int(expected):,}", f"{dense:,}", dense / max(expected, 1),
+            "gradcomp: %s: %s; expected %s bytes per rank per step vs %s for fp32 DDP (%.1fx less)",
+            name, collectives, f"{int(expected):,}", f"{dense:,}", dense / max(expected, 1),
         )
 
     def _measured_later(self) -> bool:
