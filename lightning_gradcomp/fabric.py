@@ -17,7 +17,8 @@ both with the objects (``fabric.load(path, state)``) and without (``full = fabri
 ``model.load_state_dict(full["model"])``; the compression state is restored by the load itself).
 
 Only the per-step compressors run under Fabric: the names of strategies that need the Trainer's loop (``"diloco"``,
-``"streaming_diloco"``, ``"weightgrad"``) are refused by ``Fabric(strategy=...)`` with what to use instead. Not available under Fabric (they need the Trainer's loop): the replica check, ``CompressionSchedule``,
+``"streaming_diloco"``, ``"weightgrad"``) are refused by ``Fabric(strategy=...)`` with what to use instead. Not
+available under Fabric either (they need the Trainer's loop): the replica check, ``CompressionSchedule``,
 ``CompressionMonitor`` and ``ExponentialMovingAverage`` (see ``docs/compatibility.md``).
 """
 
