@@ -130,3 +130,8 @@ def shown_bytes(rank: int, world_size: int) -> list[dict[str, Any]]:
             "logged_ratio": totals[-1].get("gradcomp/compression_ratio/total") if totals else None,
         })
     return out
+
+
+def setup_lines_of(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, Any]]:
+    """:func:`first_steps` under Fabric for each compressor name in turn (one spawned world)."""
+    return {name: first_steps(rank, world_size, "fabric", name, "sgd", 1) for name in names}

@@ -8,7 +8,8 @@ import re
 import pytest
 
 from lightning_gradcomp import GradCompFabricStrategy
-from tests.distributed.setup_ranks import first_steps, shown_bytes
+from lightning_gradcomp.registry import compressor_names, make_compressor
+from tests.distributed.setup_ranks import first_steps, setup_lines_of, shown_bytes
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -33,15 +34,20 @@ def test_sparse_setup_line_promises_no_estimate_and_the_first_step_is_measured(a
     assert ranks[1]["lines"] == []  # rank 0 speaks for the run
 
 
-def test_fabric_prints_the_setup_line_and_its_fixed_size_bytes_are_what_a_step_sends() -> None:
-    ranks = run_ranks(first_steps, 2, "fabric", "terngrad")
-    lines = ranks[0]["lines"]
-    assert len(lines) == 1, lines
-    expected = re.fullmatch(r"gradcomp: TernGrad on 2 ranks: .*; expected ([\d,]+) bytes per rank per step vs "
-                            r"([\d,]+) for fp32 DDP \([\d.]+x less\)", lines[0])
-    assert expected, lines[0]
-    assert _number(expected.group(1)) == ranks[0]["first"] == ranks[0]["last"]  # exact: the code that runs
-    assert ranks[1]["lines"] == []
+def test_fabric_prints_the_setup_line_and_fixed_size_bytes_are_what_every_step_sends() -> None:
+    names = [n for n in compressor_names() if make_compressor(n).fixed_size]
+    assert {"terngrad", "qsgd", "demo", "powersgd"} <= set(names)
+    ranks = run_ranks(setup_lines_of, 2, names)
+    assert all(ranks[1][name]["lines"] == [] for name in names)  # rank 0 speaks for the run
+    for name in names:
+        run = ranks[0][name]
+        (line,) = run["lines"]
+        expected = re.search(r"; expected ([\d,]+) bytes per rank per step vs ([\d,]+) for fp32 DDP", line)
+        assert expected, line
+        # exact: what the ledger counted on the step (packets, fp32 layers and the shared statistics)
+        assert _number(expected.group(1)) == run["first"], (name, line, run["first"])
+    assert ranks[0]["terngrad"]["lines"][0].startswith("gradcomp: TernGrad on 2 ranks: all-gather of each rank's packed "
+                                                       "payload after one small all-reduce of shared scalers; expected ")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd-momentum"])
