@@ -168,8 +168,10 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
             self.comm_state = self._new_comm_state(named, site.cross_group, self.global_rank, site.layout.num_sites,
                                                    self.root_device, group_rank=site.site, hierarchy=site)
         if self.global_rank == 0:
-            self._announce(named, self.comm_state.float_names, self.comm_state.world_size if self.hierarchy is None
-                           else world_size, in_sites=type(self)._hook_group is not GradCompStrategy._hook_group)
+            # the hook state's group: the ranks (flat), a site's ranks (DiLoCo, WeightGrad), or the sites (hierarchical)
+            self._announce(named, self.comm_state.float_names, self.comm_state.world_size,
+                           in_sites=type(self)._hook_group is not GradCompStrategy._hook_group,
+                           between_sites=self.hierarchy is not None)
             if self.comm_state.hierarchy is not None:
                 site = self.comm_state.hierarchy
                 log.info(

@@ -247,7 +247,7 @@ class HookWiring:
             )
 
     def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int,
-                  in_sites: bool = False) -> None:
+                  in_sites: bool = False, between_sites: bool = False) -> None:
         """Log (INFO, visible by default; call on rank 0) what runs: the compressor, its collectives, and its bytes.
 
         Fixed-size encodings: the exact bytes per rank and step, from
@@ -257,16 +257,22 @@ class HookWiring:
         promised for them here; the bytes the first step sent, read from the ledger, follow in their own line
         (:meth:`_report_first_step`). On one rank nothing is exchanged, and the line says so. ``in_sites``: the hook
         runs inside each site of ``world_size`` ranks (DiLoCo, WeightGrad; their own line describes the sites).
+        ``between_sites``: the hierarchical exchange, ``world_size`` sites; the bytes are a site's (its ranks send
+        one share each).
         """
         from lightning_gradcomp.codec import measure_codec
 
-        where = f"{'in each site of' if in_sites else 'on'} {world_size} rank{'' if world_size == 1 else 's'}"
+        if between_sites:
+            where, per = f"between {world_size} sites", "per site (its ranks send one share each)"
+        else:
+            where = f"{'in each site of' if in_sites else 'on'} {world_size} rank{'' if world_size == 1 else 's'}"
+            per = "per rank"
         name = f"{type(self.compressor).__name__} {where}"
         dense = sum(4 * p.numel() for p in named.values())
         if world_size == 1:
-            log.info("gradcomp: %s: nothing is exchanged (no other rank%s); the compressor still runs every step "
+            log.info("gradcomp: %s: nothing is exchanged (no other %s); the compressor still runs every step "
                      "(fp32 DDP would send %s bytes per rank per step on 2 or more)", name,
-                     " in the site" if in_sites else "", f"{dense:,}")
+                     "site" if between_sites else "rank in the site" if in_sites else "rank", f"{dense:,}")
             return
         shapes = [(n, tuple(p.shape)) for n, p in named.items() if n not in float_names]
         codec = measure_codec(copy.deepcopy(self.compressor), shapes, world_size, timed=False) if shapes else None
@@ -291,8 +297,8 @@ class HookWiring:
         expected = dense - sum(4 * named[n].numel() for n, _ in shapes) + (codec.nbytes + codec.shared_nbytes if codec
                                                                              else 0)
         log.info(
-            "gradcomp: %s: %s; expected %s bytes per rank per step vs %s for fp32 DDP (%.1fx less)",
-            name, collectives, f"{int(expected):,}", f"{dense:,}", dense / max(expected, 1),
+            "gradcomp: %s: %s; expected %s bytes %s per step vs %s for fp32 DDP (%.1fx less)",
+            name, collectives, f"{int(expected):,}", per, f"{dense:,}", dense / max(expected, 1),
         )
 
     def _measured_later(self) -> bool:

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from lightning_gradcomp import GradCompFabricStrategy
+from lightning_gradcomp import GradCompFabricStrategy, GradCompStrategy
 from lightning_gradcomp.registry import compressor_names, make_compressor
 from tests.distributed.setup_ranks import first_steps, setup_lines_of, shown_bytes
 from tests.harness import run_ranks
@@ -48,6 +48,16 @@ def test_fabric_prints_the_setup_line_and_fixed_size_bytes_are_what_every_step_s
         assert _number(expected.group(1)) == run["first"], (name, line, run["first"])
     assert ranks[0]["terngrad"]["lines"][0].startswith("gradcomp: TernGrad on 2 ranks: all-gather of each rank's packed "
                                                        "payload after one small all-reduce of shared scalers; expected ")
+
+
+def test_hierarchical_setup_line_states_what_a_site_sends_between_sites() -> None:
+    ranks = run_ranks(first_steps, 4, "trainer", GradCompStrategy("terngrad", site_size=2), "sgd", 1)
+    (line, _) = ranks[0]["lines"]  # the setup line, then the hierarchical exchange's own
+    expected = re.search(r"^gradcomp: TernGrad between 2 sites: .*; expected ([\d,]+) bytes per site \(its ranks send "
+                         r"one share each\) per step", line)
+    assert expected, line
+    # each rank's ledger holds its share between sites: a site's ranks together send the stated bytes
+    assert _number(expected.group(1)) == ranks[0]["first"] + ranks[1]["first"] == ranks[2]["first"] + ranks[3]["first"]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd-momentum"])
