@@ -44,9 +44,10 @@ _register_diloco()
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES  # noqa: E402
 
-from lightning_gradcomp.fabric import GradCompFabricStrategy  # noqa: E402
+from lightning_gradcomp.fabric import GradCompFabricStrategy, register_trainer_only_names  # noqa: E402
 
 register_strategies(GradCompFabricStrategy, _FABRIC_STRATEGIES)
+register_trainer_only_names(_FABRIC_STRATEGIES)  # Fabric(strategy="diloco") says it is Trainer-only, and what to use
 
 from lightning_gradcomp.sharded import ShardedGradCompStrategy  # noqa: E402
 

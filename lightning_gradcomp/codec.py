@@ -34,6 +34,7 @@ class Codec:
         encode_s: compression seconds per step (measured here, or from a device model).
         decode_s: decoding seconds per step (all N packets for an all-gather, one for an all-reduce).
         rounds: small blocking all-reduces per bucket before the payload (shared scalers).
+        shared_nbytes: bytes per rank per step of those all-reduces (float32 statistics, as the hook sends them).
     """
 
     nbytes: float
@@ -41,6 +42,7 @@ class Codec:
     encode_s: float = 0.0
     decode_s: float = 0.0
     rounds: int = 0
+    shared_nbytes: float = 0.0
 
 
 def measure_codec(compressor: Compressor, shapes: Shapes, world_size: int, timed: bool = True) -> Codec:
@@ -69,8 +71,10 @@ def measure_codec(compressor: Compressor, shapes: Shapes, world_size: int, timed
             else:
                 compressor.decompress(p)
         decode = time.perf_counter() - start
-    rounds = 1 if compressor.local_statistic(grads[0][1], grads[0][0]) is not None else 0
-    return Codec(float(sum(p.nbytes for p in packets)), aggregation, encode if timed else 0.0, decode, rounds)
+    statistics = [compressor.local_statistic(g, name) for name, g in grads]
+    rounds = 1 if statistics[0] is not None else 0
+    shared = float(sum(4 * s.numel() for s in statistics if s is not None))  # the hook all-reduces them as float32
+    return Codec(float(sum(p.nbytes for p in packets)), aggregation, encode if timed else 0.0, decode, rounds, shared)
 
 
 def _measure_rounds(compressor: MultiRoundCompressor, grads: list[tuple[str, torch.Tensor]], aggregation: Aggregation,

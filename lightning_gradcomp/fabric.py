@@ -12,8 +12,13 @@ Fabric has no Trainer callbacks, so the per-layer transforms are given to the st
     fabric = Fabric(strategy=GradCompFabricStrategy("fp32", transforms=[SigmaClipping(2.5)]), devices=2)
 
 ``fabric.save`` also stores every rank's compression state (residuals, random streams, transform buffers) as the
-Trainer strategy does, and ``fabric.load(path, state)`` gives each rank its own part back, so a resumed run continues
-exactly. Not available under Fabric (they need the Trainer's loop): the replica check, ``CompressionSchedule``,
+Trainer strategy does, and ``fabric.load`` gives each rank its own part back, so a resumed run continues exactly:
+both with the objects (``fabric.load(path, state)``) and without (``full = fabric.load(path)`` followed by
+``model.load_state_dict(full["model"])``; the compression state is restored by the load itself).
+
+Only the per-step compressors run under Fabric: the names of strategies that need the Trainer's loop (``"diloco"``,
+``"streaming_diloco"``, ``"weightgrad"``) are refused by ``Fabric(strategy=...)`` with what to use instead. Not
+available under Fabric either (they need the Trainer's loop): the replica check, ``CompressionSchedule``,
 ``CompressionMonitor`` and ``ExponentialMovingAverage`` (see ``docs/compatibility.md``).
 """
 
@@ -33,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+import lightning_gradcomp.registry as registry
 from lightning_gradcomp import checkpoint as ckpt
 from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.momentum import MomentumCorrection
@@ -144,6 +150,7 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         check_backend(self._process_group_backend, self.root_device)
+        self._warn_single_rank(self.num_nodes * self.num_processes)
         super().setup_environment()
 
     def _attach(self, entry: Union[PipelineCallback, LayerTransform]) -> None:
@@ -180,6 +187,8 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         self.comm_state.guard.set_mode(self.nonfinite)
         self._nonfinite_seen = 0
         self._module = module  # fabric.backward passes no module unless asked to
+        if self.global_rank == 0:  # the Trainer strategy's setup line: what compresses, with which bytes
+            self._announce(named, self.comm_state.float_names, self.world_size)
         if self._pending_restore is not None:  # loaded before the model was set up
             ckpt.restore(self.comm_state, self._pending_restore, self.root_device)
             self._pending_restore = None
@@ -209,9 +218,15 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
         remainder = super().load_checkpoint(path, state, strict, weights_only)
-        if not isinstance(state, dict) or not state:
-            return remainder  # the whole checkpoint was asked for (or a bare module/optimizer state)
-        saved = remainder.pop(ckpt.CHECKPOINT_KEY, None)
+        if isinstance(state, (Module, Optimizer)):
+            return remainder  # a bare module or optimizer state dict: no compression state in that file
+        if not state:
+            # `full = fabric.load(path)`, then `model.load_state_dict(full["model"])`: Fabric's other way to resume.
+            # The user restores the model and optimizer by hand, but only this strategy can put back each rank's
+            # compression state, so it does so here too; the checkpoint is returned whole, as Fabric documents
+            saved = remainder.get(ckpt.CHECKPOINT_KEY)
+        else:
+            saved = remainder.pop(ckpt.CHECKPOINT_KEY, None)
         entry = ckpt.select({} if saved is None else {ckpt.CHECKPOINT_KEY: saved}, self.global_rank, self.world_size,
                             self.resume_compression == "reset")
         if entry is not None and self.comm_state is not None:
@@ -230,6 +245,7 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         super().backward(tensor, module, *args, **kwargs)
+        self._report_first_step(self.global_rank)
         if self.comm_state is not None and self._module is not None:
             self._nonfinite_seen = drop_skipped_gradients(
                 self.comm_state,
@@ -237,3 +253,33 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
                 self._module.named_parameters(),
                 has_scaler=getattr(self.precision, "scaler", None) is not None,
             )
+
+
+def _trainer_only(strategy_name: str, strategy_class: str, **_: Any) -> None:
+    """What Fabric's registry builds for a name of a Trainer-only strategy: an error naming what Fabric supports."""
+    raise ValueError(
+        f"Expected `strategy` to be a strategy Fabric can run, but got {strategy_name!r}: {strategy_class} is "
+        f"Trainer-only (its rounds between sites run in the Trainer's optimizer step and checkpoint hooks, which "
+        f"Fabric's loop does not call). Under Fabric, gradcomp supports the per-step compressors: "
+        f"`Fabric(strategy=<name>)` with a name of {registry.compressor_names()} or 'gradcomp', or "
+        f"`Fabric(strategy=GradCompFabricStrategy(...))`. Fix: use one of those with Fabric, or "
+        f"`lightning.pytorch.Trainer(strategy={strategy_name!r})` for {strategy_class}."
+    )
+
+
+def register_trainer_only_names(fabric_registry: Any) -> None:
+    """Give every Trainer strategy name of this package that Fabric cannot run (a ``GradCompStrategy`` subclass
+    with sites: DiLoCo, Streaming DiLoCo, WeightGrad, and their ``_notebook`` variants) an entry in Fabric's registry
+    that raises :func:`_trainer_only`'s error when ``Fabric(strategy=name)`` is constructed, instead of Lightning's
+    generic "invalid strategy name"."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_gradcomp.strategy import GradCompStrategy
+
+    for name, data in StrategyRegistry.items():
+        cls = data["strategy"]
+        if name in fabric_registry or not (isinstance(cls, type) and issubclass(cls, GradCompStrategy)):
+            continue
+        fabric_registry.register(name, _trainer_only, description=f"{cls.__name__} is Trainer-only (an error under "
+                                 "Fabric, naming what to use)", override=True, strategy_name=name,
+                                 strategy_class=cls.__name__)

@@ -3,16 +3,45 @@
 The one place bytes are counted: :meth:`Ledger.bytes_per_step` is what the monitor, the progress bar, WeightGrad and
 the benchmarks report. Only the ledger's methods change it; the hook, the guard, the planner and the hierarchical
 exchange report to it.
+
+Every strategy of the library answers the same question the same way (:class:`ByteReport`):
+``strategy.bytes_per_step()`` and ``strategy.dense_bytes_per_step()``, read from its ledgers. The progress bar's
+``comp_ratio`` and :class:`~lightning_gradcomp.callbacks.CompressionMonitor`'s totals are these two.
 """
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Protocol, Union, runtime_checkable
 
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket
 from lightning_gradcomp.segments import Segments
+
+
+@runtime_checkable
+class ByteReport(Protocol):
+    """What every strategy of the library reports about its traffic (``GradCompStrategy``, ``DiLoCoStrategy``,
+    ``WeightGradStrategy``, ``TowerStrategy``, ``GradCompFabricStrategy``).
+
+    Both are per rank and per optimizer step, read from what the exchange recorded as it ran (the hook's
+    :class:`Ledger`; the outer rounds' totals, themselves read from the outer hook's ledger), never estimated; 0
+    before the first exchange.
+    """
+
+    def bytes_per_step(self) -> float:
+        """Bytes this rank puts on the link the compression is for, per optimizer step.
+
+        Flat exchange (``GradCompStrategy``, Fabric): everything this rank sent to the other ranks in the latest step
+        (payloads and shared statistics). Hierarchical exchange: this rank's share between sites. ``TowerStrategy``:
+        one emulated worker's. Strategies whose sites exchange every few steps (``DiLoCoStrategy``,
+        ``WeightGradStrategy``): this rank's bytes between sites so far divided by the optimizer steps so far.
+        """
+        ...
+
+    def dense_bytes_per_step(self) -> float:
+        """What fp32 DDP would send per rank and step for the same parameters (``bytes_per_step``'s reference)."""
+        ...
 
 
 @dataclass

@@ -180,10 +180,6 @@ class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy
     def _replica_scope(self, sets: Optional[list[list[int]]]) -> str:
         return "each rank's shard must be identical in every replica"
 
-    def bytes_per_step(self) -> int:
-        """Bytes this rank put on the link between replicas in the last step (the ledger's count)."""
-        return 0 if self.comm_state is None else self.comm_state.bytes_per_step()
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:

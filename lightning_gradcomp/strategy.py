@@ -1,6 +1,5 @@
 """``GradCompStrategy``: Lightning's DDP with our compression hook installed on CPU (Gloo) and GPU (NCCL)."""
 
-import copy
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
@@ -17,7 +16,7 @@ from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.callbacks import CompressionMonitor, CompressionProgressBar
-from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.hierarchy import Hierarchy, hierarchical_hook, hierarchy_spec, new_site_exchange
 from lightning_gradcomp.hook import gradcomp_hook
@@ -146,6 +145,8 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         check_backend(self._process_group_backend, self.root_device)
         if self.hierarchy is not None:  # the world size is known now: refuse a bad layout before any group exists
             self.hierarchy.layout(self.world_size, self.num_nodes)
+        if type(self)._hook_group is GradCompStrategy._hook_group:  # strategies with sites say what one rank means
+            self._warn_single_rank(self.num_nodes * self.num_processes)
         super().setup_environment()
 
     @override
@@ -167,8 +168,10 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
             self.comm_state = self._new_comm_state(named, site.cross_group, self.global_rank, site.layout.num_sites,
                                                    self.root_device, group_rank=site.site, hierarchy=site)
         if self.global_rank == 0:
-            self._announce(named, self.comm_state.float_names, self.comm_state.world_size if self.hierarchy is None
-                           else world_size)
+            # the hook state's group: the ranks (flat), a site's ranks (DiLoCo, WeightGrad), or the sites (hierarchical)
+            self._announce(named, self.comm_state.float_names, self.comm_state.world_size,
+                           in_sites=type(self)._hook_group is not GradCompStrategy._hook_group,
+                           between_sites=self.hierarchy is not None)
             if self.comm_state.hierarchy is not None:
                 site = self.comm_state.hierarchy
                 log.info(
@@ -202,44 +205,14 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         subclass attaches further per-rank state here (``comm_state.extra``). Default: nothing."""
 
     @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        self._report_first_step(self.global_rank)
+
+    @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         super().setup_optimizers(trainer)
         self.compressor.check_optimizers(self.optimizers)  # e.g. OneBit warns about heavy momentum
-
-    def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int) -> None:
-        """Log (INFO, visible by default) what runs: the compressor, its collectives, bytes per step against fp32.
-
-        The bytes are :func:`~lightning_gradcomp.codec.measure_codec`'s: a copy of the compressor packs random
-        tensors of every compressed parameter's shape (exact for fixed-size encodings; an estimate for sparse ones,
-        whose size follows the data). The progress bar's ``comp_ratio`` then shows the measured ratio of each step.
-        """
-        from lightning_gradcomp.codec import measure_codec
-
-        shapes = [(n, tuple(p.shape)) for n, p in named.items() if n not in float_names]
-        dense = sum(4 * p.numel() for p in named.values())
-        codec = measure_codec(copy.deepcopy(self.compressor), shapes, world_size, timed=False) if shapes else None
-        expected = dense - sum(4 * named[n].numel() for n, _ in shapes) + (codec.nbytes if codec else 0)
-        if codec is None:
-            collectives = "fp32 all-reduce only"
-        else:
-            collectives = (
-                "all-gather of each rank's packed payload" if codec.aggregation is Aggregation.GATHER
-                else "all-reduce of the compressed payload"
-            ) + (" after one small all-reduce of shared scalers" if codec.rounds else "")
-            if float_names:
-                collectives += f"; {len(float_names)} of {len(named)} tensors in fp32 all-reduce"
-            if self.planner is not None:
-                collectives += "; per bucket, plain fp32 instead where the cost model of `link` says it is faster"
-        log.info(
-            "gradcomp: %s on %d rank%s: %s; expected %s bytes per rank per step vs %s for fp32 DDP (%.1fx less)",
-            type(self.compressor).__name__,
-            world_size,
-            "" if world_size == 1 else "s",
-            collectives,
-            f"{int(expected):,}",
-            f"{dense:,}",
-            dense / max(expected, 1),
-        )
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:

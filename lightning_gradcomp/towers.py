@@ -240,6 +240,11 @@ class TowerStrategy(SingleDeviceStrategy):
             return {**output, "loss": loss_out}
         return loss_out
 
-    def bytes_per_step(self) -> int:
-        """Bytes one emulated worker contributes per step: payloads plus shared statistics, as in the hook."""
+    def bytes_per_step(self) -> float:
+        """Bytes one emulated worker contributes per step: payloads plus shared statistics, as in the hook
+        (:class:`~lightning_gradcomp.ledger.ByteReport`)."""
         return self.ledger.bytes_per_step()
+
+    def dense_bytes_per_step(self) -> float:
+        """What one fp32 DDP worker would send per step for the same parameters."""
+        return self.ledger.dense_bytes_per_step()

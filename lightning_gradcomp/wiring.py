@@ -6,17 +6,20 @@
 attached and the :class:`~lightning_gradcomp.hook.GradCompState` built by one implementation.
 """
 
+import copy
 import fnmatch
 import inspect
+import logging
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.pipeline import LayerTransform
@@ -35,6 +38,8 @@ _DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).par
 # DDP options that take a bool: a string such as "false" is truthy and would silently switch them on
 _DDP_SIGNATURE = inspect.signature(DistributedDataParallel.__init__).parameters
 _DDP_BOOL_OPTIONS = frozenset(n for n, p in _DDP_SIGNATURE.items() if isinstance(p.default, bool))
+
+log = logging.getLogger("lightning_gradcomp.strategy")  # the setup line's logger, whichever strategy writes it
 
 
 def check_ddp_options(options: dict[str, Any], bucket_cap_mb: Any, backend: Any) -> None:
@@ -154,6 +159,7 @@ class HookWiring:
         self.planner = None if link is None else CollectivePlanner(link, compression_cost)
         self._transforms: list[LayerTransform] = []
         self.comm_state = None
+        self._first_step_reported = False
         return ddp_kwargs
 
     def add_transform(self, transform: LayerTransform) -> None:
@@ -213,3 +219,101 @@ class HookWiring:
         )
         options.update(fields)
         return GradCompState(**options)
+
+    # -- what the strategy sends (ByteReport), and what it says about it ------------------------------------------
+    def bytes_per_step(self) -> float:
+        """Bytes this rank sent in the latest optimizer step (payloads and shared statistics; with the hierarchical
+        exchange, this rank's share between sites), read from the hook's ledger; 0 before the first step.
+
+        The same method on every strategy of the library (:class:`~lightning_gradcomp.ledger.ByteReport`); the
+        progress bar's ``comp_ratio`` and ``CompressionMonitor``'s totals read it.
+        """
+        return 0 if self.comm_state is None else self.comm_state.ledger.bytes_per_step()
+
+    def dense_bytes_per_step(self) -> float:
+        """What fp32 DDP would send per rank and step for the same parameters (from the hook's ledger)."""
+        return 0 if self.comm_state is None else self.comm_state.ledger.dense_bytes_per_step()
+
+    def _warn_single_rank(self, world_size: int) -> None:
+        """Warn (rank 0, before any step) that one rank exchanges nothing while the compressor still runs."""
+        if world_size == 1:
+            rank_zero_warn(
+                f"Expected at least 2 ranks for {type(self).__name__} to exchange compressed gradients, but got "
+                f"world_size=1 (devices x num_nodes): nothing is sent, yet {type(self.compressor).__name__} still "
+                f"compresses every step, so training pays its error and its cost for no saving. Fix: use `devices=2` "
+                f"or more (CPU ranks are fine), `strategy='auto'` for one device without compression, or "
+                f"`TowerStrategy(num_workers=N)` to emulate N compressing workers in one process.",
+                category=UserWarning,
+            )
+
+    def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int,
+                  in_sites: bool = False, between_sites: bool = False) -> None:
+        """Log (INFO, visible by default; call on rank 0) what runs: the compressor, its collectives, and its bytes.
+
+        Fixed-size encodings: the exact bytes per rank and step, from
+        :func:`~lightning_gradcomp.codec.measure_codec` (a copy of the compressor packs tensors of every compressed
+        parameter's shape; the size depends on the shapes only). Sparse encodings (``fixed_size=False``) send what
+        each step's gradients select, and a cost-model planner (``link``) may send a bucket in fp32: no number is
+        promised for them here; the bytes the first step sent, read from the ledger, follow in their own line
+        (:meth:`_report_first_step`). On one rank nothing is exchanged, and the line says so. ``in_sites``: the hook
+        runs inside each site of ``world_size`` ranks (DiLoCo, WeightGrad; their own line describes the sites).
+        ``between_sites``: the hierarchical exchange, ``world_size`` sites; the bytes are a site's (its ranks send
+        one share each).
+        """
+        from lightning_gradcomp.codec import measure_codec
+
+        if between_sites:
+            where, per = f"between {world_size} sites", "per site (its ranks send one share each)"
+        else:
+            where = f"{'in each site of' if in_sites else 'on'} {world_size} rank{'' if world_size == 1 else 's'}"
+            per = "per rank"
+        name = f"{type(self.compressor).__name__} {where}"
+        dense = sum(4 * p.numel() for p in named.values())
+        if world_size == 1:
+            log.info("gradcomp: %s: nothing is exchanged (no other %s); the compressor still runs every step "
+                     "(fp32 DDP would send %s bytes per rank per step on 2 or more)", name,
+                     "site" if between_sites else "rank in the site" if in_sites else "rank", f"{dense:,}")
+            return
+        shapes = [(n, tuple(p.shape)) for n, p in named.items() if n not in float_names]
+        codec = measure_codec(copy.deepcopy(self.compressor), shapes, world_size, timed=False) if shapes else None
+        if codec is None:
+            collectives = "fp32 all-reduce only"
+        else:
+            collectives = (
+                "all-gather of each rank's packed payload" if codec.aggregation is Aggregation.GATHER
+                else "all-reduce of the compressed payload"
+            ) + (" after one small all-reduce of shared scalers" if codec.rounds else "")
+            if float_names:
+                collectives += f"; {len(float_names)} of {len(named)} tensors in fp32 all-reduce"
+            if self.planner is not None:
+                collectives += "; per bucket, plain fp32 instead where the cost model of `link` says it is faster"
+        if codec is not None and self._measured_later():
+            log.info("gradcomp: %s: %s; bytes follow the data (%s): step 1's measured bytes follow, vs %s "
+                     "for fp32 DDP per rank per step", name, collectives,
+                     "the cost model's choice per bucket" if self.planner is not None else "a sparse encoding",
+                     f"{dense:,}")
+            return
+        # what the ledger will count: fp32 layers, packets, and the shared statistics' all-reduce
+        expected = dense - sum(4 * named[n].numel() for n, _ in shapes) + (codec.nbytes + codec.shared_nbytes if codec
+                                                                             else 0)
+        log.info(
+            "gradcomp: %s: %s; expected %s bytes %s per step vs %s for fp32 DDP (%.1fx less)",
+            name, collectives, f"{int(expected):,}", per, f"{dense:,}", dense / max(expected, 1),
+        )
+
+    def _measured_later(self) -> bool:
+        """Whether the bytes per step depend on the data (sparse encodings, the planner's choice), not on shapes."""
+        return not self.compressor.fixed_size or self.planner is not None
+
+    def _report_first_step(self, rank: int) -> None:
+        """After the first exchange (call after each backward): on rank 0, log the bytes it sent, from the ledger,
+        where the setup line could not state them (:meth:`_announce`)."""
+        state = self.comm_state
+        if self._first_step_reported or state is None or not state.hook_calls:
+            return  # no exchange yet (an accumulation micro-batch runs no hook)
+        self._first_step_reported = True
+        if rank != 0 or state.world_size == 1 or not self._measured_later():
+            return
+        sent, dense = state.ledger.bytes_per_step(), state.ledger.dense_bytes_per_step()
+        log.info("gradcomp: step 1 sent %s bytes per rank vs %s for fp32 DDP (%.1fx less), measured; the progress "
+                 "bar's comp_ratio follows every step", f"{sent:,}", f"{dense:,}", dense / max(sent, 1))

@@ -30,9 +30,10 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradcomp.callbacks.clipping import SigmaClip
-from lightning_gradcomp.callbacks.progress import PROGRESS_BAR_KEY, link_bytes_per_step, show_compression_ratio  # noqa: F401  (re-export)
+from lightning_gradcomp.callbacks.progress import PROGRESS_BAR_KEY, show_compression_ratio  # noqa: F401  (re-export)
 from lightning_gradcomp.extras import require
 from lightning_gradcomp.hook import GradCompState
+from lightning_gradcomp.ledger import ByteReport
 from lightning_gradcomp.stats import HookStats
 from lightning_gradcomp.wiring import HookWiring
 from lightning_gradcomp.validation import check_int
@@ -259,13 +260,15 @@ class CompressionMonitor(Callback):
             return  # not rank 0, or an accumulation micro-batch: the hook did not run
         self._seen_calls = state.hook_calls
         self._steps += 1
+        strategy = trainer.strategy
+        assert isinstance(strategy, HookWiring)  # checked in setup
         logging_step = self._armed_at is not None and state.hook_calls != self._armed_at
         if self.progress_bar:
-            self._shown_ratio = show_compression_ratio(state, pl_module, self._shown_ratio,
+            self._shown_ratio = show_compression_ratio(strategy, pl_module, self._shown_ratio,
                                                        force=logging_step or batch_idx == 0)
         if not logging_step:
             return
-        metrics = self._collect(state, self.stats, link_bytes_per_step(trainer.strategy, state))
+        metrics = self._collect(state, self.stats, strategy)
         metrics.update(strategy_statistics(trainer.strategy))
         histograms = self._read_histograms(self.stats)
         step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step Lightning logs this batch's metrics at
@@ -282,8 +285,7 @@ class CompressionMonitor(Callback):
         self._armed_at = None
 
     # -- reading the statistics -----------------------------------------------------------------------------
-    def _collect(self, state: GradCompState, stats: HookStats, sent: float) -> dict[str, float]:
-        """The hook's per-layer statistics and the totals (``sent``: this rank's bytes on the link per step)."""
+    def _collect(self, state: GradCompState, stats: HookStats, strategy: ByteReport) -> dict[str, float]:
         metrics: dict[str, float] = {}
         keys: list[str] = []
         tensors: list[Tensor] = []
@@ -315,6 +317,8 @@ class CompressionMonitor(Callback):
         if tensors:
             # one device-to-host transfer for every tensor statistic
             metrics.update(zip(keys, torch.stack([t.to(tensors[0].device) for t in tensors]).tolist()))
+        # the strategy's own answer (ByteReport): the hook's ledger, or DiLoCo's and WeightGrad's bytes between sites
+        sent = strategy.bytes_per_step()
         metrics[layer_key("bytes", "total")] = float(sent)
         # what this rank put on the link between sites: all of it when flat, its share's when hierarchical, the
         # outer rounds' under DiLoCo (its hook runs inside a site)
@@ -324,7 +328,7 @@ class CompressionMonitor(Callback):
         if total_numel:
             metrics[layer_key("bits_per_element", "total")] = 8.0 * sent / total_numel
         if sent:
-            metrics[layer_key("compression_ratio", "total")] = state.dense_bytes_per_step() / sent
+            metrics[layer_key("compression_ratio", "total")] = strategy.dense_bytes_per_step() / sent
         steps = max(self._steps, 1)
         for phase, seconds in stats.take_times().items():
             metrics[layer_key("time_ms", phase)] = 1e3 * seconds / steps

@@ -13,30 +13,27 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_gradcomp.hook import GradCompState
+from lightning_gradcomp.ledger import ByteReport
 
 #: progress bar key of the current compression ratio
 PROGRESS_BAR_KEY = "comp_ratio"
 
 
-def link_bytes_per_step(strategy: Any, state: GradCompState) -> float:
-    """Bytes this rank put on the link per step: the strategy's own count where it has one (DiLoCo: its outer
-    rounds, averaged over the steps; its hook state only sees the inner exchange inside a site), else the hook's."""
-    own = getattr(strategy, "bytes_per_step", None)
-    return float(own()) if callable(own) else float(state.bytes_per_step())
-
-
 def show_compression_ratio(
-    state: GradCompState, pl_module: "pl.LightningModule", shown: Optional[float], force: bool
+    strategy: ByteReport, pl_module: "pl.LightningModule", shown: Optional[float], force: bool
 ) -> Optional[float]:
-    """Put the last step's compression ratio in the progress bar if it changed (or ``force``); returns what shows.
+    """Put the strategy's compression ratio in the progress bar if it changed (or ``force``); returns what shows.
 
-    The progress bar keeps the last value it got and ``self.log`` costs tens of microseconds: only changes are sent
-    (a fixed-size compressor's ratio never changes), plus refreshes when ``force`` (logging steps, epoch starts).
+    The ratio is ``strategy.dense_bytes_per_step() / strategy.bytes_per_step()``
+    (:class:`~lightning_gradcomp.ledger.ByteReport`: the latest step's bytes for strategies that exchange every step,
+    the run's average for DiLoCo and WeightGrad). The progress bar keeps the last value it got and ``self.log`` costs
+    tens of microseconds: only changes are sent (a fixed-size compressor's ratio never changes), plus refreshes when
+    ``force`` (logging steps, epoch starts).
     """
-    sent = link_bytes_per_step(pl_module.trainer.strategy, state)
+    sent = strategy.bytes_per_step()
     if not sent:
         return shown
-    ratio = state.dense_bytes_per_step() / sent
+    ratio = strategy.dense_bytes_per_step() / sent
     if force or ratio != shown:
         pl_module.log(PROGRESS_BAR_KEY, ratio, prog_bar=True, logger=False, on_step=True, on_epoch=False,
                       rank_zero_only=True)
@@ -64,4 +61,5 @@ class CompressionProgressBar(Callback):
         if state is None or state.hook_calls == self._seen_calls:
             return  # an accumulation micro-batch: the hook did not run
         self._seen_calls = state.hook_calls
-        self._shown = show_compression_ratio(state, pl_module, self._shown, force=batch_idx == 0)
+        if isinstance(trainer.strategy, ByteReport):  # each strategy's own answer (DiLoCo: bytes between sites)
+            self._shown = show_compression_ratio(trainer.strategy, pl_module, self._shown, force=batch_idx == 0)

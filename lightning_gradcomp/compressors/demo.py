@@ -47,7 +47,9 @@ from functools import lru_cache
 from typing import Any, Literal, Optional
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.segments import Segments
@@ -382,6 +384,33 @@ class DeMo(Compressor):
         input ``g + beta * (m - q)``: DeMo's ``m <- beta * m + g`` after the transmitted ``q`` was removed.
         """
         return self._decayed(tensor, self.decompress(packet))
+
+    def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Warn once (rank 0, at setup) about an optimizer that keeps momentum of its own on top of DeMo's.
+
+        DeMo's decoded update is already a momentum (``beta``, decayed in the residual); its update is
+        ``sign(update)`` (:class:`~lightning_gradcomp.optimizers.SignSGD`). Adam or AdamW normalise it again with
+        moments of their own, and SGD momentum adds a second momentum: both run, but neither is DeMo's method, so the
+        fix is named before the first step. Allowed rather than refused: another optimizer may be a deliberate
+        ablation of DeMo's sign step.
+        """
+        found = []
+        for optimizer in optimizers:
+            for index, group in enumerate(optimizer.param_groups):
+                if "betas" in group:
+                    found.append(f"{type(optimizer).__name__} (param group {index}: moments of its own, betas="
+                                 f"{tuple(group['betas'])})")
+                elif group.get("momentum", 0.0):
+                    found.append(f"{type(optimizer).__name__} with momentum={group['momentum']} (param group {index}: "
+                                 f"a second momentum on top of DeMo's)")
+        if found:
+            rank_zero_warn(
+                f"Expected DeMo's optimizer to be SignSGD (DeMo's update is a sign step on its own decayed momentum, "
+                f"beta={self.beta}), but got {'; '.join(found)}. This runs, but it is not DeMo's update and can "
+                f"train much worse. Fix: use `lightning_gradcomp.optimizers.SignSGD(params, lr=..., weight_decay=...)` "
+                f"(`optimizer: signsgd` in a recipe), or plain SGD with momentum=0.",
+                category=UserWarning,
+            )
 
     def describe(self) -> dict[str, Any]:
         return {"compressor": "DeMo", "topk": self.topk, "chunk": self.chunk, "beta": self.beta,

@@ -320,6 +320,13 @@ class WeightGradStrategy(GradCompStrategy):
         self.stats = dict(sync)
         self.stats["lan_bytes"] = torch.tensor(hook_bytes) + sync["round_lan_bytes"]
 
+    @override
+    def bytes_per_step(self) -> float:
+        """Bytes this rank put between sites (WAN rounds and their consensus flags) per local step, averaged over the
+        run so far (:class:`~lightning_gradcomp.ledger.ByteReport`); the in-site bytes are the monitor's
+        ``lan_bytes``."""
+        return 0.0 if self.synchronizer is None else self.synchronizer.bytes_per_step()
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:

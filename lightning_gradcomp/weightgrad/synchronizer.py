@@ -142,6 +142,7 @@ class GradientSynchronizer(OuterSync):
             if p.grad is not None:
                 self.significance.observe(name, p.grad, self.learning_rate(name))
         self.steps_since_round += 1
+        self.inner_steps += 1  # the engine's step count: ``bytes_per_step`` averages over it
         wan_bytes = lan_bytes = 0
 
         at_bound = self.steps_since_round >= self.staleness_bound
@@ -156,6 +157,7 @@ class GradientSynchronizer(OuterSync):
             comm.hierarchical_all_reduce_max_(flags, g.leader_group, g.site_group, g.leader, g.site_size)
             late, significant = bool(flags[0]), bool(flags[1])
             wan_bytes += flags.numel() if g.is_leader and g.layout.num_sites > 1 else 0
+            self.wan_bytes_total += flags.numel() if g.is_leader and g.layout.num_sites > 1 else 0
             lan_bytes += flags.numel() if g.is_leader and g.site_size > 1 else 0
 
         ran = at_bound or late or significant

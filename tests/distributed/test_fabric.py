@@ -51,3 +51,12 @@ def test_fabric_save_and_load_resume_the_compression_state_exactly(tmp_path) -> 
         # control: without the residuals and random streams the run differs, so the test can fail
         assert not torch.equal(r["reset"], r["straight"])
     assert torch.equal(ranks[0]["exact"], ranks[1]["exact"])
+
+
+def test_fabric_whole_checkpoint_load_restores_the_compression_state_too(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # `full = fabric.load(path)`, then model/optimizer.load_state_dict(full[...]): Gradient Dropping's residuals and
+    # SGD momentum must continue as in the uninterrupted run, not start afresh
+    ranks = run_ranks(resume_fabric, 2, "graddrop", str(tmp_path / "fabric.ckpt"), ("full", "reset"))
+    for r in ranks:
+        assert torch.equal(r["full"], r["straight"]), "resumed from the whole checkpoint, the run differs"
+        assert not torch.equal(r["reset"], r["straight"])  # control: without the compression state it differs

@@ -14,10 +14,12 @@ import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from tests.distributed.lightning_ranks import TinyClassifier, random_loader
 
 if __name__ == "__main__":
-    trainer = pl.Trainer(strategy=sys.argv[1], accelerator="cpu", devices=1, max_steps=3, logger=False,
+    # 2 CPU ranks, as the README's first run (on one rank nothing is exchanged, and the strategy warns so)
+    trainer = pl.Trainer(strategy=sys.argv[1], accelerator="cpu", devices=2, max_steps=3, logger=False,
                          enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(TinyClassifier(), random_loader(batch_size=16))
     metrics = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
-    print(json.dumps({"progress_bar": metrics, "warnings": [str(w.message) for w in caught]}))
+    if trainer.global_rank == 0:  # the launched rank 1 shares this stdout
+        print(json.dumps({"progress_bar": metrics, "warnings": [str(w.message) for w in caught]}))

@@ -30,7 +30,7 @@ def test_setup_line_names_compressor_collectives_and_bytes_against_fp32(runs) ->
     lines = [line for line in stderr.splitlines() if line.startswith("gradcomp: ")]
     assert len(lines) == 1, stderr[-3000:]
     match = re.fullmatch(
-        r"gradcomp: TernGrad on 1 rank: all-gather of each rank's packed payload after one small all-reduce of shared "
+        r"gradcomp: TernGrad on 2 ranks: all-gather of each rank's packed payload after one small all-reduce of shared "
         r"scalers; expected ([\d,]+) bytes per rank per step vs ([\d,]+) for fp32 DDP \(([\d.]+)x less\)",
         lines[0],
     )

@@ -80,3 +80,13 @@ def test_pytorch_lightning_trainer_refuses_the_names_and_the_strategy() -> None:
         with pytest.raises(ValueError, match="invalid strategy"):
             pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
     assert not issubclass(GradCompStrategy, pl.strategies.Strategy)
+
+
+@pytest.mark.parametrize("name", ["diloco", "streaming_diloco", "weightgrad", "diloco_notebook"])
+def test_trainer_only_names_are_refused_by_fabric_with_what_to_use(name: str) -> None:
+    with pytest.raises(ValueError, match="Trainer-only") as info:
+        Fabric(strategy=name, accelerator="cpu", devices=2)
+    message = str(info.value)
+    assert f"got {name!r}" in message and "Fix:" in message
+    assert "GradCompFabricStrategy" in message and "'terngrad'" in message  # what Fabric supports
+    assert f"Trainer(strategy={name!r})" in message  # and where this one runs

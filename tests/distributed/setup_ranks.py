@@ -1,0 +1,137 @@
+"""Rank bodies for what a run says before and after its first step: the setup line, the first step's measured bytes,
+setup warnings, and each strategy's ``bytes_per_step`` as the progress bar and the monitor show it."""
+
+import logging
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric import Fabric
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+from lightning_gradcomp.callbacks import CompressionMonitor
+from lightning_gradcomp.optimizers import SignSGD
+from lightning_gradcomp.outer import DiLoCoStrategy
+from lightning_gradcomp.weightgrad import WeightGradStrategy
+from tests.distributed.diloco_ranks import MemoryLogger
+from tests.distributed.fabric_ranks import make_model
+from tests.distributed.lightning_ranks import TinyClassifier, random_loader
+
+
+class _Lines(logging.Handler):
+    """Every ``gradcomp: ...`` line the library logs on this rank."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("gradcomp: "):
+            self.lines.append(message)
+
+
+def _hook_bytes(strategy: Any) -> int:
+    """What the hook's ledger counted in the latest step (the setup line speaks of the hook)."""
+    return strategy.comm_state.bytes_per_step()
+
+
+class _FirstStepBytes(Callback):
+    """The hook's bytes right after the first optimizer step."""
+
+    def __init__(self) -> None:
+        self.first: Any = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.first is None:
+            self.first = _hook_bytes(trainer.strategy)
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if name == "signsgd":
+        return SignSGD(params, lr=1e-3)
+    return torch.optim.SGD(params, lr=0.1)
+
+
+class _Classifier(TinyClassifier):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _optimizer(self.optimizer_name, self.parameters())
+
+
+def first_steps(rank: int, world_size: int, api: str, strategy: Any, optimizer: str = "sgd",
+                steps: int = 2) -> dict[str, Any]:
+    """A short run under the Trainer or Fabric; what it logged and warned, and its bytes after step 1 and at the end."""
+    lines = _Lines()
+    logger = logging.getLogger("lightning_gradcomp")
+    logger.addHandler(lines)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if api == "trainer":
+                recorder = _FirstStepBytes()
+                trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps,
+                                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                     enable_model_summary=False, callbacks=[recorder])
+                trainer.fit(_Classifier(optimizer), random_loader())
+                first, last = recorder.first, _hook_bytes(trainer.strategy)
+            else:
+                fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+                fabric.launch()
+                model = make_model()
+                model, opt = fabric.setup(model, _optimizer(optimizer, model.parameters()))
+                batches = iter(random_loader(shard=(rank, world_size)))
+                first = None
+                for _ in range(steps):
+                    x, y = next(batches)
+                    opt.zero_grad()
+                    fabric.backward(nn.functional.cross_entropy(model(x), y))
+                    opt.step()
+                    first = _hook_bytes(fabric.strategy) if first is None else first
+                last = _hook_bytes(fabric.strategy)
+    finally:
+        logger.removeHandler(lines)
+    return {"lines": lines.lines, "warnings": [str(w.message) for w in caught], "first": first, "last": last}
+
+
+def shown_bytes(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """DiLoCo and WeightGrad (every rank its own site, rounds every 2 steps): the progress bar's ``comp_ratio`` and the
+    monitor's totals, beside the strategy's own ``bytes_per_step`` / ``dense_bytes_per_step`` and its hook's."""
+    out = []
+    for strategy in (
+        DiLoCoStrategy(sync_every=2, compressor="int8"),
+        WeightGradStrategy(site_size=1, allow_single_rank_sites=True, staleness_bound=2, compressor="fp32"),
+    ):
+        memory = MemoryLogger()
+        trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=4, logger=memory,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[CompressionMonitor(logging_interval=1)])
+        trainer.fit(TinyClassifier(), random_loader())
+        totals = [m for _, m in memory.logged if "gradcomp/bytes/total" in m]
+        state = strategy.comm_state
+        assert state is not None
+        own = [getattr(strategy, m, None) for m in ("bytes_per_step", "dense_bytes_per_step")]
+        out.append({
+            "bytes": own[0]() if own[0] else None,
+            "dense": own[1]() if own[1] else None,
+            "hook_bytes": state.bytes_per_step(),
+            "comp_ratio": float(trainer.progress_bar_metrics.get("comp_ratio", float("nan"))),
+            "logged_bytes": totals[-1]["gradcomp/bytes/total"] if totals else None,
+            "logged_ratio": totals[-1].get("gradcomp/compression_ratio/total") if totals else None,
+        })
+    return out
+
+
+def setup_lines_of(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, Any]]:
+    """:func:`first_steps` under Fabric for each compressor name in turn (one spawned world)."""
+    return {name: first_steps(rank, world_size, "fabric", name, "sgd", 1) for name in names}

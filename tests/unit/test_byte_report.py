@@ -1,0 +1,55 @@
+"""One way to read bytes on every strategy of the library (``ByteReport``), and DeMo's optimizer check."""
+
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from lightning_gradcomp import DiLoCoStrategy, GradCompFabricStrategy, GradCompStrategy, TowerStrategy, WeightGradStrategy
+from lightning_gradcomp.compressors import DeMo
+from lightning_gradcomp.ledger import ByteReport
+from lightning_gradcomp.optimizers import SignSGD
+
+STRATEGIES: dict[str, Callable[[], Any]] = {
+    "gradcomp": lambda: GradCompStrategy("terngrad"),
+    "diloco": lambda: DiLoCoStrategy(sync_every=2),
+    "streaming_diloco": lambda: DiLoCoStrategy(sync_every=6, fragments=3, sync_delay=1, mixing=0.5),
+    "weightgrad": lambda: WeightGradStrategy(),
+    "towers": lambda: TowerStrategy(2),
+    "fabric": lambda: GradCompFabricStrategy("terngrad"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_reports_its_bytes_through_the_same_two_methods(name: str) -> None:
+    strategy = STRATEGIES[name]()
+    assert isinstance(strategy, ByteReport)
+    # nothing exchanged before the first step: 0, not an error (the progress bar reads it from step 1 on)
+    assert strategy.bytes_per_step() == 0 and strategy.dense_bytes_per_step() == 0
+
+
+def _params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.ones(4, 4))]
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        (lambda: torch.optim.AdamW(_params(), lr=1e-3), "AdamW (param group 0: moments of its own"),
+        (lambda: torch.optim.Adam(_params(), lr=1e-3), "Adam (param group 0: moments of its own"),
+        (lambda: torch.optim.SGD(_params(), lr=0.1, momentum=0.9), "SGD with momentum=0.9"),
+    ],
+    ids=["adamw", "adam", "sgd-momentum"],
+)
+def test_demo_warns_about_an_optimizer_with_momentum_of_its_own(build: Callable[[], Any], named: str) -> None:
+    with pytest.warns(UserWarning, match="Expected DeMo's optimizer to be SignSGD") as caught:
+        DeMo().check_optimizers([build()])
+    mine = [str(w.message) for w in caught if "DeMo" in str(w.message)]
+    assert len(mine) == 1 and named in mine[0] and "Fix:" in mine[0], mine
+
+
+def test_demo_accepts_signsgd_and_plain_sgd_silently() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DeMo().check_optimizers([SignSGD(_params(), lr=1e-3), torch.optim.SGD(_params(), lr=0.1)])
