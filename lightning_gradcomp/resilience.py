@@ -20,8 +20,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint as ckpt
-from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite, drop_skipped_gradients
-from lightning_gradcomp.replicas import check_replicas
+from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite, NonFiniteGradientError, drop_skipped_gradients
+from lightning_gradcomp.replicas import ReplicaDivergenceError, check_replicas
 from lightning_gradcomp.validation import check_choice, check_int
 
 if TYPE_CHECKING:
@@ -47,6 +47,17 @@ _PEER_FAILURE = r"(?i).*(Connection closed by peer|Connection reset by peer|time
 
 class UnusedParameterError(RuntimeError):
     """A rank computed no gradient for some parameter under ``find_unused_parameters=False`` (or a static graph)."""
+
+
+def _is_own_diagnosis(exception: BaseException) -> bool:
+    """Whether the library raised ``exception`` itself with its cause (not a collective that lost a peer).
+
+    Such a message is the diagnosis of the rank at fault; it must not be rewritten as "another rank died" even when
+    its text matches :data:`_PEER_FAILURE` (the unused-parameter message names the process-group timeout).
+    """
+    if isinstance(exception, (UnusedParameterError, NonFiniteGradientError, ReplicaDivergenceError)):
+        return True
+    return any(isinstance(arg, str) and arg.startswith("gradcomp:") for arg in exception.args)
 
 
 def check_recovery_options(nonfinite: Any, resume_compression: Any, timeout: Any) -> None:
@@ -239,6 +250,8 @@ class ResilienceMixin(_StrategyBase):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        if _is_own_diagnosis(exception):
+            return  # this rank found the cause: its message says it (and may mention the timeout it spared)
         _augment_message(
             exception,
             pattern=_PEER_FAILURE,
