@@ -202,7 +202,7 @@ class DiLoCoStrategy(GradCompStrategy):
         # validated before the process group exists: a bad layout fails fast, identically on every rank
         self.layout = self.make_layout(self.num_nodes * self.num_processes)
         super().setup_environment()
-        self.groups = new_site_groups(self.layout, self.global_rank)
+        self.groups = new_site_groups(self.layout, self.global_rank, self._timeout)
         self._ddp_kwargs["process_group"] = self.groups.site_group  # inner DDP stays inside the site
 
     @override

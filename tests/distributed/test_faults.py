@@ -19,9 +19,12 @@ EXIT_WITHIN_S = 120.0
 HARD_TIMEOUT_S = 120.0 + EXIT_WITHIN_S
 
 
-def collect_reports(fn: Callable[..., Any], world_size: int, args: tuple, wanted: int) -> dict[int, tuple[str, object]]:
-    """Spawn ``world_size`` ranks of ``fn``; collect the first ``wanted`` ranks' reports under a hard timeout."""
-    ctx = mp.get_context("spawn")
+def collect_reports(
+    fn: Callable[..., Any], world_size: int, args: tuple, wanted: int, context: Optional[Any] = None
+) -> dict[int, tuple[str, object]]:
+    """Start ``world_size`` ranks of ``fn`` (spawned, or from ``context``, e.g. the harness's fork server); collect
+    the first ``wanted`` ranks' reports under a hard timeout."""
+    ctx = context if context is not None else mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [

@@ -1,0 +1,44 @@
+"""Rank body of the site-exchange fault tests: one rank stops answering inside a site strategy's exchange."""
+
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+from lightning_gradcomp import DiLoCoStrategy, GradCompStrategy, WeightGradStrategy
+from tests.distributed.reliability_ranks import DyingClassifier, fit, step_loader
+
+#: the strategies whose exchanges run on groups the library creates (sites, leaders, cross-site), 2 sites of 2 ranks
+SITE_STRATEGIES: dict[str, Callable[[timedelta], Any]] = {
+    "hierarchy": lambda timeout: GradCompStrategy(compressor="terngrad", site_size=2, timeout=timeout),
+    "diloco": lambda timeout: DiLoCoStrategy(sync_every=2, site_size=2, timeout=timeout),
+    "weightgrad": lambda timeout: WeightGradStrategy(site_size=2, staleness_bound=2, timeout=timeout),
+}
+
+
+class StallingClassifier(DyingClassifier):
+    """Rank ``victim`` sleeps ``stall_s`` at the start of step ``at`` (alive, connections open); every rank records
+    when that step began."""
+
+    def __init__(self, victim: int, at: int, stall_s: float) -> None:
+        super().__init__(victim, at, stall_s)
+        self.stalled_at: Optional[float] = None
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == self.at and self.stalled_at is None:
+            self.stalled_at = time.perf_counter()
+        super().on_train_batch_start(batch, batch_idx)
+
+
+def stalled_site_run(
+    rank: int, world_size: int, name: str, victim: int, timeout_s: float, stall_s: float
+) -> dict[str, Any]:
+    """Train ``name`` until rank ``victim`` stalls at step 2; report how this rank stopped and how long after that
+    step began."""
+    model = StallingClassifier(victim, 2, stall_s)
+    try:
+        fit(world_size, SITE_STRATEGIES[name](timedelta(seconds=timeout_s)), 8, model, loader=step_loader(8))
+        outcome: dict[str, Any] = {"raised": None}
+    except BaseException as exc:  # noqa: BLE001  (the test asserts what came out)
+        outcome = {"raised": (type(exc).__name__, str(exc))}
+    outcome["seconds"] = None if model.stalled_at is None else time.perf_counter() - model.stalled_at
+    return outcome
