@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
+    from lightning_gradcomp.hierarchy import HierarchySpec
     from lightning_gradcomp.hook import GradCompState
 
     # the type checker reads the mixin as the DDP strategy it is mixed into (its attributes, the methods its
@@ -157,7 +158,8 @@ class ResilienceMixin(_StrategyBase):
         if trainer is not None and trainer.max_steps != -1:  # Lightning's iteration-based training
             ckpt.complete_epoch_end(checkpoint)
         reset = self.resume_compression == "reset"
-        self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset)
+        sites, option = self._checkpoint_sites()
+        self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset, sites, option)
         if reset and ckpt.CHECKPOINT_KEY in checkpoint:
             rank_zero_warn("gradcomp: `resume_compression='reset'`: residuals, generators and transforms start afresh.")
         elif ckpt.CHECKPOINT_KEY not in checkpoint:
@@ -168,6 +170,15 @@ class ResilienceMixin(_StrategyBase):
         if self.restore_checkpoint_after_setup:
             self._restore_pending()  # the hook of this run exists already; otherwise it is applied at DDP wrap
         return checkpoint
+
+    def _checkpoint_sites(self) -> tuple[Optional[list[int]], Optional[str]]:
+        """This run's sites under the hierarchical exchange (``None``: flat) and the option that chose them, which
+        a checkpoint's compression state must match (:func:`lightning_gradcomp.checkpoint.select`)."""
+        hierarchy: Optional["HierarchySpec"] = getattr(self, "hierarchy", None)
+        if hierarchy is None:
+            return None, None
+        arg, value = hierarchy.argument()
+        return list(hierarchy.layout(self.world_size, self.num_nodes).sizes), f"`{arg}={value!r}`"
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

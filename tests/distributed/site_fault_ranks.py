@@ -1,11 +1,13 @@
-"""Rank body of the site-exchange fault tests: one rank stops answering inside a site strategy's exchange."""
+"""Rank bodies of the site tests: one rank stops answering inside a site strategy's exchange; a checkpoint of the
+flat exchange resumed by the hierarchical one, and back."""
 
+import os
 import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
 from lightning_gradcomp import DiLoCoStrategy, GradCompStrategy, WeightGradStrategy
-from tests.distributed.reliability_ranks import DyingClassifier, fit, step_loader
+from tests.distributed.reliability_ranks import DyingClassifier, StepDataClassifier, fit, make_strategy, step_loader
 
 #: the strategies whose exchanges run on groups the library creates (sites, leaders, cross-site), 2 sites of 2 ranks
 SITE_STRATEGIES: dict[str, Callable[[timedelta], Any]] = {
@@ -42,3 +44,23 @@ def stalled_site_run(
         outcome = {"raised": (type(exc).__name__, str(exc))}
     outcome["seconds"] = None if model.stalled_at is None else time.perf_counter() - model.stalled_at
     return outcome
+
+
+def cross_exchange_resume(rank: int, world_size: int, tmpdir: str) -> dict[str, Any]:
+    """4 ranks, a compressor with residuals (``memory_probe``): a flat run's checkpoint resumed with
+    ``site_sizes=[2, 2]``, and a hierarchical run's resumed flat; each resume's error (``None`` if it trained) and
+    the steps it trained."""
+    out: dict[str, Any] = {}
+    for label, written_by, resumed_by in (("flat_to_sites", {}, {"site_sizes": [2, 2]}),
+                                          ("sites_to_flat", {"site_sizes": [2, 2]}, {})):
+        path = os.path.join(tmpdir, f"{label}.ckpt")
+        fit(world_size, make_strategy("memory_probe", **written_by), 2, StepDataClassifier(), loader=step_loader(),
+            save_to=path)
+        model = StepDataClassifier()
+        try:
+            _, trainer = fit(world_size, make_strategy("memory_probe", **resumed_by), 4, model, loader=step_loader(),
+                             ckpt_path=path)
+            out[label] = {"error": None, "steps": trainer.global_step}
+        except ValueError as exc:
+            out[label] = {"error": str(exc), "steps": model.trainer.global_step}
+    return out

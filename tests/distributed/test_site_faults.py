@@ -1,11 +1,14 @@
-"""A rank that stops answering inside a site exchange (hierarchy, DiLoCo, WeightGrad) ends every other rank with
-the library's message within the strategy's `timeout`: every group the library creates takes that timeout."""
+"""Sites under faults and misuse: a rank that stops answering inside a site exchange (hierarchy, DiLoCo, WeightGrad)
+ends every other rank with the library's message within the strategy's `timeout` (every group the library creates
+takes that timeout); a checkpoint of the flat exchange is refused by the hierarchical one, and back."""
+
+import tempfile
 
 import pytest
 
-from tests.distributed.site_fault_ranks import SITE_STRATEGIES, stalled_site_run
+from tests.distributed.site_fault_ranks import SITE_STRATEGIES, cross_exchange_resume, stalled_site_run
 from tests.distributed.test_faults import collect_reports
-from tests.harness import _context
+from tests.harness import _context, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -29,3 +32,23 @@ def test_a_rank_stalled_in_a_site_exchange_stops_every_other_rank_within_the_tim
         assert raised is not None, f"rank {rank} waited for the stalled rank and trained on: {outcome}"
         assert "another rank died or stopped answering" in raised[1], f"rank {rank}: {raised}"
         assert outcome["seconds"] < WITHIN_S, f"rank {rank} stopped after {outcome['seconds']:.1f} s"  # type: ignore[index]
+
+
+def test_a_checkpoint_of_another_exchange_is_refused_before_the_first_step() -> None:
+    """A flat run's compression state holds every parameter's residual on every rank; under 2 sites of 2 a rank keeps
+    its share's only and its compressor averages over sites. Resuming one with the other fails on every rank with a
+    ValueError naming both exchanges and the fix, before any step."""
+    with tempfile.TemporaryDirectory() as tmpdir:
+        runs = run_ranks(cross_exchange_resume, 4, tmpdir, timeout=300)
+    for rank, run in enumerate(runs):
+        flat_to_sites, sites_to_flat = run["flat_to_sites"], run["sites_to_flat"]
+        for label, outcome in run.items():
+            assert outcome["error"] is not None, f"rank {rank}, {label}: resumed silently ({outcome['steps']} steps)"
+            # refused while the checkpoint is read: the loops were never restored (step 2) nor run
+            assert outcome["steps"] == 0, f"rank {rank}, {label}: stopped at step {outcome['steps']}"
+            assert "resume_compression='reset'" in outcome["error"], outcome["error"]
+        assert "this run (`site_sizes=[2, 2]`)" in flat_to_sites["error"], flat_to_sites["error"]
+        assert "written by the flat exchange" in flat_to_sites["error"], flat_to_sites["error"]
+        assert "Fix: resume with no `hierarchy`/`site_size`/`site_sizes`" in flat_to_sites["error"]
+        assert "written by the hierarchical exchange with sites [2, 2]" in sites_to_flat["error"], sites_to_flat["error"]
+        assert "Fix: resume with `site_sizes=[2, 2]`" in sites_to_flat["error"], sites_to_flat["error"]
