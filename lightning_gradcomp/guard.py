@@ -228,6 +228,45 @@ def drop_skipped_gradients(
     return skipped
 
 
+def agree_across_sites(
+    state: GuardedState,
+    named_grads: Iterable[tuple[str, Optional[Tensor]]],
+    rank: int,
+    device: torch.device,
+    raise_agreed: bool,
+) -> None:
+    """After backward, under a strategy whose hook runs inside a site: make the step's decision the same on every
+    rank of every site. Call before :func:`drop_skipped_gradients`.
+
+    The hook's flag all-reduce spans its own group, the site: alone, one site would skip (or raise) a step that the
+    other sites take. So each rank adds its site's decision (``rank + 1`` where its site skipped the step, after
+    :func:`end_backward`'s check of the decoded buckets) to one 4-byte MAX all-reduce over every rank (the default
+    group); a site that did not skip then skips too (its residuals rolled back), and with ``raise_agreed`` (the
+    user's ``"raise"``, while the hook skips so that no site stops alone) every rank raises. A backward without the
+    hook (gradient accumulation) issues nothing.
+
+    Raises:
+        NonFiniteGradientError: with ``raise_agreed``, on every rank, when some site found a non-finite gradient.
+    """
+    guard = state.guard
+    if state.ledger.hook_calls == guard.counted_hook_calls:
+        return
+    before = guard.consecutive_skips
+    end_backward(state, named_grads)
+    flag = torch.full((1,), float(rank + 1) if guard.step_nonfinite else 0.0, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    state.ledger.count("allreduce_nonfinite_sites")
+    worst = int(flag.item())
+    if worst and not guard.step_nonfinite:
+        _skip_step(state)
+        guard.consecutive_skips = before + 1
+    if worst and raise_agreed:
+        raise NonFiniteGradientError(
+            f"Non-finite gradient (NaN or Inf) in the site of rank {worst - 1}; every rank of every site stops here. "
+            f"Fix: lower the learning rate, check the data, or pass `nonfinite='skip'` to skip such steps on every rank."
+        )
+
+
 def observe_decoded(state: GuardedState, buffer: Tensor) -> None:
     """After a bucket was decoded into ``buffer``: keep its cheap non-finite flag for :func:`end_backward`.
 

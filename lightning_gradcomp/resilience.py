@@ -20,7 +20,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint as ckpt
-from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite, NonFiniteGradientError, drop_skipped_gradients
+from lightning_gradcomp.guard import (
+    NONFINITE_MODES,
+    NonFinite,
+    NonFiniteGradientError,
+    agree_across_sites,
+    drop_skipped_gradients,
+)
 from lightning_gradcomp.replicas import ReplicaDivergenceError, check_replicas
 from lightning_gradcomp.validation import check_choice, check_int
 
@@ -109,6 +115,9 @@ class ResilienceMixin(_StrategyBase):
     comm_state: Optional["GradCompState"]
     #: whether each rank's optimizer state is checkpointed (ranks whose optimizers differ, e.g. WeightGrad's sites)
     per_rank_optimizer_state: bool = False
+    #: whether a non-finite step is decided over every site, not only inside the hook's site (WeightGrad): one 4-byte
+    #: all-reduce over every rank per step when there are several sites (:func:`~lightning_gradcomp.guard.agree_across_sites`)
+    nonfinite_across_sites: bool = False
 
     def _init_resilience(
         self,
@@ -126,10 +135,13 @@ class ResilienceMixin(_StrategyBase):
         self._optimizer_steps = 0
         self._nonfinite_seen = 0
         self._buffers_before: Optional[list[tuple[Tensor, Tensor]]] = None
+        self._sites_agree = False
 
     def _attach_resilience(self, state: "GradCompState") -> None:
         """Called by the strategy right after it created the hook state (at DDP wrap time)."""
-        state.guard.set_mode(self.nonfinite)
+        # sites decide apart: the hook only skips, and the step's decision (skip or raise) is taken over every site
+        self._sites_agree = self.nonfinite_across_sites and self.nonfinite != "ignore" and state.world_size < self.world_size
+        state.guard.set_mode("skip" if self._sites_agree else self.nonfinite)
         if self.per_rank_optimizer_state:
             state.attach("optimizer", RankOptimizerStates(self))
         self._nonfinite_seen = state.skipped_steps
@@ -225,6 +237,9 @@ class ResilienceMixin(_StrategyBase):
         module = self.lightning_module
         assert module is not None  # a backward runs only with a module attached
         self._check_every_bucket_arrived(state, module)
+        if self._sites_agree:
+            agree_across_sites(state, ((n, p.grad) for n, p in module.named_parameters()), self.global_rank,
+                               self.root_device, raise_agreed=self.nonfinite == "raise")
         seen = self._nonfinite_seen
         self._nonfinite_seen = drop_skipped_gradients(
             state,

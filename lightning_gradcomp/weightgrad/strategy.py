@@ -84,6 +84,8 @@ class WeightGradStrategy(GradCompStrategy):
     strategy_name = "weightgrad"
     # sites step their optimizers apart between WAN rounds: momentum and Adam moments differ per site
     per_rank_optimizer_state = True
+    # a non-finite step is skipped (or raised) by every site alike, not by the site that saw it only
+    nonfinite_across_sites = True
 
     def __init__(
         self,

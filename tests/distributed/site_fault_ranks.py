@@ -1,5 +1,5 @@
 """Rank bodies of the site tests: one rank stops answering inside a site strategy's exchange; a checkpoint of the
-flat exchange resumed by the hierarchical one, and back."""
+flat exchange resumed by the hierarchical one, and back; a NaN gradient on one of WeightGrad's sites."""
 
 import os
 import time
@@ -7,7 +7,14 @@ from datetime import timedelta
 from typing import Any, Callable, Optional
 
 from lightning_gradcomp import DiLoCoStrategy, GradCompStrategy, WeightGradStrategy
-from tests.distributed.reliability_ranks import DyingClassifier, StepDataClassifier, fit, make_strategy, step_loader
+from tests.distributed.reliability_ranks import (
+    DyingClassifier,
+    InjectingClassifier,
+    StepDataClassifier,
+    fit,
+    make_strategy,
+    step_loader,
+)
 
 #: the strategies whose exchanges run on groups the library creates (sites, leaders, cross-site), 2 sites of 2 ranks
 SITE_STRATEGIES: dict[str, Callable[[timedelta], Any]] = {
@@ -63,4 +70,19 @@ def cross_exchange_resume(rank: int, world_size: int, tmpdir: str) -> dict[str, 
             out[label] = {"error": None, "steps": trainer.global_step}
         except ValueError as exc:
             out[label] = {"error": str(exc), "steps": model.trainer.global_step}
+    return out
+
+
+def weightgrad_nan_on_one_site(rank: int, world_size: int) -> dict[str, Any]:
+    """WeightGrad with a site per rank (WAN round every 4 steps); rank 1's gradient is NaN at step 2, under
+    ``nonfinite='skip'`` and ``'raise'``: what each rank skipped, its parameters after every step, what it raised."""
+    out: dict[str, Any] = {}
+    for mode in ("skip", "raise"):  # "raise" last: a rank that raises alone would leave the others nothing to join
+        model = InjectingClassifier(1, 2)
+        strategy = WeightGradStrategy(site_size=1, allow_single_rank_sites=True, staleness_bound=4, nonfinite=mode)
+        try:
+            _, trainer = fit(world_size, strategy, 4, model, loader=step_loader())
+            out[mode] = {"raised": None, "skipped": trainer.strategy.comm_state.skipped_steps, "history": model.history}
+        except Exception as exc:  # the test asserts the type and the message
+            out[mode] = {"raised": (type(exc).__name__, str(exc))}
     return out

@@ -1,12 +1,19 @@
 """Sites under faults and misuse: a rank that stops answering inside a site exchange (hierarchy, DiLoCo, WeightGrad)
 ends every other rank with the library's message within the strategy's `timeout` (every group the library creates
-takes that timeout); a checkpoint of the flat exchange is refused by the hierarchical one, and back."""
+takes that timeout); a checkpoint of the flat exchange is refused by the hierarchical one, and back; a NaN on one of
+WeightGrad's sites is skipped, or raised, by every site alike."""
 
 import tempfile
 
 import pytest
+import torch
 
-from tests.distributed.site_fault_ranks import SITE_STRATEGIES, cross_exchange_resume, stalled_site_run
+from tests.distributed.site_fault_ranks import (
+    SITE_STRATEGIES,
+    cross_exchange_resume,
+    stalled_site_run,
+    weightgrad_nan_on_one_site,
+)
 from tests.distributed.test_faults import collect_reports
 from tests.harness import _context, run_ranks
 
@@ -52,3 +59,21 @@ def test_a_checkpoint_of_another_exchange_is_refused_before_the_first_step() -> 
         assert "Fix: resume with no `hierarchy`/`site_size`/`site_sizes`" in flat_to_sites["error"]
         assert "written by the hierarchical exchange with sites [2, 2]" in sites_to_flat["error"], sites_to_flat["error"]
         assert "Fix: resume with `site_sizes=[2, 2]`" in sites_to_flat["error"], sites_to_flat["error"]
+
+
+def test_a_nan_on_one_weightgrad_site_is_skipped_or_raised_by_every_site_alike() -> None:
+    """2 sites of 1 rank; rank 1's gradient is NaN at step 2. `skip`: both sites skip that step (neither moves) and
+    are identical after the WAN round; `raise`: both raise NonFiniteGradientError (not one raising while the other
+    trains on into a peer failure)."""
+    runs = run_ranks(weightgrad_nan_on_one_site, 2, timeout=300)
+    for rank, run in enumerate(runs):
+        skip = run["skip"]
+        assert skip["raised"] is None, f"rank {rank}: {skip['raised']}"
+        assert skip["skipped"] == 1, f"rank {rank} skipped {skip['skipped']} steps"
+        history = skip["history"]
+        assert torch.equal(history[2], history[1]), f"rank {rank} stepped at the step that was non-finite"
+        assert not torch.equal(history[1], history[0]) and not torch.equal(history[3], history[2])  # the others moved
+        assert torch.equal(history[3], runs[0]["skip"]["history"][3])  # one model after the WAN round
+        raised = run["raise"]["raised"]
+        assert raised is not None and raised[0] == "NonFiniteGradientError", f"rank {rank}: {raised}"
+        assert "site of rank 1" in raised[1] and "nonfinite='skip'" in raised[1], raised[1]
