@@ -54,10 +54,14 @@ def _lab_references(path: Path) -> list[str]:
     return found
 
 
-#: the one reference to the lab the library may hold: the deprecated alias of a name that moved there, resolved by
+#: the only references to the lab the library may hold: the deprecated aliases of names that moved there, resolved by
 #: ``lightning_gradcomp._deprecated.moved_names`` only when a script spells the old name (never at import time,
 #: which :func:`test_every_library_module_imports_with_the_lab_blocked` checks)
-DEPRECATED_ALIASES_INTO_THE_LAB = {"callbacks/__init__.py": ["gradcomp_lab.ema:ExponentialMovingAverage"]}
+DEPRECATED_ALIASES_INTO_THE_LAB = {
+    "callbacks/__init__.py": ["gradcomp_lab.ema:ExponentialMovingAverage"],
+    "callbacks/ema.py": ["gradcomp_lab.ema:ExponentialMovingAverage", "gradcomp_lab.ema:tf_decay",
+                         "gradcomp_lab.ema:tf_ema_avg_fn"],
+}
 
 
 def test_no_library_module_imports_the_lab() -> None:
