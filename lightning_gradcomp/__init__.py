@@ -55,6 +55,17 @@ ShardedGradCompStrategy.register_strategies(None)
 
 __version__ = "0.1.0"
 
+from lightning_gradcomp._deprecated import moved_names as _moved_names  # noqa: E402
+
+# spellings of an earlier release, kept for one more with a DeprecationWarning (not in __all__)
+__getattr__ = _moved_names(__name__, {
+    "Compressor": "lightning_gradcomp.compressors:Compressor",
+    "Identity": "lightning_gradcomp.compressors:Identity",
+    "LayerTransform": "lightning_gradcomp.pipeline:LayerTransform",
+    "Packet": "lightning_gradcomp.compressors:Packet",
+    "TernGrad": "lightning_gradcomp.compressors:TernGrad",
+})
+
 __all__ = [
     "DiLoCoStrategy",
     "GradCompFabricStrategy",

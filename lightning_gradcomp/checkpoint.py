@@ -4,10 +4,13 @@ Residuals, momentum-correction buffers, a compressor's random generator and its 
 rank, but Lightning writes checkpoints from rank 0 only. So at save time every rank's part travels to rank 0
 (one ``gather_object``) and is stored under ``checkpoint["gradcomp"]``; at resume each rank takes the entry of
 its own rank. A checkpoint written by another number of ranks cannot be split back exactly (residuals are
-per-rank quantities), so it is refused unless it holds no state at all or the user asks for a reset.
+per-rank quantities), so it is refused unless it holds no state at all or the user asks for a reset. The same
+holds between the flat and the hierarchical exchange, or two site layouts: a rank of the hierarchy keeps the state
+of its share of the parameters only, and its compressor averages over sites, not ranks. So the checkpoint records
+the sites that wrote it (``None``: the flat exchange) and a run with other sites refuses it.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -76,15 +79,41 @@ def gather_into(checkpoint: dict[str, Any], state: "GradCompState", rank: int, w
         gathered = [own]
     if rank == 0:
         assert gathered is not None
-        checkpoint[CHECKPOINT_KEY] = {"version": FORMAT_VERSION, "world_size": world_size, "ranks": gathered}
+        sites = None if state.hierarchy is None else list(state.hierarchy.layout.sizes)
+        checkpoint[CHECKPOINT_KEY] = {"version": FORMAT_VERSION, "world_size": world_size, "sites": sites,
+                                      "ranks": gathered}
 
 
-def select(checkpoint: Mapping[str, Any], rank: int, world_size: int, reset: bool) -> Optional[dict[str, Any]]:
+def _exchange(sites: Optional[Sequence[int]]) -> str:
+    return "the flat exchange" if sites is None else f"the hierarchical exchange with sites {list(sites)}"
+
+
+def _sites_option(sites: Optional[Sequence[int]]) -> str:
+    return "no `hierarchy`/`site_size`/`site_sizes`" if sites is None else f"`site_sizes={list(sites)}`"
+
+
+def select(
+    checkpoint: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+    reset: bool,
+    sites: Optional[Sequence[int]] = None,
+    option: Optional[str] = None,
+) -> Optional[dict[str, Any]]:
     """This rank's entry of a checkpoint, or ``None`` when there is nothing to restore.
 
+    Args:
+        checkpoint: the loaded checkpoint.
+        rank: this rank's global rank.
+        world_size: this run's world size.
+        reset: whether the user asked to start the compression state afresh.
+        sites: this run's site sizes under the hierarchical exchange, ``None`` for the flat exchange.
+        option: how this run chose its sites (e.g. ``"`site_size=2`"``), for the error message.
+
     Raises:
-        ValueError: the checkpoint was written by another number of ranks and holds per-rank state, and
-            ``reset`` is not set; or its layout version is unknown.
+        ValueError: the checkpoint was written by another number of ranks, or by another exchange (flat against
+            hierarchical, or other sites), and holds per-rank state, and ``reset`` is not set; or its layout version
+            is unknown.
     """
     saved = checkpoint.get(CHECKPOINT_KEY)
     if saved is None or reset:
@@ -105,6 +134,17 @@ def select(checkpoint: Mapping[str, Any], rank: int, world_size: int, reset: boo
             f"is {world_size}. Fix: resume with devices x num_nodes = {saved['world_size']}, or pass "
             f"`GradCompStrategy(resume_compression='reset')` to start the compression state afresh."
         )
+    if "sites" in saved:  # absent in checkpoints written before the exchange was recorded: not checked
+        saved_sites = saved["sites"]
+        live_sites = None if sites is None else list(sites)
+        if saved_sites != live_sites and any(has_state(e) for e in entries):
+            raise ValueError(
+                f"Expected the checkpoint's compression state to come from {_exchange(live_sites)}, as this run "
+                f"({option or _sites_option(live_sites)}), but got one written by {_exchange(saved_sites)}: residuals, "
+                f"generators and transform buffers are kept per rank for the parameters that rank exchanges, which "
+                f"differ between the two. Fix: resume with {_sites_option(saved_sites)} as the run that wrote it, or "
+                f"pass `GradCompStrategy(resume_compression='reset')` to start the compression state afresh."
+            )
     return entries[rank]
 
 

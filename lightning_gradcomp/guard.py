@@ -28,7 +28,7 @@ every step is skipped is not training, so after :data:`WARN_AFTER_SKIPS` of them
 
 import logging
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Protocol
 
@@ -234,6 +234,42 @@ def drop_skipped_gradients(
     return skipped
 
 
+def agree_across_sites(
+    state: GuardedState,
+    named_grads: Iterable[tuple[str, Optional[Tensor]]],
+    rank: int,
+    device: torch.device,
+    raise_agreed: bool,
+) -> None:
+    """After backward, under a strategy whose hook runs inside a site: make the step's decision the same on every
+    rank of every site. Call before :func:`drop_skipped_gradients` (it runs :func:`end_backward` with the agreement).
+
+    The hook's flag all-reduce spans its own group, the site: alone, one site would skip (or raise) a step that the
+    other sites take. So each rank adds its site's decision (``rank + 1`` where its site skipped the step, after the
+    check of the decoded buckets) to one 4-byte MAX all-reduce over every rank (the default group); a site that did
+    not skip then skips too, and with ``raise_agreed`` (the user's ``"raise"``, while the hook only skips so that no
+    site stops alone) every rank raises. A backward without the hook (gradient accumulation) issues nothing.
+
+    Raises:
+        NonFiniteGradientError: with ``raise_agreed``, on every rank, when some site found a non-finite gradient.
+    """
+    worst = 0
+
+    def agree(skipped: bool) -> bool:
+        nonlocal worst
+        flag = torch.full((1,), float(rank + 1) if skipped else 0.0, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        state.ledger.count("allreduce_nonfinite_sites")
+        worst = int(flag.item())
+        return worst != 0
+
+    if end_backward(state, named_grads, agree) and raise_agreed:
+        raise NonFiniteGradientError(
+            f"Non-finite gradient (NaN or Inf) in the site of rank {worst - 1}; every rank of every site stops here. "
+            f"Fix: lower the learning rate, check the data, or pass `nonfinite='skip'` to skip such steps on every rank."
+        )
+
+
 def observe_decoded(state: GuardedState, buffer: Tensor) -> None:
     """After a bucket was decoded into ``buffer``: keep its cheap non-finite flag for :func:`end_backward`.
 
@@ -244,9 +280,17 @@ def observe_decoded(state: GuardedState, buffer: Tensor) -> None:
         state.guard.decoded_flags.append(_flag(buffer, 0))
 
 
-def end_backward(state: GuardedState, named_grads: Iterable[tuple[str, Optional[Tensor]]]) -> bool:
+def end_backward(
+    state: GuardedState,
+    named_grads: Iterable[tuple[str, Optional[Tensor]]],
+    agree: Optional[Callable[[bool], bool]] = None,
+) -> bool:
     """At the end of a backward pass: skip (or raise for) a step whose decoded gradients are non-finite although
     every rank's input was finite, and count consecutive skipped steps. Returns whether the step is skipped.
+
+    ``agree``: given this rank's decision, the decision of every rank (:func:`agree_across_sites`); a step skipped
+    only elsewhere is then skipped here too (residuals rolled back, gradients NaN-filled as the hook fills a skipped
+    step's buckets, so a GradScaler skips it as well) before the skips are counted.
 
     Identical on every rank (same decoded bits, same counters), so every rank skips or raises together. A backward
     without the hook (gradient accumulation) changes nothing. Raises :class:`NonFiniteGradientError` in
@@ -256,6 +300,7 @@ def end_backward(state: GuardedState, named_grads: Iterable[tuple[str, Optional[
     if state.ledger.hook_calls == guard.counted_hook_calls:
         return False
     guard.counted_hook_calls = state.ledger.hook_calls
+    named_grads = list(named_grads)
     flags, guard.decoded_flags = guard.decoded_flags, []
     if flags and not guard.step_nonfinite and bool(torch.stack(flags).max() > 0):
         bad = _nonfinite_names(named_grads)  # the cheap flag may be a float32 overflow of a finite sum
@@ -268,6 +313,11 @@ def end_backward(state: GuardedState, named_grads: Iterable[tuple[str, Optional[
             )
         if bad:
             _skip_step(state)
+    if agree is not None and agree(guard.step_nonfinite) and not guard.step_nonfinite:
+        _skip_step(state)
+        for _, grad in named_grads:
+            if grad is not None:
+                grad.fill_(float("nan"))
     guard.consecutive_skips = guard.consecutive_skips + 1 if guard.step_nonfinite else 0
     if guard.consecutive_skips == WARN_AFTER_SKIPS:
         warnings.warn(

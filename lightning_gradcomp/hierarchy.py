@@ -34,6 +34,7 @@ same size so that every local index has one rank in every site.
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Literal, Optional
 
 import torch
@@ -44,7 +45,7 @@ from lightning_gradcomp import comm
 from lightning_gradcomp.guard import observe_decoded
 from lightning_gradcomp.groups import layer_offsets
 from lightning_gradcomp.hook import GradCompState, _exchange_bucket
-from lightning_gradcomp.sites import SiteLayout, new_site_groups, site_layout
+from lightning_gradcomp.sites import SiteLayout, new_group, new_site_groups, site_layout
 from lightning_gradcomp.validation import check_choice, check_int
 
 
@@ -279,17 +280,23 @@ class SiteExchange:
         return plan
 
 
-def new_site_exchange(layout: SiteLayout, rank: int, sizes: Sequence[tuple[str, int]]) -> SiteExchange:
+def new_site_exchange(
+    layout: SiteLayout, rank: int, sizes: Sequence[tuple[str, int]], timeout: Optional[timedelta] = None
+) -> SiteExchange:
     """Create the site groups and the cross-site groups; every rank must call this, in the same order.
 
-    ``sizes``: every parameter that goes through the hook, (name, bytes) in the model's order.
+    Args:
+        layout: the sites (equal sizes).
+        rank: this rank's global rank.
+        sizes: every parameter that goes through the hook, (name, bytes) in the model's order.
+        timeout: every group's collective timeout (the strategy's ``timeout``, see :func:`~lightning_gradcomp.sites.new_group`).
     """
 
-    groups = new_site_groups(layout, rank)
+    groups = new_site_groups(layout, rank, timeout)
     k = layout.sizes[0]
     cross: Optional[dist.ProcessGroup] = None
     for j in range(k):  # dist.new_group is collective over the default group: every rank creates every group
-        group = dist.new_group([start + j for start in layout.starts])
+        group = new_group([start + j for start in layout.starts], timeout)
         if j == groups.site_rank:
             cross = group
     return SiteExchange(layout=layout, site=groups.site, local_rank=groups.site_rank, site_group=groups.site_group,

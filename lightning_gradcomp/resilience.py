@@ -21,14 +21,21 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint as ckpt
-from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite, drop_skipped_gradients
-from lightning_gradcomp.replicas import check_replicas
+from lightning_gradcomp.guard import (
+    NONFINITE_MODES,
+    NonFinite,
+    NonFiniteGradientError,
+    agree_across_sites,
+    drop_skipped_gradients,
+)
+from lightning_gradcomp.replicas import ReplicaDivergenceError, check_replicas
 from lightning_gradcomp.validation import check_choice, check_int
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
+    from lightning_gradcomp.hierarchy import HierarchySpec
     from lightning_gradcomp.hook import GradCompState
 
     # the type checker reads the mixin as the DDP strategy it is mixed into (its attributes, the methods its
@@ -48,6 +55,17 @@ _PEER_FAILURE = r"(?i).*(Connection closed by peer|Connection reset by peer|time
 
 class UnusedParameterError(RuntimeError):
     """A rank computed no gradient for some parameter under ``find_unused_parameters=False`` (or a static graph)."""
+
+
+def _is_own_diagnosis(exception: BaseException) -> bool:
+    """Whether the library raised ``exception`` itself with its cause (not a collective that lost a peer).
+
+    Such a message is the diagnosis of the rank at fault; it must not be rewritten as "another rank died" even when
+    its text matches :data:`_PEER_FAILURE` (the unused-parameter message names the process-group timeout).
+    """
+    if isinstance(exception, (UnusedParameterError, NonFiniteGradientError, ReplicaDivergenceError)):
+        return True
+    return any(isinstance(arg, str) and arg.startswith("gradcomp:") for arg in exception.args)
 
 
 def check_recovery_options(nonfinite: Any, resume_compression: Any, timeout: Any) -> None:
@@ -98,6 +116,9 @@ class ResilienceMixin(_StrategyBase):
     comm_state: Optional["GradCompState"]
     #: whether each rank's optimizer state is checkpointed (ranks whose optimizers differ, e.g. WeightGrad's sites)
     per_rank_optimizer_state: bool = False
+    #: whether a non-finite step is decided over every site, not only inside the hook's site (WeightGrad): one 4-byte
+    #: all-reduce over every rank per step when there are several sites (:func:`~lightning_gradcomp.guard.agree_across_sites`)
+    nonfinite_across_sites: bool = False
 
     def _init_resilience(
         self,
@@ -115,10 +136,13 @@ class ResilienceMixin(_StrategyBase):
         self._optimizer_steps = 0
         self._nonfinite_seen = 0
         self._buffers_before: Optional[list[tuple[Tensor, Tensor]]] = None
+        self._sites_agree = False
 
     def _attach_resilience(self, state: "GradCompState") -> None:
         """Called by the strategy right after it created the hook state (at DDP wrap time)."""
-        state.guard.set_mode(self.nonfinite)
+        # sites decide apart: the hook only skips, and the step's decision (skip or raise) is taken over every site
+        self._sites_agree = self.nonfinite_across_sites and self.nonfinite != "ignore" and state.world_size < self.world_size
+        state.guard.set_mode("skip" if self._sites_agree else self.nonfinite)
         if self.per_rank_optimizer_state:
             state.attach("optimizer", RankOptimizerStates(self))
         self._nonfinite_seen = state.skipped_steps
@@ -147,7 +171,8 @@ class ResilienceMixin(_StrategyBase):
         if trainer is not None and trainer.max_steps != -1:  # Lightning's iteration-based training
             ckpt.complete_epoch_end(checkpoint)
         reset = self.resume_compression == "reset"
-        self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset)
+        sites, option = self._checkpoint_sites()
+        self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset, sites, option)
         if reset and ckpt.CHECKPOINT_KEY in checkpoint:
             rank_zero_warn("gradcomp: `resume_compression='reset'`: residuals, generators and transforms start afresh.")
         elif ckpt.CHECKPOINT_KEY not in checkpoint:
@@ -162,6 +187,15 @@ class ResilienceMixin(_StrategyBase):
             f"gradcomp: the checkpoint {checkpoint_path} holds no compression state (written without "
             f"GradCompStrategy?); residuals, generators and transforms start afresh."
         )
+
+    def _checkpoint_sites(self) -> tuple[Optional[list[int]], Optional[str]]:
+        """This run's sites under the hierarchical exchange (``None``: flat) and the option that chose them, which
+        a checkpoint's compression state must match (:func:`lightning_gradcomp.checkpoint.select`)."""
+        hierarchy: Optional["HierarchySpec"] = getattr(self, "hierarchy", None)
+        if hierarchy is None:
+            return None, None
+        arg, value = hierarchy.argument()
+        return list(hierarchy.layout(self.world_size, self.num_nodes).sizes), f"`{arg}={value!r}`"
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -228,6 +262,9 @@ class ResilienceMixin(_StrategyBase):
         module = self.lightning_module
         assert module is not None  # a backward runs only with a module attached
         self._check_every_bucket_arrived(state, module)
+        if self._sites_agree:
+            agree_across_sites(state, ((n, p.grad) for n, p in module.named_parameters()), self.global_rank,
+                               self.root_device, raise_agreed=self.nonfinite == "raise")
         seen = self._nonfinite_seen
         self._nonfinite_seen = drop_skipped_gradients(
             state,
@@ -264,6 +301,8 @@ class ResilienceMixin(_StrategyBase):
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
+        if _is_own_diagnosis(exception):
+            return  # this rank found the cause: its message says it (and may mention the timeout it spared)
         _augment_message(
             exception,
             pattern=_PEER_FAILURE,

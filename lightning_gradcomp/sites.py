@@ -8,6 +8,7 @@ bytes in the same order, replaces a separate server process).
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -177,19 +178,42 @@ class SiteGroups:
         return self.layout.sizes[self.site]
 
 
-def new_site_groups(layout: SiteLayout, rank: int) -> SiteGroups:
+def new_group(ranks: Sequence[int], timeout: Optional[timedelta]) -> Optional[dist.ProcessGroup]:
+    """A process group of ``ranks`` that waits ``timeout`` for a peer; every rank must call it, in the same order.
+
+    Every group the library creates is made here, with the strategy's ``timeout``: ``dist.new_group`` does not
+    inherit the default group's timeout but takes torch's default (30 minutes), so a peer that stops answering
+    inside a site would hold the others that long instead of the user's ``timeout``.
+
+    Args:
+        ranks: the group's global ranks.
+        timeout: how long a collective on the group waits for a peer (the strategy's ``timeout``); ``None``: torch's
+            default for the backend.
+
+    Returns:
+        The group on its members (torch's placeholder on the other ranks).
+    """
+    return dist.new_group(list(ranks), timeout=timeout)
+
+
+def new_site_groups(layout: SiteLayout, rank: int, timeout: Optional[timedelta] = None) -> SiteGroups:
     """Create the site groups and the leaders' group; every rank must call this, in the same order.
 
     ``dist.new_group`` is collective over the default group: each call is made on every rank, member or not,
     so the same sequence of calls runs everywhere.
+
+    Args:
+        layout: the sites.
+        rank: this rank's global rank.
+        timeout: every group's collective timeout (:func:`new_group`); strategies pass their own ``timeout``.
     """
     site = layout.site_of(rank)
     site_group: Optional[dist.ProcessGroup] = None
     for s in range(layout.num_sites):
-        group = dist.new_group(layout.ranks(s))
+        group = new_group(layout.ranks(s), timeout)
         if s == site:
             site_group = group
-    leaders = dist.new_group(list(layout.leaders))
+    leaders = new_group(layout.leaders, timeout)
     leader_group = leaders if rank in layout.leaders else None
     return SiteGroups(layout=layout, rank=rank, site=site, site_group=site_group, leader_group=leader_group)
 

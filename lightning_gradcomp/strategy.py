@@ -164,7 +164,8 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         else:
             # the compressor and its statistics see the sites as its workers: its group is the cross-site one
             sizes = [(n, p.numel() * p.element_size()) for n, p in named.items()]
-            site = new_site_exchange(self.hierarchy.layout(world_size, self.num_nodes), self.global_rank, sizes)
+            site = new_site_exchange(self.hierarchy.layout(world_size, self.num_nodes), self.global_rank, sizes,
+                                     self._timeout)
             self.comm_state = self._new_comm_state(named, site.cross_group, self.global_rank, site.layout.num_sites,
                                                    self.root_device, group_rank=site.site, hierarchy=site)
         if self.global_rank == 0:

@@ -6,7 +6,11 @@
 * :mod:`~lightning_gradcomp.outer.strategy`: ``DiLoCoStrategy`` (``strategy="diloco"``, ``"streaming_diloco"``).
 """
 
+from lightning_gradcomp._deprecated import moved_names as _moved_names
 from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.strategy import DiLoCoStrategy
 
 __all__ = ["DiLoCoStrategy", "OuterSync"]
+
+# a spelling of an earlier release, kept for one more with a DeprecationWarning (not in __all__)
+__getattr__ = _moved_names(__name__, {"register": "lightning_gradcomp.outer.strategy:register"})

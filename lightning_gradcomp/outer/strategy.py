@@ -269,7 +269,7 @@ class DiLoCoStrategy(GradCompStrategy):
         # validated before the process group exists: a bad layout fails fast, identically on every rank
         self.layout = self.make_layout(self.num_nodes * self.num_processes)
         super().setup_environment()
-        self.groups = new_site_groups(self.layout, self.global_rank)
+        self.groups = new_site_groups(self.layout, self.global_rank, self._timeout)
         self._ddp_kwargs["process_group"] = self.groups.site_group  # inner DDP stays inside the site
 
     @override
@@ -284,14 +284,16 @@ class DiLoCoStrategy(GradCompStrategy):
         return [self.layout.ranks(site) for site in range(self.layout.num_sites)]
 
     @override
-    def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int) -> None:
+    def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int,
+                  in_sites: bool = True, between_sites: bool = False) -> None:
         """Log (INFO, rank 0) the two exchanges: the inner one inside each site (``world_size``: the site's ranks)
-        and the outer rounds between sites, in bytes per round and per inner step at ``sync_every``."""
+        and the outer rounds between sites, in bytes per round and per inner step at ``sync_every`` (the outer
+        compressor's packets and its shared statistics, as the ledger counts them)."""
         from lightning_gradcomp.codec import measure_codec
 
         assert self.layout is not None
         if world_size > 1:
-            super()._announce(named, float_names, world_size)  # the inner DDP, inside each site
+            super()._announce(named, float_names, world_size, in_sites=True)  # the inner DDP, inside each site
         else:
             log.info("diloco: sites of one rank: no exchange inside a site, each rank takes its inner steps alone")
         sites = self.layout.num_sites
@@ -301,7 +303,8 @@ class DiLoCoStrategy(GradCompStrategy):
             return
         shapes = [(n, tuple(p.shape)) for n, p in named.items() if n not in float_names]
         codec = measure_codec(copy.deepcopy(self.outer_compressor), shapes, sites, timed=False) if shapes else None
-        per_window = dense - sum(4 * named[n].numel() for n, _ in shapes) + (codec.nbytes if codec else 0)
+        per_window = dense - sum(4 * named[n].numel() for n, _ in shapes) + (
+            codec.nbytes + codec.shared_nbytes if codec else 0)
         per_step = per_window / self.sync_every
         log.info(
             "diloco: outer rounds between %d sites: %s pseudo-gradients of each site leader, expected %s bytes per %s "

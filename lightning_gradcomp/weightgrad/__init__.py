@@ -1,5 +1,6 @@
 """WeightGrad (Akter & Adnan, KDD 2020): two-level LAN/WAN training with ternary gradients and weights."""
 
+from lightning_gradcomp._deprecated import moved_names as _moved_names
 from lightning_gradcomp.weightgrad.quantize import decode, encode, loss_aware_ternary, stochastic_ternary
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
 from lightning_gradcomp.weightgrad.strategy import GatheredFP32, WeightGradStrategy
@@ -15,3 +16,13 @@ __all__ = [
     "loss_aware_ternary",
     "stochastic_ternary",
 ]
+
+# spellings of an earlier release, kept for one more with a DeprecationWarning (not in __all__): the sites serve
+# every site strategy, not WeightGrad only
+__getattr__ = _moved_names(__name__, {
+    "SiteGroups": "lightning_gradcomp.sites:SiteGroups",
+    "SiteLayout": "lightning_gradcomp.sites:SiteLayout",
+    "new_site_groups": "lightning_gradcomp.sites:new_site_groups",
+    "register": "lightning_gradcomp.weightgrad.strategy:register",
+    "site_layout": "lightning_gradcomp.sites:site_layout",
+})

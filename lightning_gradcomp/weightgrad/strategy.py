@@ -84,6 +84,8 @@ class WeightGradStrategy(GradCompStrategy):
     strategy_name = "weightgrad"
     # sites step their optimizers apart between WAN rounds: momentum and Adam moments differ per site
     per_rank_optimizer_state = True
+    # a non-finite step is skipped (or raised) by every site alike, not by the site that saw it only
+    nonfinite_across_sites = True
 
     def __init__(
         self,
@@ -176,7 +178,7 @@ class WeightGradStrategy(GradCompStrategy):
         # validate before the process group exists: a bad layout fails fast, identically on every rank
         self.layout = self.make_layout(self.num_nodes * self.num_processes)
         super().setup_environment()
-        self.groups = new_site_groups(self.layout, self.global_rank)
+        self.groups = new_site_groups(self.layout, self.global_rank, self._timeout)
         # DDP itself runs inside the site: its parameter broadcast, buffer broadcast and gradient hook stay on the LAN
         self._ddp_kwargs["process_group"] = self.groups.site_group
         if self.aggregation == "serial" and self.compressor.aggregation_for(self.groups.site_size) is not Aggregation.GATHER:

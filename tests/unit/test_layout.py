@@ -54,10 +54,21 @@ def _lab_references(path: Path) -> list[str]:
     return found
 
 
+#: the only references to the lab the library may hold: the deprecated aliases of names that moved there, resolved by
+#: ``lightning_gradcomp._deprecated.moved_names`` only when a script spells the old name (never at import time,
+#: which :func:`test_every_library_module_imports_with_the_lab_blocked` checks)
+DEPRECATED_ALIASES_INTO_THE_LAB = {
+    "callbacks/__init__.py": ["gradcomp_lab.ema:ExponentialMovingAverage"],
+    "callbacks/ema.py": ["gradcomp_lab.ema:ExponentialMovingAverage", "gradcomp_lab.ema:tf_decay",
+                         "gradcomp_lab.ema:tf_ema_avg_fn"],
+}
+
+
 def test_no_library_module_imports_the_lab() -> None:
     modules = sorted(LIBRARY.rglob("*.py"))
     assert len(modules) > 50  # the scan reads the package, not an empty glob
-    assert [f"{path.parent.name}/{ref}" for path in modules for ref in _lab_references(path)] == []
+    found = {f"{path.parent.name}/{path.name}": [ref.split(": ", 1)[1] for ref in _lab_references(path)] for path in modules}
+    assert {module: refs for module, refs in found.items() if refs} == DEPRECATED_ALIASES_INTO_THE_LAB
 
 
 def test_the_scan_finds_local_and_dynamic_imports_of_the_lab(tmp_path: Path) -> None:
@@ -94,8 +105,10 @@ def test_top_level_exports_strategies_hook_and_registry_only() -> None:
     ]
     for name in lightning_gradcomp.__all__:
         assert getattr(lightning_gradcomp, name) is not None
-    # one spelling per compressor: lightning_gradcomp.compressors.X, never a second one at the top level
-    assert [n for n in compressors.__all__ if hasattr(lightning_gradcomp, n)] == []
+    # one spelling per compressor: lightning_gradcomp.compressors.X, never a second one at the top level (the
+    # deprecated aliases of an earlier release resolve through the module's __getattr__, with a warning, and are
+    # not attributes of the package: tests/unit/test_deprecated_aliases.py)
+    assert [n for n in compressors.__all__ if n in vars(lightning_gradcomp)] == []
 
 
 def _resolves(dotted: str) -> bool:
