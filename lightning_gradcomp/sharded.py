@@ -11,9 +11,10 @@ rank's compression state.
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -26,10 +27,32 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.guard import NonFinite
 from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
 from lightning_gradcomp.shards import ShardExchange, agree_on_skip, fsdp_units
+from lightning_gradcomp.sites import new_group
 from lightning_gradcomp.validation import check_int
 from lightning_gradcomp.wiring import HookWiring, check_backend
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 log = logging.getLogger(__name__)
+
+
+def _new_mesh(replicas: int, shard: int, rank: int, device_type: str, timeout: Optional[timedelta]) -> "DeviceMesh":
+    """The ``(replicas, shard)`` device mesh named ``("replicate", "shard")`` (rank = replica * shard + index), its
+    groups made by :func:`~lightning_gradcomp.sites.new_group` with the strategy's ``timeout``:
+    ``init_device_mesh`` would give them torch's 30-minute default, so a stalled peer would hold the others that
+    long. Every rank makes every group, in the same order."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    layout = torch.arange(replicas * shard).view(replicas, shard)
+    mine: dict[str, Any] = {}
+    for dim, lines in (("replicate", layout.t()), ("shard", layout)):
+        for ranks in lines.tolist():
+            group = new_group(ranks, timeout)
+            if rank in ranks:
+                mine[dim] = group
+    return DeviceMesh.from_group([mine["replicate"], mine["shard"]], device_type, mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
 
 
 class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy):
@@ -99,15 +122,11 @@ class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy
 
     @override
     def setup_environment(self) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
         check_backend(self._process_group_backend, self.root_device)
         replicas, shard = self._mesh_shape()  # before any process group exists
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (replicas, shard), mesh_dim_names=("replicate", "shard")
-        )
+        self._device_mesh = _new_mesh(replicas, shard, self.global_rank, self.root_device.type, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # read in configure_model
 

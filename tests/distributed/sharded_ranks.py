@@ -1,7 +1,9 @@
 """Rank bodies for the sharded (FSDP2) strategy: several Trainer fits in one spawned world of 4 Gloo ranks."""
 
 import math
-from typing import Any
+import time
+from datetime import timedelta
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -157,3 +159,33 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> li
         except (ValueError, RuntimeError) as error:  # bad input (before step 0), a divergence: every rank alike
             out.append({"error": str(error)})
     return out
+
+
+class StallingRegressor(ShardedRegressor):
+    """Rank ``victim`` sleeps ``stall_s`` at the start of step 2 (alive, connections open); every rank records when
+    that step began."""
+
+    def __init__(self, victim: int, stall_s: float) -> None:
+        super().__init__()
+        self.victim, self.stall_s = victim, stall_s
+        self.stalled_at: Optional[float] = None
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.global_step == 2 and self.stalled_at is None:
+            self.stalled_at = time.perf_counter()
+            if self.global_rank == self.victim:
+                time.sleep(self.stall_s)
+
+
+def stalled_run(rank: int, world_size: int, victim: int, timeout_s: float, stall_s: float) -> dict[str, Any]:
+    """Train until rank ``victim`` stalls at step 2; how this rank stopped, and how long after that step began."""
+    model = StallingRegressor(victim, stall_s)
+    strategy = ShardedGradCompStrategy(compressor="terngrad", shard_size=2, timeout=timedelta(seconds=timeout_s))
+    try:
+        fit(world_size, strategy, model, steps=8)
+        outcome: dict[str, Any] = {"raised": None}
+    except BaseException as exc:  # the test asserts what came out
+        outcome = {"raised": (type(exc).__name__, str(exc))}
+    outcome["seconds"] = None if model.stalled_at is None else time.perf_counter() - model.stalled_at
+    return outcome

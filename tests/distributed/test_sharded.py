@@ -12,8 +12,9 @@ import torch
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from lightning_gradcomp.registry import compressor_names
-from tests.distributed.sharded_ranks import fit_configs
-from tests.harness import run_ranks
+from tests.distributed.sharded_ranks import fit_configs, stalled_run
+from tests.distributed.test_faults import collect_reports
+from tests.harness import _context, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -146,3 +147,17 @@ def test_resume_is_exact(tmp_path: Path) -> None:
         for step in range(4):
             assert torch.equal(straight[4 + step], resumed[step]), f"rank {rank}, step {4 + step}"
         assert not torch.equal(straight[4], results[rank][3]["shards"][0]), "the residuals made no difference"
+
+
+def test_a_stalled_rank_stops_every_other_rank_within_the_timeout() -> None:
+    """Rank 2 sleeps 40 s at step 2 with `timeout` 3 s: its shard group (FSDP2's collectives) and its replicate group
+    (the compressed exchange) were made by the strategy with that timeout, so every other rank stops with the
+    library's message within 20 s instead of torch's 30-minute default."""
+    reports = collect_reports(stalled_run, 4, (2, 3.0, 40.0), 3, context=_context())
+    assert set(reports) == {0, 1, 3}, f"not every other rank reported: {reports}"
+    for rank, (status, outcome) in reports.items():
+        assert status == "ok", outcome
+        raised = outcome["raised"]  # type: ignore[index]
+        assert raised is not None, f"rank {rank} waited for the stalled rank and trained on: {outcome}"
+        assert "another rank died or stopped answering" in raised[1], f"rank {rank}: {raised}"
+        assert outcome["seconds"] < 20.0, f"rank {rank} stopped after {outcome['seconds']:.1f} s"  # type: ignore[index]
