@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from lightning.pytorch import LightningDataModule, LightningModule  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
-import lightning_gradcomp  # noqa: E402, F401  (registers the strategy names)
+import lightning_gradcomp  # noqa: E402  (registers the strategy names)
 
 FASHION = "gradcomp_lab.data.FashionMNISTDataModule"
 

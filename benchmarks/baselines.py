@@ -56,7 +56,7 @@ def _rank(rank: int, world_size: int, port: int, name: str, epochs: int, seed: i
     torch.set_num_threads(1)
     try:
         queue.put((rank, "ok", _train(world_size, name, epochs, seed)))
-    except BaseException:  # noqa: BLE001  (report every failure, including SystemExit from a Trainer)
+    except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
 
 
@@ -133,7 +133,7 @@ def run(name: str, epochs: int, seed: int, world_size: int = 2, timeout: float =
                 error = value
                 break
             results[rank] = value
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         error = f"no result within {timeout}s ({exc!r})"
     finally:
         for p in procs:

@@ -32,10 +32,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's library
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_time import build_model  # noqa: E402
+from step_time import build_model
 
-from lightning_gradcomp import GradCompState, gradcomp_hook, registry  # noqa: E402
-from lightning_gradcomp.stats import HookStats  # noqa: E402
+from lightning_gradcomp import GradCompState, gradcomp_hook, registry
+from lightning_gradcomp.stats import HookStats
 
 
 def run(strategy: str, batch: int, steps: int, warmup: int) -> dict[str, object]:

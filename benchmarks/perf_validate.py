@@ -23,10 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from step_time import BATCH, MALLOC_REUSE_ENV, build_model, input_shape  # noqa: E402
+import torch
+from step_time import BATCH, MALLOC_REUSE_ENV, build_model, input_shape
 
-from gradcomp_lab.perfmodel import (  # noqa: E402
+from gradcomp_lab.perfmodel import (
     ComputeTime,
     ddp_bucket_fractions,
     fp32_codec,
@@ -34,9 +34,9 @@ from gradcomp_lab.perfmodel import (  # noqa: E402
     predict,
     profile_compute,
 )
-from lightning_gradcomp import registry  # noqa: E402
-from lightning_gradcomp.codec import Codec, measure_codec  # noqa: E402
-from lightning_gradcomp.costmodel import Link, Network, parse_rate  # noqa: E402
+from lightning_gradcomp import registry
+from lightning_gradcomp.codec import Codec, measure_codec
+from lightning_gradcomp.costmodel import Link, Network, parse_rate
 
 
 def _same_allocator_as(reports: dict[str, dict]) -> None:

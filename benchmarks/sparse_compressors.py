@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_gradcomp import kernels  # noqa: E402
-from lightning_gradcomp.compressors import AdaComp, GradientDropping  # noqa: E402
-from lightning_gradcomp.compressors.base import Compressor, Packet  # noqa: E402
+from lightning_gradcomp import kernels
+from lightning_gradcomp.compressors import AdaComp, GradientDropping
+from lightning_gradcomp.compressors.base import Compressor, Packet
 
 CONFIGS: dict[str, Callable[[str], Compressor]] = {
     "graddrop": lambda b: GradientDropping(backend=b),  # the paper: 0.1% random sample, R = 0.99, coo32 fp32

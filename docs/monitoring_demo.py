@@ -25,7 +25,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet  # noqa: E402
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
 
 
 class TopKWithFeedback(Compressor):

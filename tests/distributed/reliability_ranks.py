@@ -210,7 +210,7 @@ def guard_runs(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
             try:
                 fit(world_size, make_strategy(name, nonfinite="raise"), 5, InjectingClassifier(1, 2), loader=step_loader())
                 res["raised"] = None
-            except Exception as exc:  # noqa: BLE001  (the type is asserted by the test)
+            except Exception as exc:
                 res["raised"] = (type(exc).__name__, str(exc))
             return res
 
@@ -222,7 +222,7 @@ def guard_runs(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
             fit(world_size, make_strategy("fp32", check_replicas_every=1), 5, InjectingClassifier(1, 2, perturb=True),
                 loader=step_loader())
             return {"raised": None}
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return {"raised": (type(exc).__name__, str(exc)), "seconds": time.perf_counter() - started}
 
     out["__replicas__"] = _guarded(replicas)
@@ -395,7 +395,7 @@ def survivor_run(
         fit(world_size, make_strategy(name, timeout=timedelta(seconds=timeout_s)), 50,
             DyingClassifier(victim, 2, stall_s), loader=step_loader(50))
         outcome: dict[str, Any] = {"raised": None}
-    except BaseException as exc:  # noqa: BLE001  (SystemExit included: the test asserts what came out)
+    except BaseException as exc:
         outcome = {"raised": (type(exc).__name__, str(exc))}
     outcome["seconds"] = time.perf_counter() - started
     return outcome
@@ -452,7 +452,7 @@ def unused_layer_run(rank: int, world_size: int, name: str, options: dict[str, A
         fit(world_size, make_strategy(name, timeout=timedelta(seconds=timeout_s), **options), 6, model,
             loader=step_loader())
         outcome: dict[str, Any] = {"raised": None}
-    except BaseException as exc:  # noqa: BLE001  (the test asserts what came out)
+    except BaseException as exc:
         outcome = {"raised": (type(exc).__name__, str(exc))}
     outcome["seconds"] = None if model.stalled_at is None else time.perf_counter() - model.stalled_at
     return outcome

@@ -46,7 +46,7 @@ def write_datasets(root: Path) -> Path:
     from PIL import Image
 
     for split, n in (("train", 16), ("val", 4)):  # 32 training images: 4 ranks x 4 steps x batch 2 (AlexNet WeightGrad)
-        for c, wnid in enumerate(("n01440764", "n01443537")):
+        for wnid in ("n01440764", "n01443537"):
             folder = root / "imagenet" / split / wnid
             folder.mkdir(parents=True)
             for i in range(n):

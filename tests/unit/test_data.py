@@ -92,7 +92,7 @@ def test_mnist_reads_idx_and_normalises(tmp_path: Path) -> None:
     expected = (torch.from_numpy(arrays["t10k-images-idx3-ubyte.gz"][1]).float() / 255 - 0.5) * 2
     assert x.shape == (1, 28, 28) and torch.equal(x[0], expected) and int(y) == 1
     # the held-out and training samples partition the training file
-    seen = sorted(int(l) for ds in (dm.train_set, dm.val_set) for l in ds.labels)
+    seen = sorted(int(label) for ds in (dm.train_set, dm.val_set) for label in ds.labels)
     assert seen == sorted(int(v) for v in arrays["train-labels-idx1-ubyte"])
     xb, yb = next(iter(dm.train_dataloader()))
     assert xb.shape == (5, 1, 28, 28) and yb.dtype == torch.long and xb.min() >= -1 and xb.max() <= 1

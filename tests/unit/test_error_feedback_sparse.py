@@ -67,7 +67,7 @@ def test_sent_plus_residual_within_the_residuals_rounding(key: str, backend: str
     comp = LEVELS[key]()
     comp.backend = backend  # type: ignore[attr-defined]
     assert comp.uses_memory
-    for before, sent, residual, x, packet in _steps(comp):
+    for before, sent, residual, x, _packet in _steps(comp):
         assert torch.equal(residual, x - sent)  # the residual is x - sent, rounded once
         off = (before.double() - (sent + residual).double()).abs()
         unsent = sent == 0

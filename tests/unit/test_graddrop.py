@@ -240,7 +240,7 @@ def test_ties_at_the_threshold_are_sent_when_nothing_exceeds_it(backend: str, qu
     # every value; Marian's |x| <= threshold would drop both forever
     bias = torch.tensor([0.25, -0.25])
     comp = GradientDropping(drop_ratio=0.99, sample="exact", quantize=quantize, backend=backend)
-    for sent, residual, count in _feedback_run(comp, [bias] * 3):
+    for sent, _residual, count in _feedback_run(comp, [bias] * 3):
         assert torch.equal(sent, bias) and count == 2
     # ties are sent only when nothing exceeds the threshold: here 0.5 does, so the tied 0.25s are dropped
     x = torch.tensor([0.25, -0.25, 0.25, 0.5])
