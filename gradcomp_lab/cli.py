@@ -92,11 +92,12 @@ class GradCompParser(LightningArgumentParser):
 
 
 def _import_path(cls: type) -> str:
-    """The shortest import path of ``cls``: ``lightning_gradcomp.GradCompStrategy``, as a recipe writes it."""
+    """The shortest import path of ``cls``: ``lightning_gradcomp.GradCompStrategy``, as a recipe writes it. A module's
+    own names only (``vars``): a deprecated alias, resolved by the module's ``__getattr__``, is never written."""
     parts = cls.__module__.split(".")
     for end in range(1, len(parts)):
         module = ".".join(parts[:end])
-        if getattr(importlib.import_module(module), cls.__qualname__, None) is cls:
+        if vars(importlib.import_module(module)).get(cls.__qualname__) is cls:
             return f"{module}.{cls.__qualname__}"
     return f"{cls.__module__}.{cls.__qualname__}"
 
