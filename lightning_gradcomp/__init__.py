@@ -42,6 +42,11 @@ from lightning_gradcomp.outer.strategy import register as _register_diloco  # no
 
 _register_diloco()
 
+from lightning_gradcomp.onebit_adam import OneBitAdamStrategy, ZeroOneAdamStrategy  # noqa: E402
+from lightning_gradcomp.onebit_adam.strategy import register as _register_frozen_adam  # noqa: E402
+
+_register_frozen_adam()
+
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES  # noqa: E402
 
 from lightning_gradcomp.fabric import GradCompFabricStrategy  # noqa: E402
@@ -55,8 +60,10 @@ __all__ = [
     "GradCompFabricStrategy",
     "GradCompState",
     "GradCompStrategy",
+    "OneBitAdamStrategy",
     "TowerStrategy",
     "WeightGradStrategy",
+    "ZeroOneAdamStrategy",
     "compressor_names",
     "gradcomp_hook",
     "make_compressor",

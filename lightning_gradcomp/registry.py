@@ -118,7 +118,7 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
 
 
 #: strategy names this package registers besides the compressor names
-_OWN_STRATEGIES = ("gradcomp", "weightgrad")
+_OWN_STRATEGIES = ("gradcomp", "weightgrad", "onebit_adam", "zero_one_adam")
 
 
 def strategy_names() -> list[str]:
