@@ -22,7 +22,7 @@ from typing_extensions import override
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp import comm
 from lightning_gradcomp.compressors.base import Aggregation
-from lightning_gradcomp.groups import HookBucket, LayerViews, layer_offsets
+from lightning_gradcomp.groups import LayerViews, layer_offsets
 from lightning_gradcomp.guard import begin_step, bucket_is_nonfinite
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.ledger import GroupRecord
@@ -93,7 +93,7 @@ class FrozenAdamLink:
             self.params[name].copy_(value)
 
 
-def frozen_adam_hook(state: GradCompState, bucket: HookBucket) -> torch.futures.Future[torch.Tensor]:
+def frozen_adam_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The gradcomp hook on dense steps; on the others each rank keeps its own gradient.
 
     Register with ``ddp_model.register_comm_hook(state, frozen_adam_hook)`` on a state with a
@@ -101,7 +101,7 @@ def frozen_adam_hook(state: GradCompState, bucket: HookBucket) -> torch.futures.
     """
     link: FrozenAdamLink = state.extra[LINK_KEY]
     if link.dense_gradients():
-        return gradcomp_hook(state, bucket)  # type: ignore[arg-type]  # DDP's GradBucket
+        return gradcomp_hook(state, bucket)
     state.ledger.bucket_called(bucket.is_last())
     buffer = bucket.buffer()
     if bucket.index() == 0:
