@@ -149,6 +149,11 @@ class OneBitAdamStrategy(GradCompStrategy):
         return frozen_adam_hook
 
     @override
+    def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int) -> None:
+        """Nothing at DDP wrap: the fp32 compressor is only the warm-up's; :meth:`setup_optimizers` says what runs
+        once the optimizer (and so the exchange's size) is known."""
+
+    @override
     def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
         assert self.comm_state is not None
         self.link = FrozenAdamLink(self.global_rank, self.comm_state.world_size, self.comm_state.process_group,
