@@ -28,6 +28,7 @@ from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.ledger import GroupRecord
 from lightning_gradcomp.onebit_adam.exchange import CompressedAllReduce
 from lightning_gradcomp.optimizers.frozen_adam import FrozenVarianceAdam, OneBitAdam, ZeroOneAdam
+from lightning_gradcomp.replicas import check_replicas
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.strategy import GradCompStrategy
 
@@ -269,6 +270,28 @@ class ZeroOneAdamStrategy(OneBitAdamStrategy):
     strategy_name = "zero_one_adam"
     optimizer_class = ZeroOneAdam
     per_rank_optimizer_state = True
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # replicas differ between synchronisations by design: the check runs here, at synchronised steps only
+        self.sync_check_every, self.check_replicas_every = self.check_replicas_every, 0
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        k = self.sync_check_every
+        if k and self._optimizer_steps % k == 0 and isinstance(optimizer, ZeroOneAdam) and optimizer.in_sync():
+            module = self.lightning_module
+            assert module is not None  # optimizer steps run only with a module attached
+            named = list(module.named_parameters())
+            check_replicas([n for n, _ in named], [p for _, p in named], self.world_size, module.trainer.global_step)
+        return output
 
 
 def register(strategy_registry: Any = None) -> None:

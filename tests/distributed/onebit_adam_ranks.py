@@ -144,7 +144,8 @@ def resume_run(rank: int, world_size: int, method: str, options: dict[str, Any],
 
     cls = OneBitAdamStrategy if method == "onebit" else ZeroOneAdamStrategy
     saver = ModelCheckpoint(dirpath=tmpdir, every_n_train_steps=at, save_top_k=-1)
-    full, trainer = fit(world_size, cls(), total, AdamVariant(method, options), loader=step_loader(total),
+    # the replica check every step (0/1 Adam: at its synchronised steps; its replicas differ in between)
+    full, trainer = fit(world_size, cls(check_replicas_every=1), total, AdamVariant(method, options), loader=step_loader(total),
                         enable_checkpointing=True, callbacks=[saver])
     path = os.path.join(tmpdir, f"epoch=0-step={at}.ckpt")
     saved = torch.load(path, weights_only=False)
