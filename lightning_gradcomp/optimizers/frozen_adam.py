@@ -9,8 +9,9 @@ injected (:meth:`FrozenVarianceAdam.bind`): under ``Trainer(strategy="onebit_ada
 :mod:`lightning_gradcomp.onebit_adam` and averages the gradients densely exactly on the steps
 :meth:`FrozenVarianceAdam.dense_gradients` asks for. Unbound (one process), the exchange is the identity.
 
-Like the papers' Algorithm 1 and DeepSpeed's implementation, neither optimizer applies Adam's bias correction, and
-weight decay is added to the update (``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``).
+Like the papers' Algorithm 1 and DeepSpeed's implementation, neither optimizer applies Adam's bias correction by
+default (``bias_correction=True`` does), and weight decay is added to the update
+(``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``, decoupled as AdamW's).
 """
 
 from collections.abc import Callable, Iterable
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.validation import check_int, check_number
+from lightning_gradcomp.validation import check_bool, check_int, check_number
 
 #: the optimizer ``state_dict`` key of the method's counters (phase, intervals)
 COUNTERS_KEY = "frozen_adam"
@@ -69,8 +70,10 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
         betas: tuple[float, float],
         eps: float,
         weight_decay: float,
+        bias_correction: bool = False,
     ) -> None:
         check_number("lr", lr, minimum=0.0, min_open=True)
+        check_bool("bias_correction", bias_correction)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"Expected `betas` to be a pair (beta1, beta2) but got {betas!r}. Fix: e.g. betas=(0.9, 0.999).")
         check_number("betas[0]", betas[0], minimum=0.0, maximum=1.0)
@@ -78,6 +81,7 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
         check_number("eps", eps, minimum=0.0, min_open=True)
         check_number("weight_decay", weight_decay, minimum=0.0)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        self.bias_correction = bias_correction
         self.exchange: MomentumExchange = _Alone()
         self.counters: dict[str, Any] = self._initial_counters()
         #: whether the latest step ran the compressed exchange (the strategy accounts its bytes)
@@ -127,10 +131,24 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
             offset += t.numel()
         return out
 
-    @staticmethod
-    def _apply(group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
-        """``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``."""
-        update = state["exp_avg"] / (state["exp_avg_sq"].sqrt() + group["eps"])
+    def _denominator(self, group: dict[str, Any], state: dict[str, Any]) -> Tensor:
+        """``sqrt(v) + eps``; with ``bias_correction``, ``v`` divided by ``1 - b2 ** (variance updates)``."""
+        v = state["exp_avg_sq"]
+        updates = self.counters["var_updates"]
+        if self.bias_correction and updates:
+            v = v / (1 - group["betas"][1] ** updates)
+        return v.sqrt() + group["eps"]
+
+    def _momentum_correction(self, group: dict[str, Any]) -> float:
+        """``1 - b1 ** step`` with ``bias_correction`` (Adam's), else 1."""
+        return 1 - group["betas"][0] ** self.counters["step"] if self.bias_correction else 1.0
+
+    def _apply(self, group: dict[str, Any], p: Tensor, state: dict[str, Any]) -> None:
+        """``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)`` (``m``, ``v`` bias-corrected if asked)."""
+        m = state["exp_avg"]
+        if self.bias_correction:
+            m = m / self._momentum_correction(group)
+        update = m / self._denominator(group, state)
         if group["weight_decay"]:
             update.add_(p, alpha=group["weight_decay"])
         p.add_(update, alpha=-group["lr"])
@@ -194,6 +212,10 @@ class OneBitAdam(FrozenVarianceAdam):
         weight_decay: added to the update times the parameter (as DeepSpeed's ``OnebitAdam``).
         freeze_step: dense warm-up steps before the variance freezes (DeepSpeed's default 100000; the paper
             warms up for 15-25 % of BERT's steps: set it to that share of your run).
+        bias_correction: divide ``m`` by ``1 - b1 ** step`` and ``v`` by ``1 - b2 ** (variance updates)`` in the
+            update, as Adam does (``False``, the paper's Algorithm 1 and DeepSpeed: none). A short warm-up freezes a
+            ``v`` that is still far below its scale (``1 - 0.999 ** 300 = 26 %``); corrected, the frozen
+            preconditioner has Adam's scale.
     """
 
     def __init__(
@@ -204,15 +226,16 @@ class OneBitAdam(FrozenVarianceAdam):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         freeze_step: int = 100000,
+        bias_correction: bool = False,
     ) -> None:
         check_int("freeze_step", freeze_step, minimum=1, fix="use the number of dense warm-up steps (at least 1: "
                   "the variance must see a gradient before it is frozen)")
-        super().__init__(params, lr, betas, eps, weight_decay)
+        super().__init__(params, lr, betas, eps, weight_decay, bias_correction)
         self.freeze_step = freeze_step
 
     @override
     def _initial_counters(self) -> dict[str, Any]:
-        return {"step": 0, "frozen": False}
+        return {"step": 0, "frozen": False, "var_updates": 0}
 
     @override
     def dense_gradients(self) -> bool:
@@ -227,6 +250,8 @@ class OneBitAdam(FrozenVarianceAdam):
     def _step(self) -> None:
         frozen = self.counters["frozen"]
         params = self._params()
+        if not frozen:
+            self.counters["var_updates"] += 1
         for group, p in params:
             state = self._state_of(p)
             b1, b2 = group["betas"]
@@ -268,6 +293,7 @@ class ZeroOneAdam(FrozenVarianceAdam):
         var_update_scaler: variance updates per interval before the interval doubles (16).
         local_step_scaler: steps per local-step interval before the interval doubles (DeepSpeed's 32678).
         local_step_clipper: the longest local-step interval (16).
+        bias_correction: as :class:`OneBitAdam`'s (the variance's count is its updates).
     """
 
     def __init__(
@@ -281,12 +307,13 @@ class ZeroOneAdam(FrozenVarianceAdam):
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
+        bias_correction: bool = False,
     ) -> None:
         check_int("var_freeze_step", var_freeze_step, minimum=1, fix="use the step after which the variance freezes")
         check_int("var_update_scaler", var_update_scaler, minimum=1, fix="use the variance updates per interval (16)")
         check_int("local_step_scaler", local_step_scaler, minimum=1, fix="use the steps per local-step interval")
         check_int("local_step_clipper", local_step_clipper, minimum=1, fix="use the longest local-step interval (16)")
-        super().__init__(params, lr, betas, eps, weight_decay)
+        super().__init__(params, lr, betas, eps, weight_decay, bias_correction)
         self.var_freeze_step = var_freeze_step
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
@@ -294,7 +321,7 @@ class ZeroOneAdam(FrozenVarianceAdam):
 
     @override
     def _initial_counters(self) -> dict[str, Any]:
-        return {"step": 0, "var_frozen": False, "var_interval": 1, "var_counter": 0, "local_interval": 1,
+        return {"step": 0, "var_frozen": False, "var_updates": 0, "var_interval": 1, "var_counter": 0, "local_interval": 1,
                 "local_counter": 0, "lrs": [0.0] * len(self.param_groups)}
 
     @override
@@ -320,6 +347,7 @@ class ZeroOneAdam(FrozenVarianceAdam):
         params = self._params()
         if not c["var_frozen"]:
             dense = t % c["var_interval"] == 0
+            c["var_updates"] += dense
             grads = [self._grad(p) for _, p in params]
             if not dense:
                 grads = self._average(grads)
@@ -367,10 +395,11 @@ class ZeroOneAdam(FrozenVarianceAdam):
         deltas = []
         for group, p in params:
             state = self.state[p]
-            deltas.append((p - state["anchor"]).mul_(state["exp_avg_sq"].sqrt().add_(group["eps"])))
+            deltas.append((p - state["anchor"]).mul_(self._denominator(group, state)))
         for (group, p), mean in zip(params, self._average(deltas)):
             state = self.state[p]
-            p.copy_(state["anchor"] + mean / (state["exp_avg_sq"].sqrt() + group["eps"]))
+            p.copy_(state["anchor"] + mean / self._denominator(group, state))
             state["anchor"].copy_(p)
-            state["exp_avg"].copy_(mean).div_(-lrs[id(group)])
+            # the mean momentum the update implies (uncorrected, as ``m`` is kept)
+            state["exp_avg"].copy_(mean).div_(-lrs[id(group)]).mul_(self._momentum_correction(group))
         c["lrs"] = [0.0] * len(self.param_groups)

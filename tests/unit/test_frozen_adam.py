@@ -37,7 +37,7 @@ def test_task_builds_the_optimizer_with_its_options() -> None:
 
 
 def test_task_refuses_unknown_or_misplaced_optimizer_options() -> None:
-    with pytest.raises(ValueError, match=r"among \['freeze_step'\], but got \['freeze_steps'\].*did you mean 'freeze_step'"):
+    with pytest.raises(ValueError, match=r"among \['freeze_step', 'bias_correction'\], but got \['freeze_steps'\].*did you mean 'freeze_step'"):
         ImageClassifier(MLP(4, 3, 1, 2), optimizer="onebit_adam", optimizer_options={"freeze_steps": 3})
     with pytest.raises(ValueError, match=r"`optimizer_options` only with optimizer.*Fix:"):
         ImageClassifier(MLP(4, 3, 1, 2), optimizer="adamw", optimizer_options={"freeze_step": 3})
@@ -95,3 +95,16 @@ def test_one_process_onebit_adam_is_adam_without_bias_correction_then_frozen_var
                 q -= 0.01 * (m[i] / (v[i].sqrt() + 1e-8) + 0.1 * q)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+def test_with_bias_correction_the_dense_phase_is_torch_adamw(cls: type) -> None:
+    """Before the variance freezes (every step a variance update), ``bias_correction=True`` is AdamW."""
+    torch.manual_seed(0)
+    model, twin = nn.Linear(3, 2), nn.Linear(3, 2)
+    twin.load_state_dict(model.state_dict())
+    options = {"freeze_step": 10} if cls is OneBitAdam else {"var_freeze_step": 10}
+    _steps(cls(model.parameters(), lr=0.01, weight_decay=0.1, bias_correction=True, **options), model, 5)
+    _steps(torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.1), twin, 5)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
