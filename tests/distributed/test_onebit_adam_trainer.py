@@ -23,8 +23,8 @@ def test_wrong_optimizer_fails_before_the_first_step(strategy: str) -> None:
 
 # (method, options, checkpoint step, total steps, phase at the checkpoint)
 RESUMES = {
-    "onebit-warmup": ("onebit", {"freeze_step": 4}, 2, 7, {"step": 2, "frozen": False}),
-    "onebit-compressed": ("onebit", {"freeze_step": 2}, 4, 7, {"step": 4, "frozen": True}),
+    "onebit-warmup": ("onebit", {"freeze_step": 4}, 2, 7, {"step": 2, "frozen": False, "var_updates": 2}),
+    "onebit-compressed": ("onebit", {"freeze_step": 2}, 4, 7, {"step": 4, "frozen": True, "var_updates": 2}),
     # frozen after step 2; local interval 2 from step 4 on: step 5 is between synchronisations
     "zero_one-local": ("zero_one", {"var_freeze_step": 1, "local_step_scaler": 2}, 5, 8, None),
 }
