@@ -192,7 +192,7 @@ class OneBitAdamStrategy(GradCompStrategy):
     def _check_optimizer(self, optimizers: list[Optimizer]) -> FrozenVarianceAdam:
         """The one optimizer, of :attr:`optimizer_class`; a clear error before the first step otherwise."""
         expected = self.optimizer_class.__name__
-        if len(optimizers) != 1 or type(optimizers[0]) is not self.optimizer_class:
+        if len(optimizers) != 1 or not isinstance(optimizers[0], self.optimizer_class):
             got = [type(o).__name__ for o in optimizers]
             raise ValueError(
                 f"Expected configure_optimizers to return one lightning_gradcomp.optimizers.{expected} for "
