@@ -59,8 +59,8 @@ class FrozenAdamLink:
         """Connect ``optimizer`` (its parameters by name, in its order) and build its exchange."""
         self.optimizer = optimizer
         self.params = params
-        numel = sum(p.numel() for p in params.values())
-        self.exchange = CompressedAllReduce(numel, self.rank, self.world_size, self.group)
+        self.exchange = CompressedAllReduce([(n, p.numel()) for n, p in params.items()], self.rank, self.world_size,
+                                            self.group)
         optimizer.bind(self.exchange)
         if self._pending is not None:
             self._apply(self._pending)

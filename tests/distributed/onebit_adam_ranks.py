@@ -16,20 +16,23 @@ from lightning_gradcomp.onebit_adam.strategy import LINK_KEY, FrozenAdamLink, fr
 from lightning_gradcomp.optimizers import OneBitAdam, ZeroOneAdam
 
 
-def exchange_rounds(rank: int, world_size: int, numel: int, rounds: int) -> dict[str, Any]:
-    """``rounds`` compressed all-reduces of random vectors (distinct per rank and round)."""
+def exchange_rounds(rank: int, world_size: int, tensors: list[tuple[str, int]], rounds: int) -> dict[str, Any]:
+    """``rounds`` compressed all-reduces of random vectors (distinct per rank and round) made of ``tensors``, each
+    of its own scale."""
     dist.init_process_group("gloo")
     try:
-        exchange = CompressedAllReduce(numel, rank, world_size)
+        exchange = CompressedAllReduce(tensors, rank, world_size)
+        numel = exchange.numel
+        scales = torch.cat([torch.full((n,), 10.0 ** (i % 4 - 2)) for i, (_, n) in enumerate(tensors)])
         gen = torch.Generator().manual_seed(100 + rank)
         inputs, outputs, nbytes = [], [], []
         for _ in range(rounds):
-            x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen)
+            x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen) * scales
             inputs.append(x.clone())
             outputs.append(exchange.average(x).clone())
             nbytes.append(exchange.last_nbytes)
         worker = torch.cat([exchange.worker.residuals[n].reshape(-1) for n in exchange.worker_segments.names])
-        server = exchange.server.residuals["server"].reshape(-1).clone()
+        server = torch.cat([exchange.server.residuals[n].reshape(-1) for n in exchange.server_segments.names])
         return {"inputs": inputs, "outputs": outputs, "nbytes": nbytes, "expected": exchange.expected_nbytes(),
                 "worker": worker, "server": server, "sizes": exchange.sizes}
     finally:

@@ -12,7 +12,8 @@ from tests.distributed.onebit_adam_ranks import Small, batch, exchange_rounds, t
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
-NUMEL = 67  # Small's parameters: chunks of 34/33 on 2 ranks, 23/22/22 on 3
+NUMEL = 67  # Small's parameters: chunks of 34/33 on 2 ranks, 23/22/22 on 3 (the 35-element weight is cut in both)
+TENSORS = [1, 35, 7, 21, 3]  # in parameters() order: the module's own `scale` before the layers' parameters
 
 
 # -- the reference -------------------------------------------------------------------------------------------
@@ -30,11 +31,29 @@ def ref_one_bit(x: torch.Tensor) -> torch.Tensor:
     return torch.where(positive, mean_pos, -mean_neg)
 
 
-class RefAllReduce:
-    """Tang et al.'s compressed all-reduce, every rank simulated: worker errors, chunk r to rank r, server errors."""
+def ref_pieces(tensors: list[int], world: int) -> list[list[int]]:
+    """Per chunk, the lengths of the tensors' parts in it (tensors back to back, cut at the chunk boundaries)."""
+    bounds = [0]
+    for n in ref_sizes(sum(tensors), world):
+        bounds.append(bounds[-1] + n)
+    starts = [0]
+    for n in tensors:
+        starts.append(starts[-1] + n)
+    return [[min(e, bounds[r + 1]) - max(s, bounds[r]) for s, e in zip(starts, starts[1:])
+             if min(e, bounds[r + 1]) > max(s, bounds[r])] for r in range(world)]
 
-    def __init__(self, numel: int, world: int) -> None:
-        self.sizes = ref_sizes(numel, world)
+
+def ref_compress(x: torch.Tensor, pieces: list[int]) -> torch.Tensor:
+    return torch.cat([ref_one_bit(p) for p in x.split(pieces)])
+
+
+class RefAllReduce:
+    """Tang et al.'s compressed all-reduce, every rank simulated: worker errors, chunk r to rank r, server errors;
+    every part of a tensor in a chunk compressed with its own scale (DeepSpeed: per tensor)."""
+
+    def __init__(self, tensors: list[int], world: int) -> None:
+        self.sizes = ref_sizes(sum(tensors), world)
+        self.pieces = ref_pieces(tensors, world)
         self.world = world
         self.reset()
 
@@ -46,7 +65,7 @@ class RefAllReduce:
         sent = []
         for i, v in enumerate(vectors):
             x = v + self.worker[i]
-            decoded = torch.cat([ref_one_bit(c) for c in x.split(self.sizes)])
+            decoded = torch.cat([ref_compress(c, p) for c, p in zip(x.split(self.sizes), self.pieces)])
             self.worker[i] = x - decoded
             sent.append(decoded.split(self.sizes))
         out = []
@@ -55,7 +74,7 @@ class RefAllReduce:
             for i in range(1, self.world):
                 total += sent[i][r]
             y = total / self.world + self.server[r]
-            q = ref_one_bit(y)
+            q = ref_compress(y, self.pieces[r])
             self.server[r] = y - q
             out.append(q)
         return torch.cat(out)
@@ -93,7 +112,7 @@ def ref_onebit_adam(world: int, steps: int, freeze_step: int) -> list[torch.Tens
     models = [Small() for _ in range(world)]
     p = torch.nn.utils.parameters_to_vector(models[0].parameters()).detach()
     m, v = torch.zeros(NUMEL), torch.zeros(NUMEL)
-    allreduce, frozen, out = RefAllReduce(NUMEL, world), False, []
+    allreduce, frozen, out = RefAllReduce(TENSORS, world), False, []
     for t in range(1, steps + 1):
         load(models, [p] * world)
         grads = ref_grads(models, t - 1)
@@ -115,7 +134,7 @@ def ref_zero_one_adam(world: int, steps: int, var_freeze: int, var_scaler: int, 
     models = [Small() for _ in range(world)]
     p = [torch.nn.utils.parameters_to_vector(models[0].parameters()).detach()] * world
     m, v = [torch.zeros(NUMEL)] * world, torch.zeros(NUMEL)
-    allreduce = RefAllReduce(NUMEL, world)
+    allreduce = RefAllReduce(TENSORS, world)
     var_interval, var_counter, local_interval, local_counter, frozen, lrs = 1, 0, 1, 0, False, 0.0
     anchor = p[0]
     out, synced = [], []
@@ -159,19 +178,18 @@ def ref_zero_one_adam(world: int, steps: int, var_freeze: int, var_scaler: int, 
     return out, synced
 
 
-def expected_bytes(numel: int, world: int, rank: int) -> int:
-    """Worker packet (every chunk: its sign bits and two float32) plus this rank's server packet."""
-    sizes = ref_sizes(numel, world)
-    packet = [math.ceil(n / 8) + 8 for n in sizes]
+def expected_bytes(tensors: list[int], world: int, rank: int) -> int:
+    """Worker packet (every piece: its sign bits and two float32) plus this rank's server packet (its chunk's)."""
+    packet = [sum(math.ceil(n / 8) + 8 for n in chunk) for chunk in ref_pieces(tensors, world)]
     return sum(packet) + packet[rank]
 
 
 # -- the compressed all-reduce ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("world", [2, 3])
 def test_compressed_allreduce_matches_reference_and_keeps_both_errors(world: int) -> None:
-    numel, rounds = 1001, 4
-    ranks = run_ranks(exchange_rounds, world, numel, rounds, timeout=120)
-    ref = RefAllReduce(numel, world)
+    tensors, rounds = [500, 1, 3, 297, 200], 4  # 1001 elements, scales 0.01 to 10, some cut between chunks
+    ranks = run_ranks(exchange_rounds, world, [(f"t{i}", n) for i, n in enumerate(tensors)], rounds, timeout=120)
+    ref = RefAllReduce(tensors, world)
     for k in range(rounds):
         expected = ref([r["inputs"][k] for r in ranks])
         for rank, r in enumerate(ranks):
@@ -189,8 +207,8 @@ def test_compressed_allreduce_matches_reference_and_keeps_both_errors(world: int
     torch.testing.assert_close(delivered + worker + server, wanted, rtol=0, atol=1e-5)
     assert worker.abs().max() > 0 and server.abs().max() > 0  # both stages compress (the check above has teeth)
     for rank, r in enumerate(ranks):
-        assert r["nbytes"] == [expected_bytes(numel, world, rank)] * rounds == [r["expected"]] * rounds
-        assert r["sizes"] == ref_sizes(numel, world)
+        assert r["nbytes"] == [expected_bytes(tensors, world, rank)] * rounds == [r["expected"]] * rounds
+        assert r["sizes"] == ref_sizes(sum(tensors), world)
 
 
 # -- the optimizers through DDP and the strategy's hook ----------------------------------------------------------
@@ -206,7 +224,7 @@ def test_onebit_adam_matches_algorithm_1(world: int) -> None:
     for rank, r in enumerate(ranks):
         assert r["dense"] == [True] * freeze + [False] * (steps - freeze)
         assert r["phases"] == ["warmup"] * (freeze - 1) + ["compressed"] * (steps - freeze + 1)
-        assert r["nbytes"] == [0] * freeze + [expected_bytes(NUMEL, world, rank)] * (steps - freeze)
+        assert r["nbytes"] == [0] * freeze + [expected_bytes(TENSORS, world, rank)] * (steps - freeze)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -230,4 +248,4 @@ def test_zero_one_adam_matches_reference(world: int) -> None:
     exchanged = [t for t in range(steps) if ranks[0]["nbytes"][t]]
     assert exchanged == [2, 4, 6, 7, 8, 9, 11]
     for rank, r in enumerate(ranks):
-        assert all(r["nbytes"][t] == expected_bytes(NUMEL, world, rank) for t in exchanged)
+        assert all(r["nbytes"][t] == expected_bytes(TENSORS, world, rank) for t in exchanged)

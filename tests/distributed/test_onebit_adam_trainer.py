@@ -54,9 +54,11 @@ def test_resume_is_bit_exact(case: str, tmp_path: Path) -> None:
 def test_bytes_per_step_in_the_compressed_phase(tmp_path: Path) -> None:
     """The hook's ledger (progress bar, monitor) shows the 1-bit exchange: worker packet + server packet."""
     ranks = run_ranks(resume_run, 2, "onebit", {"freeze_step": 2}, str(tmp_path), 4, 2, timeout=400)
-    numel = ranks[0]["dense_bytes"] // 4
-    sizes = [numel // 2 + (r < numel % 2) for r in range(2)]
-    packets = [(n + 7) // 8 + 8 for n in sizes]
+    # TinyClassifier: 20x64 + 64, 64x64 + 64, 64x5 + 5 = 5829 elements; chunks of 2915 / 2914: the second weight
+    # (elements 1344..5439) is cut in two pieces, 1571 and 2525 elements
+    pieces = [[1280, 64, 1571], [2525, 64, 320, 5]]
+    packets = [sum((n + 7) // 8 + 8 for n in chunk) for chunk in pieces]
+    assert ranks[0]["dense_bytes"] == 4 * 5829
     for rank, r in enumerate(ranks):
         assert r["bytes"] == sum(packets) + packets[rank] == r["stats"]["bytes_per_step"]
 
