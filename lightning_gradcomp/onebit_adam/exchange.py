@@ -16,7 +16,7 @@ update for 0/1 Adam) is cut into one chunk per rank, rank ``r`` being the "serve
 
 Bytes this rank contributes per exchange: its worker packet (every piece: ``ceil(n / 8) + 8`` bytes) plus its
 server packet (the pieces of its chunk), about ``n (1 + 1 / W) / 8`` for ``n`` elements on ``W`` ranks:
-``32 W / (W + 1)`` times less than fp32's ``4 n`` (21x on 2 ranks, 26x on 4). An all-gather of the full 1-bit
+``32 W / (W + 1)`` times less than fp32's ``4 n`` (21x on 2 ranks, 26x on 4), less 8 bytes per piece. An all-gather of the full 1-bit
 vectors would put ``n / 8`` on the wire per rank and need no server stage, but deliver ``W n / 8`` to every rank;
 this two-stage form delivers ``2 (W - 1) n / (8 W)``, whatever the number of ranks.
 """
