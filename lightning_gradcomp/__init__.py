@@ -42,16 +42,21 @@ from lightning_gradcomp.outer.strategy import register as _register_diloco  # no
 
 _register_diloco()
 
+from lightning_gradcomp.onebit_adam import OneBitAdamStrategy, ZeroOneAdamStrategy  # noqa: E402
+from lightning_gradcomp.onebit_adam.strategy import register as _register_frozen_adam  # noqa: E402
+
+_register_frozen_adam()
+
+from lightning_gradcomp.sharded import ShardedGradCompStrategy  # noqa: E402
+
+ShardedGradCompStrategy.register_strategies(None)
+
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES  # noqa: E402
 
 from lightning_gradcomp.fabric import GradCompFabricStrategy, register_trainer_only_names  # noqa: E402
 
 register_strategies(GradCompFabricStrategy, _FABRIC_STRATEGIES)
 register_trainer_only_names(_FABRIC_STRATEGIES)  # Fabric(strategy="diloco") says it is Trainer-only, and what to use
-
-from lightning_gradcomp.sharded import ShardedGradCompStrategy  # noqa: E402
-
-ShardedGradCompStrategy.register_strategies(None)
 
 __version__ = "0.1.0"
 
@@ -71,9 +76,11 @@ __all__ = [
     "GradCompFabricStrategy",
     "GradCompState",
     "GradCompStrategy",
+    "OneBitAdamStrategy",
     "ShardedGradCompStrategy",
     "TowerStrategy",
     "WeightGradStrategy",
+    "ZeroOneAdamStrategy",
     "compressor_names",
     "gradcomp_hook",
     "make_compressor",

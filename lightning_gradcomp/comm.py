@@ -43,6 +43,16 @@ def reduce_to_owners_(mine: Tensor, tensor: Tensor, splits: list[int], group: Pr
     torch.sum(received.view(k, mine.numel()), dim=0, out=mine)
 
 
+def scatter_to_owners(out: Tensor, tensor: Tensor, splits: list[int], group: ProcessGroup) -> None:
+    """Segment ``j`` of ``tensor`` (``splits``: the segments' lengths, in rank order) to rank ``j``: ``out`` (``k`` times
+    the length of this rank's own segment) receives this rank's segment from every rank, in rank order. The
+    all-to-all of :func:`reduce_to_owners_` without the sum, for payloads that are decoded before they are summed
+    (1-bit Adam's compressed all-reduce). Waited for: the owner decodes next."""
+    k = len(splits)
+    dist.all_to_all_single(out, tensor, output_split_sizes=[out.numel() // k] * k, input_split_sizes=splits,
+                           group=group)
+
+
 def gather_from_owners(out: Tensor, mine: Tensor, splits: list[int], group: ProcessGroup, repeated: Tensor) -> Future:
     """Start the inverse of :func:`reduce_to_owners_`: every rank ends with every owner's segment in ``out``
     (``splits``: the segments' lengths, in rank order). An all-gather with unequal segments: an all-to-all of

@@ -259,8 +259,8 @@ def _trainer_only(strategy_name: str, strategy_class: str, **_: Any) -> None:
     """What Fabric's registry builds for a name of a Trainer-only strategy: an error naming what Fabric supports."""
     raise ValueError(
         f"Expected `strategy` to be a strategy Fabric can run, but got {strategy_name!r}: {strategy_class} is "
-        f"Trainer-only (its rounds between sites run in the Trainer's optimizer step and checkpoint hooks, which "
-        f"Fabric's loop does not call). Under Fabric, gradcomp supports the per-step compressors: "
+        f"Trainer-only (it runs inside the Trainer's loop: its optimizer step, backward and checkpoint hooks, "
+        f"which Fabric's loop does not call). Under Fabric, gradcomp supports the per-step compressors: "
         f"`Fabric(strategy=<name>)` with a name of {registry.compressor_names()} or 'gradcomp', or "
         f"`Fabric(strategy=GradCompFabricStrategy(...))`. Fix: use one of those with Fabric, or "
         f"`lightning.pytorch.Trainer(strategy={strategy_name!r})` for {strategy_class}."
@@ -269,16 +269,19 @@ def _trainer_only(strategy_name: str, strategy_class: str, **_: Any) -> None:
 
 def register_trainer_only_names(fabric_registry: Any) -> None:
     """Give every Trainer strategy name of this package that Fabric cannot run (a ``GradCompStrategy`` subclass
-    with sites: DiLoCo, Streaming DiLoCo, WeightGrad, and their ``_notebook`` variants) an entry in Fabric's registry
+    with sites: DiLoCo, Streaming DiLoCo, WeightGrad, and their ``_notebook`` variants; the sharded strategy's
+    ``sharded_<name>``) an entry in Fabric's registry
     that raises :func:`_trainer_only`'s error when ``Fabric(strategy=name)`` is constructed, instead of Lightning's
     generic "invalid strategy name"."""
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lightning_gradcomp.sharded import ShardedGradCompStrategy
     from lightning_gradcomp.strategy import GradCompStrategy
 
     for name, data in StrategyRegistry.items():
         cls = data["strategy"]
-        if name in fabric_registry or not (isinstance(cls, type) and issubclass(cls, GradCompStrategy)):
+        trainer_only = isinstance(cls, type) and issubclass(cls, (GradCompStrategy, ShardedGradCompStrategy))
+        if name in fabric_registry or not trainer_only:
             continue
         fabric_registry.register(name, _trainer_only, description=f"{cls.__name__} is Trainer-only (an error under "
                                  "Fabric, naming what to use)", override=True, strategy_name=name,

@@ -123,7 +123,7 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
 
 
 #: strategy names this package registers besides the compressor names (each but "gradcomp" also as `*_notebook`)
-_OWN_STRATEGIES = ("gradcomp", "weightgrad", "diloco", "streaming_diloco")
+_OWN_STRATEGIES = ("gradcomp", "weightgrad", "diloco", "streaming_diloco", "onebit_adam", "zero_one_adam")
 
 
 #: prefix of the sharded strategy's names (``"sharded_terngrad"``; no ``*_notebook`` variants)

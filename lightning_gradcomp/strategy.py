@@ -1,7 +1,7 @@
 """``GradCompStrategy``: Lightning's DDP with our compression hook installed on CPU (Gloo) and GPU (NCCL)."""
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -182,7 +182,12 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
                 )
         self._on_hook_state(named)
         self._attach_resilience(self.comm_state)  # non-finite mode, pending checkpoint restore
-        self.model.register_comm_hook(self.comm_state, gradcomp_hook if self.hierarchy is None else hierarchical_hook)
+        self.model.register_comm_hook(self.comm_state, self._hook_function())
+
+    def _hook_function(self) -> Callable[..., Any]:
+        """The communication hook DDP runs on every bucket (a subclass whose exchange follows its optimizer's
+        phase wraps :func:`~lightning_gradcomp.hook.gradcomp_hook`)."""
+        return gradcomp_hook if self.hierarchy is None else hierarchical_hook
 
     def _check_hierarchy(self) -> None:
         """Refuse what the hierarchical exchange cannot do (before any process group exists): strategies with their

@@ -9,12 +9,20 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from gradcomp_lab.schedules import WarmupCosine
-from lightning_gradcomp.optimizers import SignSGD
+from lightning_gradcomp.optimizers import OneBitAdam, SignSGD, ZeroOneAdam
+from lightning_gradcomp.registry import did_you_mean
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
-OptimizerName = Literal["sgd", "momentum", "adam", "adagrad", "adamw", "signsgd"]
+OptimizerName = Literal["sgd", "momentum", "adam", "adagrad", "adamw", "signsgd", "onebit_adam", "zero_one_adam"]
 ScheduleName = Literal["constant", "poly", "staircase", "cosine"]
-_OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "adamw", "signsgd")
+_OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "adamw", "signsgd", "onebit_adam", "zero_one_adam")
+#: the optimizers that take ``optimizer_options`` (the method's own options)
+_FROZEN_ADAM = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam}
+_FROZEN_ADAM_OPTIONS = {
+    "onebit_adam": ("freeze_step", "bias_correction"),
+    "zero_one_adam": ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper",
+                      "bias_correction"),
+}
 
 
 def regularized_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -41,7 +49,9 @@ class TrainingTask(LightningModule):
         optimizer: ``"sgd"`` (vanilla), ``"momentum"`` (SGD with ``momentum``, TF's MomentumOptimizer),
             ``"adam"`` (TF defaults: betas 0.9/0.999, eps 1e-8), ``"adagrad"``, ``"adamw"`` (decoupled weight
             decay, betas ``adam_betas``, eps 1e-8) or ``"signsgd"`` (:class:`~lightning_gradcomp.optimizers.SignSGD`,
-            DeMo's update, decoupled weight decay).
+            DeMo's update, decoupled weight decay), ``"onebit_adam"`` / ``"zero_one_adam"``
+            (:class:`~lightning_gradcomp.optimizers.OneBitAdam` / ``ZeroOneAdam``, betas ``adam_betas``, eps 1e-8;
+            for ``strategy: onebit_adam`` / ``zero_one_adam``).
         lr: base learning rate.
         momentum: momentum of ``"momentum"``.
         weight_decay: L2 coefficient, applied to :func:`regularized_parameters` only.
@@ -65,6 +75,9 @@ class TrainingTask(LightningModule):
         init_weights: a Lightning checkpoint (or a saved ``state_dict``) whose ``model.*`` weights start this run;
             the optimizer, schedule and strategy start afresh (DiLoCo's dense warm start: its runs begin from a
             model pretrained with synchronous training). Loaded on every rank, before the strategy sees the model.
+        optimizer_options: the method's own options of ``"onebit_adam"`` (``freeze_step``, ``bias_correction``) or
+            ``"zero_one_adam"`` (``var_freeze_step``, ``var_update_scaler``, ``local_step_scaler``,
+            ``local_step_clipper``, ``bias_correction``).
     """
 
     def __init__(
@@ -85,9 +98,15 @@ class TrainingTask(LightningModule):
         end_factor: float = 0.1,
         adam_betas: tuple[float, float] = (0.9, 0.95),
         init_weights: Optional[str] = None,
+        optimizer_options: Optional[dict[str, Any]] = None,
     ) -> None:
         super().__init__()
         check_choice("optimizer", optimizer, _OPTIMIZERS)
+        if optimizer_options and optimizer not in _FROZEN_ADAM:
+            raise ValueError(
+                f"Expected `optimizer_options` only with optimizer {sorted(_FROZEN_ADAM)}, but got {optimizer_options!r} "
+                f"with optimizer {optimizer!r}. Fix: drop `optimizer_options`, or use one of those optimizers."
+            )
         check_number("lr", lr, minimum=0.0, min_open=True)
         check_number("momentum", momentum, minimum=0.0, maximum=1.0, max_open=True)
         check_number("weight_decay", weight_decay, minimum=0.0)
@@ -124,6 +143,16 @@ class TrainingTask(LightningModule):
         self.lr_schedule, self.max_steps, self.poly_power = lr_schedule, max_steps, poly_power
         self.decay_steps, self.decay_epochs, self.decay_rate = decay_steps, decay_epochs, decay_rate
         self.warmup_steps, self.end_factor, self.adam_betas = warmup_steps, end_factor, (beta1, beta2)
+        self.optimizer_options = dict(optimizer_options or {})
+        if optimizer in _FROZEN_ADAM:  # a misspelt option or a bad value fails here, before the Trainer starts
+            allowed = _FROZEN_ADAM_OPTIONS[optimizer]
+            unknown = sorted(set(self.optimizer_options) - set(allowed))
+            if unknown:
+                raise ValueError(
+                    f"Expected `optimizer_options` of {optimizer!r} among {list(allowed)}, but got {unknown}. Fix: "
+                    f"{did_you_mean(unknown[0], allowed)}use those names (lr, betas and weight decay are the task's)."
+                )
+            _FROZEN_ADAM[optimizer]([torch.zeros(1, requires_grad=True)], lr=lr, **self.optimizer_options)
         if init_weights is not None:
             self.model.load_state_dict(_model_weights(init_weights))
 
@@ -183,6 +212,9 @@ class TrainingTask(LightningModule):
             optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.adam_betas, eps=1e-8)
         elif self.optimizer_name == "signsgd":
             optimizer = SignSGD(groups, lr=self.lr)
+        elif self.optimizer_name in _FROZEN_ADAM:
+            optimizer = _FROZEN_ADAM[self.optimizer_name](groups, lr=self.lr, betas=self.adam_betas, eps=1e-8,
+                                                          **self.optimizer_options)
         elif self.optimizer_name == "adagrad":
             optimizer = torch.optim.Adagrad(groups, lr=self.lr)
         else:

@@ -1,4 +1,4 @@
-"""Optimizers torch does not ship that a compressor's method prescribes."""
+"""SignSGD: the sign update DeMo prescribes."""
 
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union, overload

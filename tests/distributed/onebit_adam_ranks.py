@@ -1,0 +1,184 @@
+"""Rank bodies for the 1-bit Adam / 0/1 Adam tests: the compressed all-reduce alone, DDP with the strategy's hook
+and the optimizer (no Trainer), and Trainer runs (wrong optimizer, resume, non-finite gradients)."""
+
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_gradcomp import GradCompState
+from lightning_gradcomp.compressors import Identity
+from lightning_gradcomp.onebit_adam.exchange import CompressedAllReduce
+from lightning_gradcomp.onebit_adam.strategy import LINK_KEY, FrozenAdamLink, frozen_adam_hook
+from lightning_gradcomp.optimizers import OneBitAdam, ZeroOneAdam
+
+
+def exchange_rounds(rank: int, world_size: int, tensors: list[tuple[str, int]], rounds: int) -> dict[str, Any]:
+    """``rounds`` compressed all-reduces of random vectors (distinct per rank and round) made of ``tensors``, each
+    of its own scale."""
+    dist.init_process_group("gloo")
+    try:
+        exchange = CompressedAllReduce(tensors, rank, world_size)
+        numel = exchange.numel
+        scales = torch.cat([torch.full((n,), 10.0 ** (i % 4 - 2)) for i, (_, n) in enumerate(tensors)])
+        gen = torch.Generator().manual_seed(100 + rank)
+        inputs, outputs, nbytes = [], [], []
+        for _ in range(rounds):
+            x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen) * scales
+            inputs.append(x.clone())
+            outputs.append(exchange.average(x).clone())
+            nbytes.append(exchange.last_nbytes)
+        worker = torch.cat([exchange.worker.residuals[n].reshape(-1) for n in exchange.worker_segments.names])
+        server = torch.cat([exchange.server.residuals[n].reshape(-1) for n in exchange.server_segments.names])
+        return {"inputs": inputs, "outputs": outputs, "nbytes": nbytes, "expected": exchange.expected_nbytes(),
+                "worker": worker, "server": server, "sizes": exchange.sizes}
+    finally:
+        dist.destroy_process_group()
+
+
+class Small(nn.Module):
+    """67 parameters (uneven chunks on 2 and 3 ranks), two layers and a scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 3)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))) * self.scale
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at step ``step`` (the reference draws the same)."""
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 5, generator=gen), torch.randn(8, 3, generator=gen)
+
+
+def make_optimizer(method: str, params: Any, options: dict[str, Any]) -> Any:
+    return (OneBitAdam if method == "onebit" else ZeroOneAdam)(params, **options)
+
+
+def train_raw(rank: int, world_size: int, method: str, steps: int, options: dict[str, Any]) -> dict[str, Any]:
+    """DDP with the strategy's hook and link, the optimizer bound to the exchange; per step: the parameters, the
+    phase and the exchange's bytes."""
+    dist.init_process_group("gloo")
+    try:
+        model = Small()
+        named = dict(model.named_parameters())
+        state = GradCompState(compressor=Identity(), names={id(p): n for n, p in named.items()}, world_size=world_size)
+        link = FrozenAdamLink(rank, world_size, None, torch.device("cpu"))
+        state.attach(LINK_KEY, link)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.0001)  # several buckets
+        ddp.register_comm_hook(state, frozen_adam_hook)
+        opt = make_optimizer(method, model.parameters(), options)
+        link.bind(opt, named)
+        params, phases, nbytes, dense = [], [], [], []
+        for step in range(steps):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            dense.append(link.dense_gradients())
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            params.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+            phases.append(opt.phase)
+            nbytes.append(link.exchange.last_nbytes if opt.exchanged else 0)
+        del ddp
+        dist.barrier()
+        return {"params": params, "phases": phases, "nbytes": nbytes, "dense": dense}
+    finally:
+        dist.destroy_process_group()
+
+
+# -- Trainer runs ----------------------------------------------------------------------------------------------
+def _lightning() -> Any:
+    import lightning.pytorch as pl
+
+    from tests.distributed.reliability_ranks import StepDataClassifier
+
+    class AdamVariant(StepDataClassifier):
+        """The reliability tests' per-step data, with 1-bit Adam, 0/1 Adam or AdamW; optionally a NaN loss on one
+        rank at one step."""
+
+        def __init__(self, method: str, options: dict[str, Any], nan_at: Optional[tuple[int, int]] = None) -> None:
+            super().__init__()
+            self.method, self.options, self.nan_at = method, options, nan_at
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            if self.nan_at == (self.global_rank, self.trainer.global_step):
+                loss = loss * float("nan")
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            if self.method == "adamw":
+                return torch.optim.AdamW(self.parameters(), lr=1e-3)
+            return make_optimizer(self.method, self.parameters(), {"lr": 1e-3, **self.options})
+
+    return pl, AdamVariant
+
+
+def fit_wrong_optimizer(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
+    """``strategy`` with AdamW: the error, and whether any step ran."""
+    pl, AdamVariant = _lightning()
+    from tests.distributed.reliability_ranks import fit, step_loader
+
+    model = AdamVariant("adamw", {})
+    try:
+        fit(world_size, strategy, 3, model, loader=step_loader())
+        return {"raised": None}
+    except ValueError as exc:
+        return {"raised": str(exc), "global_step": model.trainer.global_step}
+
+
+def resume_run(rank: int, world_size: int, method: str, options: dict[str, Any], tmpdir: str, total: int,
+               at: int) -> dict[str, Any]:
+    """Uninterrupted vs resumed from the checkpoint at step ``at``, and (the control) resumed with the compression
+    state reset; the strategy's counters and error norms at the end."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl, AdamVariant = _lightning()
+    from lightning_gradcomp.onebit_adam import OneBitAdamStrategy, ZeroOneAdamStrategy
+    from tests.distributed.reliability_ranks import fit, flat_params, step_loader
+
+    cls = OneBitAdamStrategy if method == "onebit" else ZeroOneAdamStrategy
+    saver = ModelCheckpoint(dirpath=tmpdir, every_n_train_steps=at, save_top_k=-1)
+    # the replica check every step (0/1 Adam: at its synchronised steps; its replicas differ in between)
+    full, trainer = fit(world_size, cls(check_replicas_every=1), total, AdamVariant(method, options), loader=step_loader(total),
+                        enable_checkpointing=True, callbacks=[saver])
+    path = os.path.join(tmpdir, f"epoch=0-step={at}.ckpt")
+    saved = torch.load(path, weights_only=False)
+    resumed, _ = fit(world_size, cls(), total, AdamVariant(method, options), loader=step_loader(total), ckpt_path=path)
+    reset, _ = fit(world_size, cls(resume_compression="reset"), total, AdamVariant(method, options),
+                   loader=step_loader(total), ckpt_path=path)
+    entry = saved["gradcomp"]["ranks"][rank]["extra"][LINK_KEY] if "gradcomp" in saved else None
+    strategy = trainer.strategy
+    return {
+        "full": flat_params(full), "resumed": flat_params(resumed), "reset": flat_params(reset),
+        "phase_at_save": saved["optimizer_states"][0]["frozen_adam"], "entry": entry,
+        "stats": {k: float(v) for k, v in strategy.stats.items()}, "bytes": strategy.comm_state.bytes_per_step(),
+        "dense_bytes": strategy.comm_state.dense_bytes_per_step(),
+    }
+
+
+def nonfinite_run(rank: int, world_size: int, method: str, options: dict[str, Any], nonfinite: str, nan_at: int,
+                  total: int) -> dict[str, Any]:
+    """A NaN loss on rank 1 at step ``nan_at``: the final parameters, skipped steps and the optimizer's counters,
+    or the error raised."""
+    pl, AdamVariant = _lightning()
+    from lightning_gradcomp.onebit_adam import OneBitAdamStrategy, ZeroOneAdamStrategy
+    from tests.distributed.reliability_ranks import fit, flat_params, step_loader
+
+    cls = OneBitAdamStrategy if method == "onebit" else ZeroOneAdamStrategy
+    model = AdamVariant(method, options, nan_at=(1, nan_at))
+    try:
+        _, trainer = fit(world_size, cls(nonfinite=nonfinite), total, model, loader=step_loader(total))
+    except BaseException as exc:  # the test asserts what came out
+        return {"raised": (type(exc).__name__, str(exc))}
+    optimizer = trainer.optimizers[0]
+    return {"raised": None, "params": flat_params(model), "skipped": trainer.strategy.comm_state.skipped_steps,
+            "counters": dict(optimizer.counters), "finite": bool(torch.isfinite(flat_params(model)).all())}

@@ -1,0 +1,110 @@
+"""1-bit Adam / 0/1 Adam in one process: argument errors, the task's optimizer choice, the phase counters in the
+optimizer's state dict, and the single-process arithmetic against a written-out reference."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from gradcomp_lab.models import MLP
+from gradcomp_lab.tasks import CharLanguageModel, ImageClassifier
+from lightning_gradcomp.optimizers import OneBitAdam, SignSGD, ZeroOneAdam
+
+
+@pytest.mark.parametrize(
+    ("cls", "options", "argument"),
+    [(OneBitAdam, {"freeze_step": 0}, "freeze_step"), (ZeroOneAdam, {"var_update_scaler": 0}, "var_update_scaler"),
+     (OneBitAdam, {"lr": -1.0}, "lr"), (ZeroOneAdam, {"local_step_clipper": 1.5}, "local_step_clipper")],
+)
+def test_bad_options_name_argument_and_fix(cls: type, options: dict, argument: str) -> None:
+    with pytest.raises(ValueError, match=f"`{argument}`.*Fix:"):
+        cls(nn.Linear(2, 2).parameters(), **options)
+
+
+def test_signsgd_still_imports_from_the_package() -> None:
+    assert SignSGD.__module__ == "lightning_gradcomp.optimizers.sign"
+
+
+def test_task_builds_the_optimizer_with_its_options() -> None:
+    task = CharLanguageModel(MLP(4, 3, 1, 2), optimizer="onebit_adam", lr=0.01, weight_decay=0.1,
+                             optimizer_options={"freeze_step": 7})
+    optimizer = task.configure_optimizers()["optimizer"]
+    assert type(optimizer) is OneBitAdam and optimizer.freeze_step == 7
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    task = CharLanguageModel(MLP(4, 3, 1, 2), optimizer="zero_one_adam", optimizer_options={"var_freeze_step": 5})
+    assert task.configure_optimizers()["optimizer"].var_freeze_step == 5
+
+
+def test_task_refuses_unknown_or_misplaced_optimizer_options() -> None:
+    with pytest.raises(ValueError, match=r"among \['freeze_step', 'bias_correction'\], but got \['freeze_steps'\].*did you mean 'freeze_step'"):
+        ImageClassifier(MLP(4, 3, 1, 2), optimizer="onebit_adam", optimizer_options={"freeze_steps": 3})
+    with pytest.raises(ValueError, match=r"`optimizer_options` only with optimizer.*Fix:"):
+        ImageClassifier(MLP(4, 3, 1, 2), optimizer="adamw", optimizer_options={"freeze_step": 3})
+    with pytest.raises(ValueError, match="`var_freeze_step`"):
+        ImageClassifier(MLP(4, 3, 1, 2), optimizer="zero_one_adam", optimizer_options={"var_freeze_step": 0})
+
+
+def _steps(optimizer: torch.optim.Optimizer, model: nn.Module, steps: int, start: int = 0) -> None:
+    for step in range(start, start + steps):
+        gen = torch.Generator().manual_seed(step)
+        optimizer.zero_grad()
+        model(torch.randn(4, 3, generator=gen)).pow(2).sum().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+def test_state_dict_carries_the_phase_counters(cls: type) -> None:
+    options = {"freeze_step": 2} if cls is OneBitAdam else {"var_freeze_step": 2, "local_step_scaler": 1}
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = cls(model.parameters(), lr=0.01, **options)
+    _steps(optimizer, model, 5)
+    saved, weights = copy.deepcopy(optimizer.state_dict()), copy.deepcopy(model.state_dict())
+    _steps(optimizer, model, 3, start=5)
+    expected = [p.detach().clone() for p in model.parameters()]
+    model.load_state_dict(weights)
+    again = cls(model.parameters(), lr=0.01, **options)
+    again.load_state_dict(saved)
+    assert again.counters == saved["frozen_adam"] and again.phase == optimizer.phase != cls(model.parameters()).phase
+    _steps(again, model, 3, start=5)
+    assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
+
+
+def test_one_process_onebit_adam_is_adam_without_bias_correction_then_frozen_variance() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    p0 = [p.detach().clone() for p in model.parameters()]
+    optimizer = OneBitAdam(model.parameters(), lr=0.01, weight_decay=0.1, freeze_step=2)
+    _steps(optimizer, model, 4)
+    # written out: m, v from the gradients at the current weights; v frozen after step 2
+    ref = nn.Linear(3, 2)
+    with torch.no_grad():
+        for q, p in zip(ref.parameters(), p0):
+            q.copy_(p)
+    m = [torch.zeros_like(p) for p in p0]
+    v = [torch.zeros_like(p) for p in p0]
+    for step in range(4):
+        ref.zero_grad()
+        ref(torch.randn(4, 3, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+        with torch.no_grad():
+            for i, q in enumerate(ref.parameters()):
+                m[i] = 0.9 * m[i] + 0.1 * q.grad
+                if step < 2:
+                    v[i] = 0.999 * v[i] + 0.001 * q.grad * q.grad
+                q -= 0.01 * (m[i] / (v[i].sqrt() + 1e-8) + 0.1 * q)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+def test_with_bias_correction_the_dense_phase_is_torch_adamw(cls: type) -> None:
+    """Before the variance freezes (every step a variance update), ``bias_correction=True`` is AdamW."""
+    torch.manual_seed(0)
+    model, twin = nn.Linear(3, 2), nn.Linear(3, 2)
+    twin.load_state_dict(model.state_dict())
+    options = {"freeze_step": 10} if cls is OneBitAdam else {"var_freeze_step": 10}
+    _steps(cls(model.parameters(), lr=0.01, weight_decay=0.1, bias_correction=True, **options), model, 5)
+    _steps(torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.1), twin, 5)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
