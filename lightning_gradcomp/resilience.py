@@ -236,6 +236,17 @@ class ResilienceMixin(_StrategyBase):
         Strategies with sites that step apart between rounds (DiLoCo, WeightGrad) return their sites."""
         return None
 
+    def _check_landed_rounds(self, sync: Any, what: str) -> None:
+        """Take the rounds that ``sync`` (an :class:`~lightning_gradcomp.outer.engine.OuterSync`) applied this step
+        and, with ``check_replicas_every`` set, compare what they made global on every rank (``what``, for the
+        message). Every rank calls it after the same optimizer step."""
+        landed = sync.take_landed()
+        if landed:
+            module = self.lightning_module
+            assert module is not None
+            names, tensors = sync.agreed(landed)
+            self._check_after_round(names, tensors, module.trainer.global_step, what)
+
     def _check_after_round(self, names: list[str], tensors: list[Tensor], step: int, what: str) -> None:
         """With ``check_replicas_every`` set: compare on every rank what a round just made global (``what``, for
         the message). Every rank must call it at the same point (right after the same round)."""

@@ -415,13 +415,8 @@ class DiLoCoStrategy(GradCompStrategy):
         assert self.outer is not None
         tokens, self._batch_tokens = self._batch_tokens, 0
         self.outer.after_inner_step(tokens)
-        landed = self.outer.take_landed()
-        if landed:
-            module = self.lightning_module
-            assert module is not None
-            names, tensors = self.outer.agreed(landed)
-            self._check_after_round(names, tensors, module.trainer.global_step,
-                                    f"{'weights' if self.mixing == 0 else 'global weights'} right after an outer round")
+        self._check_landed_rounds(
+            self.outer, f"{'weights' if self.mixing == 0 else 'global weights'} right after an outer round")
         return output
 
     @property

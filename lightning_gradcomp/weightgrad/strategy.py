@@ -274,13 +274,8 @@ class WeightGradStrategy(GradCompStrategy):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self.synchronizer is not None and self.comm_state is not None
         self.synchronizer.after_local_step()
-        landed = self.synchronizer.take_landed()
-        if landed:
-            module = self.lightning_module
-            assert module is not None
-            names, tensors = self.synchronizer.agreed(landed)
-            self._check_after_round(names, tensors, module.trainer.global_step,
-                                    f"{'global weights' if self.site_view == 'gaia' else 'weights'} right after a WAN round")
+        self._check_landed_rounds(
+            self.synchronizer, f"{'global weights' if self.site_view == 'gaia' else 'weights'} right after a WAN round")
         self._update_stats()
         return output
 
