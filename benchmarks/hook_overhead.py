@@ -11,6 +11,10 @@ The model has many small parameter tensors (``--layers`` blocks of 12 tensors, p
     python benchmarks/hook_overhead.py [--world-sizes 1 2] [--steps 10] [--device cpu|cuda]
 
 ``--device cuda`` runs world size 1 on one GPU (NCCL group of one) and synchronizes the device around each step.
+``--engine fsdp2`` times the sharded engine instead: each replica is sharded by FSDP2's ``fully_shard`` (every block,
+then the root) over a one-dimensional "shard" mesh of the ranks, and the compressed variants install
+:class:`~lightning_gradcomp.shards.ShardExchange` (the all-reduce hook of every unit) over a replicate group of one
+rank, as :class:`~lightning_gradcomp.sharded.ShardedGradCompStrategy` does; the baseline is stock FSDP2.
 On a shared CPU machine timings are noisy; the ratios within one run are the comparable numbers.
 """
 
@@ -33,6 +37,8 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = ("ddp", "ddp_fp16_hook", "fp32", "bf16", "terngrad", "topk", "graddrop")
+BASELINE = {"ddp": "ddp", "fsdp2": "fsdp2"}  # each engine's uncompressed reference variant
+ENGINE_ONLY = {"ddp": ("ddp", "ddp_fp16_hook"), "fsdp2": ("fsdp2",)}
 
 
 class Block(nn.Module):
@@ -70,6 +76,8 @@ def _replica(variant: str, args: argparse.Namespace, rank: int, world: int, devi
 
     torch.manual_seed(0)  # the same initial replica on every rank and for every variant
     model = TinyGPT(args.layers, args.width, args.heads, args.vocab, args.context).to(device)
+    if args.engine == "fsdp2":
+        return _sharded_replica(variant, model, rank, device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if variant == "ddp_fp16_hook":
         ddp.register_comm_hook(None, fp16_compress_hook)
@@ -81,6 +89,35 @@ def _replica(variant: str, args: argparse.Namespace, rank: int, world: int, devi
     return ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3)
 
 
+def _sharded_replica(variant: str, model: nn.Module, rank: int, device: torch.device) -> tuple[Any, Any]:
+    """``model`` sharded over all ranks (one replica): stock FSDP2, or with the compressed exchange's hook installed
+    on every unit over a replicate group of this rank alone (the shard's compress/decode and bookkeeping all run;
+    the collective is a group of one)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_gradcomp import GradCompState, registry
+    from lightning_gradcomp.shards import ShardExchange
+    from lightning_gradcomp.sites import new_group
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("shard",))
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if variant != "fsdp2":
+        compressor = registry.make_compressor(variant)
+        compressor.setup(rank, 1, device)
+        names = {id(p): n for n, p in model.named_parameters()}
+        replicate = dist.group.WORLD
+        if dist.get_world_size() > 1:
+            for r in range(dist.get_world_size()):  # every rank makes every group, in the same order
+                group = new_group([r], None)
+                replicate = group if r == rank else replicate
+        state = GradCompState(compressor=compressor, names=names, world_size=1, process_group=replicate)
+        model._gradcomp_exchange = ShardExchange(state, model)  # type: ignore[assignment]  # keep it alive
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
 def rank_body(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if not dist.is_initialized():
@@ -90,7 +127,8 @@ def rank_body(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
         else:
             dist.init_process_group(backend)
     replicas = {v: _replica(v, args, rank, world, device) for v in args.variants}
-    tensors = sum(1 for _ in next(iter(replicas.values()))[0].module.parameters())
+    first = next(iter(replicas.values()))[0]
+    tensors = sum(1 for _ in getattr(first, "module", first).parameters())
     gen = torch.Generator().manual_seed(100 + rank)
     times: dict[str, list[float]] = {v: [] for v in args.variants}
     order = list(args.variants)
@@ -131,7 +169,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--engine", choices=("ddp", "fsdp2"), default="ddp",
+                        help="ddp: DDP's comm hook; fsdp2: FSDP2 units with the sharded exchange's all-reduce hook")
     args = parser.parse_args()
+    other = "fsdp2" if args.engine == "ddp" else "ddp"
+    if args.engine == "fsdp2" and args.variants == list(VARIANTS):
+        args.variants = ["fsdp2", *(v for v in VARIANTS if v not in ENGINE_ONLY["ddp"])]
+    wrong = [v for v in args.variants if v in ENGINE_ONLY[other]]
+    if wrong:
+        raise ValueError(
+            f"Expected variants of the {args.engine} engine, but got {wrong} (variants of `--engine {other}`). "
+            f"Fix: pass `--engine {other}`, or leave them out of `--variants`."
+        )
     if args.device == "cuda" and args.world_sizes != [1]:
         raise ValueError(
             f"Expected `--world-sizes 1` with `--device cuda` (one GPU), but got {args.world_sizes}. "
@@ -142,7 +191,8 @@ def main() -> None:
     if args.device == "cuda":
         machine += f", {torch.cuda.get_device_name(0)}"
     print(f"command: `{command}`\n\nmachine: {machine}. Each variant's median step time over {args.steps} timed steps "
-          f"after {args.warmup} warm-up steps, all variants interleaved in one run; ratio = median / plain DDP's median "
+          f"after {args.warmup} warm-up steps, all variants interleaved in one run; ratio = median / the uncompressed "
+          f"engine's median ({BASELINE[args.engine]}) "
           "(ranks single-threaded). On a shared VM timings are noisy: compare ratios within a run.\n")
     rows: dict[str, dict[int, float]] = {v: {} for v in args.variants}
     tensors = 0
@@ -159,11 +209,12 @@ def main() -> None:
         for variant, samples in result["times"].items():
             rows[variant][world] = statistics.median(samples)
     print(f"model: TinyGPT, {args.layers} layers, width {args.width}, {tensors} parameter tensors, "
-          f"batch {args.batch} x {args.context - 1} tokens, device {args.device}\n")
+          f"batch {args.batch} x {args.context - 1} tokens, device {args.device}, engine {args.engine}\n")
     header = " | ".join(f"ms/step (N={w}) | ratio (N={w})" for w in args.world_sizes)
     print(f"| variant | {header} |\n|---|" + "---|---|" * len(args.world_sizes))
     for variant, by_world in rows.items():
-        cells = " | ".join(f"{1e3 * by_world[w]:.1f} | {by_world[w] / rows['ddp'][w]:.2f}" if "ddp" in rows
+        base = BASELINE[args.engine]
+        cells = " | ".join(f"{1e3 * by_world[w]:.1f} | {by_world[w] / rows[base][w]:.2f}" if base in rows
                            else f"{1e3 * by_world[w]:.1f} | -" for w in args.world_sizes)
         print(f"| {variant} | {cells} |")
 
