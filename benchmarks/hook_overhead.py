@@ -132,28 +132,52 @@ def rank_body(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     gen = torch.Generator().manual_seed(100 + rank)
     times: dict[str, list[float]] = {v: [] for v in args.variants}
     order = list(args.variants)
+    def train_step(variant: str, x: Tensor) -> None:
+        model, opt = replicas[variant]
+        opt.zero_grad()
+        logits = model(x[:, :-1])
+        nn.functional.cross_entropy(logits.reshape(-1, args.vocab), x[:, 1:].reshape(-1)).backward()
+        opt.step()
+
     for step in range(args.warmup + args.steps):
         x = torch.randint(args.vocab, (args.batch, args.context), generator=gen).to(device)
         order = order[1:] + order[:1]  # rotate: no variant always runs first after the data is drawn
         for variant in order:
-            ddp, opt = replicas[variant]
             if device.type == "cuda":
                 torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
-            opt.zero_grad()
-            logits = ddp(x[:, :-1])
-            nn.functional.cross_entropy(logits.reshape(-1, args.vocab), x[:, 1:].reshape(-1)).backward()
-            opt.step()
+            train_step(variant, x)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if step >= args.warmup:  # the first steps build and rebuild DDP's buckets, compile kernels
                 times[variant].append(time.perf_counter() - t0)
+    if args.profile and rank == 0:
+        _profile(args, lambda: train_step(args.profile, x), device)
     del replicas
     dist.barrier()
     if world == 1:
         dist.destroy_process_group()
     return {"tensors": tensors, "times": times}
+
+
+def _profile(args: argparse.Namespace, step: Any, device: torch.device) -> None:
+    """Three steps of one variant under torch's profiler: the ops by self CPU time (host-bound code and
+    synchronizations show there) and, on a GPU, by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    print(f"\nprofile of 3 steps of {args.profile}, by self CPU time:\n"
+          + table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    if device.type == "cuda":
+        print("by device time:\n" + table.table(sort_by="self_device_time_total", row_limit=15,
+                                                   max_name_column_width=60))
 
 
 def main() -> None:
@@ -171,6 +195,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--engine", choices=("ddp", "fsdp2"), default="ddp",
                         help="ddp: DDP's comm hook; fsdp2: FSDP2 units with the sharded exchange's all-reduce hook")
+    parser.add_argument("--profile", default="", help="after timing, profile 3 steps of this variant (rank 0)")
     args = parser.parse_args()
     other = "fsdp2" if args.engine == "ddp" else "ddp"
     if args.engine == "fsdp2" and args.variants == list(VARIANTS):

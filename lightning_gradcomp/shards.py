@@ -138,7 +138,8 @@ class ShardExchange:
         for unit, layout in zip(self.units, self.layouts):
             if not layout.params:
                 continue
-            unit.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+            if hasattr(unit, "set_reduce_scatter_unused_params"):  # torch >= 2.12; before, every parameter must be used
+                unit.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
             unit.set_all_reduce_hook(self._hook_for(layout))  # type: ignore[operator]
 
     def _hook_for(self, layout: ShardLayout) -> Any:
@@ -146,8 +147,10 @@ class ShardExchange:
             if reduce_output.numel() != layout.numel:
                 raise RuntimeError(
                     f"Expected FSDP2 to hand the replica exchange {layout.numel} gradient elements for the unit of "
-                    f"{len(layout.params)} parameters, but got {reduce_output.numel()}. Fix: use torch 2.6 to 2.13, "
-                    f"whose FSDP2 layout this exchange reads."
+                    f"{len(layout.params)} parameters, but got {reduce_output.numel()}. Fix: on a torch whose FSDP2 has no "
+                    f"`set_reduce_scatter_unused_params` (before 2.12), give every trainable parameter of the unit a "
+                    f"gradient on every step (or freeze the unused ones); otherwise use torch 2.11 to 2.13, whose FSDP2 "
+                    f"layout this exchange reads."
                 )
             index = self._calls
             self._calls = (self._calls + 1) % self._expected
