@@ -162,6 +162,23 @@ def _diloco_table(runs: list[dict[str, Any]]) -> str:
     return summarize(runs)
 
 
+def _gpu_kernels_table(runs: list[dict[str, Any]]) -> str:
+    """The kernel rows at the largest size with the torch ops timed: the torch ops and the device's kernels (Triton on CUDA) in GB/s of fp32
+    gradient, and the kernels' share of the device's copy bandwidth."""
+    run = runs[0]
+    largest = max(row["size"] for row in run["rows"] if row.get("torch"))  # the torch ops are timed up to a size
+    lines = [f"Copy bandwidth of the device (`copy_` of 256 MB): {run['memory_copy_gbps']:.0f} GB/s. "
+             f"Rows at {largest // 2**20}M elements.", "",
+             "| kernel | torch ops GB/s | kernels GB/s | kernels / copy bandwidth |", "|---|---|---|---|"]
+    for row in run["rows"]:
+        if row["size"] != largest:
+            continue
+        torch_ops = f"{row['torch']['gbps']:.1f}" if row.get("torch") else "-"  # no reference for some rows
+        fused = row["fused"]
+        lines.append(f"| {row['kernel']} | {torch_ops} | {fused['gbps']:.1f} | {fused['ratio_memory']:.2f} |")
+    return "\n".join(lines)
+
+
 def _emulated_runs(grid: str, wan: str) -> Callable[[], list[Path]]:
     """The stored runs of one WAN rate, in ``benchmarks/emulated.py --saved``'s order (its grid's)."""
     def files() -> list[Path]:
@@ -239,6 +256,9 @@ LM_DEFAULTS = ["ddp", "adacomp", "bf16", "demo", "dgc", "fp16", "fp32", "graddro
 TARGET_RUNS = [f"step_time_target_default_{i}.json" for i in range(1, 9)] + \
     [f"step_time_target_reuse_{i}.json" for i in range(1, 5)]
 
+#: the one GPU the stored GPU runs used (their files name it in their notes)
+GPU = "one NVIDIA H200 (16 host cores), torch 2.11.0+cu130, Triton 3.6.0"
+
 TABLES = [
     Table("lm-long-best", _lm("lm_long", _best_labels()), _best_table,
           "python tools/results_tables.py --only lm-long-best"),
@@ -268,6 +288,15 @@ TABLES = [
     Table("hierarchy-100mbit", lambda: [RESULTS / "hierarchy/repeats_100mbit.md"], _stored_table,
           "python tools/results_tables.py --only hierarchy-100mbit",
           machine="the 2-core VM of docs/benchmarks.md (not recorded in the file)"),
+    Table("gpu-hook-small", lambda: [RESULTS / "gpu_h200/hook_small.md"], _stored_table,
+          "python tools/results_tables.py --only gpu-hook-small", machine=GPU),
+    Table("gpu-hook-mid", lambda: [RESULTS / "gpu_h200/hook_mid.md"], _stored_table,
+          "python tools/results_tables.py --only gpu-hook-mid", machine=GPU),
+    Table("gpu-hook-mid-scatter", lambda: [RESULTS / "gpu_h200/hook_mid_before.md",
+                                           RESULTS / "gpu_h200/fsdp2_mid_before.md"], _stored_table,
+          "python tools/results_tables.py --only gpu-hook-mid-scatter", machine=GPU),
+    Table("gpu-kernels", lambda: [RESULTS / "gpu_h200/kernels.json"], _gpu_kernels_table,
+          "python tools/results_tables.py --only gpu-kernels", machine=GPU),
     Table("diloco", lambda: [RESULTS / "diloco" / f"{label}.json" for label in _diloco_grid()], _diloco_table,
           "python benchmarks/diloco.py --saved"),
     Table("diloco-sweep", lambda: _saved_order(RESULTS / "diloco_sweep"), _lm_table,

@@ -95,7 +95,13 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
     for key in ("decoded", "mean", "alone"):
         assert torch.equal(_bits(got[key]), _bits(want[key])), key
     for a, b in zip(got["stats"], want["stats"]):
-        assert a.keys() == b.keys() and all(torch.equal(_bits(a[k]), _bits(b[k])) for k in a), (a, b)
+        assert a.keys() == b.keys(), (a.keys(), b.keys())
+        for k in a:  # bit for bit, but a NaN as a NaN: a layer's NaN statistic carries no payload to agree on
+            # (on CUDA the torch ops give 0x7fffffff where the kernel gives 0x7fc00000, both "NaN" to every reader)
+            x, y = a[k], b[k]
+            same_nan = torch.equal(x.isnan(), y.isnan()) if x.is_floating_point() else True
+            finite = (lambda t: torch.where(t.isnan(), torch.zeros_like(t), t)) if x.is_floating_point() else (lambda t: t)
+            assert same_nan and torch.equal(_bits(finite(x)), _bits(finite(y))), (k, x, y)
     for a, b in zip(got["state"], want["state"]):
         _assert_same_state(a, b)
 
