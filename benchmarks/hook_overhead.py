@@ -132,6 +132,7 @@ def rank_body(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
     gen = torch.Generator().manual_seed(100 + rank)
     times: dict[str, list[float]] = {v: [] for v in args.variants}
     order = list(args.variants)
+
     def train_step(variant: str, x: Tensor) -> None:
         model, opt = replicas[variant]
         opt.zero_grad()
@@ -154,7 +155,7 @@ def rank_body(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]
                 times[variant].append(time.perf_counter() - t0)
     if args.profile and rank == 0:
         _profile(args, lambda: train_step(args.profile, x), device)
-    del replicas
+    replicas.clear()  # free the replicas before the group goes
     dist.barrier()
     if world == 1:
         dist.destroy_process_group()
