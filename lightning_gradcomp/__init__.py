@@ -53,9 +53,15 @@ ShardedGradCompStrategy.register_strategies(None)
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES  # noqa: E402
 
-from lightning_gradcomp.fabric import GradCompFabricStrategy, register_trainer_only_names  # noqa: E402
+from lightning_gradcomp.fabric import (  # noqa: E402
+    GradCompFabricStrategy,
+    ShardedGradCompFabricStrategy,
+    register_trainer_only_names,
+)
+from lightning_gradcomp.registry import SHARDED_PREFIX as _SHARDED_PREFIX  # noqa: E402
 
 register_strategies(GradCompFabricStrategy, _FABRIC_STRATEGIES)
+register_strategies(ShardedGradCompFabricStrategy, _FABRIC_STRATEGIES, prefix=_SHARDED_PREFIX, notebook=False)
 register_trainer_only_names(_FABRIC_STRATEGIES)  # Fabric(strategy="diloco") says it is Trainer-only, and what to use
 
 __version__ = "0.1.0"
@@ -77,6 +83,7 @@ __all__ = [
     "GradCompState",
     "GradCompStrategy",
     "OneBitAdamStrategy",
+    "ShardedGradCompFabricStrategy",
     "ShardedGradCompStrategy",
     "TowerStrategy",
     "WeightGradStrategy",

@@ -1,10 +1,15 @@
-"""``GradCompFabricStrategy``: the same compression hook under ``lightning.fabric`` (``Fabric(strategy="terngrad")``).
+"""The compression strategies under ``lightning.fabric``: ``GradCompFabricStrategy`` (DDP, ``Fabric(strategy="terngrad")``)
+and ``ShardedGradCompFabricStrategy`` (FSDP2 inside a replica, compressed shards between replicas,
+``Fabric(strategy="sharded_terngrad")``).
 
 Fabric and the Trainer have separate ``DDPStrategy`` classes and separate strategy registries, so this is its own
 class; what it shares with :class:`~lightning_gradcomp.GradCompStrategy` is the whole hook side
 (:class:`~lightning_gradcomp.wiring.HookWiring`: options, transforms, :class:`~lightning_gradcomp.hook.GradCompState`)
-and the non-finite guard. Importing :mod:`lightning_gradcomp` registers every compressor name (and its
-``<name>_notebook`` variant) in ``lightning.fabric.strategies.STRATEGY_REGISTRY``.
+and the non-finite guard; the sharded one shares :class:`~lightning_gradcomp.sharded.ShardedWiring` with
+:class:`~lightning_gradcomp.ShardedGradCompStrategy`. Both Fabric strategies share :class:`FabricRecovery` (the
+non-finite mode, the compression state in ``fabric.save``/``fabric.load``). Importing :mod:`lightning_gradcomp`
+registers every compressor name (and its ``<name>_notebook`` variant) and every ``sharded_<name>`` in
+``lightning.fabric.strategies.STRATEGY_REGISTRY``.
 
 Fabric has no Trainer callbacks, so the per-layer transforms are given to the strategy itself::
 
@@ -24,15 +29,15 @@ available under Fabric either (they need the Trainer's loop): the replica check,
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy
 from lightning.fabric.utilities.types import _PATH
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -48,10 +53,99 @@ from lightning_gradcomp.guard import NonFinite, drop_skipped_gradients
 from lightning_gradcomp.hook import gradcomp_hook
 from lightning_gradcomp.pipeline import LayerTransform
 from lightning_gradcomp.resilience import ResumeCompression, check_recovery_options
+from lightning_gradcomp.sharded import ShardedWiring, mesh_shape, new_mesh
 from lightning_gradcomp.wiring import HookWiring, check_backend
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-class GradCompFabricStrategy(HookWiring, DDPStrategy):
+    from lightning_gradcomp.hook import GradCompState
+
+    # the type checker reads the mixin as the Fabric strategy it is mixed into; at run time it is a plain mixin
+    _FabricBase = ParallelStrategy
+else:
+    _FabricBase = object
+
+
+class FabricRecovery(_FabricBase):
+    """Faults and resume under Fabric, shared by both Fabric strategies: the non-finite mode, every rank's compression
+    state written by ``fabric.save`` and given back by ``fabric.load``, and a skipped step's gradients dropped after
+    ``fabric.backward``. The strategy calls :meth:`_init_recovery` from its constructor and :meth:`_attach_recovery`
+    once the hook state exists."""
+
+    comm_state: Optional["GradCompState"]
+
+    def _init_recovery(self, nonfinite: NonFinite, resume_compression: ResumeCompression, timeout: Any) -> None:
+        check_recovery_options(nonfinite, resume_compression, timeout)
+        self.nonfinite: NonFinite = nonfinite
+        self.resume_compression: ResumeCompression = resume_compression
+        self._pending_restore: Optional[dict[str, Any]] = None
+        self._nonfinite_seen = 0
+        self._module: Optional[Module] = None
+
+    def _attach_recovery(self, state: "GradCompState", module: Module) -> None:
+        """The hook state exists (``fabric.setup``): set its non-finite mode, remember the model (``fabric.backward``
+        passes none unless asked to) and restore a checkpoint loaded before the model was set up."""
+        state.guard.set_mode(self.nonfinite)
+        self._nonfinite_seen = 0
+        self._module = module
+        if self._pending_restore is not None:
+            ckpt.restore(state, self._pending_restore, self.root_device)
+            self._pending_restore = None
+
+    def _drop_skipped(self) -> None:
+        """After backward: a step the guard skipped drops every gradient, so the next ``optimizer.step()`` is a no-op."""
+        if self.comm_state is not None and self._module is not None:
+            self._nonfinite_seen = drop_skipped_gradients(
+                self.comm_state,
+                self._nonfinite_seen,
+                self._module.named_parameters(),
+                has_scaler=getattr(self.precision, "scaler", None) is not None,
+            )
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        # every rank runs fabric.save: gather each rank's compression state, then rank 0 writes it (under the
+        # sharded strategy into the metadata file beside the shards)
+        state = dict(state)
+        if self.comm_state is not None:
+            ckpt.gather_into(state, self.comm_state, self.global_rank, self.world_size)
+        super().save_checkpoint(path, state, storage_options, filter)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state, strict, weights_only)
+        if isinstance(state, (Module, Optimizer)):
+            return remainder  # a bare module or optimizer state dict: no compression state in that file
+        if not state:
+            # `full = fabric.load(path)`, then `model.load_state_dict(full["model"])`: Fabric's other way to resume.
+            # The user restores the model and optimizer by hand, but only this strategy can put back each rank's
+            # compression state, so it does so here too; the checkpoint is returned whole, as Fabric documents
+            saved = remainder.get(ckpt.CHECKPOINT_KEY)
+        else:
+            saved = remainder.pop(ckpt.CHECKPOINT_KEY, None)
+        entry = ckpt.select({} if saved is None else {ckpt.CHECKPOINT_KEY: saved}, self.global_rank, self.world_size,
+                            self.resume_compression == "reset")
+        if entry is not None and self.comm_state is not None:
+            ckpt.restore(self.comm_state, entry, self.root_device)
+        else:
+            self._pending_restore = entry
+        return remainder
+
+
+class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
     """Fabric's DDP with compressed gradient exchange inside DDP's communication hook.
 
     Args:
@@ -115,10 +209,7 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         pipeline_mb: Optional[float] = 8.0,
         **kwargs: Any,
     ) -> None:
-        check_recovery_options(nonfinite, resume_compression, timeout)
-        self.nonfinite: NonFinite = nonfinite
-        self.resume_compression: ResumeCompression = resume_compression
-        self._pending_restore: Optional[dict[str, Any]] = None
+        self._init_recovery(nonfinite, resume_compression, timeout)
         flags = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                      gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers)
         kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs,
@@ -144,8 +235,6 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
             gradient_as_bucket_view=gradient_as_bucket_view,
             **kwargs,
         )
-        self._nonfinite_seen = 0
-        self._module: Optional[Module] = None
 
     @override
     def setup_environment(self) -> None:
@@ -184,56 +273,11 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         # Fabric's DDPStrategy registers no comm hook of its own: ours goes on here, for Gloo and NCCL alike
         self.comm_state = self._new_comm_state(named, model.process_group, self.global_rank, self.world_size, self.root_device)
-        self.comm_state.guard.set_mode(self.nonfinite)
-        self._nonfinite_seen = 0
-        self._module = module  # fabric.backward passes no module unless asked to
         if self.global_rank == 0:  # the Trainer strategy's setup line: what compresses, with which bytes
             self._announce(named, self.comm_state.float_names, self.world_size)
-        if self._pending_restore is not None:  # loaded before the model was set up
-            ckpt.restore(self.comm_state, self._pending_restore, self.root_device)
-            self._pending_restore = None
+        self._attach_recovery(self.comm_state, module)
         model.register_comm_hook(self.comm_state, gradcomp_hook)
         return model
-
-    @override
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, Any],
-        storage_options: Optional[Any] = None,
-        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
-    ) -> None:
-        # every rank runs fabric.save: gather each rank's compression state, then rank 0 writes
-        state = dict(state)
-        if self.comm_state is not None:
-            ckpt.gather_into(state, self.comm_state, self.global_rank, self.world_size)
-        super().save_checkpoint(path, state, storage_options, filter)
-
-    @override
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
-        strict: bool = True,
-        weights_only: Optional[bool] = None,
-    ) -> dict[str, Any]:
-        remainder = super().load_checkpoint(path, state, strict, weights_only)
-        if isinstance(state, (Module, Optimizer)):
-            return remainder  # a bare module or optimizer state dict: no compression state in that file
-        if not state:
-            # `full = fabric.load(path)`, then `model.load_state_dict(full["model"])`: Fabric's other way to resume.
-            # The user restores the model and optimizer by hand, but only this strategy can put back each rank's
-            # compression state, so it does so here too; the checkpoint is returned whole, as Fabric documents
-            saved = remainder.get(ckpt.CHECKPOINT_KEY)
-        else:
-            saved = remainder.pop(ckpt.CHECKPOINT_KEY, None)
-        entry = ckpt.select({} if saved is None else {ckpt.CHECKPOINT_KEY: saved}, self.global_rank, self.world_size,
-                            self.resume_compression == "reset")
-        if entry is not None and self.comm_state is not None:
-            ckpt.restore(self.comm_state, entry, self.root_device)
-        else:
-            self._pending_restore = entry
-        return remainder
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -246,13 +290,142 @@ class GradCompFabricStrategy(HookWiring, DDPStrategy):
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         super().backward(tensor, module, *args, **kwargs)
         self._report_first_step(self.global_rank)
-        if self.comm_state is not None and self._module is not None:
-            self._nonfinite_seen = drop_skipped_gradients(
-                self.comm_state,
-                self._nonfinite_seen,
-                self._module.named_parameters(),
-                has_scaler=getattr(self.precision, "scaler", None) is not None,
+        self._drop_skipped()
+
+
+
+def _shard_blocks(model: Module, device_mesh: "DeviceMesh") -> Module:
+    """The default ``parallelize_fn``: ``fully_shard`` over ``device_mesh["shard"]`` on every entry (with parameters)
+    of each ``nn.ModuleList`` (a transformer's blocks; nested lists first, as FSDP2 shards inner modules before the
+    ones that hold them), then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = device_mesh["shard"]
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    for blocks in reversed(lists):  # reversed module order: every list after the lists inside its entries
+        for block in blocks:
+            if any(True for _ in block.parameters()):
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallelStrategy):
+    """Fabric's ``ModelParallelStrategy`` with FSDP2 inside a replica and a compressed exchange of gradient shards
+    between replicas: the Fabric twin of :class:`~lightning_gradcomp.ShardedGradCompStrategy`.
+
+    The world is a ``(world_size // shard_size, shard_size)`` device mesh named ``("replicate", "shard")``.
+    ``fabric.setup(model)`` calls ``parallelize_fn(model, device_mesh)``, which must shard the model with
+    ``fully_shard(module, mesh=device_mesh["shard"])`` (each block, then the root); the strategy then installs the
+    exchange on every FSDP2 unit, as the Trainer strategy does. Create the optimizer after ``fabric.setup(model)``
+    (sharding replaces the parameters) and pass it to ``fabric.setup_optimizers``.
+
+    Args:
+        parallelize_fn: ``parallelize_fn(model, device_mesh) -> model``, as in Fabric's ``ModelParallelStrategy``.
+            ``None``: ``fully_shard`` over ``device_mesh["shard"]`` on every entry of each ``nn.ModuleList`` (a
+            transformer's blocks), then on the root.
+        compressor: a :class:`~lightning_gradcomp.compressors.Compressor` or a registered name; it compresses each
+            parameter's shard (see ``docs/sharded.md``).
+        shard_size: ranks that shard one replica (consecutive ranks, normally one node's devices); ``None``: the
+            ranks of one node. Must divide the world size.
+        exclude: parameter-name patterns sent uncompressed in fp32.
+        min_numel: parameters with fewer elements (whole tensor) are sent uncompressed.
+        pipeline_mb: MiB per pipelined group inside one unit's shard (``None``: one group per unit).
+        nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` a NaN/Inf gradient; a skip on one shard skips the step on
+            every rank (``fabric.backward`` drops the gradients, so the next ``optimizer.step()`` is a no-op).
+        resume_compression: ``"exact"``: ``fabric.load`` restores every rank's compression state (and refuses a
+            checkpoint of another world size); ``"reset"``: it starts afresh.
+        save_distributed_checkpoint: as in Fabric's ``ModelParallelStrategy``: ``torch.distributed.checkpoint``
+            shards (``True``) or one full file.
+        process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
+        timeout: collective timeout (a positive ``timedelta``), also of the mesh's groups.
+    """
+
+    #: also registered as a name in Fabric's registry (`Fabric(strategy="sharded_gradcomp")`)
+    strategy_name = "sharded_gradcomp"
+
+    def __init__(
+        self,
+        parallelize_fn: Optional[Callable[[Any, "DeviceMesh"], Any]] = None,
+        compressor: Union[Compressor, str] = "terngrad",
+        shard_size: Optional[int] = None,
+        exclude: Optional[Sequence[str]] = None,
+        min_numel: int = 1,
+        pipeline_mb: Optional[float] = 8.0,
+        nonfinite: NonFinite = "skip",
+        resume_compression: ResumeCompression = "exact",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise ValueError(
+                f"Expected `parallelize_fn` to be a function `(model, device_mesh) -> model` or None, but got "
+                f"{parallelize_fn!r}. Fix: pass the compressor by keyword, e.g. "
+                f"`ShardedGradCompFabricStrategy(compressor='terngrad')`, and a function that calls "
+                f"`fully_shard(block, mesh=device_mesh['shard'])` as `parallelize_fn`."
             )
+        self._init_recovery(nonfinite, resume_compression, timeout)
+        self._init_wiring(compressor, exclude, min_numel, pipeline_mb, None, None, {}, {}, None, process_group_backend)
+        self._init_sharding(shard_size)
+        super().__init__(
+            parallelize_fn=parallelize_fn or _shard_blocks,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        check_backend(self._process_group_backend, self.root_device)
+        # before any process group exists
+        replicas, shard = mesh_shape(self.num_nodes * self.num_processes, self.shard_size, self.num_processes)
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+        self._device_mesh = new_mesh(replicas, shard, self.global_rank, self.root_device.type, self._timeout)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank trains on its own data, as in DDP: sharding splits the model, not the batch
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        if self.comm_state is not None:
+            raise ValueError(
+                f"Expected one model per {type(self).__name__}, but `setup` was called for a second one "
+                f"({type(module).__name__}). Fix: put the models into one `nn.Module`, or use one Fabric per model."
+            )
+        model = super().setup_module(module)  # parallelize_fn, then materialized on the device
+        state = self._install_exchange(model, self.device_mesh, self.global_rank, self.root_device, "parallelize_fn",
+                                       "device_mesh")
+        self._attach_recovery(state, model)
+        return model
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self._module is not None:
+            # sharding replaced the model's parameters: an optimizer made before `fabric.setup(model)` would step
+            # the old, unsharded ones and the model would never change
+            own = {id(p) for p in self._module.parameters()}
+            stale = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+            if stale:
+                raise ValueError(
+                    f"Expected the optimizer to hold the sharded model's parameters, but got {type(optimizer).__name__} "
+                    f"with {stale} parameter(s) that are not the model's (created before `fabric.setup(model)`, which "
+                    f"replaces them with their shards). Fix: `model = fabric.setup(model)`, then "
+                    f"`optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`."
+                )
+        self.compressor.check_optimizers([optimizer])  # as the Trainer strategy does (e.g. OneBit's momentum warning)
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        self._agree_on_skip(self.device_mesh, self.root_device)  # a skip on one shard skips the step everywhere
+        self._report_first_step(self.global_rank)
+        self._drop_skipped()
 
 
 def _trainer_only(strategy_name: str, strategy_class: str, **_: Any) -> None:
@@ -262,25 +435,25 @@ def _trainer_only(strategy_name: str, strategy_class: str, **_: Any) -> None:
         f"Trainer-only (it runs inside the Trainer's loop: its optimizer step, backward and checkpoint hooks, "
         f"which Fabric's loop does not call). Under Fabric, gradcomp supports the per-step compressors: "
         f"`Fabric(strategy=<name>)` with a name of {registry.compressor_names()} or 'gradcomp', or "
-        f"`Fabric(strategy=GradCompFabricStrategy(...))`. Fix: use one of those with Fabric, or "
+        f"`Fabric(strategy=GradCompFabricStrategy(...))`; sharded models: `Fabric(strategy='sharded_<name>')` or "
+        f"`ShardedGradCompFabricStrategy(...)`. Fix: use one of those with Fabric, or "
         f"`lightning.pytorch.Trainer(strategy={strategy_name!r})` for {strategy_class}."
     )
 
 
 def register_trainer_only_names(fabric_registry: Any) -> None:
     """Give every Trainer strategy name of this package that Fabric cannot run (a ``GradCompStrategy`` subclass
-    with sites: DiLoCo, Streaming DiLoCo, WeightGrad, and their ``_notebook`` variants; the sharded strategy's
-    ``sharded_<name>``) an entry in Fabric's registry
+    with sites: DiLoCo, Streaming DiLoCo, WeightGrad, and their ``_notebook`` variants) an entry in Fabric's registry
     that raises :func:`_trainer_only`'s error when ``Fabric(strategy=name)`` is constructed, instead of Lightning's
     generic "invalid strategy name"."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_gradcomp.sharded import ShardedGradCompStrategy
     from lightning_gradcomp.strategy import GradCompStrategy
 
     for name, data in StrategyRegistry.items():
         cls = data["strategy"]
-        trainer_only = isinstance(cls, type) and issubclass(cls, (GradCompStrategy, ShardedGradCompStrategy))
+        # the sharded names have a Fabric twin (ShardedGradCompFabricStrategy), registered before this runs
+        trainer_only = isinstance(cls, type) and issubclass(cls, GradCompStrategy)
         if name in fabric_registry or not trainer_only:
             continue
         fabric_registry.register(name, _trainer_only, description=f"{cls.__name__} is Trainer-only (an error under "

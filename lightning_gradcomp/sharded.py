@@ -6,6 +6,11 @@ all-gather inside a replica), and the strategy installs :class:`~lightning_gradc
 FSDP2 unit, so each rank's gradient shard is averaged over the replicas through the library's hook with any
 compressor. Checkpoints are Lightning's (distributed with ``torch.distributed.checkpoint`` by default) plus every
 rank's compression state.
+
+:class:`ShardedWiring` is what the Trainer strategy shares with its Fabric twin
+(:class:`~lightning_gradcomp.fabric.ShardedGradCompFabricStrategy`): the mesh's shape and groups, the check that the
+model is sharded over the mesh's ``"shard"`` dimension, the hook state and the exchange, and the non-finite agreement
+across the shard group.
 """
 
 import logging
@@ -34,10 +39,12 @@ from lightning_gradcomp.wiring import HookWiring, check_backend
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from lightning_gradcomp.hook import GradCompState
+
 log = logging.getLogger(__name__)
 
 
-def _new_mesh(replicas: int, shard: int, rank: int, device_type: str, timeout: Optional[timedelta]) -> "DeviceMesh":
+def new_mesh(replicas: int, shard: int, rank: int, device_type: str, timeout: Optional[timedelta]) -> "DeviceMesh":
     """The ``(replicas, shard)`` device mesh named ``("replicate", "shard")`` (rank = replica * shard + index), its
     groups made by :func:`~lightning_gradcomp.sites.new_group` with the strategy's ``timeout``:
     ``init_device_mesh`` would give them torch's 30-minute default, so a stalled peer would hold the others that
@@ -55,7 +62,100 @@ def _new_mesh(replicas: int, shard: int, rank: int, device_type: str, timeout: O
                                  mesh_dim_names=("replicate", "shard"))
 
 
-class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy):
+def mesh_shape(world_size: int, shard_size: Optional[int], ranks_per_node: int) -> tuple[int, int]:
+    """The ``(replicas, shard)`` shape of the device mesh: ``shard_size`` ranks per replica (``None``: one node's).
+
+    Raises:
+        ValueError: the shard size does not divide the world size.
+    """
+    shard = ranks_per_node if shard_size is None else shard_size
+    if world_size % shard:
+        raise ValueError(
+            f"Expected `shard_size` to divide the world size ({world_size} ranks), but got {shard}. Fix: use a "
+            f"divisor of {world_size}, normally the ranks of one node ({ranks_per_node})."
+        )
+    return world_size // shard, shard
+
+
+def check_sharded(module: Module, shard_mesh: "DeviceMesh", where: str, mesh_name: str) -> None:
+    """Refuse a model that was not sharded with FSDP2 over the mesh's ``"shard"`` dimension (its gradients would not
+    reach the replica exchange). ``where`` names the user's sharding code (``configure_model``, ``parallelize_fn``)
+    and ``mesh_name`` how it reads the mesh there, for the fix.
+
+    Raises:
+        ValueError: no ``fully_shard`` module, or a trainable parameter that is not a DTensor on ``shard_mesh``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if not fsdp_units(module):
+        raise ValueError(
+            f"Expected the model to be sharded with FSDP2 in `{where}`, but got {type(module).__name__} "
+            f"with no `fully_shard` module. Fix: in `{where}`, call "
+            f"`fully_shard(block, mesh={mesh_name}['shard'])` for each block, then on the root module."
+        )
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        if not isinstance(p, DTensor) or p.device_mesh != shard_mesh:
+            got = "an unsharded tensor" if not isinstance(p, DTensor) else f"a DTensor on mesh {p.device_mesh}"
+            raise ValueError(
+                f"Expected every trainable parameter to be sharded over `{mesh_name}['shard']`, but "
+                f"`{name}` is {got}. Fix: pass `mesh={mesh_name}['shard']` to every `fully_shard` call in `{where}` "
+                f"(the whole 2-D mesh would make FSDP2 all-reduce densely between replicas), and apply "
+                f"`fully_shard` to the root module too."
+            )
+
+
+class ShardedWiring(HookWiring):
+    """The sharded engine's side of a strategy, shared by the Trainer and the Fabric strategy: shard size, the hook
+    state over the replicate group, the :class:`~lightning_gradcomp.shards.ShardExchange` on every FSDP2 unit, and
+    the non-finite agreement across the shard group after backward."""
+
+    shard_size: Optional[int]
+    exchange: Optional[ShardExchange]
+
+    def _init_sharding(self, shard_size: Optional[int]) -> None:
+        if shard_size is not None:
+            check_int("shard_size", shard_size, minimum=1, fix="pass the ranks of one node, e.g. 8, or None for that")
+        self.shard_size = shard_size
+        self.exchange = None
+        self._agreed_hook_calls = 0
+
+    def _install_exchange(self, module: Module, mesh: "DeviceMesh", rank: int, device: torch.device, where: str,
+                          mesh_name: str) -> "GradCompState":
+        """Check that ``module`` is sharded over ``mesh["shard"]``, build the hook state over ``mesh["replicate"]``
+        and install the exchange on every FSDP2 unit (rank 0 logs what runs). Returns the hook state, also kept as
+        ``comm_state``."""
+        check_sharded(module, mesh["shard"], where, mesh_name)
+        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+        replicate = mesh["replicate"]
+        state = self._new_comm_state(
+            named, replicate.get_group(), rank, replicate.size(), device, group_rank=replicate.get_local_rank(),
+        )
+        self.comm_state = state
+        self.exchange = ShardExchange(state, module)
+        self._agreed_hook_calls = state.hook_calls
+        if rank == 0:
+            log.info(
+                "gradcomp: FSDP2 over %d ranks per replica, %s between %d replicas on each rank's gradient shard "
+                "(%s fp32 bytes per rank per step for dense HSDP)",
+                mesh["shard"].size(), type(self.compressor).__name__, replicate.size(),
+                f"{self.exchange.shard_bytes():,}",
+            )
+        return state
+
+    def _agree_on_skip(self, mesh: "DeviceMesh", device: torch.device) -> None:
+        """After a backward that ran the exchange, spread a step skipped on one shard to every rank of the model
+        (:func:`~lightning_gradcomp.shards.agree_on_skip`); a backward without it (gradient accumulation) issues
+        nothing. Every rank runs the same backwards, so every rank issues the same collectives."""
+        state = self.comm_state
+        if state is None or state.hook_calls == self._agreed_hook_calls:
+            return
+        self._agreed_hook_calls = state.hook_calls
+        agree_on_skip(state, mesh.get_group("shard"), device)
+
+
+class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrategy):
     """Sharded data parallelism (FSDP2) with a compressed exchange of gradient shards between replicas.
 
     The world is a ``(world_size // shard_size, shard_size)`` device mesh named ``("replicate", "shard")``. Shard the
@@ -100,33 +200,21 @@ class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy
     ) -> None:
         self._init_resilience(check_replicas_every, nonfinite, resume_compression, timeout)
         self._init_wiring(compressor, exclude, min_numel, pipeline_mb, None, None, {}, {}, None, process_group_backend)
-        if shard_size is not None:
-            check_int("shard_size", shard_size, minimum=1, fix="pass the ranks of one node, e.g. 8, or None for that")
-        self.shard_size = shard_size
-        self.exchange: Optional[ShardExchange] = None
+        self._init_sharding(shard_size)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
 
-    def _mesh_shape(self) -> tuple[int, int]:
-        world = self.num_nodes * self.num_processes
-        shard = self.num_processes if self.shard_size is None else self.shard_size
-        if world % shard:
-            raise ValueError(
-                f"Expected `shard_size` to divide the world size ({world} ranks), but got {shard}. Fix: use a divisor "
-                f"of {world}, normally the ranks of one node ({self.num_processes})."
-            )
-        return world // shard, shard
-
     @override
     def setup_environment(self) -> None:
         check_backend(self._process_group_backend, self.root_device)
-        replicas, shard = self._mesh_shape()  # before any process group exists
+        # before any process group exists
+        replicas, shard = mesh_shape(self.num_nodes * self.num_processes, self.shard_size, self.num_processes)
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self._device_mesh = _new_mesh(replicas, shard, self.global_rank, self.root_device.type, self._timeout)
+        self._device_mesh = new_mesh(replicas, shard, self.global_rank, self.root_device.type, self._timeout)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # read in configure_model
 
@@ -141,52 +229,13 @@ class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy
         super().setup(trainer)
         module = self.lightning_module
         assert module is not None
-        self._check_sharded(module)
-        mesh = self.device_mesh
-        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
-        replicate = mesh["replicate"]
-        self.comm_state = self._new_comm_state(
-            named, replicate.get_group(), self.global_rank, replicate.size(), self.root_device,
-            group_rank=replicate.get_local_rank(),
-        )
-        self.exchange = ShardExchange(self.comm_state, module)
-        self._attach_resilience(self.comm_state)
-        if self.global_rank == 0:
-            log.info(
-                "gradcomp: FSDP2 over %d ranks per replica, %s between %d replicas on each rank's gradient shard "
-                "(%s fp32 bytes per rank per step for dense HSDP)",
-                mesh["shard"].size(), type(self.compressor).__name__, replicate.size(),
-                f"{self.exchange.shard_bytes():,}",
-            )
-
-    def _check_sharded(self, module: Module) -> None:
-        """Refuse a model that ``configure_model`` did not shard over the mesh's ``"shard"`` dimension (its gradients
-        would not reach the replica exchange)."""
-        from torch.distributed.tensor import DTensor
-
-        shard_mesh = self.device_mesh["shard"]
-        if not fsdp_units(module):
-            raise ValueError(
-                f"Expected the model to be sharded with FSDP2 in `configure_model`, but got {type(module).__name__} "
-                f"with no `fully_shard` module. Fix: in `configure_model`, call "
-                f"`fully_shard(block, mesh=self.device_mesh['shard'])` for each block, then on the root module."
-            )
-        for name, p in module.named_parameters():
-            if not p.requires_grad:
-                continue
-            if not isinstance(p, DTensor) or p.device_mesh != shard_mesh:
-                got = "an unsharded tensor" if not isinstance(p, DTensor) else f"a DTensor on mesh {p.device_mesh}"
-                raise ValueError(
-                    f"Expected every trainable parameter to be sharded over `self.device_mesh['shard']`, but "
-                    f"`{name}` is {got}. Fix: pass `mesh=self.device_mesh['shard']` to every `fully_shard` call "
-                    f"(the whole 2-D mesh would make FSDP2 all-reduce densely between replicas), and apply "
-                    f"`fully_shard` to the root module too."
-                )
+        state = self._install_exchange(module, self.device_mesh, self.global_rank, self.root_device,
+                                       "configure_model", "self.device_mesh")
+        self._attach_resilience(state)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self.comm_state is not None and self.comm_state.ledger.hook_calls:
-            agree_on_skip(self.comm_state, self.device_mesh.get_group("shard"), self.root_device)
+        self._agree_on_skip(self.device_mesh, self.root_device)
         super().post_backward(closure_loss)
 
     @override

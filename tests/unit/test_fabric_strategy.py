@@ -6,11 +6,11 @@ import pytest
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-from lightning_gradcomp import GradCompFabricStrategy
+from lightning_gradcomp import GradCompFabricStrategy, ShardedGradCompFabricStrategy
 from lightning_gradcomp.callbacks import MomentumCorrection, SigmaClipping
 from lightning_gradcomp.callbacks.clipping import SigmaClip
 from lightning_gradcomp.compressors import TernGrad
-from lightning_gradcomp.registry import NOTEBOOK_SUFFIX, compressor_names, make_compressor
+from lightning_gradcomp.registry import NOTEBOOK_SUFFIX, SHARDED_PREFIX, compressor_names, make_compressor
 
 
 @pytest.mark.parametrize("name", compressor_names())
@@ -90,3 +90,28 @@ def test_trainer_only_names_are_refused_by_fabric_with_what_to_use(name: str) ->
     assert f"got {name!r}" in message and "Fix:" in message
     assert "GradCompFabricStrategy" in message and "'terngrad'" in message  # what Fabric supports
     assert f"Trainer(strategy={name!r})" in message  # and where this one runs
+
+
+def test_every_sharded_name_constructs_the_sharded_fabric_strategy() -> None:
+    for name in compressor_names():
+        strategy = Fabric(strategy=SHARDED_PREFIX + name, accelerator="cpu", devices=4).strategy
+        assert isinstance(strategy, ShardedGradCompFabricStrategy), name
+        assert type(strategy.compressor) is type(make_compressor(name))
+    default = Fabric(strategy="sharded_gradcomp", accelerator="cpu", devices=4).strategy
+    assert isinstance(default, ShardedGradCompFabricStrategy) and default.shard_size is None
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: ShardedGradCompFabricStrategy("terngrad"), "Expected `parallelize_fn` to be a function"),
+        (lambda: ShardedGradCompFabricStrategy(compressor="terngrad", shard_size=0), "Expected `shard_size`"),
+        (lambda: ShardedGradCompFabricStrategy(compressor="ternary"), "Expected `compressor`"),
+        (lambda: ShardedGradCompFabricStrategy(nonfinite="drop"), "Expected `nonfinite`"),
+        (lambda: ShardedGradCompFabricStrategy(timeout=timedelta(0)), "Expected `timeout`"),
+    ],
+)
+def test_bad_sharded_fabric_configurations_fail_at_construction(build, match: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=match) as info:
+        build()
+    assert "Fix:" in str(info.value)
