@@ -142,8 +142,14 @@ class ShardedGradCompStrategy(ResilienceMixin, HookWiring, ModelParallelStrategy
         module = self.lightning_module
         assert module is not None
         self._check_sharded(module)
+        self._on_sharded({n: p for n, p in module.named_parameters() if p.requires_grad})
+
+    def _on_sharded(self, named: dict[str, torch.nn.Parameter]) -> None:
+        """Once the model is sharded and checked: build the hook state and install the exchange between replicas
+        on every FSDP2 unit (a subclass with another exchange, e.g. DiLoCo's outer rounds, replaces this)."""
+        module = self.lightning_module
+        assert module is not None
         mesh = self.device_mesh
-        named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         replicate = mesh["replicate"]
         self.comm_state = self._new_comm_state(
             named, replicate.get_group(), self.global_rank, replicate.size(), self.root_device,
