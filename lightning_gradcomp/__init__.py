@@ -51,6 +51,10 @@ from lightning_gradcomp.sharded import ShardedGradCompStrategy  # noqa: E402
 
 ShardedGradCompStrategy.register_strategies(None)
 
+from lightning_gradcomp.outer import ShardedDiLoCoStrategy  # noqa: E402
+
+ShardedDiLoCoStrategy.register_strategies(None)
+
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES  # noqa: E402
 
 from lightning_gradcomp.fabric import GradCompFabricStrategy, register_trainer_only_names  # noqa: E402
@@ -77,6 +81,7 @@ __all__ = [
     "GradCompState",
     "GradCompStrategy",
     "OneBitAdamStrategy",
+    "ShardedDiLoCoStrategy",
     "ShardedGradCompStrategy",
     "TowerStrategy",
     "WeightGradStrategy",
