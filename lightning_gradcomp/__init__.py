@@ -51,6 +51,10 @@ from lightning_gradcomp.sharded import ShardedGradCompStrategy  # noqa: E402
 
 ShardedGradCompStrategy.register_strategies(None)
 
+from lightning_gradcomp.outer import ShardedDiLoCoStrategy  # noqa: E402
+
+ShardedDiLoCoStrategy.register_strategies(None)
+
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES  # noqa: E402
 
 from lightning_gradcomp.fabric import (  # noqa: E402
@@ -83,6 +87,7 @@ __all__ = [
     "GradCompState",
     "GradCompStrategy",
     "OneBitAdamStrategy",
+    "ShardedDiLoCoStrategy",
     "ShardedGradCompFabricStrategy",
     "ShardedGradCompStrategy",
     "TowerStrategy",

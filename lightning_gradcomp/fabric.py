@@ -443,17 +443,19 @@ def _trainer_only(strategy_name: str, strategy_class: str, **_: Any) -> None:
 
 def register_trainer_only_names(fabric_registry: Any) -> None:
     """Give every Trainer strategy name of this package that Fabric cannot run (a ``GradCompStrategy`` subclass
-    with sites: DiLoCo, Streaming DiLoCo, WeightGrad, and their ``_notebook`` variants) an entry in Fabric's registry
+    with sites: DiLoCo, Streaming DiLoCo, WeightGrad, their ``_notebook`` variants, and DiLoCo over shards) an entry in Fabric's registry
     that raises :func:`_trainer_only`'s error when ``Fabric(strategy=name)`` is constructed, instead of Lightning's
     generic "invalid strategy name"."""
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from lightning_gradcomp.sharded import ShardedGradCompStrategy
     from lightning_gradcomp.strategy import GradCompStrategy
 
     for name, data in StrategyRegistry.items():
         cls = data["strategy"]
-        # the sharded names have a Fabric twin (ShardedGradCompFabricStrategy), registered before this runs
-        trainer_only = isinstance(cls, type) and issubclass(cls, GradCompStrategy)
+        # the sharded compressor names have a Fabric twin (ShardedGradCompFabricStrategy), registered before this
+        # runs; the sharded DiLoCo names have none
+        trainer_only = isinstance(cls, type) and issubclass(cls, (GradCompStrategy, ShardedGradCompStrategy))
         if name in fabric_registry or not trainer_only:
             continue
         fabric_registry.register(name, _trainer_only, description=f"{cls.__name__} is Trainer-only (an error under "

@@ -71,16 +71,18 @@ NOTEBOOK_SUFFIX = "_notebook"
 
 
 def register_preset(name: str, strategy_cls: type, description: str, strategy_registry: Any = None,
-                    **init_params: Any) -> None:
-    """Register one strategy name with fixed ``init_params``, and its fork-started ``<name>_notebook``, in the
-    Trainer's ``StrategyRegistry`` (default) or the one given."""
+                    notebook: bool = True, **init_params: Any) -> None:
+    """Register one strategy name with fixed ``init_params``, and its fork-started ``<name>_notebook`` (unless
+    ``notebook=False``: a strategy without a ``start_method``), in the Trainer's ``StrategyRegistry`` (default) or
+    the one given."""
     if strategy_registry is None:
         from lightning.pytorch.strategies import StrategyRegistry
 
         strategy_registry = StrategyRegistry
     strategy_registry.register(name, strategy_cls, description=description, override=True, **init_params)
-    strategy_registry.register(name + NOTEBOOK_SUFFIX, strategy_cls, description=f"{description}; processes forked "
-                               "(for notebooks)", override=True, start_method="fork", **init_params)
+    if notebook:
+        strategy_registry.register(name + NOTEBOOK_SUFFIX, strategy_cls, description=f"{description}; processes "
+                                   "forked (for notebooks)", override=True, start_method="fork", **init_params)
 
 
 def register_strategies(strategy_cls: type[NamedStrategy], strategy_registry: Any = None, prefix: str = "",
@@ -126,13 +128,13 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
 _OWN_STRATEGIES = ("gradcomp", "weightgrad", "diloco", "streaming_diloco", "onebit_adam", "zero_one_adam")
 
 
-#: prefix of the sharded strategy's names (``"sharded_terngrad"``; no ``*_notebook`` variants)
+#: prefix of the sharded strategies' names (``"sharded_terngrad"``, ``"sharded_diloco"``; no ``*_notebook`` variants)
 SHARDED_PREFIX = "sharded_"
 
 
 def strategy_names() -> list[str]:
     """The strategy names ``import lightning_gradcomp`` registers in Lightning's ``StrategyRegistry``."""
-    sharded = {SHARDED_PREFIX + n for n in (*COMPRESSORS, "gradcomp")}
+    sharded = {SHARDED_PREFIX + n for n in (*COMPRESSORS, "gradcomp", "diloco", "streaming_diloco")}
     return sorted({*COMPRESSORS, *_OWN_STRATEGIES, *sharded})
 
 

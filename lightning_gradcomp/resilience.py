@@ -84,18 +84,58 @@ def check_recovery_options(nonfinite: Any, resume_compression: Any, timeout: Any
         )
 
 
+def _params_of(optimizer: Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def local_optimizer_state(optimizer: Optimizer) -> dict[str, Any]:
+    """torch's own ``state_dict`` of an optimizer over sharded (``DTensor``) parameters, every ``DTensor`` in it as
+    this rank's local shard, and under ``"sharded"`` the keys that were (:func:`load_local_optimizer_state` rebuilds
+    them). Lightning's ``ModelParallelStrategy.optimizer_state`` gives the distributed-checkpoint form instead, keyed
+    by parameter name and written once per shard, which one rank cannot load on its own."""
+    saved = optimizer.state_dict()
+    state: dict[Any, dict[str, Any]] = {}
+    sharded: dict[Any, list[str]] = {}
+    for index, entry in saved["state"].items():
+        state[index] = {}
+        for key, value in entry.items():
+            if isinstance(value, DTensor):
+                value = value.to_local()
+                sharded.setdefault(index, []).append(key)
+            state[index][key] = value
+    return {"state": state, "param_groups": saved["param_groups"], "sharded": sharded}
+
+
+def load_local_optimizer_state(optimizer: Optimizer, saved: Mapping[str, Any]) -> None:
+    """Load :func:`local_optimizer_state`'s form: each saved shard becomes a ``DTensor`` again, laid out as its
+    parameter (same mesh, placements, global shape and stride)."""
+    params = _params_of(optimizer)
+    state = {index: dict(entry) for index, entry in saved["state"].items()}
+    for index, keys in saved["sharded"].items():
+        p = params[int(index)]
+        assert isinstance(p, DTensor)
+        for key in keys:
+            state[index][key] = DTensor.from_local(state[index][key].to(p.device), p.device_mesh, p.placements,
+                                                   run_check=False, shape=p.shape, stride=p.stride())
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
 class RankOptimizerStates:
     """This rank's optimizer states as per-rank checkpoint state (``GradCompState.extra``), for strategies whose ranks'
     optimizers differ (WeightGrad's sites): Lightning saves rank 0's ``optimizer_states`` only and gives them to
     every rank. Restored in two steps: the checkpoint entry is kept when the hook state is restored (at DDP wrap,
-    before the optimizers are), then applied by :meth:`apply` once Lightning has loaded rank 0's states."""
+    before the optimizers are), then applied by :meth:`apply` once Lightning has loaded rank 0's states.
+
+    Over a sharded model (DiLoCo's sites under FSDP2) each rank keeps its own shard of its optimizer's state
+    (:func:`local_optimizer_state`): a distributed checkpoint writes each shard once, from one site."""
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
         self.pending: Optional[list[dict[str, Any]]] = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizers": [self.strategy.optimizer_state(o) for o in self.strategy.optimizers]}
+        return {"optimizers": [local_optimizer_state(o) if any(isinstance(p, DTensor) for p in _params_of(o))
+                               else self.strategy.optimizer_state(o) for o in self.strategy.optimizers]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pending = state["optimizers"]
@@ -105,7 +145,10 @@ class RankOptimizerStates:
         if self.pending is None:
             return
         for optimizer, saved in zip(self.strategy.optimizers, self.pending):
-            optimizer.load_state_dict(saved)
+            if "sharded" in saved:
+                load_local_optimizer_state(optimizer, saved)
+            else:
+                optimizer.load_state_dict(saved)
             _optimizer_to_device(optimizer, self.strategy.root_device)
         self.pending = None
 
@@ -119,6 +162,9 @@ class ResilienceMixin(_StrategyBase):
     #: whether a non-finite step is decided over every site, not only inside the hook's site (WeightGrad): one 4-byte
     #: all-reduce over every rank per step when there are several sites (:func:`~lightning_gradcomp.guard.agree_across_sites`)
     nonfinite_across_sites: bool = False
+    #: whether the hook state exchanges at every backward; ``False`` where it only carries the per-rank checkpoint
+    #: state (DiLoCo over FSDP2: the inner steps are FSDP2's own, with no hook), so no bucket is expected after backward
+    hook_every_step: bool = True
 
     def _init_resilience(
         self,
@@ -179,6 +225,10 @@ class ResilienceMixin(_StrategyBase):
             rank_zero_warn(self._without_state_message(checkpoint_path))
         if self.restore_checkpoint_after_setup:
             self._restore_pending()  # the hook of this run exists already; otherwise it is applied at DDP wrap
+        if not self.lightning_restore_optimizer:
+            # the strategy loaded the optimizers itself (ModelParallelStrategy, above): Lightning will not call
+            # `load_optimizer_state_dict`, so this rank's own states replace the loaded ones here
+            self._apply_own_optimizer_states()
         return checkpoint
 
     def _without_state_message(self, checkpoint_path: _PATH) -> str:
@@ -200,6 +250,9 @@ class ResilienceMixin(_StrategyBase):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
+        self._apply_own_optimizer_states()
+
+    def _apply_own_optimizer_states(self) -> None:
         own = self.comm_state.extra.get("optimizer") if self.comm_state is not None else None
         if isinstance(own, RankOptimizerStates):
             own.apply()  # this rank's states replace rank 0's
@@ -215,11 +268,13 @@ class ResilienceMixin(_StrategyBase):
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._optimizer_steps += 1
-        if self.check_replicas_every and self._optimizer_steps % self.check_replicas_every == 0:
+        sets = self._replica_sets()
+        # sets of one rank each (DiLoCo's sites under FSDP2: nothing is held twice between rounds): nothing to compare
+        agreeing = sets is None or any(len(ranks) > 1 for ranks in sets)
+        if agreeing and self.check_replicas_every and self._optimizer_steps % self.check_replicas_every == 0:
             module = self.lightning_module
             assert module is not None  # optimizer steps run only with a module attached
             named = list(module.named_parameters())
-            sets = self._replica_sets()
             # a sharded model's parameters are DTensors: each rank compares the shard it holds
             local = [p.to_local() if isinstance(p, DTensor) else p for _, p in named]
             check_replicas([n for n, _ in named], local, self.world_size, module.trainer.global_step, sets,
@@ -251,7 +306,15 @@ class ResilienceMixin(_StrategyBase):
         """With ``check_replicas_every`` set: compare on every rank what a round just made global (``what``, for
         the message). Every rank must call it at the same point (right after the same round)."""
         if self.check_replicas_every:
-            check_replicas(names, tensors, self.world_size, step, None, f"every rank must hold the same {what}")
+            sets = self._round_sets()
+            scope = (f"every rank must hold the same {what}" if sets is None
+                     else f"the ranks holding the same shard must hold the same {what}")
+            check_replicas(names, tensors, self.world_size, step, sets, scope)
+
+    def _round_sets(self) -> Optional[list[list[int]]]:
+        """The sets of global ranks that hold the same tensors right after an outer round (``None``: every rank;
+        under FSDP2, the ranks holding the same shard in every site)."""
+        return None
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -267,7 +330,7 @@ class ResilienceMixin(_StrategyBase):
     def post_backward(self, closure_loss: Tensor) -> None:
         super().post_backward(closure_loss)
         state = self.comm_state
-        if state is None or not getattr(self.model, "require_backward_grad_sync", True):
+        if state is None or not self.hook_every_step or not getattr(self.model, "require_backward_grad_sync", True):
             return  # no_sync (gradient accumulation): no bucket goes out, nothing is decided yet
         buffers_before, self._buffers_before = self._buffers_before, None
         module = self.lightning_module

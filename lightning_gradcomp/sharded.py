@@ -229,6 +229,14 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         super().setup(trainer)
         module = self.lightning_module
         assert module is not None
+        check_sharded(module, self.device_mesh["shard"], "configure_model", "self.device_mesh")
+        self._on_sharded({n: p for n, p in module.named_parameters() if p.requires_grad})
+
+    def _on_sharded(self, named: dict[str, torch.nn.Parameter]) -> None:
+        """Once the model is sharded and checked: build the hook state and install the exchange between replicas
+        on every FSDP2 unit (a subclass with another exchange, e.g. DiLoCo's outer rounds, replaces this)."""
+        module = self.lightning_module
+        assert module is not None
         state = self._install_exchange(module, self.device_mesh, self.global_rank, self.root_device,
                                        "configure_model", "self.device_mesh")
         self._attach_resilience(state)

@@ -23,12 +23,12 @@ complaint about DiLoCo), and the outer exchange's error feedback (residual memor
 """
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Optional, Protocol
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradcomp.outer.exchange import InFlight
@@ -57,7 +57,9 @@ class OuterSync:
     """Runs the outer rounds of one site (see the module docstring).
 
     Args:
-        params: the trainable parameters by name (this site's weights ``theta``).
+        params: the trainable parameters by name (this site's weights ``theta``), or under FSDP2 this rank's shard
+            of each (a mapping that returns the live local tensor at every lookup: the engine only reads and writes
+            them in place).
         buffers: floating-point module buffers (batch-norm statistics), copied from global rank 0 at every round
             of fragment 0.
         groups: this rank's sites and groups.
@@ -78,7 +80,7 @@ class OuterSync:
 
     def __init__(
         self,
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, Tensor],
         buffers: Sequence[Tensor],
         groups: SiteGroups,
         exchange: OuterExchange,

@@ -15,9 +15,15 @@ over the site's network cards (worth it when one card is the bottleneck, which t
 per-step hook addresses) at the cost of an in-site all-gather instead of a broadcast. Leaders keep the
 collective sequence simple: the leaders' group sees only outer traffic, the site group only inner DDP and the
 broadcast.
+
+A sharded site (FSDP2 inside the site, :class:`~lightning_gradcomp.outer.sharded.ShardedDiLoCoStrategy`) is the
+other case: there the ranks of a site hold *different* parts of the model, so every rank exchanges its own shard of
+the pseudo-gradient with the ranks holding the same shard in the other sites (``sharded=True``: the state's group is
+the device mesh's replicate group), and nothing is broadcast inside the site. The site's traffic is then spread over
+its ranks by construction, and each rank's bytes are its shard's.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -36,18 +42,24 @@ class FlatBucket:
     """A fragment's pseudo-gradients as one flat fp32 buffer, shaped as DDP's ``GradBucket`` for the hook.
 
     ``parameters()`` are the model's own parameters (the hook names them through ``GradCompState.names``);
-    ``gradients()`` are views of the buffer in the parameters' shapes, which the hook overwrites with the mean.
+    ``gradients()`` are views of the buffer in ``shapes`` (default: the parameters' shapes; under FSDP2 the shapes
+    of this rank's shards, which ``layer_shapes()`` and ``layer_offsets()`` tell the hook), which the hook overwrites
+    with the mean.
     """
 
-    def __init__(self, index: int, params: Sequence[nn.Parameter], device: torch.device) -> None:
+    def __init__(self, index: int, params: Sequence[nn.Parameter], device: torch.device,
+                 shapes: Optional[Sequence[torch.Size]] = None) -> None:
         self._index = index
         self._params = list(params)
-        self._buffer = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=device)
+        self._shapes = [p.shape for p in params] if shapes is None else [torch.Size(s) for s in shapes]
+        self._buffer = torch.zeros(sum(s.numel() for s in self._shapes), dtype=torch.float32, device=device)
         self._views: list[Tensor] = []
+        self._offsets: list[int] = []
         offset = 0
-        for p in params:
-            self._views.append(self._buffer[offset : offset + p.numel()].view(p.shape))
-            offset += p.numel()
+        for shape in self._shapes:
+            self._views.append(self._buffer[offset : offset + shape.numel()].view(shape))
+            self._offsets.append(offset)
+            offset += shape.numel()
 
     def buffer(self) -> Tensor:
         return self._buffer
@@ -57,6 +69,12 @@ class FlatBucket:
 
     def parameters(self) -> list[nn.Parameter]:
         return self._params
+
+    def layer_shapes(self) -> list[torch.Size]:
+        return list(self._shapes)
+
+    def layer_offsets(self) -> tuple[int, ...]:
+        return tuple(self._offsets)
 
     def index(self) -> int:
         return self._index
@@ -117,11 +135,17 @@ class LeaderExchange:
 
     Args:
         state: the outer hook state: compressor (set up with this site's index among ``num_sites``), residual
-            memory, names, float names; its group is the leaders'.
+            memory, names, float names; its group is the leaders' (``sharded``: the ranks holding this rank's shard
+            in every site).
         groups: this rank's sites and groups.
         fragments: the parameters of each fragment, by name.
-        params: the model's parameters by name.
+        params: the model's parameters by name (they name the tensors for the hook).
         device: where the flat buffers live (the parameters' device: collectives run there).
+        shapes: the shape of what this rank exchanges of each parameter, by name (``None``: the parameters'
+            shapes; under FSDP2, this rank's shard of each).
+        sharded: every rank exchanges its own shard over the state's group and nothing is broadcast inside the
+            site (FSDP2 sites, whose ranks hold different parts of the model); ``False``: the leaders exchange the
+            site's one copy and broadcast the mean inside the site.
     """
 
     def __init__(
@@ -129,13 +153,22 @@ class LeaderExchange:
         state: GradCompState,
         groups: SiteGroups,
         fragments: Sequence[Sequence[str]],
-        params: dict[str, nn.Parameter],
+        params: Mapping[str, nn.Parameter],
         device: torch.device,
+        shapes: Optional[Mapping[str, torch.Size]] = None,
+        sharded: bool = False,
     ) -> None:
         self.state = state
         self.groups = groups
-        self.buckets = [FlatBucket(f, [params[n] for n in names], device) for f, names in enumerate(fragments)]
+        self.buckets = [FlatBucket(f, [params[n] for n in names], device,
+                                   None if shapes is None else [shapes[n] for n in names])
+                        for f, names in enumerate(fragments)]
         self.fragments = [list(names) for names in fragments]
+        #: whether this rank exchanges between sites: a site's leader (one copy per site), or every rank of a
+        #: sharded site (each holds a different shard)
+        self.sends = sharded or groups.is_leader
+        #: whether the decoded mean is then broadcast inside the site (the site's ranks hold one copy)
+        self.fans_out = not sharded and groups.site_size > 1
 
     def launch(self, fragment: int, pseudo_gradients: Sequence[Tensor], step: int) -> InFlight:
         """Start averaging a fragment's pseudo-gradients over all sites; returns at once where the collectives
@@ -146,14 +179,14 @@ class LeaderExchange:
         g = self.groups
         future = None
         wan = 0
-        if g.is_leader and g.layout.num_sites > 1:
+        if self.sends and g.layout.num_sites > 1:
             names = self.fragments[fragment]
             try:
                 future = gradcomp_hook(self.state, bucket)  # type: ignore[arg-type]  # duck-typed GradBucket
             except NonFiniteGradientError as exc:
                 raise nonfinite_pseudo_gradient(names, pseudo_gradients, g.site, step) from exc
             wan = sum(self.state.ledger.records[n].nbytes for n in names) + self.state.ledger.shared_stat_bytes.get(fragment, 0)
-        lan = 4 * bucket.buffer().numel() if g.is_leader and g.site_size > 1 else 0  # the decoded mean, broadcast
+        lan = 4 * bucket.buffer().numel() if self.fans_out and g.is_leader else 0  # the decoded mean, broadcast
         return InFlight(bucket.gradients(), future, wan, lan, 4 * bucket.buffer().numel(), step, flat=bucket.buffer())
 
     def wait(self, flight: InFlight) -> list[Tensor]:
@@ -162,7 +195,7 @@ class LeaderExchange:
             if flight.future is not None:
                 flight.future.wait()
             g = self.groups
-            if g.site_size > 1:
+            if self.fans_out:
                 assert flight.flat is not None
                 dist.broadcast(flight.flat, src=g.leader, group=g.site_group)
             flight.done = True

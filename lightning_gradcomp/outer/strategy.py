@@ -7,7 +7,11 @@ per-step compressor as ``inner_compressor``). Between sites only the outer round
 pseudo-gradient is compressed by ``compressor``, averaged over sites through the site leaders, and applied by the
 outer optimizer.
 
-Where the outer round runs: in :meth:`DiLoCoStrategy.optimizer_step`, right after the inner optimizer step. By
+What does not depend on how a site trains (the outer options, the engine after every inner step, the final round,
+statistics and bytes) is :class:`OuterRounds`, mixed into :class:`DiLoCoStrategy` here and into
+:class:`~lightning_gradcomp.outer.sharded.ShardedDiLoCoStrategy` (FSDP2 sites, each rank's shard exchanged).
+
+Where the outer round runs: in :meth:`OuterRounds.optimizer_step`, right after the inner optimizer step. By
 then DDP's backward (and every hook collective) has finished on all ranks, so the outer collectives, issued from
 the main thread in a fixed order on every rank, cannot interleave with the inner ones on the same group.
 
@@ -19,8 +23,8 @@ import copy
 import importlib
 import inspect
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -37,6 +41,7 @@ from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.exchange import LeaderExchange
 from lightning_gradcomp.outer.fragments import strided_fragments
+from lightning_gradcomp.resilience import ResilienceMixin
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.validation import check_bool, check_int, check_number, UnknownOptionError
 from lightning_gradcomp.sites import (
@@ -47,6 +52,13 @@ from lightning_gradcomp.sites import (
     site_layout,
     start_sites_from_rank0,
 )
+
+if TYPE_CHECKING:
+    # the type checker reads the mixin as the strategy it is mixed into (a ResilienceMixin over a Lightning
+    # strategy); at run time it stays a plain mixin ahead of that strategy in the bases
+    _OuterBase = ResilienceMixin
+else:
+    _OuterBase = object
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +141,230 @@ def tokens_in(batch: Any) -> int:
     return int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 0
 
 
-class DiLoCoStrategy(GradCompStrategy):
+class OuterRounds(_OuterBase):
+    """The outer rounds of DiLoCo and Streaming DiLoCo, whatever trains a site between them: the options, the engine
+    (:class:`~lightning_gradcomp.outer.engine.OuterSync`) after every inner optimizer step, the final round, the
+    statistics and the bytes. Mixed in ahead of the strategy that runs the inner steps: DDP inside a site
+    (:class:`DiLoCoStrategy`) or FSDP2 (:class:`~lightning_gradcomp.outer.sharded.ShardedDiLoCoStrategy`); that
+    strategy builds the engine with :meth:`_start_outer` once its model is set up."""
+
+    outer: Optional[OuterSync]
+    outer_compressor: Compressor
+    #: who sends a round's pseudo-gradients, for the setup line
+    outer_senders = "of each site leader"
+
+    def _init_outer(
+        self,
+        sync_every: int,
+        compressor: Union[Compressor, str],
+        outer_optimizer: Union[str, type],
+        outer_lr: float,
+        outer_momentum: float,
+        outer_nesterov: bool,
+        outer_kwargs: Optional[dict[str, Any]],
+        fragments: int,
+        sync_delay: int,
+        mixing: float,
+        outer_state_device: Optional[str],
+        error_decay: float,
+    ) -> None:
+        """Validate and keep the outer options (before the strategy's own ``__init__``: bad values fail first)."""
+        check_int("sync_every", sync_every, minimum=1, fix="H counts inner steps between outer syncs; DiLoCo uses 500, 1 syncs every step")
+        check_int("fragments", fragments, minimum=1, fix="use 1 for DiLoCo, or a few (e.g. 4) for Streaming DiLoCo")
+        check_int("sync_delay", sync_delay, minimum=0, fix="use 0 to apply each exchange at once")
+        if sync_delay >= sync_every:
+            raise ValueError(
+                f"Expected `sync_delay` to be below `sync_every`={sync_every} (an exchange must land before the same "
+                f"fragment syncs again), but got {sync_delay}. Fix: use a delay in 0..{sync_every - 1}."
+            )
+        check_number("mixing", mixing, minimum=0.0, maximum=1.0,
+                     fix="alpha is the share of the local weights kept: 0 takes the global weights (DiLoCo), 0.5 Streaming DiLoCo")
+        check_number("outer_lr", outer_lr, minimum=0.0, min_open=True, fix="use 0.7 (DiLoCo), or 1.0 without momentum to average")
+        check_number("outer_momentum", outer_momentum, minimum=0.0, maximum=1.0, max_open=True, fix="use 0.9 (DiLoCo) or 0")
+        check_bool("outer_nesterov", outer_nesterov)
+        if outer_kwargs is not None and not isinstance(outer_kwargs, dict):
+            raise ValueError(f"Expected `outer_kwargs` to be a dict or None, but got {outer_kwargs!r}. Fix: e.g. {{'betas': [0.9, 0.95]}}.")
+        if outer_state_device not in (None, "cpu"):
+            raise ValueError(
+                f"Expected `outer_state_device` to be None or 'cpu', but got {outer_state_device!r}. "
+                f"Fix: None keeps the outer state beside the parameters, 'cpu' keeps it off the accelerator."
+            )
+        check_number("error_decay", error_decay, minimum=0.0, maximum=1.0,
+                     fix="beta of the outer error feedback: SparseLoCo-style 0.95, 1 for plain error feedback, 0 for none")
+        self.outer_optimizer_class = resolve_optimizer(outer_optimizer)
+        check_outer_kwargs(self.outer_optimizer_class, outer_kwargs or {})
+        outer_compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
+        if not isinstance(outer_compressor, Compressor):
+            raise ValueError(
+                f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
+                f"Fix: use one of {registry.compressor_names()}."
+            )
+        self.outer_compressor = outer_compressor
+        self.sync_every = sync_every
+        self.outer_lr = float(outer_lr)
+        self.outer_momentum = float(outer_momentum)
+        self.outer_nesterov = outer_nesterov
+        self.outer_kwargs = dict(outer_kwargs or {})
+        self.num_fragments = fragments
+        self.sync_delay = sync_delay
+        self.mixing = float(mixing)
+        self.outer_state_device = outer_state_device
+        self.error_decay = float(error_decay)
+        try:  # values the optimizer refuses (e.g. betas outside [0, 1)) fail now, not at the first round
+            self._outer_optimizer([torch.zeros(1)])
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"Expected `outer_kwargs` that {self.outer_optimizer_class.__name__} accepts, but got "
+                f"{self.outer_kwargs!r}: {exc}. Fix: correct the value it names, or leave the key out for "
+                f"{self.outer_optimizer_class.__name__}'s default."
+            ) from exc
+        self.outer = None
+        self._batch_tokens = 0
+
+    def _outer_optimizer(self, anchors: list[Tensor]) -> Optimizer:
+        kwargs: dict[str, Any] = {"lr": self.outer_lr}
+        if issubclass(self.outer_optimizer_class, torch.optim.SGD):
+            kwargs.update(momentum=self.outer_momentum, nesterov=self.outer_nesterov and self.outer_momentum > 0)
+        kwargs.update(self.outer_kwargs)
+        return self.outer_optimizer_class(anchors, **kwargs)
+
+    def _outer_hook_state(self, named: Mapping[str, torch.nn.Parameter], float_names: frozenset[str],
+                          group: Any, sites: int, seed: int) -> GradCompState:
+        """The outer exchange's own hook state over ``group`` (``sites`` members): the outer compressor (seeded by
+        ``seed``), its error feedback, fp32 for ``float_names``; a non-finite pseudo-gradient raises."""
+        state_device = None if self.outer_state_device is None else torch.device(self.outer_state_device)
+        self.outer_compressor.setup(seed, sites, self.root_device)
+        return GradCompState(
+            compressor=self.outer_compressor,
+            names={id(p): n for n, p in named.items()},
+            float_names=float_names,
+            process_group=group,
+            world_size=sites,
+            memory=ResidualMemory(state_device, self.error_decay),
+            nonfinite="raise",  # a non-finite pseudo-gradient stops every site, naming the parameter
+        )
+
+    def _start_outer(self, params: Mapping[str, Tensor], buffers: Sequence[Tensor], groups: SiteGroups,
+                     exchange: LeaderExchange, fragments: Sequence[Sequence[str]]) -> None:
+        """Build the engine over this rank's ``params`` (the site's weights, or this rank's shard of them) and
+        attach it to the checkpointed per-rank state."""
+        assert self.comm_state is not None
+        state_device = None if self.outer_state_device is None else torch.device(self.outer_state_device)
+        self.outer = OuterSync(
+            params=params,
+            buffers=buffers,
+            groups=groups,
+            exchange=exchange,
+            outer_optimizer=self._outer_optimizer,
+            fragments=fragments,
+            sync_every=self.sync_every,
+            sync_delay=self.sync_delay,
+            mixing=self.mixing,
+            state_device=state_device,
+        )
+        # anchor, outer momentum, outer error feedback and the site's weights: checkpointed per rank
+        self.comm_state.attach("outer", self.outer)
+        log.info(
+            "diloco: rank %d in site %d of %s; %d fragment(s), H=%d, delay %d, mixing %.2f; outer %s, %s lr %g",
+            self.global_rank, groups.site, list(groups.layout.sizes), len(fragments), self.sync_every, self.sync_delay,
+            self.mixing, type(self.outer_compressor).__name__, self.outer_optimizer_class.__name__, self.outer_lr,
+        )
+
+    def _announce_outer(self, shapes: Mapping[str, torch.Size], float_names: frozenset[str], sites: int) -> None:
+        """Log (INFO, rank 0) the outer rounds between ``sites`` sites: bytes per round and per inner step at
+        ``sync_every`` of what this rank sends (``shapes``: its tensors' shapes, the outer compressor's packets and
+        shared statistics as the ledger counts them), against fp32 DDP of the same tensors every step."""
+        from lightning_gradcomp.codec import measure_codec
+
+        dense = sum(4 * s.numel() for s in shapes.values())
+        if sites == 1:
+            log.info("diloco: one site: no outer round sends anything (0 bytes per step vs %s for fp32 DDP)", f"{dense:,}")
+            return
+        compressed = [(n, tuple(s)) for n, s in shapes.items() if n not in float_names]
+        codec = measure_codec(copy.deepcopy(self.outer_compressor), compressed, sites, timed=False) if compressed else None
+        per_window = dense - sum(4 * shapes[n].numel() for n, _ in compressed) + (
+            codec.nbytes + codec.shared_nbytes if codec else 0)
+        per_step = per_window / self.sync_every
+        log.info(
+            "diloco: outer rounds between %d sites: %s pseudo-gradients %s, expected %s bytes per %s "
+            "every %d inner steps = %s bytes per inner step at sync_every=%d, vs %s per step for fp32 DDP (%.1fx less)",
+            sites, type(self.outer_compressor).__name__, self.outer_senders, f"{int(per_window):,}",
+            "round" if self.num_fragments == 1 else f"{self.num_fragments} fragment rounds", self.sync_every,
+            f"{per_step:,.0f}", self.sync_every, f"{dense:,}", dense / max(per_step, 1e-9),
+        )
+
+    @override
+    def _without_state_message(self, checkpoint_path: Any) -> str:
+        return (
+            f"diloco: the checkpoint {checkpoint_path} holds no DiLoCo state (written by another strategy, e.g. DDP): "
+            f"every site starts from its weights as the global weights, with fresh outer momentum, and the first outer "
+            f"round comes {self.sync_every} inner steps from here (DiLoCo's warm start from synchronous training). "
+            f"Fix: to resume a DiLoCo run, pass a checkpoint that run wrote."
+        )
+
+    def final_round(self) -> None:
+        """At the end of ``fit``: one last round for every fragment not synced at the last step, so every rank
+        holds the global weights when ``fit`` returns (:meth:`~lightning_gradcomp.outer.engine.OuterSync.final_round`).
+        """
+        if self.outer is None:
+            return
+        final = self.outer.final_round()
+        self.outer.take_landed()
+        module = self.lightning_module
+        assert module is not None
+        if final and self.global_rank == 0:
+            log.info(
+                "diloco: final outer round of fragment(s) %s at inner step %d, so every rank leaves fit with the global "
+                "weights", final, self.outer.inner_steps,
+            )
+        # the engine's tensors: the trainable parameters, or this rank's shards of them under FSDP2
+        names = list(self.outer.params)
+        self._check_after_round(names, [self.outer.params[n] for n in names], module.trainer.global_step,
+                                "parameters at the end of fit (the global weights)")
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        # first among the callbacks: theirs (and the module's) `on_train_end` already see the global weights
+        if not any(isinstance(c, FinalOuterRound) for c in trainer.callbacks):  # type: ignore[attr-defined]
+            trainer.callbacks.insert(0, FinalOuterRound())  # type: ignore[attr-defined]
+        super().setup(trainer)
+
+    # -- the step -------------------------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._batch_tokens += tokens_in(args[0]) if args else 0
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.outer is not None
+        tokens, self._batch_tokens = self._batch_tokens, 0
+        self.outer.after_inner_step(tokens)
+        self._check_landed_rounds(
+            self.outer, f"{'weights' if self.mixing == 0 else 'global weights'} right after an outer round")
+        return output
+
+    @property
+    def stats(self) -> dict[str, Tensor]:
+        """Statistics of the latest step for :class:`~lightning_gradcomp.callbacks.CompressionMonitor`:
+        ``bytes_per_round`` (what this rank put between sites in the latest round), ``bytes_per_token``,
+        ``compression_ratio``, ``pseudo_gradient_norm/fragment_<p>``, ``sync_seconds/fragment_<p>`` (launch to
+        applied), ``inner_steps_since_sync``, ``rounds``."""
+        return {} if self.outer is None else self.outer.stats
+
+    def bytes_per_step(self) -> float:
+        """Bytes this rank put on the link between sites per inner step, averaged over the run so far."""
+        return 0.0 if self.outer is None else self.outer.bytes_per_step()
+
+
+class DiLoCoStrategy(OuterRounds, GradCompStrategy):
     """DiLoCo and Streaming DiLoCo with any compressor on the pseudo-gradients (see :mod:`lightning_gradcomp.outer`).
 
     Args:
@@ -181,62 +416,14 @@ class DiLoCoStrategy(GradCompStrategy):
         error_decay: float = 0.95,
         **kwargs: Any,
     ) -> None:
-        check_int("sync_every", sync_every, minimum=1, fix="H counts inner steps between outer syncs; DiLoCo uses 500, 1 syncs every step")
-        check_int("fragments", fragments, minimum=1, fix="use 1 for DiLoCo, or a few (e.g. 4) for Streaming DiLoCo")
-        check_int("sync_delay", sync_delay, minimum=0, fix="use 0 to apply each exchange at once")
-        if sync_delay >= sync_every:
-            raise ValueError(
-                f"Expected `sync_delay` to be below `sync_every`={sync_every} (an exchange must land before the same "
-                f"fragment syncs again), but got {sync_delay}. Fix: use a delay in 0..{sync_every - 1}."
-            )
-        check_number("mixing", mixing, minimum=0.0, maximum=1.0,
-                     fix="alpha is the share of the local weights kept: 0 takes the global weights (DiLoCo), 0.5 Streaming DiLoCo")
-        check_number("outer_lr", outer_lr, minimum=0.0, min_open=True, fix="use 0.7 (DiLoCo), or 1.0 without momentum to average")
-        check_number("outer_momentum", outer_momentum, minimum=0.0, maximum=1.0, max_open=True, fix="use 0.9 (DiLoCo) or 0")
-        check_bool("outer_nesterov", outer_nesterov)
-        if outer_kwargs is not None and not isinstance(outer_kwargs, dict):
-            raise ValueError(f"Expected `outer_kwargs` to be a dict or None, but got {outer_kwargs!r}. Fix: e.g. {{'betas': [0.9, 0.95]}}.")
-        if outer_state_device not in (None, "cpu"):
-            raise ValueError(
-                f"Expected `outer_state_device` to be None or 'cpu', but got {outer_state_device!r}. "
-                f"Fix: None keeps the outer state beside the parameters, 'cpu' keeps it off the accelerator."
-            )
-        check_number("error_decay", error_decay, minimum=0.0, maximum=1.0,
-                     fix="beta of the outer error feedback: SparseLoCo-style 0.95, 1 for plain error feedback, 0 for none")
+        self._init_outer(sync_every, compressor, outer_optimizer, outer_lr, outer_momentum, outer_nesterov,
+                         outer_kwargs, fragments, sync_delay, mixing, outer_state_device, error_decay)
         check_site_options(site_size, site_sizes)
-        self.outer_optimizer_class = resolve_optimizer(outer_optimizer)
-        check_outer_kwargs(self.outer_optimizer_class, outer_kwargs or {})
         super().__init__(compressor=inner_compressor, **kwargs)
-        self.outer_compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
-        if not isinstance(self.outer_compressor, Compressor):
-            raise ValueError(
-                f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
-                f"Fix: use one of {registry.compressor_names()}."
-            )
-        self.sync_every = sync_every
-        self.outer_lr = float(outer_lr)
-        self.outer_momentum = float(outer_momentum)
-        self.outer_nesterov = outer_nesterov
-        self.outer_kwargs = dict(outer_kwargs or {})
         self.site_size = site_size
         self.site_sizes = None if site_sizes is None else list(site_sizes)
-        self.num_fragments = fragments
-        self.sync_delay = sync_delay
-        self.mixing = float(mixing)
-        self.outer_state_device = outer_state_device
-        self.error_decay = float(error_decay)
-        try:  # values the optimizer refuses (e.g. betas outside [0, 1)) fail now, not at the first round
-            self._outer_optimizer([torch.zeros(1)])
-        except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"Expected `outer_kwargs` that {self.outer_optimizer_class.__name__} accepts, but got "
-                f"{self.outer_kwargs!r}: {exc}. Fix: correct the value it names, or leave the key out for "
-                f"{self.outer_optimizer_class.__name__}'s default."
-            ) from exc
         self.layout: Optional[SiteLayout] = None
         self.groups: Optional[SiteGroups] = None
-        self.outer: Optional[OuterSync] = None
-        self._batch_tokens = 0
 
     # -- sites ----------------------------------------------------------------------------------------------
     def make_layout(self, world_size: int) -> SiteLayout:
@@ -255,13 +442,7 @@ class DiLoCoStrategy(GradCompStrategy):
                 else f"its {world_size} ranks form one site "
                 f"({'site_sizes' if self.site_sizes else 'site_size'}={self.site_sizes or self.site_size})"
             )
-            rank_zero_warn(
-                f"Expected DiLoCo to run at least 2 sites, but {where}, so no outer "
-                f"round sends anything between sites: the outer {self.outer_optimizer_class.__name__} steps this one "
-                f"replica on its own pseudo-gradient every {self.sync_every} steps. Fix: run on more devices or "
-                f"nodes (every rank is a site by default), or pass a smaller `site_size`.",
-                category=UserWarning,
-            )
+            warn_one_site(where, self.outer_optimizer_class, self.sync_every, "pass a smaller `site_size`")
         return layout
 
     @override
@@ -287,74 +468,13 @@ class DiLoCoStrategy(GradCompStrategy):
     def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int,
                   in_sites: bool = True, between_sites: bool = False) -> None:
         """Log (INFO, rank 0) the two exchanges: the inner one inside each site (``world_size``: the site's ranks)
-        and the outer rounds between sites, in bytes per round and per inner step at ``sync_every`` (the outer
-        compressor's packets and its shared statistics, as the ledger counts them)."""
-        from lightning_gradcomp.codec import measure_codec
-
+        and the outer rounds between sites (:meth:`OuterRounds._announce_outer`)."""
         assert self.layout is not None
         if world_size > 1:
             super()._announce(named, float_names, world_size, in_sites=True)  # the inner DDP, inside each site
         else:
             log.info("diloco: sites of one rank: no exchange inside a site, each rank takes its inner steps alone")
-        sites = self.layout.num_sites
-        dense = sum(4 * p.numel() for p in named.values())
-        if sites == 1:
-            log.info("diloco: one site: no outer round sends anything (0 bytes per step vs %s for fp32 DDP)", f"{dense:,}")
-            return
-        shapes = [(n, tuple(p.shape)) for n, p in named.items() if n not in float_names]
-        codec = measure_codec(copy.deepcopy(self.outer_compressor), shapes, sites, timed=False) if shapes else None
-        per_window = dense - sum(4 * named[n].numel() for n, _ in shapes) + (
-            codec.nbytes + codec.shared_nbytes if codec else 0)
-        per_step = per_window / self.sync_every
-        log.info(
-            "diloco: outer rounds between %d sites: %s pseudo-gradients of each site leader, expected %s bytes per %s "
-            "every %d inner steps = %s bytes per inner step at sync_every=%d, vs %s per step for fp32 DDP (%.1fx less)",
-            sites, type(self.outer_compressor).__name__, f"{int(per_window):,}",
-            "round" if self.num_fragments == 1 else f"{self.num_fragments} fragment rounds", self.sync_every,
-            f"{per_step:,.0f}", self.sync_every, f"{dense:,}", dense / max(per_step, 1e-9),
-        )
-
-    @override
-    def _without_state_message(self, checkpoint_path: Any) -> str:
-        return (
-            f"diloco: the checkpoint {checkpoint_path} holds no DiLoCo state (written by another strategy, e.g. DDP): "
-            f"every site starts from its weights as the global weights, with fresh outer momentum, and the first outer "
-            f"round comes {self.sync_every} inner steps from here (DiLoCo's warm start from synchronous training). "
-            f"Fix: to resume a DiLoCo run, pass a checkpoint that run wrote."
-        )
-
-    def final_round(self) -> None:
-        """At the end of ``fit``: one last round for every fragment not synced at the last step, so every rank
-        holds the global weights when ``fit`` returns (:meth:`~lightning_gradcomp.outer.engine.OuterSync.final_round`).
-        """
-        if self.outer is None:
-            return
-        final = self.outer.final_round()
-        self.outer.take_landed()
-        module = self.lightning_module
-        assert module is not None
-        if final and self.global_rank == 0:
-            log.info(
-                "diloco: final outer round of fragment(s) %s at inner step %d, so every rank leaves fit with the global "
-                "weights", final, self.outer.inner_steps,
-            )
-        named = list(module.named_parameters())
-        self._check_after_round([n for n, _ in named], [p for _, p in named], module.trainer.global_step,
-                                "parameters at the end of fit (the global weights)")
-
-    @override
-    def setup(self, trainer: "pl.Trainer") -> None:
-        # first among the callbacks: theirs (and the module's) `on_train_end` already see the global weights
-        if not any(isinstance(c, FinalOuterRound) for c in trainer.callbacks):  # type: ignore[attr-defined]
-            trainer.callbacks.insert(0, FinalOuterRound())  # type: ignore[attr-defined]
-        super().setup(trainer)
-
-    def _outer_optimizer(self, anchors: list[Tensor]) -> Optimizer:
-        kwargs: dict[str, Any] = {"lr": self.outer_lr}
-        if issubclass(self.outer_optimizer_class, torch.optim.SGD):
-            kwargs.update(momentum=self.outer_momentum, nesterov=self.outer_nesterov and self.outer_momentum > 0)
-        kwargs.update(self.outer_kwargs)
-        return self.outer_optimizer_class(anchors, **kwargs)
+        self._announce_outer({n: p.shape for n, p in named.items()}, float_names, self.layout.num_sites)
 
     @override
     def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
@@ -364,82 +484,38 @@ class DiLoCoStrategy(GradCompStrategy):
         assert module is not None
         fragments = strided_fragments(list(named), self.num_fragments)  # fragments > layers fails here, before step 1
         start_sites_from_rank0(module)
-        state_device = None if self.outer_state_device is None else torch.device(self.outer_state_device)
         # the site (not the rank) seeds the outer compressor: only leaders compress, one stream per site
-        self.outer_compressor.setup(g.site, g.layout.num_sites, self.root_device)
-        outer_state = GradCompState(
-            compressor=self.outer_compressor,
-            names={id(p): n for n, p in named.items()},
-            float_names=self.comm_state.float_names,
-            process_group=g.leader_group,
-            world_size=g.layout.num_sites,
-            memory=ResidualMemory(state_device, self.error_decay),
-            nonfinite="raise",  # a non-finite pseudo-gradient stops every site, naming the parameter
-        )
+        outer_state = self._outer_hook_state(named, self.comm_state.float_names, g.leader_group, g.layout.num_sites,
+                                             g.site)
         exchange = LeaderExchange(outer_state, g, fragments, named, self.root_device)
-        self.outer = OuterSync(
-            params=named,
-            buffers=[b for b in module.buffers() if b.is_floating_point()],
-            groups=g,
-            exchange=exchange,
-            outer_optimizer=self._outer_optimizer,
-            fragments=fragments,
-            sync_every=self.sync_every,
-            sync_delay=self.sync_delay,
-            mixing=self.mixing,
-            state_device=state_device,
-        )
-        # anchor, outer momentum, outer error feedback and the site's weights: checkpointed per rank
-        self.comm_state.attach("outer", self.outer)
-        log.info(
-            "diloco: rank %d in site %d of %s; %d fragment(s), H=%d, delay %d, mixing %.2f; outer %s, %s lr %g",
-            self.global_rank, g.site, list(g.layout.sizes), len(fragments), self.sync_every, self.sync_delay,
-            self.mixing, type(self.outer_compressor).__name__, self.outer_optimizer_class.__name__, self.outer_lr,
-        )
+        self._start_outer(named, [b for b in module.buffers() if b.is_floating_point()], g, exchange, fragments)
 
-    # -- the step -------------------------------------------------------------------------------------------
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._batch_tokens += tokens_in(args[0]) if args else 0
-        return super().training_step(*args, **kwargs)
 
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Any] = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        assert self.outer is not None
-        tokens, self._batch_tokens = self._batch_tokens, 0
-        self.outer.after_inner_step(tokens)
-        self._check_landed_rounds(
-            self.outer, f"{'weights' if self.mixing == 0 else 'global weights'} right after an outer round")
-        return output
-
-    @property
-    def stats(self) -> dict[str, Tensor]:
-        """Statistics of the latest step for :class:`~lightning_gradcomp.callbacks.CompressionMonitor`:
-        ``bytes_per_round`` (what this rank put between sites in the latest round), ``bytes_per_token``,
-        ``compression_ratio``, ``pseudo_gradient_norm/fragment_<p>``, ``sync_seconds/fragment_<p>`` (launch to
-        applied), ``inner_steps_since_sync``, ``rounds``."""
-        return {} if self.outer is None else self.outer.stats
-
-    def bytes_per_step(self) -> float:
-        """Bytes this rank put on the link between sites per inner step, averaged over the run so far."""
-        return 0.0 if self.outer is None else self.outer.bytes_per_step()
+def warn_one_site(where: str, outer_optimizer: type, sync_every: int, fix: str) -> None:
+    """Warn (rank 0) that a layout of one site sends nothing between sites (``where``: why there is one site)."""
+    rank_zero_warn(
+        f"Expected DiLoCo to run at least 2 sites, but {where}, so no outer "
+        f"round sends anything between sites: the outer {outer_optimizer.__name__} steps this one "
+        f"replica on its own pseudo-gradient every {sync_every} steps. Fix: run on more devices or "
+        f"nodes (every rank is a site by default), or {fix}.",
+        category=UserWarning,
+    )
 
 
 class FinalOuterRound(Callback):
-    """Runs :meth:`DiLoCoStrategy.final_round` when training ends normally (first among the callbacks)."""
+    """Runs :meth:`OuterRounds.final_round` when training ends normally (first among the callbacks)."""
 
     @override
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         strategy = trainer.strategy
-        if isinstance(strategy, DiLoCoStrategy):
+        if isinstance(strategy, OuterRounds):
             strategy.final_round()
+
+
+#: what ``"streaming_diloco"`` (and ``"sharded_streaming_diloco"``) set: the paper's defaults
+STREAMING_PRESET: dict[str, Any] = {"fragments": 4, "sync_delay": 5, "mixing": 0.5}
+STREAMING_DESCRIPTION = ("Streaming DiLoCo: 4 strided fragments at staggered steps, each exchange overlapped with 5 "
+                         "inner steps, mixing 0.5")
 
 
 def register(strategy_registry: Any = None) -> None:
@@ -451,9 +527,8 @@ def register(strategy_registry: Any = None) -> None:
     registry.register_preset(
         "streaming_diloco",
         DiLoCoStrategy,
-        "Streaming DiLoCo: 4 strided fragments at staggered steps, each exchange overlapped with 5 inner steps, mixing 0.5",
+        STREAMING_DESCRIPTION,
         strategy_registry,
-        fragments=4,
-        sync_delay=5,
-        mixing=0.5,
+        **STREAMING_PRESET,
     )
+

@@ -1,8 +1,9 @@
-"""Invalid DiLoCoStrategy configurations (and the two checks that need the world size or the model)."""
+"""Invalid DiLoCoStrategy and ShardedDiLoCoStrategy configurations (and the two checks that need the world size or the
+model)."""
 
 import torch
 
-from lightning_gradcomp.outer import DiLoCoStrategy
+from lightning_gradcomp.outer import DiLoCoStrategy, ShardedDiLoCoStrategy
 from lightning_gradcomp.outer.fragments import strided_fragments
 from tests.bad_configs import BadConfig
 
@@ -37,3 +38,11 @@ BAD_CONFIGS = [
 BAD_CONFIGS.append(
     BadConfig("diloco-hierarchy", lambda: DiLoCoStrategy(hierarchy="node"), "hierarchy", "'node'"),
 )
+# the same outer options over FSDP2 sites (one validation for both strategies), and the sites' own option
+BAD_CONFIGS += [
+    BadConfig("sharded-diloco-sync-every-zero", lambda: ShardedDiLoCoStrategy(sync_every=0), "sync_every", "0"),
+    BadConfig("sharded-diloco-sync-delay-at-h", lambda: ShardedDiLoCoStrategy(sync_every=3, sync_delay=3),
+              "sync_delay", "3"),
+    BadConfig("sharded-diloco-compressor-unknown", lambda: ShardedDiLoCoStrategy(compressor="int4"), "compressor", "'int4'"),
+    BadConfig("sharded-diloco-shard-size-zero", lambda: ShardedDiLoCoStrategy(shard_size=0), "shard_size", "0"),
+]

@@ -255,12 +255,15 @@ def test_lm_recipe_smoke_fit(data_root: Path, tmp_path: Path) -> None:
 
 
 def test_sharded_lm_recipe_smoke_fit(data_root: Path, tmp_path: Path) -> None:
-    """The sharded recipe (FSDP2 shards of the GPT, TernGrad between 2 replicas of 2 ranks, the task's
-    configure_model) on 4 real ranks: recipe_fit.py checks the steps, that TernGrad compressed, and that every shard
-    is identical in both replicas."""
+    """The sharded recipes (FSDP2 shards of the GPT, the task's configure_model) on 4 real ranks as 2 replicas of 2:
+    TernGrad between the replicas every step, and DiLoCo between the sites at H = 2. recipe_fit.py checks the steps,
+    that TernGrad compressed or an outer round ran, and that every shard is identical in both replicas."""
     narrow = ["--model.init_args.model.init_args.width=32", "--model.init_args.model.init_args.depth=2",
               "--data.init_args.batch_size=2", "--data.init_args.max_bytes=null", "--model.init_args.warmup_steps=1"]
-    _fit_in_subprocesses(["::".join(["recipes/lm/gpt_stdlib_sharded_terngrad.yaml", *narrow])], 4, data_root, tmp_path)
+    specs = ["::".join(["recipes/lm/gpt_stdlib_sharded_terngrad.yaml", *narrow]),
+             "::".join(["recipes/diloco/gpt_stdlib_sharded_diloco.yaml", *narrow,
+                        "--trainer.strategy.init_args.sync_every=2"])]
+    _fit_in_subprocesses(specs, 4, data_root, tmp_path)
 
 
 def test_diloco_recipe_smoke_fit(data_root: Path, tmp_path: Path) -> None:

@@ -6,7 +6,14 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from lightning_gradcomp import DiLoCoStrategy, GradCompFabricStrategy, GradCompStrategy, TowerStrategy, WeightGradStrategy
+from lightning_gradcomp import (
+    DiLoCoStrategy,
+    GradCompFabricStrategy,
+    GradCompStrategy,
+    ShardedDiLoCoStrategy,
+    TowerStrategy,
+    WeightGradStrategy,
+)
 from lightning_gradcomp.compressors import DeMo
 from lightning_gradcomp.ledger import ByteReport
 from lightning_gradcomp.optimizers import SignSGD
@@ -15,6 +22,7 @@ STRATEGIES: dict[str, Callable[[], Any]] = {
     "gradcomp": lambda: GradCompStrategy("terngrad"),
     "diloco": lambda: DiLoCoStrategy(sync_every=2),
     "streaming_diloco": lambda: DiLoCoStrategy(sync_every=6, fragments=3, sync_delay=1, mixing=0.5),
+    "sharded_diloco": lambda: ShardedDiLoCoStrategy(sync_every=2),
     "weightgrad": lambda: WeightGradStrategy(),
     "towers": lambda: TowerStrategy(2),
     "fabric": lambda: GradCompFabricStrategy("terngrad"),

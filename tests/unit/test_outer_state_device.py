@@ -45,3 +45,29 @@ def test_diloco_outer_state_on_cpu_while_training_on_cuda(tmp_path) -> None:
     # after the last round the weights are the global ones
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach().cpu(), outer.anchor[name])
+
+
+@cuda
+def test_sharded_diloco_outer_state_on_cpu_while_the_shards_train_on_cuda(tmp_path) -> None:
+    """Over FSDP2 (one site of one shard here: the outer round runs on the local shard, a plain CUDA tensor taken
+    from the DTensor parameter), the anchor and the outer momentum stay on the CPU."""
+    import lightning.pytorch as pl
+
+    import lightning_gradcomp  # noqa: F401
+    from lightning_gradcomp.outer import ShardedDiLoCoStrategy
+    from tests.distributed.sharded_ranks import ShardedRegressor, _loader
+
+    strategy = ShardedDiLoCoStrategy(sync_every=2, shard_size=1, outer_state_device="cpu", process_group_backend="nccl")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cuda", devices=1, max_steps=4, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    model = ShardedRegressor()
+    with pytest.warns(UserWarning, match="runs on one device"):
+        trainer.fit(model, _loader())
+    outer = strategy.outer
+    assert outer is not None and outer.rounds == 2
+    assert all(p.to_local().device.type == "cuda" for p in model.parameters())
+    assert all(a.device.type == "cpu" for a in outer.anchor.values())
+    momentum = [s["momentum_buffer"] for s in outer.outer_optimizer.state.values()]
+    assert momentum and all(m.device.type == "cpu" for m in momentum)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.to_local().detach().cpu(), outer.anchor[name])
