@@ -207,11 +207,15 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
             timeout=timeout,
         )
 
+    def _mesh_shape(self) -> tuple[int, int]:
+        """``(replicas, shard_size)`` of this run (a ``shard_size`` that does not divide the world fails here)."""
+        return mesh_shape(self.num_nodes * self.num_processes, self.shard_size, self.num_processes)
+
     @override
     def setup_environment(self) -> None:
         check_backend(self._process_group_backend, self.root_device)
         # before any process group exists
-        replicas, shard = mesh_shape(self.num_nodes * self.num_processes, self.shard_size, self.num_processes)
+        replicas, shard = self._mesh_shape()
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
         self._device_mesh = new_mesh(replicas, shard, self.global_rank, self.root_device.type, self._timeout)
