@@ -4,10 +4,12 @@ Two grids of the language-model benchmark's runs (``benchmarks/lm.py --worker``)
 ``gradcomp_lab.emulate`` as 2 sites of 2: every rank in its own network namespace, a 10 Gbit/s link inside a
 site, the WAN rate between the sites' bridges.
 
-* ``--grid diloco`` (issue 15): DiLoCo with int8 pseudo-gradients against DDP, bf16 DDP and the best per-step
+* ``--grid diloco``: DiLoCo with int8 pseudo-gradients against DDP, bf16 DDP and the best per-step
   compressor, on the DiLoCo benchmark's recipes (1000 steps of 4 x 8 x 64 tokens, validated every 200). DiLoCo's
   sites are the emulator's (``site_size=2``): inner DDP over the fast link, the outer round over the slow one.
-* ``--grid lm`` (issue 16): the per-step compressors on the language-model benchmark's recipes (``recipes/lm``,
+* ``--grid sharded``: the language-model benchmark's GPT sharded by FSDP2 inside each site (2 replicas of 2 shards):
+  dense HSDP, HSDP with bf16, int8 and TernGrad shards between the sites, and DiLoCo over the shards.
+* ``--grid lm``: the per-step compressors on the language-model benchmark's recipes (``recipes/lm``,
   200 steps of 4 x 8 x 128 tokens, validated every 25): plain DDP, bf16 DDP, PowerSGD at ranks 1 and 4, and the
   compressors and settings of ``docs/transformers.md`` that came within a few percent of DDP's loss.
 
@@ -18,6 +20,7 @@ bracket its first crossing. Needs root (network namespaces).
     python benchmarks/emulated.py --grid diloco --saved --target 1.3    # the tables of the stored runs
     sudo python benchmarks/emulated.py --grid lm                        # both WAN rates
     python benchmarks/emulated.py --grid lm --saved --target 2.6
+    sudo python benchmarks/emulated.py --grid sharded                   # both WAN rates
 """
 
 import argparse
@@ -37,6 +40,9 @@ from benchmarks.lm import command_line  # noqa: E402
 _RANK = ["--trainer.strategy=lightning_gradcomp.GradCompStrategy",
          "--trainer.strategy.init_args.compressor=lightning_gradcomp.compressors.PowerSGD",
          "--trainer.strategy.init_args.compressor.init_args.rank={}"]
+
+
+_SHARDED = "recipes/lm/gpt_stdlib_sharded_terngrad.yaml"
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,19 @@ GRIDS = {
         "qsgd": ("recipes/lm/gpt_stdlib_qsgd.yaml", []),
         "demo_k64": ("recipes/lm/gpt_stdlib_demo_k64.yaml", []),
     }, ["--trainer.val_check_interval=25"], ROOT / "benchmarks/results/lm_emulated"),
+    # 2 replicas (sites) of 2 FSDP2 shards: dense HSDP (fp32 through the hook, the bytes of FSDP2's own all-reduce),
+    # compressed HSDP, and DiLoCo over the shards with int8 pseudo-gradients every 50 steps
+    "sharded": Grid({
+        "hsdp_fp32": (_SHARDED, ["--trainer.strategy.init_args.compressor=fp32"]),
+        "hsdp_bf16": (_SHARDED, ["--trainer.strategy.init_args.compressor=bf16"]),
+        "hsdp_int8": (_SHARDED, ["--trainer.strategy.init_args.compressor=int8"]),
+        "hsdp_terngrad": (_SHARDED, []),
+        "sharded_diloco_int8_h50": (_SHARDED, [
+            "--trainer.strategy=lightning_gradcomp.ShardedDiLoCoStrategy", "--trainer.strategy.init_args.shard_size=2",
+            "--trainer.strategy.init_args.compressor=int8", "--trainer.strategy.init_args.sync_every=50",
+            "--trainer.strategy.init_args.outer_lr=0.7", "--trainer.strategy.init_args.outer_momentum=0.9",
+            "--trainer.strategy.init_args.outer_nesterov=true"]),
+    }, ["--trainer.val_check_interval=25"], ROOT / "benchmarks/results/sharded_emulated"),
 }
 WANS = ("1gbit", "100mbit")
 LAN = "10gbit"
