@@ -216,7 +216,7 @@ def main() -> None:
     machine = f"{platform.platform()}, {os.cpu_count()} cores, torch {torch.__version__}"
     if args.device == "cuda":
         machine += f", {torch.cuda.get_device_name(0)}"
-    print(f"command: `{command}`\n\nmachine: {machine}. Each variant's median step time over {args.steps} timed steps "
+    print(f"command: `{command}`\n\nmachine: {machine}\n\nEach variant's median step time over {args.steps} timed steps "
           f"after {args.warmup} warm-up steps, all variants interleaved in one run; ratio = median / the uncompressed "
           f"engine's median ({BASELINE[args.engine]}) "
           "(ranks single-threaded). On a shared VM timings are noisy: compare ratios within a run.\n")

@@ -59,7 +59,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp.
     buf = io.BytesIO()
     torch.save(rank_state(state), buf)
     if rank == 0:
-        queue.put((times, buf.tell(), sum(p.numel() for p in model.parameters()), len(state.shared_stat_bytes)))
+        queue.put((times, buf.tell(), sum(p.numel() for p in model.parameters()), len(state.ledger.shared_stat_bytes)))
     del ddp
     dist.barrier()
     dist.destroy_process_group()

@@ -66,19 +66,50 @@ def _load(paths: list[Path]) -> list[dict[str, Any]]:
 
 
 def _load_one(path: Path) -> dict[str, Any]:
-    """A run's JSON, or a stored Markdown table (``# command: ...`` and ``# ...`` notes above it)."""
+    """A run's JSON, or a stored Markdown table (``# command: ...``, ``# machine: ...`` and ``# ...`` notes above it;
+    a benchmark's log is read the same way, its whole text kept for a renderer that parses it)."""
     if path.suffix == ".json":
         return json.loads(path.read_text())
-    lines = path.read_text().splitlines()
+    text = path.read_text()
+    lines = text.splitlines()
     notes = [line[2:] for line in lines if line.startswith("# ")]
-    command = next((n[len("command: "):] for n in notes if n.startswith("command: ")), "")
-    return {"command": command, "notes": [n for n in notes if not n.startswith("command: ")],
-            "table": "\n".join(line for line in lines if line.startswith("|")), "machine": "not recorded in the file"}
+    command = next((n[len("command: "):].strip("`") for n in notes if n.startswith("command: ")), "")
+    # a log names its machine on a line of its own, a stored table on a note line
+    machine = next((line.removeprefix("# ")[len("machine: "):] for line in lines
+                    if line.removeprefix("# ").startswith("machine: ")), "not recorded in the file")
+    return {"command": command, "notes": [n for n in notes if not n.startswith(("command: ", "machine: "))],
+            "table": "\n\n".join(_tables(lines)), "machine": machine, "text": text}
+
+
+def _tables(lines: list[str]) -> list[str]:
+    """The Markdown tables among ``lines``: each run of consecutive ``|`` lines."""
+    runs: list[list[str]] = [[]]
+    for line in lines:
+        if line.startswith("|"):
+            runs[-1].append(line)
+        elif runs[-1]:
+            runs.append([])
+    return ["\n".join(run) for run in runs if run]
 
 
 def _stored_table(runs: list[dict[str, Any]]) -> str:
-    """A table stored as Markdown by its benchmark, with the run's own notes (rates probed, load) above it."""
-    return "\n\n".join("\n".join([*(f"{n}." for n in r["notes"]), "", r["table"]]).strip() for r in runs)
+    """Tables stored as Markdown by their benchmark, with the run's own notes (rates probed, load) where the run
+    printed them: above a table, between two, or after it."""
+    blocks: list[list[str]] = []
+    for run in runs:
+        kind = ""
+        for line in run["text"].splitlines():
+            if line.startswith("|"):
+                if kind != "table":
+                    blocks.append([])
+                blocks[-1].append(line)
+                kind = "table"
+            elif line.startswith("# ") and not line[2:].startswith(("command: ", "machine: ")):
+                if kind != "notes":
+                    blocks.append([])
+                blocks[-1].append(line[2:] if line.endswith((".", ":")) else f"{line[2:]}.")
+                kind = "notes"
+    return "\n\n".join("\n".join(block) for block in blocks)
 
 
 def _lm(folder: str, labels: list[str]) -> Callable[[], list[Path]]:
@@ -176,6 +207,267 @@ def _gpu_kernels_table(runs: list[dict[str, Any]]) -> str:
         torch_ops = f"{row['torch']['gbps']:.1f}" if row.get("torch") else "-"  # no reference for some rows
         fused = row["fused"]
         lines.append(f"| {row['kernel']} | {torch_ops} | {fused['gbps']:.1f} | {fused['ratio_memory']:.2f} |")
+    return "\n".join(lines)
+
+
+def _table_rows(table: str) -> list[list[str]]:
+    """The body rows of a Markdown table, as stripped cells (header and rule left out)."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.splitlines()[2:]]
+
+
+def _selected_rows(keep: Callable[[list[str]], bool]) -> Callable[[list[dict[str, Any]]], str]:
+    """A stored table with its notes, keeping the header and the rows ``keep`` accepts (the file holds every row)."""
+    def render(runs: list[dict[str, Any]]) -> str:
+        lines = runs[0]["table"].splitlines()
+        rows = [line for line, cells in zip(lines[2:], _table_rows(runs[0]["table"])) if keep(cells)]
+        kept = set(lines[:2] + rows)
+        text = "\n".join(line for line in runs[0]["text"].splitlines() if not line.startswith("|") or line in kept)
+        return _stored_table([{**runs[0], "text": text}])
+
+    return render
+
+
+def _link_probe_table(runs: list[dict[str, Any]]) -> str:
+    """What ``step_time.py``'s probe measured on each cluster before its steps (all-reduce of 8 MiB)."""
+    lines = ["| N | link | measured all-reduce bandwidth | measured per-step latency |", "|---|---|---|---|"]
+    for run in runs[0]["runs"]:
+        probe = run["link_probe"]
+        mbit = probe["bandwidth_bit_s"] / 1e6
+        link = "inf (veth, no limit)" if run["link"] == "inf" else run["link"]
+        rate = f"{mbit:.0f}" if mbit >= 100 else f"{mbit:.1f}"  # three digits at least
+        lines.append(f"| {run['nproc']} | {link} | {rate} Mbit/s | {probe['latency_s'] * 1e3:.2f} ms |")
+    return "\n".join(lines)
+
+
+#: ``hook_breakdown.py``'s strategy names as the page shows them
+BREAKDOWN_NAMES = {"ddp": "ddp", "terngrad": "terngrad", "terngrad:ignore": "terngrad, guard off"}
+BREAKDOWN_COLUMNS = ["forward", "backward", "update", "step", "cpu", "sys", "compress", "collective_wait", "decompress"]
+
+
+def _hook_breakdown_table(runs: list[dict[str, Any]]) -> str:
+    """Rank 0's lines of ``hook_breakdown.py`` (ms per step, medians of its timed steps) as a table."""
+    import ast
+
+    lines = ["| strategy | forward | backward (with the hook) | update | step | cpu | sys | compress | collective_wait "
+             "| decompress |", "|---" * 10 + "|"]
+    for line in runs[0]["text"].splitlines():
+        found = re.match(r"\[rank 0\] (\S+) rank 0: ms per step (\{.*\})$", line)
+        if found:
+            times = ast.literal_eval(found.group(2))
+            cells = [str(times.get(key, "-")) for key in BREAKDOWN_COLUMNS]
+            lines.append(f"| {BREAKDOWN_NAMES.get(found.group(1), found.group(1))} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _hook_alone_table(runs: list[dict[str, Any]]) -> str:
+    """``hook_breakdown.py --alone`` with the default allocator and with allocator reuse, side by side."""
+    first, second = (dict((cells[0], cells[1:]) for cells in _table_rows(run["table"])) for run in runs)
+    notes = [f"{'Default allocator' if i == 0 else 'Allocator reuse'}: {run['text'].splitlines()[0]}."
+             for i, run in enumerate(runs)]
+    lines = ["| piece | ms | of which system | ms, allocator reuse | of which system, allocator reuse |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {piece} | {ms} | {system} | {second[piece][0]} | {second[piece][1]} |"
+              for piece, (ms, system) in first.items()]
+    return "\n".join([*notes, "", *lines])
+
+
+#: ``sparse_compressors.py``'s configurations as the page names them
+SPARSE_CONFIGS = {"graddrop": "Gradient Dropping, paper (0.1% random sample, coo32)",
+                  "graddrop-strided": "Gradient Dropping, strided sample (Marian)",
+                  "graddrop-2bit": "Gradient Dropping, 2-bit quantized, delta16",
+                  "adacomp": "AdaComp, binary, paper wire", "adacomp-ternary": "AdaComp, ternary",
+                  "adacomp-step0": "AdaComp, first step (dW = G, ~10% sent)"}
+
+
+def _sparse_compressors_table(runs: list[dict[str, Any]]) -> str:
+    """The whole-model rows of ``sparse_compressors.py``: compress + decompress_sum of 4 payloads, torch and fused."""
+    run = runs[0]
+    load = ", ".join(f"{x:.1f}" for x in run["load_after"])
+    lines = [f"Medians of {run['repeats']} repeats; load average (1, 5, 15 min) after the run: {load}.", "",
+             f"| whole MLP (36.8M elements), compress + decompress_sum ×{run['world']} | torch ms | fused ms | "
+             "speed-up (median) | fused / clone |", "| --- | --- | --- | --- | --- |"]
+    for row in run["rows"]:
+        if row["tensor"] == "MLP 36.8M":
+            lines.append(f"| {SPARSE_CONFIGS.get(row['config'], row['config'])} | {row['torch_ms']:.1f} | "
+                         f"{row['fused_ms']:.1f} | {row['speedup']:.1f}x | {row['fused_per_clone']:.2f} |")
+    return "\n".join(lines)
+
+
+#: the CPU kernels judged against a target, and the hook's decode of 4 payloads, as the page names them
+KERNEL_ROWS = {"terngrad compress": "TernGrad compress (statistic + ternarize + pack, as the hook calls it)",
+               "terngrad decode": "TernGrad decode (into a new tensor)",
+               "terngrad decode into out": "TernGrad decode into a reused buffer",
+               "terngrad mean x4 into out": "TernGrad decode, sum and average of 4 payloads into the bucket "
+                                            "(what the hook runs)",
+               "graddrop select": "Gradient Dropping select (\\|x\\| > t, compaction)",
+               "adacomp select": "AdaComp select (bin max + selection, one pass)"}
+
+
+def _kernel_repeats(log: str) -> dict[str, list[tuple[float, float]]]:
+    """Per kernel, (fused/mem, fused/clone) of each run in a log of ``kernels.py --sizes 1M`` runs."""
+    found: dict[str, list[tuple[float, float]]] = {}
+    for line in log.splitlines():
+        left = re.sub(r"(ok|MISS) \d+%/\w+", "", line.split("|")[0]).split()
+        if "1M" in left[1:] and left[0] != "command:":
+            size = left.index("1M")
+            found.setdefault(" ".join(left[:size]), []).append((float(left[size + 5]), float(left[-2])))
+    return found
+
+
+def _kernels_table(runs: list[dict[str, Any]]) -> str:
+    """The kernels against their targets: median ratio per size, and at 1M the range over the repeated runs."""
+    run, log = runs
+    repeats = _kernel_repeats(log["text"])
+    sizes = sorted({row["size"] for row in run["rows"]})
+    lines = [f"Memory-copy bandwidth of this run: {run['memory_copy_gbps']:.2f} GB/s; load average "
+             f"{run['load_after']:.1f} after the run.", "",
+             "| kernel | target | against | " + " | ".join(
+                 f"{s // 2**20}M (repeats)" if s == 2**20 else f"{s // 2**20}M" for s in sizes) + " |",
+             "| --- | --- | --- |" + " --- |" * len(sizes)]
+    for kernel, label in KERNEL_ROWS.items():
+        mine = {row["size"]: row for row in run["rows"] if row["kernel"] == kernel}
+        against = next(iter(mine.values()))["target_against"] or "mem"
+        target = next(iter(mine.values()))["target"]
+        cells = []
+        for size in sizes:
+            fused = mine[size]["fused"]
+            ratio = fused["ratio_memory"] if against == "mem" else fused["ratio_clone"]
+            cell = f"{ratio:.2f}"
+            if size == 2**20 and repeats.get(kernel) and target is not None:
+                again = [mem if against == "mem" else clone for mem, clone in repeats[kernel]]
+                cell += f" ({min(again):.2f}-{max(again):.2f})"
+            cells.append(cell)
+        shown = f"≥ {target:.2f}" if target is not None else ""
+        lines.append(f"| {label} | {shown} | {against} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _rate_text(bits_per_second: float) -> str:
+    return f"{bits_per_second / 1e9:g} Gbit/s" if bits_per_second >= 1e9 else f"{bits_per_second / 1e6:g} Mbit/s"
+
+
+def _emulator_allreduce_table(runs: list[dict[str, Any]]) -> str:
+    """One all-reduce through the emulated-cluster launcher per cluster (the slowest rank's time, from the stored
+    log of each command) against the cost model's ring all-reduce at the configured rates, alpha = 100 us."""
+    from lightning_gradcomp.costmodel import Link, Network, parse_rate, ring_allreduce_seconds
+
+    lines = [*(f"{note}." for note in runs[0]["notes"]), "",
+             "| cluster | measured (slowest rank) | predicted | error |", "|---|---|---|---|"]
+    for section in runs[0]["text"].split("\n== ")[1:]:
+        command, _, output = section.partition("\n")
+        option = dict(re.findall(r"--([\w-]+) (\S+)", command))
+        numel = int(re.search(r"NUMEL=(\d+)", command).group(1))  # type: ignore[union-attr]
+        nproc, sites = int(option["nproc"]), int(option.get("sites", 1))
+        seconds = max(float(x) for x in re.findall(r"RESULT rank=\d+ value=\S+ seconds=(\S+)", output))
+        lan = Link(parse_rate(option["bandwidth"]), 100e-6)
+        wan = Link(parse_rate(option["wan-bandwidth"]), 100e-6) if sites > 1 else None
+        predicted = ring_allreduce_seconds(4 * numel, nproc, Network(lan, sites, wan))
+        inside = _rate_text(lan.bandwidth)
+        cluster = (f"{nproc} ranks, {inside}" if wan is None else
+                   f"{nproc} ranks, {sites} sites ({inside} inside, {_rate_text(wan.bandwidth)} between)")
+        ring = " (flat ring at the WAN's pace)" if sites > 1 else ""
+        lines.append(f"| {cluster} | {seconds:.3f} s | {predicted:.3f} s{ring} | {100 * (seconds / predicted - 1):+.0f}% |")
+    return "\n".join(lines)
+
+
+def _weightgrad_variants_table(runs: list[dict[str, Any]]) -> str:
+    """WeightGrad's row of each stored ``weightgrad_wan.py --strategies weightgrad --wg ...`` run, one per variant."""
+    lines = ["| command (`python benchmarks/weightgrad_wan.py --nproc 4 --sites 2 --strategies weightgrad --wg ...`) | "
+             "time to target (s) | epochs | WAN rounds | final acc | rank-0 WAN bytes/step | rank-0 LAN bytes/step |",
+             "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        # the shell quotes an option holding a Python string literal (the stored command lost them)
+        options = " ".join(f'"{o}"' if "'" in o else o for o in run["command"].partition("--wg ")[2].split())
+        _, time_s, _, epochs, _, rounds, acc, wan, lan = _table_rows(run["table"])[0]
+        lines.append(f"| `{options}` | {time_s} | {epochs} | {rounds} | {acc} | {wan} | {lan} |")
+    return "\n".join(lines)
+
+
+def _diloco_reference_table(reference: str) -> Callable[[list[dict[str, Any]]], str]:
+    def render(runs: list[dict[str, Any]]) -> str:
+        from benchmarks.lm import summarize
+
+        return summarize(runs, reference)
+
+    return render
+
+
+def _outer_step(run: dict[str, Any]) -> dict[str, Any]:
+    """The run's outer optimizer settings: its recipe's, then its command's overrides."""
+    import yaml
+
+    recipe = yaml.safe_load((ROOT / run["recipe"]).read_text())
+    settings = {k: v for k, v in recipe["trainer"]["strategy"]["init_args"].items() if k.startswith("outer_")}
+    for override in run["overrides"]:
+        found = re.match(r"--trainer\.strategy\.init_args\.(outer_\w+)=(.*)$", override)
+        if found:
+            settings[found.group(1)] = yaml.safe_load(found.group(2))
+    return settings
+
+
+def _dense(run: dict[str, Any]) -> bool:
+    """Whether the run sends fp32 pseudo-gradients (DiLoCo's own recipe) or is DDP."""
+    return run["recipe"] in ("recipes/diloco/gpt_stdlib_diloco.yaml", "recipes/diloco/gpt_stdlib_ddp.yaml")
+
+
+def _outer_label(run: dict[str, Any]) -> str:
+    if run["outer_rounds"] == 0:
+        return "(DDP)"
+    outer = _outer_step(run)
+    if outer.get("outer_nesterov"):
+        return f"Nesterov {outer['outer_lr']} / {outer['outer_momentum']}"
+    if _dense(run) and outer.get("outer_lr") == 1.0 and not outer.get("outer_momentum"):
+        return "averaging"
+    momentum = outer.get("outer_momentum")
+    return f"SGD lr {outer.get('outer_lr')}, {f'momentum {momentum}' if momentum else 'no momentum'}"
+
+
+def _sites_bytes(run: dict[str, Any]) -> str:
+    return f"{run['bytes_per_step']:,.0f} ({run['fp32_bytes_per_step'] / run['bytes_per_step']:.0f}x)"
+
+
+def _versus(run: dict[str, Any], other: dict[str, Any] | None) -> str:
+    if other is None or other is run:
+        return ""
+    return f"{100 * (run['final_val_loss'] / other['final_val_loss'] - 1):+.1f}% (`{other['label']}`)"
+
+
+def _diloco_gap_table(runs: list[dict[str, Any]]) -> str:
+    """DiLoCo at H = 1 to 50 with averaging or Nesterov, and SparseLoCo with more rounds: each run against DDP at the
+    same batch, compressed runs also against the better fp32 DiLoCo at the same H."""
+    ddp = {r["tokens_per_step"]: r for r in runs if r["outer_rounds"] == 0}
+    lines = ["| run | H | outer step | final val loss | vs DDP at the same batch | vs the better fp32 DiLoCo at the "
+             "same H | bytes between sites per step (fp32 DDP / bytes) | command |", "|---" * 8 + "|"]
+    for run in runs:
+        h = run["steps"] // run["outer_rounds"] if run["outer_rounds"] else "-"
+        dense = [r for r in runs if _dense(r) and r["outer_rounds"] == run["outer_rounds"] and r["outer_rounds"]
+                 and r["tokens_per_step"] == run["tokens_per_step"]]
+        best = None if _dense(run) or not dense else min(dense, key=lambda r: r["final_val_loss"])
+        lines.append(f"| {run['label']} | {h} | {_outer_label(run)} | {run['final_val_loss']:.4f} | "
+                     f"{_versus(run, ddp.get(run['tokens_per_step']))} | {_versus(run, best)} | {_sites_bytes(run)} | "
+                     f"`{run['command']}` |")
+    return "\n".join(lines)
+
+
+def _warm_start(run: dict[str, Any]) -> int:
+    """The DDP steps of the checkpoint the run started from."""
+    weights = next(o for o in run["overrides"] if "init_weights=" in o)
+    return int(re.search(r"(?:step=|ddp_)(\d+)", weights).group(1))  # type: ignore[union-attr]
+
+
+def _diloco_warm_table(runs: list[dict[str, Any]]) -> str:
+    """DDP and DiLoCo from the same dense checkpoint: each run against DDP from that start, compressed
+    pseudo-gradients also against fp32 DiLoCo at the same H from that start."""
+    lines = ["| start | run | final val loss | vs DDP from the same start | vs fp32 DiLoCo from the same start | "
+             "bytes between sites per step (fp32 DDP / bytes) | outer rounds |", "|---" * 7 + "|"]
+    for run in runs:
+        start = _warm_start(run)
+        ddp = next(r for r in runs if r["outer_rounds"] == 0 and _warm_start(r) == start)
+        fp32 = None if _dense(run) else next(
+            (r for r in runs if _dense(r) and _warm_start(r) == start and r["outer_rounds"] == run["outer_rounds"]
+             and r["overrides"] == [o for o in r["overrides"] if "init_weights=" in o or "sync_every" in o]), None)
+        lines.append(f"| DDP, {start} steps | {run['label']} | {run['final_val_loss']:.4f} | {_versus(run, ddp)} | "
+                     f"{_versus(run, fp32)} | {_sites_bytes(run)} | {run['outer_rounds']} |")
     return "\n".join(lines)
 
 
@@ -305,6 +597,68 @@ TABLES = [
           _emulated("1gbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 1gbit"),
     Table("diloco-emulated-100mbit", _emulated_runs("diloco", "100mbit"),
           _emulated("100mbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 100mbit"),
+]
+
+
+#: the 2-core VM of ``docs/benchmarks.md``, for the stored logs that do not name their machine
+VM = "the 2-core VM of docs/benchmarks.md (not recorded in the file)"
+#: the stored ``weightgrad_wan.py --strategies weightgrad --wg ...`` runs, one file per variant
+WEIGHTGRAD_VARIANTS = ["staleness1", "staleness1_eq13", "element"]
+DILOCO_GAP = [("diloco", "ddp"), ("diloco_sweep", "ddp_b32"), ("diloco_sparse", "diloco_h1_avg"),
+              ("diloco_sparse", "diloco_h1_avg_b32"), ("diloco_sparse", "diloco_h5_avg"), ("diloco_sparse", "diloco_h5"),
+              ("diloco_sparse", "diloco_h10_avg"), ("diloco", "diloco_h10"), ("diloco", "diloco_h50"),
+              ("diloco_sparse", "sparseloco_h5"), ("diloco_sparse", "sparseloco_h10"),
+              ("diloco_sparse", "sparseloco_h10_3pct_dense1d")]
+DILOCO_VALUES = ["diloco_h50", "sparseloco_h50", "sparseloco_dense1d", "chunk_dct_k64", "chunk_dct_c16_k4",
+                 "chunk_dct_k64_nesterov"]
+DILOCO_WARM = ["ddp_warm", "h50_warm", "h50_warm_lr2e-3", "h10_warm", "int8_h50_warm", "terngrad_h50_warm",
+               "terngrad_b64_h50_warm", "ddp_warm2000", "h50_warm2000"]
+
+TABLES += [
+    Table("link-probe", lambda: [RESULTS / "step_time.json"], _link_probe_table,
+          "python tools/results_tables.py --only link-probe"),
+    Table("hook-breakdown", lambda: [RESULTS / "hook_breakdown_shared.log"], _hook_breakdown_table,
+          "python tools/results_tables.py --only hook-breakdown",
+          produced="python -m gradcomp_lab.emulate --nproc 4 --bandwidth 1gbit -- python benchmarks/hook_breakdown.py "
+                   "--batch 8 --strategies ddp terngrad terngrad:ignore", machine=VM),
+    Table("hook-alone", lambda: [RESULTS / "hook_alone_default.log", RESULTS / "hook_alone_malloc_reuse.log"],
+          _hook_alone_table, "python tools/results_tables.py --only hook-alone",
+          produced="python benchmarks/hook_breakdown.py --alone --batch 8 --world 4 (the second with "
+                   "MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ at 2**30, as step_time.py --malloc-reuse)",
+          machine=VM),
+    Table("hook-overhead", lambda: [RESULTS / "hook_overhead/cpu_n1_n2.md"], _stored_table,
+          "python tools/results_tables.py --only hook-overhead"),
+    Table("scatter-ops", lambda: [RESULTS / "micro/scatter_ops.md"], _stored_table,
+          "python tools/results_tables.py --only scatter-ops"),
+    Table("powersgd-products", lambda: [RESULTS / "micro/powersgd_products.md"],
+          _selected_rows(lambda cells: cells[1] in ("2 x 1024 x 1024", "")),
+          "python tools/results_tables.py --only powersgd-products"),
+    Table("sparse-compressors", lambda: [RESULTS / "sparse_compressors.json"], _sparse_compressors_table,
+          "python tools/results_tables.py --only sparse-compressors"),
+    Table("kernels-cpu", lambda: [RESULTS / "kernels.json", RESULTS / "kernels_1m_repeats.log"], _kernels_table,
+          "python tools/results_tables.py --only kernels-cpu"),
+    Table("onebit-momentum", lambda: [RESULTS / "micro/onebit_momentum.md"], _stored_table,
+          "python tools/results_tables.py --only onebit-momentum", machine=VM),
+    Table("reliability-overhead", lambda: [RESULTS / "micro/reliability_overhead.md"], _stored_table,
+          "python tools/results_tables.py --only reliability-overhead"),
+    Table("emulator-allreduce", lambda: [RESULTS / "emulator_allreduce.log"], _emulator_allreduce_table,
+          "python tools/results_tables.py --only emulator-allreduce", machine=VM),
+    Table("baselines", lambda: [RESULTS / "baselines/digits_5_epochs.md"], _stored_table,
+          "python tools/results_tables.py --only baselines"),
+    Table("weightgrad-loopback", lambda: [RESULTS / "weightgrad/loopback.md"], _stored_table,
+          "python tools/results_tables.py --only weightgrad-loopback"),
+    Table("weightgrad-variants", lambda: [RESULTS / f"weightgrad/loopback_{name}.md" for name in WEIGHTGRAD_VARIANTS],
+          _weightgrad_variants_table, "python tools/results_tables.py --only weightgrad-variants"),
+    Table("weightgrad-emulated", lambda: [RESULTS / "weightgrad/emulated.md"], _stored_table,
+          "python tools/results_tables.py --only weightgrad-emulated"),
+    Table("monitor-overhead", lambda: [RESULTS / "monitor/overhead.md"], _stored_table,
+          "python tools/results_tables.py --only monitor-overhead"),
+    Table("diloco-values", lambda: [RESULTS / "diloco_sparse" / f"{label}.json" for label in DILOCO_VALUES],
+          _diloco_reference_table("diloco_h50"), "python tools/results_tables.py --only diloco-values"),
+    Table("diloco-gap", lambda: [RESULTS / folder / f"{label}.json" for folder, label in DILOCO_GAP],
+          _diloco_gap_table, "python tools/results_tables.py --only diloco-gap"),
+    Table("diloco-warm", lambda: [RESULTS / "diloco_warm" / f"{label}.json" for label in DILOCO_WARM],
+          _diloco_warm_table, "python tools/results_tables.py --only diloco-warm"),
 ]
 
 
