@@ -1,6 +1,9 @@
 import pytest
 import torch
 
+# memoizes Lightning's entry-point scan for every Trainer this process builds (tests/harness.py says why)
+import tests.harness  # noqa: F401
+
 # One intra-op thread per test process: spawned ranks use one each too, and on 2 cores more threads only
 # contend (a tiny LeNet ran ~40x slower with 2 threads under load).
 torch.set_num_threads(1)

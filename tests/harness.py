@@ -5,6 +5,8 @@ loopback. A hung run is killed (Gloo can ignore SIGTERM), and the test fails wit
 """
 
 import faulthandler
+import functools
+import importlib.metadata
 import os
 import pickle
 import socket
@@ -16,6 +18,28 @@ from typing import Any
 from unittest import mock
 
 import torch.multiprocessing as mp
+
+
+@functools.cache
+def _entry_points(group: str) -> importlib.metadata.EntryPoints:
+    return importlib.metadata.entry_points(group=group)
+
+
+def memoize_lightning_entry_points() -> None:
+    """Scan the installed distributions' entry points once per process instead of at every ``Trainer(...)``.
+
+    Lightning's ``Trainer.__init__`` looks up external callback factories with ``importlib.metadata.entry_points``,
+    which parses the entry points of every installed distribution (some hundred here): over half of a tiny model's
+    fit, and the suite builds thousands of Trainers. Nothing is installed while the tests run, so the answer per
+    group is fixed; the factories it names are still loaded and called by every Trainer, as without this.
+    """
+    from lightning.fabric.utilities import registry
+
+    registry.entry_points = _entry_points  # type: ignore[attr-defined]
+
+
+# in every test process and in the fork server (PRELOAD), so every rank forked from it starts with the scan cached
+memoize_lightning_entry_points()
 
 
 def free_port() -> int:
