@@ -1,6 +1,10 @@
 import pytest
 import torch
 
+from tests.harness import freeze_imported_objects
+
+# (importing tests.harness also memoizes Lightning's entry-point scan for every Trainer this process builds)
+
 # One intra-op thread per test process: spawned ranks use one each too, and on 2 cores more threads only
 # contend (a tiny LeNet ran ~40x slower with 2 threads under load).
 torch.set_num_threads(1)
@@ -18,3 +22,8 @@ def _compiled_kernels() -> None:
     from lightning_gradcomp import kernels
 
     kernels.fused_available()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every test module is imported now: keep what they and the library hold out of full garbage collections."""
+    freeze_imported_objects()

@@ -6,10 +6,9 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import pytest
-import torch.multiprocessing as mp
 
 from tests.distributed.reliability_ranks import survivor_run, unused_layer_run
-from tests.harness import _worker, free_port
+from tests.harness import _context, _worker, free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -22,9 +21,10 @@ HARD_TIMEOUT_S = 120.0 + EXIT_WITHIN_S
 def collect_reports(
     fn: Callable[..., Any], world_size: int, args: tuple, wanted: int, context: Optional[Any] = None
 ) -> dict[int, tuple[str, object]]:
-    """Start ``world_size`` ranks of ``fn`` (spawned, or from ``context``, e.g. the harness's fork server); collect
-    the first ``wanted`` ranks' reports under a hard timeout."""
-    ctx = context if context is not None else mp.get_context("spawn")
+    """Start ``world_size`` ranks of ``fn`` (forked from the harness's fork server, or from ``context``); collect the
+    first ``wanted`` ranks' reports under a hard timeout."""
+    # the fork server's preloaded imports: a spawned rank would import torch and Lightning anew (seconds of CPU each)
+    ctx = context if context is not None else _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [

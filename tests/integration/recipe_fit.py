@@ -36,6 +36,7 @@ from lightning_gradcomp import DiLoCoStrategy, GradCompStrategy, ShardedDiLoCoSt
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.towers import TowerStrategy
 from lightning_gradcomp.weightgrad import WeightGradStrategy
+from tests.harness import freeze_imported_objects, memoize_lightning_entry_points
 from tests.integration.recipe_data import ROOT, data_overrides
 
 #: every fit: CPU, every rank of this launch on one node, a couple of training and validation batches, quiet
@@ -108,6 +109,9 @@ def _replicas(recipe: str, cli: GradCompCLI) -> str:
 
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
+    # each fit's Trainer and gc.collect() below: cheap, with the imported modules out of the collector's way
+    memoize_lightning_entry_points()
+    freeze_imported_objects()
     data_root = Path(argv[0])
     rank = int(os.environ.get("RANK", "0"))
     for spec in argv[1:]:

@@ -126,5 +126,5 @@ def test_ci_lints_and_type_checks_the_library_after_the_install() -> None:
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     install = next(i for i, line in enumerate(ci) if line.startswith("python3 -m venv .venv && "))
     ruff = "ruff check lightning_gradcomp gradcomp_lab tests benchmarks tools examples docs"  # the tests and scripts too
-    steps = [ci.index(step) for step in ('pip install -e ".[lint]"', ruff, "mypy")]
+    steps = [ci.index(step) for step in ('pip install -e ".[lint,docs]"', ruff, "mypy")]
     assert install < steps[0] < steps[1] < steps[2] < ci.index("python -m pytest -q tests")
