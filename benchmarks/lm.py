@@ -105,12 +105,13 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
     start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     wall = time.perf_counter() - start
-    if cli.trainer.global_rank != 0:
-        return
     if not recorder.curve or recorder.curve[-1][0] != cli.trainer.global_step:
+        # every rank: validation runs collectives (a run whose last step is not a validation step)
         cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
         recorder.curve.append((cli.trainer.global_step, float(cli.trainer.callback_metrics["val_loss"])))
         recorder.train_seconds.append(sum(recorder.seconds))
+    if cli.trainer.global_rank != 0:
+        return
     params = sum(p.numel() for p in cli.model.parameters() if p.requires_grad)
     data = cli.datamodule
     result = {
