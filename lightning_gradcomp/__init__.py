@@ -56,7 +56,7 @@ ShardedGradCompStrategy.register_strategies(None)
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES  # noqa: E402
 
-from lightning_gradcomp.fabric import GradCompFabricStrategy, register_trainer_only_names  # noqa: E402
+from lightning_gradcomp.fabric import GradCompFabricStrategy, PresetFabricStrategy, register_trainer_only_names  # noqa: E402
 
 register_strategies(GradCompFabricStrategy, _FABRIC_STRATEGIES)
 _register_presets(_FABRIC_STRATEGIES, fabric=True)
@@ -81,6 +81,7 @@ __all__ = [
     "GradCompState",
     "GradCompStrategy",
     "OneBitAdamStrategy",
+    "PresetFabricStrategy",
     "PresetStrategy",
     "ShardedGradCompStrategy",
     "TowerStrategy",

@@ -267,7 +267,7 @@ class PresetFabricStrategy(GradCompFabricStrategy):
         **kwargs: :class:`GradCompFabricStrategy`'s options, except ``compressor``.
     """
 
-    def __init__(self, preset: str = "terngrad_lm", **kwargs: Any) -> None:
+    def __init__(self, preset: str, **kwargs: Any) -> None:
         from lightning_gradcomp import presets
 
         self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__)

@@ -34,10 +34,14 @@ from lightning_gradcomp.compressors.graddrop import GradientDropping
 from lightning_gradcomp.compressors.qsgd import QSGD
 from lightning_gradcomp.compressors.terngrad import TernGrad
 
+__all__ = ["PAPER_DEFAULTS", "PRESETS", "Measurement", "PaperDefault", "Preset", "embedding_names", "get_preset",
+           "measure", "paper_default_name", "paper_default_warning", "preset_compressor", "preset_names", "register",
+           "total_bytes"]
+
 #: suffix of every preset's strategy name
 SUFFIX = "_lm"
 #: where the measurements are described, for messages
-WHERE = "the LM benchmark (docs/transformers.md: a GPT, 4 ranks, 2000 steps)"
+WHERE = "the LM benchmark (docs/transformers.md: a GPT on 4 ranks)"
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,9 @@ class Measurement:
 
     Attributes:
         runs: ``(run, DDP run)`` labels of the stored runs under ``benchmarks/results/lm_long/``, one pair per seed
-            (DDP at the same seed and learning-rate warm-up), seed 0 first.
+            (DDP at the same seed and learning-rate warm-up), seed 0 first. A preset's runs include those of the
+            settings search with the same options spelt out: its registered name reproduces them bit for bit
+            (``benchmarks/results/lm_presets_check/``, checked by ``tests/unit/test_presets.py``).
         gap: the mean over the pairs of ``final_val_loss / DDP's - 1``, in percent, rounded to 0.1.
         bytes_ratio: fp32 DDP's bytes over this setting's, over the whole run (dense steps included), seed 0's run,
             rounded to 0.1.
@@ -61,10 +67,10 @@ class Measurement:
     measured_with: str = ""
 
     def describe(self) -> str:
-        """``"+10.6 % (1 seed) at 15.9x fewer bytes"``."""
+        """``"+10.6 % (1 seed; 15.9x fewer bytes)"``."""
         seeds = len(self.runs)
         spread = "1 seed" if seeds == 1 else f"mean of {seeds} seeds"
-        return f"{self.gap:+.1f} % ({spread}) at {self.bytes_ratio:.1f}x fewer bytes"
+        return f"{self.gap:+.1f} % ({spread}; {self.bytes_ratio:.1f}x fewer bytes)"
 
 
 @dataclass(frozen=True)
@@ -129,25 +135,25 @@ _DDP300 = ("ddp_warm300", "ddp_warm300_seed1", "ddp_warm300_seed2", "ddp_warm300
 PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("terngrad_lm", "terngrad", TernGrad, {"clip_factor": 1.0, "bucket_size": 64}, float_embeddings=True,
            recipe="recipes/lm/gpt_small_terngrad_b64.yaml",
-           measured=Measurement((("terngrad_lm", _DDP[0]), ("terngrad_fp32emb_clip1_b64_seed1", _DDP[1]),
+           measured=Measurement((("terngrad_fp32emb_clip1_b64", _DDP[0]), ("terngrad_fp32emb_clip1_b64_seed1", _DDP[1]),
                                  ("terngrad_fp32emb_clip1_b64_seed2", _DDP[2])), 1.1, 4.3,
                                 "a scaler per 64 elements, clipping at 1 sigma, embeddings in fp32")),
     Preset("qsgd_lm", "qsgd", QSGD, {"levels": 31}, recipe="recipes/lm/gpt_small_qsgd31.yaml",
-           measured=Measurement((("qsgd_lm", _DDP[0]), ("qsgd_s31_seed1", _DDP[1]), ("qsgd_lm_seed2", _DDP[2])),
-                                0.0, 5.3, "31 levels")),
+           measured=Measurement((("qsgd_s31", _DDP[0]), ("qsgd_s31_seed1", _DDP[1]), ("qsgd_lm_seed2", _DDP[2])),
+                                -0.0, 5.3, "31 levels")),
     Preset("graddrop_lm", "graddrop", GradientDropping, {"drop_ratio": 0.8, "scope": "global"}, dense_steps=100,
            recipe="recipes/lm/gpt_small_graddrop08.yaml",
-           measured=Measurement((("graddrop_lm", _DDP[0]), ("graddrop_0.8_global_dense100_seed1", _DDP[1]),
-                                 ("graddrop_lm_seed2", _DDP[2])), 0.0, 2.3,
+           measured=Measurement((("graddrop_0.8_global_dense100", _DDP[0]), ("graddrop_0.8_global_dense100_seed1", _DDP[1]),
+                                 ("graddrop_lm_seed2", _DDP[2])), 1.2, 2.3,
                                 "drop ratio 0.8, one global threshold, 100 dense steps")),
     Preset("demo_lm", "demo", DeMo, {"chunk": 16, "topk": 8, "index_dtype": "uint8"},
            recipe="recipes/lm/gpt_small_demo_c16_k8.yaml",
-           measured=Measurement((("demo_lm", _DDP300[0]), ("demo_c16_k8_u8_lr7e-3_warm300_seed1", _DDP300[1]),
+           measured=Measurement((("demo_c16_k8", _DDP300[0]), ("demo_c16_k8_u8_lr7e-3_warm300_seed1", _DDP300[1]),
                                  ("demo_c16_k8_u8_lr7e-3_warm300_seed2", _DDP300[2]),
                                  ("demo_c16_k8_seed3", _DDP300[3]), ("demo_c16_k8_seed4", _DDP300[4])), 1.8, 20.9,
                                 "16x16 chunks, top-8, one-byte indices",
-                                measured_with="SignSGD at lr 0.007 with 300 warm-up steps (DDP: AdamW, the same "
-                                              "warm-up)")),
+                                measured_with="SignSGD at lr 0.007 and 300 warm-up steps, against AdamW DDP "
+                                              "with the same warm-up")),
 ]}
 
 PAPER_DEFAULTS: dict[str, PaperDefault] = {
@@ -245,19 +251,19 @@ def paper_default_warning(compressor: Compressor, optimizers: Sequence[torch.opt
         return None
     entry = PAPER_DEFAULTS[name]
     paper = entry.measured
-    with_what = f" with {paper.measured_with}" if paper.measured_with else ""
-    head = (f"Expected a compressor setting measured to reach AdamW DDP's loss with {' and '.join(adams)}, but got "
-            f"strategy={name!r}: {type(compressor).__name__} at the paper's defaults, which measured "
-            f"{paper.describe()}{with_what}, in validation loss over AdamW DDP after 2000 steps on {WHERE}.")
+    with_what = f" (with {paper.measured_with})" if paper.measured_with else ""
+    head = (f"Expected a compressor setting measured to reach DDP's loss with {' and '.join(adams)}, but got "
+            f"strategy={name!r}: {type(compressor).__name__} at the paper's defaults{with_what}, which ended "
+            f"{paper.describe()} above AdamW DDP's validation loss after 2000 steps on {WHERE}.")
     if entry.preset is not None:
         preset = PRESETS[entry.preset]
         with_what = f" with {preset.measured.measured_with}" if preset.measured.measured_with else ""
-        fix = (f"Fix: strategy={preset.name!r} ({preset.describe()}{with_what}): {preset.measured.describe()}; or "
-               f"pass a customised Compressor instance.")
+        fix = (f"Fix: strategy={preset.name!r} ({preset.describe()}{with_what}): {preset.measured.describe()} above "
+               f"DDP; or pass a customised Compressor instance.")
     else:
         assert entry.best is not None
         fix = (f"No setting within 2 % of DDP was found; the best measured is {entry.best.setting}: "
-               f"{entry.best.describe()}. Fix: try that setting (a Compressor instance with its options), or "
+               f"{entry.best.describe()} above DDP. Fix: try that setting (a Compressor instance with its options), or "
                f"another compressor with a preset: {preset_names()}.")
     return f"{head} {fix}"
 

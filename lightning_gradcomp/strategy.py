@@ -257,7 +257,7 @@ class PresetStrategy(GradCompStrategy):
 
     strategy_name = "gradcomp_preset"
 
-    def __init__(self, preset: str = "terngrad_lm", **kwargs: Any) -> None:
+    def __init__(self, preset: str, **kwargs: Any) -> None:
         self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__)
         super().__init__(**{**kwargs, "compressor": compressor})
 

@@ -34,8 +34,8 @@ def test_paper_default_with_adamw_warns_once_on_rank_0_and_presets_do_not() -> N
     terngrad = PAPER_DEFAULTS["terngrad"].measured
     lm = PRESETS["terngrad_lm"].measured
     # the measured gap and the preset that closes it, with the preset's own numbers (from presets.py's one table)
-    assert f"{terngrad.gap:+.1f} %" in warning and f"{terngrad.bytes_ratio:.1f}x" in warning, warning
-    assert "strategy='terngrad_lm'" in warning and f"{lm.gap:+.1f} % (mean of 3 seeds)" in warning, warning
+    assert f"{terngrad.gap:+.1f} % (1 seed; {terngrad.bytes_ratio:.1f}x fewer bytes)" in warning, warning
+    assert "strategy='terngrad_lm'" in warning and lm.describe() in warning and "(mean of 3 seeds;" in warning
     assert warning.startswith("Expected ") and "Fix:" in warning
     for run in (preset, sgd, custom, graddrop, fabric_preset):
         assert _gap_warnings(run) == [], run["warnings"]

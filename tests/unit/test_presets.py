@@ -63,6 +63,16 @@ def test_preset_numbers_are_the_stored_runs(name: str) -> None:
     assert len(preset.measured.runs) >= 3
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_registered_name_reproduces_the_stored_seed_0_run(name: str) -> None:
+    # the first 500 steps through the name (the 2000-step schedule) against the stored run of the same options
+    check = json.loads((LONG.parent / "lm_presets_check" / f"{name}.json").read_text())
+    stored = json.loads((LONG / f"{PRESETS[name].measured.runs[0][0]}.json").read_text())
+    assert f"--trainer.strategy={name}" in check["command"] and check["steps"] == 500
+    assert check["val_curve"][0] == stored["val_curve"][0] and check["val_curve"][0][0] == 500  # bit for bit
+    assert check["compressor"] == stored["compressor"]
+
+
 @pytest.mark.parametrize("name", sorted(PAPER_DEFAULTS))
 def test_paper_default_numbers_are_the_stored_runs(name: str) -> None:
     entry = PAPER_DEFAULTS[name]
