@@ -281,6 +281,11 @@ FROZEN_ADAM: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("0/1 Adam", "`var_freeze_step: 300`, `scale_block=64`", [("zero_one_adam_v300_b64", "ddp")]),
     ("0/1 Adam", "`var_freeze_step: 300, var_update_scaler: 128`, `scale_block=64`",
      [("zero_one_adam_v300_s128_b64", "ddp")]),
+    ("0/1 Adam", "`var_freeze_step: 300, var_update_scaler: 300` (dense until the freeze), `scale_block=64`",
+     [("zero_one_adam_v300_s300_b64", "ddp")]),
+    ("0/1 Adam", "`var_freeze_step: 300, var_update_scaler: 128`, `scale_block=64`, weight decay 0.01",
+     [("zero_one_adam_v300_s128_b64_wd001", "ddp"), ("zero_one_adam_v300_s128_b64_wd001_seed1", "ddp_seed1"),
+      ("zero_one_adam_v300_s128_b64_wd001_seed2", "ddp_seed2")]),
 ]
 
 
