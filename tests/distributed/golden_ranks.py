@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
 #: a matrix, a bias, a conv kernel (PowerSGD's 4-D case), a small vector, a larger matrix (several chunks and bins)
 SHAPES = ((64, 32), (32,), (16, 16, 3, 3), (10,), (128, 64))
@@ -106,12 +107,14 @@ class CoefficientModule(pl.LightningModule):
         self.layers = nn.ModuleList(_Layer(s) for s in LAYERS)
         self.optimizer, self.lr = optimizer, lr
 
+    @override
     def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
         params = list(self.parameters())
         shapes = [p.shape for p in params]
         terms = [(p * c).sum() for sample in batch[0].tolist() for p, c in zip(params, coefficients(sample, shapes))]
         return torch.stack(terms).sum()
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=self.lr)
@@ -137,6 +140,10 @@ class EngineRecorder(pl.Callback):
       weights and the outer optimizer's momentum, WeightGrad's unsent updates and thresholds.
 
     and ``bytes_per_step``, the engine's own count of bytes on the (slow) wire per step.
+
+    The outer parts are read at the engine's exchange interface (``OuterExchange.launch``/``wait``, wrapped as
+    pass-throughs) and at WeightGrad's encoder; a refactor that moves them records the same quantities at their
+    new place, and the digests stay.
     """
 
     def __init__(self) -> None:
@@ -155,6 +162,7 @@ class EngineRecorder(pl.Callback):
         setattr(owner, attribute, observed)
         self._restore.append(lambda: setattr(owner, attribute, original))
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy = trainer.strategy
         exchanged = self.digests["exchanged"]
@@ -176,15 +184,18 @@ class EngineRecorder(pl.Callback):
 
             self._observe(quantize, "encode", lambda message, layers: _update(self.digests["payload"], message))
 
+    @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         for p in pl_module.parameters():
             assert p.grad is not None
             _update(self.digests["grads"], p.grad)
 
+    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         for p in pl_module.parameters():
             _update(self.digests["params"], p)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # after FinalOuterRound (the first callback): the parameters every rank leaves fit with
         for restore in self._restore:
