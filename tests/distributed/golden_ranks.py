@@ -237,7 +237,7 @@ class EngineRecorder(pl.Callback):
         return {**digests, "bytes_per_step": self.bytes_per_step}
 
 
-def _engines() -> dict[str, tuple[Callable[[], Any], str, int]]:
+def engine_configs() -> dict[str, tuple[Callable[[], Any], str, int]]:
     """Each engine configuration: its strategy (built on the rank), the inner optimizer, the steps."""
     from lightning_gradcomp import GradCompStrategy
     from lightning_gradcomp.compressors import TopK
@@ -284,8 +284,8 @@ def _fit(strategy: Any, devices: int, optimizer: str, steps: int, batch_size: in
 
 
 def engine_digests(rank: int, world_size: int, names: list[str], lr: float = 0.05) -> dict[str, dict[str, Any]]:
-    """Per engine configuration (:func:`_engines`), this rank's digests of one fit (:class:`EngineRecorder`)."""
-    engines = _engines()
+    """Per engine configuration (:func:`engine_configs`), this rank's digests of one fit (:class:`EngineRecorder`)."""
+    engines = engine_configs()
     return {name: _fit(engines[name][0](), world_size, engines[name][1], engines[name][2], lr=lr) for name in names}
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lightning_gradcomp import registry
-from tests.distributed.golden_ranks import TOWERS, _engines, compressor_digests, engine_digests, tower_digests
+from tests.distributed.golden_ranks import TOWERS, engine_configs, compressor_digests, engine_digests, tower_digests
 from tests.harness import run_ranks
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -92,7 +92,7 @@ def test_every_engine_computes_what_it_computed() -> None:
     """DiLoCo, Streaming DiLoCo, WeightGrad and the hierarchical exchange on 2 sites of 2 Gloo ranks: per rank, the
     gradients, the exchanged pseudo-gradients and means, WeightGrad's WAN messages, the parameters, the error
     feedback and outer state, and the bytes per step are those recorded."""
-    names = list(_engines())
+    names = list(engine_configs())
     digests = run_ranks(engine_digests, ENGINE_WORLD, names, timeout=300.0)
     _check_engines({name: [digests[rank][name] for rank in range(ENGINE_WORLD)] for name in names})
 
