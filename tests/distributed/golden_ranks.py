@@ -13,6 +13,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from lightning_gradcomp.ledger import ByteReport
+
 #: a matrix, a bias, a conv kernel (PowerSGD's 4-D case), a small vector, a larger matrix (several chunks and bins)
 SHAPES = ((64, 32), (32,), (16, 16, 3, 3), (10,), (128, 64))
 
@@ -167,7 +169,7 @@ class EngineRecorder(pl.Callback):
         strategy = trainer.strategy
         exchanged = self.digests["exchanged"]
         # DiLoCo's engine, or WeightGrad's synchronizer (the engine and its own exchange)
-        outer = getattr(strategy, "outer", None) or getattr(strategy, "synchronizer", None)
+        outer: Any = getattr(strategy, "outer", None) or getattr(strategy, "synchronizer", None)
         if outer is not None:
             def launched(flight: Any, fragment: int, pseudo_gradients: list[Tensor], step: int) -> None:
                 for d in pseudo_gradients:
@@ -212,9 +214,10 @@ class EngineRecorder(pl.Callback):
 
         hook_states = [s for s in [getattr(strategy, "comm_state", None)] if s is not None]
         hook_states += list(getattr(strategy, "_states", []))  # TowerStrategy: one hook state per worker
-        outer = getattr(strategy, "outer", None) or getattr(strategy, "synchronizer", None)
-        if getattr(outer, "exchange", None) is not None and hasattr(outer.exchange, "state"):
-            hook_states.append(outer.exchange.state)  # DiLoCo's outer exchange: error feedback of the leaders
+        outer: Any = getattr(strategy, "outer", None) or getattr(strategy, "synchronizer", None)
+        exchange = getattr(outer, "exchange", None)
+        if exchange is not None and hasattr(exchange, "state"):
+            hook_states.append(exchange.state)  # DiLoCo's outer exchange: error feedback of the leaders
         for hook_state in hook_states:
             named(hook_state.memory.residuals)
         if outer is not None:
@@ -228,6 +231,7 @@ class EngineRecorder(pl.Callback):
         significance = getattr(outer, "significance", None)
         if significance is not None:
             named({n: significance.threshold_of(n) for n in outer.names})
+        assert isinstance(strategy, ByteReport)
         self.bytes_per_step = float(strategy.bytes_per_step())
 
     def result(self) -> dict[str, Any]:
