@@ -482,11 +482,17 @@ def _emulated_runs(grid: str, wan: str) -> Callable[[], list[Path]]:
     return files
 
 
-def _emulated(wan: str, target: float) -> Callable[[list[dict[str, Any]]], str]:
+def _emulated(wan: str, target: float, grid: str = "") -> Callable[[list[dict[str, Any]]], str]:
+    """``benchmarks/emulated.py --saved``'s table of one WAN rate; with ``grid``, that grid's baseline run and, where
+    the grid shows it, the performance model's prediction from the same runs stored for the other rate."""
     def render(runs: list[dict[str, Any]]) -> str:
-        from benchmarks.emulated import summarize
+        from benchmarks.emulated import GRIDS, predictions, summarize
 
-        return summarize({wan: runs}, target).strip("\n").split("\n", 2)[2]  # the table, without its heading line
+        spec = GRIDS[grid] if grid else None
+        baseline = "ddp" if spec is None else spec.baseline
+        predicted = {wan: predictions(spec.out, wan, runs)} if spec is not None and spec.predicted else None
+        table = summarize({wan: runs}, target, baseline, predicted)
+        return table.strip("\n").split("\n", 2)[2]  # the table, without its heading line
 
     return render
 
@@ -597,6 +603,10 @@ TABLES = [
           _emulated("1gbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 1gbit"),
     Table("diloco-emulated-100mbit", _emulated_runs("diloco", "100mbit"),
           _emulated("100mbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 100mbit"),
+    Table("sharded-emulated-1gbit", _emulated_runs("sharded", "1gbit"), _emulated("1gbit", 2.45, "sharded"),
+          "python benchmarks/emulated.py --grid sharded --saved --target 2.45 --wan 1gbit"),
+    Table("sharded-emulated-100mbit", _emulated_runs("sharded", "100mbit"), _emulated("100mbit", 2.45, "sharded"),
+          "python benchmarks/emulated.py --grid sharded --saved --target 2.45 --wan 100mbit"),
 ]
 
 
