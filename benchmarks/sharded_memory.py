@@ -1,8 +1,8 @@
 """Memory per rank: the sharded strategy (FSDP2, 2 replicas of 2 shards) against our DDP strategy on the same model.
 
 A GPT where the parameters dominate (width 768, 6 blocks: 43M parameters, 2 sequences of 64 tokens per rank),
-AdamW, 4 Gloo ranks on the CPU, a few steps; fp32 (no compression) and Gradient Dropping (error feedback: a residual
-per parameter) under ``GradCompStrategy`` (DDP) and ``ShardedGradCompStrategy(shard_size=2)``. Each run is its own
+AdamW, 4 Gloo ranks on the CPU, a few steps; Gradient Dropping (error feedback: a residual per parameter) under
+``GradCompStrategy`` (DDP) and ``ShardedGradCompStrategy(shard_size=2)``. Each run is its own
 process tree (``--worker``), one after the other. Per rank it measures:
 
 * **held**: the bytes of the tensors the rank holds at its last optimizer step, by kind: parameters (its shards
@@ -15,7 +15,7 @@ process tree (``--worker``), one after the other. Per rank it measures:
   buckets, FSDP2's unsharded parameters and gradients of the unit being computed, activations, the exchange's
   buffers, and the allocator's slack. Linux only.
 
-    python benchmarks/sharded_memory.py            # the 4 runs, then the table (about 5 min on 2 cores)
+    python benchmarks/sharded_memory.py            # the 2 runs, then the table (a few minutes on 2 cores)
     python benchmarks/sharded_memory.py --saved    # the table of the stored runs
 """
 
@@ -36,8 +36,6 @@ sys.path.insert(0, str(ROOT))
 OUT = ROOT / "benchmarks" / "results" / "sharded_memory"
 #: label -> (strategy, compressor)
 RUNS = {
-    "ddp_fp32": ("ddp", "fp32"),
-    "sharded_fp32": ("sharded", "fp32"),
     "ddp_graddrop": ("ddp", "graddrop"),
     "sharded_graddrop": ("sharded", "graddrop"),
 }

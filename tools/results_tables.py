@@ -502,12 +502,6 @@ def _emulated(wan: str, target: float, grid: str = "") -> Callable[[list[dict[st
 _SHARDED_RECIPE = "recipes/lm/gpt_stdlib_sharded_terngrad.yaml"
 _POWERSGD_R4 = ("--trainer.strategy.init_args.compressor=lightning_gradcomp.compressors.PowerSGD"
                 "::--trainer.strategy.init_args.compressor.init_args.rank=4")
-_DEMO = ("--trainer.strategy.init_args.compressor=lightning_gradcomp.compressors.DeMo"
-         "::--trainer.strategy.init_args.compressor.init_args.topk=32"
-         "::--trainer.strategy.init_args.compressor.init_args.chunk=64"
-         "::--trainer.strategy.init_args.compressor.init_args.beta=0.999"
-         "::--trainer.strategy.init_args.compressor.init_args.index_dtype=int16"
-         "::--model.init_args.optimizer=signsgd::--model.init_args.lr=0.0005")
 SHARDED_STATS_RUNS = [
     "--run ddp=recipes/lm/gpt_stdlib_ddp.yaml",
     "--run terngrad_ddp=recipes/lm/gpt_stdlib_terngrad.yaml",
@@ -515,8 +509,6 @@ SHARDED_STATS_RUNS = [
     "--run powersgd_r4_ddp=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy=lightning_gradcomp.GradCompStrategy::"
     + _POWERSGD_R4,
     f"--run powersgd_r4_sharded={_SHARDED_RECIPE}::{_POWERSGD_R4}",
-    "--run demo_ddp=recipes/lm/gpt_stdlib_demo.yaml",
-    f"--run demo_sharded={_SHARDED_RECIPE}::{_DEMO}",
 ]
 
 
