@@ -652,6 +652,8 @@ TABLES = [
     Table("sharded-stats", lambda: [RESULTS / "sharded_stats" / f"{label}.json" for label in _sharded_stats_labels()],
           _sharded_stats_table, "python tools/results_tables.py --only sharded-stats",
           produced=f"python benchmarks/lm.py --out benchmarks/results/sharded_stats {' '.join(SHARDED_STATS_RUNS)}"),
+    Table("sharded-memory", lambda: [RESULTS / "sharded_memory" / f"{label}.json" for label in _sharded_memory_labels()],
+          _sharded_memory_table, "python benchmarks/sharded_memory.py --saved"),
     Table("sharded-emulated-1gbit", _emulated_runs("sharded", "1gbit"), _emulated("1gbit", 2.45, "sharded"),
           "python benchmarks/emulated.py --grid sharded --saved --target 2.45 --wan 1gbit"),
     Table("sharded-emulated-100mbit", _emulated_runs("sharded", "100mbit"), _emulated("100mbit", 2.45, "sharded"),
