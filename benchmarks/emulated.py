@@ -9,6 +9,9 @@ site, the WAN rate between the sites' bridges.
   sites are the emulator's (``site_size=2``): inner DDP over the fast link, the outer round over the slow one.
 * ``--grid sharded``: the language-model benchmark's GPT sharded by FSDP2 inside each site (2 replicas of 2 shards):
   dense HSDP, HSDP with bf16, int8 and TernGrad shards between the sites, and DiLoCo over the shards.
+* ``--grid lm_long``: 1-bit Adam and 0/1 Adam at their measured settings on the 2000-step grid
+  (``recipes/lm/gpt_small_onebit_adam_b64.yaml``, ``gpt_small_zero_one_adam_b64.yaml``), against DDP and bf16 DDP,
+  validated every 100 steps.
 * ``--grid lm``: the per-step compressors on the language-model benchmark's recipes (``recipes/lm``,
   200 steps of 4 x 8 x 128 tokens, validated every 25): plain DDP, bf16 DDP, PowerSGD at ranks 1 and 4, and the
   compressors and settings of ``docs/transformers.md`` that came within a few percent of DDP's loss.
@@ -21,7 +24,9 @@ bracket its first crossing. Needs root (network namespaces).
     sudo python benchmarks/emulated.py --grid lm                        # both WAN rates
     python benchmarks/emulated.py --grid lm --saved --target 2.6
     sudo python benchmarks/emulated.py --grid sharded                   # both WAN rates
-    python benchmarks/emulated.py --grid sharded --saved --target 2.6
+    python benchmarks/emulated.py --grid sharded --saved --target 2.45
+    sudo python benchmarks/emulated.py --grid lm_long                   # both WAN rates
+    python benchmarks/emulated.py --grid lm_long --saved --target 0.8
 
 The sharded grid's tables also give the performance model's prediction of each run's step
 (``gradcomp_lab.perfmodel.predict_from_stored``): from the same run's measured step on the other WAN rate, with that
@@ -81,6 +86,14 @@ GRIDS = {
         "qsgd": ("recipes/lm/gpt_stdlib_qsgd.yaml", []),
         "demo_k64": ("recipes/lm/gpt_stdlib_demo_k64.yaml", []),
     }, ["--trainer.val_check_interval=25"], ROOT / "benchmarks/results/lm_emulated"),
+    # the 2000-step grid (docs/transformers.md), where 1-bit Adam and 0/1 Adam were measured: their recipes, against
+    # AdamW DDP and bf16 DDP; the 200-step benchmark is too short for a method that freezes Adam's variance
+    "lm_long": Grid({
+        "ddp": ("recipes/diloco/gpt_stdlib_ddp.yaml", []),
+        "bf16": ("recipes/diloco/gpt_stdlib_ddp.yaml", ["--trainer.strategy=bf16"]),
+        "onebit_adam": ("recipes/lm/gpt_small_onebit_adam_b64.yaml", []),
+        "zero_one_adam": ("recipes/lm/gpt_small_zero_one_adam_b64.yaml", []),
+    }, ["--trainer.val_check_interval=100"], ROOT / "benchmarks/results/lm_long_emulated"),
     # 2 replicas (sites) of 2 FSDP2 shards: dense HSDP (fp32 through the hook, the bytes of FSDP2's own all-reduce),
     # compressed HSDP, and DiLoCo over the shards with int8 pseudo-gradients every 50 steps
     "sharded": Grid({

@@ -1,29 +1,43 @@
-"""Counts that show how many times the library writes each mechanism down.
+"""Counts that show how many times the library writes each mechanism down (the one-exchange refactor states them
+before and after).
 
-Prints, for the library package ``lightning_gradcomp``:
+Prints, for one checkout of the library package (default: this repository's ``lightning_gradcomp``):
 
 * lines per compressor: every file named after it (its compressor module and twins, its kernels in Python, C++ and
-  Triton);
-* the functions that run a compressor's group step: every function outside ``compressors/`` and ``kernels/`` that
-  calls a compressor's ``compress`` or ``compress_flat`` (the runtime's own callers; the target is one);
-* the places that compute bytes on the wire: every function that multiplies out ``element_size()``, reads a
-  ``.nbytes`` or asks a compressor for ``sent``/``sent_flat`` (the target is the ledger alone);
-* the compressor contract: public methods and class attributes of ``Compressor`` (and the boolean flags among them);
-* the entries at the library's root.
+  Triton), and the lines under ``compressors/`` and ``kernels/`` that belong to no single compressor (the contract,
+  kernels and helpers several compressors share);
+* the functions that perform a group step (the target is one): outside ``compressors/`` and ``kernels/``, every
+  function that itself encodes with a compressor (calls ``compress``, ``compress_flat``, or a multi-round
+  ``exchange``/``exchange_flat``), that reassembles the step from the hook's private pieces outside ``hook.py``
+  (``_prepare``, ``_compress_group``, ``_transform_group``), or that quantizes with a quantizer written outside the
+  ``Compressor`` contract (a public ``*ternary*``/``*quantiz*`` function defined outside ``compressors/`` and
+  ``kernels/``, such as WeightGrad's);
+* the functions that compute bytes on the wire (the target is the ledger alone): every function that derives a
+  byte count from tensor sizes (``numel()``, ``element_size()``, ``.nbytes``) and stores it under a byte name
+  (``nbytes``, ``*_bytes``, ``wan``, ``lan``: a variable, attribute, keyword, or the return of a function so named),
+  hands it to the ledger (``record_*``), sums or tuples packet sizes (``.nbytes``, ``element_size()``), or writes
+  fp32's width by hand (``4 * x.numel()``); the packets' own ``nbytes`` and the sparse formats' size formulas
+  included. A compressor's ``sent``/``sent_flat`` (the decoded contribution, a tensor) and sizes used for layout
+  (offsets, byte-balanced shares, chunks: :data:`LAYOUT_SIZES`) are not bytes on the wire;
+* the compressor contract: public methods and class attributes of ``Compressor`` (the flags among them: those
+  typed ``bool`` or ``Optional[bool]``), and the attributes the runtime reads off a compressor by name
+  (``getattr(compressor, "...", default)``, ``hasattr``) that the contract does not declare;
+* the entries at the library's root (modules, packages, other files).
 
-Usage: ``python tools/architecture_counts.py [--list]`` (``--list`` names every place counted). The counts are
-syntactic (``ast``), so they are exact for what they count and blind to what a call does at run time.
+Usage: ``python tools/architecture_counts.py [--list] [LIBRARY]`` (``--list`` names every place counted); for the
+counts of an older commit, ``git worktree add /tmp/before <commit>`` and pass ``/tmp/before/lightning_gradcomp``.
+The counts are syntactic (``ast``), so they are exact for what they count and blind to what a call does at run time.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-LIBRARY = ROOT / "lightning_gradcomp"
+LIBRARY = Path(__file__).resolve().parent.parent / "lightning_gradcomp"
 
 #: each compressor's file stem: every library file whose name contains it belongs to that compressor
 COMPRESSOR_STEMS = {
@@ -38,23 +52,45 @@ COMPRESSOR_STEMS = {
     "int8": "int8",
 }
 SOURCE_SUFFIXES = (".py", ".cpp", ".h")
-COMPRESS_CALLS = {"compress", "compress_flat"}
-BYTES_CALLS = {"element_size", "sent", "sent_flat"}
+#: where compressors and their kernels live: their own calls are the compressors' inside, not the runtime's
+COMPRESSOR_DIRS = ("compressors", "kernels")
+#: a compressor's encoding entry points (single-round and multi-round)
+ENCODE_CALLS = {"compress", "compress_flat", "exchange", "exchange_flat"}
+#: the hook's group-step pieces: calling them outside ``hook.py`` reassembles the step elsewhere
+HOOK_STEP_PIECES = {"_prepare", "_compress_group", "_transform_group"}
+#: a quantizer's name (bit packing, ``pack_*``/``unpack_*``, is the wire format's, not a quantizer)
+QUANTIZER_NAME = re.compile(r"^(?!(un)?pack_).*(ternary|quantiz)")
+SIZES = frozenset({"numel", "element_size", "nbytes"})
+#: names a byte count is stored under
+BYTE_NAME = re.compile(r"(^|_)(n?bytes|wan|lan)(_|$)")
+#: the ledger's recording methods
+LEDGER_CALLS = re.compile(r"^record")
+#: functions whose byte sizes are of layout, not of the wire (syntactically alike), with the reason
+LAYOUT_SIZES = {
+    "groups.py::Layouts.groups": "input bytes per pipeline chunk",
+    "compressors/terngrad_fused.py::FusedTernGrad._packed_and_scale": "where the scale starts in a packet's payload",
+}
+#: an expression that is a compressor (``compressor``, ``state.compressor``)
+COMPRESSOR_EXPRESSION = re.compile(r"(^|\.)compressor$")
 
 
 @dataclass
 class Counts:
     compressor_lines: dict[str, tuple[int, list[str]]] = field(default_factory=dict)
+    shared_lines: tuple[int, list[str]] = (0, [])
     group_step_functions: list[str] = field(default_factory=list)
     byte_places: list[str] = field(default_factory=list)
     contract_methods: list[str] = field(default_factory=list)
     contract_flags: list[str] = field(default_factory=list)
     contract_attributes: list[str] = field(default_factory=list)
+    undeclared_attributes: list[str] = field(default_factory=list)
     root_entries: list[str] = field(default_factory=list)
+    root_modules: list[str] = field(default_factory=list)
+    root_packages: list[str] = field(default_factory=list)
 
 
-def _library_files() -> list[Path]:
-    return sorted(p for p in LIBRARY.rglob("*") if p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts)
+def _library_files(library: Path) -> list[Path]:
+    return sorted(p for p in library.rglob("*") if p.suffix in SOURCE_SUFFIXES and "__pycache__" not in p.parts)
 
 
 def _lines(path: Path) -> int:
@@ -93,37 +129,124 @@ def _own_nodes(function: ast.AST) -> list[ast.AST]:
     return nodes
 
 
-def _calls_attribute(function: ast.AST, names: set[str]) -> bool:
-    return any(
-        isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
-        for node in _own_nodes(function)
-    )
+def _called_name(node: ast.AST) -> str | None:
+    """The name a call calls (``f(...)``: ``f``; ``x.f(...)``: ``f``), else ``None``."""
+    if not isinstance(node, ast.Call):
+        return None
+    if isinstance(node.func, ast.Attribute):
+        return node.func.attr
+    if isinstance(node.func, ast.Name):
+        return node.func.id
+    return None
 
 
-def _reads_nbytes(function: ast.AST) -> bool:
-    return any(isinstance(node, ast.Attribute) and node.attr == "nbytes" for node in _own_nodes(function))
+def _has_size(node: ast.AST, kinds: frozenset[str] = SIZES) -> bool:
+    """Whether an expression reads a tensor's or record's size: ``x.numel()`` (or a record's ``numel``),
+    ``x.element_size()``, ``x.nbytes`` (those of ``kinds``)."""
+    return any(isinstance(n, ast.Attribute) and n.attr in kinds for n in ast.walk(node))
 
 
-def count() -> Counts:
+def _target_name(node: ast.AST) -> str | None:
+    """The name an assignment stores under (``x``, ``self.x``, ``self.x[i]``: ``x``)."""
+    while isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _is_byte_name(name: str | None) -> bool:
+    return name is not None and bool(BYTE_NAME.search(name))
+
+
+def _performs_group_step(function: ast.AST, in_hook: bool, quantizers: set[str]) -> bool:
+    for node in _own_nodes(function):
+        called = _called_name(node)
+        if called is None:
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and called in ENCODE_CALLS:
+            return True
+        if called in HOOK_STEP_PIECES and not in_hook:
+            return True
+        if called in quantizers:
+            return True
+    return False
+
+
+def _computes_bytes(name: str, function: ast.AST) -> bool:
+    for node in _own_nodes(function):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(_is_byte_name(_target_name(t)) for t in targets) and _has_size(node.value):
+                return True
+        if isinstance(node, ast.Return) and node.value is not None and _is_byte_name(name.rpartition(".")[2]):
+            if _has_size(node.value):
+                return True
+        if isinstance(node, ast.keyword) and _is_byte_name(node.arg) and _has_size(node.value):
+            return True
+        called = _called_name(node)
+        if called is not None and LEDGER_CALLS.match(called) and isinstance(node, ast.Call):
+            if any(_has_size(a) for a in node.args):
+                return True
+        if called in ("sum", "tuple") and isinstance(node, ast.Call):
+            # packet sizes summed or listed per layer
+            if any(_has_size(a, frozenset({"element_size", "nbytes"})) for a in node.args):
+                return True
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            sides = (node.left, node.right)
+            if any(isinstance(s, ast.Constant) and s.value == 4 for s in sides) and any(
+                _has_size(s, frozenset({"numel"})) for s in sides
+            ):
+                return True  # fp32's width written by hand
+    return False
+
+
+def _quantizers(library: Path, files: list[Path]) -> set[str]:
+    """Public module-level quantizers defined outside the compressors and kernels (written beside the contract)."""
+    found: set[str] = set()
+    for path in files:
+        if path.suffix != ".py" or path.relative_to(library).parts[0] in COMPRESSOR_DIRS:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and QUANTIZER_NAME.search(node.name):
+                found.add(node.name)
+    return found
+
+
+def _undeclared_attributes(tree: ast.AST, declared: set[str]) -> set[str]:
+    """Attributes read off a compressor by name (``getattr(<...compressor...>, "x", ...)``, ``hasattr``) that the
+    contract does not declare."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if _called_name(node) in ("getattr", "hasattr") and isinstance(node, ast.Call) and len(node.args) >= 2:
+            owner, attr = node.args[0], node.args[1]
+            if (isinstance(attr, ast.Constant) and isinstance(attr.value, str)
+                    and COMPRESSOR_EXPRESSION.search(ast.unparse(owner)) and attr.value not in declared):
+                found.add(attr.value)
+    return found
+
+
+def _is_flag(annotation: ast.AST | None) -> bool:
+    """``bool`` or ``Optional[bool]`` (a tri-state: ``None`` lets the runtime choose)."""
+    return annotation is not None and ast.unparse(annotation).replace(" ", "") in ("bool", "Optional[bool]", "bool|None")
+
+
+def count(library: Path = LIBRARY) -> Counts:
     counts = Counts()
-    files = _library_files()
+    files = _library_files(library)
+    root = library.parent
+    attributed: set[Path] = set()
     for label, stems in COMPRESSOR_STEMS.items():
         stems = (stems,) if isinstance(stems, str) else stems
         mine = [p for p in files if any(stem in p.name for stem in stems)]
-        counts.compressor_lines[label] = (sum(_lines(p) for p in mine), [str(p.relative_to(ROOT)) for p in mine])
-    for path in files:
-        if path.suffix != ".py":
-            continue
-        relative = path.relative_to(LIBRARY)
-        tree = ast.parse(path.read_text())
-        runtime = relative.parts[0] not in ("compressors", "kernels")
-        for name, function in _functions(tree):
-            where = f"{relative}::{name}"
-            if runtime and _calls_attribute(function, COMPRESS_CALLS):
-                counts.group_step_functions.append(where)
-            if _calls_attribute(function, BYTES_CALLS) or _reads_nbytes(function):
-                counts.byte_places.append(where)
-    base = ast.parse((LIBRARY / "compressors" / "base.py").read_text())
+        attributed.update(mine)
+        counts.compressor_lines[label] = (sum(_lines(p) for p in mine), [str(p.relative_to(root)) for p in mine])
+    shared = [p for p in files if p.relative_to(library).parts[0] in COMPRESSOR_DIRS and p not in attributed]
+    counts.shared_lines = (sum(_lines(p) for p in shared), [str(p.relative_to(root)) for p in shared])
+    quantizers = _quantizers(library, files)
+    base = ast.parse((library / "compressors" / "base.py").read_text())
     for node in ast.walk(base):
         if isinstance(node, ast.ClassDef) and node.name == "Compressor":
             for item in node.body:
@@ -131,43 +254,79 @@ def count() -> Counts:
                     counts.contract_methods.append(item.name)
                 targets: list[tuple[str, ast.AST | None]] = []
                 if isinstance(item, ast.Assign):
-                    targets = [(t.id, item.value) for t in item.targets if isinstance(t, ast.Name)]
+                    targets = [(t.id, None) for t in item.targets if isinstance(t, ast.Name)]
                 elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                    targets = [(item.target.id, item.value)]
-                for attr, value in targets:
+                    targets = [(item.target.id, item.annotation)]
+                for attr, annotation in targets:
                     if attr.startswith("_"):
                         continue
                     counts.contract_attributes.append(attr)
-                    if isinstance(value, ast.Constant) and isinstance(value.value, bool):
+                    if _is_flag(annotation):
                         counts.contract_flags.append(attr)
-    counts.root_entries = sorted(p.name for p in LIBRARY.iterdir() if p.name != "__pycache__")
+    declared = set(counts.contract_methods) | set(counts.contract_attributes)
+    undeclared: set[str] = set()
+    for path in files:
+        if path.suffix != ".py":
+            continue
+        relative = path.relative_to(library)
+        tree = ast.parse(path.read_text())
+        runtime = relative.parts[0] not in COMPRESSOR_DIRS
+        if runtime:
+            undeclared |= _undeclared_attributes(tree, declared)
+        for name, function in _functions(tree):
+            where = f"{relative}::{name}"
+            if runtime and _performs_group_step(function, str(relative) == "hook.py", quantizers):
+                counts.group_step_functions.append(where)
+            if _computes_bytes(name, function) and where not in LAYOUT_SIZES:
+                counts.byte_places.append(where)
+    counts.undeclared_attributes = sorted(undeclared)
+    entries = sorted(p for p in library.iterdir() if p.name != "__pycache__")
+    counts.root_entries = [p.name for p in entries]
+    counts.root_modules = [p.name for p in entries if p.suffix == ".py" and not p.name.startswith("_")]
+    counts.root_packages = [p.name for p in entries if p.is_dir() and (p / "__init__.py").exists()]
     return counts
+
+
+def _modules(places: list[str]) -> int:
+    return len({p.partition("::")[0] for p in places})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("library", nargs="?", type=Path, default=LIBRARY,
+                        help="the library package to count (default: this checkout's lightning_gradcomp)")
     parser.add_argument("--list", action="store_true", help="name every file, function and entry counted")
     args = parser.parse_args()
-    counts = count()
+    counts = count(args.library.resolve())
     print("| what | count |")
     print("| --- | --- |")
     for label, (lines, paths) in counts.compressor_lines.items():
         print(f"| lines of {label} ({len(paths)} files) | {lines} |")
-    print(f"| functions that run a compressor's group step (outside compressors/, kernels/) | "
-          f"{len(counts.group_step_functions)} |")
-    print(f"| functions that compute bytes on the wire | {len(counts.byte_places)} |")
+    print(f"| lines under compressors/ and kernels/ of no single compressor ({len(counts.shared_lines[1])} files) | "
+          f"{counts.shared_lines[0]} |")
+    print(f"| functions that perform a group step (outside compressors/, kernels/; in modules) | "
+          f"{len(counts.group_step_functions)} ({_modules(counts.group_step_functions)}) |")
+    runtime = [p for p in counts.byte_places if p.partition("/")[0] not in COMPRESSOR_DIRS]
+    print(f"| functions that compute bytes on the wire (in modules; of them outside compressors/, kernels/) | "
+          f"{len(counts.byte_places)} ({_modules(counts.byte_places)}; {len(runtime)}) |")
     print(f"| Compressor's public methods | {len(counts.contract_methods)} |")
-    print(f"| Compressor's public class attributes (boolean flags among them) | "
+    print(f"| Compressor's public class attributes (flags among them) | "
           f"{len(counts.contract_attributes)} ({len(counts.contract_flags)}) |")
-    print(f"| entries at the library's root | {len(counts.root_entries)} |")
+    print(f"| compressor attributes the runtime reads by name, undeclared by the contract | "
+          f"{len(counts.undeclared_attributes)} |")
+    print(f"| entries at the library's root (public modules, packages) | {len(counts.root_entries)} "
+          f"({len(counts.root_modules)}, {len(counts.root_packages)}) |")
     if args.list:
         for label, (_, paths) in counts.compressor_lines.items():
             print(f"\n{label}: " + ", ".join(paths))
+        print("\nno single compressor: " + ", ".join(counts.shared_lines[1]))
         for title, names in (
             ("group step", counts.group_step_functions),
             ("bytes on the wire", counts.byte_places),
             ("contract methods", counts.contract_methods),
+            ("contract attributes", counts.contract_attributes),
             ("contract flags", counts.contract_flags),
+            ("undeclared attributes", counts.undeclared_attributes),
             ("root entries", counts.root_entries),
         ):
             print(f"\n{title}:")

@@ -1,12 +1,19 @@
-"""Rank body of the golden test: every registered compressor through DDP's hook on fixed gradients."""
+"""Rank bodies of the golden tests: every registered compressor through DDP's hook, and every other engine (DiLoCo,
+Streaming DiLoCo, WeightGrad, the hierarchical exchange, TowerStrategy) through its strategy, on fixed gradients."""
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+from lightning_gradcomp.ledger import ByteReport
 
 #: a matrix, a bias, a conv kernel (PowerSGD's 4-D case), a small vector, a larger matrix (several chunks and bins)
 SHAPES = ((64, 32), (32,), (16, 16, 3, 3), (10,), (128, 64))
@@ -62,3 +69,238 @@ def compressor_digests(rank: int, world_size: int, names: list[str], steps: int)
             _update(digest, residuals[key])
         digests[name] = digest.hexdigest()
     return digests
+
+
+# -- the other engines: DiLoCo, Streaming DiLoCo, WeightGrad, the hierarchical exchange, TowerStrategy -------------
+
+#: per layer (a module: Streaming DiLoCo's fragments and the hierarchy's shares split the model by layer), its
+#: parameters' shapes: a matrix and bias, a conv kernel (PowerSGD's 4-D case), a larger matrix and bias
+LAYERS = (((32, 16), (16,)), ((8, 4, 3, 3),), ((64, 32), (32,)))
+
+
+class _Layer(nn.Module):
+    def __init__(self, shapes: tuple[tuple[int, ...], ...]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(0.1 * torch.randn(shapes[0]))
+        if len(shapes) > 1:
+            self.bias = nn.Parameter(0.1 * torch.randn(shapes[1]))
+
+
+def coefficients(sample: int, shapes: list[torch.Size]) -> list[Tensor]:
+    """The coefficient tensors of one sample: fixed by the sample's id alone."""
+    gen = torch.Generator().manual_seed(1000 + sample)
+    return [torch.randn(s, generator=gen) for s in shapes]
+
+
+class CoefficientModule(pl.LightningModule):
+    """``loss = sum over the batch's samples of sum(p * c(sample))``: the gradient of each parameter is exactly the
+    sum of its coefficients (one sample per rank or tower: exactly ``c``), whatever the weights, so what each
+    engine receives does not depend on the CPU's matrix kernels.
+
+    Args:
+        optimizer: ``"sgd"`` (momentum 0.9) or ``"adam"`` (its second moments drive WeightGrad's loss-aware
+            ternarization).
+        lr: the inner optimizer's learning rate.
+    """
+
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.05) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # the same initial weights on every rank
+        self.layers = nn.ModuleList(_Layer(s) for s in LAYERS)
+        self.optimizer, self.lr = optimizer, lr
+
+    @override
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        params = list(self.parameters())
+        shapes = [p.shape for p in params]
+        terms = [(p * c).sum() for sample in batch[0].tolist() for p, c in zip(params, coefficients(sample, shapes))]
+        return torch.stack(terms).sum()
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def sample_loader(batch_size: int = 1) -> DataLoader:
+    """Sample ids 0..63 in order: under DDP's sampler rank ``r`` of ``W`` takes ``r, r + W, ...``; tower ``r`` of
+    ``N`` takes the ``r``-th of each batch of ``N``."""
+    return DataLoader(TensorDataset(torch.arange(64)), batch_size=batch_size)
+
+
+class EngineRecorder(pl.Callback):
+    """SHA-256s, one per part, of what an engine computes in a fit:
+
+    * ``grads``: every step's gradients as the optimizer sees them (the inner hook's decoded mean; the towers'
+      emulated mean);
+    * ``exchanged``: every outer round's pseudo-gradients as launched and the all-site mean as applied, plus this
+      site's own decoded contribution where the engine keeps the unsent part (WeightGrad);
+    * ``payload``: WeightGrad's WAN messages as encoded (every rank encodes its site's, leaders send it);
+    * ``params``: the parameters after every step and after ``fit`` (the final outer round included);
+    * ``state``: the error feedback of every exchange (residuals by name, each towers worker's), the global
+      weights and the outer optimizer's momentum, WeightGrad's unsent updates and thresholds.
+
+    and ``bytes_per_step``, the engine's own count of bytes on the (slow) wire per step.
+
+    The outer parts are read at the engine's exchange interface (``OuterExchange.launch``/``wait``, wrapped as
+    pass-throughs) and at WeightGrad's encoder; a refactor that moves them records the same quantities at their
+    new place, and the digests stay.
+    """
+
+    def __init__(self) -> None:
+        self.digests = {part: hashlib.sha256() for part in ("grads", "exchanged", "payload", "params", "state")}
+        self._restore: list[Callable[[], None]] = []
+
+    def _observe(self, owner: Any, attribute: str, record: Callable[..., None]) -> None:
+        """Record the arguments and result of ``owner.attribute`` (a pass-through: the engine's call is unchanged)."""
+        original = getattr(owner, attribute)
+
+        def observed(*args: Any) -> Any:
+            result = original(*args)
+            record(result, *args)
+            return result
+
+        setattr(owner, attribute, observed)
+        self._restore.append(lambda: setattr(owner, attribute, original))
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        strategy = trainer.strategy
+        exchanged = self.digests["exchanged"]
+        # DiLoCo's engine, or WeightGrad's synchronizer (the engine and its own exchange)
+        outer: Any = getattr(strategy, "outer", None) or getattr(strategy, "synchronizer", None)
+        if outer is not None:
+            def launched(flight: Any, fragment: int, pseudo_gradients: list[Tensor], step: int) -> None:
+                for d in pseudo_gradients:
+                    _update(exchanged, d)
+
+            def applied(means: list[Tensor], flight: Any) -> None:
+                for m in means + list(flight.sent or []):
+                    _update(exchanged, m)
+
+            self._observe(outer.exchange, "launch", launched)
+            self._observe(outer.exchange, "wait", applied)
+        if getattr(strategy, "synchronizer", None) is not None:
+            from lightning_gradcomp.weightgrad import quantize
+
+            self._observe(quantize, "encode", lambda message, layers: _update(self.digests["payload"], message))
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        for p in pl_module.parameters():
+            assert p.grad is not None
+            _update(self.digests["grads"], p.grad)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        for p in pl_module.parameters():
+            _update(self.digests["params"], p)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after FinalOuterRound (the first callback): the parameters every rank leaves fit with
+        for restore in self._restore:
+            restore()
+        for p in pl_module.parameters():
+            _update(self.digests["params"], p)
+        strategy = trainer.strategy
+        state = self.digests["state"]
+
+        def named(tensors: Any) -> None:
+            for key in sorted(tensors):
+                state.update(key.encode())
+                _update(state, tensors[key])
+
+        hook_states = [s for s in [getattr(strategy, "comm_state", None)] if s is not None]
+        hook_states += list(getattr(strategy, "_states", []))  # TowerStrategy: one hook state per worker
+        outer: Any = getattr(strategy, "outer", None) or getattr(strategy, "synchronizer", None)
+        exchange = getattr(outer, "exchange", None)
+        if exchange is not None and hasattr(exchange, "state"):
+            hook_states.append(exchange.state)  # DiLoCo's outer exchange: error feedback of the leaders
+        for hook_state in hook_states:
+            named(hook_state.memory.residuals)
+        if outer is not None:
+            named(outer.anchor)
+            named(outer.hidden)
+            for anchor in outer.outer_optimizer.param_groups[0]["params"]:
+                for key, value in sorted(outer.outer_optimizer.state.get(anchor, {}).items()):
+                    if isinstance(value, Tensor):
+                        state.update(key.encode())
+                        _update(state, value)
+        significance = getattr(outer, "significance", None)
+        if significance is not None:
+            named({n: significance.threshold_of(n) for n in outer.names})
+        assert isinstance(strategy, ByteReport)
+        self.bytes_per_step = float(strategy.bytes_per_step())
+
+    def result(self) -> dict[str, Any]:
+        """The digests of the parts this engine recorded anything in, and its bytes per step."""
+        empty = hashlib.sha256().hexdigest()
+        digests = {part: d.hexdigest() for part, d in self.digests.items() if d.hexdigest() != empty}
+        return {**digests, "bytes_per_step": self.bytes_per_step}
+
+
+def engine_configs() -> dict[str, tuple[Callable[[], Any], str, int]]:
+    """Each engine configuration: its strategy (built on the rank), the inner optimizer, the steps."""
+    from lightning_gradcomp import GradCompStrategy
+    from lightning_gradcomp.compressors import TopK
+    from lightning_gradcomp.outer import DiLoCoStrategy
+    from lightning_gradcomp.weightgrad import WeightGradStrategy
+
+    return {
+        # DiLoCo, 2 sites of 2: SparseLoCo's top-k with 2-bit values and error feedback between the leaders,
+        # Nesterov outer SGD; rounds at steps 2 and 4, a final round after step 5
+        "diloco": (lambda: DiLoCoStrategy(sync_every=2, site_size=2, compressor=TopK(0.05, "int2", dense_1d=False)),
+                   "adam", 5),
+        # Streaming DiLoCo: 2 strided fragments (layers 0, 2 and layer 1) at steps 2 and 4 of each window of 4,
+        # each landing one step after its launch, mixing 0.5; int8 between sites, TernGrad inside them
+        "streaming_diloco": (lambda: DiLoCoStrategy(sync_every=4, site_size=2, fragments=2, sync_delay=1, mixing=0.5,
+                                                    compressor="int8", inner_compressor="terngrad"), "sgd", 6),
+        # WeightGrad, 2 sites of 2: TernGrad inside, loss-aware ternary updates (Adam's moments) between, T = 2
+        "weightgrad": (lambda: WeightGradStrategy(site_size=2, staleness_bound=2), "adam", 5),
+        # its stochastic ternarization, Gaia's view of the unsent part, rounds also on significance
+        "weightgrad_terngrad": (lambda: WeightGradStrategy(site_size=2, staleness_bound=3, wan_quantization="terngrad",
+                                                           site_view="gaia", trigger="significance"), "sgd", 5),
+        # the hierarchical exchange, 2 sites of 2: a shared-scale all-reduce, gathered sparse packets with error
+        # feedback, multi-round PowerSGD
+        "hierarchy_terngrad": (lambda: GradCompStrategy("terngrad", site_sizes=[2, 2]), "sgd", 3),
+        "hierarchy_dgc": (lambda: GradCompStrategy("dgc", site_sizes=[2, 2]), "sgd", 3),
+        "hierarchy_powersgd": (lambda: GradCompStrategy("powersgd", site_sizes=[2, 2]), "sgd", 3),
+    }
+
+
+#: TowerStrategy (one process, emulated workers): 4 workers of TernGrad (a shared max scaler), and of Gradient
+#: Dropping with the biases in fp32 (two groups per bucket, each worker's residuals)
+TOWERS = {"towers_terngrad": ("terngrad", ()), "towers_graddrop": ("graddrop", ("*.bias",))}
+TOWER_WORKERS = 4
+TOWER_STEPS = 3
+
+
+def _fit(strategy: Any, devices: int, optimizer: str, steps: int, batch_size: int = 1,
+         lr: float = 0.05) -> dict[str, Any]:
+    recorder = EngineRecorder()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices,
+                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[recorder])
+    trainer.fit(CoefficientModule(optimizer, lr), sample_loader(batch_size))
+    return recorder.result()
+
+
+def engine_digests(rank: int, world_size: int, names: list[str], lr: float = 0.05) -> dict[str, dict[str, Any]]:
+    """Per engine configuration (:func:`engine_configs`), this rank's digests of one fit (:class:`EngineRecorder`)."""
+    engines = engine_configs()
+    return {name: _fit(engines[name][0](), world_size, engines[name][1], engines[name][2], lr=lr) for name in names}
+
+
+def tower_digests(names: list[str], lr: float = 0.05) -> dict[str, dict[str, Any]]:
+    """Per :data:`TOWERS` configuration, the digests of one fit in this process (single-threaded, as the ranks)."""
+    from lightning_gradcomp.towers import TowerStrategy
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: _fit(TowerStrategy(TOWER_WORKERS, TOWERS[name][0], exclude=list(TOWERS[name][1])), 1, "sgd",
+                           TOWER_STEPS, batch_size=TOWER_WORKERS, lr=lr) for name in names}
+    finally:
+        torch.set_num_threads(threads)

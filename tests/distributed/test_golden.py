@@ -1,9 +1,11 @@
-"""Golden digests: what every registered compressor computes through the hook, bit for bit, stays what it was.
+"""Golden digests: what every registered compressor computes through the hook, and what every other engine (DiLoCo,
+Streaming DiLoCo, WeightGrad, the hierarchical exchange, TowerStrategy) computes through its strategy, bit for bit,
+stays what it was.
 
-A refactor of the exchange (compressor contract, kernels, group step) must leave every decoded mean, parameter and
-residual unchanged; this test pins them. The digests are of the machine and torch that recorded them (float
-reductions vectorise by the CPU's instruction set), so elsewhere the test skips and says why. After an intended
-change, record anew and say why in the commit:
+A refactor of the exchange (compressor contract, kernels, group step, transports) must leave every decoded mean,
+exchanged pseudo-gradient and WAN payload, parameter and residual unchanged; these tests pin them. The digests are
+of the machine and torch that recorded them (float reductions vectorise by the CPU's instruction set), so elsewhere
+the tests skip and say why. After an intended change, record anew and say why in the commit:
 
     GRADCOMP_UPDATE_GOLDEN=1 python -m pytest -q tests/distributed/test_golden.py
 """
@@ -11,36 +13,92 @@ change, record anew and say why in the commit:
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_gradcomp import registry
-from tests.distributed.golden_ranks import compressor_digests
+from tests.distributed.golden_ranks import TOWERS, engine_configs, compressor_digests, engine_digests, tower_digests
 from tests.harness import run_ranks
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "compressors.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+COMPRESSORS = GOLDEN / "compressors.json"
+#: per engine configuration, per rank (one entry for the towers, which run in one process), the digests of
+#: ``golden_ranks.EngineRecorder``'s parts and the bytes per step
+ENGINES = GOLDEN / "engines.json"
 STEPS = 3
 WORLD = 2
+#: the engines' world: 2 sites of 2 ranks (in-site exchange, leaders between sites, shares of the hierarchy)
+ENGINE_WORLD = 4
 
 
 def _machine() -> dict[str, str]:
     return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def test_every_compressor_computes_what_it_computed() -> None:
-    names = registry.compressor_names()
-    if os.environ.get("GRADCOMP_UPDATE_GOLDEN") == "1":
-        digests = run_ranks(compressor_digests, WORLD, names, STEPS, timeout=300.0)
-        GOLDEN.write_text(json.dumps({**_machine(), "steps": STEPS, "world_size": WORLD, "digests": digests},
-                                     indent=1, sort_keys=True) + "\n")
-        return
-    recorded = json.loads(GOLDEN.read_text())
+def _updating() -> bool:
+    return os.environ.get("GRADCOMP_UPDATE_GOLDEN") == "1"
+
+
+def _recorded(path: Path) -> dict[str, Any]:
+    """The stored digests; skips (saying why) where this machine or torch is not the one that recorded them."""
+    recorded = json.loads(path.read_text())
     if {k: recorded[k] for k in _machine()} != _machine():
         pytest.skip(f"digests recorded with {({k: recorded[k] for k in _machine()})}, this is {_machine()}")
+    return recorded
+
+
+def test_every_compressor_computes_what_it_computed() -> None:
+    names = registry.compressor_names()
+    if _updating():
+        digests = run_ranks(compressor_digests, WORLD, names, STEPS, timeout=300.0)
+        COMPRESSORS.write_text(json.dumps({**_machine(), "steps": STEPS, "world_size": WORLD, "digests": digests},
+                                          indent=1, sort_keys=True) + "\n")
+        return
+    recorded = _recorded(COMPRESSORS)
     missing = sorted(set(names) - set(recorded["digests"][0]))
     assert not missing, f"no digest recorded for {missing}: record them (see the module docstring)"
     digests = run_ranks(compressor_digests, WORLD, names, STEPS, timeout=300.0)
     # per rank: the decoded means and parameters agree between ranks, the residuals are each rank's own
     changed = sorted({n for rank in range(WORLD) for n in names if digests[rank][n] != recorded["digests"][rank][n]})
     assert not changed, f"these compressors now compute other bits: {changed}"
+
+
+def _check_engines(now: dict[str, list[dict[str, Any]]]) -> None:
+    """Record ``now`` (updating), or compare it with the stored digests part by part, naming every difference."""
+    if _updating():
+        stored = json.loads(ENGINES.read_text()) if ENGINES.exists() else {}
+        if {k: stored.get(k) for k in _machine()} != _machine():
+            stored = {**_machine(), "digests": {}}  # recorded elsewhere: the other entries are rerecorded too
+        stored["digests"].update(now)
+        ENGINES.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+        return
+    recorded = _recorded(ENGINES)["digests"]
+    missing = sorted(set(now) - set(recorded))
+    assert not missing, f"no digest recorded for {missing}: record them (see the module docstring)"
+    changed = [
+        f"{name} rank {rank} {part}: {recorded[name][rank].get(part)} -> {ranks[rank].get(part)}"
+        for name, ranks in now.items()
+        for rank in range(len(ranks))
+        for part in sorted(set(ranks[rank]) | set(recorded[name][rank]))
+        if ranks[rank].get(part) != recorded[name][rank].get(part)
+    ]
+    assert not changed, "these engines now compute other bits:\n" + "\n".join(changed)
+
+
+@pytest.mark.distributed
+def test_every_engine_computes_what_it_computed() -> None:
+    """DiLoCo, Streaming DiLoCo, WeightGrad and the hierarchical exchange on 2 sites of 2 Gloo ranks: per rank, the
+    gradients, the exchanged pseudo-gradients and means, WeightGrad's WAN messages, the parameters, the error
+    feedback and outer state, and the bytes per step are those recorded."""
+    names = list(engine_configs())
+    digests = run_ranks(engine_digests, ENGINE_WORLD, names, timeout=300.0)
+    _check_engines({name: [digests[rank][name] for rank in range(ENGINE_WORLD)] for name in names})
+
+
+def test_towers_compute_what_they_computed() -> None:
+    """TowerStrategy's emulated workers (one process): the averaged gradients, parameters, each worker's residuals
+    and the bytes per step are those recorded."""
+    digests = tower_digests(list(TOWERS))
+    _check_engines({name: [value] for name, value in digests.items()})
