@@ -482,13 +482,65 @@ def _emulated_runs(grid: str, wan: str) -> Callable[[], list[Path]]:
     return files
 
 
-def _emulated(wan: str, target: float) -> Callable[[list[dict[str, Any]]], str]:
+def _emulated(wan: str, target: float, grid: str = "") -> Callable[[list[dict[str, Any]]], str]:
+    """``benchmarks/emulated.py --saved``'s table of one WAN rate; with ``grid``, that grid's baseline run and, where
+    the grid shows it, the performance model's prediction from the same runs stored for the other rate."""
     def render(runs: list[dict[str, Any]]) -> str:
-        from benchmarks.emulated import summarize
+        from benchmarks.emulated import GRIDS, predictions, summarize
 
-        return summarize({wan: runs}, target).strip("\n").split("\n", 2)[2]  # the table, without its heading line
+        spec = GRIDS[grid] if grid else None
+        baseline = "ddp" if spec is None else spec.baseline
+        predicted = {wan: predictions(spec.out, wan, runs)} if spec is not None and spec.predicted else None
+        table = summarize({wan: runs}, target, baseline, predicted)
+        return table.strip("\n").split("\n", 2)[2]  # the table, without its heading line
 
     return render
+
+
+#: per-shard statistics against per-tensor ones: each compressor under DDP and sharded (2 replicas of 2 FSDP2
+#: shards) on the language-model benchmark's 200-step recipe, as ``benchmarks/lm.py --run`` specs
+_SHARDED_RECIPE = "recipes/lm/gpt_stdlib_sharded_terngrad.yaml"
+_POWERSGD_R4 = ("--trainer.strategy.init_args.compressor=lightning_gradcomp.compressors.PowerSGD"
+                "::--trainer.strategy.init_args.compressor.init_args.rank=4")
+SHARDED_STATS_RUNS = [
+    "--run ddp=recipes/lm/gpt_stdlib_ddp.yaml",
+    "--run terngrad_ddp=recipes/lm/gpt_stdlib_terngrad.yaml",
+    f"--run terngrad_sharded={_SHARDED_RECIPE}",
+    "--run powersgd_r4_ddp=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy=lightning_gradcomp.GradCompStrategy::"
+    + _POWERSGD_R4,
+    f"--run powersgd_r4_sharded={_SHARDED_RECIPE}::{_POWERSGD_R4}",
+]
+
+
+def _sharded_stats_labels() -> list[str]:
+    return [spec.split("=", 1)[0].removeprefix("--run ") for spec in SHARDED_STATS_RUNS]
+
+
+def _sharded_stats_table(runs: list[dict[str, Any]]) -> str:
+    """Each compressor under DDP (per-tensor statistics over 4 ranks' gradients) and sharded (per-shard statistics
+    over 2 replicas' shards): final validation loss, the sharded run's against DDP's, bytes per rank per step."""
+    by = {r["label"]: r for r in runs}
+    ddp = by["ddp"]["final_val_loss"]
+    lines = ["| compressor | DDP: final val loss (vs fp32 DDP) | sharded: final val loss (vs fp32 DDP) | "
+             "sharded vs DDP | DDP bytes/rank/step | sharded bytes/rank/step |", "| --- " * 6 + "|"]
+    for name in dict.fromkeys(label.rsplit("_", 1)[0] for label in by if label != "ddp"):
+        a, b = by[f"{name}_ddp"], by[f"{name}_sharded"]
+        la, lb = a["final_val_loss"], b["final_val_loss"]
+        lines.append(f"| {name} | {la:.4f} ({la / ddp - 1:+.1%}) | {lb:.4f} ({lb / ddp - 1:+.1%}) | {lb / la - 1:+.1%} | "
+                     f"{a['bytes_per_step']:,.0f} | {b['bytes_per_step']:,.0f} |")
+    return "\n".join(lines)
+
+
+def _sharded_memory_labels() -> list[str]:
+    from benchmarks.sharded_memory import RUNS
+
+    return list(RUNS)
+
+
+def _sharded_memory_table(runs: list[dict[str, Any]]) -> str:
+    from benchmarks.sharded_memory import summarize
+
+    return summarize(runs)
 
 
 #: the 2000-step grid's compressors whose paper default is within 2 % of DDP: (compressor, setting, named recipe or
@@ -683,6 +735,15 @@ TABLES = [
           _emulated("1gbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 1gbit"),
     Table("diloco-emulated-100mbit", _emulated_runs("diloco", "100mbit"),
           _emulated("100mbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 100mbit"),
+    Table("sharded-stats", lambda: [RESULTS / "sharded_stats" / f"{label}.json" for label in _sharded_stats_labels()],
+          _sharded_stats_table, "python tools/results_tables.py --only sharded-stats",
+          produced=f"python benchmarks/lm.py --out benchmarks/results/sharded_stats {' '.join(SHARDED_STATS_RUNS)}"),
+    Table("sharded-memory", lambda: [RESULTS / "sharded_memory" / f"{label}.json" for label in _sharded_memory_labels()],
+          _sharded_memory_table, "python benchmarks/sharded_memory.py --saved"),
+    Table("sharded-emulated-1gbit", _emulated_runs("sharded", "1gbit"), _emulated("1gbit", 2.45, "sharded"),
+          "python benchmarks/emulated.py --grid sharded --saved --target 2.45 --wan 1gbit"),
+    Table("sharded-emulated-100mbit", _emulated_runs("sharded", "100mbit"), _emulated("100mbit", 2.45, "sharded"),
+          "python benchmarks/emulated.py --grid sharded --saved --target 2.45 --wan 100mbit"),
 ]
 
 
