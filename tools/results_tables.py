@@ -59,6 +59,8 @@ class Table:
     produced: str = ""
     #: the machine, where the file does not record it
     machine: str = ""
+    #: for a table computed when printed (no stored run): what it is computed from
+    computed: str = ""
 
 
 def _load(paths: list[Path]) -> list[dict[str, Any]]:
@@ -662,6 +664,152 @@ TABLES += [
 ]
 
 
+#: the reproduction runners' stored results (``benchmarks/repro_*.py --out``)
+REPRO = RESULTS / "reproductions"
+#: TernGrad Fig. 3's optimizers as the page names them
+REPRO_OPTIMIZERS = {"momentum": "momentum", "sgd": "vanilla SGD"}
+
+
+def _points(run: dict[str, Any], reference: dict[str, Any] | None) -> str:
+    """Test accuracy against a reference run's, in points (empty for the reference itself)."""
+    if reference is None or reference is run:
+        return ""
+    return f"{100 * (run['test_acc'] - reference['test_acc']):+.2f}"
+
+
+def _repro_terngrad_table(runs: list[dict[str, Any]]) -> str:
+    """``repro_terngrad_lenet.py``'s rows, each TernGrad row against the fp32 row of its optimizer."""
+    lines = ["| optimizer (base LR) | method | N | steps | test acc (EMA) | vs fp32 | test loss | bytes / worker / step "
+             "| fit s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in (row for run in runs for row in run["rows"]):
+        fp32 = next(r for run in runs for r in run["rows"] if r["optimizer"] == row["optimizer"] and r["method"] == "fp32")
+        method, workers = ("fp32", "any") if row["method"] == "fp32" else ("TernGrad", str(row["workers"]))
+        lines.append(f"| {REPRO_OPTIMIZERS.get(row['optimizer'], row['optimizer'])} ({row['lr']}) | {method} | "
+                     f"{workers} | {row['steps']} | {100 * row['test_acc']:.2f}% | {_points(row, fp32)} | "
+                     f"{row['test_loss']:.4f} | {row['bytes_per_step']:,.0f} | {row['fit_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+#: Aji & Heafield's results beside each Gradient Dropping run (MNIST, 20 epochs; Fig. 2 and 4, Sec. 5.4)
+GRADDROP_PAPER = {"baseline": "99.28% final (MNIST, 20 epochs)", "drop90_global": "learns (Fig. 2)",
+                  "drop99_global": "99.42% final; 50x (coordinate-value encoding)", "drop999_global": "learns (Fig. 2)",
+                  "drop99_layer": "no visible difference from global (Fig. 4)",
+                  "drop99_global_layernorm": "no visible difference on MNIST (Fig. 4)",
+                  "drop99_1bit_threshold": "all 1-bit variants work on MNIST"}
+#: what each Fig. 4 / Sec. 5.4 variant changes, as the page names it
+GRADDROP_VARIANTS = {"drop99_global_layernorm": "MLP with layer norm", "drop99_1bit_threshold": "survivors to +-threshold",
+                     "drop99_1bit_column_mean": "per-column sign means", "drop99_1bit_global_mean": "one mean per sign"}
+
+
+def _baseline(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(r for run in runs for r in run["rows"] if r["run"] == "baseline")
+
+
+def _repro_graddrop_table(runs: list[dict[str, Any]]) -> str:
+    """``repro_sparse.py graddrop``'s rows: threshold scope and drop ratio from each run's compressor."""
+    baseline = _baseline(runs)
+    lines = ["| run | threshold | drop ratio | steps | test acc | vs baseline | compression | paper |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for row in runs[0]["rows"]:
+        options = row["compressor"].get("init_args", {})
+        scope = {"global": "global", "layer": "per layer"}.get(options.get("scope", ""), "")
+        ratio = f"{100 * options.get('drop_ratio', 0):g}%"
+        lines.append(f"| {row['run']} | {scope} | {ratio} | {row['steps']} | {100 * row['test_acc']:.2f}% | "
+                     f"{_points(row, baseline)} | {row['compression']:.1f}x | {GRADDROP_PAPER.get(row['run'], '')} |")
+    return "\n".join(lines)
+
+
+def _repro_graddrop_longer_table(runs: list[dict[str, Any]]) -> str:
+    """The longer Gradient Dropping runs, each against the baseline of the same length."""
+    baseline = _baseline(runs)
+    lines = ["| run | steps | test acc | vs baseline | compression |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {row['run']} | {row['steps']} | {100 * row['test_acc']:.2f}% | {_points(row, baseline)} | "
+              f"{row['compression']:.1f}x |" for row in runs[0]["rows"]]
+    return "\n".join(lines)
+
+
+def _repro_graddrop_variants_table(runs: list[dict[str, Any]]) -> str:
+    """Fig. 4's layer norm and Sec. 5.4's 1-bit variants (the second file) against the baseline of the first."""
+    baseline = _baseline(runs[:1])
+    lines = [f"| run | steps | test acc | vs baseline ({100 * baseline['test_acc']:.2f}%) | compression | paper |",
+             "|---|---:|---:|---:|---:|---|"]
+    for row in runs[1]["rows"]:
+        what = f" ({GRADDROP_VARIANTS[row['run']]})" if row["run"] in GRADDROP_VARIANTS else ""
+        lines.append(f"| {row['run']}{what} | {row['steps']} | {100 * row['test_acc']:.2f}% | "
+                     f"{_points(row, baseline)} | {row['compression']:.1f}x | {GRADDROP_PAPER.get(row['run'], '')} |")
+    return "\n".join(lines)
+
+
+def _repro_adacomp_table(runs: list[dict[str, Any]]) -> str:
+    """``repro_sparse.py adacomp``'s rows: compression overall and per layer type, then the paper's row."""
+    rows = runs[0]["rows"]
+    options = next((r["compressor"].get("init_args", {}) for r in rows if r["run"] == "adacomp"), {})
+    lines = [f"| run | learners | steps | test acc | compression, all | conv layers (L_T = "
+             f"{options.get('bin_size_conv', 50)}) | FC layers (L_T = {options.get('bin_size_fc', 500)}) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        kinds = row["compression_per_kind"]
+        name = "baseline (fp32)" if row["run"] == "baseline" else "AdaComp" if row["run"] == "adacomp" else row["run"]
+        lines.append(f"| {name} | {row['workers']} | {row['steps']} | {100 * row['test_acc']:.2f}% | "
+                     f"{row['compression']:.1f}x | {kinds.get('conv', 1):.1f}x | {kinds.get('fc', 1):.1f}x |")
+    lines.append("| paper (MNIST, 100 epochs) | 8 | | 0.85% error vs 0.88% baseline | | 40x | 200x |")
+    return "\n".join(lines)
+
+
+#: WeightGrad's Table 2 (CifarNet, 4 workers, 50k steps) beside each run
+WEIGHTGRAD_PAPER = {"baseline": "84.56%", "terngrad": "82.41% (-2.15)", "weightgrad": "84.56% (-0.00)"}
+
+
+def _repro_weightgrad_table(runs: list[dict[str, Any]]) -> str:
+    """``repro_weightgrad.py``'s rows (the recipe's staleness bound, then any run with it overridden)."""
+    import yaml
+
+    rows = [row for run in runs for row in run["rows"]]
+    baseline = next(r for r in rows if r["run"] == "baseline" and not r["extra"])
+    recipe = yaml.safe_load((ROOT / "recipes/weightgrad/cifarnet_cifar10_4workers_weightgrad.yaml").read_text())
+    lines = ["| run | steps | test acc (EMA) | vs baseline | rank 0 WAN MiB | rank 0 LAN MiB | "
+             "paper (CifarNet, 4 workers, 50k steps) |", "|---|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        bound = next((o.partition("=")[2] for o in row["extra"] if "staleness_bound=" in o), None)
+        names = {"baseline": "baseline (DDP, fp32)", "terngrad": "TernGrad (flat, 4 workers)",
+                 "weightgrad": f"WeightGrad (2 sites x 2, T = {recipe['trainer']['strategy']['init_args']['staleness_bound']})"}
+        name = f"WeightGrad, T = {bound}{' (a WAN round every step)' if bound == '1' else ''}" if bound else names[row["run"]]
+        paper = "" if row["extra"] else WEIGHTGRAD_PAPER.get(row["run"], "")
+        lines.append(f"| {name} | {row['steps']} | {100 * row['test_acc']:.2f}% | {_points(row, baseline)} | "
+                     f"{row['rank0_wan_mib']:.1f} | {row['rank0_lan_mib']:.1f} | {paper} |")
+    return "\n".join(lines)
+
+
+TABLES += [
+    Table("repro-terngrad-lenet", lambda: [REPRO / "terngrad_lenet_momentum.json", REPRO / "terngrad_lenet_sgd.json"],
+          _repro_terngrad_table, "python tools/results_tables.py --only repro-terngrad-lenet"),
+    Table("repro-graddrop", lambda: [REPRO / "graddrop_200.json"], _repro_graddrop_table,
+          "python tools/results_tables.py --only repro-graddrop"),
+    Table("repro-graddrop-longer", lambda: [REPRO / "graddrop_600.json"], _repro_graddrop_longer_table,
+          "python tools/results_tables.py --only repro-graddrop-longer"),
+    Table("repro-graddrop-variants", lambda: [REPRO / "graddrop_200.json", REPRO / "graddrop_200_variants.json"],
+          _repro_graddrop_variants_table, "python tools/results_tables.py --only repro-graddrop-variants"),
+    Table("repro-adacomp", lambda: [REPRO / "adacomp_300.json"], _repro_adacomp_table,
+          "python tools/results_tables.py --only repro-adacomp"),
+    Table("repro-weightgrad", lambda: [REPRO / "weightgrad_200.json", REPRO / "weightgrad_200_t1.json"],
+          _repro_weightgrad_table, "python tools/results_tables.py --only repro-weightgrad"),
+]
+
+
+def _model_parameters_table(runs: list[dict[str, Any]]) -> str:
+    from gradcomp_lab.models.__main__ import table
+
+    return table()
+
+
+TABLES += [
+    Table("model-parameters", lambda: [], _model_parameters_table,
+          "python tools/results_tables.py --only model-parameters",
+          computed="each model built on the meta device by `python -m gradcomp_lab.models`, which prints the same "
+                   "table"),
+]
+
+
 def _saved_order(folder: Path) -> list[Path]:
     """The runs of a folder in ``benchmarks/lm.py --saved``'s order: the default grid's labels first, then the rest."""
     from benchmarks.lm import default_grid
@@ -715,6 +863,8 @@ def _machine(run: dict[str, Any]) -> str:
 
 def render(table: Table, update: bool = False) -> str:
     """The block's content: a provenance line, then the table."""
+    if table.computed:
+        return f"*Computed, not measured: {table.computed}. Printed by `{table.command}`.*\n\n{table.render([])}\n\n"
     paths = table.files()
     runs = _load(paths)
     for run, path in zip(runs, paths):
