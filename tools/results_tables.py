@@ -803,6 +803,10 @@ def _model_parameters_table(runs: list[dict[str, Any]]) -> str:
 
 
 TABLES += [
+    Table("graddrop-global-threshold", lambda: [RESULTS / "micro/graddrop_global_threshold.md"], _stored_table,
+          "python tools/results_tables.py --only graddrop-global-threshold"),
+    Table("sparse-fashion-mnist", lambda: [RESULTS / "micro/sparse_fashion_mnist.md"], _stored_table,
+          "python tools/results_tables.py --only sparse-fashion-mnist"),
     Table("model-parameters", lambda: [], _model_parameters_table,
           "python tools/results_tables.py --only model-parameters",
           computed="each model built on the meta device by `python -m gradcomp_lab.models`, which prints the same "
