@@ -22,7 +22,7 @@ from lightning.pytorch import LightningDataModule, LightningModule  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 import lightning_gradcomp  # noqa: E402  (registers the strategy names)
-from benchmarks.lm import provenance  # noqa: E402
+from benchmarks.lm import provenance  # noqa: E402,F401  (re-exported for the runners)
 
 #: where the reproduction runners store their results (one JSON per command; ``tools/results_tables.py`` reads them)
 REPRODUCTIONS = ROOT / "benchmarks" / "results" / "reproductions"
@@ -77,11 +77,13 @@ def host() -> str:
     return f"{os.uname().nodename}, {os.cpu_count()} CPUs (shared), Python {sys.version.split()[0]}"
 
 
-def save_results(out: Path, script: str, argv: list[str], rows: list[dict[str, Any]], **extra: Any) -> None:
+def save_results(out: Path, script: str, argv: list[str], rows: list[dict[str, Any]], stamp: dict[str, str],
+                 **extra: Any) -> None:
     """Store a runner's rows as JSON with what the results tables stamp: the command that produced them (``script``
-    with ``argv``), the machine, torch, and the commit and date of the code that ran."""
+    with ``argv``), the machine, torch, and ``stamp``: the commit and date of the code that ran
+    (``benchmarks.lm.provenance()``, taken when the run started: the tree may change while it runs)."""
     result = {"command": shlex.join(["python", script, *argv]), "machine": host(), "torch": torch.__version__,
-              **provenance(), **extra, "rows": rows}
+              **stamp, **extra, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"# stored {out}", flush=True)

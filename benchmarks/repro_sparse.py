@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, command_line, machine, run_recipe, save_results
+from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, command_line, machine, provenance, run_recipe, save_results
 from lightning.pytorch import Callback
 
 from lightning_gradcomp.compressors.adacomp import layer_kind
@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="the JSON to store (default: "
                         "benchmarks/results/reproductions/<paper>_<steps>[_<only>...].json)")
     args = parser.parse_args()
+    stamp = provenance()  # the code that runs: the tree may change before the run ends
     steps = args.steps or (200 if args.paper == "graddrop" else 300)
     out = args.out or REPRODUCTIONS / f"{'_'.join([args.paper, str(steps), *(args.only or [])])}.json"
     print(f"# machine: {machine()}")
@@ -129,7 +130,7 @@ def main() -> None:
         per = ", ".join(f"{k} {v:.1f}x" for k, v in row["compression_per_kind"].items())
         print(f"| {row['run']} | {row['steps']} | {100 * row['test_acc']:.2f}% | {row['test_loss']:.4f} | "
               f"{row['compression']:.1f}x | {per} | {row['fit_seconds']:.0f} |")
-    save_results(out, "benchmarks/repro_sparse.py", sys.argv[1:], rows)
+    save_results(out, "benchmarks/repro_sparse.py", sys.argv[1:], rows, stamp)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, command_line, machine, run_recipe, save_results
+from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, command_line, machine, provenance, run_recipe, save_results
 
 RECIPES = {"momentum": "recipes/terngrad/lenet_mnist_fig3.yaml", "sgd": "recipes/terngrad/lenet_mnist_fig3_sgd.yaml"}
 
@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="the JSON to store (default: "
                         "benchmarks/results/reproductions/terngrad_lenet_<optimizers>.json)")
     args = parser.parse_args()
+    stamp = provenance()  # the code that runs: the tree may change before the run ends
     out = args.out or REPRODUCTIONS / f"terngrad_lenet_{'_'.join(args.optimizers)}.json"
     print(f"# machine: {machine()}")
     rows = []
@@ -67,7 +68,7 @@ def main() -> None:
         shown = "any" if row["method"] == "fp32" else str(row["workers"])
         print(f"| {row['optimizer']} | {row['method']} | {shown} | {row['steps']} | {100 * row['test_acc']:.2f}% | "
               f"{row['test_loss']:.4f} | {row['fit_seconds']:.0f} | {row['bytes_per_step']} |")
-    save_results(out, "benchmarks/repro_terngrad_lenet.py", sys.argv[1:], rows)
+    save_results(out, "benchmarks/repro_terngrad_lenet.py", sys.argv[1:], rows, stamp)
 
 
 if __name__ == "__main__":

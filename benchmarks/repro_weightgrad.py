@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, save_results
+from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, provenance, save_results
 LENET = json.dumps({"class_path": "gradcomp_lab.models.LeNet",
                     "init_args": {"num_classes": 10, "in_channels": 1, "image_size": 28, "padding": "valid", "init": "caffe", "conv_relu": False}},
                    separators=(",", ":"))
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="the JSON to store (default: "
                         "benchmarks/results/reproductions/weightgrad_<steps>.json)")
     args = parser.parse_args()
+    stamp = provenance()  # the code that runs: the tree may change before the run ends
     out = args.out or REPRODUCTIONS / f"weightgrad_{args.steps}.json"
     print(f"# machine: {os.uname().nodename}, {os.cpu_count()} CPUs; 4 Gloo processes per run")
     rows = []
@@ -87,7 +88,7 @@ def main() -> None:
     for row in rows:
         print(f"| {row['run']} | {row['steps']} | {100 * row['test_acc']:.2f}% | {row['test_loss']:.4f} | "
               f"{row['rank0_wan_mib']:.1f} | {row['rank0_lan_mib']:.1f} | {row['wall_seconds']:.0f} |")
-    save_results(out, "benchmarks/repro_weightgrad.py", sys.argv[1:], rows)
+    save_results(out, "benchmarks/repro_weightgrad.py", sys.argv[1:], rows, stamp)
 
 
 if __name__ == "__main__":
