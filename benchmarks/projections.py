@@ -27,8 +27,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-
 from benchmarks.lm import provenance  # noqa: E402
 from gradcomp_lab.perfmodel import gpt_shapes, predict_paper_model, transformer_projection  # noqa: E402
 
@@ -75,7 +73,7 @@ def main() -> None:
     numel = sum(math.prod(shape) for _, shape in gpt_shapes(TRANSFORMER["width"], TRANSFORMER["depth"],
                                                              context=TRANSFORMER["seq_len"]))
     result = {"command": shlex.join(["python", "benchmarks/projections.py", *sys.argv[1:]]),
-              "machine": "none: a projection of the performance model", "torch": torch.__version__, **stamp,
+              "machine": "none: a projection of the performance model", **stamp,
               "transformer": {**TRANSFORMER, "links": LINKS, "parameters": numel, "rows": transformer_rows()},
               "cnn": {**CNN, "links": LINKS, "rows": cnn_rows()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

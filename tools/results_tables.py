@@ -814,6 +814,193 @@ TABLES += [
 ]
 
 
+#: the performance model's stored projections (``benchmarks/projections.py``)
+PROJECTIONS = RESULTS / "projections" / "choosing.json"
+#: (link in the page, emulated WAN of the stored runs, the projection's link)
+CHOOSING_LINKS = [("100 Mbit/s", "100mbit"), ("1 Gbit/s", "1gbit"), ("10 Gbit/s and up", "10gbit")]
+
+
+def _best(name: str) -> list[tuple[str, str]]:
+    """The (run, DDP run) pairs of a compressor's best setting in ``BEST``, seed 0 first."""
+    return next(pairs for compressor, _, _, _, pairs in BEST if compressor == name)
+
+
+def _choosing_transformer_files() -> list[Path]:
+    long = ["ddp", "bf16", "int8", "terngrad", *(r for pair in _best("terngrad") + _best("demo") for r in pair)]
+    emulated = [RESULTS / "lm_emulated" / wan / f"{label}.json" for _, wan in CHOOSING_LINKS[:2]
+                for label in ("ddp", "bf16", "terngrad", "demo_k64")]
+    diloco = [RESULTS / "diloco_emulated" / wan / f"{label}.json" for _, wan in CHOOSING_LINKS[:2]
+              for label in ("ddp", "diloco_int8_h50")]
+    return ([RESULTS / "lm_long" / f"{label}.json" for label in dict.fromkeys(long)] + emulated + diloco
+            + [RESULTS / "diloco" / "ddp.json", RESULTS / "diloco" / "int8_h50.json", PROJECTIONS])
+
+
+def _by_path(runs: list[dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
+    """A run by its path under ``benchmarks/results/`` (without ``.json``)."""
+    found = {Path(run["_path"]).relative_to(RESULTS).with_suffix("").as_posix(): run for run in runs}
+    return lambda key: found[key]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f} %"
+
+
+def _times(x: float) -> str:
+    return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x"
+
+
+def _loss(run: dict[str, Any], ddp: dict[str, Any]) -> float:
+    return run["final_val_loss"] / ddp["final_val_loss"] - 1
+
+
+def _bytes(run: dict[str, Any]) -> float:
+    return run["fp32_bytes_per_step"] / run["bytes_per_step"]
+
+
+def _step(run: dict[str, Any], ddp: dict[str, Any]) -> str:
+    return f"{run['median_step_seconds'] / ddp['median_step_seconds']:.2f}"
+
+
+def _projected(projection: dict[str, Any], method: str, link: str) -> float:
+    return next(r["speedup"] for r in projection["rows"] if r["method"] == method and r["link"] == link)
+
+
+def _choosing_transformer_table(runs: list[dict[str, Any]]) -> str:
+    """docs/choosing.md's transformer rows: loss and bytes of the 2000-step grid, step time of the emulated runs
+    (100 Mbit/s, 1 Gbit/s) and of the 2000-step runs over loopback, the stored projection."""
+    run = _by_path(runs)
+    long = lambda label: run(f"lm_long/{label}")  # noqa: E731
+    ddp = long("ddp")
+    proj = run("projections/choosing")["transformer"]
+    tern = [(long(r), long(d)) for r, d in _best("terngrad")]
+    tern_loss = [_loss(r, d) for r, d in tern]
+    demo = [(long(r), long(d)) for r, d in _best("demo")]
+    demo_loss = [_loss(r, d) for r, d in demo]
+    diloco_int8, diloco_ddp = run("diloco/int8_h50"), run("diloco/ddp")
+    tern_cell = f"{100 * min(tern_loss):+.1f} to {_pct(max(tern_loss))}"
+    int8 = long("int8")
+    lines = ["| link | goal | use | loss vs DDP | bytes | step / DDP's (here) | speed-up (projected) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for link, wan in CHOOSING_LINKS:
+        if wan == "10gbit":
+            lines.append(f"| {link} | DDP's loss | `\"ddp\"` here; `\"int8\"` on GPUs | 0; {_pct(_loss(int8, ddp))} | "
+                         f"1x; {_times(_bytes(int8))} | 1; {_step(int8, ddp)} (f) | "
+                         f"1x; {_times(_projected(proj, 'int8', wan))} |")
+            continue
+        emulated = {label: run(f"lm_emulated/{wan}/{label}") for label in ("ddp", "bf16", "terngrad", "demo_k64")}
+        e_ddp = emulated["ddp"]
+        if wan == "100mbit":
+            bf16 = long("bf16")
+            lines.append(f"| {link} | DDP's loss | `strategy=\"bf16\"` | {_pct(_loss(bf16, ddp))} | {_times(_bytes(bf16))} | "
+                         f"{_step(emulated['bf16'], e_ddp)} | {_times(_projected(proj, 'bf16', wan))} |")
+        else:
+            lines.append(f"| {link} | DDP's loss | `\"ddp\"` here; `\"int8\"` on GPUs | 0; {_pct(_loss(int8, ddp))} | "
+                         f"1x; {_times(_bytes(int8))} | 1; not run | 1x; {_times(_projected(proj, 'int8', wan))} |")
+        lines.append(f"| {link} | DDP's loss, fewer bytes | TernGrad per-64 (a) | {tern_cell} | {_times(_bytes(tern[0][0]))} "
+                     f"| {_step(emulated['terngrad'], e_ddp)} (b) | "
+                     f"{_times(_projected(proj, 'hierarchical terngrad', wan))} (h) |")
+        lines.append(f"| {link} | most bytes, within 2 % | DeMo (c) | {_pct(statistics.mean(demo_loss))} | "
+                     f"{_times(_bytes(demo[0][0]))} | {_step(emulated['demo_k64'], e_ddp)} (d) | "
+                     f"{_times(_projected(proj, 'hierarchical demo', wan))} (h) |")
+        if wan == "100mbit":
+            sites = {label: run(f"diloco_emulated/{wan}/{label}") for label in ("ddp", "diloco_int8_h50")}
+            lines.append(f"| {link} | most bytes | DiLoCo, int8, H = 50 (e) | {_pct(_loss(diloco_int8, diloco_ddp))} | "
+                         f"{_times(_bytes(diloco_int8))} | {_step(sites['diloco_int8_h50'], sites['ddp'])} | "
+                         f"{_times(_projected(proj, 'diloco H=50 int8', wan))} |")
+    terngrad = long("terngrad")
+    at_1gbit = lambda label: run(f"diloco_emulated/1gbit/{label}")  # noqa: E731
+    notes = [
+        f"- (a) TernGrad with a scaler per 64 elements, clipping at 1 sigma, the embeddings in fp32: "
+        f"`recipes/lm/gpt_small_terngrad_b64.yaml`. Loss {', '.join(_pct(x) for x in tern_loss)} at "
+        f"{len(tern_loss)} seeds.",
+        f"- (b) Measured with TernGrad's registered settings ({_times(_bytes(terngrad))} fewer bytes, "
+        f"{_pct(_loss(terngrad, ddp))} loss). With setting (a), over loopback, the step is "
+        f"{_step(tern[0][0], ddp)}x DDP's: on these CPUs the encoding costs more than the link saves.",
+        f"- (c) DeMo with 16x16 chunks, the top 8 of each, one-byte indices, SignSGD at lr 0.007, 300 warm-up steps: "
+        f"`recipes/lm/gpt_small_demo_c16_k8.yaml`. {_pct(statistics.mean(demo_loss))} is the mean of "
+        f"{len(demo_loss)} seeds ({_pct(min(demo_loss))} to {_pct(max(demo_loss))}); it replaces AdamW with its own "
+        f"`SignSGD`.",
+        f"- (d) Measured with DeMo at top-64 of 64x64 chunks. Setting (c) over loopback: {_step(demo[0][0], ddp)}x "
+        f"DDP's step.",
+        f"- (e) `recipes/diloco/gpt_stdlib_diloco_int8.yaml` (INTELLECT-1's int8 pseudo-gradients). Measured as 2 sites "
+        f"of 2 ranks; at 1 Gbit/s its step is {_step(at_1gbit('diloco_int8_h50'), at_1gbit('ddp'))} of DDP's.",
+        f"- (f) Over loopback, every compressor's step is slower than DDP's on these CPUs (bf16 "
+        f"{_step(long('bf16'), ddp)}, int8 {_step(int8, ddp)}).",
+        f"- (h) The hierarchical exchange: dense inside each node, compressed between nodes "
+        f"(`GradCompStrategy(compressor, hierarchy=\"node\")`). Its loss has not been measured on the language model. "
+        f"Sent flat across all {proj['world_size']} GPUs instead, TernGrad is projected at "
+        f"{_times(_projected(proj, 'terngrad', '100mbit'))} and DeMo at {_times(_projected(proj, 'demo', '100mbit'))} "
+        f"at 100 Mbit/s.",
+    ]
+    return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
+def _choosing_cnn_files() -> list[Path]:
+    return [REPRO / "terngrad_lenet_momentum.json", REPRO / "terngrad_lenet_sgd.json", REPRO / "adacomp_300.json",
+            RESULTS / "step_time_matrix.json", *(RESULTS / name for name in TARGET_RUNS if "default" in name),
+            PROJECTIONS]
+
+
+def _choosing_cnn_table(runs: list[dict[str, Any]]) -> str:
+    """docs/choosing.md's CNN rows: accuracy and bytes of the reproductions (LeNet, 4 TernGrad workers; AdaComp's
+    MNIST-CNN), step time of the quick step-time grid (LeNet, 4 ranks), the stored AlexNet projection."""
+    from benchmarks import ratio_summary
+
+    run = _by_path(runs)
+    repro = {opt: run(f"reproductions/terngrad_lenet_{opt}")["rows"] for opt in ("momentum", "sgd")}
+    fp32 = {opt: next(r for r in rows if r["method"] == "fp32") for opt, rows in repro.items()}
+    tern = {opt: next(r for r in rows if r["method"] == "terngrad" and r["workers"] == 4) for opt, rows in repro.items()}
+    ada_rows = run("reproductions/adacomp_300")["rows"]
+    ada, ada_base = (next(r for r in ada_rows if r["run"] == name) for name in ("adacomp", "baseline"))
+    tern_acc = f"{_points(tern['momentum'], fp32['momentum'])} points (a)"
+    tern_bytes = _times(fp32["momentum"]["bytes_per_step"] / tern["momentum"]["bytes_per_step"])
+    grid = ratio_summary.ratios(Path(run("step_time_matrix")["_path"]), "terngrad", ["ddp"])
+    step = {(strategy, wan): ratio_summary.ratios(Path(run("step_time_matrix")["_path"]), strategy, ["ddp"])
+            [4, wan, "lenet"]["ddp"] for strategy in ("terngrad", "adacomp", "bf16") for _, wan in CHOOSING_LINKS}
+    proj = run("projections/choosing")["cnn"]
+    speedup = {(r["compressor"], r["hierarchical"], r["link"]): r["speedup"] for r in proj["rows"]}
+    lines = ["| link | goal | use | accuracy vs DDP | bytes | step / DDP's (here) | speed-up (projected) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for link, wan in CHOOSING_LINKS:
+        if wan == "10gbit":
+            lines.append(f"| {link} | DDP's accuracy | `\"ddp\"` here; TernGrad (h) on GPUs | 0; "
+                         f"{_points(tern['momentum'], fp32['momentum'])} points | 1x; {tern_bytes} | 1; "
+                         f"{step['terngrad', wan]:.2f} | 1x; {_times(speedup['terngrad', True, wan])} (h) |")
+            continue
+        lines.append(f"| {link} | DDP's accuracy | `strategy=\"terngrad\"` | {tern_acc} | {tern_bytes} | "
+                     f"{step['terngrad', wan]:.2f} (b) | {_times(speedup['terngrad', True, wan])} (h); "
+                     f"{_times(speedup['terngrad', False, wan])} flat |")
+        lines.append(f"| {link} | most bytes | `strategy=\"adacomp\"` | {_points(ada, ada_base)} points (c) | "
+                     f"{_times(ada['compression'])} | {step['adacomp', wan]:.2f} | "
+                     f"{_times(speedup['adacomp', True, wan])} (h); {_times(speedup['adacomp', False, wan])} flat |")
+    targets = [row["ddp"] for r in runs if "step_time_target_default" in r["_path"]
+               for row in ratio_summary.ratios(Path(r["_path"]), "terngrad", ["ddp"]).values()]
+    mlp = grid[4, "100mbit", "mlp"]["ddp"]
+    notes = [
+        f"- (a) LeNet on Fashion-MNIST, 4 workers, {tern['momentum']['steps']} steps, momentum SGD; with plain SGD "
+        f"{_points(tern['sgd'], fp32['sgd'])} points.",
+        f"- (b) LeNet (1.2M parameters). On a 36.8M-parameter MLP TernGrad's step is {mlp:.2f} of DDP's at 100 Mbit/s "
+        f"and {statistics.median(targets):.2f} at 1 Gbit/s (the median of {len(targets)} runs).",
+        f"- (c) The MNIST-CNN on Fashion-MNIST, {ada['workers']} learners, {ada['steps']} steps.",
+        f"- (h) The hierarchical exchange (`GradCompStrategy(compressor, hierarchy=\"node\")`): dense inside each node, "
+        f"compressed between the {proj['world_size'] // proj['gpus_per_node']} nodes. Sent flat across "
+        f"{proj['world_size']} GPUs, TernGrad's planner uses an int8 all-reduce (4x fewer bytes than fp32, not 16x), "
+        f"and AdaComp's all-gather brings every GPU the other {proj['world_size'] - 1} payloads.",
+        "",
+        f"At 10 Gbit/s a small CNN's step is compute-bound on these CPUs, and compression only adds encoding: TernGrad "
+        f"{step['terngrad', '10gbit']:.2f}, AdaComp {step['adacomp', '10gbit']:.2f}, bf16 {step['bf16', '10gbit']:.2f} "
+        f"of DDP's step (LeNet).",
+    ]
+    return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
+TABLES += [
+    Table("choosing-transformer", _choosing_transformer_files, _choosing_transformer_table,
+          "python tools/results_tables.py --only choosing-transformer"),
+    Table("choosing-cnn", _choosing_cnn_files, _choosing_cnn_table, "python tools/results_tables.py --only choosing-cnn"),
+]
+
+
 def _saved_order(folder: Path) -> list[Path]:
     """The runs of a folder in ``benchmarks/lm.py --saved``'s order: the default grid's labels first, then the rest."""
     from benchmarks.lm import default_grid
