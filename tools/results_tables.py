@@ -954,9 +954,10 @@ def _choosing_cnn_table(runs: list[dict[str, Any]]) -> str:
     ada, ada_base = (next(r for r in ada_rows if r["run"] == name) for name in ("adacomp", "baseline"))
     tern_acc = f"{_points(tern['momentum'], fp32['momentum'])} points (a)"
     tern_bytes = _times(fp32["momentum"]["bytes_per_step"] / tern["momentum"]["bytes_per_step"])
-    grid = ratio_summary.ratios(Path(run("step_time_matrix")["_path"]), "terngrad", ["ddp"])
-    step = {(strategy, wan): ratio_summary.ratios(Path(run("step_time_matrix")["_path"]), strategy, ["ddp"])
-            [4, wan, "lenet"]["ddp"] for strategy in ("terngrad", "adacomp", "bf16") for _, wan in CHOOSING_LINKS}
+    # each strategy's median step over DDP's, per (ranks, link, model), in the quick step-time grid
+    grid = {strategy: ratio_summary.ratios(Path(run("step_time_matrix")["_path"]), strategy, ["ddp"])
+            for strategy in ("terngrad", "adacomp", "bf16")}
+    step = {(strategy, wan): grid[strategy][4, wan, "lenet"]["ddp"] for strategy in grid for _, wan in CHOOSING_LINKS}
     proj = run("projections/choosing")["cnn"]
     speedup = {(r["compressor"], r["hierarchical"], r["link"]): r["speedup"] for r in proj["rows"]}
     lines = ["| link | goal | use | accuracy vs DDP | bytes | step / DDP's (here) | speed-up (projected) |",
@@ -975,7 +976,7 @@ def _choosing_cnn_table(runs: list[dict[str, Any]]) -> str:
                      f"{_times(speedup['adacomp', True, wan])} (h); {_times(speedup['adacomp', False, wan])} flat |")
     targets = [row["ddp"] for r in runs if "step_time_target_default" in r["_path"]
                for row in ratio_summary.ratios(Path(r["_path"]), "terngrad", ["ddp"]).values()]
-    mlp = grid[4, "100mbit", "mlp"]["ddp"]
+    mlp = grid["terngrad"][4, "100mbit", "mlp"]["ddp"]
     notes = [
         f"- (a) LeNet on Fashion-MNIST, 4 workers, {tern['momentum']['steps']} steps, momentum SGD; with plain SGD "
         f"{_points(tern['sgd'], fp32['sgd'])} points.",
