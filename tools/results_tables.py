@@ -972,13 +972,14 @@ def _choosing_cnn_table(runs: list[dict[str, Any]]) -> str:
                      f"{step['terngrad', wan]:.2f} (b) | {_times(speedup['terngrad', True, wan])} (h); "
                      f"{_times(speedup['terngrad', False, wan])} flat |")
         lines.append(f"| {link} | most bytes | `strategy=\"adacomp\"` | {_points(ada, ada_base)} points (c) | "
-                     f"{_times(ada['compression'])} | {step['adacomp', wan]:.2f} | "
+                     f"{ada['compression']:.1f}x | {step['adacomp', wan]:.2f} | "
                      f"{_times(speedup['adacomp', True, wan])} (h); {_times(speedup['adacomp', False, wan])} flat |")
     targets = [row["ddp"] for r in runs if "step_time_target_default" in r["_path"]
                for row in ratio_summary.ratios(Path(r["_path"]), "terngrad", ["ddp"]).values()]
     mlp = grid["terngrad"][4, "100mbit", "mlp"]["ddp"]
     notes = [
-        f"- (a) LeNet on Fashion-MNIST, 4 workers, {tern['momentum']['steps']} steps, momentum SGD; with plain SGD "
+        f"- (a) LeNet on Fashion-MNIST, {tern['momentum']['workers']} workers, {tern['momentum']['steps']} steps, "
+        f"momentum SGD; with plain SGD "
         f"{_points(tern['sgd'], fp32['sgd'])} points.",
         f"- (b) LeNet (1.2M parameters). On a 36.8M-parameter MLP TernGrad's step is {mlp:.2f} of DDP's at 100 Mbit/s "
         f"and {statistics.median(targets):.2f} at 1 Gbit/s (the median of {len(targets)} runs).",
