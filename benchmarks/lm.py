@@ -4,7 +4,8 @@ Each run is ``gradcomp fit --config RECIPE OVERRIDES...`` on real Gloo ranks (th
 as its own process (Lightning launches the other ranks by re-running that command). Rank 0 writes one JSON per
 run under ``--out`` (skipped when it exists, so an interrupted grid resumes; ``--force`` reruns): the validation
 loss curve, the final validation loss, bytes per step (this rank's payload, median over steps; plain DDP:
-4 bytes per parameter), median seconds per step, the command and the machine. Then the table is printed and
+4 bytes per parameter), this rank's bytes over the whole run (``total_bytes``, warm-up and dense steps included;
+``fp32_total_bytes`` is plain DDP's), median seconds per step, the command and the machine. Then the table is printed and
 written with all runs to ``OUT/summary.json``; ``--plot`` draws loss against bytes per step (PNG).
 
     python benchmarks/lm.py                       # DDP and every registered compressor at its paper default
@@ -104,12 +105,13 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
     start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     wall = time.perf_counter() - start
-    if cli.trainer.global_rank != 0:
-        return
     if not recorder.curve or recorder.curve[-1][0] != cli.trainer.global_step:
+        # every rank: validation runs collectives (a run whose last step is not a validation step)
         cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
         recorder.curve.append((cli.trainer.global_step, float(cli.trainer.callback_metrics["val_loss"])))
         recorder.train_seconds.append(sum(recorder.seconds))
+    if cli.trainer.global_rank != 0:
+        return
     params = sum(p.numel() for p in cli.model.parameters() if p.requires_grad)
     data = cli.datamodule
     result = {
@@ -123,6 +125,8 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
         "bytes_per_step": (recorder.bytes[-1] if callable(getattr(cli.trainer.strategy, "bytes_per_step", None))
                            else statistics.median(recorder.bytes)),
         "fp32_bytes_per_step": 4 * params,
+        # the whole run, warm-up and dense steps included: what a method with phases (1-bit Adam) costs in all
+        "total_bytes": total_bytes(cli.trainer.strategy, recorder.bytes), "fp32_total_bytes": 4 * params * len(recorder.bytes),
         "outer_rounds": int(getattr(cli.trainer.strategy, "stats", {}).get("rounds", 0)),
         "median_step_seconds": statistics.median(recorder.seconds), "fit_seconds": wall,
         "machine": machine(), "python": sys.version.split()[0], "torch": torch.__version__,
@@ -140,6 +144,18 @@ def bytes_per_step(strategy: Any, module: Any) -> int:
     if state is not None and state.records:
         return int(state.bytes_per_step())
     return 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def total_bytes(strategy: Any, per_step: list[int]) -> int:
+    """This rank's payload bytes over the whole run: the sum of its steps' counts, or, for a strategy whose count
+    is already its average over the run so far (DiLoCo, WeightGrad: sites that exchange every few steps), the last
+    count times the steps."""
+    from lightning_gradcomp.outer.strategy import DiLoCoStrategy
+    from lightning_gradcomp.weightgrad.strategy import WeightGradStrategy
+
+    if isinstance(strategy, (DiLoCoStrategy, WeightGradStrategy)):
+        return round(per_step[-1] * len(per_step)) if per_step else 0
+    return sum(per_step)
 
 
 def provenance() -> dict[str, str]:

@@ -1,7 +1,8 @@
 """lightning_gradcomp: gradient compression for PyTorch Lightning's data-parallel training.
 
 Importing the package registers the strategy names (``Trainer(strategy="terngrad")``, ``Fabric(strategy="terngrad")``,
-and ``"terngrad_notebook"`` for interactive sessions).
+and ``"terngrad_notebook"`` for interactive sessions), and the presets measured on transformers with AdamW
+(``"terngrad_lm"``, :mod:`lightning_gradcomp.presets`).
 
 The top level holds the strategies, the DDP communication hook and the registry of names; compressors are spelt
 from their subpackage (``lightning_gradcomp.compressors.TernGrad``), callbacks from theirs
@@ -27,10 +28,12 @@ from lightning_gradcomp.registry import (  # noqa: E402
     register_strategies,
     strategy_names,
 )
-from lightning_gradcomp.strategy import GradCompStrategy  # noqa: E402
+from lightning_gradcomp.presets import register as _register_presets  # noqa: E402
+from lightning_gradcomp.strategy import GradCompStrategy, PresetStrategy  # noqa: E402
 from lightning_gradcomp.towers import TowerStrategy  # noqa: E402
 
 register_strategies(GradCompStrategy)
+_register_presets()  # "terngrad_lm", ...: each compressor's setting measured to reach AdamW DDP (presets.PRESETS)
 
 from lightning_gradcomp.weightgrad import WeightGradStrategy  # noqa: E402  (needs the modules above)
 from lightning_gradcomp.weightgrad.strategy import register as _register_weightgrad  # noqa: E402
@@ -59,6 +62,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES 
 
 from lightning_gradcomp.fabric import (  # noqa: E402
     GradCompFabricStrategy,
+    PresetFabricStrategy,
     ShardedGradCompFabricStrategy,
     register_trainer_only_names,
 )
@@ -66,6 +70,7 @@ from lightning_gradcomp.registry import SHARDED_PREFIX as _SHARDED_PREFIX  # noq
 
 register_strategies(GradCompFabricStrategy, _FABRIC_STRATEGIES)
 register_strategies(ShardedGradCompFabricStrategy, _FABRIC_STRATEGIES, prefix=_SHARDED_PREFIX, notebook=False)
+_register_presets(_FABRIC_STRATEGIES, fabric=True)
 register_trainer_only_names(_FABRIC_STRATEGIES)  # Fabric(strategy="diloco") says it is Trainer-only, and what to use
 
 __version__ = "0.1.0"
@@ -87,6 +92,8 @@ __all__ = [
     "GradCompState",
     "GradCompStrategy",
     "OneBitAdamStrategy",
+    "PresetFabricStrategy",
+    "PresetStrategy",
     "ShardedDiLoCoStrategy",
     "ShardedGradCompFabricStrategy",
     "ShardedGradCompStrategy",

@@ -284,6 +284,7 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
         if self._momentum is not None:
             MomentumCorrection.check_optimizers([optimizer], self._momentum)
         self.compressor.check_optimizers([optimizer])  # as the Trainer strategy does (e.g. OneBit's momentum warning)
+        self._warn_paper_default([optimizer])
         return super().setup_optimizer(optimizer)
 
     @override
@@ -426,6 +427,46 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         self._agree_on_skip(self.device_mesh, self.root_device)  # a skip on one shard skips the step everywhere
         self._report_first_step(self.global_rank)
         self._drop_skipped()
+
+
+class PresetFabricStrategy(GradCompFabricStrategy):
+    """:class:`GradCompFabricStrategy` with a preset's compressor setting (``Fabric(strategy="terngrad_lm")``;
+    :mod:`lightning_gradcomp.presets`): the compressor's options, and the parameters of every ``nn.Embedding`` in
+    fp32 where the preset says so. Presets with dense steps are Trainer-only (they need the Trainer's
+    ``CompressionSchedule``).
+
+    Args:
+        preset: a preset name without dense steps (:func:`lightning_gradcomp.presets.preset_names`).
+        **kwargs: :class:`GradCompFabricStrategy`'s options, except ``compressor``.
+    """
+
+    def __init__(self, preset: str, **kwargs: Any) -> None:
+        from lightning_gradcomp import presets
+
+        self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__)
+        if self.preset.dense_steps:
+            raise ValueError(
+                f"Expected a preset without dense steps under Fabric, but got {preset!r} ({self.preset.dense_steps} "
+                f"dense steps need the Trainer's CompressionSchedule). Fix: use "
+                f"`lightning.pytorch.Trainer(strategy={preset!r})`, or one of "
+                f"{[n for n, p in presets.PRESETS.items() if not p.dense_steps]} with Fabric."
+            )
+        self._preset_module: Optional[Module] = None
+        super().__init__(**{**kwargs, "compressor": compressor})
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        self._preset_module = module  # the embeddings are found by module type when the hook state is built
+        return super().setup_module(module)
+
+    @override
+    def _float_names(self, named: dict[str, torch.nn.Parameter]) -> frozenset[str]:
+        from lightning_gradcomp import presets
+
+        names = super()._float_names(named)
+        if self.preset.float_embeddings and self._preset_module is not None:
+            names |= presets.embedding_names(self._preset_module, named)
+        return names
 
 
 def _trainer_only(strategy_name: str, strategy_class: str, **_: Any) -> None:

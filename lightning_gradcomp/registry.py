@@ -134,8 +134,10 @@ SHARDED_PREFIX = "sharded_"
 
 def strategy_names() -> list[str]:
     """The strategy names ``import lightning_gradcomp`` registers in Lightning's ``StrategyRegistry``."""
+    from lightning_gradcomp.presets import PRESETS  # the module's import needs this one's
+
     sharded = {SHARDED_PREFIX + n for n in (*COMPRESSORS, "gradcomp", "diloco", "streaming_diloco")}
-    return sorted({*COMPRESSORS, *_OWN_STRATEGIES, *sharded})
+    return sorted({*COMPRESSORS, *_OWN_STRATEGIES, *sharded, *PRESETS})
 
 
 def strategy_name_error(name: str) -> Optional[str]:

@@ -15,7 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp.callbacks import CompressionMonitor, CompressionProgressBar
+from lightning_gradcomp import presets
+from lightning_gradcomp.callbacks import CompressionMonitor, CompressionProgressBar, CompressionSchedule
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.hierarchy import Hierarchy, hierarchical_hook, hierarchy_spec, new_site_exchange
@@ -219,6 +220,10 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         super().setup_optimizers(trainer)
         self.compressor.check_optimizers(self.optimizers)  # e.g. OneBit warns about heavy momentum
+        # the gaps were measured on the flat exchange: strategies with sites or the hierarchical exchange send
+        # something else between their sites
+        flat = type(self)._hook_group is GradCompStrategy._hook_group and self.hierarchy is None
+        self._warn_paper_default(self.optimizers, measured_exchange=flat)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -234,3 +239,48 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         registry.register_strategies(cls, strategy_registry)
+
+
+class PresetStrategy(GradCompStrategy):
+    """:class:`GradCompStrategy` with a preset's compressor setting, measured to reach AdamW DDP's loss on a
+    transformer (``Trainer(strategy="terngrad_lm")``; the table, its measurements and the stored runs they rest on:
+    :mod:`lightning_gradcomp.presets`).
+
+    A preset sets the compressor's options, sends the parameters of every ``nn.Embedding`` in fp32 where it says so
+    (on top of ``exclude``), and runs its first steps dense where it says so (a
+    :class:`~lightning_gradcomp.callbacks.CompressionSchedule` added at setup, unless the Trainer has one already).
+
+    Args:
+        preset: a preset name (:func:`lightning_gradcomp.presets.preset_names`).
+        **kwargs: :class:`GradCompStrategy`'s options, except ``compressor``.
+    """
+
+    strategy_name = "gradcomp_preset"
+
+    def __init__(self, preset: str, **kwargs: Any) -> None:
+        self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__)
+        super().__init__(**{**kwargs, "compressor": compressor})
+
+    @override
+    def _float_names(self, named: dict[str, torch.nn.Parameter]) -> frozenset[str]:
+        names = super()._float_names(named)
+        module = self.lightning_module
+        if self.preset.float_embeddings and module is not None:
+            names |= presets.embedding_names(module, named)
+        return names
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+        if self.preset.dense_steps:
+            if any(isinstance(c, CompressionSchedule) for c in callbacks):
+                log.info("gradcomp: %s: the Trainer's CompressionSchedule decides the dense steps (the preset's: %d)",
+                         self.preset.name, self.preset.dense_steps)
+            else:
+                callbacks.append(CompressionSchedule(dense_steps=self.preset.dense_steps))
+        super().setup(trainer)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        presets.register(strategy_registry)

@@ -162,6 +162,17 @@ class HookWiring:
         self._first_step_reported = False
         return ddp_kwargs
 
+    def _warn_paper_default(self, optimizers: Sequence[torch.optim.Optimizer], measured_exchange: bool = True) -> None:
+        """Warn once, on rank 0, when the compressor has a paper default whose measured gap to AdamW DDP is large
+        and an optimizer is Adam or AdamW (:func:`lightning_gradcomp.presets.paper_default_warning`): not for an
+        exchange nobody measured (``exclude``, ``min_numel``, or not ``measured_exchange``)."""
+        from lightning_gradcomp.presets import paper_default_warning
+
+        customised = bool(self.exclude) or self.min_numel != 1 or not measured_exchange
+        message = paper_default_warning(self.compressor, optimizers, customised=customised)
+        if message is not None:
+            rank_zero_warn(message, category=UserWarning)
+
     def add_transform(self, transform: LayerTransform) -> None:
         """Attach a per-layer transform (called by callbacks at setup, before DDP wraps the model)."""
         if self.comm_state is not None:

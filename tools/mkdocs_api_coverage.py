@@ -14,13 +14,14 @@ from typing import Any
 log = logging.getLogger("mkdocs.plugins.api_coverage")
 
 #: the modules whose public names the reference must cover: the package's ``__all__``, its compressors, callbacks,
-#: WeightGrad's pieces, DiLoCo's strategy module and the optimizers (the strategies are in the package's ``__all__``)
+#: WeightGrad's pieces, DiLoCo's strategy module, the optimizers and the presets (the strategies are in the package's ``__all__``)
 PUBLIC_MODULES = (
     "lightning_gradcomp",
     "lightning_gradcomp.compressors",
     "lightning_gradcomp.callbacks",
     "lightning_gradcomp.weightgrad",
     "lightning_gradcomp.optimizers",
+    "lightning_gradcomp.presets",
 )
 
 

@@ -493,36 +493,35 @@ def _emulated(wan: str, target: float) -> Callable[[list[dict[str, Any]]], str]:
     return render
 
 
-#: the 2000-step grid's best setting per compressor: (compressor, setting, named recipe or "", default label,
-#: [(run, DDP run at the same seed and warm-up), ...] with seed 0 first)
-BEST: list[tuple[str, str, str, str, list[tuple[str, str]]]] = [
+#: the 2000-step grid's compressors whose paper default is within 2 % of DDP: (compressor, setting, named recipe or
+#: "", default label, [(run, DDP run at the same seed and warm-up), ...] with seed 0 first)
+AT_DEFAULT: list[tuple[str, str, str, str, list[tuple[str, str]]]] = [
     ("bf16", "the default", "", "bf16", [("bf16", "ddp")]),
     ("fp16", "the default", "", "fp16", [("fp16", "ddp")]),
     ("int8", "the default", "", "int8", [("int8", "ddp"), ("int8_seed1", "ddp_seed1")]),
-    ("qsgd", "31 levels (`levels=31`)", "recipes/lm/gpt_small_qsgd31.yaml", "qsgd",
-     [("qsgd_s31", "ddp"), ("qsgd_s31_seed1", "ddp_seed1")]),
-    ("terngrad", "a scaler per 64 elements, clipping at 1 sigma, embeddings in fp32",
-     "recipes/lm/gpt_small_terngrad_b64.yaml", "terngrad",
-     [("terngrad_fp32emb_clip1_b64", "ddp"), ("terngrad_fp32emb_clip1_b64_seed1", "ddp_seed1"),
-      ("terngrad_fp32emb_clip1_b64_seed2", "ddp_seed2")]),
-    ("graddrop", "drop ratio 0.8, global threshold, 100 dense steps", "recipes/lm/gpt_small_graddrop08.yaml",
-     "graddrop", [("graddrop_0.8_global_dense100", "ddp"), ("graddrop_0.8_global_dense100_seed1", "ddp_seed1")]),
-    ("demo", "16x16 chunks, top-8, one-byte indices, SignSGD lr 0.007, 300 warm-up steps",
-     "recipes/lm/gpt_small_demo_c16_k8.yaml", "demo",
-     [("demo_c16_k8", "ddp_warm300"), ("demo_c16_k8_u8_lr7e-3_warm300_seed1", "ddp_warm300_seed1"),
-      ("demo_c16_k8_u8_lr7e-3_warm300_seed2", "ddp_warm300_seed2"), ("demo_c16_k8_seed3", "ddp_warm300_seed3"),
-      ("demo_c16_k8_seed4", "ddp_warm300_seed4")]),
-    ("onebit", "embeddings in fp32, 100 dense steps", "", "onebit", [("onebit_fp32emb_dense100", "ddp")]),
-    ("powersgd", "rank 16", "", "powersgd", [("powersgd_r16", "ddp")]),
-    ("topk", "10 %, 100 dense steps", "", "topk", [("topk_10pct_dense100", "ddp")]),
-    ("dgc", "10 %, 100 dense steps", "", "dgc", [("dgc_10pct_dense100", "ddp")]),
-    ("adacomp", "bin 10, 100 dense steps", "", "adacomp", [("adacomp_bin10_dense100", "ddp")]),
 ]
+
+
+def _best() -> list[tuple[str, str, str, str, list[tuple[str, str]]]]:
+    """The best setting per compressor, as :data:`AT_DEFAULT`'s rows: the others from the presets' table
+    (``lightning_gradcomp/presets.py``: the preset, or the best setting found where none is within 2 %)."""
+    from lightning_gradcomp.presets import PAPER_DEFAULTS, PRESETS
+
+    rows = list(AT_DEFAULT)
+    for name, entry in PAPER_DEFAULTS.items():
+        preset = PRESETS[entry.preset] if entry.preset else None
+        measured = preset.measured if preset else entry.best
+        assert measured is not None
+        setting = f"`{preset.name}`: {measured.setting}" if preset else measured.setting
+        if measured.measured_with:
+            setting += f"; {measured.measured_with}"
+        rows.append((name, setting, preset.recipe if preset else "", name, list(measured.runs)))
+    return rows
 
 
 def _best_labels() -> list[str]:
     labels = ["ddp"]
-    for _, _, _, default, pairs in BEST:
+    for _, _, _, default, pairs in _best():
         labels += [default, *(label for pair in pairs for label in pair)]
     return list(dict.fromkeys(labels))
 
@@ -532,7 +531,7 @@ def _best_table(runs: list[dict[str, Any]]) -> str:
     by_label = {r["label"]: r for r in runs}
     lines = ["| compressor | best setting found | loss vs DDP, per seed | mean | fp32 DDP / bytes | "
              "paper default: vs DDP, fp32 DDP / bytes |", "| --- | --- | --- | --- | --- | --- |"]
-    for name, setting, recipe, default, pairs in BEST:
+    for name, setting, recipe, default, pairs in _best():
         ratios = [by_label[run]["final_val_loss"] / by_label[ddp]["final_val_loss"] - 1 for run, ddp in pairs]
         best = by_label[pairs[0][0]]
         paper = by_label[default]
@@ -542,6 +541,85 @@ def _best_table(runs: list[dict[str, Any]]) -> str:
             f"{100 * statistics.mean(ratios):+.1f}% | {best['fp32_bytes_per_step'] / best['bytes_per_step']:.1f}x | "
             f"{100 * (paper['final_val_loss'] / by_label['ddp']['final_val_loss'] - 1):+.1f}%, "
             f"{paper['fp32_bytes_per_step'] / paper['bytes_per_step']:.1f}x |")
+    return "\n".join(lines)
+
+
+def _preset_labels() -> list[str]:
+    from lightning_gradcomp.presets import PAPER_DEFAULTS, PRESETS
+
+    labels = []
+    for entry in PAPER_DEFAULTS.values():
+        for measured in (entry.measured, PRESETS[entry.preset].measured if entry.preset else entry.best):
+            labels += [label for pair in measured.runs for label in pair]  # type: ignore[union-attr]
+    return list(dict.fromkeys(labels))
+
+
+def _preset_table(runs: list[dict[str, Any]]) -> str:
+    """What the paper-default warning says (``lightning_gradcomp/presets.py``): each paper default's gap to AdamW
+    DDP, and the preset that closes it or the best setting found, recomputed from the stored runs."""
+    from lightning_gradcomp.presets import PAPER_DEFAULTS, PRESETS, measure
+
+    by_label = {r["label"]: r for r in runs}
+    lines = ["| `strategy=` | paper default vs DDP, fp32 DDP / bytes | preset | its setting | loss vs DDP, per seed | "
+             "mean | fp32 DDP / bytes over the run | stored runs (`benchmarks/results/lm_long/`) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, entry in PAPER_DEFAULTS.items():
+        paper_gap, paper_ratio = measure(by_label, entry.measured.runs)
+        preset = PRESETS[entry.preset] if entry.preset else None
+        measured = preset.measured if preset else entry.best
+        assert measured is not None
+        dense = preset.dense_steps if preset else (100 if "dense100" in measured.runs[0][0] else 0)
+        gap, ratio = measure(by_label, measured.runs, dense)
+        seeds = [by_label[run]["final_val_loss"] / by_label[ddp]["final_val_loss"] - 1 for run, ddp in measured.runs]
+        setting = preset.describe() if preset else measured.setting
+        if measured.measured_with:
+            setting += f"; {measured.measured_with}"
+        lines.append(
+            f"| `{name}` | {paper_gap:+.1f}%, {paper_ratio:.1f}x | "
+            f"{f'`{preset.name}`' if preset else 'none within 2 %; the best found:'} | {setting} | "
+            f"{' / '.join(f'{100 * g:+.1f}%' for g in seeds)} | {gap:+.1f}% | {ratio:.1f}x | "
+            f"{', '.join(run for run, _ in measured.runs)} |")
+    return "\n".join(lines)
+
+
+#: 1-bit Adam and 0/1 Adam on the 2000-step grid: (method, setting, [(run, DDP run at the same seed), ...]), seed 0
+#: first; the runs are ``python benchmarks/lm.py --long --run LABEL=...`` (each JSON holds its command)
+FROZEN_ADAM: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("1-bit Adam", "`freeze_step: 300`, `scale_block=64`",
+     [("onebit_adam_f300_b64", "ddp"), ("onebit_adam_f300_b64_seed1", "ddp_seed1"),
+      ("onebit_adam_f300_b64_seed2", "ddp_seed2")]),
+    ("0/1 Adam", "`var_freeze_step: 300`, one scale per tensor piece", [("zero_one_adam_v300", "ddp")]),
+    ("0/1 Adam", "`var_freeze_step: 300`, `scale_block=64`", [("zero_one_adam_v300_b64", "ddp")]),
+    ("0/1 Adam", "`var_freeze_step: 300, var_update_scaler: 128`, `scale_block=64`",
+     [("zero_one_adam_v300_s128_b64", "ddp")]),
+    ("0/1 Adam", "`var_freeze_step: 300, var_update_scaler: 300` (dense until the freeze), `scale_block=64`",
+     [("zero_one_adam_v300_s300_b64", "ddp")]),
+    ("0/1 Adam", "`var_freeze_step: 300, var_update_scaler: 128`, `scale_block=64`, weight decay 0.01",
+     [("zero_one_adam_v300_s128_b64_wd001", "ddp"), ("zero_one_adam_v300_s128_b64_wd001_seed1", "ddp_seed1"),
+      ("zero_one_adam_v300_s128_b64_wd001_seed2", "ddp_seed2")]),
+]
+
+
+def _frozen_adam_labels() -> list[str]:
+    return list(dict.fromkeys(label for _, _, pairs in FROZEN_ADAM for pair in pairs for label in pair))
+
+
+def _frozen_adam_table(runs: list[dict[str, Any]]) -> str:
+    """1-bit Adam and 0/1 Adam against AdamW DDP: loss per seed and its mean, bytes over the whole run (the dense
+    warm-up included) and on a compressed step."""
+    from lightning_gradcomp.presets import measure
+
+    by_label = {r["label"]: r for r in runs}
+    lines = ["| method | setting | loss vs DDP, per seed | mean | fp32 DDP / bytes over the run | "
+             "fp32 DDP / bytes, a compressed step | stored runs (`benchmarks/results/lm_long/`) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for method, setting, pairs in FROZEN_ADAM:
+        gap, ratio = measure(by_label, pairs)
+        seeds = [by_label[run]["final_val_loss"] / by_label[ddp]["final_val_loss"] - 1 for run, ddp in pairs]
+        first = by_label[pairs[0][0]]
+        lines.append(f"| {method} | {setting} | {' / '.join(f'{100 * g:+.1f}%' for g in seeds)} | {gap:+.1f}% | "
+                     f"{ratio:.1f}x | {first['fp32_bytes_per_step'] / first['bytes_per_step']:.1f}x | "
+                     f"{', '.join(run for run, _ in pairs)} |")
     return "\n".join(lines)
 
 
@@ -556,6 +634,10 @@ GPU = "one NVIDIA H200 (16 host cores), torch 2.11.0+cu130, Triton 3.6.0"
 TABLES = [
     Table("lm-long-best", _lm("lm_long", _best_labels()), _best_table,
           "python tools/results_tables.py --only lm-long-best"),
+    Table("lm-long-presets", lambda: [RESULTS / "lm_long" / f"{label}.json" for label in _preset_labels()],
+          _preset_table, "python tools/results_tables.py --only lm-long-presets"),
+    Table("onebit-adam-long", lambda: [RESULTS / "lm_long" / f"{label}.json" for label in _frozen_adam_labels()],
+          _frozen_adam_table, "python tools/results_tables.py --only onebit-adam-long"),
     Table("lm-long-defaults", _lm("lm_long", [*LM_DEFAULTS[:8], "int8", *LM_DEFAULTS[8:]]), _lm_table,
           "python benchmarks/lm.py --long --saved --only ddp adacomp bf16 demo dgc fp16 fp32 graddrop int8 onebit "
           "powersgd qsgd terngrad topk"),
@@ -820,13 +902,13 @@ PROJECTIONS = RESULTS / "projections" / "choosing.json"
 CHOOSING_LINKS = [("100 Mbit/s", "100mbit"), ("1 Gbit/s", "1gbit"), ("10 Gbit/s and up", "10gbit")]
 
 
-def _best(name: str) -> list[tuple[str, str]]:
-    """The (run, DDP run) pairs of a compressor's best setting in ``BEST``, seed 0 first."""
-    return next(pairs for compressor, _, _, _, pairs in BEST if compressor == name)
+def _best_pairs(name: str) -> list[tuple[str, str]]:
+    """The (run, DDP run) pairs of a compressor's best setting (the ``lm-long-best`` table's), seed 0 first."""
+    return next(pairs for compressor, _, _, _, pairs in _best() if compressor == name)
 
 
 def _choosing_transformer_files() -> list[Path]:
-    long = ["ddp", "bf16", "int8", "terngrad", *(r for pair in _best("terngrad") + _best("demo") for r in pair)]
+    long = ["ddp", "bf16", "int8", "terngrad", *(r for pair in _best_pairs("terngrad") + _best_pairs("demo") for r in pair)]
     emulated = [RESULTS / "lm_emulated" / wan / f"{label}.json" for _, wan in CHOOSING_LINKS[:2]
                 for label in ("ddp", "bf16", "terngrad", "demo_k64")]
     diloco = [RESULTS / "diloco_emulated" / wan / f"{label}.json" for _, wan in CHOOSING_LINKS[:2]
@@ -872,9 +954,9 @@ def _choosing_transformer_table(runs: list[dict[str, Any]]) -> str:
     long = lambda label: run(f"lm_long/{label}")  # noqa: E731
     ddp = long("ddp")
     proj = run("projections/choosing")["transformer"]
-    tern = [(long(r), long(d)) for r, d in _best("terngrad")]
+    tern = [(long(r), long(d)) for r, d in _best_pairs("terngrad")]
     tern_loss = [_loss(r, d) for r, d in tern]
-    demo = [(long(r), long(d)) for r, d in _best("demo")]
+    demo = [(long(r), long(d)) for r, d in _best_pairs("demo")]
     demo_loss = [_loss(r, d) for r, d in demo]
     diloco_int8, diloco_ddp = run("diloco/int8_h50"), run("diloco/ddp")
     tern_cell = f"{100 * min(tern_loss):+.1f} to {_pct(max(tern_loss))}"
@@ -911,13 +993,13 @@ def _choosing_transformer_table(runs: list[dict[str, Any]]) -> str:
     at_1gbit = lambda label: run(f"diloco_emulated/1gbit/{label}")  # noqa: E731
     notes = [
         f"- (a) TernGrad with a scaler per 64 elements, clipping at 1 sigma, the embeddings in fp32: "
-        f"`recipes/lm/gpt_small_terngrad_b64.yaml`. Loss {', '.join(_pct(x) for x in tern_loss)} at "
+        f"`strategy=\"terngrad_lm\"` (`recipes/lm/gpt_small_terngrad_b64.yaml`). Loss {', '.join(_pct(x) for x in tern_loss)} at "
         f"{len(tern_loss)} seeds.",
         f"- (b) Measured with TernGrad's registered settings ({_times(_bytes(terngrad))} fewer bytes, "
         f"{_pct(_loss(terngrad, ddp))} loss). With setting (a), over loopback, the step is "
         f"{_step(tern[0][0], ddp)}x DDP's: on these CPUs the encoding costs more than the link saves.",
         f"- (c) DeMo with 16x16 chunks, the top 8 of each, one-byte indices, SignSGD at lr 0.007, 300 warm-up steps: "
-        f"`recipes/lm/gpt_small_demo_c16_k8.yaml`. {_pct(statistics.mean(demo_loss))} is the mean of "
+        f"`strategy=\"demo_lm\"` with that optimizer (`recipes/lm/gpt_small_demo_c16_k8.yaml`). {_pct(statistics.mean(demo_loss))} is the mean of "
         f"{len(demo_loss)} seeds ({_pct(min(demo_loss))} to {_pct(max(demo_loss))}); it replaces AdamW with its own "
         f"`SignSGD`.",
         f"- (d) Measured with DeMo at top-64 of 64x64 chunks. Setting (c) over loopback: {_step(demo[0][0], ddp)}x "

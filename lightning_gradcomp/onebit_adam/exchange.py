@@ -33,6 +33,7 @@ from lightning_gradcomp.compressors.base import FlatPacket
 from lightning_gradcomp.compressors.onebit import OneBit
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.validation import check_int
 
 
 def chunk_sizes(numel: int, world_size: int) -> list[int]:
@@ -41,9 +42,12 @@ def chunk_sizes(numel: int, world_size: int) -> list[int]:
     return [base + (r < extra) for r in range(world_size)]
 
 
-def chunk_pieces(tensors: Sequence[tuple[str, int]], world_size: int) -> list[list[tuple[str, int]]]:
+def chunk_pieces(tensors: Sequence[tuple[str, int]], world_size: int,
+                 block_size: Optional[int] = None) -> list[list[tuple[str, int]]]:
     """Per chunk, its pieces ``(name, numel)``: the tensors laid out back to back, cut at the chunk boundaries; a
-    tensor cut in several chunks is named ``"<name>:<chunk>"`` in each, a whole one keeps its name."""
+    tensor cut in several chunks is named ``"<name>:<chunk>"`` in each, a whole one keeps its name. With
+    ``block_size``, each such piece is cut further into blocks of that many elements (the last one shorter), named
+    ``"<piece>#<block>"``: each block gets its own reconstruction values."""
     sizes = chunk_sizes(sum(n for _, n in tensors), world_size)
     out: list[list[tuple[str, int]]] = [[] for _ in sizes]
     chunk, room = 0, sizes[0] if sizes else 0
@@ -59,7 +63,10 @@ def chunk_pieces(tensors: Sequence[tuple[str, int]], world_size: int) -> list[li
             room -= take
         for c, n in parts:
             out[c].append((name if len(parts) == 1 else f"{name}:{c}", n))
-    return out
+    if block_size is None:
+        return out
+    return [[(f"{name}#{i}", min(block_size, n - i * block_size)) for name, n in chunk
+             for i in range(-(-n // block_size))] for chunk in out]
 
 
 class CompressedAllReduce:
@@ -71,6 +78,13 @@ class CompressedAllReduce:
         rank: this rank's index in ``group``.
         world_size: ranks in ``group``.
         group: the process group (``None``: the default group).
+        block_size: cut every piece into blocks of this many elements, each with its own two reconstruction
+            values (8 more bytes per block: ``block_size=64`` sends 2 bits per element instead of 1). ``None``
+            (default): one pair per piece, as DeepSpeed's one scale per tensor. A piece mixes coordinates of very
+            different scales where a tensor does (a fused query-key-value bias: the key bias has no gradient, since
+            softmax ignores it); the per-piece values then give its coordinates of near-zero variance updates of
+            ``m / sqrt(v)`` in the thousands, and training diverges (measured on the LM benchmark's GPT,
+            ``docs/onebit_adam.md``).
 
     Attributes:
         worker: the worker errors, one residual per piece.
@@ -80,14 +94,17 @@ class CompressedAllReduce:
     """
 
     def __init__(self, tensors: Sequence[tuple[str, int]], rank: int, world_size: int,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, block_size: Optional[int] = None) -> None:
+        if block_size is not None:
+            check_int("block_size", block_size, minimum=1, fix="use e.g. 64, or None for one scale per piece")
         self.numel = sum(n for _, n in tensors)
+        self.block_size = block_size
         self.rank = rank
         self._world_size = world_size
         self.group = group
         self.compressor = OneBit(granularity="tensor")
         self.sizes = chunk_sizes(self.numel, world_size)
-        pieces = chunk_pieces(tensors, world_size)
+        pieces = chunk_pieces(tensors, world_size, block_size)
         # every chunk's pieces, as each server compresses and every rank decodes them
         self._chunk = [Segments([n for n, _ in p], [torch.Size([k]) for _, k in p]) for p in pieces]
         self.worker_segments = Segments([n for p in pieces for n, _ in p], [torch.Size([k]) for p in pieces for _, k in p])

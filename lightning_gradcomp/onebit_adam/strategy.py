@@ -31,6 +31,7 @@ from lightning_gradcomp.optimizers.frozen_adam import FrozenVarianceAdam, OneBit
 from lightning_gradcomp.replicas import check_replicas
 from lightning_gradcomp.segments import Segments
 from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.validation import check_int
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,10 @@ class FrozenAdamLink:
     exchange. A checkpoint's entry restored before that is applied by :meth:`bind`.
     """
 
-    def __init__(self, rank: int, world_size: int, group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    def __init__(self, rank: int, world_size: int, group: Optional[dist.ProcessGroup], device: torch.device,
+                 block_size: Optional[int] = None) -> None:
         self.rank = rank
+        self.block_size = block_size
         self.world_size = world_size
         self.group = group
         self.device = device
@@ -60,7 +63,7 @@ class FrozenAdamLink:
         self.optimizer = optimizer
         self.params = params
         self.exchange = CompressedAllReduce([(n, p.numel()) for n, p in params.items()], self.rank, self.world_size,
-                                            self.group)
+                                            self.group, self.block_size)
         optimizer.bind(self.exchange)
         if self._pending is not None:
             self._apply(self._pending)
@@ -127,6 +130,10 @@ class OneBitAdamStrategy(GradCompStrategy):
     ``compressor`` (fp32 during warm-up; the exchange is 1-bit) and the hierarchical exchange.
 
     Args:
+        scale_block: elements per pair of reconstruction values in the 1-bit exchange (``block_size`` of
+            :class:`~lightning_gradcomp.onebit_adam.CompressedAllReduce`; 64: 2 bits per element). ``None``
+            (default): one pair per tensor piece, as DeepSpeed's one scale per tensor; on a model with a fused
+            query-key-value bias that diverges (``docs/onebit_adam.md``).
         **kwargs: :class:`~lightning_gradcomp.GradCompStrategy`'s options.
     """
 
@@ -134,7 +141,10 @@ class OneBitAdamStrategy(GradCompStrategy):
     #: the optimizer this strategy completes
     optimizer_class: type[FrozenVarianceAdam] = OneBitAdam
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, scale_block: Optional[int] = None, **kwargs: Any) -> None:
+        if scale_block is not None:
+            check_int("scale_block", scale_block, minimum=1, fix="use e.g. 64, or None for one scale per tensor piece")
+        self.scale_block = scale_block
         for option in ("compressor", "hierarchy", "site_size", "site_sizes"):
             if kwargs.get(option) is not None:
                 raise ValueError(
@@ -159,7 +169,7 @@ class OneBitAdamStrategy(GradCompStrategy):
     def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
         assert self.comm_state is not None
         self.link = FrozenAdamLink(self.global_rank, self.comm_state.world_size, self.comm_state.process_group,
-                                   self.root_device)
+                                   self.root_device, self.scale_block)
         self.comm_state.attach(LINK_KEY, self.link)
 
     @override
@@ -265,7 +275,8 @@ class ZeroOneAdamStrategy(OneBitAdamStrategy):
     rank's are checkpointed.
 
     Args:
-        **kwargs: :class:`~lightning_gradcomp.GradCompStrategy`'s options.
+        **kwargs: :class:`OneBitAdamStrategy`'s ``scale_block`` and :class:`~lightning_gradcomp.GradCompStrategy`'s
+            options.
     """
 
     strategy_name = "zero_one_adam"

@@ -16,12 +16,13 @@ from lightning_gradcomp.onebit_adam.strategy import LINK_KEY, FrozenAdamLink, fr
 from lightning_gradcomp.optimizers import OneBitAdam, ZeroOneAdam
 
 
-def exchange_rounds(rank: int, world_size: int, tensors: list[tuple[str, int]], rounds: int) -> dict[str, Any]:
+def exchange_rounds(rank: int, world_size: int, tensors: list[tuple[str, int]], rounds: int,
+                    block_size: Optional[int] = None) -> dict[str, Any]:
     """``rounds`` compressed all-reduces of random vectors (distinct per rank and round) made of ``tensors``, each
     of its own scale."""
     dist.init_process_group("gloo")
     try:
-        exchange = CompressedAllReduce(tensors, rank, world_size)
+        exchange = CompressedAllReduce(tensors, rank, world_size, block_size=block_size)
         numel = exchange.numel
         scales = torch.cat([torch.full((n,), 10.0 ** (i % 4 - 2)) for i, (_, n) in enumerate(tensors)])
         gen = torch.Generator().manual_seed(100 + rank)

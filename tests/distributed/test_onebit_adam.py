@@ -3,6 +3,7 @@ this process simulating the ranks): the compressed all-reduce's worker and serve
 bit-identical, exact bytes, the optimizers' phases and updates."""
 
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -31,8 +32,11 @@ def ref_one_bit(x: torch.Tensor) -> torch.Tensor:
     return torch.where(positive, mean_pos, -mean_neg)
 
 
-def ref_pieces(tensors: list[int], world: int) -> list[list[int]]:
-    """Per chunk, the lengths of the tensors' parts in it (tensors back to back, cut at the chunk boundaries)."""
+def ref_pieces(tensors: list[int], world: int, block: Optional[int] = None) -> list[list[int]]:
+    """Per chunk, the lengths of the tensors' parts in it (tensors back to back, cut at the chunk boundaries), each
+    part cut in blocks of ``block`` elements if given."""
+    if block is not None:
+        return [[min(block, n - i) for n in chunk for i in range(0, n, block)] for chunk in ref_pieces(tensors, world)]
     bounds = [0]
     for n in ref_sizes(sum(tensors), world):
         bounds.append(bounds[-1] + n)
@@ -51,9 +55,9 @@ class RefAllReduce:
     """Tang et al.'s compressed all-reduce, every rank simulated: worker errors, chunk r to rank r, server errors;
     every part of a tensor in a chunk compressed with its own scale (DeepSpeed: per tensor)."""
 
-    def __init__(self, tensors: list[int], world: int) -> None:
+    def __init__(self, tensors: list[int], world: int, block: Optional[int] = None) -> None:
         self.sizes = ref_sizes(sum(tensors), world)
-        self.pieces = ref_pieces(tensors, world)
+        self.pieces = ref_pieces(tensors, world, block)
         self.world = world
         self.reset()
 
@@ -178,18 +182,19 @@ def ref_zero_one_adam(world: int, steps: int, var_freeze: int, var_scaler: int, 
     return out, synced
 
 
-def expected_bytes(tensors: list[int], world: int, rank: int) -> int:
+def expected_bytes(tensors: list[int], world: int, rank: int, block: Optional[int] = None) -> int:
     """Worker packet (every piece: its sign bits and two float32) plus this rank's server packet (its chunk's)."""
-    packet = [sum(math.ceil(n / 8) + 8 for n in chunk) for chunk in ref_pieces(tensors, world)]
+    packet = [sum(math.ceil(n / 8) + 8 for n in chunk) for chunk in ref_pieces(tensors, world, block)]
     return sum(packet) + packet[rank]
 
 
 # -- the compressed all-reduce ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("world", [2, 3])
-def test_compressed_allreduce_matches_reference_and_keeps_both_errors(world: int) -> None:
+@pytest.mark.parametrize(("world", "block"), [(2, None), (3, None), (3, 64)], ids=["2-ranks", "3-ranks", "3-ranks-block64"])
+def test_compressed_allreduce_matches_reference_and_keeps_both_errors(world: int, block: Optional[int]) -> None:
     tensors, rounds = [500, 1, 3, 297, 200], 4  # 1001 elements, scales 0.01 to 10, some cut between chunks
-    ranks = run_ranks(exchange_rounds, world, [(f"t{i}", n) for i, n in enumerate(tensors)], rounds, timeout=120)
-    ref = RefAllReduce(tensors, world)
+    ranks = run_ranks(exchange_rounds, world, [(f"t{i}", n) for i, n in enumerate(tensors)], rounds, block,
+                      timeout=120)
+    ref = RefAllReduce(tensors, world, block)
     for k in range(rounds):
         expected = ref([r["inputs"][k] for r in ranks])
         for rank, r in enumerate(ranks):
@@ -207,7 +212,7 @@ def test_compressed_allreduce_matches_reference_and_keeps_both_errors(world: int
     torch.testing.assert_close(delivered + worker + server, wanted, rtol=0, atol=1e-5)
     assert worker.abs().max() > 0 and server.abs().max() > 0  # both stages compress (the check above has teeth)
     for rank, r in enumerate(ranks):
-        assert r["nbytes"] == [expected_bytes(tensors, world, rank)] * rounds == [r["expected"]] * rounds
+        assert r["nbytes"] == [expected_bytes(tensors, world, rank, block)] * rounds == [r["expected"]] * rounds
         assert r["sizes"] == ref_sizes(sum(tensors), world)
 
 

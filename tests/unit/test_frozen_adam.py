@@ -108,3 +108,16 @@ def test_with_bias_correction_the_dense_phase_is_torch_adamw(cls: type) -> None:
     _steps(torch.optim.AdamW(twin.parameters(), lr=0.01, weight_decay=0.1), twin, 5)
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_scale_blocks_cut_every_piece_and_bad_sizes_name_the_fix() -> None:
+    from lightning_gradcomp import OneBitAdamStrategy, ZeroOneAdamStrategy
+    from lightning_gradcomp.onebit_adam.exchange import chunk_pieces
+
+    # pieces are cut at the chunk boundaries first, then in blocks (the last one shorter): no block spans two pieces
+    assert chunk_pieces([("a", 130), ("b", 10)], 2, 64) == [[("a:0#0", 64), ("a:0#1", 6)], [("a:1#0", 60), ("b#0", 10)]]
+    assert chunk_pieces([("a", 130), ("b", 10)], 2) == [[("a:0", 70)], [("a:1", 60), ("b", 10)]]
+    assert ZeroOneAdamStrategy(scale_block=64).scale_block == 64
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match=r"`scale_block`.*Fix: use e.g. 64"):
+            OneBitAdamStrategy(scale_block=bad)  # type: ignore[arg-type]

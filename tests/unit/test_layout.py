@@ -99,7 +99,7 @@ def test_compressors_all_holds_every_registered_compressor() -> None:
 def test_top_level_exports_strategies_hook_and_registry_only() -> None:
     assert sorted(lightning_gradcomp.__all__) == [
         "DiLoCoStrategy", "GradCompFabricStrategy", "GradCompState", "GradCompStrategy", "OneBitAdamStrategy",
-        "ShardedDiLoCoStrategy", "ShardedGradCompFabricStrategy", "ShardedGradCompStrategy", "TowerStrategy",
+        "PresetFabricStrategy", "PresetStrategy", "ShardedDiLoCoStrategy", "ShardedGradCompFabricStrategy", "ShardedGradCompStrategy", "TowerStrategy",
         "WeightGradStrategy", "ZeroOneAdamStrategy",
         "compressor_names", "gradcomp_hook", "make_compressor", "register_compressor", "register_strategies",
         "strategy_names",

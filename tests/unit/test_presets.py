@@ -1,0 +1,137 @@
+"""The presets' table (lightning_gradcomp/presets.py) against the stored runs it rests on, and which setups warn.
+
+Every number the paper-default warning prints comes from that table; this test recomputes each from the stored
+JSON under benchmarks/results/lm_long/, so the warning cannot drift from the data."""
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_gradcomp import PresetStrategy
+from lightning_gradcomp.compressors import TernGrad
+from lightning_gradcomp.presets import (PAPER_DEFAULTS, PRESETS, Measurement, embedding_names, measure,
+                                        paper_default_warning)
+from lightning_gradcomp.registry import compressor_names, make_compressor, strategy_names
+
+LONG = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "lm_long"
+
+
+def _runs(measured: Measurement) -> dict[str, Any]:
+    return {label: json.loads((LONG / f"{label}.json").read_text()) for pair in measured.runs for label in pair}
+
+
+def _seed(run: dict[str, Any]) -> int:
+    found = re.search(r"--seed_everything=(\d+)", run["command"])
+    return int(found.group(1)) if found else 0
+
+
+def _same_settings(stored: dict[str, Any], compressor: Any) -> bool:
+    """A stored run's compressor settings are ``compressor``'s (options added since then kept their defaults)."""
+    now = compressor.describe()
+    return all(now.get(k) == v for k, v in stored.items())
+
+
+def _check(measured: Measurement, dense_steps: int = 0) -> dict[str, Any]:
+    runs = _runs(measured)
+    gap, ratio = measure(runs, measured.runs, dense_steps)
+    assert (round(gap, 1), round(ratio, 1)) == (measured.gap, measured.bytes_ratio), measured
+    for run, ddp in measured.runs:  # each pair: the same seed, DDP's run plain DDP, 2000 steps on 4 ranks
+        assert _seed(runs[run]) == _seed(runs[ddp]), (run, ddp)
+        assert runs[ddp]["strategy"] == "DDPStrategy" and runs[run]["steps"] == runs[ddp]["steps"] == 2000
+        assert runs[run]["world_size"] == 4
+    assert [_seed(runs[run]) for run, _ in measured.runs] == list(range(len(measured.runs)))  # seed 0 first
+    return runs
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_numbers_are_the_stored_runs(name: str) -> None:
+    preset = PRESETS[name]
+    runs = _check(preset.measured, preset.dense_steps)
+    for run, _ in preset.measured.runs:
+        # the stored run ran this preset's compressor (its settings are in the JSON)
+        assert _same_settings(runs[run]["compressor"], preset.make_compressor()), run
+        command = runs[run]["command"]
+        if f"--trainer.strategy={name}" not in command:  # an earlier run with the same options spelt out
+            assert (f"dense_steps={preset.dense_steps}" in command) == bool(preset.dense_steps), command
+            assert ("exclude=[model.token_embedding.weight,model.position_embedding.weight]" in command
+                    or "gpt_small_terngrad_b64" in command) == preset.float_embeddings, command
+    assert preset.measured.gap <= 2.0  # a preset is within 2 % of DDP, on the mean of its seeds
+    assert len(preset.measured.runs) >= 3
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_registered_name_reproduces_the_stored_seed_0_run(name: str) -> None:
+    # the first 500 steps through the name (the 2000-step schedule) against the stored run of the same options
+    check = json.loads((LONG.parent / "lm_presets_check" / f"{name}.json").read_text())
+    stored = json.loads((LONG / f"{PRESETS[name].measured.runs[0][0]}.json").read_text())
+    assert f"--trainer.strategy={name}" in check["command"] and check["steps"] == 500
+    assert check["val_curve"][0] == stored["val_curve"][0] and check["val_curve"][0][0] == 500  # bit for bit
+    assert check["compressor"] == stored["compressor"]
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_DEFAULTS))
+def test_paper_default_numbers_are_the_stored_runs(name: str) -> None:
+    entry = PAPER_DEFAULTS[name]
+    runs = _check(entry.measured)
+    (run, _), *_ = entry.measured.runs
+    assert runs[run]["command"].endswith(f"--trainer.strategy={name}") or name == "demo", runs[run]["command"]
+    assert _same_settings(runs[run]["compressor"], make_compressor(name))
+    assert entry.measured.gap > 2.0
+    assert (entry.preset is None) != (entry.best is None)
+    if entry.best is not None:
+        dense = 100 if "dense100" in entry.best.runs[0][0] else 0
+        _check(entry.best, dense)
+        assert entry.best.gap > 2.0  # else it would be a preset
+    else:
+        assert PRESETS[entry.preset].compressor == name  # type: ignore[index]
+
+
+def test_warning_names_the_gap_and_the_preset_for_adam_and_adamw_only() -> None:
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    adamw, sgd = torch.optim.AdamW(params), torch.optim.SGD(params, lr=0.1)
+    for name, entry in PAPER_DEFAULTS.items():
+        for optimizer in (adamw, torch.optim.Adam(params), MyAdamW(params)):
+            message = paper_default_warning(make_compressor(name), [optimizer])
+            assert message is not None and message.startswith("Expected ") and "Fix:" in message
+            assert f"{entry.measured.gap:+.1f} %" in message and type(optimizer).__name__ in message
+            if entry.preset is not None:
+                assert f"strategy={entry.preset!r}" in message
+                assert PRESETS[entry.preset].measured.describe() in message
+            else:
+                assert "No setting within 2 % of DDP was found" in message and entry.best.describe() in message
+        assert paper_default_warning(make_compressor(name), [sgd]) is None
+        assert paper_default_warning(make_compressor(name), [adamw], customised=True) is None
+    # within 2 % at the paper default: nothing to say
+    for name in sorted(set(compressor_names()) - set(PAPER_DEFAULTS)):
+        assert paper_default_warning(make_compressor(name), [adamw]) is None, name
+    # an instance built without arguments is the paper default (a seed is not a setting); other options are not
+    assert paper_default_warning(TernGrad(seed=3), [adamw]) is not None
+    assert paper_default_warning(TernGrad(bucket_size=64), [adamw]) is None
+    for preset in PRESETS.values():
+        assert paper_default_warning(preset.make_compressor(), [adamw]) is None
+
+
+def test_embeddings_are_the_stored_runs_fp32_names() -> None:
+    from gradcomp_lab.models import GPT
+
+    # the runs under earlier names sent these two in fp32 by `exclude`; the preset finds them by module type
+    model = GPT(vocab_size=256, width=16, depth=1, num_heads=2, context=8)  # output projection tied to the embedding
+    named = dict(model.named_parameters())
+    assert embedding_names(model, named) == {"token_embedding.weight", "position_embedding.weight"}
+
+
+def test_preset_names_are_registered_and_bad_arguments_name_the_fix() -> None:
+    assert set(PRESETS) <= set(strategy_names())
+    assert all(name == f"{p.compressor}_lm" for name, p in PRESETS.items())
+    assert isinstance(PresetStrategy("qsgd_lm").compressor, type(make_compressor("qsgd")))
+    with pytest.raises(ValueError, match=r"Expected `preset` to be one of .*'qsgd_lm'.*did you mean 'qsgd_lm'"):
+        PresetStrategy("qsgd_ml")
+    with pytest.raises(ValueError, match=r"Expected `compressor` to be unset .* Fix: drop it"):
+        PresetStrategy("qsgd_lm", compressor="terngrad")
