@@ -862,7 +862,9 @@ def _repro_weightgrad_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-TABLES += [
+#: the reproductions' tables, registered (added to TABLES) once their runs are stored under
+#: benchmarks/results/reproductions/ (benchmarks/repro_*.py; each table's files() names them)
+REPRO_TABLES = [
     Table("repro-terngrad-lenet", lambda: [REPRO / "terngrad_lenet_momentum.json", REPRO / "terngrad_lenet_sgd.json"],
           _repro_terngrad_table, "python tools/results_tables.py --only repro-terngrad-lenet"),
     Table("repro-graddrop", lambda: [REPRO / "graddrop_200.json"], _repro_graddrop_table,
@@ -1081,8 +1083,9 @@ def _choosing_cnn_table(runs: list[dict[str, Any]]) -> str:
 TABLES += [
     Table("choosing-transformer", _choosing_transformer_files, _choosing_transformer_table,
           "python tools/results_tables.py --only choosing-transformer"),
-    Table("choosing-cnn", _choosing_cnn_files, _choosing_cnn_table, "python tools/results_tables.py --only choosing-cnn"),
 ]
+REPRO_TABLES.append(Table("choosing-cnn", _choosing_cnn_files, _choosing_cnn_table,
+                          "python tools/results_tables.py --only choosing-cnn"))
 
 
 def _saved_order(folder: Path) -> list[Path]:
