@@ -1086,6 +1086,9 @@ TABLES += [
 ]
 REPRO_TABLES.append(Table("choosing-cnn", _choosing_cnn_files, _choosing_cnn_table,
                           "python tools/results_tables.py --only choosing-cnn"))
+#: the reproductions' tables whose runs are stored (the others are typed in the pages until they are)
+STORED_REPRO = ["repro-adacomp"]
+TABLES += [table for table in REPRO_TABLES if table.name in STORED_REPRO]
 
 
 def _saved_order(folder: Path) -> list[Path]:
