@@ -1089,7 +1089,6 @@ def _print_validation() -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     """``gradcomp-perf``: predict one configuration, or draw the Fig. 5-style curves."""
-    from lightning_gradcomp import registry
 
     parser = argparse.ArgumentParser(prog="gradcomp-perf", description="TernGrad-style performance model")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -1143,13 +1142,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         _fig5_table(workers)
         return
     spec = PAPER_MODELS[args.model]
-    device = DEVICES[args.device]
     batch = args.batch or spec.batch
-    shapes = spec.shapes()
-    numel = sum(math.prod(s) for _, s in shapes)
-    buckets = ddp_bucket_fractions(shapes)
-    compute = device.train_seconds(spec.forward_macs, batch)
-    link = Link.parse(args.link)
+    numel = sum(math.prod(s) for _, s in spec.shapes())
+    compute = DEVICES[args.device].train_seconds(spec.forward_macs, batch)
     print(f"{args.model}: {numel / 1e6:.1f}M parameters, {compute * 1e3:.1f} ms compute per step on {args.device} (batch {batch})")
     print("| N | method | collective | compute ms | codec ms | comm ms | hidden behind backward ms | step ms | img/s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -1157,27 +1152,59 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"Expected --gpus-per-node >= 2 with --hierarchical, but got {args.gpus_per_node}. "
                      f"Fix: e.g. --gpus-per-node 4 (one site per node).")
     for n in args.nproc:
-        hier = args.hierarchical and n > args.gpus_per_node
-        if n <= args.gpus_per_node or args.gpus_per_node == 1:
-            net = Network(link if args.gpus_per_node == 1 else Link.parse(args.intra))
-        else:
-            net = Network(Link.parse(args.intra), sites=n // args.gpus_per_node, wan=link)
-        if args.compressor in ("fp32-ddp", "bf16-ddp"):
-            codec, name = fp32_codec(numel, 4.0 if args.compressor == "fp32-ddp" else 2.0), "allreduce"
-        elif args.compressor == "terngrad":
-            # hierarchical: the collective among the sites, over the link between nodes
-            name, codec = best_terngrad_codec(numel, n // args.gpus_per_node if hier else n, Network(link) if hier else net,
-                                              device.codec_seconds_per_element(), buckets)
-        else:
-            measured = measure_codec(registry.make_compressor(args.compressor), shapes,
-                                     n // args.gpus_per_node if hier else n, timed=False)
-            per = device.codec_seconds_per_element() * numel
-            codec = Codec(measured.nbytes, measured.aggregation, per, per, measured.rounds)
-            name = measured.aggregation.value
-        p = predict(compute, codec, n, net, batch, buckets, collective=name + ("+hier" if hier else ""),
-                    overlap=args.overlap and not hier, hierarchical_dense_bytes=4.0 * numel if hier else None)
+        p = predict_paper_model(args.model, args.compressor, n, args.link, args.device, batch, args.gpus_per_node,
+                                args.intra, args.overlap, args.hierarchical)
         print(f"| {n} | {args.compressor} | {p.collective} | {p.compute_s * 1e3:.1f} | {p.codec_s * 1e3:.1f} | "
               f"{p.comm_s * 1e3:.1f} | {p.hidden_s * 1e3:.1f} | {p.step_s * 1e3:.1f} | {p.throughput:.0f} |")
+
+
+def predict_paper_model(model: str, compressor: str, world_size: int, link: str, device: str = "gtx1080",
+                        batch: Optional[int] = None, gpus_per_node: int = 1, intra: str = "80gbit@10us",
+                        overlap: bool = False, hierarchical: bool = False) -> Prediction:
+    """``gradcomp-perf predict``'s projection of one configuration of a paper model (AlexNet, GoogLeNet, VGG-A).
+
+    Args:
+        model: a :data:`PAPER_MODELS` name.
+        compressor: a registered compressor name, or ``"fp32-ddp"`` / ``"bf16-ddp"``.
+        world_size: workers in all.
+        link: the link per worker, or between nodes with ``gpus_per_node`` > 1 (``"1gbit"``, ``"1gbit@50us"``).
+        device: a :data:`DEVICES` name (its compute per step).
+        batch: samples per worker (default: the paper's).
+        gpus_per_node: workers behind one node link, joined by ``intra``.
+        intra: the link between the workers of a node.
+        overlap: DDP's timeline (each bucket's exchange behind the rest of backward) instead of after compute.
+        hierarchical: dense inside a node, compressed between nodes (needs ``gpus_per_node`` >= 2).
+
+    Returns:
+        The prediction; its ``step_s`` over DDP's is the speed-up the docs' tables show.
+    """
+    from lightning_gradcomp import registry
+
+    spec = PAPER_MODELS[model]
+    batch = batch or spec.batch
+    shapes = spec.shapes()
+    numel = sum(math.prod(s) for _, s in shapes)
+    buckets = ddp_bucket_fractions(shapes)
+    compute = DEVICES[device].train_seconds(spec.forward_macs, batch)
+    per_element = DEVICES[device].codec_seconds_per_element()
+    between = Link.parse(link)
+    hier = hierarchical and world_size > gpus_per_node
+    if world_size <= gpus_per_node or gpus_per_node == 1:
+        net = Network(between if gpus_per_node == 1 else Link.parse(intra))
+    else:
+        net = Network(Link.parse(intra), sites=world_size // gpus_per_node, wan=between)
+    ranks = world_size // gpus_per_node if hier else world_size  # hierarchical: the collective among the sites
+    if compressor in ("fp32-ddp", "bf16-ddp"):
+        codec, name = fp32_codec(numel, 4.0 if compressor == "fp32-ddp" else 2.0), "allreduce"
+    elif compressor == "terngrad":
+        # hierarchical: the collective among the sites, over the link between nodes
+        name, codec = best_terngrad_codec(numel, ranks, Network(between) if hier else net, per_element, buckets)
+    else:
+        measured = measure_codec(registry.make_compressor(compressor), shapes, ranks, timed=False)
+        codec = Codec(measured.nbytes, measured.aggregation, per_element * numel, per_element * numel, measured.rounds)
+        name = measured.aggregation.value
+    return predict(compute, codec, world_size, net, batch, buckets, collective=name + ("+hier" if hier else ""),
+                   overlap=overlap and not hier, hierarchical_dense_bytes=4.0 * numel if hier else None)
 
 
 if __name__ == "__main__":
