@@ -12,7 +12,7 @@ model (FSDP2): each rank's residuals cover its own shard of every parameter, who
 the checkpoint records the shard size that wrote it (``None``: an unsharded model) and a run with another refuses it.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -101,6 +101,13 @@ def _sharding(shard_size: Optional[int]) -> str:
     return "an unsharded model (`shard_size=None`)" if shard_size is None else f"`shard_size={shard_size}`"
 
 
+def _refuse_another_layout(saved: Mapping[str, Any], key: str, live: Any, entries: Sequence[Mapping[str, Any]],
+                           message: Callable[[Any], str]) -> None:
+    """Raise ``message(saved[key])`` when the checkpoint recorded another ``key`` than this run's and holds state."""
+    if key in saved and saved[key] != live and any(has_state(e) for e in entries):
+        raise ValueError(message(saved[key]))
+
+
 def select(
     checkpoint: Mapping[str, Any],
     rank: int,
@@ -145,28 +152,21 @@ def select(
             f"is {world_size}. Fix: resume with devices x num_nodes = {saved['world_size']}, or pass "
             f"`GradCompStrategy(resume_compression='reset')` to start the compression state afresh."
         )
-    if "sites" in saved:  # absent in checkpoints written before the exchange was recorded: not checked
-        saved_sites = saved["sites"]
-        live_sites = None if sites is None else list(sites)
-        if saved_sites != live_sites and any(has_state(e) for e in entries):
-            raise ValueError(
-                f"Expected the checkpoint's compression state to come from {_exchange(live_sites)}, as this run "
-                f"({option or _sites_option(live_sites)}), but got one written by {_exchange(saved_sites)}: residuals, "
-                f"generators and transform buffers are kept per rank for the parameters that rank exchanges, which "
-                f"differ between the two. Fix: resume with {_sites_option(saved_sites)} as the run that wrote it, or "
-                f"pass `GradCompStrategy(resume_compression='reset')` to start the compression state afresh."
-            )
-    if "shard_size" in saved:  # absent in checkpoints written before the shard size was recorded: not checked
-        saved_shard = saved["shard_size"]
-        if saved_shard != shard_size and any(has_state(e) for e in entries):
-            raise ValueError(
-                f"Expected the checkpoint's compression state to come from {_sharding(shard_size)} as this run, but "
-                f"got one written with {_sharding(saved_shard)}: the compression state is per shard (each rank's "
-                f"residuals, generators and statistics cover its own shard of every parameter, whose extent the shard "
-                f"size sets), so it cannot be split into other shards exactly. Fix: resume with "
-                f"{_sharding(saved_shard)} as the run that wrote it, or pass `resume_compression='reset'` to start the "
-                f"compression state afresh."
-            )
+    # absent in checkpoints written before the exchange or the shard size was recorded: not checked
+    live_sites = None if sites is None else list(sites)
+    _refuse_another_layout(saved, "sites", live_sites, entries, lambda saved_sites: (
+        f"Expected the checkpoint's compression state to come from {_exchange(live_sites)}, as this run "
+        f"({option or _sites_option(live_sites)}), but got one written by {_exchange(saved_sites)}: residuals, "
+        f"generators and transform buffers are kept per rank for the parameters that rank exchanges, which "
+        f"differ between the two. Fix: resume with {_sites_option(saved_sites)} as the run that wrote it, or "
+        f"pass `GradCompStrategy(resume_compression='reset')` to start the compression state afresh."))
+    _refuse_another_layout(saved, "shard_size", shard_size, entries, lambda saved_shard: (
+        f"Expected the checkpoint's compression state to come from {_sharding(shard_size)} as this run, but "
+        f"got one written with {_sharding(saved_shard)}: the compression state is per shard (each rank's "
+        f"residuals, generators and statistics cover its own shard of every parameter, whose extent the shard "
+        f"size sets), so it cannot be split into other shards exactly. Fix: resume with "
+        f"{_sharding(saved_shard)} as the run that wrote it, or pass `resume_compression='reset'` to start the "
+        f"compression state afresh."))
     return entries[rank]
 
 
