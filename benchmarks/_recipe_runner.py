@@ -4,7 +4,9 @@
 each printed row corresponds to a command line that the runner also prints.
 """
 
+import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -20,6 +22,10 @@ from lightning.pytorch import LightningDataModule, LightningModule  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 import lightning_gradcomp  # noqa: E402  (registers the strategy names)
+from benchmarks.lm import provenance  # noqa: E402,F401  (re-exported for the runners)
+
+#: where the reproduction runners store their results (one JSON per command; ``tools/results_tables.py`` reads them)
+REPRODUCTIONS = ROOT / "benchmarks" / "results" / "reproductions"
 
 FASHION = "gradcomp_lab.data.FashionMNISTDataModule"
 
@@ -46,14 +52,16 @@ def run_recipe(recipe: str, overrides: list[str], quiet: bool = True, callbacks:
     start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     seconds = time.perf_counter() - start
+    # the strategy's byte records before validating: `validate` sets the strategy up again, which starts them afresh
+    strategy = cli.trainer.strategy
+    sent: dict[str, Any] = {}
+    if hasattr(strategy, "bytes_per_step"):
+        sent = {"bytes_per_step": strategy.bytes_per_step(), "layer_records": dict(getattr(strategy, "records", {}))}
     results = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
     out: dict[str, Any] = {k: float(v) for k, v in (results[0] if results else {}).items()}
     out["seconds"] = seconds
     out["steps"] = cli.trainer.global_step
-    strategy = cli.trainer.strategy
-    if hasattr(strategy, "bytes_per_step"):
-        out["bytes_per_step"] = strategy.bytes_per_step()
-        out["layer_records"] = dict(getattr(strategy, "records", {}))
+    out.update(sent)
     out["model"] = cli.model
     return out
 
@@ -62,3 +70,20 @@ def machine() -> str:
     """One line describing where the numbers were measured."""
     return (f"{os.uname().nodename}, {os.cpu_count()} CPUs, torch {torch.__version__}, threads {torch.get_num_threads()}, "
             f"lightning_gradcomp from {Path(lightning_gradcomp.__file__).parent}")
+
+
+def host() -> str:
+    """The machine as the stored results name it (``tools/results_tables.py`` adds the torch version)."""
+    return f"{os.uname().nodename}, {os.cpu_count()} CPUs (shared), Python {sys.version.split()[0]}"
+
+
+def save_results(out: Path, script: str, argv: list[str], rows: list[dict[str, Any]], stamp: dict[str, str],
+                 **extra: Any) -> None:
+    """Store a runner's rows as JSON with what the results tables stamp: the command that produced them (``script``
+    with ``argv``), the machine, torch, and ``stamp``: the commit and date of the code that ran
+    (``benchmarks.lm.provenance()``, taken when the run started: the tree may change while it runs)."""
+    result = {"command": shlex.join(["python", script, *argv]), "machine": host(), "torch": torch.__version__,
+              **stamp, **extra, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"# stored {out}", flush=True)

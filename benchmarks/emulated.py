@@ -24,8 +24,13 @@ bracket its first crossing. Needs root (network namespaces).
     sudo python benchmarks/emulated.py --grid lm                        # both WAN rates
     python benchmarks/emulated.py --grid lm --saved --target 2.6
     sudo python benchmarks/emulated.py --grid sharded                   # both WAN rates
+    python benchmarks/emulated.py --grid sharded --saved --target 2.45
     sudo python benchmarks/emulated.py --grid lm_long                   # both WAN rates
     python benchmarks/emulated.py --grid lm_long --saved --target 0.8
+
+The sharded grid's tables also give the performance model's prediction of each run's step
+(``gradcomp_lab.perfmodel.predict_from_stored``): from the same run's measured step on the other WAN rate, with that
+link's communication swapped for this one's, and its error against the step measured here.
 """
 
 import argparse
@@ -52,11 +57,14 @@ _SHARDED = "recipes/lm/gpt_stdlib_sharded_terngrad.yaml"
 
 @dataclass(frozen=True)
 class Grid:
-    """Runs (label -> recipe and overrides), the overrides every run gets, and where the results go."""
+    """Runs (label -> recipe and overrides), the overrides every run gets, where the results go, the run the others'
+    time to the target is compared with, and whether the tables show the performance model's prediction."""
 
     runs: dict[str, tuple[str, list[str]]]
     common: list[str]
     out: Path
+    baseline: str = "ddp"
+    predicted: bool = False
 
 
 GRIDS = {
@@ -98,7 +106,7 @@ GRIDS = {
             "--trainer.strategy.init_args.compressor=int8", "--trainer.strategy.init_args.sync_every=50",
             "--trainer.strategy.init_args.outer_lr=0.7", "--trainer.strategy.init_args.outer_momentum=0.9",
             "--trainer.strategy.init_args.outer_nesterov=true"]),
-    }, ["--trainer.val_check_interval=25"], ROOT / "benchmarks/results/sharded_emulated"),
+    }, ["--trainer.val_check_interval=25"], ROOT / "benchmarks/results/sharded_emulated", "hsdp_fp32", True),
 }
 WANS = ("1gbit", "100mbit")
 LAN = "10gbit"
@@ -115,17 +123,44 @@ def time_to(run: dict[str, Any], target: float) -> Optional[float]:
     return None
 
 
-def summarize(results: dict[str, list[dict[str, Any]]], target: float) -> str:
+def predictions(out: Path, wan: str, runs: list[dict[str, Any]]) -> dict[str, tuple[str, float]]:
+    """The performance model's step for each of ``runs`` (measured on ``wan``), by label: predicted from the same
+    run stored under ``out`` for the other WAN rate (:func:`gradcomp_lab.perfmodel.predict_from_stored`), with
+    that rate; a run not stored for another rate has none."""
+    from gradcomp_lab.perfmodel import predict_from_stored
+
+    found = {}
+    for other in (w for w in WANS if w != wan):
+        for r in runs:
+            path = out / other / f"{r['label']}.json"
+            if r["label"] not in found and path.exists():
+                found[r["label"]] = (other, predict_from_stored(json.loads(path.read_text()), other, r, wan, LAN))
+    return found
+
+
+def summarize(results: dict[str, list[dict[str, Any]]], target: float, baseline: str = "ddp",
+              predicted: Optional[dict[str, dict[str, tuple[str, float]]]] = None) -> str:
+    """The tables of ``results`` (WAN rate -> runs); ``baseline``: the label whose time to the target the others'
+    is compared with; ``predicted``: WAN rate -> label -> (the rate it was predicted from, the predicted step),
+    shown beside the measured step."""
     lines = []
     for wan, runs in results.items():
-        ddp_time = next((time_to(r, target) for r in runs if r["label"] == "ddp"), None)
+        base_time = next((time_to(r, target) for r in runs if r["label"] == baseline), None)
+        model = None if predicted is None else predicted.get(wan, {})
+        extra = "" if model is None else " predicted s/step (from) | error |"
         lines += [f"\nWAN {wan} (LAN {LAN}), target validation loss {target}:\n",
-                  "| run | final val loss | s/step (median) | bytes/rank/step | time to target (s) | DDP time / this | command |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+                  f"| run | final val loss | s/step (median) |{extra} bytes/rank/step | time to target (s) | "
+                  f"{'DDP' if baseline == 'ddp' else baseline} time / this | command |",
+                  "| --- " * (7 + (0 if model is None else 2)) + "|"]
         for r in runs:
             t = time_to(r, target)
-            speedup = f"{ddp_time / t:.2f}x" if t and ddp_time else "n/a"
-            lines.append(f"| {r['label']} | {r['final_val_loss']:.4f} | {r['median_step_seconds']:.3f} | "
+            speedup = f"{base_time / t:.2f}x" if t and base_time else "n/a"
+            cells = ""
+            if model is not None:
+                source, step = model.get(r["label"], ("", float("nan")))
+                cells = (f" {step:.3f} ({source}) | {step / r['median_step_seconds'] - 1:+.1%} |" if source
+                         else " n/a | n/a |")
+            lines.append(f"| {r['label']} | {r['final_val_loss']:.4f} | {r['median_step_seconds']:.3f} |{cells} "
                          f"{r['bytes_per_step']:.0f} | {'not reached' if t is None else f'{t:.0f}'} | {speedup} | "
                          f"`{r['command']}` |")
     return "\n".join(lines)
@@ -158,7 +193,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                 subprocess.run(cmd, check=True, cwd=ROOT)
             if path.exists():
                 results.setdefault(wan, []).append(json.loads(path.read_text()))
-    table = summarize(results, args.target)
+    predicted = {wan: predictions(out, wan, runs) for wan, runs in results.items()} if grid.predicted else None
+    table = summarize(results, args.target, grid.baseline, predicted)
     header = f"python benchmarks/emulated.py {' '.join(argv if argv is not None else sys.argv[1:])}"
     machine = next(iter(results.values()))[0]["machine"]
     print(f"{header}\n{machine}\n{table}")

@@ -7,13 +7,14 @@ threshold (exact selection over the whole model's |x| at this step, what Marian 
 gradient) and compares what each would send. Shadow compressors replay the same tensors to measure the
 previous-step threshold with each sample mode, and the per-layer scope.
 
-Usage: python benchmarks/graddrop_global_threshold.py [--steps 200] [--drop-ratio 0.99]
+Usage: python benchmarks/graddrop_global_threshold.py [--steps 200] [--drop-ratio 0.99] [--out FILE]
 """
 
 import argparse
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,6 +29,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--drop-ratio", type=float, default=0.99)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None, help="also store the table here (Markdown, with the "
+                        "command and machine: benchmarks/results/micro/graddrop_global_threshold.md)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     images, labels = fashion_mnist("train")
@@ -76,20 +79,24 @@ def main() -> None:
             p.grad.copy_(sent)
         opt.step()
     elapsed = time.perf_counter() - start
-    print(f"# python benchmarks/graddrop_global_threshold.py --steps {args.steps} --drop-ratio {args.drop_ratio} "
-          f"--batch {args.batch}")
-    print(f"# machine: {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"1 thread; {elapsed:.0f} s; medians over steps 1..{args.steps - 1}; target kept = {1 - args.drop_ratio:.4f}")
-    print("| threshold | thr / true global | kept fraction | recall of true global set | rel. L2 error of sent |")
-    print("|---|---|---|---|---|")
+    lines = [f"# command: `python benchmarks/graddrop_global_threshold.py --steps {args.steps} "
+             f"--drop-ratio {args.drop_ratio} --batch {args.batch}`",
+             f"# machine: {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+             "1 thread",
+             f"# {elapsed:.0f} s; medians over steps 1..{args.steps - 1}; target kept = {1 - args.drop_ratio:.4f}",
+             "| threshold | thr / true global | kept fraction | recall of true global set | rel. L2 error of sent |",
+             "|---|---|---|---|---|"]
     names = {"random": "global, previous step, 0.1% random", "strided": "global, previous step, strided 100k",
              "exact": "global, previous step, exact", "layer": "per layer, this step, exact"}
     for k, label in names.items():
         r = rows[k]
         med = {m: statistics.median(v) for m, v in r.items()}
         thr = "-" if k == "layer" else f"{med['thr']:.3f}"
-        print(f"| {label} | {thr} | {med['kept']:.4f} | {med['recall']:.3f} | {med['rel_err']:.3f} |")
-
+        lines.append(f"| {label} | {thr} | {med['kept']:.4f} | {med['recall']:.3f} | {med['rel_err']:.3f} |")
+    print("\n".join(lines))
+    if args.out:  # the stored table docs/compressors.md shows (tools/results_tables.py)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -10,18 +10,21 @@ through the same LightningCLI parser as ``gradcomp fit``, with these overrides (
 
 Printed per run: test accuracy (10K test set), and the measured compression: fp32 bytes over the bytes one
 worker put on the wire, summed over all steps, overall and per layer type (conv / fc, AdaComp's ``layer_kind``).
+The rows are stored as JSON (``--out``; ``tools/results_tables.py`` prints the docs' tables from them).
 
-Usage: python benchmarks/repro_sparse.py graddrop [--steps 200] [--hidden 512] [--only RUN ...]
-       python benchmarks/repro_sparse.py adacomp [--steps 300]
+Usage: python benchmarks/repro_sparse.py graddrop [--steps 200] [--hidden 512] [--only RUN ...] [--out FILE]
+       python benchmarks/repro_sparse.py adacomp [--steps 300] [--out FILE]
 """
 
 import argparse
 import json
+import sys
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import yaml
-from _recipe_runner import FASHION, ROOT, command_line, machine, run_recipe
+from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, command_line, machine, provenance, run_recipe, save_results
 from lightning.pytorch import Callback
 
 from lightning_gradcomp.compressors.adacomp import layer_kind
@@ -94,30 +97,40 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--only", nargs="*", default=None, help="run names to run (default: all)")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON to store (default: "
+                        "benchmarks/results/reproductions/<paper>_<steps>[_<only>...].json)")
     args = parser.parse_args()
+    stamp = provenance()  # the code that runs: the tree may change before the run ends
+    steps = args.steps or (200 if args.paper == "graddrop" else 300)
+    out = args.out or REPRODUCTIONS / f"{'_'.join([args.paper, str(steps), *(args.only or [])])}.json"
     print(f"# machine: {machine()}")
-    if args.paper == "graddrop":
-        runs = graddrop_runs(args.steps or 200, args.hidden)
-    else:
-        runs = adacomp_runs(args.steps or 300)
+    runs = graddrop_runs(steps, args.hidden) if args.paper == "graddrop" else adacomp_runs(steps)
     rows = []
     for name, recipe, ov in runs:
         if name not in (args.only or GRADDROP + ["baseline", "adacomp"]):
             continue
         meter = WireBytes()
         res = run_recipe(recipe, ov, callbacks=[meter])
-        ratio = {k: meter.dense[k] / max(1, meter.sent[k]) for k in sorted(meter.dense)}
-        total = sum(meter.dense.values()) / max(1, sum(meter.sent.values()))
-        rows.append((name, res["val_acc"], res["val_loss"], total, ratio, res["seconds"]))
-        print(f"# {command_line(recipe, ov)}", flush=True)
-        print(f"{name:16s} test_acc={res['val_acc']:.4f} test_loss={res['val_loss']:.4f} compression={total:.1f}x "
-              + " ".join(f"{k}={v:.1f}x" for k, v in ratio.items()) + f" fit_s={res['seconds']:.0f}", flush=True)
+        strategy = json.loads(next(o for o in ov if o.startswith("--trainer.strategy=")).partition("=")[2])
+        row = {"run": name, "workers": strategy["init_args"]["num_workers"],
+               "compressor": strategy["init_args"]["compressor"], "steps": res["steps"], "test_acc": res["val_acc"],
+               "test_loss": res["val_loss"],
+               "compression": sum(meter.dense.values()) / max(1, sum(meter.sent.values())),
+               "compression_per_kind": {k: meter.dense[k] / max(1, meter.sent[k]) for k in sorted(meter.dense)},
+               "fit_seconds": res["seconds"], "command": command_line(recipe, ov)}
+        rows.append(row)
+        print(f"# {row['command']}", flush=True)
+        print(f"{name:16s} test_acc={row['test_acc']:.4f} test_loss={row['test_loss']:.4f} "
+              f"compression={row['compression']:.1f}x "
+              + " ".join(f"{k}={v:.1f}x" for k, v in row["compression_per_kind"].items())
+              + f" fit_s={row['fit_seconds']:.0f}", flush=True)
     print("\n| run | steps | test acc | test loss | compression (all) | per layer type | fit s |")
     print("|---|---:|---:|---:|---:|---|---:|")
-    for name, acc, loss, total, ratio, sec in rows:
-        per = ", ".join(f"{k} {v:.1f}x" for k, v in ratio.items())
-        print(f"| {name} | {args.steps or (200 if args.paper == 'graddrop' else 300)} | {100 * acc:.2f}% | {loss:.4f} | "
-              f"{total:.1f}x | {per} | {sec:.0f} |")
+    for row in rows:
+        per = ", ".join(f"{k} {v:.1f}x" for k, v in row["compression_per_kind"].items())
+        print(f"| {row['run']} | {row['steps']} | {100 * row['test_acc']:.2f}% | {row['test_loss']:.4f} | "
+              f"{row['compression']:.1f}x | {per} | {row['fit_seconds']:.0f} |")
+    save_results(out, "benchmarks/repro_sparse.py", sys.argv[1:], rows, stamp)
 
 
 if __name__ == "__main__":

@@ -6,15 +6,20 @@ dataset here; MNIST is not available), with ``--steps`` iterations instead of 10
 stretched to the shorter run). The fp32 baseline runs once per optimizer: with fp32 gradients the tower
 average equals the batch-64 gradient for every N (LeNet has no batch norm), so N does not change it.
 Prints one row per run (test accuracy on the 10K test set, with EMA parameters as the paper evaluates) and
-the command line that reproduces it.
+the command line that reproduces it, and stores the rows as JSON (``--out``; ``tools/results_tables.py`` prints
+the docs' table from it).
 
 Usage: python benchmarks/repro_terngrad_lenet.py [--steps 400] [--workers 2 4 8] [--optimizers momentum sgd]
+           [--out benchmarks/results/reproductions/terngrad_lenet_momentum.json]
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-from _recipe_runner import FASHION, command_line, machine, run_recipe
+import yaml
+from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, command_line, machine, provenance, run_recipe, save_results
 
 RECIPES = {"momentum": "recipes/terngrad/lenet_mnist_fig3.yaml", "sgd": "recipes/terngrad/lenet_mnist_fig3_sgd.yaml"}
 
@@ -35,26 +40,35 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--optimizers", nargs="+", default=["momentum", "sgd"], choices=sorted(RECIPES))
     parser.add_argument("--val-batches", type=float, default=1.0, help="fraction of the test set evaluated")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON to store (default: "
+                        "benchmarks/results/reproductions/terngrad_lenet_<optimizers>.json)")
     args = parser.parse_args()
+    stamp = provenance()  # the code that runs: the tree may change before the run ends
+    out = args.out or REPRODUCTIONS / f"terngrad_lenet_{'_'.join(args.optimizers)}.json"
     print(f"# machine: {machine()}")
     rows = []
     for opt in args.optimizers:
+        lr = yaml.safe_load((ROOT / RECIPES[opt]).read_text())["model"]["init_args"]["lr"]
         runs = [("fp32", 1, "lightning_gradcomp.compressors.Identity")]
         runs += [("terngrad", n, "lightning_gradcomp.compressors.TernGrad") for n in args.workers]
         for method, n, compressor in runs:
             ov = overrides(args.steps, n if method != "fp32" else 1, compressor, args.val_batches)
             torch.manual_seed(0)
             res = run_recipe(RECIPES[opt], ov)
-            row = (opt, method, n, res["val_acc"], res["val_loss"], res["seconds"], res.get("bytes_per_step", 0))
+            row = {"optimizer": opt, "lr": lr, "method": method, "workers": n, "steps": res["steps"],
+                   "test_acc": res["val_acc"], "test_loss": res["val_loss"], "fit_seconds": res["seconds"],
+                   "bytes_per_step": res.get("bytes_per_step", 0), "command": command_line(RECIPES[opt], ov)}
             rows.append(row)
-            print(f"# {command_line(RECIPES[opt], ov)}", flush=True)
-            print(f"{opt:9s} {method:9s} N={n:<3d} test_acc={row[3]:.4f} test_loss={row[4]:.4f} "
-                  f"fit_s={row[5]:.0f} bytes/worker/step={row[6]}", flush=True)
+            print(f"# {row['command']}", flush=True)
+            print(f"{opt:9s} {method:9s} N={n:<3d} test_acc={row['test_acc']:.4f} test_loss={row['test_loss']:.4f} "
+                  f"fit_s={row['fit_seconds']:.0f} bytes/worker/step={row['bytes_per_step']}", flush=True)
     print("\n| optimizer | method | N | steps | test acc (EMA) | test loss | fit s | bytes/worker/step |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for opt, method, n, acc, loss, sec, nbytes in rows:
-        shown = "any" if method == "fp32" else str(n)
-        print(f"| {opt} | {method} | {shown} | {args.steps} | {100 * acc:.2f}% | {loss:.4f} | {sec:.0f} | {nbytes} |")
+    for row in rows:
+        shown = "any" if row["method"] == "fp32" else str(row["workers"])
+        print(f"| {row['optimizer']} | {row['method']} | {shown} | {row['steps']} | {100 * row['test_acc']:.2f}% | "
+              f"{row['test_loss']:.4f} | {row['fit_seconds']:.0f} | {row['bytes_per_step']} |")
+    save_results(out, "benchmarks/repro_terngrad_lenet.py", sys.argv[1:], rows, stamp)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ Fashion-MNIST instead of CIFAR-10 (the offline dataset here), LeNet (Caffe VALID
 CifarNet (CifarNet takes 24x24 RGB crops), ``--steps`` instead of 50k, and a CSV logger whose last ``val_acc``
 (the 10K test set, EMA parameters) is printed, with the WAN/LAN MiB rank 0 sent
 (``benchmarks/_wan_meter.py``; a flat strategy's traffic all counts as WAN). Total batch 128 = 4 x 32, 2 sites of 2 as in the recipe.
+The rows are stored as JSON (``--out``; ``tools/results_tables.py`` prints the docs' table from them).
 
 Usage: python benchmarks/repro_weightgrad.py [--steps 300] [--runs baseline terngrad weightgrad] [--extra=OVERRIDE ...]
+           [--out benchmarks/results/reproductions/weightgrad_300.json]
 """
 
 import argparse
@@ -20,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-FASHION = "gradcomp_lab.data.FashionMNISTDataModule"
+from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, provenance, save_results
 LENET = json.dumps({"class_path": "gradcomp_lab.models.LeNet",
                     "init_args": {"num_classes": 10, "in_channels": 1, "image_size": 28, "padding": "valid", "init": "caffe", "conv_relu": False}},
                    separators=(",", ":"))
@@ -53,7 +54,11 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["baseline", "terngrad", "weightgrad"])
     parser.add_argument("--extra", nargs="*", default=[], help="more overrides for every run, e.g. "
                         "--extra=--trainer.strategy.init_args.staleness_bound=1")
+    parser.add_argument("--out", type=Path, default=None, help="the JSON to store (default: "
+                        "benchmarks/results/reproductions/weightgrad_<steps>.json)")
     args = parser.parse_args()
+    stamp = provenance()  # the code that runs: the tree may change before the run ends
+    out = args.out or REPRODUCTIONS / f"weightgrad_{args.steps}.json"
     print(f"# machine: {os.uname().nodename}, {os.cpu_count()} CPUs; 4 Gloo processes per run")
     rows = []
     for name in args.runs:
@@ -71,14 +76,19 @@ def main() -> None:
             acc, loss = last_metric(log_dir, "val_acc"), last_metric(log_dir, "val_loss")
             wan, lan = last_metric(log_dir, "wan_mb"), last_metric(log_dir, "lan_mb")
         shown = [o if "save_dir" not in o else "--trainer.logger.init_args.save_dir=LOGS" for o in ov]
-        print(f"# gradcomp fit --config {recipe} {' '.join(shown)}", flush=True)
+        row = {"run": name, "steps": args.steps, "extra": list(args.extra), "test_acc": acc, "test_loss": loss,
+               "rank0_wan_mib": wan, "rank0_lan_mib": lan, "wall_seconds": seconds,
+               "command": f"gradcomp fit --config {recipe} {' '.join(shown)}"}
+        print(f"# {row['command']}", flush=True)
         print(f"{name:10s} test_acc={acc:.4f} test_loss={loss:.4f} rank0_wan_MiB={wan:.1f} rank0_lan_MiB={lan:.1f} "
               f"wall_s={seconds:.0f}", flush=True)
-        rows.append((name, acc, loss, wan, lan, seconds))
+        rows.append(row)
     print("\n| run | steps | test acc (EMA) | test loss | rank 0 WAN MiB | rank 0 LAN MiB | wall s (4 processes) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, acc, loss, wan, lan, sec in rows:
-        print(f"| {name} | {args.steps} | {100 * acc:.2f}% | {loss:.4f} | {wan:.1f} | {lan:.1f} | {sec:.0f} |")
+    for row in rows:
+        print(f"| {row['run']} | {row['steps']} | {100 * row['test_acc']:.2f}% | {row['test_loss']:.4f} | "
+              f"{row['rank0_wan_mib']:.1f} | {row['rank0_lan_mib']:.1f} | {row['wall_seconds']:.0f} |")
+    save_results(out, "benchmarks/repro_weightgrad.py", sys.argv[1:], rows, stamp)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ The compression rate of a layer is fp32 bytes over the payload bytes this rank s
 steps (the paper's "effective compression rate"; the hook's per-bucket size exchange, 8 bytes per tensor, is
 not included).
 
-Usage: python benchmarks/sparse_fashion_mnist.py [--train-size 20000] [--epochs 2] [--batch 50]
+Usage: python benchmarks/sparse_fashion_mnist.py [--train-size 20000] [--epochs 2] [--batch 50] [--out FILE]
 """
 
 import argparse
@@ -17,6 +17,7 @@ import platform
 import socket
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,6 +108,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=50, help="per rank")
     parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--out", type=Path, default=None, help="also store the tables here (Markdown, with the "
+                        "command and machine: benchmarks/results/micro/sparse_fashion_mnist.md)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,17 +123,17 @@ def main() -> None:
     for p in procs:
         p.join()
     r0, r1 = results[0], results[1]
-    print(f"# PYTHONPATH=. python benchmarks/sparse_fashion_mnist.py --train-size {args.train_size} --epochs {args.epochs} "
-          f"--batch {args.batch} --lr {args.lr}")
-    print(f"# machine: {platform.node()} {platform.machine()}, torch {torch.__version__}, 2 Gloo ranks x 1 thread; "
-          f"Fashion-MNIST, {args.train_size} training images, full 10k test set")
-    print("| run | test accuracy | replicas identical | seconds | conv rate | fc rate | bias rate | all layers |")
-    print("|---|---|---|---|---|---|---|---|")
+    lines = [f"# command: `python benchmarks/sparse_fashion_mnist.py --train-size {args.train_size} "
+             f"--epochs {args.epochs} --batch {args.batch} --lr {args.lr}`",
+             f"# machine: {platform.node()} {platform.machine()}, torch {torch.__version__}, 2 Gloo ranks x 1 thread",
+             f"# Fashion-MNIST, {args.train_size} training images, full 10k test set",
+             "| run | test accuracy | replicas identical | seconds | conv rate | fc rate | bias rate | all layers |",
+             "|---|---|---|---|---|---|---|---|"]
     for config in args.configs:
         res = r0[config]
         same = torch.equal(res["params"], r1[config]["params"])
         if not res["sent"]:
-            print(f"| {config} | {res['accuracy']:.4f} | {same} | {res['seconds']:.0f} | 1 | 1 | 1 | 1 |")
+            lines.append(f"| {config} | {res['accuracy']:.4f} | {same} | {res['seconds']:.0f} | 1 | 1 | 1 | 1 |")
             continue
         by_kind: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for name, nbytes in res["sent"].items():
@@ -139,13 +142,12 @@ def main() -> None:
             by_kind[kind][1] += nbytes
         rate = {k: d / max(s, 1) for k, (d, s) in by_kind.items()}
         total = sum(res["dense"].values()) / max(sum(res["sent"].values()), 1)
-        print(f"| {config} | {res['accuracy']:.4f} | {same} | {res['seconds']:.0f} | {rate['conv']:.1f}x | {rate['fc']:.1f}x "
-              f"| {rate['bias']:.1f}x | {total:.1f}x |")
-    print()
-    print("Per layer (rank 0): fp32 bytes / payload bytes; AdaComp: mean entries sent per bin")
+        lines.append(f"| {config} | {res['accuracy']:.4f} | {same} | {res['seconds']:.0f} | {rate['conv']:.1f}x | "
+                     f"{rate['fc']:.1f}x | {rate['bias']:.1f}x | {total:.1f}x |")
+    lines += ["", "# Per layer (rank 0): fp32 bytes / payload bytes; AdaComp: mean entries sent per bin"]
     layer_configs = [c for c in args.configs if r0[c]["sent"]]
-    print("| layer | kind | elements | " + " | ".join(layer_configs) + " |")
-    print("|---|---|---|" + "---|" * len(layer_configs))
+    lines += ["| layer | kind | elements | " + " | ".join(layer_configs) + " |",
+              "|---|---|---|" + "---|" * len(layer_configs)]
     shapes = r0[args.configs[0]]["shapes"]
     for name, shape in shapes.items():
         cells = []
@@ -155,8 +157,11 @@ def main() -> None:
             if name in res["per_bin"]:
                 cell += f" ({res['per_bin'][name]:.2f}/bin)"
             cells.append(cell)
-        print(f"| {name} | {_kind(name, shape)} | {shape.numel()} | " + " | ".join(cells) + " |")
-
+        lines.append(f"| {name} | {_kind(name, shape)} | {shape.numel()} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    if args.out:  # the stored tables docs/compressors.md shows (tools/results_tables.py)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
 
 if __name__ == "__main__":
     main()

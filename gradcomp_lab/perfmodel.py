@@ -28,8 +28,9 @@ Command line (``gradcomp-perf`` or ``python -m gradcomp_lab.perfmodel``)::
 The AlexNet, GoogLeNet and VGG-A parameter shapes and FLOP counts are tables in this module (from the
 published layer shapes), so predictions need neither the models nor a GPU. A transformer (``transformer``) is the
 lab's GPT at any width, depth and context: compute from a GPU's published FLOP/s (or a measured step), each
-compressor at the bytes and loss of its best setting on the stored language-model runs, the hierarchical exchange
-and DiLoCo; ``validate`` prints the model's error against the emulated cluster's stored step times.
+compressor at the bytes and loss of its best setting on the stored language-model runs, the hierarchical exchange,
+DiLoCo, and a model sharded by FSDP2 inside each node (HSDP with compressed shards between nodes, DiLoCo over the
+shards); ``validate`` prints the model's error against the emulated cluster's stored step times.
 """
 
 import argparse
@@ -376,17 +377,71 @@ def hierarchical_comm_seconds(codec: Codec, dense_bytes: float, world_size: int,
       each send their share at once over their site's one WAN link, so together they put ``codec.nbytes`` (the
       whole step's payload, as one flat rank would) on it; its statistics rounds cross the WAN once each.
     """
-    sites = network.sites
-    if sites < 2 or network.wan is None:
+    k = world_size // _sites(network)
+    lan = Network(network.link)
+    fractions = bucket_fractions(buckets)
+    return sum(ring_allreduce_seconds(dense_bytes * f, k, lan) for f in fractions) + _between_sites_seconds(
+        codec, network, fractions)
+
+
+def _sites(network: Network) -> int:
+    """The sites of a two-level ``network``, refusing a flat one."""
+    if network.sites < 2 or network.wan is None:
         raise ValueError(f"Expected a network of at least 2 sites joined by a WAN, but got {network}. Fix: "
                          f"`Network(lan, sites=2, wan=Link(...))`.")
-    k = world_size // sites
-    lan, wan = Network(network.link), Network(network.wan)
-    total = 0.0
-    for f in bucket_fractions(buckets):
-        total += ring_allreduce_seconds(dense_bytes * f, k, lan)
-        total += sum(_bucket_seconds(codec, sites, wan, f))
-    return total
+    return network.sites
+
+
+def _between_sites_seconds(codec: Codec, network: Network, fractions: Sequence[float]) -> float:
+    """The compressor's collectives between the sites, bucket by bucket, over the WAN (``codec``: the whole step's
+    payload measured for ``network.sites`` workers, the share of every rank of a site together on its one link)."""
+    assert network.wan is not None
+    wan = Network(network.wan)
+    return sum(sum(_bucket_seconds(codec, network.sites, wan, f)) for f in fractions)
+
+
+def fsdp_unit_fractions(shapes: Shapes, block_prefix: str = "blocks.") -> list[float]:
+    """The FSDP2 units of a model sharded as the lab's tasks shard it (``fully_shard`` on each block, then on the
+    root: ``gradcomp_lab/tasks/base.py``), as each unit's share of the parameters in the order backward
+    reduce-scatters them: the last block first, the root (embeddings, final norm: the parameters outside the
+    blocks) last."""
+    blocks: dict[str, int] = {}
+    root = 0
+    for name, shape in shapes:
+        if name.startswith(block_prefix):
+            unit = name[len(block_prefix):].split(".")[0]
+            blocks[unit] = blocks.get(unit, 0) + math.prod(shape)
+        else:
+            root += math.prod(shape)
+    return bucket_fractions([*reversed(blocks.values()), root])
+
+
+def sharded_comm_seconds(codec: Codec, dense_bytes: float, world_size: int, network: Network, units: Buckets = 1,
+                         sync_every: int = 1, regather: bool = True) -> float:
+    """Seconds per step of the sharded exchange on a two-level ``network`` whose sites are the replicas
+    (``network.sites`` replicas of ``world_size / sites`` shards): ``ShardedGradCompStrategy`` (HSDP), or with
+    ``sync_every`` = H > 1 DiLoCo over the shards (``ShardedDiLoCoStrategy``). Unit by unit as FSDP2 runs them:
+
+    * inside a replica, every step, FSDP2's dense collectives over ``network.link`` on each unit's fp32 bytes: the
+      all-gather of its parameters (forward) and the reduce-scatter of its gradient (backward), together one ring
+      all-reduce's time (its two halves); with ``regather`` (FSDP2's default ``reshard_after_forward``) every unit
+      but the last (the root, reduced last, keeps its parameters) all-gathers them once more in backward;
+    * between replicas, every ``sync_every`` steps, each rank's shard through the compressor: ``codec`` is the
+      whole model's payload measured for ``network.sites`` workers, since the replica's ranks each send their shard
+      at once over its one link (the same between-sites term as :func:`hierarchical_comm_seconds`).
+
+    Serial: nothing hidden behind compute (FSDP2 prefetches the next unit's all-gather, so an upper bound). With
+    ``sync_every=1`` and no ``regather`` it equals :func:`hierarchical_comm_seconds`: the hierarchical exchange
+    moves the same bytes (a reduce to each share's owner, the shares between sites, a gather).
+    """
+    check_int("sync_every", sync_every, minimum=1)
+    k = world_size // _sites(network)
+    lan = Network(network.link)
+    fractions = bucket_fractions(units)
+    inside = sum(ring_allreduce_seconds(dense_bytes * f, k, lan) for f in fractions)
+    if regather:
+        inside += sum(ring_allgather_seconds(dense_bytes * f / k, k, lan) for f in fractions[:-1])
+    return inside + _between_sites_seconds(codec, network, fractions) / sync_every
 
 
 def _timeline_seconds(compute: ComputeTime, encode_s: float, decode_s: float, codec: Codec, world_size: int,
@@ -752,7 +807,9 @@ def transformer_projection(
         step_s: one GPU's measured compute step (forward, backward, update, no communication), which replaces the
             FLOP estimate.
         mfu: the model FLOP utilisation (default: the device's ``efficiency``).
-        gpus_per_node: GPUs joined by ``intra`` inside a node; 2 or more adds the hierarchical rows.
+        gpus_per_node: GPUs joined by ``intra`` inside a node; 2 or more adds the hierarchical rows and the
+            sharded ones (FSDP2 over a node's GPUs, each compressor on the shards between nodes, DiLoCo over the
+            shards: ``sharded ...``).
         intra: the link between the GPUs of a node.
         sync_every: DiLoCo's H values (one row each, fp32 and int8 pseudo-gradients).
         directory: the stored results (default: :func:`results_dir`).
@@ -761,7 +818,7 @@ def transformer_projection(
 
     Returns:
         One row per method and link; ``speedup`` is DDP's step over the method's on the same link. The hierarchical
-        rows carry no loss (not measured on the language model).
+        and sharded rows carry no loss (not measured on the language model).
     """
     check_int("world_size", world_size, minimum=2)
     check_int("gpus_per_node", gpus_per_node, minimum=1)
@@ -812,10 +869,43 @@ def transformer_projection(
                 # bytes between sites per step: one round's over H (the inner steps' dense traffic stays in a node)
                 cases.append((setting.name, StoredMethod(setting, ratio * h, loss, 4, 4.0 / ratio),
                               Prediction(world_size, step_s, 0.0, comm, batch, "outer")))
+        if hier:
+            cases += _sharded_cases(methods, shapes, world_size, gpus_per_node, net, step_s, batch, per_element,
+                                    sync_every)
         for name, method, p in cases:
             rows.append(TransformerRow(name, method.setting.setting, method.bytes_ratio, method.loss_vs_ddp, spec, p,
                                        ddp.step_s / p.step_s))
     return rows
+
+
+def _sharded_cases(methods: Sequence[StoredMethod], shapes: Shapes, world_size: int, shard_size: int, net: Network,
+                   step_s: float, batch: int, per_element: float,
+                   sync_every: Sequence[int]) -> list[tuple[str, StoredMethod, Prediction]]:
+    """The sharded rows of :func:`transformer_projection`: FSDP2 over each node's ``shard_size`` GPUs (the lab's
+    units: each block, then the root) with each compressor on the shards between nodes (``sharded fp32``: stock
+    HSDP's dense all-reduce), and DiLoCo over the shards (:func:`sharded_comm_seconds`). Each rank encodes and
+    decodes only its shard. Compute as DDP's: FSDP2's own overhead is not modelled. No loss: not measured on the
+    language model."""
+    numel = sum(math.prod(shape) for _, shape in shapes)
+    units, sites, cases = fsdp_unit_fractions(shapes), world_size // shard_size, []
+    for method in methods:
+        codec = stored_codec(method, shapes, sites, per_element)
+        name = "fp32" if method.setting.name == "ddp" else method.setting.name
+        unmeasured = replace(method, bytes_ratio=4.0 * numel / codec.nbytes, loss_vs_ddp=math.nan)
+        comm = sharded_comm_seconds(codec, 4.0 * numel, world_size, net, units)
+        cases.append((f"sharded {name}", unmeasured, Prediction(world_size, step_s, (codec.encode_s + codec.decode_s)
+                                                                / shard_size, comm, batch, "sharded")))
+    for h in sync_every:
+        for outer, ratio in (("ddp", 1.0), ("int8", 4.0)):
+            encoding = StoredMethod(StoredSetting(outer, "", ""), ratio, math.nan, 4, 4.0 / ratio)
+            codec = stored_codec(encoding, shapes, sites, per_element)
+            label = "fp32" if outer == "ddp" else outer
+            setting = StoredSetting(f"sharded diloco H={h} {label}", "",
+                                    f"{label} pseudo-gradient shards every {h} steps")
+            comm = sharded_comm_seconds(codec, 4.0 * numel, world_size, net, units, sync_every=h)
+            cases.append((setting.name, StoredMethod(setting, ratio * h, math.nan, 4, 4.0 / ratio),
+                          Prediction(world_size, step_s, 0.0, comm, batch, "outer")))
+    return cases
 
 
 def _diloco_stored(directory: Path) -> dict[tuple[int, str], float]:
@@ -857,11 +947,42 @@ def _recipe_gpt_shapes(recipe: str) -> Shapes:
     return gpt_shapes(args["width"], args["depth"], args["vocab_size"], args["context"])
 
 
-def stored_run_comm_seconds(run: dict[str, Any], network: Network, buckets: Buckets) -> float:
-    """Seconds of communication per step of a stored run (its bytes, its compressor's collective) on ``network``,
-    with Gloo's flat ring, as the emulated cluster runs it."""
+def _strategy_arg(run: dict[str, Any], name: str) -> Any:
+    """A strategy argument of a stored run: its command's override, else its recipe's value (``None``: neither)."""
+    import yaml
+
+    for override in run.get("overrides", []):
+        if override.startswith(f"--trainer.strategy.init_args.{name}="):
+            return yaml.safe_load(override.partition("=")[2])
+    recipe = yaml.safe_load((Path(__file__).resolve().parents[1] / run["recipe"]).read_text())
+    return recipe["trainer"]["strategy"].get("init_args", {}).get(name)
+
+
+def _sharded_run_comm_seconds(run: dict[str, Any], network: Network) -> float:
+    """:func:`sharded_comm_seconds` of a stored sharded run (``ShardedGradCompStrategy``, ``ShardedDiLoCoStrategy``):
+    its bytes per rank (its shard's payload) times the shard size on each replica's link, over the FSDP2 units of
+    its recipe's GPT."""
     import lightning_gradcomp.compressors as compressors
 
+    n, numel, shard = int(run["world_size"]), int(run["parameters"]), int(_strategy_arg(run, "shard_size"))
+    units = fsdp_unit_fractions(_recipe_gpt_shapes(run["recipe"]))
+    if run["strategy"] == "ShardedDiLoCoStrategy":  # one outer round's bytes every H = steps / rounds steps
+        sync_every = int(run["steps"]) // int(run["outer_rounds"])
+        outer = Codec(float(run["bytes_per_step"]) * sync_every * shard, Aggregation.SUM, rounds=1)
+        return sharded_comm_seconds(outer, 4.0 * numel, n, network, units, sync_every)
+    compressor = getattr(compressors, run["compressor"]["compressor"])()
+    shape = measure_codec(compressor, _STAND_IN, n // shard, timed=False)
+    codec = Codec(float(run["bytes_per_step"]) * shard, shape.aggregation, rounds=shape.rounds)
+    return sharded_comm_seconds(codec, 4.0 * numel, n, network, units)
+
+
+def stored_run_comm_seconds(run: dict[str, Any], network: Network, buckets: Buckets) -> float:
+    """Seconds of communication per step of a stored run (its bytes, its compressor's collective) on ``network``,
+    with Gloo's flat ring, as the emulated cluster runs it (a sharded run: FSDP2's units, not ``buckets``)."""
+    import lightning_gradcomp.compressors as compressors
+
+    if run["strategy"] in ("ShardedGradCompStrategy", "ShardedDiLoCoStrategy"):
+        return _sharded_run_comm_seconds(run, network)
     n, numel = int(run["world_size"]), int(run["parameters"])
     if run["strategy"] == "DiLoCoStrategy":  # one outer round's bytes every H = steps / rounds steps
         sync_every = int(run["steps"]) // int(run["outer_rounds"])
@@ -875,31 +996,44 @@ def stored_run_comm_seconds(run: dict[str, Any], network: Network, buckets: Buck
     return comm_seconds(codec, n, network, buckets, two_level_allreduce=False)
 
 
+def predict_from_stored(given: dict[str, Any], given_wan: str, target: dict[str, Any], target_wan: str,
+                        lan: str = "10gbit") -> float:
+    """The step of a stored emulated run (4 ranks as 2 sites of 2, ``lan`` inside a site) on ``target_wan``,
+    predicted from the same run's measured step on ``given_wan``: that step is the step time a user gives
+    (compute, codec and communication on this machine), and the model swaps its communication for
+    ``target_wan``'s (``target``: the run on that link, for its bytes)."""
+
+    def net(wan: str) -> Network:
+        return Network(Link.parse(lan), sites=2, wan=Link.parse(wan))
+
+    buckets = ddp_bucket_fractions(_recipe_gpt_shapes(given["recipe"]))
+    return (float(given["median_step_seconds"]) - stored_run_comm_seconds(given, net(given_wan), buckets)
+            + stored_run_comm_seconds(target, net(target_wan), buckets))
+
+
+#: the emulated benchmarks whose runs ``validate`` re-predicts: the DDP engines' and the sharded engine's
+EMULATED_DDP = ("lm_emulated", "diloco_emulated")
+EMULATED_SHARDED = ("sharded_emulated",)
+
+
 def validate_emulated(directory: Optional[Path] = None, given: str = "1gbit", target: str = "100mbit",
-                      lan: str = "10gbit") -> list[Validation]:
-    """Every stored emulated run (``lm_emulated``, ``diloco_emulated``: 4 ranks as 2 sites of 2) measured on both
-    WAN links: its measured step on ``given`` is the step time a user gives (compute, codec and communication
-    on this machine), the model swaps that link's communication for ``target``'s, and the result is compared
-    with the step measured on ``target``."""
+                      lan: str = "10gbit", benchmarks: Sequence[str] = EMULATED_DDP) -> list[Validation]:
+    """Every stored emulated run of ``benchmarks`` (``lm_emulated``, ``diloco_emulated``, ``sharded_emulated``:
+    4 ranks as 2 sites of 2) measured on both WAN links: its step on ``target`` predicted from its step on
+    ``given`` (:func:`predict_from_stored`), against the step measured on ``target``."""
     import json
 
     root = directory or results_dir()
     rows = []
-    for benchmark in ("lm_emulated", "diloco_emulated"):
+    for benchmark in benchmarks:
         for path in sorted((root / benchmark / given).glob("*.json")):
             other = root / benchmark / target / path.name
             if not other.is_file():
                 continue
             fast, slow = json.loads(path.read_text()), json.loads(other.read_text())
-            buckets = ddp_bucket_fractions(_recipe_gpt_shapes(fast["recipe"]))
-
-            def net(wan: str) -> Network:
-                return Network(Link.parse(lan), sites=2, wan=Link.parse(wan))
-
-            base = float(fast["median_step_seconds"])
-            predicted = (base - stored_run_comm_seconds(fast, net(given), buckets)
-                         + stored_run_comm_seconds(slow, net(target), buckets))
-            rows.append(Validation(benchmark, path.stem, base, predicted, float(slow["median_step_seconds"])))
+            predicted = predict_from_stored(fast, given, slow, target, lan)
+            rows.append(Validation(benchmark, path.stem, float(fast["median_step_seconds"]), predicted,
+                                   float(slow["median_step_seconds"])))
     return rows
 
 
@@ -919,7 +1053,12 @@ def _print_transformer(args: argparse.Namespace) -> None:
           f"{numel / 1e6:.1f}M parameters, {args.batch} x {args.seq_len} tokens per GPU, {args.nproc} GPUs{nodes}; "
           f"compute {compute * 1e3:.1f} ms per step ({source}).")
     print("Bytes ratio: fp32 DDP's bytes per step over the method's, on the links between nodes; loss vs DDP: "
-          "final validation loss of the stored CPU run (4 ranks, GPT width 64, 2000 steps), not of this model.\n")
+          "final validation loss of the stored CPU run (4 ranks, GPT width 64, 2000 steps), not of this model.")
+    if args.gpus_per_node > 1:
+        print("Sharded rows: FSDP2 over each node's GPUs (shard_size = --gpus-per-node; each block, then the root), "
+              "dense inside the node (the blocks all-gathered again in backward), each GPU's shard through the "
+              "compressor between nodes; compute as DDP's (FSDP2's own overhead not modelled).")
+    print()
     links = list(dict.fromkeys(row.link for row in rows))
     print("| method | setting | bytes ratio | loss vs DDP (measured, CPU) | "
           + " | ".join(f"{link}: step ms, speed-up" for link in links) + " |")
@@ -932,21 +1071,24 @@ def _print_transformer(args: argparse.Namespace) -> None:
 
 
 def _print_validation() -> None:
-    rows = validate_emulated()
     print("Each run's measured step on the 1gbit WAN given as the step time; the model swaps in the 100mbit WAN's "
-          "communication (4 Gloo ranks as 2 sites of 2, 10gbit inside a site):\n")
-    print("| benchmark | run | given step (1gbit) s | predicted (100mbit) s | measured (100mbit) s | error |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row.benchmark} | {row.run} | {row.given_s:.3f} | {row.predicted_s:.3f} | {row.measured_s:.3f} | "
-              f"{row.error:+.1%} |")
-    errors = [abs(row.error) for row in rows]
-    print(f"\nmean absolute error {statistics.mean(errors):.1%}, largest {max(errors):.1%} ({len(rows)} runs)")
+          "communication (4 Gloo ranks as 2 sites of 2, 10gbit inside a site).")
+    for benchmarks, what in ((EMULATED_DDP, "DDP engines"), (EMULATED_SHARDED, "sharded engine (FSDP2 in each site)")):
+        rows = validate_emulated(benchmarks=benchmarks)
+        if not rows:
+            continue
+        print(f"\nThe {what}:\n")
+        print("| benchmark | run | given step (1gbit) s | predicted (100mbit) s | measured (100mbit) s | error |")
+        print("|---|---|---|---|---|---|")
+        for row in rows:
+            print(f"| {row.benchmark} | {row.run} | {row.given_s:.3f} | {row.predicted_s:.3f} | {row.measured_s:.3f} | "
+                  f"{row.error:+.1%} |")
+        errors = [abs(row.error) for row in rows]
+        print(f"\nmean absolute error {statistics.mean(errors):.1%}, largest {max(errors):.1%} ({len(rows)} runs)")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """``gradcomp-perf``: predict one configuration, or draw the Fig. 5-style curves."""
-    from lightning_gradcomp import registry
 
     parser = argparse.ArgumentParser(prog="gradcomp-perf", description="TernGrad-style performance model")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -978,7 +1120,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="one GPU's measured step without communication (replaces --gpu's FLOP estimate)")
     tr.add_argument("--nproc", type=int, default=16, help="GPUs in all")
     tr.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (inside: --intra); >= 2 adds the "
-                    "hierarchical rows")
+                    "hierarchical rows and the sharded ones (FSDP2 inside a node, shards compressed between nodes)")
     tr.add_argument("--intra", default="900gbit@5us", help="link between the GPUs of a node (NVLink: 900gbit)")
     tr.add_argument("--link", nargs="+", default=["100mbit", "1gbit", "10gbit", "100gbit"],
                     help="link per GPU, or per node with --gpus-per-node")
@@ -1000,13 +1142,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         _fig5_table(workers)
         return
     spec = PAPER_MODELS[args.model]
-    device = DEVICES[args.device]
     batch = args.batch or spec.batch
-    shapes = spec.shapes()
-    numel = sum(math.prod(s) for _, s in shapes)
-    buckets = ddp_bucket_fractions(shapes)
-    compute = device.train_seconds(spec.forward_macs, batch)
-    link = Link.parse(args.link)
+    numel = sum(math.prod(s) for _, s in spec.shapes())
+    compute = DEVICES[args.device].train_seconds(spec.forward_macs, batch)
     print(f"{args.model}: {numel / 1e6:.1f}M parameters, {compute * 1e3:.1f} ms compute per step on {args.device} (batch {batch})")
     print("| N | method | collective | compute ms | codec ms | comm ms | hidden behind backward ms | step ms | img/s |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -1014,27 +1152,59 @@ def main(argv: Optional[list[str]] = None) -> None:
         parser.error(f"Expected --gpus-per-node >= 2 with --hierarchical, but got {args.gpus_per_node}. "
                      f"Fix: e.g. --gpus-per-node 4 (one site per node).")
     for n in args.nproc:
-        hier = args.hierarchical and n > args.gpus_per_node
-        if n <= args.gpus_per_node or args.gpus_per_node == 1:
-            net = Network(link if args.gpus_per_node == 1 else Link.parse(args.intra))
-        else:
-            net = Network(Link.parse(args.intra), sites=n // args.gpus_per_node, wan=link)
-        if args.compressor in ("fp32-ddp", "bf16-ddp"):
-            codec, name = fp32_codec(numel, 4.0 if args.compressor == "fp32-ddp" else 2.0), "allreduce"
-        elif args.compressor == "terngrad":
-            # hierarchical: the collective among the sites, over the link between nodes
-            name, codec = best_terngrad_codec(numel, n // args.gpus_per_node if hier else n, Network(link) if hier else net,
-                                              device.codec_seconds_per_element(), buckets)
-        else:
-            measured = measure_codec(registry.make_compressor(args.compressor), shapes,
-                                     n // args.gpus_per_node if hier else n, timed=False)
-            per = device.codec_seconds_per_element() * numel
-            codec = Codec(measured.nbytes, measured.aggregation, per, per, measured.rounds)
-            name = measured.aggregation.value
-        p = predict(compute, codec, n, net, batch, buckets, collective=name + ("+hier" if hier else ""),
-                    overlap=args.overlap and not hier, hierarchical_dense_bytes=4.0 * numel if hier else None)
+        p = predict_paper_model(args.model, args.compressor, n, args.link, args.device, batch, args.gpus_per_node,
+                                args.intra, args.overlap, args.hierarchical)
         print(f"| {n} | {args.compressor} | {p.collective} | {p.compute_s * 1e3:.1f} | {p.codec_s * 1e3:.1f} | "
               f"{p.comm_s * 1e3:.1f} | {p.hidden_s * 1e3:.1f} | {p.step_s * 1e3:.1f} | {p.throughput:.0f} |")
+
+
+def predict_paper_model(model: str, compressor: str, world_size: int, link: str, device: str = "gtx1080",
+                        batch: Optional[int] = None, gpus_per_node: int = 1, intra: str = "80gbit@10us",
+                        overlap: bool = False, hierarchical: bool = False) -> Prediction:
+    """``gradcomp-perf predict``'s projection of one configuration of a paper model (AlexNet, GoogLeNet, VGG-A).
+
+    Args:
+        model: a :data:`PAPER_MODELS` name.
+        compressor: a registered compressor name, or ``"fp32-ddp"`` / ``"bf16-ddp"``.
+        world_size: workers in all.
+        link: the link per worker, or between nodes with ``gpus_per_node`` > 1 (``"1gbit"``, ``"1gbit@50us"``).
+        device: a :data:`DEVICES` name (its compute per step).
+        batch: samples per worker (default: the paper's).
+        gpus_per_node: workers behind one node link, joined by ``intra``.
+        intra: the link between the workers of a node.
+        overlap: DDP's timeline (each bucket's exchange behind the rest of backward) instead of after compute.
+        hierarchical: dense inside a node, compressed between nodes (needs ``gpus_per_node`` >= 2).
+
+    Returns:
+        The prediction; its ``step_s`` over DDP's is the speed-up the docs' tables show.
+    """
+    from lightning_gradcomp import registry
+
+    spec = PAPER_MODELS[model]
+    batch = batch or spec.batch
+    shapes = spec.shapes()
+    numel = sum(math.prod(s) for _, s in shapes)
+    buckets = ddp_bucket_fractions(shapes)
+    compute = DEVICES[device].train_seconds(spec.forward_macs, batch)
+    per_element = DEVICES[device].codec_seconds_per_element()
+    between = Link.parse(link)
+    hier = hierarchical and world_size > gpus_per_node
+    if world_size <= gpus_per_node or gpus_per_node == 1:
+        net = Network(between if gpus_per_node == 1 else Link.parse(intra))
+    else:
+        net = Network(Link.parse(intra), sites=world_size // gpus_per_node, wan=between)
+    ranks = world_size // gpus_per_node if hier else world_size  # hierarchical: the collective among the sites
+    if compressor in ("fp32-ddp", "bf16-ddp"):
+        codec, name = fp32_codec(numel, 4.0 if compressor == "fp32-ddp" else 2.0), "allreduce"
+    elif compressor == "terngrad":
+        # hierarchical: the collective among the sites, over the link between nodes
+        name, codec = best_terngrad_codec(numel, ranks, Network(between) if hier else net, per_element, buckets)
+    else:
+        measured = measure_codec(registry.make_compressor(compressor), shapes, ranks, timed=False)
+        codec = Codec(measured.nbytes, measured.aggregation, per_element * numel, per_element * numel, measured.rounds)
+        name = measured.aggregation.value
+    return predict(compute, codec, world_size, net, batch, buckets, collective=name + ("+hier" if hier else ""),
+                   overlap=overlap and not hier, hierarchical_dense_bytes=4.0 * numel if hier else None)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,12 @@ its own rank. A checkpoint written by another number of ranks cannot be split ba
 per-rank quantities), so it is refused unless it holds no state at all or the user asks for a reset. The same
 holds between the flat and the hierarchical exchange, or two site layouts: a rank of the hierarchy keeps the state
 of its share of the parameters only, and its compressor averages over sites, not ranks. So the checkpoint records
-the sites that wrote it (``None``: the flat exchange) and a run with other sites refuses it.
+the sites that wrote it (``None``: the flat exchange) and a run with other sites refuses it. Likewise for a sharded
+model (FSDP2): each rank's residuals cover its own shard of every parameter, whose extent is set by the shard size, so
+the checkpoint records the shard size that wrote it (``None``: an unsharded model) and a run with another refuses it.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -66,10 +68,13 @@ def has_state(entry: Mapping[str, Any]) -> bool:
     )
 
 
-def gather_into(checkpoint: dict[str, Any], state: "GradCompState", rank: int, world_size: int) -> None:
+def gather_into(checkpoint: dict[str, Any], state: "GradCompState", rank: int, world_size: int,
+                shard_size: Optional[int] = None) -> None:
     """Collect every rank's :func:`rank_state` into ``checkpoint[CHECKPOINT_KEY]`` on rank 0.
 
     A collective over the default group: every rank must call it (Lightning's ``save_checkpoint`` runs on all).
+    ``shard_size``: the ranks that shard one replica of a sharded model (``None``: the model is not sharded), which a
+    resume must match (:func:`select`).
     """
     own = rank_state(state)
     if world_size > 1:
@@ -81,7 +86,7 @@ def gather_into(checkpoint: dict[str, Any], state: "GradCompState", rank: int, w
         assert gathered is not None
         sites = None if state.hierarchy is None else list(state.hierarchy.layout.sizes)
         checkpoint[CHECKPOINT_KEY] = {"version": FORMAT_VERSION, "world_size": world_size, "sites": sites,
-                                      "ranks": gathered}
+                                      "shard_size": shard_size, "ranks": gathered}
 
 
 def _exchange(sites: Optional[Sequence[int]]) -> str:
@@ -92,6 +97,17 @@ def _sites_option(sites: Optional[Sequence[int]]) -> str:
     return "no `hierarchy`/`site_size`/`site_sizes`" if sites is None else f"`site_sizes={list(sites)}`"
 
 
+def _sharding(shard_size: Optional[int]) -> str:
+    return "an unsharded model (`shard_size=None`)" if shard_size is None else f"`shard_size={shard_size}`"
+
+
+def _refuse_another_layout(saved: Mapping[str, Any], key: str, live: Any, entries: Sequence[Mapping[str, Any]],
+                           message: Callable[[Any], str]) -> None:
+    """Raise ``message(saved[key])`` when the checkpoint recorded another ``key`` than this run's and holds state."""
+    if key in saved and saved[key] != live and any(has_state(e) for e in entries):
+        raise ValueError(message(saved[key]))
+
+
 def select(
     checkpoint: Mapping[str, Any],
     rank: int,
@@ -99,6 +115,7 @@ def select(
     reset: bool,
     sites: Optional[Sequence[int]] = None,
     option: Optional[str] = None,
+    shard_size: Optional[int] = None,
 ) -> Optional[dict[str, Any]]:
     """This rank's entry of a checkpoint, or ``None`` when there is nothing to restore.
 
@@ -109,11 +126,12 @@ def select(
         reset: whether the user asked to start the compression state afresh.
         sites: this run's site sizes under the hierarchical exchange, ``None`` for the flat exchange.
         option: how this run chose its sites (e.g. ``"`site_size=2`"``), for the error message.
+        shard_size: this run's ranks per replica of a sharded model, ``None`` for an unsharded model.
 
     Raises:
-        ValueError: the checkpoint was written by another number of ranks, or by another exchange (flat against
-            hierarchical, or other sites), and holds per-rank state, and ``reset`` is not set; or its layout version
-            is unknown.
+        ValueError: the checkpoint was written by another number of ranks, by another exchange (flat against
+            hierarchical, or other sites), or with another shard size (sharded against unsharded included), and
+            holds per-rank state, and ``reset`` is not set; or its layout version is unknown.
     """
     saved = checkpoint.get(CHECKPOINT_KEY)
     if saved is None or reset:
@@ -134,17 +152,21 @@ def select(
             f"is {world_size}. Fix: resume with devices x num_nodes = {saved['world_size']}, or pass "
             f"`GradCompStrategy(resume_compression='reset')` to start the compression state afresh."
         )
-    if "sites" in saved:  # absent in checkpoints written before the exchange was recorded: not checked
-        saved_sites = saved["sites"]
-        live_sites = None if sites is None else list(sites)
-        if saved_sites != live_sites and any(has_state(e) for e in entries):
-            raise ValueError(
-                f"Expected the checkpoint's compression state to come from {_exchange(live_sites)}, as this run "
-                f"({option or _sites_option(live_sites)}), but got one written by {_exchange(saved_sites)}: residuals, "
-                f"generators and transform buffers are kept per rank for the parameters that rank exchanges, which "
-                f"differ between the two. Fix: resume with {_sites_option(saved_sites)} as the run that wrote it, or "
-                f"pass `GradCompStrategy(resume_compression='reset')` to start the compression state afresh."
-            )
+    # absent in checkpoints written before the exchange or the shard size was recorded: not checked
+    live_sites = None if sites is None else list(sites)
+    _refuse_another_layout(saved, "sites", live_sites, entries, lambda saved_sites: (
+        f"Expected the checkpoint's compression state to come from {_exchange(live_sites)}, as this run "
+        f"({option or _sites_option(live_sites)}), but got one written by {_exchange(saved_sites)}: residuals, "
+        f"generators and transform buffers are kept per rank for the parameters that rank exchanges, which "
+        f"differ between the two. Fix: resume with {_sites_option(saved_sites)} as the run that wrote it, or "
+        f"pass `GradCompStrategy(resume_compression='reset')` to start the compression state afresh."))
+    _refuse_another_layout(saved, "shard_size", shard_size, entries, lambda saved_shard: (
+        f"Expected the checkpoint's compression state to come from {_sharding(shard_size)} as this run, but "
+        f"got one written with {_sharding(saved_shard)}: the compression state is per shard (each rank's "
+        f"residuals, generators and statistics cover its own shard of every parameter, whose extent the shard "
+        f"size sets), so it cannot be split into other shards exactly. Fix: resume with "
+        f"{_sharding(saved_shard)} as the run that wrote it, or pass `resume_compression='reset'` to start the "
+        f"compression state afresh."))
     return entries[rank]
 
 

@@ -83,6 +83,11 @@ class FabricRecovery(_FabricBase):
         self._nonfinite_seen = 0
         self._module: Optional[Module] = None
 
+    def _checkpoint_shard_size(self) -> Optional[int]:
+        """The ranks per replica of this run's sharded model (``None``: not sharded), which a checkpoint's compression
+        state must match (:func:`lightning_gradcomp.checkpoint.select`); the sharded strategy overrides it."""
+        return None
+
     def _attach_recovery(self, state: "GradCompState", module: Module) -> None:
         """The hook state exists (``fabric.setup``): set its non-finite mode, remember the model (``fabric.backward``
         passes none unless asked to) and restore a checkpoint loaded before the model was set up."""
@@ -115,7 +120,7 @@ class FabricRecovery(_FabricBase):
         # sharded strategy into the metadata file beside the shards)
         state = dict(state)
         if self.comm_state is not None:
-            ckpt.gather_into(state, self.comm_state, self.global_rank, self.world_size)
+            ckpt.gather_into(state, self.comm_state, self.global_rank, self.world_size, self._checkpoint_shard_size())
         super().save_checkpoint(path, state, storage_options, filter)
 
     @override
@@ -137,7 +142,7 @@ class FabricRecovery(_FabricBase):
         else:
             saved = remainder.pop(ckpt.CHECKPOINT_KEY, None)
         entry = ckpt.select({} if saved is None else {ckpt.CHECKPOINT_KEY: saved}, self.global_rank, self.world_size,
-                            self.resume_compression == "reset")
+                            self.resume_compression == "reset", shard_size=self._checkpoint_shard_size())
         if entry is not None and self.comm_state is not None:
             ckpt.restore(self.comm_state, entry, self.root_device)
         else:
@@ -390,6 +395,10 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # every rank trains on its own data, as in DDP: sharding splits the model, not the batch
         return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def _checkpoint_shard_size(self) -> Optional[int]:
+        return self.device_mesh["shard"].size()
 
     @override
     def setup_module(self, module: Module) -> Module:

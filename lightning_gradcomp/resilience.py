@@ -207,7 +207,8 @@ class ResilienceMixin(_StrategyBase):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         # runs on every rank (Trainer.save_checkpoint, ModelCheckpoint): gather, then rank 0 writes
         if self.comm_state is not None:
-            ckpt.gather_into(checkpoint, self.comm_state, self.global_rank, self.world_size)
+            ckpt.gather_into(checkpoint, self.comm_state, self.global_rank, self.world_size,
+                             self._checkpoint_shard_size())
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -218,7 +219,8 @@ class ResilienceMixin(_StrategyBase):
             ckpt.complete_epoch_end(checkpoint)
         reset = self.resume_compression == "reset"
         sites, option = self._checkpoint_sites()
-        self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset, sites, option)
+        self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset, sites, option,
+                                            self._checkpoint_shard_size())
         if reset and ckpt.CHECKPOINT_KEY in checkpoint:
             rank_zero_warn("gradcomp: `resume_compression='reset'`: residuals, generators and transforms start afresh.")
         elif ckpt.CHECKPOINT_KEY not in checkpoint:
@@ -246,6 +248,11 @@ class ResilienceMixin(_StrategyBase):
             return None, None
         arg, value = hierarchy.argument()
         return list(hierarchy.layout(self.world_size, self.num_nodes).sizes), f"`{arg}={value!r}`"
+
+    def _checkpoint_shard_size(self) -> Optional[int]:
+        """The ranks per replica of this run's sharded model (``None``: not sharded), which a checkpoint's compression
+        state must match (:func:`lightning_gradcomp.checkpoint.select`); the sharded strategies override it."""
+        return None
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

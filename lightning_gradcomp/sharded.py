@@ -229,6 +229,11 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override
+    def _checkpoint_shard_size(self) -> Optional[int]:
+        # the live mesh's: the compression state is per shard (refused on resume with another shard size)
+        return self.device_mesh["shard"].size()
+
+    @override
     def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)
         module = self.lightning_module

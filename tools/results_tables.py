@@ -59,6 +59,8 @@ class Table:
     produced: str = ""
     #: the machine, where the file does not record it
     machine: str = ""
+    #: for a table computed when printed (no stored run): what it is computed from
+    computed: str = ""
 
 
 def _load(paths: list[Path]) -> list[dict[str, Any]]:
@@ -482,13 +484,65 @@ def _emulated_runs(grid: str, wan: str) -> Callable[[], list[Path]]:
     return files
 
 
-def _emulated(wan: str, target: float) -> Callable[[list[dict[str, Any]]], str]:
+def _emulated(wan: str, target: float, grid: str = "") -> Callable[[list[dict[str, Any]]], str]:
+    """``benchmarks/emulated.py --saved``'s table of one WAN rate; with ``grid``, that grid's baseline run and, where
+    the grid shows it, the performance model's prediction from the same runs stored for the other rate."""
     def render(runs: list[dict[str, Any]]) -> str:
-        from benchmarks.emulated import summarize
+        from benchmarks.emulated import GRIDS, predictions, summarize
 
-        return summarize({wan: runs}, target).strip("\n").split("\n", 2)[2]  # the table, without its heading line
+        spec = GRIDS[grid] if grid else None
+        baseline = "ddp" if spec is None else spec.baseline
+        predicted = {wan: predictions(spec.out, wan, runs)} if spec is not None and spec.predicted else None
+        table = summarize({wan: runs}, target, baseline, predicted)
+        return table.strip("\n").split("\n", 2)[2]  # the table, without its heading line
 
     return render
+
+
+#: per-shard statistics against per-tensor ones: each compressor under DDP and sharded (2 replicas of 2 FSDP2
+#: shards) on the language-model benchmark's 200-step recipe, as ``benchmarks/lm.py --run`` specs
+_SHARDED_RECIPE = "recipes/lm/gpt_stdlib_sharded_terngrad.yaml"
+_POWERSGD_R4 = ("--trainer.strategy.init_args.compressor=lightning_gradcomp.compressors.PowerSGD"
+                "::--trainer.strategy.init_args.compressor.init_args.rank=4")
+SHARDED_STATS_RUNS = [
+    "--run ddp=recipes/lm/gpt_stdlib_ddp.yaml",
+    "--run terngrad_ddp=recipes/lm/gpt_stdlib_terngrad.yaml",
+    f"--run terngrad_sharded={_SHARDED_RECIPE}",
+    "--run powersgd_r4_ddp=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy=lightning_gradcomp.GradCompStrategy::"
+    + _POWERSGD_R4,
+    f"--run powersgd_r4_sharded={_SHARDED_RECIPE}::{_POWERSGD_R4}",
+]
+
+
+def _sharded_stats_labels() -> list[str]:
+    return [spec.split("=", 1)[0].removeprefix("--run ") for spec in SHARDED_STATS_RUNS]
+
+
+def _sharded_stats_table(runs: list[dict[str, Any]]) -> str:
+    """Each compressor under DDP (per-tensor statistics over 4 ranks' gradients) and sharded (per-shard statistics
+    over 2 replicas' shards): final validation loss, the sharded run's against DDP's, bytes per rank per step."""
+    by = {r["label"]: r for r in runs}
+    ddp = by["ddp"]["final_val_loss"]
+    lines = ["| compressor | DDP: final val loss (vs fp32 DDP) | sharded: final val loss (vs fp32 DDP) | "
+             "sharded vs DDP | DDP bytes/rank/step | sharded bytes/rank/step |", "| --- " * 6 + "|"]
+    for name in dict.fromkeys(label.rsplit("_", 1)[0] for label in by if label != "ddp"):
+        a, b = by[f"{name}_ddp"], by[f"{name}_sharded"]
+        la, lb = a["final_val_loss"], b["final_val_loss"]
+        lines.append(f"| {name} | {la:.4f} ({la / ddp - 1:+.1%}) | {lb:.4f} ({lb / ddp - 1:+.1%}) | {lb / la - 1:+.1%} | "
+                     f"{a['bytes_per_step']:,.0f} | {b['bytes_per_step']:,.0f} |")
+    return "\n".join(lines)
+
+
+def _sharded_memory_labels() -> list[str]:
+    from benchmarks.sharded_memory import RUNS
+
+    return list(RUNS)
+
+
+def _sharded_memory_table(runs: list[dict[str, Any]]) -> str:
+    from benchmarks.sharded_memory import summarize
+
+    return summarize(runs)
 
 
 #: the 2000-step grid's compressors whose paper default is within 2 % of DDP: (compressor, setting, named recipe or
@@ -683,6 +737,15 @@ TABLES = [
           _emulated("1gbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 1gbit"),
     Table("diloco-emulated-100mbit", _emulated_runs("diloco", "100mbit"),
           _emulated("100mbit", 1.3), "python benchmarks/emulated.py --grid diloco --saved --target 1.3 --wan 100mbit"),
+    Table("sharded-stats", lambda: [RESULTS / "sharded_stats" / f"{label}.json" for label in _sharded_stats_labels()],
+          _sharded_stats_table, "python tools/results_tables.py --only sharded-stats",
+          produced=f"python benchmarks/lm.py --out benchmarks/results/sharded_stats {' '.join(SHARDED_STATS_RUNS)}"),
+    Table("sharded-memory", lambda: [RESULTS / "sharded_memory" / f"{label}.json" for label in _sharded_memory_labels()],
+          _sharded_memory_table, "python benchmarks/sharded_memory.py --saved"),
+    Table("sharded-emulated-1gbit", _emulated_runs("sharded", "1gbit"), _emulated("1gbit", 2.45, "sharded"),
+          "python benchmarks/emulated.py --grid sharded --saved --target 2.45 --wan 1gbit"),
+    Table("sharded-emulated-100mbit", _emulated_runs("sharded", "100mbit"), _emulated("100mbit", 2.45, "sharded"),
+          "python benchmarks/emulated.py --grid sharded --saved --target 2.45 --wan 100mbit"),
 ]
 
 
@@ -748,6 +811,351 @@ TABLES += [
 ]
 
 
+#: the reproduction runners' stored results (``benchmarks/repro_*.py --out``)
+REPRO = RESULTS / "reproductions"
+#: TernGrad Fig. 3's optimizers as the page names them
+REPRO_OPTIMIZERS = {"momentum": "momentum", "sgd": "vanilla SGD"}
+
+
+def _points(run: dict[str, Any], reference: dict[str, Any] | None) -> str:
+    """Test accuracy against a reference run's, in points (empty for the reference itself)."""
+    if reference is None or reference is run:
+        return ""
+    return f"{100 * (run['test_acc'] - reference['test_acc']):+.2f}"
+
+
+def _repro_terngrad_table(runs: list[dict[str, Any]]) -> str:
+    """``repro_terngrad_lenet.py``'s rows, each TernGrad row against the fp32 row of its optimizer."""
+    lines = ["| optimizer (base LR) | method | N | steps | test acc (EMA) | vs fp32 | test loss | bytes / worker / step "
+             "| fit s |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in (row for run in runs for row in run["rows"]):
+        fp32 = next(r for run in runs for r in run["rows"] if r["optimizer"] == row["optimizer"] and r["method"] == "fp32")
+        method, workers = ("fp32", "any") if row["method"] == "fp32" else ("TernGrad", str(row["workers"]))
+        lines.append(f"| {REPRO_OPTIMIZERS.get(row['optimizer'], row['optimizer'])} ({row['lr']}) | {method} | "
+                     f"{workers} | {row['steps']} | {100 * row['test_acc']:.2f}% | {_points(row, fp32)} | "
+                     f"{row['test_loss']:.4f} | {row['bytes_per_step']:,.0f} | {row['fit_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+#: Aji & Heafield's results beside each Gradient Dropping run (MNIST, 20 epochs; Fig. 2 and 4, Sec. 5.4)
+GRADDROP_PAPER = {"baseline": "99.28% final (MNIST, 20 epochs)", "drop90_global": "learns (Fig. 2)",
+                  "drop99_global": "99.42% final; 50x (coordinate-value encoding)", "drop999_global": "learns (Fig. 2)",
+                  "drop99_layer": "no visible difference from global (Fig. 4)",
+                  "drop99_global_layernorm": "no visible difference on MNIST (Fig. 4)",
+                  "drop99_1bit_threshold": "all 1-bit variants work on MNIST"}
+#: what each Fig. 4 / Sec. 5.4 variant changes, as the page names it
+GRADDROP_VARIANTS = {"drop99_global_layernorm": "MLP with layer norm", "drop99_1bit_threshold": "survivors to +-threshold",
+                     "drop99_1bit_column_mean": "per-column sign means", "drop99_1bit_global_mean": "one mean per sign"}
+
+
+def _baseline(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(r for run in runs for r in run["rows"] if r["run"] == "baseline")
+
+
+def _repro_graddrop_table(runs: list[dict[str, Any]]) -> str:
+    """``repro_sparse.py graddrop``'s rows: threshold scope and drop ratio from each run's compressor."""
+    baseline = _baseline(runs)
+    lines = ["| run | threshold | drop ratio | steps | test acc | vs baseline | compression | paper |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for row in runs[0]["rows"]:
+        options = row["compressor"].get("init_args", {})
+        scope = {"global": "global", "layer": "per layer"}.get(options.get("scope", ""), "")
+        ratio = f"{100 * options.get('drop_ratio', 0):g}%"
+        lines.append(f"| {row['run']} | {scope} | {ratio} | {row['steps']} | {100 * row['test_acc']:.2f}% | "
+                     f"{_points(row, baseline)} | {row['compression']:.1f}x | {GRADDROP_PAPER.get(row['run'], '')} |")
+    return "\n".join(lines)
+
+
+def _repro_graddrop_longer_table(runs: list[dict[str, Any]]) -> str:
+    """The longer Gradient Dropping runs, each against the baseline of the same length."""
+    baseline = _baseline(runs)
+    lines = ["| run | steps | test acc | vs baseline | compression |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {row['run']} | {row['steps']} | {100 * row['test_acc']:.2f}% | {_points(row, baseline)} | "
+              f"{row['compression']:.1f}x |" for row in runs[0]["rows"]]
+    return "\n".join(lines)
+
+
+def _repro_graddrop_variants_table(runs: list[dict[str, Any]]) -> str:
+    """Fig. 4's layer norm and Sec. 5.4's 1-bit variants (the second file) against the baseline of the first."""
+    baseline = _baseline(runs[:1])
+    lines = [f"| run | steps | test acc | vs baseline ({100 * baseline['test_acc']:.2f}%) | compression | paper |",
+             "|---|---:|---:|---:|---:|---|"]
+    for row in runs[1]["rows"]:
+        what = f" ({GRADDROP_VARIANTS[row['run']]})" if row["run"] in GRADDROP_VARIANTS else ""
+        lines.append(f"| {row['run']}{what} | {row['steps']} | {100 * row['test_acc']:.2f}% | "
+                     f"{_points(row, baseline)} | {row['compression']:.1f}x | {GRADDROP_PAPER.get(row['run'], '')} |")
+    return "\n".join(lines)
+
+
+def _repro_adacomp_table(runs: list[dict[str, Any]]) -> str:
+    """``repro_sparse.py adacomp``'s rows: compression overall and per layer type, then the paper's row."""
+    rows = runs[0]["rows"]
+    options = next((r["compressor"].get("init_args", {}) for r in rows if r["run"] == "adacomp"), {})
+    lines = [f"| run | learners | steps | test acc | compression, all | conv layers (L_T = "
+             f"{options.get('bin_size_conv', 50)}) | FC layers (L_T = {options.get('bin_size_fc', 500)}) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        kinds = row["compression_per_kind"]
+        name = "baseline (fp32)" if row["run"] == "baseline" else "AdaComp" if row["run"] == "adacomp" else row["run"]
+        lines.append(f"| {name} | {row['workers']} | {row['steps']} | {100 * row['test_acc']:.2f}% | "
+                     f"{row['compression']:.1f}x | {kinds.get('conv', 1):.1f}x | {kinds.get('fc', 1):.1f}x |")
+    lines.append("| paper (MNIST, 100 epochs) | 8 | | 0.85% error vs 0.88% baseline | | 40x | 200x |")
+    return "\n".join(lines)
+
+
+#: WeightGrad's Table 2 (CifarNet, 4 workers, 50k steps) beside each run
+WEIGHTGRAD_PAPER = {"baseline": "84.56%", "terngrad": "82.41% (-2.15)", "weightgrad": "84.56% (-0.00)"}
+
+
+def _repro_weightgrad_table(runs: list[dict[str, Any]]) -> str:
+    """``repro_weightgrad.py``'s rows (the recipe's staleness bound, then any run with it overridden)."""
+    import yaml
+
+    rows = [row for run in runs for row in run["rows"]]
+    baseline = next(r for r in rows if r["run"] == "baseline" and not r["extra"])
+    recipe = yaml.safe_load((ROOT / "recipes/weightgrad/cifarnet_cifar10_4workers_weightgrad.yaml").read_text())
+    lines = ["| run | steps | test acc (EMA) | vs baseline | rank 0 WAN MiB | rank 0 LAN MiB | "
+             "paper (CifarNet, 4 workers, 50k steps) |", "|---|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        bound = next((o.partition("=")[2] for o in row["extra"] if "staleness_bound=" in o), None)
+        names = {"baseline": "baseline (DDP, fp32)", "terngrad": "TernGrad (flat, 4 workers)",
+                 "weightgrad": f"WeightGrad (2 sites x 2, T = {recipe['trainer']['strategy']['init_args']['staleness_bound']})"}
+        name = f"WeightGrad, T = {bound}{' (a WAN round every step)' if bound == '1' else ''}" if bound else names[row["run"]]
+        paper = "" if row["extra"] else WEIGHTGRAD_PAPER.get(row["run"], "")
+        lines.append(f"| {name} | {row['steps']} | {100 * row['test_acc']:.2f}% | {_points(row, baseline)} | "
+                     f"{row['rank0_wan_mib']:.1f} | {row['rank0_lan_mib']:.1f} | {paper} |")
+    return "\n".join(lines)
+
+
+#: the reproductions' tables, registered (added to TABLES) once their runs are stored under
+#: benchmarks/results/reproductions/ (benchmarks/repro_*.py; each table's files() names them)
+REPRO_TABLES = [
+    Table("repro-terngrad-lenet", lambda: [REPRO / "terngrad_lenet_momentum.json", REPRO / "terngrad_lenet_sgd.json"],
+          _repro_terngrad_table, "python tools/results_tables.py --only repro-terngrad-lenet"),
+    Table("repro-graddrop", lambda: [REPRO / "graddrop_200.json"], _repro_graddrop_table,
+          "python tools/results_tables.py --only repro-graddrop"),
+    Table("repro-graddrop-longer", lambda: [REPRO / "graddrop_600.json"], _repro_graddrop_longer_table,
+          "python tools/results_tables.py --only repro-graddrop-longer"),
+    Table("repro-graddrop-variants", lambda: [REPRO / "graddrop_200.json", REPRO / "graddrop_200_variants.json"],
+          _repro_graddrop_variants_table, "python tools/results_tables.py --only repro-graddrop-variants"),
+    Table("repro-adacomp", lambda: [REPRO / "adacomp_300.json"], _repro_adacomp_table,
+          "python tools/results_tables.py --only repro-adacomp"),
+    Table("repro-weightgrad", lambda: [REPRO / "weightgrad_200.json", REPRO / "weightgrad_200_t1.json"],
+          _repro_weightgrad_table, "python tools/results_tables.py --only repro-weightgrad"),
+]
+
+
+def _model_parameters_table(runs: list[dict[str, Any]]) -> str:
+    from gradcomp_lab.models.__main__ import table
+
+    return table()
+
+
+TABLES += [
+    Table("graddrop-global-threshold", lambda: [RESULTS / "micro/graddrop_global_threshold.md"], _stored_table,
+          "python tools/results_tables.py --only graddrop-global-threshold"),
+    Table("sparse-fashion-mnist", lambda: [RESULTS / "micro/sparse_fashion_mnist.md"], _stored_table,
+          "python tools/results_tables.py --only sparse-fashion-mnist"),
+    Table("model-parameters", lambda: [], _model_parameters_table,
+          "python tools/results_tables.py --only model-parameters",
+          computed="each model built on the meta device by `python -m gradcomp_lab.models`, which prints the same "
+                   "table"),
+]
+
+
+#: the performance model's stored projections (``benchmarks/projections.py``)
+PROJECTIONS = RESULTS / "projections" / "choosing.json"
+#: (link in the page, emulated WAN of the stored runs, the projection's link)
+CHOOSING_LINKS = [("100 Mbit/s", "100mbit"), ("1 Gbit/s", "1gbit"), ("10 Gbit/s and up", "10gbit")]
+
+
+def _best_pairs(name: str) -> list[tuple[str, str]]:
+    """The (run, DDP run) pairs of a compressor's best setting (the ``lm-long-best`` table's), seed 0 first."""
+    return next(pairs for compressor, _, _, _, pairs in _best() if compressor == name)
+
+
+def _choosing_transformer_files() -> list[Path]:
+    long = ["ddp", "bf16", "int8", "terngrad", *(r for pair in _best_pairs("terngrad") + _best_pairs("demo") for r in pair)]
+    emulated = [RESULTS / "lm_emulated" / wan / f"{label}.json" for _, wan in CHOOSING_LINKS[:2]
+                for label in ("ddp", "bf16", "terngrad", "demo_k64")]
+    diloco = [RESULTS / "diloco_emulated" / wan / f"{label}.json" for _, wan in CHOOSING_LINKS[:2]
+              for label in ("ddp", "diloco_int8_h50")]
+    return ([RESULTS / "lm_long" / f"{label}.json" for label in dict.fromkeys(long)] + emulated + diloco
+            + [RESULTS / "diloco" / "ddp.json", RESULTS / "diloco" / "int8_h50.json", PROJECTIONS])
+
+
+def _by_path(runs: list[dict[str, Any]]) -> Callable[[str], dict[str, Any]]:
+    """A run by its path under ``benchmarks/results/`` (without ``.json``)."""
+    found = {Path(run["_path"]).relative_to(RESULTS).with_suffix("").as_posix(): run for run in runs}
+    return lambda key: found[key]
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f} %"
+
+
+def _times(x: float) -> str:
+    return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x"
+
+
+def _loss(run: dict[str, Any], ddp: dict[str, Any]) -> float:
+    return run["final_val_loss"] / ddp["final_val_loss"] - 1
+
+
+def _bytes(run: dict[str, Any]) -> float:
+    return run["fp32_bytes_per_step"] / run["bytes_per_step"]
+
+
+def _step(run: dict[str, Any], ddp: dict[str, Any]) -> str:
+    return f"{run['median_step_seconds'] / ddp['median_step_seconds']:.2f}"
+
+
+def _projected(projection: dict[str, Any], method: str, link: str) -> float:
+    return next(r["speedup"] for r in projection["rows"] if r["method"] == method and r["link"] == link)
+
+
+def _choosing_transformer_table(runs: list[dict[str, Any]]) -> str:
+    """docs/choosing.md's transformer rows: loss and bytes of the 2000-step grid, step time of the emulated runs
+    (100 Mbit/s, 1 Gbit/s) and of the 2000-step runs over loopback, the stored projection."""
+    run = _by_path(runs)
+    long = lambda label: run(f"lm_long/{label}")  # noqa: E731
+    ddp = long("ddp")
+    proj = run("projections/choosing")["transformer"]
+    tern = [(long(r), long(d)) for r, d in _best_pairs("terngrad")]
+    tern_loss = [_loss(r, d) for r, d in tern]
+    demo = [(long(r), long(d)) for r, d in _best_pairs("demo")]
+    demo_loss = [_loss(r, d) for r, d in demo]
+    diloco_int8, diloco_ddp = run("diloco/int8_h50"), run("diloco/ddp")
+    tern_cell = f"{100 * min(tern_loss):+.1f} to {_pct(max(tern_loss))}"
+    int8 = long("int8")
+    lines = ["| link | goal | use | loss vs DDP | bytes | step / DDP's (here) | speed-up (projected) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for link, wan in CHOOSING_LINKS:
+        if wan == "10gbit":
+            lines.append(f"| {link} | DDP's loss | `\"ddp\"` here; `\"int8\"` on GPUs | 0; {_pct(_loss(int8, ddp))} | "
+                         f"1x; {_times(_bytes(int8))} | 1; {_step(int8, ddp)} (f) | "
+                         f"1x; {_times(_projected(proj, 'int8', wan))} |")
+            continue
+        emulated = {label: run(f"lm_emulated/{wan}/{label}") for label in ("ddp", "bf16", "terngrad", "demo_k64")}
+        e_ddp = emulated["ddp"]
+        if wan == "100mbit":
+            bf16 = long("bf16")
+            lines.append(f"| {link} | DDP's loss | `strategy=\"bf16\"` | {_pct(_loss(bf16, ddp))} | {_times(_bytes(bf16))} | "
+                         f"{_step(emulated['bf16'], e_ddp)} | {_times(_projected(proj, 'bf16', wan))} |")
+        else:
+            lines.append(f"| {link} | DDP's loss | `\"ddp\"` here; `\"int8\"` on GPUs | 0; {_pct(_loss(int8, ddp))} | "
+                         f"1x; {_times(_bytes(int8))} | 1; not run | 1x; {_times(_projected(proj, 'int8', wan))} |")
+        lines.append(f"| {link} | DDP's loss, fewer bytes | TernGrad per-64 (a) | {tern_cell} | {_times(_bytes(tern[0][0]))} "
+                     f"| {_step(emulated['terngrad'], e_ddp)} (b) | "
+                     f"{_times(_projected(proj, 'hierarchical terngrad', wan))} (h) |")
+        lines.append(f"| {link} | most bytes, within 2 % | DeMo (c) | {_pct(statistics.mean(demo_loss))} | "
+                     f"{_times(_bytes(demo[0][0]))} | {_step(emulated['demo_k64'], e_ddp)} (d) | "
+                     f"{_times(_projected(proj, 'hierarchical demo', wan))} (h) |")
+        if wan == "100mbit":
+            sites = {label: run(f"diloco_emulated/{wan}/{label}") for label in ("ddp", "diloco_int8_h50")}
+            lines.append(f"| {link} | most bytes | DiLoCo, int8, H = 50 (e) | {_pct(_loss(diloco_int8, diloco_ddp))} | "
+                         f"{_times(_bytes(diloco_int8))} | {_step(sites['diloco_int8_h50'], sites['ddp'])} | "
+                         f"{_times(_projected(proj, 'diloco H=50 int8', wan))} |")
+    terngrad = long("terngrad")
+    at_1gbit = lambda label: run(f"diloco_emulated/1gbit/{label}")  # noqa: E731
+    notes = [
+        f"- (a) TernGrad with a scaler per 64 elements, clipping at 1 sigma, the embeddings in fp32: "
+        f"`strategy=\"terngrad_lm\"` (`recipes/lm/gpt_small_terngrad_b64.yaml`). Loss {', '.join(_pct(x) for x in tern_loss)} at "
+        f"{len(tern_loss)} seeds.",
+        f"- (b) Measured with TernGrad's registered settings ({_times(_bytes(terngrad))} fewer bytes, "
+        f"{_pct(_loss(terngrad, ddp))} loss). With setting (a), over loopback, the step is "
+        f"{_step(tern[0][0], ddp)}x DDP's: on these CPUs the encoding costs more than the link saves.",
+        f"- (c) DeMo with 16x16 chunks, the top 8 of each, one-byte indices, SignSGD at lr 0.007, 300 warm-up steps: "
+        f"`strategy=\"demo_lm\"` with that optimizer (`recipes/lm/gpt_small_demo_c16_k8.yaml`). {_pct(statistics.mean(demo_loss))} is the mean of "
+        f"{len(demo_loss)} seeds ({_pct(min(demo_loss))} to {_pct(max(demo_loss))}); it replaces AdamW with its own "
+        f"`SignSGD`.",
+        f"- (d) Measured with DeMo at top-64 of 64x64 chunks. Setting (c) over loopback: {_step(demo[0][0], ddp)}x "
+        f"DDP's step.",
+        f"- (e) `recipes/diloco/gpt_stdlib_diloco_int8.yaml` (INTELLECT-1's int8 pseudo-gradients). Measured as 2 sites "
+        f"of 2 ranks; at 1 Gbit/s its step is {_step(at_1gbit('diloco_int8_h50'), at_1gbit('ddp'))} of DDP's.",
+        f"- (f) Over loopback, every compressor's step is slower than DDP's on these CPUs (bf16 "
+        f"{_step(long('bf16'), ddp)}, int8 {_step(int8, ddp)}).",
+        f"- (h) The hierarchical exchange: dense inside each node, compressed between nodes "
+        f"(`GradCompStrategy(compressor, hierarchy=\"node\")`). Its loss has not been measured on the language model. "
+        f"Sent flat across all {proj['world_size']} GPUs instead, TernGrad is projected at "
+        f"{_times(_projected(proj, 'terngrad', '100mbit'))} and DeMo at {_times(_projected(proj, 'demo', '100mbit'))} "
+        f"at 100 Mbit/s.",
+    ]
+    return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
+def _choosing_cnn_files() -> list[Path]:
+    return [REPRO / "terngrad_lenet_momentum.json", REPRO / "terngrad_lenet_sgd.json", REPRO / "adacomp_300.json",
+            RESULTS / "step_time_matrix.json", *(RESULTS / name for name in TARGET_RUNS if "default" in name),
+            PROJECTIONS]
+
+
+def _choosing_cnn_table(runs: list[dict[str, Any]]) -> str:
+    """docs/choosing.md's CNN rows: accuracy and bytes of the reproductions (LeNet, 4 TernGrad workers; AdaComp's
+    MNIST-CNN), step time of the quick step-time grid (LeNet, 4 ranks), the stored AlexNet projection."""
+    from benchmarks import ratio_summary
+
+    run = _by_path(runs)
+    repro = {opt: run(f"reproductions/terngrad_lenet_{opt}")["rows"] for opt in ("momentum", "sgd")}
+    fp32 = {opt: next(r for r in rows if r["method"] == "fp32") for opt, rows in repro.items()}
+    tern = {opt: next(r for r in rows if r["method"] == "terngrad" and r["workers"] == 4) for opt, rows in repro.items()}
+    ada_rows = run("reproductions/adacomp_300")["rows"]
+    ada, ada_base = (next(r for r in ada_rows if r["run"] == name) for name in ("adacomp", "baseline"))
+    tern_acc = f"{_points(tern['momentum'], fp32['momentum'])} points (a)"
+    tern_bytes = _times(fp32["momentum"]["bytes_per_step"] / tern["momentum"]["bytes_per_step"])
+    # each strategy's median step over DDP's, per (ranks, link, model), in the quick step-time grid
+    grid = {strategy: ratio_summary.ratios(Path(run("step_time_matrix")["_path"]), strategy, ["ddp"])
+            for strategy in ("terngrad", "adacomp", "bf16")}
+    step = {(strategy, wan): grid[strategy][4, wan, "lenet"]["ddp"] for strategy in grid for _, wan in CHOOSING_LINKS}
+    proj = run("projections/choosing")["cnn"]
+    speedup = {(r["compressor"], r["hierarchical"], r["link"]): r["speedup"] for r in proj["rows"]}
+    lines = ["| link | goal | use | accuracy vs DDP | bytes | step / DDP's (here) | speed-up (projected) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for link, wan in CHOOSING_LINKS:
+        if wan == "10gbit":
+            lines.append(f"| {link} | DDP's accuracy | `\"ddp\"` here; TernGrad (h) on GPUs | 0; "
+                         f"{_points(tern['momentum'], fp32['momentum'])} points | 1x; {tern_bytes} | 1; "
+                         f"{step['terngrad', wan]:.2f} | 1x; {_times(speedup['terngrad', True, wan])} (h) |")
+            continue
+        lines.append(f"| {link} | DDP's accuracy | `strategy=\"terngrad\"` | {tern_acc} | {tern_bytes} | "
+                     f"{step['terngrad', wan]:.2f} (b) | {_times(speedup['terngrad', True, wan])} (h); "
+                     f"{_times(speedup['terngrad', False, wan])} flat |")
+        lines.append(f"| {link} | most bytes | `strategy=\"adacomp\"` | {_points(ada, ada_base)} points (c) | "
+                     f"{ada['compression']:.1f}x | {step['adacomp', wan]:.2f} | "
+                     f"{_times(speedup['adacomp', True, wan])} (h); {_times(speedup['adacomp', False, wan])} flat |")
+    targets = [row["ddp"] for r in runs if "step_time_target_default" in r["_path"]
+               for row in ratio_summary.ratios(Path(r["_path"]), "terngrad", ["ddp"]).values()]
+    mlp = grid["terngrad"][4, "100mbit", "mlp"]["ddp"]
+    notes = [
+        f"- (a) LeNet on Fashion-MNIST, {tern['momentum']['workers']} workers, {tern['momentum']['steps']} steps, "
+        f"momentum SGD; with plain SGD "
+        f"{_points(tern['sgd'], fp32['sgd'])} points.",
+        f"- (b) LeNet (1.2M parameters). On a 36.8M-parameter MLP TernGrad's step is {mlp:.2f} of DDP's at 100 Mbit/s "
+        f"and {statistics.median(targets):.2f} at 1 Gbit/s (the median of {len(targets)} runs).",
+        f"- (c) The MNIST-CNN on Fashion-MNIST, {ada['workers']} learners, {ada['steps']} steps.",
+        f"- (h) The hierarchical exchange (`GradCompStrategy(compressor, hierarchy=\"node\")`): dense inside each node, "
+        f"compressed between the {proj['world_size'] // proj['gpus_per_node']} nodes. Sent flat across "
+        f"{proj['world_size']} GPUs, TernGrad's planner uses an int8 all-reduce (4x fewer bytes than fp32, not 16x), "
+        f"and AdaComp's all-gather brings every GPU the other {proj['world_size'] - 1} payloads.",
+        "",
+        f"At 10 Gbit/s a small CNN's step is compute-bound on these CPUs, and compression only adds encoding: TernGrad "
+        f"{step['terngrad', '10gbit']:.2f}, AdaComp {step['adacomp', '10gbit']:.2f}, bf16 {step['bf16', '10gbit']:.2f} "
+        f"of DDP's step (LeNet).",
+    ]
+    return "\n".join(lines) + "\n\n" + "\n".join(notes)
+
+
+TABLES += [
+    Table("choosing-transformer", _choosing_transformer_files, _choosing_transformer_table,
+          "python tools/results_tables.py --only choosing-transformer"),
+]
+REPRO_TABLES.append(Table("choosing-cnn", _choosing_cnn_files, _choosing_cnn_table,
+                          "python tools/results_tables.py --only choosing-cnn"))
+#: the reproductions' tables whose runs are stored (the others are typed in the pages until they are)
+STORED_REPRO = ["repro-adacomp"]
+TABLES += [table for table in REPRO_TABLES if table.name in STORED_REPRO]
+
+
 def _saved_order(folder: Path) -> list[Path]:
     """The runs of a folder in ``benchmarks/lm.py --saved``'s order: the default grid's labels first, then the rest."""
     from benchmarks.lm import default_grid
@@ -801,6 +1209,8 @@ def _machine(run: dict[str, Any]) -> str:
 
 def render(table: Table, update: bool = False) -> str:
     """The block's content: a provenance line, then the table."""
+    if table.computed:
+        return f"*Computed, not measured: {table.computed}. Printed by `{table.command}`.*\n\n{table.render([])}\n\n"
     paths = table.files()
     runs = _load(paths)
     for run, path in zip(runs, paths):

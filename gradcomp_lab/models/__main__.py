@@ -29,14 +29,20 @@ ROWS = [
 ]
 
 
-def main() -> None:
-    """Print a Markdown table of parameter counts and float32 sizes."""
-    print("| Model | Parameters | float32 MiB |")
-    print("|---|---:|---:|")
+def table() -> str:
+    """A Markdown table of parameter counts and float32 sizes (``docs/data-and-models.md`` shows it, through
+    ``tools/results_tables.py``)."""
+    lines = ["| Model | Parameters | float32 MiB |", "|---|---:|---:|"]
     for name, build in ROWS:
         with torch.device("meta"):
             n = sum(p.numel() for p in build().parameters())
-        print(f"| {name} | {n:,} | {n * 4 / 2**20:.1f} |")
+        lines.append(f"| {name} | {n:,} | {n * 4 / 2**20:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Print the table of parameter counts and float32 sizes."""
+    print(table())
 
 
 if __name__ == "__main__":

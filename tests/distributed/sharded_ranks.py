@@ -117,8 +117,8 @@ def _loader(n: int = 64, batch_size: int = 4) -> DataLoader:
 
 
 def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 4, save: str = "",
-        resume: str = "") -> dict[str, Any]:
-    record = Shards()
+        resume: str = "", record: Optional[Shards] = None) -> dict[str, Any]:
+    record = record or Shards()
     # a checkpoint at each epoch's end (4 batches per rank), as a user's ModelCheckpoint writes it
     callbacks: list[Callback] = [record] + ([ModelCheckpoint(dirpath=save, every_n_epochs=1, save_top_k=-1)] if save else [])
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
@@ -153,11 +153,12 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> li
         model = model_cls(native=kind == "native", nan_at=config.get("nan_at", -1),
                           optimizer=config.get("optimizer", "adamw"))
         cls = {"native": NativeHSDP, "ddp": GradCompStrategy}.get(kind, ShardedGradCompStrategy)
+        record = Shards()
         try:
             out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4),
-                           config.get("save", ""), config.get("resume", "")))
+                           config.get("save", ""), config.get("resume", ""), record))
         except (ValueError, RuntimeError) as error:  # bad input (before step 0), a divergence: every rank alike
-            out.append({"error": str(error)})
+            out.append({"error": str(error), "steps_done": len(record.shards)})
     return out
 
 

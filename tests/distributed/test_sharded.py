@@ -130,7 +130,8 @@ def test_replica_check_compares_the_copies_of_each_shard(results: list[list[dict
 def test_resume_is_exact(tmp_path: Path) -> None:
     """8 steps straight against 4 steps, the checkpoint of the first epoch's end (DCP, plus every rank's residuals),
     and 4 more: the shards match bit for bit at every resumed step (Gradient Dropping with momentum SGD: the residual
-    carries most of the gradient, so a lost residual shows at once)."""
+    carries most of the gradient, so a lost residual shows at once). The same checkpoint resumed with
+    `shard_size=1` or `4` is refused on every rank before the first step, naming both shard sizes."""
     path = str(tmp_path / "ckpt")
     resume = str(tmp_path / "ckpt" / "epoch=0-step=4.ckpt")
     strategy = {"compressor": "graddrop", "shard_size": 2}
@@ -140,6 +141,8 @@ def test_resume_is_exact(tmp_path: Path) -> None:
         {"strategy": strategy, "optimizer": "sgd", "steps": 8, "resume": resume},
         # the same checkpoint with the compression state dropped: what a resume that lost the residuals would do
         {"strategy": dict(strategy, resume_compression="reset"), "optimizer": "sgd", "steps": 8, "resume": resume},
+        # another shard size: each rank's residuals cover its shard of shard_size=2, refused before the first step
+        *({"strategy": dict(strategy, shard_size=k), "optimizer": "sgd", "steps": 8, "resume": resume} for k in (1, 4)),
     ]
     results = run_ranks(fit_configs, 4, configs, timeout=400.0)
     for rank in range(4):
@@ -148,6 +151,11 @@ def test_resume_is_exact(tmp_path: Path) -> None:
         for step in range(4):
             assert torch.equal(straight[4 + step], resumed[step]), f"rank {rank}, step {4 + step}"
         assert not torch.equal(straight[4], results[rank][3]["shards"][0]), "the residuals made no difference"
+        for k, refused in zip((1, 4), results[rank][4:]):
+            assert refused.get("steps_done") == 0, (rank, k, refused)
+            assert (f"come from `shard_size={k}` as this run, but got one written with `shard_size=2`: the "
+                    f"compression state is per shard") in refused["error"], (rank, refused["error"])
+            assert "Fix: resume with `shard_size=2`" in refused["error"]
 
 
 def test_a_stalled_rank_stops_every_other_rank_within_the_timeout() -> None:

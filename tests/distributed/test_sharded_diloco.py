@@ -35,8 +35,10 @@ CONFIGS: list[dict[str, Any]] = [
     {"strategy": RESUMED, "steps": 8, "save": "ckpt"},
     {"strategy": RESUMED, "steps": 8, "resume": "ckpt/epoch=0-step=4.ckpt"},
     {"strategy": dict(RESUMED, resume_compression="reset"), "steps": 8, "resume": "ckpt/epoch=0-step=4.ckpt"},
+    # 10: the same checkpoint on 4 sites of 1 shard: the outer state is per shard, refused before the first step
+    {"strategy": dict(RESUMED, shard_size=1), "steps": 8, "resume": "ckpt/epoch=0-step=4.ckpt"},
 ]
-DDP, IDENTITY, STREAMING, PERTURBED, BAD_SIZE, UNSHARDED, BAD_FRAGMENTS, FULL, RESUMED_RUN, RESET = range(10)
+DDP, IDENTITY, STREAMING, PERTURBED, BAD_SIZE, UNSHARDED, BAD_FRAGMENTS, FULL, RESUMED_RUN, RESET, RESHARDED = range(11)
 
 # ShardedRegressor: Linear(8, 16), Linear(16, 12), Linear(12, 3), each split over 2 ranks along its first dimension
 SHARD_NUMEL = {0: 8 * 8 + 8 + 6 * 16 + 6 + 2 * 12 + 2, 1: 8 * 8 + 8 + 6 * 16 + 6 + 1 * 12 + 1}
@@ -144,6 +146,14 @@ def test_resume_mid_window_is_bit_identical(results: list[list[dict[str, Any]]])
             for a, b in zip(full[rank]["params"][4 + step], resumed[rank]["params"][step]):
                 assert torch.equal(a, b), f"rank {rank}, step {4 + step}: resume differs from the uninterrupted run"
     assert any(not torch.equal(full[r]["params"][4][0], reset[r]["params"][0][0]) for r in range(4))
+
+
+def test_resume_with_another_shard_size_is_refused(results: list[list[dict[str, Any]]]) -> None:
+    for rank in range(4):
+        kind, message = results[rank][RESHARDED]["error"]
+        assert kind == "ValueError", message
+        assert "come from `shard_size=1` as this run, but got one written with `shard_size=2`" in message
+        assert "Fix: resume with `shard_size=2`" in message
 
 
 def test_registered_names() -> None:

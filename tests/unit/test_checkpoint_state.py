@@ -61,6 +61,33 @@ def test_a_partial_restore_is_refused() -> None:
         restore(state, entry, torch.device("cpu"))
 
 
+def test_another_shard_size_is_refused_naming_both() -> None:
+    """The compression state is per shard: a resume must shard the model as the run that wrote it (unsharded
+    against sharded included); a checkpoint without per-rank state, or one from before the shard size was
+    recorded, resumes."""
+    ckpt = _checkpoint(2)
+    ckpt[CHECKPOINT_KEY]["shard_size"] = 2
+    assert select(ckpt, 0, 2, reset=False, shard_size=2) is not None
+    for live, written in ((1, "`shard_size=2`"), (4, "`shard_size=2`"), (None, "`shard_size=2`")):
+        with pytest.raises(ValueError) as error:
+            select(ckpt, 0, 2, reset=False, shard_size=live)
+        message = str(error.value)
+        assert f"written with {written}" in message and "the compression state is per shard" in message
+        assert f"Fix: resume with {written}" in message and "resume_compression='reset'" in message
+    assert "come from `shard_size=1` as this run" in _refusal(ckpt, 1)
+    ckpt[CHECKPOINT_KEY]["shard_size"] = None  # written by an unsharded (DDP) run
+    assert "written with an unsharded model (`shard_size=None`)" in _refusal(ckpt, 2)
+    assert select(ckpt, 0, 2, reset=True, shard_size=2) is None
+    del ckpt[CHECKPOINT_KEY]["shard_size"]
+    assert select(ckpt, 0, 2, reset=False, shard_size=2) is not None
+
+
+def _refusal(ckpt: dict, shard_size: int) -> str:
+    with pytest.raises(ValueError) as error:
+        select(ckpt, 0, 2, reset=False, shard_size=shard_size)
+    return str(error.value)
+
+
 def test_an_unknown_layout_version_is_refused() -> None:
     ckpt = _checkpoint(2)
     ckpt[CHECKPOINT_KEY]["version"] = 99
