@@ -511,6 +511,8 @@ SHARDED_STATS_RUNS = [
     "--run powersgd_r4_ddp=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy=lightning_gradcomp.GradCompStrategy::"
     + _POWERSGD_R4,
     f"--run powersgd_r4_sharded={_SHARDED_RECIPE}::{_POWERSGD_R4}",
+    "--run demo_ddp=recipes/lm/gpt_stdlib_ddp.yaml::--trainer.strategy=demo",
+    f"--run demo_sharded={_SHARDED_RECIPE}::--trainer.strategy.init_args.compressor=demo",
 ]
 
 
