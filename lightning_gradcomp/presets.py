@@ -155,6 +155,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
                                 measured_with="SignSGD at lr 0.007 and 300 warm-up steps, against AdamW DDP "
                                               "with the same warm-up")),
 ]}
+"""The ``<compressor>_lm`` presets by strategy name: each compressor's setting measured within 2 % of AdamW DDP."""
 
 PAPER_DEFAULTS: dict[str, PaperDefault] = {
     "terngrad": PaperDefault(Measurement((("terngrad", "ddp"),), 10.6, 15.9, "the paper's defaults"), "terngrad_lm"),
@@ -175,6 +176,8 @@ PAPER_DEFAULTS: dict[str, PaperDefault] = {
                             best=Measurement((("adacomp_bin10_dense100", "ddp"),), 15.6, 9.9,
                                              "bins of 10, 100 dense steps")),
 }
+"""Each registered compressor name's paper default as measured with AdamW on the LM benchmark, and the preset that
+closes its gap (``None`` where no setting within 2 % of DDP was found): what the setup warning says."""
 
 
 def preset_names() -> list[str]:
