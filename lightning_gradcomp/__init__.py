@@ -33,7 +33,7 @@ from lightning_gradcomp.strategy import GradCompStrategy, PresetStrategy  # noqa
 from lightning_gradcomp.towers import TowerStrategy  # noqa: E402
 
 register_strategies(GradCompStrategy)
-_register_presets()  # "terngrad_lm", ...: each compressor's setting measured to reach AdamW DDP (presets.PRESETS)
+_register_presets(PresetStrategy)  # "terngrad_lm", ...: each compressor's setting measured to reach AdamW DDP (presets.PRESETS)
 
 from lightning_gradcomp.weightgrad import WeightGradStrategy  # noqa: E402  (needs the modules above)
 from lightning_gradcomp.weightgrad.strategy import register as _register_weightgrad  # noqa: E402
@@ -70,7 +70,7 @@ from lightning_gradcomp.registry import SHARDED_PREFIX as _SHARDED_PREFIX  # noq
 
 register_strategies(GradCompFabricStrategy, _FABRIC_STRATEGIES)
 register_strategies(ShardedGradCompFabricStrategy, _FABRIC_STRATEGIES, prefix=_SHARDED_PREFIX, notebook=False)
-_register_presets(_FABRIC_STRATEGIES, fabric=True)
+_register_presets(PresetFabricStrategy, _FABRIC_STRATEGIES)
 register_trainer_only_names(_FABRIC_STRATEGIES)  # Fabric(strategy="diloco") says it is Trainer-only, and what to use
 
 __version__ = "0.1.0"

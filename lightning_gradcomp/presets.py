@@ -294,18 +294,15 @@ def preset_compressor(preset: str, kwargs: Mapping[str, Any], strategy: str) -> 
     return chosen, chosen.make_compressor()
 
 
-def register(strategy_registry: Any = None, fabric: bool = False) -> None:
-    """Register every preset's name (and its ``<name>_notebook``) in the Trainer's ``StrategyRegistry`` (default)
-    or the one given; ``fabric=True``: in Fabric's ``STRATEGY_REGISTRY`` (a preset with dense steps then fails at
-    construction, naming the Trainer: they need its ``CompressionSchedule``)."""
+def register(strategy_cls: type, strategy_registry: Any = None) -> None:
+    """Register every preset's name (and its ``<name>_notebook``) for ``strategy_cls`` (``PresetStrategy``, or
+    ``PresetFabricStrategy`` with Fabric's ``STRATEGY_REGISTRY``, where a preset with dense steps fails at
+    construction, naming the Trainer: they need its ``CompressionSchedule``) in the Trainer's ``StrategyRegistry``
+    (default) or the one given. The caller passes the class: the strategies import this module."""
     from lightning_gradcomp.registry import register_preset
 
-    if fabric:
-        from lightning_gradcomp.fabric import PresetFabricStrategy as cls
-    else:
-        from lightning_gradcomp.strategy import PresetStrategy as cls  # type: ignore[assignment]
     for preset in PRESETS.values():
-        register_preset(preset.name, cls, _description(preset), strategy_registry, preset=preset.name)
+        register_preset(preset.name, strategy_cls, _description(preset), strategy_registry, preset=preset.name)
 
 
 def _description(preset: Preset) -> str:

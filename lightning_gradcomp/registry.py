@@ -80,6 +80,8 @@ def register_preset(name: str, strategy_cls: type, description: str, strategy_re
 
         strategy_registry = StrategyRegistry
     strategy_registry.register(name, strategy_cls, description=description, override=True, **init_params)
+    if "preset" in init_params:  # a measured setting's name (lightning_gradcomp.presets): one of strategy_names()
+        _PRESET_NAMES.add(name)
     if notebook:
         strategy_registry.register(name + NOTEBOOK_SUFFIX, strategy_cls, description=f"{description}; processes "
                                    "forked (for notebooks)", override=True, start_method="fork", **init_params)
@@ -125,6 +127,8 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
 
 
 #: strategy names this package registers besides the compressor names (each but "gradcomp" also as `*_notebook`)
+#: the presets' names, as lightning_gradcomp.presets registers them at import
+_PRESET_NAMES: set[str] = set()
 _OWN_STRATEGIES = ("gradcomp", "weightgrad", "diloco", "streaming_diloco", "onebit_adam", "zero_one_adam")
 
 
@@ -134,10 +138,8 @@ SHARDED_PREFIX = "sharded_"
 
 def strategy_names() -> list[str]:
     """The strategy names ``import lightning_gradcomp`` registers in Lightning's ``StrategyRegistry``."""
-    from lightning_gradcomp.presets import PRESETS  # the module's import needs this one's
-
     sharded = {SHARDED_PREFIX + n for n in (*COMPRESSORS, "gradcomp", "diloco", "streaming_diloco")}
-    return sorted({*COMPRESSORS, *_OWN_STRATEGIES, *sharded, *PRESETS})
+    return sorted({*COMPRESSORS, *_OWN_STRATEGIES, *sharded, *_PRESET_NAMES})
 
 
 def strategy_name_error(name: str) -> Optional[str]:

@@ -283,4 +283,4 @@ class PresetStrategy(GradCompStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        presets.register(strategy_registry)
+        presets.register(cls, strategy_registry)
