@@ -1,7 +1,11 @@
-"""What a compressor costs per step: its exact bytes on the wire, and its codec time, on random tensors.
+"""What a compressor costs per step: its exact bytes on the wire, and its codec time.
 
-The strategy announces these bytes when training starts; the performance model (``gradcomp_lab.perfmodel``) adds
-the times and a cost model of the network to predict a step.
+Measured by running the hook's exchange itself (:func:`lightning_gradcomp.hook.gradcomp_hook`: the groups, error
+feedback, the compressor's group methods, the shared statistics, decoding) on one bucket holding every tensor, over
+a :class:`~lightning_gradcomp.transport.LoopbackTransport` (this rank stands in for every rank), and reading bytes
+from its ledger: what is timed and counted is the code that trains. The strategy announces these bytes when
+training starts; the collective planner probes each bucket with :func:`measure_exchange`; the performance model
+(``gradcomp_lab.perfmodel``) adds the times and a cost model of the network to predict a step.
 """
 
 import statistics
@@ -10,17 +14,21 @@ from dataclasses import dataclass
 
 import torch
 
+from torch import Tensor
+from torch.futures import Future
+
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
-from lightning_gradcomp.compressors.multiround import FlatExchanged, MultiRoundCompressor
-from lightning_gradcomp.memory import ResidualMemory
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
+from lightning_gradcomp.groups import TensorBucket
+from lightning_gradcomp.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.transport import LoopbackTransport
 from lightning_gradcomp.validation import check_int
 
 #: (parameter name, shape) of every tensor a step sends
 Shapes = list[tuple[str, tuple[int, ...]]]
 
-#: timed exchanges of a multi-round compressor (the median is reported): one pass over a large model varies by 2x
-#: on a shared machine
+#: timed exchanges (the median is reported), after one that warms up (plans, factors, a residual, the allocator):
+#: one pass over a large model varies by 2x on a shared machine
 _REPEATS = 3
 
 
@@ -35,6 +43,8 @@ class Codec:
         decode_s: decoding seconds per step (all N packets for an all-gather, one for an all-reduce).
         rounds: small blocking all-reduces per bucket before the payload (shared scalers).
         shared_nbytes: bytes per rank per step of those all-reduces (float32 statistics, as the hook sends them).
+        collective: the payload's collective, as the hook's ledger names it (``"allgather"``,
+            ``"allreduce_<dtype>"``, ``"allreduce_round"`` for a multi-round compressor; ``""`` at one rank).
     """
 
     nbytes: float
@@ -43,62 +53,71 @@ class Codec:
     decode_s: float = 0.0
     rounds: int = 0
     shared_nbytes: float = 0.0
+    collective: str = ""
 
 
 def measure_codec(compressor: Compressor, shapes: Shapes, world_size: int, timed: bool = True) -> Codec:
-    """Compress random tensors of every shape with ``compressor`` (set up as rank 0 of ``world_size``).
+    """Exchange random tensors of every shape with ``compressor`` (set up as rank 0 of ``world_size``).
 
-    Bytes are exact; times are this machine's (``timed=False`` skips decoding and reports 0 s).
+    Bytes are exact; times are this machine's (``timed=False`` runs one exchange and reports 0 s).
     """
     check_int("world_size", world_size, minimum=1)
-    compressor.setup(0, world_size, torch.device("cpu"))
-    aggregation = compressor.aggregation_for(world_size)
     gen = torch.Generator().manual_seed(0)
-    grads = [(name, torch.randn(*shape, generator=gen) * 1e-3) for name, shape in shapes]
-    if isinstance(compressor, MultiRoundCompressor):
-        return _measure_rounds(compressor, grads, aggregation, timed)
-    for name, g in grads:  # as the hook does before compressing (AdaComp keeps the step's gradient apart)
-        compressor.observe_gradient(g, name)
-    start = time.perf_counter()
-    packets = [compressor.compress(g, name, None) for name, g in grads]
-    encode = time.perf_counter() - start
-    decode = 0.0
-    if timed:
+    tensors = [torch.randn(*shape, generator=gen) * 1e-3 for _, shape in shapes]
+    compressor.setup(0, world_size, torch.device("cpu"))
+    return measure_exchange(compressor, [name for name, _ in shapes], tensors, world_size, _REPEATS if timed else 0)
+
+
+class _TimedLoopback(LoopbackTransport):
+    """The loopback transport, marking when the last payload collective was launched (compression is over)."""
+
+    launched: float = 0.0
+
+    def sum(self, tensor: Tensor) -> Future:
+        self.launched = time.perf_counter()
+        return super().sum(tensor)
+
+    def gather(self, tensor: Tensor, out: Tensor) -> tuple[Future, Tensor]:
+        self.launched = time.perf_counter()
+        return super().gather(tensor, out)
+
+
+def measure_exchange(compressor: Compressor, names: list[str], tensors: list[Tensor], world_size: int,
+                     repeats: int = _REPEATS) -> Codec:
+    """One bucket of ``tensors`` (named ``names``) through the hook's exchange with ``compressor`` (already set up
+    for ``world_size`` ranks), every rank's contribution being this rank's.
+
+    The first exchange warms up and gives the bytes (from the ledger) and the collectives; ``repeats`` more are timed
+    (medians): encoding until the last payload collective is launched, decoding after it. A multi-round compressor
+    encodes and decodes between its rounds: its whole exchange is reported as encoding.
+    """
+    transport = _TimedLoopback(world_size, compressor.rank)
+    state = GradCompState(compressor, {id(t): n for t, n in zip(tensors, names)}, world_size=world_size,
+                          nonfinite="ignore", transport=transport)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    buffer = torch.empty_like(flat)
+    bucket = TensorBucket(buffer, tensors)
+    multiround = isinstance(compressor, MultiRoundCompressor)
+    encode: list[float] = []
+    decode: list[float] = []
+    for attempt in range(1 + repeats):
+        buffer.copy_(flat)  # the hook writes the mean over the gradients
+        transport.launched = 0.0
         start = time.perf_counter()
-        for p in packets:
-            if aggregation is Aggregation.GATHER:
-                compressor.decompress_sum([p] * world_size)
-            else:
-                compressor.decompress(p)
-        decode = time.perf_counter() - start
-    statistics = [compressor.local_statistic(g, name) for name, g in grads]
-    rounds = 1 if statistics[0] is not None else 0
-    shared = float(sum(4 * s.numel() for s in statistics if s is not None))  # the hook all-reduces them as float32
-    return Codec(float(sum(p.nbytes for p in packets)), aggregation, encode if timed else 0.0, decode, rounds, shared)
-
-
-def _measure_rounds(compressor: MultiRoundCompressor, grads: list[tuple[str, torch.Tensor]], aggregation: Aggregation,
-                    timed: bool) -> Codec:
-    """A multi-round compressor's codec is its exchange (the hook encodes and decodes between its rounds), timed as
-    the hook runs it on one group holding every tensor: error feedback added, :meth:`~lightning_gradcomp.
-    compressors.multiround.MultiRoundCompressor.exchange_flat` with the rounds as identities, the new residual, the
-    mean written back. Its per-layer ``compress`` runs other products (one matrix at a time) and none of the flat
-    path's gathers and scatters, so it under-predicted the hook (``docs/benchmarks.md``, section 7)."""
-    segments = Segments([n for n, _ in grads], [g.shape for _, g in grads])
-    flat = torch.cat([g.reshape(-1) for _, g in grads])
-    memory, buffer = ResidualMemory(), torch.empty_like(flat)
-
-    def step() -> FlatExchanged:  # the hook's multi-round group step, with the rounds as identities
-        compensated = memory.compensate_flat(flat, segments)
-        result = compressor.exchange_flat(compensated, segments, lambda t: t)
-        memory.update_flat(segments, compensated, result.sent)
-        buffer.copy_(result.mean)
-        return result
-
-    result = step()  # also the warm start: plans, factors, a residual
-    times: list[float] = []
-    for _ in range(_REPEATS if timed else 0):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return Codec(float(sum(result.layer_nbytes)), aggregation, statistics.median(times) if times else 0.0, 0.0, 0)
+        gradcomp_hook(state, bucket).wait()  # type: ignore[arg-type]  # a stand-in GradBucket
+        end = time.perf_counter()
+        if attempt:
+            launched = end if multiround or not transport.launched else transport.launched
+            encode.append(launched - start)
+            decode.append(end - launched)
+    ledger = state.ledger
+    kinds = [k for k in ledger.collectives if k not in ("allreduce_max", "allgather_sizes")]
+    return Codec(
+        nbytes=float(ledger.payload_bytes_per_step()),
+        aggregation=compressor.aggregation_for(world_size),
+        encode_s=statistics.median(encode) if encode else 0.0,
+        decode_s=statistics.median(decode) if decode else 0.0,
+        rounds=1 if ledger.collectives["allreduce_max"] else 0,
+        shared_nbytes=float(ledger.shared_bytes_per_step()),
+        collective=kinds[-1] if kinds else "",
+    )

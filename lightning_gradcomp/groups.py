@@ -206,3 +206,35 @@ class Layouts:
 
 
 __all__ = ["HookBucket", "LayerGroup", "LayerViews", "Layouts", "layer_offsets", "pipeline_chunks"]
+
+
+class TensorBucket:
+    """Tensors laid out back to back in one flat buffer, shaped as DDP's ``GradBucket`` for the hook: a rank's
+    gradients outside DDP (an emulated worker's, a probe's). The hook writes the decoded mean into ``buffer``.
+
+    Args:
+        buffer: the flat tensors (not copied).
+        parameters: the tensors the hook names them by (``GradCompState.names``: ``id(parameter)`` -> name).
+        shapes: each layer's shape in ``buffer`` (default: the parameters' shapes).
+        index: the bucket's index (the hook keeps per-bucket records under it).
+    """
+
+    def __init__(self, buffer: Tensor, parameters: Sequence[Tensor], shapes: Optional[Sequence[torch.Size]] = None,
+                 index: int = 0) -> None:
+        self._buffer, self._parameters, self._index = buffer, list(parameters), index
+        self._shapes = [p.shape for p in parameters] if shapes is None else [torch.Size(s) for s in shapes]
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def parameters(self) -> Sequence[Tensor]:
+        return self._parameters
+
+    def layer_shapes(self) -> list[torch.Size]:
+        return self._shapes
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return True

@@ -39,6 +39,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.ledger import Ledger
 from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ class GuardedState(Protocol):
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]: ...
 
+    @property
+    def transport(self) -> Transport: ...
+
 #: consecutive skipped steps after which a warning says the run is not training
 WARN_AFTER_SKIPS = 10
 #: consecutive skipped steps after which every rank raises :class:`NonFiniteGradientError`
@@ -130,13 +134,13 @@ def _worst(state: GuardedState, buffer: Tensor, rank: int, exact: bool) -> int:
     """The largest flag over ranks (one 4-byte all-reduce, read on the host)."""
     flag = _flag(buffer, rank, exact)
     if state.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=state.process_group)
+        state.transport.max_(flag)
         state.ledger.count("allreduce_nonfinite")
     return int(flag.item())
 
 
 def _rank(state: GuardedState) -> int:
-    return dist.get_rank(state.process_group) if state.world_size > 1 else 0
+    return state.transport.rank
 
 
 def can_share_collective(state: GuardedState, compressors: Sequence[Compressor]) -> bool:

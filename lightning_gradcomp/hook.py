@@ -23,7 +23,7 @@ Collectives are only launched here, never from ``.then`` callbacks (see :mod:`li
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lightning_gradcomp import comm
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
-from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
+from lightning_gradcomp.compressors.multiround import AllReduce, FlatExchanged, MultiRoundCompressor
 from lightning_gradcomp.guard import (
     NonFinite,
     NonFiniteGuard,
@@ -45,9 +45,9 @@ from lightning_gradcomp.groups import HookBucket, LayerGroup, LayerViews, Layout
 from lightning_gradcomp.ledger import GroupRecord, LayerRecord, Ledger
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
-from lightning_gradcomp.planner import CollectivePlanner
-from lightning_gradcomp.router import Router
+from lightning_gradcomp.router import Planner, Router
 from lightning_gradcomp.stats import NO_OBSERVER, HookObserver, HookStats
+from lightning_gradcomp.transport import ProcessGroupTransport, Transport
 
 
 @dataclass(frozen=True)
@@ -90,12 +90,15 @@ class GradCompState:
         pipeline_bytes: bytes of input per pipelined group within a bucket (``None``: the whole bucket in one
             group). Each group gets its own collectives; results are identical either way.
         hierarchy: see :class:`Peers`.
+        transport: what carries the collectives (:mod:`lightning_gradcomp.transport`); ``None``: torch.distributed
+            over ``process_group``.
 
     Attributes:
         names: as above.
         router: which compressor each layer uses (exclusions, the planner's choice, a dense warm-up).
         transforms: as above.
         peers: whom the hook exchanges with (:class:`Peers`).
+        transport: what carries the collectives (:class:`~lightning_gradcomp.transport.Transport`).
         memory: the residuals, and the step transaction a skipped step rolls back.
         guard: the non-finite guard's decisions and counters (:class:`~lightning_gradcomp.guard.NonFiniteGuard`).
         ledger: records, bytes and collectives (:class:`~lightning_gradcomp.ledger.Ledger`).
@@ -119,15 +122,17 @@ class GradCompState:
         memory: Optional[ResidualMemory] = None,
         nonfinite: NonFinite = "skip",
         keep_per_rank: bool = False,
-        planner: Optional[CollectivePlanner] = None,
+        planner: Optional[Planner] = None,
         stats: Optional[HookStats] = None,
         pipeline_bytes: Optional[int] = None,
         hierarchy: Optional[Any] = None,
+        transport: Optional[Transport] = None,
     ) -> None:
         self.names = names
         self.router = Router(compressor, float_names, identity, planner)
         self.transforms: Sequence[LayerTransform] = tuple(transforms)
         self.peers = Peers(process_group, world_size, hierarchy)
+        self.transport: Transport = ProcessGroupTransport(process_group, world_size) if transport is None else transport
         self.memory = ResidualMemory() if memory is None else memory
         self.guard = NonFiniteGuard(mode=nonfinite)
         self.ledger = Ledger(keep_per_rank)
@@ -155,7 +160,7 @@ class GradCompState:
         return self.router.float_names
 
     @property
-    def planner(self) -> Optional[CollectivePlanner]:
+    def planner(self) -> Optional[Planner]:
         return self.router.planner
 
     @property
@@ -267,7 +272,7 @@ def _shared_statistics(
     flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
     if state.world_size > 1:
         with state.observer.blocking():
-            comm.all_reduce_max_(flat, state.process_group)
+            state.transport.max_(flat)
         state.ledger.count("allreduce_max")
     worst = None if flag is None else int(flat[-1].item())
     # the statistics' bytes (the guard's flag is not counted, as when it travels alone)
@@ -347,7 +352,8 @@ def _exchange_bucket(state: GradCompState, bucket: HookBucket) -> torch.futures.
         # compress one chunk, then launch its collectives before compressing the next: the next chunk's
         # compression overlaps this chunk's transfer
         members = [k for k, g in enumerate(groups) if g.chunk == chunk]
-        packets = [_compress_group(state, groups[k], inputs[k], shared[k]) for k in members]
+        # without ``all_reduce`` the group step returns packets
+        packets = cast(list[FlatPacket], [_compress_group(state, groups[k], inputs[k], shared[k]) for k in members])
         chunk_futures, decoder = _launch(state, (bucket.index(), chunk), [groups[k] for k in members], packets, buffer)
         futures.extend(chunk_futures)
         decoders.append(decoder)
@@ -366,22 +372,41 @@ def _exchange_bucket(state: GradCompState, bucket: HookBucket) -> torch.futures.
     return torch.futures.collect_all(futures).then(lambda fut: decode(fut.wait()))
 
 
-def _compress_group(state: GradCompState, group: LayerGroup, x: Tensor, shared: Optional[SharedStatistic]) -> FlatPacket:
-    """Compress one group; update its residuals and the transforms; record what was sent."""
+def _compress_group(
+    state: GradCompState,
+    group: LayerGroup,
+    x: Tensor,
+    shared: Optional[SharedStatistic],
+    all_reduce: Optional[AllReduce] = None,
+) -> Union[FlatPacket, FlatExchanged]:
+    """The group step, the one place a compressor encodes: compress one group (``x``: after transforms and error
+    feedback), update its residuals and the transforms, record what was sent.
+
+    A one-round compressor returns its packet, for the bucket's collectives. A multi-round one (with
+    ``all_reduce``, its rounds' blocking sum) exchanges as it encodes and returns the exchanged mean.
+    """
     compressor = group.compressor
-    packet = compressor.compress_flat(x, group.segments, shared)
+    packet: Optional[FlatPacket] = None
     sent: Optional[Tensor] = None
-    if compressor.uses_memory or state.transforms:
-        sent = compressor.sent_flat(x, packet)
+    if all_reduce is not None and isinstance(compressor, MultiRoundCompressor):
+        exchanged = compressor.exchange_flat(x, group.segments, all_reduce)
+        sent = exchanged.sent
+        record = GroupRecord(group.segments, exchanged.layer_nbytes, Aggregation.SUM, exchanged.stats)
+    else:
+        packet = compressor.compress_flat(x, group.segments, shared)
+        if compressor.uses_memory or state.transforms:
+            sent = compressor.sent_flat(x, packet)
+        record = GroupRecord.of(packet, compressor.aggregation_for(state.world_size))
+    if sent is not None:
         if compressor.uses_memory:
             state.memory.update_flat(group.segments, x, sent)
         if state.transforms:
             for (name, xi), si in zip(group.segments.items(x), group.segments.views(sent)):
                 _after_transforms(state, name, xi, si)
-    if state.observer.active:
+    if state.observer.active and packet is not None:
         state.observer.observe_group(group.segments, compressor, x, packet, sent)
-    state.ledger.record_group(GroupRecord.of(packet, compressor.aggregation_for(state.world_size)))
-    return packet
+    state.ledger.record_group(record)
+    return exchanged if packet is None else packet
 
 
 def _after_transforms(state: GradCompState, name: str, x: Tensor, sent: Tensor) -> None:
@@ -434,7 +459,7 @@ def _launch(
         parts = [packets[k].payload.reshape(-1) for k in idx]
         flat = _concat(state, (*key, "sum", dtype), parts, sum(p.numel() for p in parts))
         if world > 1:
-            futures.append(comm.all_reduce_sum(flat, state.process_group))
+            futures.append(state.transport.sum(flat))
             state.ledger.count(f"allreduce_{str(dtype).removeprefix('torch.')}")
         sum_buffers.append((idx, flat))
 
@@ -448,7 +473,7 @@ def _launch(
             # rank pads to the largest total
             own = torch.cat([_host_sizes(packets[k]) for k in gather_idx])
             with state.observer.blocking():
-                table = comm.all_gather_sizes(own, state.process_group, world)
+                table = state.transport.gather_sizes(own)
             state.ledger.count("allgather_sizes")
             sizes = table.tolist()
         else:
@@ -457,7 +482,7 @@ def _launch(
         flat = _concat(state, (*key, "gather"), parts, longest)
         if flat.numel() > 0:
             out = state.scratch.take((*key, "gathered"), world * flat.numel(), flat.dtype, flat.device)
-            fut, gathered = comm.all_gather(flat, state.process_group, world, out=out)
+            fut, gathered = state.transport.gather(flat, out)
             futures.append(fut)
             state.ledger.count("allgather")
         else:
@@ -532,33 +557,25 @@ def _multiround_exchange(
 
     def all_reduce(tensor: Tensor) -> Tensor:
         if world > 1:
-            comm.all_reduce_sum(tensor, state.process_group).wait()
+            state.transport.sum(tensor).wait()
             state.ledger.count("allreduce_round")
         return tensor
-
-    def finish(group: LayerGroup, x: Tensor, mean: Tensor, sent: Tensor, layer_nbytes: tuple[int, ...],
-               stats: dict[str, Tensor]) -> None:
-        if group.compressor.uses_memory:
-            state.memory.update_flat(group.segments, x, sent)
-        if state.transforms:
-            for (name, xi), si in zip(group.segments.items(x), group.segments.views(sent)):
-                _after_transforms(state, name, xi, si)
-        state.ledger.record_group(GroupRecord(group.segments, layer_nbytes, Aggregation.SUM, stats))
-        group.put(buffer, mean)
 
     # the layers routed to fp32 (the user's exclusions, and the planner's choice where compression would not pay)
     # in one all-reduce, before the compressor's rounds
     for group, (_, _, x) in zip(groups, prepared):
         if group.compressor is not compressor:
+            packet = _compress_group(state, group, x, None)
+            assert isinstance(packet, FlatPacket)
             # summed in place where nothing reads the input afterwards (no transform sees it): then, with the group
             # adjacent in the bucket and no transform, the bucket's own range is reduced and ``put`` copies nothing
-            total = all_reduce(x if not state.transforms else x.clone()).div_(world)
-            nbytes = tuple(n * x.element_size() for n in group.segments.numels)
-            finish(group, x, total, x, nbytes, {})
+            total = all_reduce(packet.payload if not state.transforms else packet.payload.clone())
+            group.put(buffer, group.compressor.decompress_flat(packet.with_payload(total)).div_(world))
     for group, (_, _, x) in zip(groups, prepared):
         if group.compressor is compressor:
-            result = compressor.exchange_flat(x, group.segments, all_reduce)
-            finish(group, x, result.mean, result.sent, result.layer_nbytes, result.stats)
+            exchanged = _compress_group(state, group, x, None, all_reduce)
+            assert isinstance(exchanged, FlatExchanged)
+            group.put(buffer, exchanged.mean)
     state.ledger.record_shared(bucket.index(), 0)
     observe_decoded(state, buffer)
     return comm.completed(buffer)

@@ -182,8 +182,15 @@ class Ledger:
 
     def bytes_per_step(self) -> int:
         """Bytes this rank contributed to the collectives of one full backward (payloads + shared statistics)."""
-        singles = sum(r.nbytes for r in self._singles.values())
-        return singles + sum(g.nbytes() for g in self._groups.values()) + sum(self.shared_stat_bytes.values())
+        return self.payload_bytes_per_step() + self.shared_bytes_per_step()
+
+    def payload_bytes_per_step(self) -> int:
+        """The payloads' share of :meth:`bytes_per_step`."""
+        return sum(r.nbytes for r in self._singles.values()) + sum(g.nbytes() for g in self._groups.values())
+
+    def shared_bytes_per_step(self) -> int:
+        """The shared statistics' share of :meth:`bytes_per_step` (their small all-reduce, every bucket)."""
+        return sum(self.shared_stat_bytes.values())
 
     def dense_bytes_per_step(self) -> int:
         """What plain fp32 DDP would have contributed for the same parameters."""

@@ -24,7 +24,6 @@ different links never diverge and their collectives always match.
 
 import copy
 import logging
-import time
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
@@ -34,8 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_gradcomp.codec import measure_exchange
 from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant, Compressor
 from lightning_gradcomp.ledger import Ledger
+from lightning_gradcomp.transport import Transport
 from lightning_gradcomp.costmodel import ALLREDUCE_FP32, Candidate, CollectivePlan, CompressionCost, Link, Network, choose
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class PlannerContext(Protocol):
 
     @property
     def ledger(self) -> Ledger: ...
+
+    @property
+    def transport(self) -> Transport: ...
 
 
 @dataclass(frozen=True)
@@ -87,10 +91,6 @@ class BucketPlan:
         if self.plain:
             return plain
         return compressor if self.collective is None else compressor.for_collective(self.collective)
-
-
-def _now() -> float:
-    return time.perf_counter()
 
 
 class CollectivePlanner:
@@ -130,7 +130,8 @@ class CollectivePlanner:
     def _probe(
         self, state: PlannerContext, variant: Optional[CollectiveVariant], inputs: Sequence[Tensor], names: Sequence[str]
     ) -> tuple[str, str, float, float, float, int]:
-        """One variant on a copy of the compressor: (name, collective, bytes, encode s, decode s, rounds)."""
+        """One variant on a copy of the compressor, through the hook's own exchange
+        (:func:`~lightning_gradcomp.codec.measure_exchange`): (name, collective, bytes, encode s, decode s, rounds)."""
         try:
             probe = copy.deepcopy(state.compressor)
         except Exception:  # a compressor holding something uncopyable: a fresh set-up copy is equivalent
@@ -138,32 +139,11 @@ class CollectivePlanner:
         probe.setup(state.compressor.rank, state.world_size, inputs[0].device)
         if variant is not None:
             probe = probe.for_collective(variant.name)
-        aggregation = probe.aggregation_for(state.world_size)
-        # warm-up on a small slice: first calls pay one-time costs (allocator, lookup tables) that would
-        # dominate a small bucket's timing
-        head = inputs[0].reshape(-1)[:1024]
-        warm = probe.compress(head, names[0], None)
-        probe.decompress_sum([warm] * state.world_size) if aggregation is Aggregation.GATHER else probe.decompress(warm)
-        start = _now()
-        packets = [probe.compress(x, n, None) for x, n in zip(inputs, names)]
-        encode = _now() - start
-        start = _now()
-        for packet in packets:
-            if aggregation is Aggregation.GATHER:
-                probe.decompress_sum([packet] * state.world_size)
-            else:
-                probe.decompress(packet)
-        decode = _now() - start
-        nbytes = sum(p.nbytes for p in packets)
-        rounds = 1 if any(probe.local_statistic(x, n) is not None for x, n in zip(inputs[:1], names[:1])) else 0
-        collective = "allgather" if aggregation is Aggregation.GATHER else "allreduce"
-        if variant is not None:
-            label = variant.name
-        elif aggregation is Aggregation.GATHER:
-            label = "allgather"
-        else:
-            label = f"allreduce_{str(packets[0].payload.dtype).removeprefix('torch.')}"
-        return label, collective, float(nbytes), encode, decode, rounds
+        codec = measure_exchange(probe, list(names), [x.detach() for x in inputs], state.world_size, repeats=1)
+        gather = codec.aggregation is Aggregation.GATHER
+        collective = "allgather" if gather else "allreduce"
+        label = variant.name if variant is not None else (codec.collective or collective)
+        return label, collective, codec.nbytes, codec.encode_s, codec.decode_s, codec.rounds
 
     def _decide(self, state: PlannerContext, names: Sequence[str], grads: Sequence[Tensor]) -> Optional[BucketPlan]:
         idx = [i for i, n in enumerate(names) if n not in state.float_names]
@@ -184,7 +164,7 @@ class CollectivePlanner:
         agreed = torch.tensor(numbers, dtype=torch.float64)
         if state.world_size > 1:
             # timings (and data-dependent sizes) differ per rank: decide on the max so every rank agrees
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=state.process_group)
+            state.transport.max_(agreed)
             state.ledger.count("allreduce_max")
         values = agreed.tolist()
         candidates = [Candidate(ALLREDUCE_FP32, "allreduce", 4.0 * numel)]
@@ -218,7 +198,7 @@ class CollectivePlanner:
         """
         vote = torch.zeros(len(names), dtype=torch.float64)
         vote[names.index(plan.choice)] = 1.0
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=state.process_group)
+        state.transport.max_(vote)
         state.ledger.count("allreduce_max")
         chosen = [name for name, v in zip(names, vote.tolist()) if v > 0]
         if len(chosen) == 1:

@@ -7,13 +7,25 @@ three; the hook asks it once per bucket (:meth:`Router.route`) and uses the answ
 """
 
 from collections.abc import Iterable, Sequence
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.identity import Identity
-from lightning_gradcomp.planner import BucketPlan, CollectivePlanner, PlannerContext
+
+
+class Plan(Protocol):
+    """A planner's decision for one bucket (:class:`~lightning_gradcomp.planner.BucketPlan`)."""
+
+    def compressor_for(self, compressor: Compressor, plain: Compressor) -> Compressor: ...
+
+
+class Planner(Protocol):
+    """What the router asks of a planner (:class:`~lightning_gradcomp.planner.CollectivePlanner`; a protocol,
+    because the planner probes compressors through the hook's exchange, which routes through this module)."""
+
+    def plan(self, state: Any, names: Sequence[str], grads: Sequence[Tensor]) -> Optional[Plan]: ...
 
 
 class Router:
@@ -32,7 +44,7 @@ class Router:
         compressor: Compressor,
         float_names: Iterable[str] = frozenset(),
         identity: Optional[Compressor] = None,
-        planner: Optional[CollectivePlanner] = None,
+        planner: Optional[Planner] = None,
     ) -> None:
         self.compressor = compressor
         self.float_names = frozenset(float_names)
@@ -53,12 +65,12 @@ class Router:
         """Whether the user excluded ``name`` from compression (transforms may skip such layers)."""
         return name in self.float_names
 
-    def route(self, state: PlannerContext, names: Sequence[str], grads: Sequence[Tensor]) -> list[Compressor]:
+    def route(self, state: Any, names: Sequence[str], grads: Sequence[Tensor]) -> list[Compressor]:
         """Each layer's compressor for this bucket, after the planner (first time: one small agreed all-reduce)."""
         plan = None if self.planner is None else self.planner.plan(state, names, grads)
         return self.route_with(plan, names)
 
-    def route_with(self, plan: Optional[BucketPlan], names: Sequence[str]) -> list[Compressor]:
+    def route_with(self, plan: Optional[Plan], names: Sequence[str]) -> list[Compressor]:
         """Each layer's compressor under ``plan`` (``None``: no planner): fp32 for exclusions and a dense warm-up,
         else what the plan chose for the bucket (the identity where compression would not pay, or the compressor
         travelling as the chosen collective variant)."""

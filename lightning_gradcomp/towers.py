@@ -4,10 +4,10 @@ TernGrad's experiments use up to 64 workers with a total batch of 64; the origin
 splitting each batch into N "towers" in one process. :class:`TowerStrategy` does the same with the real
 compressors: each tower is a worker r of N with its own compressor state (random stream seeded from r, its
 own residuals, its own :class:`~lightning_gradcomp.hook.GradCompState`), and each tower's gradients, laid out flat
-as one DDP bucket, go through the hook's own group step (:func:`lightning_gradcomp.hook._prepare` and
-``_compress_group``: error feedback, compression, residual update, records); only the collectives are done in
-place: the shared statistic is the max over towers, payloads are summed in rank order for summable encodings and
-decoded with ``decompress_flat_mean_into`` in rank order for gathered ones.
+as one DDP bucket, go through the hook's exchange itself (:func:`~lightning_gradcomp.hook.gradcomp_hook`), each
+tower in its own thread; only the carrier of the collectives differs (:class:`~lightning_gradcomp.transport.Workers`:
+the towers meet at each collective, the shared statistic is the max over towers, summable payloads are summed in
+rank order, gathered ones decoded in rank order).
 
 Relation to a real multi-process run with N ranks and per-rank batch M/N: tower r takes the samples
 ``batch[r::N]``, which are the samples a ``DistributedSampler`` (no shuffling) gives rank r, so the same
@@ -17,7 +17,8 @@ bits (a ring all-reduce adds in another order). ``tests/integration/test_towers.
 
 import copy
 import inspect
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -27,11 +28,13 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
+from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
-from lightning_gradcomp.hook import GradCompState, _compress_group, _prepare
+from lightning_gradcomp.groups import TensorBucket
+from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.ledger import LayerRecord, Ledger
 from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.transport import Workers
 from lightning_gradcomp.wiring import select_float_names
 from lightning_gradcomp.validation import UnknownOptionError, check_int, check_options
 
@@ -142,6 +145,7 @@ class TowerStrategy(SingleDeviceStrategy):
         #: one hook state per emulated worker (its compressor, residuals and records)
         self._states: list[GradCompState] = []
         self._float_names: frozenset[str] = frozenset()
+        self._workers = Workers(num_workers)
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -150,53 +154,43 @@ class TowerStrategy(SingleDeviceStrategy):
         assert module is not None  # Lightning connects the module before setup
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         self._float_names = select_float_names(named, self.exclude, self.min_numel)
+        names = {id(p): n for n, p in named.items()}
+        self._workers = Workers(self.num_workers)
         self._states = []
         for rank in range(self.num_workers):
             worker = copy.deepcopy(self.compressor)
             worker.setup(rank, self.num_workers, self.root_device)
-            self._states.append(GradCompState(worker, {}, self._float_names, world_size=self.num_workers))
+            # "ignore": a tower's step cannot be skipped alone (Lightning steps once for all of them)
+            self._states.append(GradCompState(worker, names, self._float_names, world_size=self.num_workers,
+                                              nonfinite="ignore", transport=self._workers.transport(rank)))
 
     @property
     def ledger(self) -> Ledger:
         """What the emulated hook did: worker 0's records (bytes are those of ONE worker, as in the hook)."""
         return self._states[0].ledger if self._states else Ledger()
 
-    def _exchange(self, index: int, buffers: list[Tensor], names: list[str], shapes: list[torch.Size],
-                  positions: list[int]) -> Tensor:
-        """What every worker's hook would write for the bucket of ``names`` (each worker's gradients flat in
-        ``buffers``): the decoded average, flat. Each group of layers goes through the hook's group step on each
-        worker, with the ranks' collectives done in place."""
-        route = [s.router.route_with(None, names) for s in self._states]
-        groups = [s.layouts.groups(names, shapes, positions, r, buffers[0].element_size(), None)
-                  for s, r in zip(self._states, route)]
-        # as the hook: every group prepared, then the statistics of the bucket, then each group compressed
-        xs = [[_prepare(s, group, b)[2] for group in worker_groups]
-              for s, worker_groups, b in zip(self._states, groups, buffers)]
-        shared: list[Optional[SharedStatistic]] = []
-        for g, group in enumerate(groups[0]):
-            local = [worker_groups[g].compressor.flat_statistic(x[g], group.segments) for worker_groups, x in zip(groups, xs)]
-            # a compressor has a shared statistic on every worker or on none
-            shared.append(None if local[0] is None else
-                          local[0].with_values(torch.stack([s.values for s in local if s is not None]).amax(dim=0)))
-        for state in self._states:
-            state.ledger.record_shared(index, sum(4 * s.values.numel() for s in shared if s is not None))
-        averaged = torch.empty_like(buffers[0])
-        for g, group in enumerate(groups[0]):
-            packets = [_compress_group(s, worker_groups[g], x[g], shared[g])
-                       for s, worker_groups, x in zip(self._states, groups, xs)]
-            group.put(averaged, self._mean(group.compressor, packets, xs[0][g]))
-        return averaged
+    def _exchange(self, buffers: list[Tensor], params: Sequence[Tensor]) -> Tensor:
+        """What every worker's hook would write for one bucket of ``params`` (each worker's gradients flat in
+        ``buffers``, overwritten with the mean): the hook's exchange, run by each worker in its own thread over
+        the in-process :class:`~lightning_gradcomp.transport.Workers`; returns worker 0's buffer (all are equal)."""
+        errors: list[BaseException] = []
 
-    def _mean(self, compressor: Compressor, packets: list[FlatPacket], like: Tensor) -> Tensor:
-        """The workers' packets decoded and averaged, as the hook's collectives and decoders combine them."""
-        n = self.num_workers
-        if compressor.aggregation_for(n) is Aggregation.SUM:
-            total = packets[0].payload.clone()
-            for p in packets[1:]:
-                total += p.payload
-            decoded = compressor.decompress_flat(packets[0].with_payload(total))
-            return decoded.div_(n) if decoded.is_floating_point() else decoded.float() / n
-        return compressor.decompress_flat_mean_into(packets, torch.empty_like(like))
+        def work(rank: int) -> None:
+            try:
+                gradcomp_hook(self._states[rank], TensorBucket(buffers[rank], params)).wait()  # type: ignore[arg-type]
+            except BaseException as error:  # noqa: B036 - re-raised below; the other workers must not wait for it
+                errors.append(error)
+                self._workers.abort()
+
+        threads = [threading.Thread(target=work, args=(rank,), name=f"tower-{rank}") for rank in range(1, self.num_workers)]
+        for thread in threads:
+            thread.start()
+        work(0)
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return buffers[0]
 
     @property
     def records(self) -> dict[str, LayerRecord]:
@@ -229,8 +223,7 @@ class TowerStrategy(SingleDeviceStrategy):
             # each tower's gradients laid out as one DDP bucket: the hook's groups (fp32 layers, compressed ones)
             layout = Segments([name for name, _ in named], [p.shape for p in params])
             buffers = [torch.cat([g.reshape(-1) for g in grads]) for grads in per_tower]
-            flat = self._exchange(0, buffers, list(layout.names), list(layout.shapes), list(layout.offsets[:-1]))
-            averaged = layout.views(flat)
+            averaged = layout.views(self._exchange(buffers, params))
             # a surrogate whose gradient is exactly the exchanged average and whose value is the mean tower
             # loss, so Lightning's own backward, clipping and optimizer step run unchanged
             zero = torch.zeros((), device=self.root_device)
