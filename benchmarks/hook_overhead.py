@@ -19,6 +19,7 @@ On a shared CPU machine timings are noisy; the ratios within one run are the com
 """
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -196,6 +197,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--engine", choices=("ddp", "fsdp2"), default="ddp",
                         help="ddp: DDP's comm hook; fsdp2: FSDP2 units with the sharded exchange's all-reduce hook")
+    parser.add_argument("--json", default="", help="also write the medians (seconds per step) to this JSON file")
     parser.add_argument("--profile", default="", help="after timing, profile 3 steps of this variant (rank 0)")
     args = parser.parse_args()
     other = "fsdp2" if args.engine == "ddp" else "ddp"
@@ -243,6 +245,9 @@ def main() -> None:
         cells = " | ".join(f"{1e3 * by_world[w]:.1f} | {by_world[w] / rows[base][w]:.2f}" if base in rows
                            else f"{1e3 * by_world[w]:.1f} | -" for w in args.world_sizes)
         print(f"| {variant} | {cells} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": command, "machine": machine, "tensors": tensors,
+                                               "seconds": {v: {str(w): t for w, t in r.items()} for v, r in rows.items()}}))
 
 
 if __name__ == "__main__":
