@@ -47,6 +47,7 @@ from lightning_gradcomp.groups import layer_offsets
 from lightning_gradcomp.hook import GradCompState, _exchange_bucket
 from lightning_gradcomp.sites import SiteLayout, new_group, new_site_groups, site_layout
 from lightning_gradcomp.validation import check_choice, check_int
+from lightning_gradcomp.ledger import tensor_bytes
 
 
 Hierarchy = Literal["node"]
@@ -373,7 +374,7 @@ def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch
         comm.reduce_to_owners_(mine, segments, splits, site.site_group, copies)
     state.ledger.count("site_reduce")
     mine.div_(k)
-    sent = (sum(splits) - size) * buffer.element_size()
+    sent = tensor_bytes(buffer, sum(splits) - size)
     # the flat hook on this rank's share, with the cross-site group; its collectives are waited for here so the
     # exchange of the decoded shares is issued from the hook body (never from a `.then`, see comm)
     _exchange_bucket(state, _ShareBucket(bucket, mine, plan.params[j], plan.offsets[j])).wait()
@@ -382,7 +383,7 @@ def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch
         return comm.completed(buffer.fill_(float("nan")))
     future = comm.gather_from_owners(segments, mine, splits, site.site_group, copies)
     state.ledger.count("site_gather")
-    site.lan_bytes[index] = sent + (k - 1) * size * buffer.element_size()
+    site.lan_bytes[index] = sent + tensor_bytes(buffer, (k - 1) * size)
 
     def done(_: object) -> Tensor:
         plan.unpack(segments, buffer)

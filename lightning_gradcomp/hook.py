@@ -17,7 +17,10 @@ dispatched (kernel launches on a GPU) grows with the number of groups, never wit
 5. when all of them complete: decode, average, and write each group into the bucket's buffer (straight into it when
    the group's layers are adjacent there).
 
-Collectives are only launched here, never from ``.then`` callbacks (see :mod:`lightning_gradcomp.comm`).
+Collectives are only launched here, never from ``.then`` callbacks (see :mod:`lightning_gradcomp.comm`), and travel
+on the state's :class:`~lightning_gradcomp.transport.Transport`: every engine, the emulated workers and the codec
+measurement run this one exchange and differ only in the bucket they hand it and the transport (``docs/design.md``,
+"One exchange").
 """
 
 from collections import Counter
@@ -42,7 +45,7 @@ from lightning_gradcomp.guard import (
     observe_decoded,
 )
 from lightning_gradcomp.groups import HookBucket, LayerGroup, LayerViews, Layouts, layer_offsets, layer_shapes
-from lightning_gradcomp.ledger import GroupRecord, LayerRecord, Ledger
+from lightning_gradcomp.ledger import GroupRecord, LayerRecord, Ledger, tensor_bytes
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.pipeline import LayerTransform
 from lightning_gradcomp.router import Planner, Router
@@ -276,7 +279,7 @@ def _shared_statistics(
         state.ledger.count("allreduce_max")
     worst = None if flag is None else int(flat[-1].item())
     # the statistics' bytes (the guard's flag is not counted, as when it travels alone)
-    state.ledger.record_shared(bucket_index, (flat.numel() - (flag is not None)) * flat.element_size())
+    state.ledger.record_shared(bucket_index, tensor_bytes(flat, flat.numel() - (flag is not None)))
     shared: list[Optional[SharedStatistic]] = []
     offset = 0
     for s in local:

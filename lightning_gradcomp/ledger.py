@@ -10,6 +10,7 @@ Every strategy of the library answers the same question the same way (:class:`By
 """
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional, Protocol, Union, runtime_checkable
 
@@ -17,6 +18,21 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket
 from lightning_gradcomp.segments import Segments
+
+
+#: bytes per element of the reference every ratio is taken against: fp32 DDP
+DENSE_ELEMENT_BYTES = 4
+
+
+def dense_bytes(numel: int) -> int:
+    """What fp32 DDP sends for ``numel`` elements: the one formula of the reference."""
+    return DENSE_ELEMENT_BYTES * numel
+
+
+def tensor_bytes(tensor: Tensor, numel: Optional[int] = None) -> int:
+    """Bytes ``tensor`` puts on the wire as it is (or ``numel`` of its elements): the one formula of a dense
+    tensor's size, for what travels uncompressed (a site's dense reduce, buffers, shared statistics)."""
+    return (tensor.numel() if numel is None else numel) * tensor.element_size()
 
 
 @runtime_checkable
@@ -194,4 +210,10 @@ class Ledger:
 
     def dense_bytes_per_step(self) -> int:
         """What plain fp32 DDP would have contributed for the same parameters."""
-        return 4 * (sum(r.numel for r in self._singles.values()) + sum(g.segments.total for g in self._groups.values()))
+        return dense_bytes(sum(r.numel for r in self._singles.values()) + sum(g.segments.total for g in self._groups.values()))
+
+    def bytes_of(self, names: Iterable[str], bucket_index: int) -> int:
+        """Bytes of the latest records of ``names`` plus bucket ``bucket_index``'s shared statistics: one bucket's
+        share of :meth:`bytes_per_step` (an outer round's fragment)."""
+        records = self.records
+        return sum(records[n].nbytes for n in names) + self.shared_stat_bytes.get(bucket_index, 0)

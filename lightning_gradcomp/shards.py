@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.ledger import dense_bytes
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class ShardExchange:
 
     def shard_bytes(self) -> int:
         """The fp32 size of this rank's gradient shards (what dense HSDP all-reduces per step, per rank)."""
-        return sum(4 * sum(s.numel() for s in layout.shapes) for layout in self.layouts)
+        return sum(dense_bytes(sum(s.numel() for s in layout.shapes)) for layout in self.layouts)
 
 
 def agree_on_skip(state: GradCompState, shard_group: dist.ProcessGroup, device: torch.device) -> None:

@@ -29,7 +29,6 @@ from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.groups import TensorBucket
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.ledger import LayerRecord, Ledger
@@ -55,23 +54,11 @@ def _tower_slice(batch: Any, tower: int, towers: int) -> Any:
 
 
 def _emulable(compressor: Any) -> Compressor:
-    """The compressor if the towers can run it as the hook does; a ``ValueError`` otherwise.
-
-    The towers combine one packet per worker (a payload sum or ``decompress_sum``); a multi-round compressor
-    (PowerSGD) exchanges through dependent all-reduce rounds in ``exchange``, which the towers do not run, so its
-    single-process ``compress`` would train something other than the multi-process run.
-    """
+    """The compressor, or a ``ValueError`` naming what was passed instead."""
     if not isinstance(compressor, Compressor):
         raise ValueError(
             f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
             f"Fix: use one of {registry.compressor_names()}."
-        )
-    if isinstance(compressor, MultiRoundCompressor):
-        raise ValueError(
-            f"Expected `compressor` to be a one-round compressor (one packet per worker), but got "
-            f"{type(compressor).__name__}, which exchanges in several all-reduce rounds that TowerStrategy does not "
-            f"emulate. Fix: train it with real ranks (GradCompStrategy, e.g. `--trainer.devices 4` on CPU), or emulate "
-            f"a one-round compressor."
         )
     return compressor
 
@@ -102,8 +89,8 @@ class TowerStrategy(SingleDeviceStrategy):
 
     Args:
         num_workers: N, the number of emulated workers; each batch is split into N towers.
-        compressor: a compressor instance (copied per worker) or a registered name; not a multi-round one such as
-            PowerSGD (a ``ValueError``: its rounds are not emulated).
+        compressor: a compressor instance (copied per worker) or a registered name (multi-round ones such as
+            PowerSGD too: each round is a sum among the workers).
         exclude: parameter-name globs sent uncompressed (as in :class:`~lightning_gradcomp.GradCompStrategy`).
         min_numel: parameters with fewer elements are sent uncompressed.
         device: the device to train on.

@@ -25,6 +25,7 @@ from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.pipeline import LayerTransform
 from lightning_gradcomp.planner import CollectivePlanner
 from lightning_gradcomp.validation import check_bool, check_int, check_number
+from lightning_gradcomp.ledger import dense_bytes
 
 # DDPStrategy arguments that would replace or bypass our hook; jsonargparse passes them as explicit None
 _HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
@@ -279,7 +280,7 @@ class HookWiring:
             where = f"{'in each site of' if in_sites else 'on'} {world_size} rank{'' if world_size == 1 else 's'}"
             per = "per rank"
         name = f"{type(self.compressor).__name__} {where}"
-        dense = sum(4 * p.numel() for p in named.values())
+        dense = sum(dense_bytes(p.numel()) for p in named.values())
         if world_size == 1:
             log.info("gradcomp: %s: nothing is exchanged (no other %s); the compressor still runs every step "
                      "(fp32 DDP would send %s bytes per rank per step on 2 or more)", name,
@@ -305,7 +306,7 @@ class HookWiring:
                      f"{dense:,}")
             return
         # what the ledger will count: fp32 layers, packets, and the shared statistics' all-reduce
-        expected = dense - sum(4 * named[n].numel() for n, _ in shapes) + (codec.nbytes + codec.shared_nbytes if codec
+        expected = dense - sum(dense_bytes(named[n].numel()) for n, _ in shapes) + (codec.nbytes + codec.shared_nbytes if codec
                                                                              else 0)
         log.info(
             "gradcomp: %s: %s; expected %s bytes %s per step vs %s for fp32 DDP (%.1fx less)",

@@ -17,7 +17,7 @@ Prints, for one checkout of the library package (default: this repository's ``li
   (``nbytes``, ``*_bytes``, ``wan``, ``lan``: a variable, attribute, keyword, or the return of a function so named),
   hands it to the ledger (``record_*``), sums or tuples packet sizes (``.nbytes``, ``element_size()``), or writes
   fp32's width by hand (``4 * x.numel()``); the packets' own ``nbytes`` and the sparse formats' size formulas
-  included. A compressor's ``sent``/``sent_flat`` (the decoded contribution, a tensor) and sizes used for layout
+  included. Sizes handed to the ledger's formulas (``dense_bytes``, ``tensor_bytes``) are counted in the ledger. A compressor's ``sent``/``sent_flat`` (the decoded contribution, a tensor) and sizes used for layout
   (offsets, byte-balanced shares, chunks: :data:`LAYOUT_SIZES`) are not bytes on the wire;
 * the compressor contract: public methods and class attributes of ``Compressor`` (the flags among them: those
   typed ``bool`` or ``Optional[bool]``), and the attributes the runtime reads off a compressor by name
@@ -65,6 +65,8 @@ SIZES = frozenset({"numel", "element_size", "nbytes"})
 BYTE_NAME = re.compile(r"(^|_)(n?bytes|wan|lan)(_|$)")
 #: the ledger's recording methods
 LEDGER_CALLS = re.compile(r"^record")
+#: the ledger's formulas (``lightning_gradcomp/ledger.py``): a size handed to one is counted there, not by the caller
+LEDGER_FORMULAS = frozenset({"dense_bytes", "tensor_bytes"})
 #: functions whose byte sizes are of layout, not of the wire (syntactically alike), with the reason
 LAYOUT_SIZES = {
     "groups.py::Layouts.groups": "input bytes per pipeline chunk",
@@ -143,7 +145,15 @@ def _called_name(node: ast.AST) -> str | None:
 def _has_size(node: ast.AST, kinds: frozenset[str] = SIZES) -> bool:
     """Whether an expression reads a tensor's or record's size: ``x.numel()`` (or a record's ``numel``),
     ``x.element_size()``, ``x.nbytes`` (those of ``kinds``)."""
-    return any(isinstance(n, ast.Attribute) and n.attr in kinds for n in ast.walk(node))
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if _called_name(n) in LEDGER_FORMULAS:
+            continue
+        if isinstance(n, ast.Attribute) and n.attr in kinds:
+            return True
+        stack.extend(ast.iter_child_nodes(n))
+    return False
 
 
 def _target_name(node: ast.AST) -> str | None:

@@ -33,7 +33,7 @@ from lightning_gradcomp.callbacks.clipping import SigmaClip
 from lightning_gradcomp.callbacks.progress import PROGRESS_BAR_KEY, show_compression_ratio  # noqa: F401  (re-export)
 from lightning_gradcomp.extras import require
 from lightning_gradcomp.hook import GradCompState
-from lightning_gradcomp.ledger import ByteReport
+from lightning_gradcomp.ledger import ByteReport, dense_bytes
 from lightning_gradcomp.stats import HookStats
 from lightning_gradcomp.wiring import HookWiring
 from lightning_gradcomp.validation import check_int
@@ -312,7 +312,7 @@ class CompressionMonitor(Callback):
             metrics[layer_key("bytes", name)] = float(record.nbytes)
             metrics[layer_key("bits_per_element", name)] = 8.0 * record.nbytes / record.numel
             if record.nbytes:  # an empty payload (nothing sent) has no finite ratio
-                metrics[layer_key("compression_ratio", name)] = 4.0 * record.numel / record.nbytes
+                metrics[layer_key("compression_ratio", name)] = dense_bytes(record.numel) / record.nbytes
             total_numel += record.numel
         if tensors:
             # one device-to-host transfer for every tensor statistic

@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from lightning_gradcomp.outer.exchange import InFlight
 from lightning_gradcomp.outer.fragments import due, sync_offset
 from lightning_gradcomp.sites import SiteGroups
+from lightning_gradcomp.ledger import dense_bytes
 
 
 UnsentView = Literal["global", "gaia"]
@@ -316,4 +317,4 @@ class OuterSync:
         for f, saved in state["in_flight"].items():
             means = [m.to(self.params[n].device) for m, n in zip(saved["means"], self.fragments[int(f)])]
             self._in_flight[int(f)] = InFlight(means, None, saved["wan_bytes"], saved["lan_bytes"],
-                                               sum(4 * m.numel() for m in means), saved["launch_step"], done=True)
+                                               sum(dense_bytes(m.numel()) for m in means), saved["launch_step"], done=True)

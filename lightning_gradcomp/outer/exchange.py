@@ -36,6 +36,7 @@ from lightning_gradcomp import comm
 from lightning_gradcomp.guard import NonFiniteGradientError
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.sites import SiteGroups
+from lightning_gradcomp.ledger import dense_bytes, tensor_bytes
 
 
 class FlatBucket:
@@ -185,9 +186,9 @@ class LeaderExchange:
                 future = gradcomp_hook(self.state, bucket)  # type: ignore[arg-type]  # duck-typed GradBucket
             except NonFiniteGradientError as exc:
                 raise nonfinite_pseudo_gradient(names, pseudo_gradients, g.site, step) from exc
-            wan = sum(self.state.ledger.records[n].nbytes for n in names) + self.state.ledger.shared_stat_bytes.get(fragment, 0)
-        lan = 4 * bucket.buffer().numel() if self.fans_out and g.is_leader else 0  # the decoded mean, broadcast
-        return InFlight(bucket.gradients(), future, wan, lan, 4 * bucket.buffer().numel(), step, flat=bucket.buffer())
+            wan = self.state.ledger.bytes_of(names, fragment)
+        lan = dense_bytes(bucket.buffer().numel()) if self.fans_out and g.is_leader else 0  # the decoded mean, broadcast
+        return InFlight(bucket.gradients(), future, wan, lan, dense_bytes(bucket.buffer().numel()), step, flat=bucket.buffer())
 
     def wait(self, flight: InFlight) -> list[Tensor]:
         """The all-site mean of the fragment's pseudo-gradients, bit-identical on every rank of every site."""
@@ -229,7 +230,7 @@ def sync_buffers(buffers: Sequence[Tensor], groups: SiteGroups) -> tuple[int, in
     for b in buffers:
         b.copy_(flat[offset : offset + b.numel()].view_as(b).to(b.dtype))
         offset += b.numel()
-    nbytes = flat.numel() * flat.element_size()
+    nbytes = tensor_bytes(flat)
     wan = nbytes if g.is_leader and g.site == 0 and g.layout.num_sites > 1 else 0
     lan = nbytes if g.is_leader and g.site_size > 1 else 0
     return wan, lan

@@ -40,6 +40,7 @@ from lightning_gradcomp.outer.strategy import STREAMING_DESCRIPTION, STREAMING_P
 from lightning_gradcomp.resilience import ResumeCompression
 from lightning_gradcomp.sharded import ShardedGradCompStrategy
 from lightning_gradcomp.sites import SiteGroups, SiteLayout
+from lightning_gradcomp.ledger import dense_bytes
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ class ShardedDiLoCoStrategy(OuterRounds, ShardedGradCompStrategy):
         (``bytes_per_step``'s reference, for the progress bar's ``comp_ratio``); 0 before setup."""
         if self.outer is None:
             return 0
-        return sum(4 * self.outer.params[n].numel() for n in self.outer.params)
+        return sum(dense_bytes(self.outer.params[n].numel()) for n in self.outer.params)
 
     @classmethod
     @override

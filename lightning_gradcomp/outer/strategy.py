@@ -44,6 +44,7 @@ from lightning_gradcomp.outer.fragments import strided_fragments
 from lightning_gradcomp.resilience import ResilienceMixin
 from lightning_gradcomp.strategy import GradCompStrategy
 from lightning_gradcomp.validation import check_bool, check_int, check_number, UnknownOptionError
+from lightning_gradcomp.ledger import dense_bytes
 from lightning_gradcomp.sites import (
     SiteGroups,
     SiteLayout,
@@ -276,13 +277,13 @@ class OuterRounds(_OuterBase):
         shared statistics as the ledger counts them), against fp32 DDP of the same tensors every step."""
         from lightning_gradcomp.codec import measure_codec
 
-        dense = sum(4 * s.numel() for s in shapes.values())
+        dense = sum(dense_bytes(s.numel()) for s in shapes.values())
         if sites == 1:
             log.info("diloco: one site: no outer round sends anything (0 bytes per step vs %s for fp32 DDP)", f"{dense:,}")
             return
         compressed = [(n, tuple(s)) for n, s in shapes.items() if n not in float_names]
         codec = measure_codec(copy.deepcopy(self.outer_compressor), compressed, sites, timed=False) if compressed else None
-        per_window = dense - sum(4 * shapes[n].numel() for n, _ in compressed) + (
+        per_window = dense - sum(dense_bytes(shapes[n].numel()) for n, _ in compressed) + (
             codec.nbytes + codec.shared_nbytes if codec else 0)
         per_step = per_window / self.sync_every
         log.info(

@@ -1,15 +1,9 @@
 """Invalid TowerStrategy configurations (constructor)."""
 
-from lightning_gradcomp.compressors import PowerSGD
 from lightning_gradcomp.towers import TowerStrategy
 from tests.bad_configs import BadConfig
 
 BAD_CONFIGS = [
-    # multi-round compressors exchange in dependent all-reduce rounds the towers do not run
-    BadConfig("towers-powersgd-name", lambda: TowerStrategy(num_workers=2, compressor="powersgd"), "compressor",
-              "PowerSGD"),
-    BadConfig("towers-powersgd-instance", lambda: TowerStrategy(num_workers=2, compressor=PowerSGD(rank=2)),
-              "compressor", "PowerSGD"),
     BadConfig("towers-compressor-int", lambda: TowerStrategy(num_workers=2, compressor=3), "compressor", "3"),
     BadConfig("towers-workers-zero", lambda: TowerStrategy(num_workers=0), "num_workers", "0"),
     # the towers are one flat group: a site option is named with the strategies that have sites, not a TypeError

@@ -1,20 +1,30 @@
 """Emulated workers (towers) in one process agree with a real multi-process run."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.compressors import GradientDropping, TernGrad
+from lightning_gradcomp.compressors import Compressor, GradientDropping, PowerSGD, TernGrad
 from lightning_gradcomp.towers import TowerStrategy, _tower_slice
 from tests.distributed.lightning_ranks import fit_tiny
 from tests.harness import run_ranks
 
 
-@pytest.mark.parametrize("collective", ["allgather", "allreduce_int8"])
-def test_two_towers_match_two_real_ranks(collective: str) -> None:
+COMPRESSORS: dict[str, Callable[[], Compressor]] = {
+    "terngrad_allgather": lambda: TernGrad(collective="allgather"),
+    "terngrad_allreduce_int8": lambda: TernGrad(collective="allreduce_int8"),
+    # multi-round: each round a blocking sum among the worker threads
+    "powersgd": lambda: PowerSGD(rank=2),
+}
+
+
+@pytest.mark.parametrize("compressor", list(COMPRESSORS))
+def test_two_towers_match_two_real_ranks(compressor: str) -> None:
     """Same samples per worker, same seeds, same decoding: the same parameters after 5 steps."""
-    real = run_ranks(fit_tiny, 2, GradCompStrategy(TernGrad(collective=collective)), 5, None, 16, None, True)
-    towers = TowerStrategy(2, TernGrad(collective=collective))
+    real = run_ranks(fit_tiny, 2, GradCompStrategy(COMPRESSORS[compressor]()), 5, None, 16, None, True)
+    towers = TowerStrategy(2, COMPRESSORS[compressor]())
     emulated = fit_tiny(0, 1, towers, 5, None, 32, 1)
     torch.testing.assert_close(emulated["params"], real[0]["params"], rtol=1e-5, atol=1e-6)
     assert towers.bytes_per_step() == real[0]["bytes_per_step"]

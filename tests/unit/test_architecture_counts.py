@@ -43,6 +43,11 @@ def _multiround(state, x):
 
 def _layout(buffer, span):
     return buffer.data_ptr() + span * buffer.element_size()  # an address: not bytes on the wire
+
+def _announce(named, flat):
+    dense = sum(dense_bytes(p.numel()) for p in named)  # the ledger's formulas: counted in the ledger
+    lan = tensor_bytes(flat, flat.numel() - 1)
+    return dense, lan
 ''',
     "towers.py": '''
 from hook import _compress_group, _prepare
@@ -109,7 +114,8 @@ def test_the_counts_follow_their_rules(tmp_path: Path) -> None:
         "weightgrad/sync.py::Sync._quantize",
     ]
     # bytes: a packet's size, a per-layer tuple of widths, fp32's width by hand, WeightGrad's own count, the
-    # ledger's sum; not `sent_flat` (a tensor), not an address computed from `element_size()`
+    # ledger's sum; not `sent_flat` (a tensor), not an address computed from `element_size()`, not sizes handed to
+    # the ledger's formulas
     assert counts.byte_places == [
         "compressors/base.py::Packet.nbytes",
         "hook.py::_multiround.finish",
