@@ -4,10 +4,12 @@ and ``ShardedGradCompFabricStrategy`` (FSDP2 inside a replica, compressed shards
 
 Fabric and the Trainer have separate ``DDPStrategy`` classes and separate strategy registries, so this is its own
 class; what it shares with :class:`~lightning_gradcomp.GradCompStrategy` is the whole hook side
-(:class:`~lightning_gradcomp.wiring.HookWiring`: options, transforms, :class:`~lightning_gradcomp.hook.GradCompState`)
-and the non-finite guard; the sharded one shares :class:`~lightning_gradcomp.sharded.ShardedWiring` with
-:class:`~lightning_gradcomp.ShardedGradCompStrategy`. Both Fabric strategies share :class:`FabricRecovery` (the
-non-finite mode, the compression state in ``fabric.save``/``fabric.load``). Importing :mod:`lightning_gradcomp`
+(:class:`~lightning_gradcomp.wiring.HookWiring`: options, transforms, :class:`~lightning_gradcomp.hook.GradCompState`,
+the hierarchical exchange) and the per-rank runtime (:class:`~lightning_gradcomp._runtime.Runtime`); the sharded one
+shares :class:`~lightning_gradcomp.sharded.ShardedWiring` with :class:`~lightning_gradcomp.ShardedGradCompStrategy`.
+Both Fabric strategies share :class:`FabricRecovery` (the runtime's calls from Fabric's hooks: the compression state
+in ``fabric.save``/``fabric.load``, the non-finite step after ``fabric.backward``, the replica check after
+``optimizer.step()``). Importing :mod:`lightning_gradcomp`
 registers every compressor name (and its ``<name>_notebook`` variant) and every ``sharded_<name>`` in
 ``lightning.fabric.strategies.STRATEGY_REGISTRY``.
 
@@ -23,8 +25,9 @@ both with the objects (``fabric.load(path, state)``) and without (``full = fabri
 
 Only the per-step compressors run under Fabric: the names of strategies that need the Trainer's loop (``"diloco"``,
 ``"streaming_diloco"``, ``"weightgrad"``) are refused by ``Fabric(strategy=...)`` with what to use instead. Not
-available under Fabric either (they need the Trainer's loop): the replica check, ``CompressionSchedule``,
-``CompressionMonitor`` and ``ExponentialMovingAverage`` (see ``docs/compatibility.md``).
+available under Fabric either (they need the Trainer's loop): ``CompressionSchedule``, ``CompressionMonitor`` and
+``ExponentialMovingAverage`` (see ``docs/compatibility.md``). The replica check (``check_replicas_every``) and the
+hierarchical exchange (``site_size``, ``site_sizes``, ``hierarchy``) work as under the Trainer.
 """
 
 from collections.abc import Callable, Sequence

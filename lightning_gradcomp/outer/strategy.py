@@ -24,7 +24,7 @@ import importlib
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -158,7 +158,7 @@ class OuterRounds(_OuterBase):
         fragments: int,
         sync_delay: int,
         mixing: float,
-        outer_state_device: Optional[str],
+        outer_state_device: Optional[Literal["cpu"]],
         error_decay: float,
     ) -> None:
         """Validate and keep the outer options (before the strategy's own ``__init__``: bad values fail first)."""
@@ -405,7 +405,7 @@ class DiLoCoStrategy(OuterRounds, _SiteStrategy):
         fragments: int = 1,
         sync_delay: int = 0,
         mixing: float = 0.0,
-        outer_state_device: Optional[str] = None,
+        outer_state_device: Optional[Literal["cpu"]] = None,
         error_decay: float = 0.95,
         **kwargs: Any,
     ) -> None:

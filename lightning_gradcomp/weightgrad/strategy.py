@@ -13,7 +13,7 @@ forward sees already include the round's global update.
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -26,11 +26,14 @@ from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.strategy import _SiteStrategy
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
-from lightning_gradcomp.weightgrad.significance import SignificanceFilter
+from lightning_gradcomp.weightgrad.significance import Rule, Scope, SignificanceFilter
 from lightning_gradcomp.sites import SiteLayout, site_layout, start_sites_from_rank0
-from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer
+from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer, SiteView, Trigger, WanQuantization
 
 log = logging.getLogger(__name__)
+
+#: how a site applies its workers' gradients: one step with their average (Algorithm 3) or one per worker (Algorithm 4)
+Aggregate = Literal["average", "serial"]
 
 
 class GatheredFP32(Identity):
@@ -89,14 +92,14 @@ class WeightGradStrategy(_SiteStrategy):
         staleness_bound: int = 4,
         staleness_seconds: Optional[float] = None,
         threshold: Optional[float] = None,
-        significance: str = "layer",
+        significance: Scope = "layer",
         threshold_momentum: float = 0.9,
-        threshold_rule: str = "capped",
-        trigger: str = "bound",
+        threshold_rule: Rule = "capped",
+        trigger: Trigger = "bound",
         flush_at_bound: bool = False,
-        aggregation: str = "average",
-        wan_quantization: str = "loss_aware",
-        site_view: str = "global",
+        aggregation: Aggregate = "average",
+        wan_quantization: WanQuantization = "loss_aware",
+        site_view: SiteView = "global",
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
@@ -191,14 +194,14 @@ class WeightGradStrategy(_SiteStrategy):
             buffers=[b for b in module.buffers() if b.is_floating_point()],
             groups=g,
             significance=SignificanceFilter(
-                self.threshold, self.significance, self.threshold_momentum, self.threshold_rule  # type: ignore[arg-type]
+                self.threshold, self.significance, self.threshold_momentum, self.threshold_rule
             ),
             staleness_bound=self.staleness_bound,
             staleness_seconds=self.staleness_seconds,
-            trigger=self.trigger,  # type: ignore[arg-type]
+            trigger=self.trigger,
             flush_at_bound=self.flush_at_bound,
-            wan_quantization=self.wan_quantization,  # type: ignore[arg-type]
-            site_view=self.site_view,  # type: ignore[arg-type]
+            wan_quantization=self.wan_quantization,
+            site_view=self.site_view,
             second_moment=self._second_moment,
             learning_rate=self._learning_rate,
             seed=self.seed,
