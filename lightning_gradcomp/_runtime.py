@@ -158,3 +158,28 @@ class Runtime:
         # a sharded model's parameters are DTensors: each rank compares the shard it holds
         local = [p.to_local() if isinstance(p, DTensor) else p for _, p in named]
         check_replicas([n for n, _ in named], local, world_size, step, sets, scope)
+
+
+class RuntimeOptions:
+    """The runtime's options as attributes of the strategy that holds it (the Trainer's and Fabric's mixins)."""
+
+    _runtime: Runtime
+
+    @property
+    def nonfinite(self) -> NonFinite:
+        """What a NaN/Inf gradient on any rank does: ``"skip"``, ``"raise"`` or ``"ignore"``."""
+        return self._runtime.nonfinite
+
+    @property
+    def resume_compression(self) -> ResumeCompression:
+        """``"exact"`` or ``"reset"``: whether a checkpoint's compression state is restored."""
+        return self._runtime.resume_compression
+
+    @property
+    def check_replicas_every(self) -> int:
+        """Every k optimizer steps, the replicas' parameters are compared (0: never)."""
+        return self._runtime.check_replicas_every
+
+    @check_replicas_every.setter
+    def check_replicas_every(self, every: int) -> None:
+        self._runtime.check_replicas_every = every

@@ -52,7 +52,7 @@ from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.momentum import MomentumCorrection
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp._runtime import ResumeCompression, Runtime
+from lightning_gradcomp._runtime import ResumeCompression, Runtime, RuntimeOptions
 from lightning_gradcomp.guard import NonFinite
 from lightning_gradcomp.hierarchy import Hierarchy
 from lightning_gradcomp.pipeline import LayerTransform
@@ -71,7 +71,7 @@ else:
     _FabricBase = object
 
 
-class FabricRecovery(_FabricBase):
+class FabricRecovery(RuntimeOptions, _FabricBase):
     """Fabric's side of the per-rank runtime (:class:`~lightning_gradcomp._runtime.Runtime`), shared by both Fabric
     strategies: every rank's compression state written by ``fabric.save`` and given back by ``fabric.load``, a
     skipped step's gradients dropped after ``fabric.backward``, and the replica check after ``optimizer.step()``. Its
@@ -85,22 +85,6 @@ class FabricRecovery(_FabricBase):
                        check_replicas_every: int = 0) -> None:
         self._runtime = Runtime(nonfinite, resume_compression, timeout, check_replicas_every)
         self._module: Optional[Module] = None
-
-    # the options, as the strategy's attributes (as on the Trainer's strategies)
-    @property
-    def nonfinite(self) -> NonFinite:
-        """What a NaN/Inf gradient on any rank does: ``"skip"``, ``"raise"`` or ``"ignore"``."""
-        return self._runtime.nonfinite
-
-    @property
-    def resume_compression(self) -> ResumeCompression:
-        """``"exact"`` or ``"reset"``: whether ``fabric.load`` restores the compression state."""
-        return self._runtime.resume_compression
-
-    @property
-    def check_replicas_every(self) -> int:
-        """Every k optimizer steps, the replicas' parameters are compared (0: never)."""
-        return self._runtime.check_replicas_every
 
     def _attach_recovery(self, state: "GradCompState", module: Module) -> None:
         """The hook state exists (``fabric.setup``): remember the model (``fabric.backward`` passes none unless asked

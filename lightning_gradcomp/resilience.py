@@ -21,7 +21,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint as ckpt
-from lightning_gradcomp._runtime import ResumeCompression, Runtime, check_recovery_options  # noqa: F401  (public here)
+from lightning_gradcomp._runtime import (  # noqa: F401  (check_recovery_options: public here)
+    ResumeCompression,
+    Runtime,
+    RuntimeOptions,
+    check_recovery_options,
+)
 from lightning_gradcomp.guard import NonFinite, NonFiniteGradientError
 from lightning_gradcomp.replicas import ReplicaDivergenceError, check_replicas
 from lightning_gradcomp.wiring import HookWiring
@@ -130,7 +135,7 @@ class RankOptimizerStates:
         self.pending = None
 
 
-class ResilienceMixin(_StrategyBase):
+class ResilienceMixin(RuntimeOptions, _StrategyBase):
     """The Trainer's side of the per-rank runtime (:class:`~lightning_gradcomp._runtime.Runtime`): checkpointed
     compression state, an optional replica check, and non-finite handling for a DDP strategy. Its overrides translate
     the Trainer's hooks into the runtime's calls, which :class:`~lightning_gradcomp.fabric.FabricRecovery` makes
@@ -156,26 +161,6 @@ class ResilienceMixin(_StrategyBase):
         self._runtime = Runtime(nonfinite, resume_compression, timeout, check_replicas_every,
                                 self.nonfinite_across_sites)
         self._buffers_before: Optional[list[tuple[Tensor, Tensor]]] = None
-
-    # the options, as the strategy's attributes (read by callbacks and tests; OneBitAdam moves the replica check)
-    @property
-    def nonfinite(self) -> NonFinite:
-        """What a NaN/Inf gradient on any rank does: ``"skip"``, ``"raise"`` or ``"ignore"``."""
-        return self._runtime.nonfinite
-
-    @property
-    def resume_compression(self) -> ResumeCompression:
-        """``"exact"`` or ``"reset"``: whether a checkpoint's compression state is restored."""
-        return self._runtime.resume_compression
-
-    @property
-    def check_replicas_every(self) -> int:
-        """Every k optimizer steps, the replicas' parameters are compared (0: never)."""
-        return self._runtime.check_replicas_every
-
-    @check_replicas_every.setter
-    def check_replicas_every(self, every: int) -> None:
-        self._runtime.check_replicas_every = every
 
     @property
     def _optimizer_steps(self) -> int:
