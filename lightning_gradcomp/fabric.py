@@ -293,8 +293,7 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
         self.comm_state = self._build_hook_state(named, model.process_group, self.global_rank, self.world_size,
                                                  self.num_nodes, self.root_device, self._timeout)
         if self.global_rank == 0:  # the Trainer strategy's setup line: what compresses, with which bytes
-            self._announce(named, self.comm_state.float_names, self.comm_state.world_size,
-                           between_sites=self.hierarchy is not None)
+            self._announce_hook_state(named)
         self._attach_recovery(self.comm_state, module)
         model.register_comm_hook(self.comm_state, self._hook_function())
         return model

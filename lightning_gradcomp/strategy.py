@@ -160,10 +160,7 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         self.comm_state = self._build_hook_state(named, self.model.process_group, self.global_rank, self.world_size,
                                                  self.num_nodes, self.root_device, self._timeout, self._hook_group())
         if self.global_rank == 0:
-            # the hook state's group: the ranks (flat), a site's ranks (DiLoCo, WeightGrad), or the sites (hierarchical)
-            self._announce(named, self.comm_state.float_names, self.comm_state.world_size,
-                           in_sites=type(self)._hook_group is not GradCompStrategy._hook_group,
-                           between_sites=self.hierarchy is not None)
+            self._announce_hook_state(named, in_sites=type(self)._hook_group is not GradCompStrategy._hook_group)
         self._on_hook_state(named)
         self._attach_resilience(self.comm_state)  # per-rank optimizer states, pending checkpoint restore
         self.model.register_comm_hook(self.comm_state, self._hook_function())

@@ -287,7 +287,7 @@ class HookWiring:
         hook_group: Optional[tuple[int, Optional[int], dict[str, Any]]] = None,
     ) -> GradCompState:
         """The DDP hook's state, flat over ``process_group`` or, with :attr:`hierarchy`, over the sites (its
-        groups made here: every rank calls this, in the same order); rank 0 logs a hierarchy's layout.
+        groups made here: every rank calls this, in the same order).
 
         Args:
             named: the parameters that go through the hook, by name.
@@ -307,15 +307,24 @@ class HookWiring:
         # the compressor and its statistics see the sites as its workers: its group is the cross-site one
         sizes = [(n, p.numel() * p.element_size()) for n, p in named.items()]
         site = new_site_exchange(self.hierarchy.layout(world_size, num_nodes), rank, sizes, timeout)
-        state = self._new_comm_state(named, site.cross_group, rank, site.layout.num_sites, device,
-                                     group_rank=site.site, global_world_size=world_size, hierarchy=site)
-        if rank == 0:
+        return self._new_comm_state(named, site.cross_group, rank, site.layout.num_sites, device,
+                                    group_rank=site.site, global_world_size=world_size, hierarchy=site)
+
+    def _announce_hook_state(self, named: dict[str, torch.nn.Parameter], in_sites: bool = False) -> None:
+        """Log (INFO, call on rank 0 once the hook state exists) the setup line (:meth:`_announce`) for the hook
+        state's group: the ranks (flat), a site's ranks (``in_sites``: DiLoCo, WeightGrad) or the sites (the
+        hierarchical exchange, whose layout follows in a line of its own)."""
+        state = self.comm_state
+        assert state is not None
+        self._announce(named, state.float_names, state.world_size, in_sites=in_sites,
+                       between_sites=state.hierarchy is not None)
+        if state.hierarchy is not None:
+            site = state.hierarchy
             log.info(
                 "gradcomp: hierarchical exchange, %d sites of %d ranks: each share reduced to its owner and gathered "
                 "back inside a site, %s between sites on each local rank's share (rank 0: %d of %d tensors)",
                 site.layout.num_sites, site.site_size, type(self.compressor).__name__, len(site.owned), len(named),
             )
-        return state
 
     def _hook_function(self) -> Callable[..., Any]:
         """The communication hook DDP runs on every bucket (a subclass whose exchange follows its optimizer's
