@@ -4,10 +4,12 @@ and ``ShardedGradCompFabricStrategy`` (FSDP2 inside a replica, compressed shards
 
 Fabric and the Trainer have separate ``DDPStrategy`` classes and separate strategy registries, so this is its own
 class; what it shares with :class:`~lightning_gradcomp.GradCompStrategy` is the whole hook side
-(:class:`~lightning_gradcomp.wiring.HookWiring`: options, transforms, :class:`~lightning_gradcomp.hook.GradCompState`)
-and the non-finite guard; the sharded one shares :class:`~lightning_gradcomp.sharded.ShardedWiring` with
-:class:`~lightning_gradcomp.ShardedGradCompStrategy`. Both Fabric strategies share :class:`FabricRecovery` (the
-non-finite mode, the compression state in ``fabric.save``/``fabric.load``). Importing :mod:`lightning_gradcomp`
+(:class:`~lightning_gradcomp.wiring.HookWiring`: options, transforms, :class:`~lightning_gradcomp.hook.GradCompState`,
+the hierarchical exchange) and the per-rank runtime (:class:`~lightning_gradcomp._runtime.Runtime`); the sharded one
+shares :class:`~lightning_gradcomp.sharded.ShardedWiring` with :class:`~lightning_gradcomp.ShardedGradCompStrategy`.
+Both Fabric strategies share :class:`FabricRecovery` (the runtime's calls from Fabric's hooks: the compression state
+in ``fabric.save``/``fabric.load``, the non-finite step after ``fabric.backward``, the replica check after
+``optimizer.step()``). Importing :mod:`lightning_gradcomp`
 registers every compressor name (and its ``<name>_notebook`` variant) and every ``sharded_<name>`` in
 ``lightning.fabric.strategies.STRATEGY_REGISTRY``.
 
@@ -23,8 +25,9 @@ both with the objects (``fabric.load(path, state)``) and without (``full = fabri
 
 Only the per-step compressors run under Fabric: the names of strategies that need the Trainer's loop (``"diloco"``,
 ``"streaming_diloco"``, ``"weightgrad"``) are refused by ``Fabric(strategy=...)`` with what to use instead. Not
-available under Fabric either (they need the Trainer's loop): the replica check, ``CompressionSchedule``,
-``CompressionMonitor`` and ``ExponentialMovingAverage`` (see ``docs/compatibility.md``).
+available under Fabric either (they need the Trainer's loop): ``CompressionSchedule``, ``CompressionMonitor`` and
+``ExponentialMovingAverage`` (see ``docs/compatibility.md``). The replica check (``check_replicas_every``) and the
+hierarchical exchange (``site_size``, ``site_sizes``, ``hierarchy``) work as under the Trainer.
 """
 
 from collections.abc import Callable, Sequence
@@ -49,10 +52,10 @@ from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.momentum import MomentumCorrection
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp.guard import NonFinite, drop_skipped_gradients
-from lightning_gradcomp.hook import gradcomp_hook
+from lightning_gradcomp._runtime import ResumeCompression, Runtime, RuntimeOptions
+from lightning_gradcomp.guard import NonFinite
+from lightning_gradcomp.hierarchy import Hierarchy
 from lightning_gradcomp.pipeline import LayerTransform
-from lightning_gradcomp.resilience import ResumeCompression, check_recovery_options
 from lightning_gradcomp.sharded import ShardedWiring, mesh_shape, new_mesh
 from lightning_gradcomp.wiring import HookWiring, check_backend
 
@@ -61,52 +64,49 @@ if TYPE_CHECKING:
 
     from lightning_gradcomp.hook import GradCompState
 
-    # the type checker reads the mixin as the Fabric strategy it is mixed into; at run time it is a plain mixin
-    _FabricBase = ParallelStrategy
+    class _FabricBase(HookWiring, ParallelStrategy):
+        """The type checker reads the mixin as the Fabric strategy it is mixed into, with the hook's wiring; at run
+        time it is a plain mixin."""
 else:
     _FabricBase = object
 
 
-class FabricRecovery(_FabricBase):
-    """Faults and resume under Fabric, shared by both Fabric strategies: the non-finite mode, every rank's compression
-    state written by ``fabric.save`` and given back by ``fabric.load``, and a skipped step's gradients dropped after
-    ``fabric.backward``. The strategy calls :meth:`_init_recovery` from its constructor and :meth:`_attach_recovery`
-    once the hook state exists."""
+class FabricRecovery(RuntimeOptions, _FabricBase):
+    """Fabric's side of the per-rank runtime (:class:`~lightning_gradcomp._runtime.Runtime`), shared by both Fabric
+    strategies: every rank's compression state written by ``fabric.save`` and given back by ``fabric.load``, a
+    skipped step's gradients dropped after ``fabric.backward``, and the replica check after ``optimizer.step()``. Its
+    overrides translate Fabric's hooks into the runtime's calls, which
+    :class:`~lightning_gradcomp.resilience.ResilienceMixin` makes from the Trainer's. The strategy calls
+    :meth:`_init_recovery` from its constructor and :meth:`_attach_recovery` once the hook state exists."""
 
     comm_state: Optional["GradCompState"]
 
-    def _init_recovery(self, nonfinite: NonFinite, resume_compression: ResumeCompression, timeout: Any) -> None:
-        check_recovery_options(nonfinite, resume_compression, timeout)
-        self.nonfinite: NonFinite = nonfinite
-        self.resume_compression: ResumeCompression = resume_compression
-        self._pending_restore: Optional[dict[str, Any]] = None
-        self._nonfinite_seen = 0
+    def _init_recovery(self, nonfinite: NonFinite, resume_compression: ResumeCompression, timeout: Any,
+                       check_replicas_every: int = 0) -> None:
+        self._runtime = Runtime(nonfinite, resume_compression, timeout, check_replicas_every)
         self._module: Optional[Module] = None
 
-    def _checkpoint_shard_size(self) -> Optional[int]:
-        """The ranks per replica of this run's sharded model (``None``: not sharded), which a checkpoint's compression
-        state must match (:func:`lightning_gradcomp.checkpoint.select`); the sharded strategy overrides it."""
-        return None
-
     def _attach_recovery(self, state: "GradCompState", module: Module) -> None:
-        """The hook state exists (``fabric.setup``): set its non-finite mode, remember the model (``fabric.backward``
-        passes none unless asked to) and restore a checkpoint loaded before the model was set up."""
-        state.guard.set_mode(self.nonfinite)
-        self._nonfinite_seen = 0
+        """The hook state exists (``fabric.setup``): remember the model (``fabric.backward`` passes none unless asked
+        to) and restore a checkpoint loaded before the model was set up."""
         self._module = module
-        if self._pending_restore is not None:
-            ckpt.restore(state, self._pending_restore, self.root_device)
-            self._pending_restore = None
+        self._runtime.attach(state, self.root_device)
 
     def _drop_skipped(self) -> None:
         """After backward: a step the guard skipped drops every gradient, so the next ``optimizer.step()`` is a no-op."""
         if self.comm_state is not None and self._module is not None:
-            self._nonfinite_seen = drop_skipped_gradients(
-                self.comm_state,
-                self._nonfinite_seen,
-                self._module.named_parameters(),
-                has_scaler=getattr(self.precision, "scaler", None) is not None,
-            )
+            self._runtime.end_backward(self.comm_state, self._module.named_parameters(), self.global_rank,
+                                       self.root_device, has_scaler=getattr(self.precision, "scaler", None) is not None)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        if self._module is not None:
+            sets = self._replica_sets()
+            # Fabric keeps no global step: the message counts this strategy's optimizer steps
+            self._runtime.after_optimizer_step(self._module.named_parameters(), self.world_size,
+                                               self._runtime.optimizer_steps + 1, sets, self._replica_scope(sets))
+        return output
 
     @override
     def save_checkpoint(
@@ -119,8 +119,7 @@ class FabricRecovery(_FabricBase):
         # every rank runs fabric.save: gather each rank's compression state, then rank 0 writes it (under the
         # sharded strategy into the metadata file beside the shards)
         state = dict(state)
-        if self.comm_state is not None:
-            ckpt.gather_into(state, self.comm_state, self.global_rank, self.world_size, self._checkpoint_shard_size())
+        self._runtime.save(state, self.comm_state, self.global_rank, self.world_size, self._checkpoint_shard_size())
         super().save_checkpoint(path, state, storage_options, filter)
 
     @override
@@ -141,12 +140,11 @@ class FabricRecovery(_FabricBase):
             saved = remainder.get(ckpt.CHECKPOINT_KEY)
         else:
             saved = remainder.pop(ckpt.CHECKPOINT_KEY, None)
-        entry = ckpt.select({} if saved is None else {ckpt.CHECKPOINT_KEY: saved}, self.global_rank, self.world_size,
-                            self.resume_compression == "reset", shard_size=self._checkpoint_shard_size())
-        if entry is not None and self.comm_state is not None:
-            ckpt.restore(self.comm_state, entry, self.root_device)
-        else:
-            self._pending_restore = entry
+        # both Fabric strategies' Lightning bases (DDPStrategy, ModelParallelStrategy) count the nodes
+        sites, option = self._checkpoint_sites(self.world_size, getattr(self, "num_nodes", 1))
+        # restored now into this run's hook state, or kept until `fabric.setup` builds it
+        self._runtime.load({} if saved is None else {ckpt.CHECKPOINT_KEY: saved}, self.global_rank, self.world_size,
+                           sites, option, self._checkpoint_shard_size(), self.comm_state, self.root_device)
         return remainder
 
 
@@ -175,6 +173,9 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
         timeout: collective timeout.
         start_method: how Fabric launches local processes (``"fork"`` in notebooks).
+        check_replicas_every: every k ``optimizer.step()`` calls, compare a checksum of all parameters across ranks
+            and stop every rank with an error naming the first diverging parameter (0: never), as in
+            :class:`~lightning_gradcomp.GradCompStrategy`. Costs one all-gather of 16 bytes per parameter tensor.
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``, as in :class:`~lightning_gradcomp.GradCompStrategy`;
             a skipped step drops every gradient in ``fabric.backward`` so the next ``optimizer.step()`` is a no-op.
         resume_compression: ``"exact"``: ``fabric.load`` restores every rank's compression state (and refuses a
@@ -182,6 +183,11 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
         link: network between ranks for the per-bucket collective planner (``None``: always compress).
         compression_cost: compress/decode seconds per element for the planner (``None``: measured).
         pipeline_mb: MiB of gradient per pipelined group inside a bucket (``None``: one group per bucket).
+        hierarchy: ``"node"``: the hierarchical exchange with one site per node, as in
+            :class:`~lightning_gradcomp.GradCompStrategy` (dense inside a site, ``compressor`` between sites).
+            At most one of ``hierarchy``, ``site_size`` and ``site_sizes``; none: flat.
+        site_size: the hierarchical exchange with sites of this many consecutive ranks (at least 2).
+        site_sizes: the hierarchical exchange with these sites (consecutive ranks, equal sizes >= 2).
         **kwargs: further ``DistributedDataParallel`` options.
     """
 
@@ -207,18 +213,23 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        check_replicas_every: int = 0,
         nonfinite: NonFinite = "skip",
         resume_compression: ResumeCompression = "exact",
         link: Optional[Union[str, Link, Network]] = None,
         compression_cost: Optional[CompressionCost] = None,
         pipeline_mb: Optional[float] = 8.0,
+        hierarchy: Optional[Hierarchy] = None,
+        site_size: Optional[int] = None,
+        site_sizes: Optional[list[int]] = None,
         **kwargs: Any,
     ) -> None:
-        self._init_recovery(nonfinite, resume_compression, timeout)
+        self._init_recovery(nonfinite, resume_compression, timeout, check_replicas_every)
         flags = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                      gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers)
         kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs,
                                    flags, bucket_cap_mb, process_group_backend)
+        self._init_hierarchy(hierarchy, site_size, site_sizes)
         self._momentum: Optional[float] = None
         for entry in transforms:
             self._attach(entry)
@@ -244,6 +255,8 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
     @override
     def setup_environment(self) -> None:
         check_backend(self._process_group_backend, self.root_device)
+        if self.hierarchy is not None:  # the world size is known now: refuse a bad layout before any group exists
+            self.hierarchy.layout(self.num_nodes * self.num_processes, self.num_nodes)
         self._warn_single_rank(self.num_nodes * self.num_processes)
         super().setup_environment()
 
@@ -277,11 +290,12 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
         model = super().setup_module(module)
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         # Fabric's DDPStrategy registers no comm hook of its own: ours goes on here, for Gloo and NCCL alike
-        self.comm_state = self._new_comm_state(named, model.process_group, self.global_rank, self.world_size, self.root_device)
+        self.comm_state = self._build_hook_state(named, model.process_group, self.global_rank, self.world_size,
+                                                 self.num_nodes, self.root_device, self._timeout)
         if self.global_rank == 0:  # the Trainer strategy's setup line: what compresses, with which bytes
-            self._announce(named, self.comm_state.float_names, self.world_size)
+            self._announce_hook_state(named)
         self._attach_recovery(self.comm_state, module)
-        model.register_comm_hook(self.comm_state, gradcomp_hook)
+        model.register_comm_hook(self.comm_state, self._hook_function())
         return model
 
     @override
@@ -337,6 +351,8 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         exclude: parameter-name patterns sent uncompressed in fp32.
         min_numel: parameters with fewer elements (whole tensor) are sent uncompressed.
         pipeline_mb: MiB per pipelined group inside one unit's shard (``None``: one group per unit).
+        check_replicas_every: every k ``optimizer.step()`` calls, compare every rank's shard with the ranks holding
+            the same shard in the other replicas (0: never), as in :class:`~lightning_gradcomp.ShardedGradCompStrategy`.
         nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` a NaN/Inf gradient; a skip on one shard skips the step on
             every rank (``fabric.backward`` drops the gradients, so the next ``optimizer.step()`` is a no-op).
         resume_compression: ``"exact"``: ``fabric.load`` restores every rank's compression state (and refuses a
@@ -358,6 +374,7 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         exclude: Optional[Sequence[str]] = None,
         min_numel: int = 1,
         pipeline_mb: Optional[float] = 8.0,
+        check_replicas_every: int = 0,
         nonfinite: NonFinite = "skip",
         resume_compression: ResumeCompression = "exact",
         save_distributed_checkpoint: bool = True,
@@ -371,7 +388,7 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
                 f"`ShardedGradCompFabricStrategy(compressor='terngrad')`, and a function that calls "
                 f"`fully_shard(block, mesh=device_mesh['shard'])` as `parallelize_fn`."
             )
-        self._init_recovery(nonfinite, resume_compression, timeout)
+        self._init_recovery(nonfinite, resume_compression, timeout, check_replicas_every)
         self._init_wiring(compressor, exclude, min_numel, pipeline_mb, None, None, {}, {}, None, process_group_backend)
         self._init_sharding(shard_size)
         super().__init__(
@@ -395,10 +412,6 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # every rank trains on its own data, as in DDP: sharding splits the model, not the batch
         return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    @override
-    def _checkpoint_shard_size(self) -> Optional[int]:
-        return self.device_mesh["shard"].size()
 
     @override
     def setup_module(self, module: Module) -> Module:

@@ -2,13 +2,13 @@
 
 Kept apart from :mod:`lightning_gradcomp.strategy` (which wires the compression pipeline) as a mixin placed
 before ``DDPStrategy`` in :class:`~lightning_gradcomp.GradCompStrategy`'s bases; it expects the strategy to
-set ``comm_state`` when it registers the hook and to call :meth:`_init_resilience` from its constructor.
+set ``comm_state`` when it registers the hook and to call :meth:`_init_resilience` from its constructor. What runs
+in its hooks is the runtime's (:class:`~lightning_gradcomp._runtime.Runtime`), which the Fabric strategies share.
 """
 
 import logging
 from collections.abc import Callable, Mapping
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.fabric.utilities.types import _PATH
@@ -21,32 +21,30 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp import checkpoint as ckpt
-from lightning_gradcomp.guard import (
-    NONFINITE_MODES,
-    NonFinite,
-    NonFiniteGradientError,
-    agree_across_sites,
-    drop_skipped_gradients,
+from lightning_gradcomp._runtime import (  # noqa: F401  (check_recovery_options: public here)
+    ResumeCompression,
+    Runtime,
+    RuntimeOptions,
+    check_recovery_options,
 )
+from lightning_gradcomp.guard import NonFinite, NonFiniteGradientError
 from lightning_gradcomp.replicas import ReplicaDivergenceError, check_replicas
-from lightning_gradcomp.validation import check_choice, check_int
+from lightning_gradcomp.wiring import HookWiring
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_gradcomp.hierarchy import HierarchySpec
     from lightning_gradcomp.hook import GradCompState
 
-    # the type checker reads the mixin as the DDP strategy it is mixed into (its attributes, the methods its
-    # overrides extend); at run time it stays a plain mixin ahead of DDPStrategy in the strategy's bases
-    _StrategyBase = DDPStrategy
+    class _StrategyBase(HookWiring, DDPStrategy):
+        """The type checker reads the mixin as the DDP strategy it is mixed into, with the hook's wiring (their
+        attributes, the methods its overrides extend); at run time it stays a plain mixin ahead of them."""
 else:
     _StrategyBase = object
 
 log = logging.getLogger(__name__)
 
-ResumeCompression = Literal["exact", "reset"]
 
 # how a collective reports a peer that died (Gloo) or a peer that stopped answering (timeouts); case-insensitive:
 # Gloo writes "Timed out waiting ... for recv", NCCL and the store "timed out" / "Timeout"
@@ -66,22 +64,6 @@ def _is_own_diagnosis(exception: BaseException) -> bool:
     if isinstance(exception, (UnusedParameterError, NonFiniteGradientError, ReplicaDivergenceError)):
         return True
     return any(isinstance(arg, str) and arg.startswith("gradcomp:") for arg in exception.args)
-
-
-def check_recovery_options(nonfinite: Any, resume_compression: Any, timeout: Any) -> None:
-    """Validate the options the Trainer and Fabric strategies share for faults and resume.
-
-    Raises:
-        ValueError: ``nonfinite`` or ``resume_compression`` is not one of its modes, or ``timeout`` is not a positive
-            ``timedelta`` (``None`` is torch's default).
-    """
-    check_choice("nonfinite", nonfinite, NONFINITE_MODES)
-    check_choice("resume_compression", resume_compression, ("exact", "reset"))
-    if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
-        raise ValueError(
-            f"Expected `timeout` to be a positive datetime.timedelta, but got {timeout!r}. Fix: e.g. "
-            f"`timeout=timedelta(minutes=2)`: a collective waits this long for a dead peer before failing."
-        )
 
 
 def _params_of(optimizer: Optimizer) -> list[Tensor]:
@@ -153,8 +135,11 @@ class RankOptimizerStates:
         self.pending = None
 
 
-class ResilienceMixin(_StrategyBase):
-    """Checkpointed compression state, an optional replica check, and non-finite handling for a DDP strategy."""
+class ResilienceMixin(RuntimeOptions, _StrategyBase):
+    """The Trainer's side of the per-rank runtime (:class:`~lightning_gradcomp._runtime.Runtime`): checkpointed
+    compression state, an optional replica check, and non-finite handling for a DDP strategy. Its overrides translate
+    the Trainer's hooks into the runtime's calls, which :class:`~lightning_gradcomp.fabric.FabricRecovery` makes
+    from Fabric's."""
 
     comm_state: Optional["GradCompState"]
     #: whether each rank's optimizer state is checkpointed (ranks whose optimizers differ, e.g. WeightGrad's sites)
@@ -173,42 +158,25 @@ class ResilienceMixin(_StrategyBase):
         resume_compression: ResumeCompression,
         timeout: Any,
     ) -> None:
-        check_int("check_replicas_every", check_replicas_every, minimum=0, fix="use 0 to disable or k > 0 to check every k optimizer steps")
-        check_recovery_options(nonfinite, resume_compression, timeout)
-        self.check_replicas_every = check_replicas_every
-        self.nonfinite: NonFinite = nonfinite
-        self.resume_compression: ResumeCompression = resume_compression
-        self._pending_restore: Optional[dict[str, Any]] = None
-        self._optimizer_steps = 0
-        self._nonfinite_seen = 0
+        self._runtime = Runtime(nonfinite, resume_compression, timeout, check_replicas_every,
+                                self.nonfinite_across_sites)
         self._buffers_before: Optional[list[tuple[Tensor, Tensor]]] = None
-        self._sites_agree = False
+
+    @property
+    def _optimizer_steps(self) -> int:
+        return self._runtime.optimizer_steps
 
     def _attach_resilience(self, state: "GradCompState") -> None:
         """Called by the strategy right after it created the hook state (at DDP wrap time)."""
-        # sites decide apart: the hook only skips, and the step's decision (skip or raise) is taken over every site
-        self._sites_agree = self.nonfinite_across_sites and self.nonfinite != "ignore" and state.world_size < self.world_size
-        state.guard.set_mode("skip" if self._sites_agree else self.nonfinite)
         if self.per_rank_optimizer_state:
             state.attach("optimizer", RankOptimizerStates(self))
-        self._nonfinite_seen = state.skipped_steps
-        self._optimizer_steps = 0
-        self._restore_pending()
+        self._runtime.attach(state, self.root_device)
 
     # -- checkpoint: every rank's state into rank 0's file, each rank's part back on resume ------------------
-    def _restore_pending(self) -> None:
-        """Apply a loaded entry once the hook state exists (the hook is created when DDP wraps the model)."""
-        if self._pending_restore is None or self.comm_state is None:
-            return
-        ckpt.restore(self.comm_state, self._pending_restore, self.root_device)
-        self._pending_restore = None
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         # runs on every rank (Trainer.save_checkpoint, ModelCheckpoint): gather, then rank 0 writes
-        if self.comm_state is not None:
-            ckpt.gather_into(checkpoint, self.comm_state, self.global_rank, self.world_size,
-                             self._checkpoint_shard_size())
+        self._runtime.save(checkpoint, self.comm_state, self.global_rank, self.world_size, self._checkpoint_shard_size())
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -217,16 +185,16 @@ class ResilienceMixin(_StrategyBase):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.max_steps != -1:  # Lightning's iteration-based training
             ckpt.complete_epoch_end(checkpoint)
-        reset = self.resume_compression == "reset"
-        sites, option = self._checkpoint_sites()
-        self._pending_restore = ckpt.select(checkpoint, self.global_rank, self.world_size, reset, sites, option,
-                                            self._checkpoint_shard_size())
-        if reset and ckpt.CHECKPOINT_KEY in checkpoint:
+        sites, option = self._checkpoint_sites(self.world_size, self.num_nodes)
+        # the hook of this run exists already only where the checkpoint is restored after setup; otherwise the
+        # entry is applied at DDP wrap (`_attach_resilience`)
+        live = self.comm_state if self.restore_checkpoint_after_setup else None
+        self._runtime.load(checkpoint, self.global_rank, self.world_size, sites, option, self._checkpoint_shard_size(),
+                           live, self.root_device)
+        if self.resume_compression == "reset" and ckpt.CHECKPOINT_KEY in checkpoint:
             rank_zero_warn("gradcomp: `resume_compression='reset'`: residuals, generators and transforms start afresh.")
         elif ckpt.CHECKPOINT_KEY not in checkpoint:
             rank_zero_warn(self._without_state_message(checkpoint_path))
-        if self.restore_checkpoint_after_setup:
-            self._restore_pending()  # the hook of this run exists already; otherwise it is applied at DDP wrap
         if not self.lightning_restore_optimizer:
             # the strategy loaded the optimizers itself (ModelParallelStrategy, above): Lightning will not call
             # `load_optimizer_state_dict`, so this rank's own states replace the loaded ones here
@@ -239,20 +207,6 @@ class ResilienceMixin(_StrategyBase):
             f"gradcomp: the checkpoint {checkpoint_path} holds no compression state (written without "
             f"GradCompStrategy?); residuals, generators and transforms start afresh."
         )
-
-    def _checkpoint_sites(self) -> tuple[Optional[list[int]], Optional[str]]:
-        """This run's sites under the hierarchical exchange (``None``: flat) and the option that chose them, which
-        a checkpoint's compression state must match (:func:`lightning_gradcomp.checkpoint.select`)."""
-        hierarchy: Optional["HierarchySpec"] = getattr(self, "hierarchy", None)
-        if hierarchy is None:
-            return None, None
-        arg, value = hierarchy.argument()
-        return list(hierarchy.layout(self.world_size, self.num_nodes).sizes), f"`{arg}={value!r}`"
-
-    def _checkpoint_shard_size(self) -> Optional[int]:
-        """The ranks per replica of this run's sharded model (``None``: not sharded), which a checkpoint's compression
-        state must match (:func:`lightning_gradcomp.checkpoint.select`); the sharded strategies override it."""
-        return None
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -274,29 +228,12 @@ class ResilienceMixin(_StrategyBase):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._optimizer_steps += 1
+        module = self.lightning_module
+        assert module is not None  # optimizer steps run only with a module attached
         sets = self._replica_sets()
-        # sets of one rank each (DiLoCo's sites under FSDP2: nothing is held twice between rounds): nothing to compare
-        agreeing = sets is None or any(len(ranks) > 1 for ranks in sets)
-        if agreeing and self.check_replicas_every and self._optimizer_steps % self.check_replicas_every == 0:
-            module = self.lightning_module
-            assert module is not None  # optimizer steps run only with a module attached
-            named = list(module.named_parameters())
-            # a sharded model's parameters are DTensors: each rank compares the shard it holds
-            local = [p.to_local() if isinstance(p, DTensor) else p for _, p in named]
-            check_replicas([n for n, _ in named], local, self.world_size, module.trainer.global_step, sets,
-                           self._replica_scope(sets))
+        self._runtime.after_optimizer_step(module.named_parameters(), self.world_size, module.trainer.global_step,
+                                           sets, self._replica_scope(sets))
         return output
-
-    def _replica_scope(self, sets: Optional[list[list[int]]]) -> str:
-        """What must be equal after every step, for the divergence message."""
-        return "every rank must hold the same parameters" if sets is None else (
-            "the ranks of each site must hold the same parameters after every step; sites differ between rounds")
-
-    def _replica_sets(self) -> Optional[list[list[int]]]:
-        """The sets of global ranks whose parameters must agree after every optimizer step (``None``: all ranks).
-        Strategies with sites that step apart between rounds (DiLoCo, WeightGrad) return their sites."""
-        return None
 
     def _check_landed_rounds(self, sync: Any, what: str) -> None:
         """Take the rounds that ``sync`` (an :class:`~lightning_gradcomp.outer.engine.OuterSync`) applied this step
@@ -343,17 +280,8 @@ class ResilienceMixin(_StrategyBase):
         module = self.lightning_module
         assert module is not None  # a backward runs only with a module attached
         self._check_every_bucket_arrived(state, module)
-        if self._sites_agree:
-            agree_across_sites(state, ((n, p.grad) for n, p in module.named_parameters()), self.global_rank,
-                               self.root_device, raise_agreed=self.nonfinite == "raise")
-        seen = self._nonfinite_seen
-        self._nonfinite_seen = drop_skipped_gradients(
-            state,
-            seen,
-            module.named_parameters(),
-            has_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
-        )
-        if self._nonfinite_seen != seen:
+        has_scaler = getattr(self.precision_plugin, "scaler", None) is not None
+        if self._runtime.end_backward(state, module.named_parameters(), self.global_rank, self.root_device, has_scaler):
             # the forward of the skipped step already moved running statistics (BatchNorm) with the bad batch, and
             # DDP broadcasts rank 0's buffers at the next forward: put every rank's back as they were before the step
             for buffer, saved in buffers_before or ():
@@ -375,7 +303,7 @@ class ResilienceMixin(_StrategyBase):
 
     @override
     def teardown(self) -> None:
-        self._pending_restore = None
+        self._runtime.clear()
         super().teardown()
 
     # -- faults ------------------------------------------------------------------------------------------------

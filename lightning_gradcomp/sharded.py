@@ -113,6 +113,8 @@ class ShardedWiring(HookWiring):
 
     shard_size: Optional[int]
     exchange: Optional[ShardExchange]
+    #: the strategy's ``("replicate", "shard")`` mesh (``ModelParallelStrategy``'s, set in ``setup_environment``)
+    _device_mesh: Optional["DeviceMesh"]
 
     def _init_sharding(self, shard_size: Optional[int]) -> None:
         if shard_size is not None:
@@ -143,6 +145,26 @@ class ShardedWiring(HookWiring):
                 f"{self.exchange.shard_bytes():,}",
             )
         return state
+
+    def _shard_group_size(self) -> int:
+        assert self._device_mesh is not None, "the mesh exists from setup_environment on"
+        return self._device_mesh["shard"].size()
+
+    @override
+    def _checkpoint_shard_size(self) -> Optional[int]:
+        # the live mesh's: the compression state is per shard (refused on resume with another shard size)
+        return self._shard_group_size()
+
+    @override
+    def _replica_sets(self) -> Optional[list[list[int]]]:
+        # the ranks holding the same shard: rank = replica * shard_size + shard index (the mesh's row order)
+        assert self._device_mesh is not None
+        size, world = self._shard_group_size(), self._device_mesh.size()
+        return [list(range(s, world, size)) for s in range(size)]
+
+    @override
+    def _replica_scope(self, sets: Optional[list[list[int]]]) -> str:
+        return "each rank's shard must be identical in every replica"
 
     def _agree_on_skip(self, mesh: "DeviceMesh", device: torch.device) -> None:
         """After a backward that ran the exchange, spread a step skipped on one shard to every rank of the model
@@ -229,11 +251,6 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     @override
-    def _checkpoint_shard_size(self) -> Optional[int]:
-        # the live mesh's: the compression state is per shard (refused on resume with another shard size)
-        return self.device_mesh["shard"].size()
-
-    @override
     def setup(self, trainer: "pl.Trainer") -> None:
         super().setup(trainer)
         module = self.lightning_module
@@ -254,16 +271,6 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
     def post_backward(self, closure_loss: Tensor) -> None:
         self._agree_on_skip(self.device_mesh, self.root_device)
         super().post_backward(closure_loss)
-
-    @override
-    def _replica_sets(self) -> Optional[list[list[int]]]:
-        # the ranks holding the same shard: rank = replica * shard_size + shard index (the mesh's row order)
-        size = self.device_mesh["shard"].size()
-        return [list(range(s, self.world_size, size)) for s in range(size)]
-
-    @override
-    def _replica_scope(self, sets: Optional[list[list[int]]]) -> str:
-        return "each rank's shard must be identical in every replica"
 
     @classmethod
     @override

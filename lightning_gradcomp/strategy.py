@@ -1,7 +1,7 @@
 """``GradCompStrategy``: Lightning's DDP with our compression hook installed on CPU (Gloo) and GPU (NCCL)."""
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -19,10 +19,10 @@ from lightning_gradcomp import presets
 from lightning_gradcomp.callbacks import CompressionMonitor, CompressionProgressBar, CompressionSchedule
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp.hierarchy import Hierarchy, hierarchical_hook, hierarchy_spec, new_site_exchange
-from lightning_gradcomp.hook import gradcomp_hook
+from lightning_gradcomp.hierarchy import Hierarchy
 from lightning_gradcomp.guard import NonFinite
 from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
+from lightning_gradcomp.sites import SiteGroups, SiteLayout, check_site_options, new_site_groups
 from lightning_gradcomp.wiring import HookWiring, check_backend, select_float_names  # noqa: F401  (select_float_names: public here)
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
                      gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers)
         kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs,
                                    flags, bucket_cap_mb, process_group_backend)
-        self.hierarchy = hierarchy_spec(hierarchy, site_size, site_sizes)
+        self._init_hierarchy(hierarchy, site_size, site_sizes)
         if self.hierarchy is not None:
             self._check_hierarchy()
         ddp_kwargs: dict[str, Any] = dict(
@@ -157,38 +157,13 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         module = self.lightning_module
         assert module is not None, "DDP wraps a LightningModule"
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
-        world_size = self.world_size
-        if self.hierarchy is None:
-            hook_world, group_rank, fields = self._hook_group()
-            self.comm_state = self._new_comm_state(named, self.model.process_group, self.global_rank, hook_world,
-                                                   self.root_device, group_rank=group_rank, **fields)
-        else:
-            # the compressor and its statistics see the sites as its workers: its group is the cross-site one
-            sizes = [(n, p.numel() * p.element_size()) for n, p in named.items()]
-            site = new_site_exchange(self.hierarchy.layout(world_size, self.num_nodes), self.global_rank, sizes,
-                                     self._timeout)
-            self.comm_state = self._new_comm_state(named, site.cross_group, self.global_rank, site.layout.num_sites,
-                                                   self.root_device, group_rank=site.site, hierarchy=site)
+        self.comm_state = self._build_hook_state(named, self.model.process_group, self.global_rank, self.world_size,
+                                                 self.num_nodes, self.root_device, self._timeout, self._hook_group())
         if self.global_rank == 0:
-            # the hook state's group: the ranks (flat), a site's ranks (DiLoCo, WeightGrad), or the sites (hierarchical)
-            self._announce(named, self.comm_state.float_names, self.comm_state.world_size,
-                           in_sites=type(self)._hook_group is not GradCompStrategy._hook_group,
-                           between_sites=self.hierarchy is not None)
-            if self.comm_state.hierarchy is not None:
-                site = self.comm_state.hierarchy
-                log.info(
-                    "gradcomp: hierarchical exchange, %d sites of %d ranks: each share reduced to its owner and gathered "
-                    "back inside a site, %s between sites on each local rank's share (rank 0: %d of %d tensors)",
-                    site.layout.num_sites, site.site_size, type(self.compressor).__name__, len(site.owned), len(named),
-                )
+            self._announce_hook_state(named, in_sites=type(self)._hook_group is not GradCompStrategy._hook_group)
         self._on_hook_state(named)
-        self._attach_resilience(self.comm_state)  # non-finite mode, pending checkpoint restore
+        self._attach_resilience(self.comm_state)  # per-rank optimizer states, pending checkpoint restore
         self.model.register_comm_hook(self.comm_state, self._hook_function())
-
-    def _hook_function(self) -> Callable[..., Any]:
-        """The communication hook DDP runs on every bucket (a subclass whose exchange follows its optimizer's
-        phase wraps :func:`~lightning_gradcomp.hook.gradcomp_hook`)."""
-        return gradcomp_hook if self.hierarchy is None else hierarchical_hook
 
     def _check_hierarchy(self) -> None:
         """Refuse what the hierarchical exchange cannot do (before any process group exists): strategies with their
@@ -239,6 +214,50 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         registry.register_strategies(cls, strategy_registry)
+
+
+class _SiteStrategy(GradCompStrategy):
+    """A :class:`GradCompStrategy` whose DDP runs inside sites that step apart between rounds (DiLoCo, WeightGrad):
+    the site options, the layout and the site groups (:func:`~lightning_gradcomp.sites.new_site_groups`, made in
+    ``setup_environment``; the site's group becomes DDP's), the hook inside the site, and the replica check per
+    site. A subclass says how ranks form sites (:meth:`make_layout`) and what runs between them."""
+
+    def _init_sites(self, site_size: Optional[int], site_sizes: Optional[Sequence[int]]) -> None:
+        """Validate and keep the site options (before the strategy's own ``__init__``: bad values fail first)."""
+        check_site_options(site_size, site_sizes)
+        self.site_size = site_size
+        self.site_sizes = None if site_sizes is None else list(site_sizes)
+        self.layout: Optional[SiteLayout] = None
+        self.groups: Optional[SiteGroups] = None
+
+    def make_layout(self, world_size: int) -> SiteLayout:
+        """The site layout for ``world_size`` ranks (validates; raises ``ValueError`` on a bad configuration)."""
+        raise NotImplementedError
+
+    @override
+    def setup_environment(self) -> None:
+        # validated before the process group exists: a bad layout fails fast, identically on every rank
+        self.layout = self.make_layout(self.num_nodes * self.num_processes)
+        super().setup_environment()
+        self.groups = new_site_groups(self.layout, self.global_rank, self._timeout)
+        # DDP itself runs inside the site: its parameter broadcast, buffer broadcast and gradient hook stay there
+        self._ddp_kwargs["process_group"] = self.groups.site_group
+
+    @override
+    def _hook_group(self) -> tuple[int, Optional[int], dict[str, Any]]:
+        # the global rank seeds the compressor (distinct random streams); transforms see their rank in the site
+        assert self.groups is not None
+        return self.groups.site_size, self.groups.site_rank, self._site_hook_fields()
+
+    def _site_hook_fields(self) -> dict[str, Any]:
+        """Further :class:`~lightning_gradcomp.hook.GradCompState` fields of the hook inside a site. Default: none."""
+        return {}
+
+    @override
+    def _replica_sets(self) -> Optional[list[list[int]]]:
+        # sites step apart between rounds by design: only the ranks of a site must agree after every local step
+        assert self.layout is not None
+        return [self.layout.ranks(site) for site in range(self.layout.num_sites)]
 
 
 class PresetStrategy(GradCompStrategy):

@@ -3,14 +3,17 @@
 :class:`~lightning_gradcomp.GradCompStrategy` (``lightning.pytorch``) and
 :class:`~lightning_gradcomp.fabric.GradCompFabricStrategy` (``lightning.fabric``) derive from two unrelated
 ``DDPStrategy`` classes; both mix in :class:`HookWiring`, so the options are validated, the layer transforms
-attached and the :class:`~lightning_gradcomp.hook.GradCompState` built by one implementation.
+attached, the :class:`~lightning_gradcomp.hook.GradCompState` built (flat or hierarchical) and the exchange's layout
+described (sites, shard size, the sets of ranks that hold the same parameters) by one implementation. The per-rank
+state around the hook state (checkpoint, non-finite steps, replica check) is :class:`~lightning_gradcomp._runtime.Runtime`.
 """
 
 import copy
 import fnmatch
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
@@ -19,9 +22,11 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gradcomp.registry as registry
+from lightning_gradcomp._runtime import Runtime
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp.hook import GradCompState
+from lightning_gradcomp.hierarchy import Hierarchy, HierarchySpec, hierarchical_hook, hierarchy_spec, new_site_exchange
+from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.pipeline import LayerTransform
 from lightning_gradcomp.planner import CollectivePlanner
 from lightning_gradcomp.validation import check_bool, check_int, check_number
@@ -105,6 +110,10 @@ class HookWiring:
     pipeline_mb: Optional[float]
     planner: Optional[CollectivePlanner]
     comm_state: Optional[GradCompState]
+    #: the hierarchical exchange's sites (``None``: flat), see :meth:`_init_hierarchy`
+    hierarchy: Optional[HierarchySpec]
+    #: the per-rank runtime, made by the front-end's mixin (ResilienceMixin, FabricRecovery) in its constructor
+    _runtime: Runtime
 
     def _init_wiring(
         self,
@@ -160,8 +169,38 @@ class HookWiring:
         self.planner = None if link is None else CollectivePlanner(link, compression_cost)
         self._transforms: list[LayerTransform] = []
         self.comm_state = None
+        self.hierarchy = None
         self._first_step_reported = False
         return ddp_kwargs
+
+    def _init_hierarchy(self, hierarchy: Optional[Hierarchy], site_size: Optional[int],
+                        site_sizes: Optional[Sequence[int]]) -> None:
+        """Validate and keep the hierarchical exchange's options (at most one of them; none: flat)."""
+        self.hierarchy = hierarchy_spec(hierarchy, site_size, site_sizes)
+
+    # -- the exchange's layout: what a checkpoint and the replica check must agree with ----------------------------
+    def _checkpoint_sites(self, world_size: int, num_nodes: int) -> tuple[Optional[list[int]], Optional[str]]:
+        """This run's sites under the hierarchical exchange (``None``: flat) and the option that chose them, which
+        a checkpoint's compression state must match (:func:`lightning_gradcomp.checkpoint.select`)."""
+        if self.hierarchy is None:
+            return None, None
+        arg, value = self.hierarchy.argument()
+        return list(self.hierarchy.layout(world_size, num_nodes).sizes), f"`{arg}={value!r}`"
+
+    def _checkpoint_shard_size(self) -> Optional[int]:
+        """The ranks per replica of this run's sharded model (``None``: not sharded), which a checkpoint's compression
+        state must match (:func:`lightning_gradcomp.checkpoint.select`); the sharded wiring overrides it."""
+        return None
+
+    def _replica_sets(self) -> Optional[list[list[int]]]:
+        """The sets of global ranks whose parameters must agree after every optimizer step (``None``: all ranks).
+        Strategies with sites that step apart between rounds (DiLoCo, WeightGrad) return their sites."""
+        return None
+
+    def _replica_scope(self, sets: Optional[list[list[int]]]) -> str:
+        """What must be equal after every step, for the divergence message."""
+        return "every rank must hold the same parameters" if sets is None else (
+            "the ranks of each site must hold the same parameters after every step; sites differ between rounds")
 
     def _warn_paper_default(self, optimizers: Sequence[torch.optim.Optimizer], measured_exchange: bool = True) -> None:
         """Warn once, on rank 0, when the compressor has a paper default whose measured gap to AdamW DDP is large
@@ -203,9 +242,11 @@ class HookWiring:
         world_size: int,
         device: torch.device,
         group_rank: Optional[int] = None,
+        global_world_size: Optional[int] = None,
         **fields: Any,
     ) -> GradCompState:
-        """Set up the compressor and transforms for this rank and build the hook state (not yet registered).
+        """Set up the compressor and transforms for this rank and build the hook state (not yet registered), its
+        non-finite mode given by the runtime (:meth:`~lightning_gradcomp._runtime.Runtime.hook_mode`).
 
         Args:
             named: the parameters that go through the hook, by name.
@@ -214,6 +255,8 @@ class HookWiring:
             world_size: ranks in ``process_group``.
             device: where the compressor's state lives.
             group_rank: this rank's index inside ``process_group`` for the transforms (default: ``rank``).
+            global_world_size: ranks in the default group, where the hook's group is one site of them (default:
+                ``world_size``).
             **fields: further :class:`~lightning_gradcomp.hook.GradCompState` fields, overriding the defaults.
         """
         self.compressor.setup(rank, world_size, device)
@@ -228,9 +271,66 @@ class HookWiring:
             world_size=world_size,
             planner=self.planner,
             pipeline_bytes=None if self.pipeline_mb is None else int(self.pipeline_mb * 2**20),
+            nonfinite=self._runtime.hook_mode(world_size, world_size if global_world_size is None else global_world_size),
         )
         options.update(fields)
         return GradCompState(**options)
+
+    def _build_hook_state(
+        self,
+        named: dict[str, torch.nn.Parameter],
+        process_group: Optional[dist.ProcessGroup],
+        rank: int,
+        world_size: int,
+        num_nodes: int,
+        device: torch.device,
+        timeout: Optional[timedelta],
+        hook_group: Optional[tuple[int, Optional[int], dict[str, Any]]] = None,
+    ) -> GradCompState:
+        """The DDP hook's state, flat over ``process_group`` or, with :attr:`hierarchy`, over the sites (its
+        groups made here: every rank calls this, in the same order).
+
+        Args:
+            named: the parameters that go through the hook, by name.
+            process_group: DDP's group (the flat exchange's).
+            rank: this rank's global rank.
+            world_size: ranks in the default group.
+            num_nodes: nodes of the run (``hierarchy="node"``: one site per node).
+            device: where the compressor's state lives.
+            timeout: the strategy's collective timeout, for the hierarchy's groups.
+            hook_group: the flat hook's group size, this rank's index in it and further hook state fields
+                (default: every rank, ``(world_size, None, {})``; a strategy with sites passes its site's).
+        """
+        if self.hierarchy is None:
+            size, group_rank, fields = (world_size, None, {}) if hook_group is None else hook_group
+            return self._new_comm_state(named, process_group, rank, size, device, group_rank=group_rank,
+                                        global_world_size=world_size, **fields)
+        # the compressor and its statistics see the sites as its workers: its group is the cross-site one
+        sizes = [(n, p.numel() * p.element_size()) for n, p in named.items()]
+        site = new_site_exchange(self.hierarchy.layout(world_size, num_nodes), rank, sizes, timeout)
+        return self._new_comm_state(named, site.cross_group, rank, site.layout.num_sites, device,
+                                    group_rank=site.site, global_world_size=world_size, hierarchy=site)
+
+    def _announce_hook_state(self, named: dict[str, torch.nn.Parameter], in_sites: bool = False) -> None:
+        """Log (INFO, call on rank 0 once the hook state exists) the setup line (:meth:`_announce`) for the hook
+        state's group: the ranks (flat), a site's ranks (``in_sites``: DiLoCo, WeightGrad) or the sites (the
+        hierarchical exchange, whose layout follows in a line of its own)."""
+        state = self.comm_state
+        assert state is not None
+        self._announce(named, state.float_names, state.world_size, in_sites=in_sites,
+                       between_sites=state.hierarchy is not None)
+        if state.hierarchy is not None:
+            site = state.hierarchy
+            log.info(
+                "gradcomp: hierarchical exchange, %d sites of %d ranks: each share reduced to its owner and gathered "
+                "back inside a site, %s between sites on each local rank's share (rank 0: %d of %d tensors)",
+                site.layout.num_sites, site.site_size, type(self.compressor).__name__, len(site.owned), len(named),
+            )
+
+    def _hook_function(self) -> Callable[..., Any]:
+        """The communication hook DDP runs on every bucket (a subclass whose exchange follows its optimizer's
+        phase wraps :func:`~lightning_gradcomp.hook.gradcomp_hook`)."""
+        return gradcomp_hook if self.hierarchy is None else hierarchical_hook
 
     # -- what the strategy sends (ByteReport), and what it says about it ------------------------------------------
     def bytes_per_step(self) -> float:

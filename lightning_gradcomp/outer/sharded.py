@@ -24,7 +24,7 @@ per-rank checkpoint stores as they are.
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,7 @@ class ShardedDiLoCoStrategy(OuterRounds, ShardedGradCompStrategy):
         fragments: int = 1,
         sync_delay: int = 0,
         mixing: float = 0.0,
-        outer_state_device: Optional[str] = None,
+        outer_state_device: Optional[Literal["cpu"]] = None,
         error_decay: float = 0.95,
         exclude: Optional[Sequence[str]] = None,
         min_numel: int = 1,

@@ -24,7 +24,7 @@ import importlib
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -42,17 +42,10 @@ from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.exchange import LeaderExchange
 from lightning_gradcomp.outer.fragments import strided_fragments
 from lightning_gradcomp.resilience import ResilienceMixin
-from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.strategy import _SiteStrategy
 from lightning_gradcomp.validation import check_bool, check_int, check_number, UnknownOptionError
 from lightning_gradcomp.ledger import dense_bytes
-from lightning_gradcomp.sites import (
-    SiteGroups,
-    SiteLayout,
-    check_site_options,
-    new_site_groups,
-    site_layout,
-    start_sites_from_rank0,
-)
+from lightning_gradcomp.sites import SiteGroups, SiteLayout, site_layout, start_sites_from_rank0
 
 if TYPE_CHECKING:
     # the type checker reads the mixin as the strategy it is mixed into (a ResilienceMixin over a Lightning
@@ -166,7 +159,7 @@ class OuterRounds(_OuterBase):
         fragments: int,
         sync_delay: int,
         mixing: float,
-        outer_state_device: Optional[str],
+        outer_state_device: Optional[Literal["cpu"]],
         error_decay: float,
     ) -> None:
         """Validate and keep the outer options (before the strategy's own ``__init__``: bad values fail first)."""
@@ -365,7 +358,7 @@ class OuterRounds(_OuterBase):
         return 0.0 if self.outer is None else self.outer.bytes_per_step()
 
 
-class DiLoCoStrategy(OuterRounds, GradCompStrategy):
+class DiLoCoStrategy(OuterRounds, _SiteStrategy):
     """DiLoCo and Streaming DiLoCo with any compressor on the pseudo-gradients (see :mod:`lightning_gradcomp.outer`).
 
     Args:
@@ -413,20 +406,17 @@ class DiLoCoStrategy(OuterRounds, GradCompStrategy):
         fragments: int = 1,
         sync_delay: int = 0,
         mixing: float = 0.0,
-        outer_state_device: Optional[str] = None,
+        outer_state_device: Optional[Literal["cpu"]] = None,
         error_decay: float = 0.95,
         **kwargs: Any,
     ) -> None:
         self._init_outer(sync_every, compressor, outer_optimizer, outer_lr, outer_momentum, outer_nesterov,
                          outer_kwargs, fragments, sync_delay, mixing, outer_state_device, error_decay)
-        check_site_options(site_size, site_sizes)
+        self._init_sites(site_size, site_sizes)
         super().__init__(compressor=inner_compressor, **kwargs)
-        self.site_size = site_size
-        self.site_sizes = None if site_sizes is None else list(site_sizes)
-        self.layout: Optional[SiteLayout] = None
-        self.groups: Optional[SiteGroups] = None
 
     # -- sites ----------------------------------------------------------------------------------------------
+    @override
     def make_layout(self, world_size: int) -> SiteLayout:
         """The site layout for ``world_size`` ranks (every rank a site unless ``site_size``/``site_sizes``).
 
@@ -445,25 +435,6 @@ class DiLoCoStrategy(OuterRounds, GradCompStrategy):
             )
             warn_one_site(where, self.outer_optimizer_class, self.sync_every, "pass a smaller `site_size`")
         return layout
-
-    @override
-    def setup_environment(self) -> None:
-        # validated before the process group exists: a bad layout fails fast, identically on every rank
-        self.layout = self.make_layout(self.num_nodes * self.num_processes)
-        super().setup_environment()
-        self.groups = new_site_groups(self.layout, self.global_rank, self._timeout)
-        self._ddp_kwargs["process_group"] = self.groups.site_group  # inner DDP stays inside the site
-
-    @override
-    def _hook_group(self) -> tuple[int, Optional[int], dict[str, Any]]:
-        assert self.groups is not None
-        return self.groups.site_size, self.groups.site_rank, {}
-
-    @override
-    def _replica_sets(self) -> Optional[list[list[int]]]:
-        # sites step apart between rounds by design: only the ranks of a site must agree after every inner step
-        assert self.layout is not None
-        return [self.layout.ranks(site) for site in range(self.layout.num_sites)]
 
     @override
     def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int,

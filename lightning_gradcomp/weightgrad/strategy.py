@@ -13,7 +13,7 @@ forward sees already include the round's global update.
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -24,20 +24,16 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
-from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.strategy import _SiteStrategy
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
-from lightning_gradcomp.weightgrad.significance import SignificanceFilter
-from lightning_gradcomp.sites import (
-    SiteGroups,
-    SiteLayout,
-    check_site_options,
-    new_site_groups,
-    site_layout,
-    start_sites_from_rank0,
-)
-from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer
+from lightning_gradcomp.weightgrad.significance import Rule, Scope, SignificanceFilter
+from lightning_gradcomp.sites import SiteLayout, site_layout, start_sites_from_rank0
+from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer, SiteView, Trigger, WanQuantization
 
 log = logging.getLogger(__name__)
+
+#: how a site applies its workers' gradients: one step with their average (Algorithm 3) or one per worker (Algorithm 4)
+Aggregate = Literal["average", "serial"]
 
 
 class GatheredFP32(Identity):
@@ -46,7 +42,7 @@ class GatheredFP32(Identity):
     aggregation = Aggregation.GATHER
 
 
-class WeightGradStrategy(GradCompStrategy):
+class WeightGradStrategy(_SiteStrategy):
     """WeightGrad (Akter & Adnan, KDD 2020): two-level LAN/WAN training with ternary gradients and weights.
 
     Args:
@@ -96,18 +92,18 @@ class WeightGradStrategy(GradCompStrategy):
         staleness_bound: int = 4,
         staleness_seconds: Optional[float] = None,
         threshold: Optional[float] = None,
-        significance: str = "layer",
+        significance: Scope = "layer",
         threshold_momentum: float = 0.9,
-        threshold_rule: str = "capped",
-        trigger: str = "bound",
+        threshold_rule: Rule = "capped",
+        trigger: Trigger = "bound",
         flush_at_bound: bool = False,
-        aggregation: str = "average",
-        wan_quantization: str = "loss_aware",
-        site_view: str = "global",
+        aggregation: Aggregate = "average",
+        wan_quantization: WanQuantization = "loss_aware",
+        site_view: SiteView = "global",
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        check_site_options(site_size, site_sizes)
+        self._init_sites(site_size, site_sizes)
         check_int("staleness_bound", staleness_bound, minimum=1, fix="T counts local steps between WAN rounds; use 1 to sync every step")
         if staleness_seconds is not None:
             check_number("staleness_seconds", staleness_seconds, minimum=0.0, min_open=True, fix="use None for no time bound")
@@ -126,8 +122,6 @@ class WeightGradStrategy(GradCompStrategy):
         super().__init__(compressor=compressor, **kwargs)
         if aggregation == "serial" and type(self.compressor) is Identity:
             self.compressor = GatheredFP32()
-        self.site_size = site_size
-        self.site_sizes = None if site_sizes is None else list(site_sizes)
         self.allow_single_rank_sites = allow_single_rank_sites
         self.staleness_bound = staleness_bound
         self.staleness_seconds = None if staleness_seconds is None else float(staleness_seconds)
@@ -141,8 +135,6 @@ class WeightGradStrategy(GradCompStrategy):
         self.wan_quantization = wan_quantization
         self.site_view = site_view
         self.seed = seed
-        self.layout: Optional[SiteLayout] = None
-        self.groups: Optional[SiteGroups] = None
         self.synchronizer: Optional[GradientSynchronizer] = None
         self._groups_by_param: Optional[dict[int, int]] = None
         #: monitor statistics of the latest step (tensors): ``lan_bytes``, ``wan_bytes``, ``wan_rounds``,
@@ -150,6 +142,7 @@ class WeightGradStrategy(GradCompStrategy):
         self.stats: dict[str, Tensor] = {}
 
     # -- sites and groups -------------------------------------------------------------------------------
+    @override
     def make_layout(self, world_size: int) -> SiteLayout:
         """The site layout for ``world_size`` ranks (validates; raises ``ValueError`` on a bad configuration).
 
@@ -175,12 +168,8 @@ class WeightGradStrategy(GradCompStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # validate before the process group exists: a bad layout fails fast, identically on every rank
-        self.layout = self.make_layout(self.num_nodes * self.num_processes)
-        super().setup_environment()
-        self.groups = new_site_groups(self.layout, self.global_rank, self._timeout)
-        # DDP itself runs inside the site: its parameter broadcast, buffer broadcast and gradient hook stay on the LAN
-        self._ddp_kwargs["process_group"] = self.groups.site_group
+        super().setup_environment()  # the layout, the site groups, DDP inside the site
+        assert self.groups is not None
         if self.aggregation == "serial" and self.compressor.aggregation_for(self.groups.site_size) is not Aggregation.GATHER:
             raise ValueError(
                 f"Expected a compressor whose packets are gathered for `aggregation='serial'` (each worker's gradient is "
@@ -189,12 +178,9 @@ class WeightGradStrategy(GradCompStrategy):
             )
 
     @override
-    def _hook_group(self) -> tuple[int, Optional[int], dict[str, Any]]:
-        # the global rank seeds the compressor (distinct random streams); transforms see their rank in the site
-        assert self.groups is not None
+    def _site_hook_fields(self) -> dict[str, Any]:
         serial = self.aggregation == "serial"
-        fields = dict(identity=GatheredFP32() if serial else Identity(), keep_per_rank=serial)
-        return self.groups.site_size, self.groups.site_rank, fields
+        return dict(identity=GatheredFP32() if serial else Identity(), keep_per_rank=serial)
 
     @override
     def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
@@ -208,14 +194,14 @@ class WeightGradStrategy(GradCompStrategy):
             buffers=[b for b in module.buffers() if b.is_floating_point()],
             groups=g,
             significance=SignificanceFilter(
-                self.threshold, self.significance, self.threshold_momentum, self.threshold_rule  # type: ignore[arg-type]
+                self.threshold, self.significance, self.threshold_momentum, self.threshold_rule
             ),
             staleness_bound=self.staleness_bound,
             staleness_seconds=self.staleness_seconds,
-            trigger=self.trigger,  # type: ignore[arg-type]
+            trigger=self.trigger,
             flush_at_bound=self.flush_at_bound,
-            wan_quantization=self.wan_quantization,  # type: ignore[arg-type]
-            site_view=self.site_view,  # type: ignore[arg-type]
+            wan_quantization=self.wan_quantization,
+            site_view=self.site_view,
             second_moment=self._second_moment,
             learning_rate=self._learning_rate,
             seed=self.seed,
@@ -278,12 +264,6 @@ class WeightGradStrategy(GradCompStrategy):
             self.synchronizer, f"{'global weights' if self.site_view == 'gaia' else 'weights'} right after a WAN round")
         self._update_stats()
         return output
-
-    @override
-    def _replica_sets(self) -> Optional[list[list[int]]]:
-        # sites step apart between WAN rounds by design: only the ranks of a site must agree after every local step
-        assert self.layout is not None
-        return [self.layout.ranks(site) for site in range(self.layout.num_sites)]
 
     def _serial_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any], **kwargs: Any) -> Any:
         """Algorithm 4: the site applies each worker's gradient in turn (one optimizer step each)."""

@@ -107,3 +107,48 @@ def resume_fabric(rank: int, world_size: int, name: str, path: str,
     _train(fabric, model, optimizer, batches, range(3, 6))
     out["full"] = _flat(model)
     return out
+
+
+def diverge_fabric(rank: int, world_size: int, perturb_at_step: Optional[int], steps: int = 3) -> dict[str, Any]:
+    """``GradCompFabricStrategy("fp32", check_replicas_every=1)``; at ``perturb_at_step`` the last rank nudges one
+    weight before ``optimizer.step()``, so the replicas differ right after that step. Returns the error, if any."""
+    from lightning_gradcomp import GradCompFabricStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=GradCompFabricStrategy("fp32", check_replicas_every=1))
+    fabric.launch()
+    model = make_model()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batches = iter(random_loader(shard=(rank, world_size)))
+    try:
+        for step in range(steps):
+            x, y = next(batches)
+            optimizer.zero_grad()
+            fabric.backward(nn.functional.cross_entropy(model(x), y))
+            if step == perturb_at_step and rank == world_size - 1:
+                with torch.no_grad():
+                    model.module[2].weight[0, 0] += 1e-3
+            optimizer.step()
+    except Exception as exc:
+        return {"error": (type(exc).__name__, str(exc)), "step": step}
+    return {"error": None, "params": _flat(model)}
+
+
+def hierarchy_fabric(rank: int, world_size: int, steps: int = 3) -> dict[str, Any]:
+    """``fp32`` through the hierarchical exchange (sites of 2 ranks) under Fabric, and the same SGD steps computed in
+    this process from every rank's batches (the mean gradient over the ranks), as the reference."""
+    from lightning_gradcomp import GradCompFabricStrategy
+
+    out = fit_fabric(rank, world_size, GradCompFabricStrategy("fp32", site_size=2), steps)
+    reference = make_model()
+    loaders = [iter(random_loader(shard=(r, world_size))) for r in range(world_size)]
+    for _ in range(steps):
+        grads = []
+        for loader in loaders:
+            x, y = next(loader)
+            reference.zero_grad()
+            nn.functional.cross_entropy(reference(x), y).backward()
+            grads.append([p.grad.clone() for p in reference.parameters()])  # type: ignore[union-attr]
+        with torch.no_grad():
+            for i, p in enumerate(reference.parameters()):
+                p -= 0.1 * torch.stack([g[i] for g in grads]).mean(dim=0)
+    return {**out, "reference": _flat(reference)}

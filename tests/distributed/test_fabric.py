@@ -5,7 +5,7 @@ import torch
 
 from lightning_gradcomp import GradCompFabricStrategy
 from lightning_gradcomp.callbacks import SigmaClipping
-from tests.distributed.fabric_ranks import fit_fabric, make_model, resume_fabric
+from tests.distributed.fabric_ranks import diverge_fabric, fit_fabric, hierarchy_fabric, make_model, resume_fabric
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -60,3 +60,24 @@ def test_fabric_whole_checkpoint_load_restores_the_compression_state_too(tmp_pat
     for r in ranks:
         assert torch.equal(r["full"], r["straight"]), "resumed from the whole checkpoint, the run differs"
         assert not torch.equal(r["reset"], r["straight"])  # control: without the compression state it differs
+
+
+def test_fabric_replica_check_stops_every_rank_at_the_step_replicas_diverge() -> None:
+    # the last rank nudges `2.weight` before the second optimizer step: every rank stops right after that step
+    ranks = run_ranks(diverge_fabric, 2, 1)
+    for r in ranks:
+        assert r["error"] is not None and r["step"] == 1, r
+        kind, message = r["error"]
+        assert kind == "ReplicaDivergenceError" and "`2.weight`" in message and "at step 2" in message, message
+    # control: the same run without the nudge passes every check
+    clean = run_ranks(diverge_fabric, 2, None)
+    assert [r["error"] for r in clean] == [None, None] and torch.equal(clean[0]["params"], clean[1]["params"])
+
+
+def test_fabric_hierarchy_sends_a_share_between_sites_and_averages_over_every_rank() -> None:
+    # 2 sites of 2 ranks: dense inside a site, each rank's share between sites (about half the flat exchange's bytes)
+    ranks = run_ranks(hierarchy_fabric, 4)
+    assert all(torch.equal(r["params"], ranks[0]["params"]) for r in ranks[1:])
+    torch.testing.assert_close(ranks[0]["params"], ranks[0]["reference"], rtol=1e-5, atol=1e-6)
+    dense = 4 * sum(p.numel() for p in make_model().parameters())  # what flat fp32 DDP sends per rank
+    assert 0 < ranks[0]["bytes_per_step"] < 0.75 * dense  # rank 0's share only crosses sites

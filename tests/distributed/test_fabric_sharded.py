@@ -17,7 +17,8 @@ pytestmark = pytest.mark.distributed
 CONFIGS: list[dict[str, Any]] = [
     {"kind": "native"},  # stock Fabric ModelParallelStrategy, FSDP2 over the 2-D mesh (HSDP)
     {"strategy": {"compressor": "fp32", "shard_size": 2}},
-    {"strategy": {"compressor": "terngrad", "shard_size": 2}},
+    # with the replica check after every step: each rank's shard against the same shard of the other replica
+    {"strategy": {"compressor": "terngrad", "shard_size": 2, "check_replicas_every": 1}},
     # a NaN in rank 0's gradient of one bias element at step 2: it lands in shard 0 only; every rank must skip
     {"strategy": {"compressor": "graddrop", "shard_size": 2}, "nan_at": 2},
     # bad input, refused on every rank before the first step
