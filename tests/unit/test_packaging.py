@@ -35,7 +35,7 @@ def test_wandb_is_an_extra_that_test_includes() -> None:
         assert any(d.startswith(needed) for d in extras["test"]), needed
 
 
-def test_monitor_with_wandb_logger_but_no_wandb_names_the_extra(tmp_path: Path, monkeypatch) -> None:
+def test_monitor_with_wandb_logger_but_no_wandb_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     logger = WandbLogger(offline=True, save_dir=str(tmp_path))  # builds no run until used
     trainer = Trainer(strategy="fp32", accelerator="cpu", devices=1, logger=logger, enable_progress_bar=False)
     monkeypatch.setitem(sys.modules, "wandb", None)
@@ -43,14 +43,16 @@ def test_monitor_with_wandb_logger_but_no_wandb_names_the_extra(tmp_path: Path, 
         CompressionMonitor().setup(trainer, None, "fit")  # type: ignore[arg-type]
 
 
-def test_require_returns_the_module_or_names_the_extra(monkeypatch) -> None:
+def test_require_returns_the_module_or_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     assert require("json", "none", "a test").dumps([]) == "[]"
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ModuleNotFoundError, match=r"`wandb`.*W&B logging.*lightning_gradcomp\[wandb\]"):
         require("wandb", "wandb", "W&B logging")
 
 
-def test_report_names_a_wrong_path_even_without_matplotlib(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_report_names_a_wrong_path_even_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from gradcomp_lab import report
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -78,7 +80,7 @@ def test_ci_runs_the_readme_commands() -> None:
     assert install[0] in ci and tests[0] in ci
 
 
-def test_cli_wandb_logger_without_wandb_names_the_extra(monkeypatch, capsys) -> None:
+def test_cli_wandb_logger_without_wandb_names_the_extra(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import lightning.pytorch.loggers.wandb as lightning_wandb
     from lightning_utilities.core.imports import RequirementCache
 
