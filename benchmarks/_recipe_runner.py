@@ -48,7 +48,7 @@ def run_recipe(recipe: str, overrides: list[str], quiet: bool = True, callbacks:
         LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
         args=args, run=False, save_config_kwargs={"overwrite": True},
     )
-    cli.trainer.callbacks.extend(callbacks or [])
+    cli.trainer.callbacks.extend(callbacks or [])  # type: ignore[attr-defined]  # set by Lightning's callback connector
     start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     seconds = time.perf_counter() - start

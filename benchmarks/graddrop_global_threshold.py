@@ -13,13 +13,16 @@ Usage: python benchmarks/graddrop_global_threshold.py [--steps 200] [--drop-rati
 import argparse
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
 
-from _sparse_common import fashion_mnist, mnist_cnn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `benchmarks` as a package
+from benchmarks._sparse_common import fashion_mnist, mnist_cnn
 from lightning_gradcomp.compressors.graddrop import GradientDropping, select_threshold
 from lightning_gradcomp.memory import ResidualMemory
 
@@ -49,13 +52,13 @@ def main() -> None:
         batch = torch.randint(0, len(images), (args.batch,), generator=gen)
         opt.zero_grad()
         nn.functional.cross_entropy(model(images[batch]), labels[batch]).backward()
-        xs = {n: memory.compensate(p.grad, n) for n, p in named}
+        xs = {n: memory.compensate(cast(torch.Tensor, p.grad), n) for n, p in named}  # all set by backward
         flat = torch.cat([xs[n].reshape(-1) for n, _ in named])
         true_thr = select_threshold(flat.abs(), args.drop_ratio)
         true_keep = flat.abs() > true_thr
         true_sent = torch.where(true_keep, flat, 0.0)
         # thresholds each approximation would use on these tensors, in bucket order
-        used = {k: [] for k in rows}
+        used: dict[str, list[torch.Tensor]] = {k: [] for k in rows}
         for n, _ in named:
             mags = xs[n].reshape(-1).abs()
             for s, comp in shadows.items():
@@ -72,6 +75,7 @@ def main() -> None:
                 rows[k]["rel_err"].append(float((sent - true_sent).norm() / true_sent.norm()))
         # the driver really trains with its (random-sample, previous-step) global threshold
         for n, p in named:
+            assert p.grad is not None
             driver.observe_gradient(p.grad, n)
             packet = driver.compress(xs[n], n)
             sent = driver.sent(xs[n], packet)
@@ -91,8 +95,8 @@ def main() -> None:
     for k, label in names.items():
         r = rows[k]
         med = {m: statistics.median(v) for m, v in r.items()}
-        thr = "-" if k == "layer" else f"{med['thr']:.3f}"
-        lines.append(f"| {label} | {thr} | {med['kept']:.4f} | {med['recall']:.3f} | {med['rel_err']:.3f} |")
+        thr_cell = "-" if k == "layer" else f"{med['thr']:.3f}"
+        lines.append(f"| {label} | {thr_cell} | {med['kept']:.4f} | {med['recall']:.3f} | {med['rel_err']:.3f} |")
     print("\n".join(lines))
     if args.out:  # the stored table docs/compressors.md shows (tools/results_tables.py)
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,7 @@ def build(model: str, width: int) -> tuple[nn.Module, Any]:
     """The model and a loss closure over a fixed batch (different on every rank)."""
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
     if model == "mlp":
-        from step_time import build_model
+        from benchmarks.step_time import build_model
 
         net = build_model("mlp", width)
         x, y = torch.randn(32, 1, 28, 28, generator=gen), torch.randint(0, 10, (32,), generator=gen)
@@ -112,7 +112,7 @@ def run(model_name: str, strategy: str, args: argparse.Namespace) -> dict[str, A
 def probe_links(args: argparse.Namespace) -> tuple[Any, Any]:
     """The LAN (inside site 0) and WAN (one rank of each site, alone on the WAN link) as measured here: the veths
     and the ``tc`` limits deliver less than their nominal rate (docs/benchmarks.md section 1)."""
-    from step_time import _probe_link
+    from benchmarks.step_time import _probe_link
 
     from lightning_gradcomp.costmodel import Link
 

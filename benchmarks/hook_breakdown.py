@@ -32,7 +32,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's library
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_time import build_model
+from benchmarks.step_time import build_model
 
 from lightning_gradcomp import GradCompState, gradcomp_hook, registry
 from lightning_gradcomp.stats import HookStats
@@ -114,7 +114,7 @@ def alone(batch: int, world: int, repeats: int = 7) -> None:
             system[key] += (os.times().system - sys_start) * 1e3 / repeats
     compressor = registry.make_compressor("terngrad")
     compressor.setup(0, world, torch.device("cpu"))
-    grads = [p.grad.reshape(-1) for p in model.parameters()]  # type: ignore[union-attr]
+    grads = [p.grad.reshape(-1) for p in model.parameters()]
     buckets = [torch.empty_like(g) for g in grads]
     stats = [compressor.local_statistic(g, str(i)) for i, g in enumerate(grads)]
     packets = [compressor.compress(g, str(i), s) for i, (g, s) in enumerate(zip(grads, stats))]

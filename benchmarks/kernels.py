@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -108,7 +109,9 @@ def measure(fn: Callable[[], Any], src: torch.Tensor, repeats: int, budget_s: fl
     """Median seconds of ``fn``, clone and copy_ of ``src``, interleaved; medians of per-repeat ratios."""
     dst = torch.empty_like(src)
     fn()  # warm-up (allocator, caches, lazy init)
-    t_fn, t_clone, t_copy = [], [], []
+    t_fn: list[float] = []
+    t_clone: list[float] = []
+    t_copy: list[float] = []
     spent = 0.0
     while len(t_fn) < repeats and (len(t_fn) < 3 or spent < budget_s):
         t_clone.append(_time(lambda: src.clone()))
@@ -280,7 +283,7 @@ def group_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Cal
             rows.append(("decode", lambda r: pair[r].decompress_flat(packets[r])))
             rows.append((f"mean x{world} into out", lambda r: pair[r].decompress_flat_mean_into(received[r], out)))
         kind = "packed" if packed else "int8"
-        return [(f"group {what} {kind}", path(True, lambda fn=fn: fn(True)), path(False, lambda fn=fn: fn(False)))
+        return [(f"group {what} {kind}", path(True, partial(fn, True)), path(False, partial(fn, False)))
                 for what, fn in rows]
 
     return cases_of("allreduce_int8") + cases_of("allgather")
@@ -311,7 +314,7 @@ def graddrop_cases(n: int, world: int, device: torch.device) -> list[tuple[str, 
         ("decode", lambda r: comps[r].decompress_flat(packets[r])),
         (f"mean x{world} into out", lambda r: comps[r].decompress_flat_mean_into(received[r], out)),
     ]
-    return [(f"graddrop group {what}", lambda fn=fn: fn(True), lambda fn=fn: fn(False)) for what, fn in cases]
+    return [(f"graddrop group {what}", partial(fn, True), partial(fn, False)) for what, fn in cases]
 
 
 #: AdaComp's group rows (the issue's target for a sparse selection: 30 % of the device's copy bandwidth)
@@ -408,11 +411,17 @@ def topk_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Call
             kernel_select = (lambda: triton_topk.select(g, layout.select_tables())) if triton_launch.usable(device) \
                 else torch_select
             rows.append(("topk select", torch_select, kernel_select))
+
+        def decode(r: bool) -> Any:
+            return pair[r].decompress_flat(packets[r])
+
+        def mean_into(r: bool) -> Any:
+            return pair[r].decompress_flat_mean_into(received[r], out)
+
         rows += [
-            (f"{label} compress", lambda c=pair[True]: c.compress_flat(g, seg), lambda c=pair[False]: c.compress_flat(g, seg)),
-            (f"{label} decode", lambda r=True: pair[r].decompress_flat(packets[r]), lambda r=False: pair[r].decompress_flat(packets[r])),
-            (f"{label} mean x{world} into out", lambda r=True: pair[r].decompress_flat_mean_into(received[r], out),
-             lambda r=False: pair[r].decompress_flat_mean_into(received[r], out)),
+            (f"{label} compress", partial(pair[True].compress_flat, g, seg), partial(pair[False].compress_flat, g, seg)),
+            (f"{label} decode", partial(decode, True), partial(decode, False)),
+            (f"{label} mean x{world} into out", partial(mean_into, True), partial(mean_into, False)),
         ]
     return rows
 

@@ -101,7 +101,7 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
             "--trainer.enable_model_summary=false"]
     cli = LightningCLI(LightningModule, LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
                        args=args, run=False, save_config_callback=None)
-    cli.trainer.callbacks.append(recorder)
+    cli.trainer.callbacks.append(recorder)  # type: ignore[attr-defined]  # set by Lightning's callback connector
     start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     wall = time.perf_counter() - start
@@ -234,7 +234,7 @@ def plot(results: list[dict[str, Any]], path: Path, reference: str = "ddp") -> P
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5))
-    colors = plt.get_cmap("tab20").colors
+    colors = plt.get_cmap("tab20").colors  # type: ignore[attr-defined]  # tab20 is a ListedColormap
     # runs that land on the same point (ddp = fp32, dgc = topk) get one label, not overprinted ones
     points: dict[tuple[float, float], tuple[tuple[float, float], list[str]]] = {}
     for r in results:

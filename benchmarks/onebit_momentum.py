@@ -55,7 +55,7 @@ def final_loss(compressor: str, sizes: list[int], lr: float, momentum: float, st
     """The mean training loss of the last 10 steps with ``workers`` emulated workers (one sample each)."""
     torch.manual_seed(0)
     model = NoisyQuadratic(sizes, lr, momentum)
-    seeds = DataLoader(torch.arange(steps * workers), batch_size=workers)
+    seeds: DataLoader[torch.Tensor] = DataLoader(torch.arange(steps * workers), batch_size=workers)  # type: ignore[arg-type]  # a tensor is a map-style dataset
     trainer = Trainer(
         strategy=TowerStrategy(workers, compressor), max_steps=steps, accelerator="cpu", logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -52,7 +52,7 @@ def compressors() -> dict[str, Callable[[], Compressor]]:
 
 def measure(names: list[str]) -> dict[str, dict[str, dict[str, int]]]:
     """name -> tensors -> {extra_ops, host_reads, data_dependent}."""
-    table = {}
+    table: dict[str, dict[str, dict[str, int]]] = {}
     factories = compressors()
     for name in names:
         table[name] = {}

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from step_time import BATCH, MALLOC_REUSE_ENV, build_model, input_shape
+from benchmarks.step_time import BATCH, MALLOC_REUSE_ENV, build_model, input_shape
 
 from gradcomp_lab.perfmodel import (
     ComputeTime,

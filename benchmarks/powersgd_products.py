@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scatter_ops import add_timing_args, median_ms, print_header, timing_device
+from benchmarks.scatter_ops import add_timing_args, median_ms, print_header, timing_device
 
 from lightning_gradcomp.compressors.powersgd import outer, project, project_back
 

@@ -31,9 +31,9 @@ from benchmarks.lm import provenance  # noqa: E402
 from gradcomp_lab.perfmodel import gpt_shapes, predict_paper_model, transformer_projection  # noqa: E402
 
 LINKS = ["100mbit", "1gbit", "10gbit"]
-TRANSFORMER = {"width": 2048, "depth": 24, "seq_len": 2048, "batch": 8, "world_size": 16, "device": "h100",
+TRANSFORMER: dict[str, Any] = {"width": 2048, "depth": 24, "seq_len": 2048, "batch": 8, "world_size": 16, "device": "h100",
                "gpus_per_node": 8, "sync_every": [50, 100]}
-CNN = {"model": "alexnet", "device": "a100", "world_size": 16, "gpus_per_node": 8, "intra": "900gbit@5us"}
+CNN: dict[str, Any] = {"model": "alexnet", "device": "a100", "world_size": 16, "gpus_per_node": 8, "intra": "900gbit@5us"}
 #: (compressor, hierarchical): fp32 DDP and the flat rows on DDP's timeline, the hierarchical rows serial
 CNN_CASES = [("fp32-ddp", False), ("terngrad", False), ("terngrad", True), ("adacomp", False), ("adacomp", True)]
 

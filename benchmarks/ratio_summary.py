@@ -48,14 +48,14 @@ def main(argv: Optional[list[str]] = None) -> None:
             pooled.setdefault(key, []).append(row)
             cells = " | ".join(f"{row[b]:.3f}" if b in row else "-" for b in args.over)
             print(f"| {path.stem} | {key[0]} | {key[1]} | {key[2]} | {row['step_s'] * 1e3:.0f} | {cells} |")
-    for key, rows in sorted(pooled.items()):
+    for key, runs in sorted(pooled.items()):
         parts = []
         for b in args.over:
-            values = [r[b] for r in rows if b in r]
+            values = [r[b] for r in runs if b in r]
             if values:
                 parts.append(f"{args.strategy} / {b}: median {statistics.median(values):.3f} "
                              f"(min {min(values):.3f}, max {max(values):.3f})")
-        print(f"N = {key[0]}, {key[1]}, {key[2]}, {len(rows)} runs: " + "; ".join(parts))
+        print(f"N = {key[0]}, {key[1]}, {key[2]}, {len(runs)} runs: " + "; ".join(parts))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, command_line, machine, provenance, run_recipe, save_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `benchmarks` as a package
+from benchmarks._recipe_runner import FASHION, REPRODUCTIONS, ROOT, command_line, machine, provenance, run_recipe, save_results
 from lightning.pytorch import Callback
 
 from lightning_gradcomp.compressors.adacomp import layer_kind

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 import yaml
-from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, command_line, machine, provenance, run_recipe, save_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `benchmarks` as a package
+from benchmarks._recipe_runner import FASHION, REPRODUCTIONS, ROOT, command_line, machine, provenance, run_recipe, save_results
 
 RECIPES = {"momentum": "recipes/terngrad/lenet_mnist_fig3.yaml", "sgd": "recipes/terngrad/lenet_mnist_fig3_sgd.yaml"}
 

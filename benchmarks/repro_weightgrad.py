@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _recipe_runner import FASHION, REPRODUCTIONS, ROOT, provenance, save_results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `benchmarks` as a package
+from benchmarks._recipe_runner import FASHION, REPRODUCTIONS, ROOT, provenance, save_results
 LENET = json.dumps({"class_path": "gradcomp_lab.models.LeNet",
                     "init_args": {"num_classes": 10, "in_channels": 1, "image_size": 28, "padding": "valid", "init": "caffe", "conv_relu": False}},
                    separators=(",", ":"))

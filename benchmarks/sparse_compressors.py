@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
+from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.compressors.base import Compressor, Packet
 
-CONFIGS: dict[str, Callable[[str], Compressor]] = {
+CONFIGS: dict[str, Callable[[Backend], Compressor]] = {
     "graddrop": lambda b: GradientDropping(backend=b),  # the paper: 0.1% random sample, R = 0.99, coo32 fp32
     "graddrop-strided": lambda b: GradientDropping(sample="strided", backend=b),  # Marian's 100k stride sample
     "graddrop-2bit": lambda b: GradientDropping(quantize="2bit", index_encoding="delta16", backend=b),
@@ -70,7 +71,7 @@ def _time(fn: Callable[[], Any]) -> float:
 class Case:
     """One backend's compressor and its inputs: this rank's gradient per tensor and the N ranks' packets."""
 
-    def __init__(self, make: Callable[[str], Compressor], backend: str, grads: list[dict[str, torch.Tensor]],
+    def __init__(self, make: Callable[[Backend], Compressor], backend: Backend, grads: list[dict[str, torch.Tensor]],
                  fresh: list[dict[str, torch.Tensor]]) -> None:
         self.ranks = []
         for r in range(len(grads)):
@@ -95,7 +96,8 @@ class Case:
 def measure(ref: Case, fused: Case, names: list[str], repeats: int) -> dict[str, float]:
     numel = sum(ref.grads[0][n].numel() for n in names)
     src = torch.randn(numel)
-    ref.step(names), fused.step(names)  # warm-up
+    ref.step(names)  # warm-up
+    fused.step(names)
     t_clone, t_ref, t_fused = [], [], []
     for _ in range(repeats):
         t_clone.append(_time(lambda: src.clone()))

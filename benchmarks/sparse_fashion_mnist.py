@@ -15,6 +15,7 @@ import os
 import pickle
 import platform
 import socket
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -26,7 +27,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from _sparse_common import fashion_mnist, mnist_cnn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `benchmarks` as a package
+from benchmarks._sparse_common import fashion_mnist, mnist_cnn
 from lightning_gradcomp import GradCompState, gradcomp_hook
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
 from lightning_gradcomp.compressors.adacomp import layer_kind

@@ -185,6 +185,7 @@ def _run_one(model_name: str, strategy: str, args: argparse.Namespace, link: dic
     if state is not None:
         out["collectives"] = {k: v for k, v in state.collectives.items()}
         if state.planner is not None:
+            assert isinstance(state.planner, CollectivePlanner)  # the planner this function built
             out["plans"] = sorted({p.choice for p in state.planner.plans.values()})
     if args.profile_compute and base == "ddp":
         # the same steps without communication, on this rank's share of the machine: the perf model's compute

@@ -38,7 +38,7 @@ WAYS: dict[str, tuple[bool, Callable[[], AbstractContextManager[None]]]] = {
 
 
 def _step(comp: TernGrad, x: torch.Tensor, seg: Segments, looping: bool) -> None:
-    owner: type = Compressor if looping else type(comp)
+    owner = Compressor if looping else type(comp)
     shared = owner.flat_statistic(comp, x, seg)
     packet = owner.compress_flat(comp, x, seg, shared)
     owner.sent_flat(comp, x, packet)

@@ -149,7 +149,11 @@ def _worker(args: argparse.Namespace) -> None:
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[clock],
         )
         trainer.fit(MLP(), DataLoader(train, batch_size=args.batch_size, shuffle=True))
-        rounds = int(trainer.strategy.stats["wan_rounds"]) if name == "weightgrad" else clock.steps
+        if name == "weightgrad":
+            assert isinstance(trainer.strategy, WeightGradStrategy)
+            rounds = int(trainer.strategy.stats["wan_rounds"])
+        else:
+            rounds = clock.steps
         rows.append({
             "strategy": name, "time_to_target_s": clock.reached, "train_time_s": round(clock.train_time, 3),
             "epochs": len(clock.curve), "steps": clock.steps, "final_acc": clock.curve[-1][1],

@@ -37,7 +37,7 @@ def memoize_lightning_entry_points() -> None:
     """
     from lightning.fabric.utilities import registry
 
-    registry.entry_points = _entry_points  # type: ignore[attr-defined]
+    registry.entry_points = _entry_points  # type: ignore[assignment]  # the same lookup, memoized per group
 
 
 def freeze_imported_objects() -> None:

@@ -8,17 +8,19 @@ holding the GIL, a Gloo worker thread that waited for the GIL to free a finished
 
 import argparse
 import importlib
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.multiprocessing as mp
 
-from tests.harness import _worker, free_port, single_threaded_children
+from tests.harness import SINGLE_THREADED, _worker, free_port
 
 
 def once(fn: object, ranks: int, args: tuple, timeout: float) -> bool:
@@ -26,7 +28,7 @@ def once(fn: object, ranks: int, args: tuple, timeout: float) -> bool:
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, ranks, port, {}, queue, args), daemon=True) for r in range(ranks)]
-    with single_threaded_children():
+    with mock.patch.dict(os.environ, SINGLE_THREADED):  # each rank's math libraries single-threaded from the start
         for p in procs:
             p.start()
     reported: list[int] = []

@@ -892,7 +892,7 @@ def _repro_graddrop_variants_table(runs: list[dict[str, Any]]) -> str:
 def _repro_adacomp_table(runs: list[dict[str, Any]]) -> str:
     """``repro_sparse.py adacomp``'s rows: compression overall and per layer type, then the paper's row."""
     rows = runs[0]["rows"]
-    options = next((r["compressor"].get("init_args", {}) for r in rows if r["run"] == "adacomp"), {})
+    options: dict[str, Any] = next((r["compressor"].get("init_args", {}) for r in rows if r["run"] == "adacomp"), {})
     lines = [f"| run | learners | steps | test acc | compression, all | conv layers (L_T = "
              f"{options.get('bin_size_conv', 50)}) | FC layers (L_T = {options.get('bin_size_fc', 500)}) |",
              "|---|---:|---:|---:|---:|---:|---:|"]

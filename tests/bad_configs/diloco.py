@@ -9,6 +9,7 @@ from tests.bad_configs import BadConfig
 
 _TWO_LAYERS = [n for n, _ in torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)).named_parameters()]
 
+# wrong types on purpose: each `type: ignore` marks a case whose wrong type mypy sees too
 BAD_CONFIGS = [
     BadConfig("diloco-sync-every-zero", lambda: DiLoCoStrategy(sync_every=0), "sync_every", "0"),
     BadConfig("diloco-sites-do-not-divide", lambda: DiLoCoStrategy(site_size=3).make_layout(4), "site_size", "3"),
@@ -17,7 +18,7 @@ BAD_CONFIGS = [
     BadConfig("diloco-fragments-over-layers", lambda: strided_fragments(_TWO_LAYERS, 3), "fragments", "3"),
     BadConfig("diloco-outer-optimizer-module", lambda: DiLoCoStrategy(outer_optimizer="torch.nn.Linear"),
               "outer_optimizer", "'torch.nn.Linear'"),
-    BadConfig("diloco-outer-optimizer-instance", lambda: DiLoCoStrategy(outer_optimizer=3), "outer_optimizer", "3"),
+    BadConfig("diloco-outer-optimizer-instance", lambda: DiLoCoStrategy(outer_optimizer=3), "outer_optimizer", "3"),  # type: ignore[arg-type]
     BadConfig("diloco-mixing-above-one", lambda: DiLoCoStrategy(mixing=1.5), "mixing", "1.5"),
     BadConfig("diloco-mixing-negative", lambda: DiLoCoStrategy(mixing=-0.1), "mixing", "-0.1"),
     BadConfig("diloco-sync-delay-at-h", lambda: DiLoCoStrategy(sync_every=5, sync_delay=5), "sync_delay", "5"),

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from lightning_gradcomp import GradCompState, gradcomp_hook, registry
 from lightning_gradcomp.compressors import PowerSGD
-from tests.distributed.lightning_ranks import random_loader
+from tests.distributed.lightning_ranks import comm_state, random_loader
 from tests.distributed.ranks import small_mlp
 
 
@@ -108,7 +108,7 @@ class _BytesPerStep(Callback):
         self.bytes: list[int] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.bytes.append(trainer.strategy.comm_state.bytes_per_step())
+        self.bytes.append(comm_state(trainer.strategy).bytes_per_step())
 
 
 def _fit(world_size: int, strategy: Any, model: _Classifier, callbacks: list, max_steps: int = 6) -> dict[str, Any]:
@@ -117,7 +117,7 @@ def _fit(world_size: int, strategy: Any, model: _Classifier, callbacks: list, ma
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[*callbacks, recorder])
     trainer.fit(model, random_loader())
-    state = trainer.strategy.comm_state
+    state = comm_state(trainer.strategy)
     return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "bytes": recorder.bytes,
             "dense_bytes": state.dense_bytes_per_step(), "global_step": trainer.global_step}
 

@@ -1,6 +1,6 @@
 """Rank body for the DeMo tests: a small model trained through the hook with DeMo and SignSGD."""
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -49,10 +49,10 @@ def demo_suite(
             twin = OddShapes()
             twin.load_state_dict(model.state_dict())
             nn.functional.mse_loss(twin(x), target).backward()
-            local_grads.append({n: p.grad.clone() for n, p in twin.named_parameters()})
+            local_grads.append({n: cast(torch.Tensor, p.grad).clone() for n, p in twin.named_parameters()})  # all set
             opt.zero_grad()
             nn.functional.mse_loss(ddp(x), target).backward()
-            averaged.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            averaged.append({n: cast(torch.Tensor, p.grad).clone() for n, p in model.named_parameters()})
             opt.step()
             params.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
             nbytes.append(state.bytes_per_step())

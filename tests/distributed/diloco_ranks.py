@@ -1,7 +1,7 @@
 """Rank bodies for the DiLoCo tests: several Trainer fits in one spawned world (spawns are expensive)."""
 
 import os
-from typing import Any
+from typing import Any, Literal, Union
 
 import lightning.pytorch as pl
 import torch
@@ -33,7 +33,8 @@ class Recorder(Callback):
         self.stats.append({k: v.clone() for k, v in getattr(strategy, "stats", {}).items()})
         outer = getattr(strategy, "outer", None)
         self.outer_collectives.append(0 if outer is None else sum(outer.exchange.state.collectives.values()))
-        self.inner_world.append(strategy.comm_state.world_size if getattr(strategy, "comm_state", None) else 0)
+        state = getattr(strategy, "comm_state", None)
+        self.inner_world.append(state.world_size if state else 0)
 
 
 class MemoryLogger(Logger):
@@ -83,7 +84,7 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> li
     out = []
     for config in configs:
         recorder = Recorder()
-        logger = MemoryLogger() if config.get("monitor") else False
+        logger: Union[MemoryLogger, Literal[False]] = MemoryLogger() if config.get("monitor") else False
         callbacks: list[Callback] = [recorder] + ([CompressionMonitor(logging_interval=1)] if logger else [])
         if config.get("perturb") is not None:  # (rank, step): that rank's first weight moved before that step
             rank_, step_ = config["perturb"]

@@ -71,7 +71,7 @@ def _fit(world_size: int, strategy: Any, steps: int, model: Any = None, ckpt_pat
 class AtStep(Callback):
     """Runs ``action(strategy, module)`` on ``rank`` before the optimizer step of ``step`` (0-based)."""
 
-    def __init__(self, rank: int, step: int, action: Callable[[Any, pl.LightningModule], None]) -> None:
+    def __init__(self, rank: int, step: int, action: Callable[[Any, pl.LightningModule], object]) -> None:
         self.rank, self.step, self.action = rank, step, action
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:

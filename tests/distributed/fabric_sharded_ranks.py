@@ -15,6 +15,7 @@ from torch import nn
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names in Fabric's registry)
 from lightning_gradcomp import ShardedGradCompFabricStrategy
+from lightning_gradcomp.resilience import ResumeCompression
 
 
 def make_model() -> nn.Sequential:
@@ -86,7 +87,9 @@ def _poison_at(net: nn.Sequential, step: list[int], nan_at: int, rank: int) -> N
             handles[0].remove()
             return grad.index_fill(0, torch.tensor([0]), math.nan)
 
-        handles.append(layer.bias.register_hook(poison))
+        bias = layer.bias
+        assert isinstance(bias, torch.Tensor)
+        handles.append(bias.register_hook(poison))
 
     net[0].register_forward_pre_hook(pre_forward)
 
@@ -148,9 +151,9 @@ def resume(rank: int, world_size: int, path: str) -> dict[str, Any]:
     compression state), then a fresh Fabric that ``fabric.load``s and runs 3 more (exact, and reset as the control).
     Gradient Dropping with momentum SGD: the residual carries most of the gradient, so a lost residual shows."""
     batches = _batches(rank, 6)
-    strategy = dict(compressor="graddrop", shard_size=2)
+    strategy: dict[str, Any] = dict(compressor="graddrop", shard_size=2)
 
-    def fresh(resume_compression: str = "exact") -> tuple[Fabric, Any, Any]:
+    def fresh(resume_compression: ResumeCompression = "exact") -> tuple[Fabric, Any, Any]:
         fabric = _launch(world_size, ShardedGradCompFabricStrategy(shard_layers, resume_compression=resume_compression,
                                                                    **strategy))
         _, model, optimizer = _setup(fabric, "sgd")

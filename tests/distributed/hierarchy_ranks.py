@@ -3,6 +3,7 @@
 import csv
 import os
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -13,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import CompressionMonitor
 from lightning_gradcomp.hierarchy import share_bounds
+from tests.distributed.lightning_ranks import comm_state
 from tests.distributed.reliability_ranks import (
     PROBES,
     InjectingClassifier,
@@ -44,7 +46,7 @@ def module_parameters(trainer: pl.Trainer) -> list[torch.Tensor]:
     return [p for p in trainer.lightning_module.parameters() if p.requires_grad]
 
 
-def _run(world_size: int, strategy: Any, steps: int, callbacks: tuple = (), **options: Any) -> dict[str, Any]:
+def _run(world_size: int, strategy: Any, steps: int, callbacks: Sequence[pl.Callback] = (), **options: Any) -> dict[str, Any]:
     trace = ParameterTrace()
     model, trainer = fit(world_size, strategy, steps, StepDataClassifier(momentum=0.9), loader=step_loader(steps),
                          callbacks=[trace, *callbacks], **options)
@@ -106,8 +108,8 @@ def guarded_run(world_size: int, name: str) -> dict[str, Any]:
                              loader=step_loader(10))
     except Exception:
         return {"error": traceback.format_exc()}
-    state = trainer.strategy.comm_state
-    out = {"history": model.history, "skipped": state.skipped_steps,
+    state = comm_state(trainer.strategy)
+    out: dict[str, Any] = {"history": model.history, "skipped": state.skipped_steps,
            "residuals_finite": all(bool(torch.isfinite(r).all()) for r in state.memory.residuals.values())}
     try:
         fit(world_size, _strategy(name, site_sizes=SITES, nonfinite="raise"), 5, FirstTensorNaN(3, 2),

@@ -3,11 +3,22 @@
 from typing import Any, Optional
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+from lightning_gradcomp.hook import GradCompState
+from lightning_gradcomp.wiring import HookWiring
+
+
+def comm_state(strategy: object) -> GradCompState:
+    """The hook state of a Trainer's or Fabric's compressing DDP strategy, once its setup has run."""
+    assert isinstance(strategy, HookWiring) and strategy.comm_state is not None, (
+        f"Expected a strategy with the compression hook installed but got {type(strategy).__name__}"
+    )
+    return strategy.comm_state
 
 
 class TinyClassifier(pl.LightningModule):
@@ -24,7 +35,7 @@ class TinyClassifier(pl.LightningModule):
         x, y = batch
         return nn.functional.cross_entropy(self(x), y)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> OptimizerLRScheduler:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 

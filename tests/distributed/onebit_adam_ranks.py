@@ -14,6 +14,7 @@ from lightning_gradcomp.compressors import Identity
 from lightning_gradcomp.onebit_adam.exchange import CompressedAllReduce
 from lightning_gradcomp.onebit_adam.strategy import LINK_KEY, FrozenAdamLink, frozen_adam_hook
 from lightning_gradcomp.optimizers import OneBitAdam, ZeroOneAdam
+from lightning_gradcomp.optimizers.frozen_adam import FrozenVarianceAdam
 
 
 def exchange_rounds(rank: int, world_size: int, tensors: list[tuple[str, int]], rounds: int,
@@ -70,7 +71,7 @@ def train_raw(rank: int, world_size: int, method: str, steps: int, options: dict
     dist.init_process_group("gloo")
     try:
         model = Small()
-        named = dict(model.named_parameters())
+        named: dict[str, torch.Tensor] = dict(model.named_parameters())
         state = GradCompState(compressor=Identity(), names={id(p): n for n, p in named.items()}, world_size=world_size)
         link = FrozenAdamLink(rank, world_size, None, torch.device("cpu"))
         state.attach(LINK_KEY, link)
@@ -78,6 +79,7 @@ def train_raw(rank: int, world_size: int, method: str, steps: int, options: dict
         ddp.register_comm_hook(state, frozen_adam_hook)
         opt = make_optimizer(method, model.parameters(), options)
         link.bind(opt, named)
+        assert link.exchange is not None  # built by bind
         params, phases, nbytes, dense = [], [], [], []
         for step in range(steps):
             x, y = batch(rank, step)
@@ -144,6 +146,7 @@ def resume_run(rank: int, world_size: int, method: str, options: dict[str, Any],
 
     pl, AdamVariant = _lightning()
     from lightning_gradcomp.onebit_adam import OneBitAdamStrategy, ZeroOneAdamStrategy
+    from tests.distributed.lightning_ranks import comm_state
     from tests.distributed.reliability_ranks import fit, flat_params, step_loader
 
     cls = OneBitAdamStrategy if method == "onebit" else ZeroOneAdamStrategy
@@ -158,11 +161,12 @@ def resume_run(rank: int, world_size: int, method: str, options: dict[str, Any],
                    loader=step_loader(total), ckpt_path=path)
     entry = saved["gradcomp"]["ranks"][rank]["extra"][LINK_KEY] if "gradcomp" in saved else None
     strategy = trainer.strategy
+    assert isinstance(strategy, OneBitAdamStrategy)
     return {
         "full": flat_params(full), "resumed": flat_params(resumed), "reset": flat_params(reset),
         "phase_at_save": saved["optimizer_states"][0]["frozen_adam"], "entry": entry,
-        "stats": {k: float(v) for k, v in strategy.stats.items()}, "bytes": strategy.comm_state.bytes_per_step(),
-        "dense_bytes": strategy.comm_state.dense_bytes_per_step(),
+        "stats": {k: float(v) for k, v in strategy.stats.items()}, "bytes": comm_state(strategy).bytes_per_step(),
+        "dense_bytes": comm_state(strategy).dense_bytes_per_step(),
     }
 
 
@@ -172,6 +176,7 @@ def nonfinite_run(rank: int, world_size: int, method: str, options: dict[str, An
     or the error raised."""
     pl, AdamVariant = _lightning()
     from lightning_gradcomp.onebit_adam import OneBitAdamStrategy, ZeroOneAdamStrategy
+    from tests.distributed.lightning_ranks import comm_state
     from tests.distributed.reliability_ranks import fit, flat_params, step_loader
 
     cls = OneBitAdamStrategy if method == "onebit" else ZeroOneAdamStrategy
@@ -181,5 +186,6 @@ def nonfinite_run(rank: int, world_size: int, method: str, options: dict[str, An
     except BaseException as exc:  # the test asserts what came out
         return {"raised": (type(exc).__name__, str(exc))}
     optimizer = trainer.optimizers[0]
-    return {"raised": None, "params": flat_params(model), "skipped": trainer.strategy.comm_state.skipped_steps,
+    assert isinstance(optimizer, FrozenVarianceAdam)
+    return {"raised": None, "params": flat_params(model), "skipped": comm_state(trainer.strategy).skipped_steps,
             "counters": dict(optimizer.counters), "finite": bool(torch.isfinite(flat_params(model)).all())}

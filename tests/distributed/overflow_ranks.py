@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from lightning_gradcomp import guard
+from tests.distributed.lightning_ranks import comm_state
 from tests.distributed.reliability_ranks import StepDataClassifier, _guarded, fit, flat_params, make_strategy, step_loader
 
 
@@ -47,7 +48,7 @@ def overflow_runs(rank: int, world_size: int, cases: list[tuple[str, float]]) ->
             model, trainer = fit(world_size, make_strategy(name), 4, ScaledClassifier(scale, {1}), loader=step_loader())
             raised = _raised(lambda: fit(world_size, make_strategy(name, nonfinite="raise"), 4,
                                          ScaledClassifier(scale, {1}), loader=step_loader()))
-            return {"history": model.history, "skipped": trainer.strategy.comm_state.skipped_steps, "raised": raised}
+            return {"history": model.history, "skipped": comm_state(trainer.strategy).skipped_steps, "raised": raised}
 
         out[name] = _guarded(one)
 

@@ -10,7 +10,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
-from tests.distributed.lightning_ranks import random_loader
+from tests.distributed.lightning_ranks import comm_state, random_loader
 
 
 class _Embedded(nn.Module):
@@ -56,7 +56,7 @@ def _run(rank: int, world_size: int, api: str, strategy: Any, optimizer: str) ->
             trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=1, logger=False,
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
             trainer.fit(_Module(optimizer), random_loader())
-            used = trainer.strategy
+            used: object = trainer.strategy
         else:
             fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
             fabric.launch()
@@ -66,7 +66,7 @@ def _run(rank: int, world_size: int, api: str, strategy: Any, optimizer: str) ->
             fabric.backward(nn.functional.cross_entropy(model(x), y))
             opt.step()
             used = fabric.strategy
-    state = used.comm_state
+    state = comm_state(used)
     return {"warnings": [str(w.message) for w in caught], "strategy": type(used).__name__,
             "float_names": sorted(state.float_names), "bytes": state.bytes_per_step(),
             "dense_bytes": state.dense_bytes_per_step()}

@@ -1,6 +1,6 @@
 """Rank bodies shared by the distributed tests (module level so spawned ranks can import them)."""
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import GradCompState, gradcomp_hook, registry
+from lightning_gradcomp.compressors.base import Compressor
 
 
 def small_mlp() -> nn.Module:
@@ -32,6 +33,7 @@ def train_raw_ddp(
         ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         state = None
         if compressor is not None:
+            comp: Compressor
             if compressor == "sparse_probe":
                 from tests.distributed.sparse_probe import RankSparseProbe
 
@@ -64,7 +66,7 @@ def train_raw_ddp(
             out["dense_bytes"] = state.dense_bytes_per_step()
             out["collectives"] = dict(state.collectives)
             out["hook_calls"] = state.hook_calls
-            out["grads"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+            out["grads"] = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in model.parameters()])  # all set by backward
             out["local_grads"] = local_grads
         # release DDP (its reducer holds the group) on every rank before tearing the group down together
         del ddp, opt

@@ -18,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp import GradCompStrategy, registry
-from tests.distributed.lightning_ranks import TinyClassifier, random_loader
+from tests.distributed.lightning_ranks import TinyClassifier, comm_state, random_loader
 from tests.distributed.memory_probe import MemoryProbe
 
 #: compressors every reliability test covers: all registered names, plus the test-only stateful probe
@@ -102,7 +102,7 @@ def resume_runs(
             # the uninterrupted run writes a checkpoint at step `at` (mid-epoch), as a run that then crashed would
             folder = os.path.join(tmpdir, name)
             saver = ModelCheckpoint(dirpath=folder, every_n_train_steps=at, save_top_k=-1)
-            run = dict(loader=step_loader(3 * world_size))  # 6 batches per rank per epoch, whatever the world size
+            run: dict[str, Any] = dict(loader=step_loader(3 * world_size))  # 6 batches per rank per epoch, whatever the world size
             full, _ = fit(world_size, make_strategy(name, **options), total, StepDataClassifier(momentum=0.9),
                           enable_checkpointing=True, callbacks=[saver], **run)
             res["full"] = flat_params(full)
@@ -156,8 +156,10 @@ class InjectingClassifier(StepDataClassifier):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.perturb and self.global_rank == self.bad_rank and self.trainer.global_step == self.bad_step:
+            layer = self.net[2]
+            assert isinstance(layer, torch.nn.Linear)
             with torch.no_grad():
-                self.net[2].bias[0] += 1e-3
+                layer.bias[0] += 1e-3
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.history.append(flat_params(self))
@@ -197,13 +199,13 @@ def guard_runs(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
         def one() -> dict[str, Any]:
             res: dict[str, Any] = {}
             model, trainer = fit(world_size, make_strategy(name), 5, InjectingClassifier(1, 2), loader=step_loader())
-            state = trainer.strategy.comm_state
+            state = comm_state(trainer.strategy)
             res["history"] = model.history
             res["skipped"] = state.skipped_steps
             res["residuals_finite"] = all(bool(torch.isfinite(r).all()) for r in state.memory.residuals.values())
             res["residual_names"] = sorted(state.memory.residuals)
             norm, trainer = fit(world_size, make_strategy(name), 5, NormInjectingClassifier(0, 2), loader=step_loader())
-            res["norm_skipped"] = trainer.strategy.comm_state.skipped_steps
+            res["norm_skipped"] = comm_state(trainer.strategy).skipped_steps
             res["norm_buffers"] = norm.buffer_history
             with torch.no_grad():
                 res["norm_eval_finite"] = bool(torch.isfinite(norm.eval()(torch.randn(4, 20))).all())
@@ -277,7 +279,9 @@ class TwoOptimizers(ChunkClassifier):
         self.automatic_optimization = False
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        body, head = self.optimizers()
+        optimizers = self.optimizers()
+        assert isinstance(optimizers, list)
+        body, head = optimizers
         loss = super().training_step(batch, batch_idx)
         body.zero_grad()
         head.zero_grad()
@@ -294,7 +298,7 @@ class TwoOptimizers(ChunkClassifier):
 
 
 def _mode_result(model: pl.LightningModule, trainer: pl.Trainer, initial: torch.Tensor) -> dict[str, Any]:
-    state = trainer.strategy.comm_state
+    state = comm_state(trainer.strategy)
     params = flat_params(model).float()
     return {
         "params": params,
@@ -382,7 +386,8 @@ class DyingClassifier(StepDataClassifier):
         if self.global_rank == self.victim and self.trainer.global_step == self.at:
             if self.stall_s is None:
                 os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(self.stall_s)
+            else:
+                time.sleep(self.stall_s)
 
 
 def survivor_run(
@@ -412,13 +417,14 @@ def weightgrad_resume(rank: int, world_size: int, tmpdir: str, total: int, at: i
         return WeightGradStrategy(site_size=2, staleness_bound=2, **kwargs)
 
     saver = ModelCheckpoint(dirpath=tmpdir, every_n_train_steps=at, save_top_k=-1)
-    run = dict(loader=step_loader())
+    run: dict[str, Any] = dict(loader=step_loader())
     full, _ = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.9),
                   enable_checkpointing=True, callbacks=[saver], **run)
     path = os.path.join(tmpdir, f"epoch=0-step={at}.ckpt")
     resumed, trainer = fit(world_size, strategy(), total, StepDataClassifier(momentum=0.9), ckpt_path=path, **run)
     reset, _ = fit(world_size, strategy(resume_compression="reset"), total, StepDataClassifier(momentum=0.9),
                    ckpt_path=path, **run)
+    assert isinstance(trainer.strategy, WeightGradStrategy) and trainer.strategy.synchronizer is not None
     return {"full": flat_params(full), "resumed": flat_params(resumed), "reset": flat_params(reset),
             "rounds": trainer.strategy.synchronizer.rounds}
 
@@ -483,7 +489,7 @@ def epoch_end_resume(rank: int, world_size: int, names: list[str], tmpdir: str, 
             runs = []
             for ckpt_path, callbacks in ((None, [saver]), (os.path.join(folder, "epoch=0-step=4.ckpt"), [])):
                 model = LoaderDataClassifier()
-                options = dict(logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                options: dict[str, Any] = dict(logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
                                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
                 trainer = pl.Trainer(strategy=make_strategy(name), accelerator="cpu", devices=world_size, **limits,
                                      **options)

@@ -47,7 +47,8 @@ def fit(world_size: int, config: dict[str, Any], save: str = "", resume: str = "
     if save:  # a checkpoint at the first epoch's end (4 batches per rank): mid-window for sync_every=3
         callbacks.append(ModelCheckpoint(dirpath=save, every_n_epochs=1, save_top_k=-1))
     if config.get("perturb") is not None:  # (rank, step): that rank's anchor shard moved before that step
-        callbacks.append(AtStep(*config["perturb"], _perturb_anchor))
+        rank_, step_ = config["perturb"]
+        callbacks.append(AtStep(rank_, step_, _perturb_anchor))
     trainer = pl.Trainer(strategy=_strategy(config), accelerator="cpu", devices=world_size,
                          max_steps=config.get("steps", 5), logger=False, enable_checkpointing=bool(save),
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)

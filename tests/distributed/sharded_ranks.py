@@ -33,6 +33,7 @@ class ShardedRegressor(pl.LightningModule):
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
+        assert self.device_mesh is not None  # set by the strategy before configure_model
         # native HSDP shards over the whole 2-D mesh (FSDP2's dense all-reduce between replicas)
         mesh = self.device_mesh if self.native else self.device_mesh["shard"]
         for layer in (self.net[0], self.net[2], self.net[4]):
@@ -50,7 +51,9 @@ class ShardedRegressor(pl.LightningModule):
                 handles[0].remove()  # once: FSDP2 keeps the same unsharded parameter object across steps
                 return grad.index_fill(0, torch.tensor([0]), math.nan)
 
-            handles.append(layer.bias.register_hook(poison))
+            bias = layer.bias
+            assert isinstance(bias, torch.Tensor)
+            handles.append(bias.register_hook(poison))
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Rank bodies for the Gradient Dropping and AdaComp tests: several runs in one process group (one spawn)."""
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ def _train(rank: int, world_size: int, compressor: Optional[Compressor], steps: 
             loss = loss * 0.0  # an all-zero gradient: this rank sends nothing
         local.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)]))
         loss.backward()
-        grads.append(torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()]))
+        grads.append(torch.cat([cast(torch.Tensor, p.grad).reshape(-1).clone() for p in model.parameters()]))  # all set
         opt.step()
         params.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
         if state is not None:

@@ -79,8 +79,11 @@ def test_averaged_update_matches_the_reference_method(run: tuple[list[dict], str
             senders = len(ranks) if average == "ranks" else np.maximum(np.count_nonzero(sent, axis=0), 1)
             mean = _reference_decode(np.sum(sent, axis=0) / senders, momentum[0][name].shape)
             expected = torch.from_numpy(np.asarray(mean)).float()
-            torch.testing.assert_close(ranks[0]["averaged"][step][name], expected, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, s=step, n=name: f"step {s}, {n}: {m}")
+
+            def message(m: str, s: int = step, n: str = name) -> str:
+                return f"step {s}, {n}: {m}"
+
+            torch.testing.assert_close(ranks[0]["averaged"][step][name], expected, rtol=1e-4, atol=1e-6, msg=message)
 
 
 def test_exact_wire_bytes(ranks: list[dict]) -> None:

@@ -39,7 +39,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
     return run_ranks(monitored_runs, 2, str(tmp), env=env, timeout=300), tmp
 
 
-def test_fails_fast_without_logger_and_does_not_perturb_training(runs) -> None:
+def test_fails_fast_without_logger_and_does_not_perturb_training(runs: tuple[list[dict], Path]) -> None:
     results, _ = runs
     assert "no logger" in results[0]["no_logger_error"] and "Fix:" in results[0]["no_logger_error"]
     # the monitor draws no randomness and changes no gradient: bit-identical to the unmonitored run
@@ -49,7 +49,7 @@ def test_fails_fast_without_logger_and_does_not_perturb_training(runs) -> None:
     assert results[0]["progress_bar"]["comp_ratio"] == pytest.approx(results[0]["ratio"], rel=1e-6)
 
 
-def test_wandb_offline_run_file(runs) -> None:
+def test_wandb_offline_run_file(runs: tuple[list[dict], Path]) -> None:
     results, tmp = runs
     numel = results[0]["numel"]
     files = sorted((tmp / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -103,7 +103,7 @@ def test_wandb_offline_run_file(runs) -> None:
     assert config["compressor"] == "TernGrad" and config["clip_factor"] == 2.5 and config["world_size"] == 2
 
 
-def test_csv_logger_gets_the_same_scalars(runs) -> None:
+def test_csv_logger_gets_the_same_scalars(runs: tuple[list[dict], Path]) -> None:
     results, tmp = runs
     files = sorted((tmp / "wandb").glob("offline-run-*/run-*.wandb"))
     wandb_rows = [r for r in wandb_reader.history(wandb_reader.read_records(files[0])) if "gradcomp/bytes/total" in r]
@@ -118,7 +118,7 @@ def test_csv_logger_gets_the_same_scalars(runs) -> None:
     assert "compressor: TernGrad" in hparams
 
 
-def test_residual_statistics_and_report(runs, tmp_path: Path) -> None:
+def test_residual_statistics_and_report(runs: tuple[list[dict], Path], tmp_path: Path) -> None:
     results, _ = runs
     rows = [r for r in _csv_rows(results[0]["half_csv_dir"]) if "gradcomp/bytes/total" in r]
     last = rows[-1]

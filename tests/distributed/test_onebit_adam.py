@@ -3,7 +3,8 @@ this process simulating the ranks): the compressed all-reduce's worker and serve
 bit-identical, exact bytes, the optimizers' phases and updates."""
 
 import math
-from typing import Optional
+from collections.abc import Sequence
+from typing import Optional, cast
 
 import pytest
 import torch
@@ -84,13 +85,13 @@ class RefAllReduce:
         return torch.cat(out)
 
 
-def ref_grads(models: list[nn.Module], step: int) -> list[torch.Tensor]:
+def ref_grads(models: Sequence[nn.Module], step: int) -> list[torch.Tensor]:
     out = []
     for rank, model in enumerate(models):
         model.zero_grad()
         x, y = batch(rank, step)
         nn.functional.mse_loss(model(x), y).backward()
-        out.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        out.append(torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in model.parameters()]))  # all set by backward
     return out
 
 
@@ -101,7 +102,7 @@ def ref_mean(vectors: list[torch.Tensor]) -> torch.Tensor:
     return total / len(vectors)
 
 
-def load(models: list[nn.Module], flats: list[torch.Tensor]) -> None:
+def load(models: Sequence[nn.Module], flats: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for model, flat in zip(models, flats):
             torch.nn.utils.vector_to_parameters(flat, model.parameters())

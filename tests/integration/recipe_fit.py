@@ -121,7 +121,7 @@ def main(argv: list[str]) -> None:
         start = time.perf_counter()
         cli = GradCompCLI(args=args, run=False)  # as `gradcomp fit` parses it
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-        steps = int(cli.trainer.fast_dev_run)
+        steps = int(cli.trainer.fast_dev_run)  # type: ignore[attr-defined]  # set by Lightning's debugging-flag setup
         assert cli.trainer.global_step == steps, (recipe, cli.trainer.global_step, steps)
         for name, p in cli.model.named_parameters():
             assert torch.isfinite(p).all(), (recipe, name)

@@ -25,7 +25,7 @@ def runs() -> dict[str, tuple[dict, str]]:
     return {name: _first_run(name) for name in ("ddp", "terngrad")}
 
 
-def test_setup_line_names_compressor_collectives_and_bytes_against_fp32(runs) -> None:
+def test_setup_line_names_compressor_collectives_and_bytes_against_fp32(runs: dict[str, tuple[dict, str]]) -> None:
     _, stderr = runs["terngrad"]
     lines = [line for line in stderr.splitlines() if line.startswith("gradcomp: ")]
     assert len(lines) == 1, stderr[-3000:]
@@ -40,13 +40,13 @@ def test_setup_line_names_compressor_collectives_and_bytes_against_fp32(runs) ->
     assert dense / 20 < expected < dense / 10  # 2-bit codes and a scaler per tensor: about 16x less
 
 
-def test_compression_ratio_in_the_progress_bar_without_a_logger(runs) -> None:
+def test_compression_ratio_in_the_progress_bar_without_a_logger(runs: dict[str, tuple[dict, str]]) -> None:
     assert "comp_ratio" in runs["terngrad"][0]["progress_bar"]
     assert 10 < runs["terngrad"][0]["progress_bar"]["comp_ratio"] < 20
     assert "comp_ratio" not in runs["ddp"][0]["progress_bar"]
 
 
-def test_no_warning_that_stock_ddp_does_not_print(runs) -> None:
+def test_no_warning_that_stock_ddp_does_not_print(runs: dict[str, tuple[dict, str]]) -> None:
     ours, theirs = set(runs["terngrad"][0]["warnings"]), set(runs["ddp"][0]["warnings"])
     assert ours <= theirs, ours - theirs
     assert "broadcast_buffers" not in runs["terngrad"][1]

@@ -88,7 +88,8 @@ def test_every_compressor_has_a_fork_started_notebook_variant(name: str) -> None
     trainer = Trainer(strategy=name + NOTEBOOK_SUFFIX, accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, GradCompStrategy)
     assert type(trainer.strategy.compressor) is type(make_compressor(name))
-    assert trainer.strategy._start_method == "fork" and trainer.strategy.launcher.is_interactive_compatible
+    launcher = trainer.strategy.launcher
+    assert trainer.strategy._start_method == "fork" and launcher is not None and launcher.is_interactive_compatible
 
 
 def test_weightgrad_has_a_notebook_variant() -> None:

@@ -183,7 +183,8 @@ def test_recipe_parses_and_instantiates(recipe: Path, data_root: Path, monkeypat
         assert type(cli.trainer.strategy).__name__ == strategy["class_path"].rsplit(".", 1)[1]
         compressor = strategy["init_args"].get("compressor")
         if isinstance(compressor, dict):  # DiLoCo's `compressor` encodes the pseudo-gradients
-            built = getattr(cli.trainer.strategy, "outer_compressor", cli.trainer.strategy.compressor)
+            strategy_compressor = cli.trainer.strategy.compressor  # type: ignore[attr-defined]  # every recipe's strategy has one
+            built = getattr(cli.trainer.strategy, "outer_compressor", strategy_compressor)
             assert type(built).__name__ == compressor["class_path"].rsplit(".", 1)[1]
     # the datamodule reads the generated files in the dataset's real format
     cli.datamodule.setup("fit")

@@ -1,6 +1,7 @@
 """Emulated workers (towers) in one process agree with a real multi-process run."""
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def test_two_towers_match_two_real_ranks(compressor: str) -> None:
 def test_towers_with_error_feedback_and_fp32_layers_match_two_real_ranks() -> None:
     """Gradient Dropping (residuals on every worker) with the biases sent in fp32 (two groups per bucket, each
     through the hook's group step): the same parameters and bytes as two real ranks."""
-    options = {"exclude": ["*.bias"]}
+    options: dict[str, Any] = {"exclude": ["*.bias"]}
     real = run_ranks(fit_tiny, 2, GradCompStrategy(GradientDropping(drop_ratio=0.9), **options), 5, None, 16, None,
                      True)
     towers = TowerStrategy(2, GradientDropping(drop_ratio=0.9), **options)

@@ -2,12 +2,14 @@
 
 import math
 import re
+from typing import cast
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_gradcomp.compressors.adacomp import AdaComp, layer_kind
+from lightning_gradcomp.compressors.adacomp import AdaComp, Quantizer, Selection, layer_kind
+from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.memory import ResidualMemory
 from tests.unit.feedback import feedback_step
 
@@ -33,7 +35,7 @@ def _algorithm2(residue: torch.Tensor, dw: torch.Tensor, size: int, quantizer: s
 @pytest.mark.parametrize("quantizer", ["binary", "ternary"])
 @pytest.mark.parametrize("n, size", [(1000, 50), (1037, 50), (777, 500), (5, 50)])
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_matches_algorithm2(n: int, size: int, quantizer: str, backend: str) -> None:
+def test_matches_algorithm2(n: int, size: int, quantizer: Quantizer, backend: Backend) -> None:
     gen = torch.Generator().manual_seed(n)
     residue = torch.randn(n, generator=gen) * 3
     dw = torch.randn(n, generator=gen)
@@ -47,7 +49,7 @@ def test_matches_algorithm2(n: int, size: int, quantizer: str, backend: str) -> 
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_the_largest_entry_is_not_always_sent(backend: str) -> None:
+def test_the_largest_entry_is_not_always_sent(backend: Backend) -> None:
     # paper ambiguity: gmax is taken on G, the test on H = G + dW; a max whose fresh gradient points back misses
     comp = AdaComp(bin_size_fc=4, backend=backend)
     residue = torch.tensor([5.0, 0.1, 0.1, 4.9])
@@ -99,7 +101,7 @@ def _words(idx: torch.Tensor, size: int, max_field: int) -> int:
 
 @pytest.mark.parametrize("shape, size, width", [((32, 16, 5, 5), 50, 1), ((100, 800), 500, 2), ((300,), 20000, 0)])
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_paper_wire_bytes_and_round_trip(shape: tuple, size: int, width: int, backend: str) -> None:
+def test_paper_wire_bytes_and_round_trip(shape: tuple, size: int, width: int, backend: Backend) -> None:
     x = torch.randn(shape)
     if width == 0:  # L_T beyond 16K does not fit 14-bit offsets: the MXNet layout instead
         comp = AdaComp(bin_size_fc=size, wire="index32", backend=backend)
@@ -122,7 +124,7 @@ def test_paper_wire_bytes_and_round_trip(shape: tuple, size: int, width: int, ba
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_nothing_to_send_is_zero_bytes(backend: str) -> None:
+def test_nothing_to_send_is_zero_bytes(backend: Backend) -> None:
     comp = AdaComp(backend=backend)
     comp.observe_gradient(torch.zeros(10, 10), "w")
     packet = comp.compress(torch.zeros(10, 10), "w")
@@ -154,7 +156,7 @@ def test_bad_arguments_name_argument_and_fix(kwargs: dict, argument: str) -> Non
     assert "Fix" in str(info.value)
 
 
-def _residual_norms(selection: str, steps: int = 300) -> tuple[list[float], float]:
+def _residual_norms(selection: Selection, steps: int = 300) -> tuple[list[float], float]:
     """Train a tiny MLP on digits with every gradient through the compressor and residual memory."""
     from sklearn.datasets import load_digits
 
@@ -175,10 +177,11 @@ def _residual_norms(selection: str, steps: int = 300) -> tuple[list[float], floa
         loss = nn.functional.cross_entropy(model(data[batch]), target[batch])
         loss.backward()
         for name, p in model.named_parameters():
+            assert p.grad is not None
             _, _, _, sent = feedback_step(comp, memory, p.grad, name)
             p.grad.copy_(sent)
         opt.step()
-        norms.append(float(torch.sqrt(sum(r.square().sum() for r in memory.residuals.values()))))
+        norms.append(float(torch.sqrt(cast(Tensor, sum(r.square().sum() for r in memory.residuals.values())))))
     return norms, float(loss.detach())
 
 

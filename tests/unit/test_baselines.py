@@ -1,18 +1,25 @@
 """The baseline compressors as pure tensor code: exact sizes, invariants, and parity with their references."""
 
 import math
+from collections.abc import Callable
+from typing import Any, Optional, TypeVar
 
 import pytest
 import torch
 
 from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
 from lightning_gradcomp.compressors import BF16, DGC, FP16, QSGD, OneBit, PowerSGD, TopK, dgc_code_warmup
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.onebit import Granularity
 from lightning_gradcomp.compressors.powersgd import orthogonalize_
 from lightning_gradcomp.memory import ResidualMemory
 from lightning_gradcomp.registry import compressor_names, make_compressor
 
 
-def _ready(compressor, rank: int = 0, world_size: int = 1):
+C = TypeVar("C", bound=Compressor)
+
+
+def _ready(compressor: C, rank: int = 0, world_size: int = 1) -> C:
     compressor.setup(rank, world_size, torch.device("cpu"))
     return compressor
 
@@ -30,7 +37,7 @@ def test_pack_bits_round_trips_with_exact_size(width: int) -> None:
 
 
 @pytest.mark.parametrize("cls,dtype", [(FP16, torch.float16), (BF16, torch.bfloat16)])
-def test_cast_sends_two_bytes_per_element_and_sums_to_the_mean(cls, dtype) -> None:
+def test_cast_sends_two_bytes_per_element_and_sums_to_the_mean(cls: Callable[[], Compressor], dtype: torch.dtype) -> None:
     a, b = torch.randn(7, 9), torch.randn(7, 9)
     ranks = [_ready(cls(), r, 2) for r in range(2)]
     packets = [c.compress(x, "w") for c, x in zip(ranks, (a, b))]
@@ -42,7 +49,7 @@ def test_cast_sends_two_bytes_per_element_and_sums_to_the_mean(cls, dtype) -> No
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
-def test_onebit_error_feedback_invariant_and_exact_size(granularity: str) -> None:
+def test_onebit_error_feedback_invariant_and_exact_size(granularity: Granularity) -> None:
     compressor = _ready(OneBit(granularity))
     memory = ResidualMemory()
     for _ in range(4):
@@ -147,8 +154,11 @@ def test_powersgd_full_rank_is_exact_and_small_tensors_go_dense() -> None:
 @pytest.mark.parametrize("name", ["topk", "dgc", "onebit", "qsgd", "powersgd", "fp16"])
 def test_bad_arguments_name_the_argument(name: str) -> None:
     cls = type(make_compressor(name))
-    bad = {"topk": {"ratio": 0.0}, "dgc": {"sample_ratio": 2.0}, "onebit": {"granularity": "col"},
-           "qsgd": {"bucket_size": 0}, "powersgd": {"rank": 0}, "fp16": None}[name]
+    cases: dict[str, Optional[dict[str, Any]]] = {
+        "topk": {"ratio": 0.0}, "dgc": {"sample_ratio": 2.0}, "onebit": {"granularity": "col"},
+        "qsgd": {"bucket_size": 0}, "powersgd": {"rank": 0}, "fp16": None,
+    }  # fmt: skip
+    bad = cases[name]
     if bad is None:
         from lightning_gradcomp.compressors import Cast
 

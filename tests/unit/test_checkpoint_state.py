@@ -1,15 +1,18 @@
 """The checkpoint layout of the compression state, without a process group."""
 
+from typing import Optional
+
 import pytest
 import torch
 
 from lightning_gradcomp.checkpoint import CHECKPOINT_KEY, complete_epoch_end, rank_state, restore, select
 from lightning_gradcomp.compressors import TernGrad
+from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.hook import GradCompState
 from lightning_gradcomp.pipeline import LayerTransform
 
 
-def _state(compressor=None) -> GradCompState:
+def _state(compressor: Optional[Compressor] = None) -> GradCompState:
     compressor = compressor or TernGrad()
     compressor.setup(0, 2, torch.device("cpu"))
     return GradCompState(compressor=compressor, names={1: "w", 2: "b"}, world_size=2)
@@ -27,7 +30,9 @@ def test_each_rank_takes_its_own_entry_and_restores_it() -> None:
     ckpt[CHECKPOINT_KEY]["ranks"] = [dict(ckpt[CHECKPOINT_KEY]["ranks"][0], memory={"w": torch.full((3,), float(r))})
                                      for r in range(2)]
     state = _state()
-    restore(state, select(ckpt, 1, 2, reset=False), torch.device("cpu"))
+    entry = select(ckpt, 1, 2, reset=False)
+    assert entry is not None
+    restore(state, entry, torch.device("cpu"))
     assert torch.equal(state.memory.residuals["w"], torch.ones(3))
 
 
@@ -47,6 +52,7 @@ def test_a_stateless_checkpoint_resumes_on_any_world_size() -> None:
 
 def test_a_partial_restore_is_refused() -> None:
     entry = select(_checkpoint(2), 0, 2, reset=False)
+    assert entry is not None
     from lightning_gradcomp.compressors import Identity
 
     with pytest.raises(ValueError, match="Expected the compressor to be TernGrad"):

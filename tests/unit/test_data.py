@@ -3,11 +3,14 @@
 import gzip
 import pickle
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional, TypeVar
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import Dataset, TensorDataset
 
 from gradcomp_lab.data import (
     CIFAR10DataModule,
@@ -22,13 +25,24 @@ from gradcomp_lab.data import (
     read_idx,
     write_idx,
 )
+from gradcomp_lab.data.base import ArrayImageDataset
 from gradcomp_lab.data.files import download_url, extract_archive, md5sum
+from gradcomp_lab.data.imagefolder import ImageFolder
 from gradcomp_lab.data.mnist import DEBIAN_FASHION_MNIST
+from gradcomp_lab.data.text import TokenWindows
 from gradcomp_lab.data.transforms import PerImageStandardize, RandomContrast, RandomResizedCrop
+
+D = TypeVar("D", bound=Dataset)
+
+
+def _built(dataset: Optional[Dataset], kind: type[D]) -> D:
+    """``dataset`` as the class ``setup`` builds it: the datamodules declare their splits ``Optional[Dataset]``."""
+    assert isinstance(dataset, kind), f"Expected a {kind.__name__} but got {type(dataset).__name__}"
+    return dataset
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _one_thread() -> Iterator[None]:
     # 2 shared cores: OpenMP spinning across threads makes tiny ops ~40x slower under load
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -38,13 +52,13 @@ def _one_thread():
 
 # ---------------------------------------------------------------- IDX
 
-IDX_CODES = {np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B, np.int32: 0x0C, np.float32: 0x0D, np.float64: 0x0E}
+IDX_CODES: dict[type, int] = {np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B, np.int32: 0x0C, np.float32: 0x0D, np.float64: 0x0E}
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.int32, np.float32, np.float64])
 @pytest.mark.parametrize("suffix", ["", ".gz"])
 def test_idx_round_trip(tmp_path: Path, dtype: type, suffix: str) -> None:
-    array = (np.arange(2 * 3 * 5) - 7).astype(dtype).reshape(2, 3, 5)
+    array: np.ndarray = (np.arange(2 * 3 * 5) - 7).astype(dtype).reshape(2, 3, 5)
     path = tmp_path / f"a-idx3-ubyte{suffix}"
     write_idx(path, array)
     raw = gzip.decompress(path.read_bytes()) if suffix else path.read_bytes()
@@ -87,19 +101,20 @@ def test_mnist_reads_idx_and_normalises(tmp_path: Path) -> None:
     arrays = _write_mnist(tmp_path)
     dm = MNISTDataModule(str(tmp_path), batch_size=5, val_size=2, normalize="symmetric")
     dm.setup("fit")
-    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (10, 2, 4)
-    x, y = dm.test_set[1]
+    train, val, test = (_built(split, ArrayImageDataset) for split in (dm.train_set, dm.val_set, dm.test_set))
+    assert (len(train), len(val), len(test)) == (10, 2, 4)
+    x, y = test[1]
     expected = (torch.from_numpy(arrays["t10k-images-idx3-ubyte.gz"][1]).float() / 255 - 0.5) * 2
     assert x.shape == (1, 28, 28) and torch.equal(x[0], expected) and int(y) == 1
     # the held-out and training samples partition the training file
-    seen = sorted(int(label) for ds in (dm.train_set, dm.val_set) for label in ds.labels)
+    seen = sorted(int(label) for ds in (train, val) for label in ds.labels)
     assert seen == sorted(int(v) for v in arrays["train-labels-idx1-ubyte"])
     xb, yb = next(iter(dm.train_dataloader()))
     assert xb.shape == (5, 1, 28, 28) and yb.dtype == torch.long and xb.min() >= -1 and xb.max() <= 1
     unit = MNISTDataModule(str(tmp_path), val_size=0, normalize="unit")
     unit.setup("fit")
-    assert unit.val_set is unit.test_set and len(unit.train_set) == 12
-    assert torch.equal(unit.test_set[1][0][0], torch.from_numpy(arrays["t10k-images-idx3-ubyte.gz"][1]).float() / 255)
+    assert unit.val_set is unit.test_set and len(_built(unit.train_set, ArrayImageDataset)) == 12
+    assert torch.equal(_built(unit.test_set, ArrayImageDataset)[1][0][0], torch.from_numpy(arrays["t10k-images-idx3-ubyte.gz"][1]).float() / 255)
 
 
 def test_fashion_mnist_defaults_to_debian_path() -> None:
@@ -150,7 +165,7 @@ def _write_cifar(root: Path, per_batch: int = 3) -> np.ndarray:
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True)
     rng = np.random.default_rng(1)
-    test_data = None
+    test_data = np.zeros(0, np.uint8)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         data = rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8)
         entry = {b"batch_label": name.encode(), b"labels": list(range(per_batch)), b"data": data}
@@ -164,18 +179,19 @@ def test_cifar10_reads_pickle_batches(tmp_path: Path) -> None:
     test_data = _write_cifar(tmp_path)
     dm = CIFAR10DataModule(str(tmp_path), batch_size=4, val_size=3)
     dm.setup("fit")
-    assert (len(dm.train_set), len(dm.val_set), len(dm.test_set)) == (12, 3, 3)
-    x, _ = dm.train_set[0]
+    train, val, test = (_built(split, ArrayImageDataset) for split in (dm.train_set, dm.val_set, dm.test_set))
+    assert (len(train), len(val), len(test)) == (12, 3, 3)
+    x, _ = train[0]
     assert x.shape == (3, 24, 24)
     # per-image standardisation: zero mean, unit (population) std
     assert abs(float(x.mean())) < 1e-5 and abs(float(x.std(correction=0)) - 1) < 1e-4
     raw = CIFAR10DataModule(str(tmp_path), val_size=0, crop_size=32, normalize="unit", color_jitter=False)
     raw.setup("fit")
-    image, label = raw.test_set[2]
+    image, label = _built(raw.test_set, ArrayImageDataset)[2]
     assert torch.equal(image, torch.from_numpy(test_data[2].reshape(3, 32, 32)).float() / 255) and int(label) == 2
     center = CIFAR10DataModule(str(tmp_path), val_size=0, crop_size=24, normalize="unit")
     center.setup("test")
-    assert torch.equal(center.test_set[2][0], (torch.from_numpy(test_data[2].reshape(3, 32, 32)).float() / 255)[:, 4:28, 4:28])
+    assert torch.equal(_built(center.test_set, ArrayImageDataset)[2][0], (torch.from_numpy(test_data[2].reshape(3, 32, 32)).float() / 255)[:, 4:28, 4:28])
     xb, _ = next(iter(dm.train_dataloader()))
     assert xb.shape == (4, 3, 24, 24)
     # worker processes receive the dataset by pickling (spawn) or fork: both must work
@@ -195,7 +211,7 @@ def test_cifar10_download_from_archive(tmp_path: Path) -> None:
     dm.url, dm.archive_md5 = archive.as_uri(), md5sum(archive)
     dm.prepare_data()
     dm.setup("fit")
-    assert len(dm.train_set) == 15 and (tmp_path / "data" / "cifar-10-python.tar.gz").is_file()
+    assert len(_built(dm.train_set, ArrayImageDataset)) == 15 and (tmp_path / "data" / "cifar-10-python.tar.gz").is_file()
 
 
 # ---------------------------------------------------------------- ImageNet-style folders
@@ -212,8 +228,9 @@ def test_image_folder_decodes_jpeg_and_transforms(tmp_path: Path) -> None:
                 Image.new("RGB", (40, 30), colour).save(tmp_path / split / cls / f"img{i}.JPEG", quality=95)
     dm = ImageFolderDataModule(str(tmp_path), batch_size=2, num_workers=0, image_size=16, resize_size=20)
     dm.setup("fit")
-    assert dm.train_set.classes == ["n01", "n02"] and dm.num_classes == 2 and len(dm.train_set) == 4
-    x, y = dm.val_set[3]
+    train = _built(dm.train_set, ImageFolder)
+    assert train.classes == ["n01", "n02"] and dm.num_classes == 2 and len(train) == 4
+    x, y = _built(dm.val_set, ImageFolder)[3]
     assert x.shape == (3, 16, 16) and y == 1
     # a flat image survives decoding and resizing: every pixel is the (normalised) source colour
     mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
@@ -239,10 +256,10 @@ def test_tiny_shakespeare_chunks(tmp_path: Path) -> None:
     dm = TinyShakespeareDataModule(str(tmp_path), batch_size=3, seq_len=8, val_fraction=0.2)
     assert dm.vocab_size == len(set(text))
     dm.setup("fit")
-    x, y = dm.train_set[2]
+    x, y = _built(dm.train_set, TokenWindows)[2]
     assert x.shape == y.shape == (8,) and torch.equal(x[1:], y[:-1])
     assert dm.decode(x) == text[16:24] and dm.decode(y) == text[17:25]
-    assert dm.test_set is dm.val_set and len(dm.val_set) == (int(len(text) * 0.2) - 1) // 8
+    assert dm.test_set is dm.val_set and len(_built(dm.val_set, TokenWindows)) == (int(len(text) * 0.2) - 1) // 8
     xb, yb = next(iter(dm.train_dataloader()))
     assert xb.shape == (3, 8)
 
@@ -277,12 +294,13 @@ def test_parallel_text_vocab_and_padding(tmp_path: Path) -> None:
 def test_digits_split_is_disjoint_and_scaled() -> None:
     dm = DigitsDataModule(batch_size=16, val_size=100, test_size=200)
     dm.setup("fit")
-    sizes = [len(dm.train_set), len(dm.val_set), len(dm.test_set)]
+    train, val, test = (_built(split, TensorDataset) for split in (dm.train_set, dm.val_set, dm.test_set))
+    sizes = [len(train), len(val), len(test)]
     assert sizes == [1497, 100, 200]
-    x, y = dm.train_set[:]
+    x, y = train[:]
     assert x.shape == (1497, 1, 8, 8) and float(x.min()) == -1.0 and float(x.max()) == 1.0
     assert set(y.tolist()) == set(range(10))
-    all_images = torch.cat([dm.train_set.tensors[0], dm.val_set.tensors[0], dm.test_set.tensors[0]]).flatten(1)
+    all_images = torch.cat([train.tensors[0], val.tensors[0], test.tensors[0]]).flatten(1)
     assert all_images.shape[0] == 1797
 
 

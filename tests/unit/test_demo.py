@@ -55,7 +55,7 @@ def test_uint8_indices_carry_the_same_coefficients_in_five_bytes_each() -> None:
     xs = [torch.randn(64, 48) for _ in range(3)]  # 4 x 3 chunks of 16 x 16, top-5 of each
     decoded, sizes = {}, {}
     for index_dtype in ("int16", "uint8"):
-        demo = DeMo(topk=5, chunk=16, index_dtype=index_dtype)  # type: ignore[arg-type]
+        demo = DeMo(topk=5, chunk=16, index_dtype=index_dtype)
         packets = [demo.compress(x, "w") for x in xs]
         decoded[index_dtype] = demo.decompress_mean_into(packets, torch.empty(64, 48))
         sizes[index_dtype] = packets[0].nbytes

@@ -49,7 +49,7 @@ def test_unknown_names_still_raise_attribute_error() -> None:
     import lightning_gradcomp.weightgrad
 
     with pytest.raises(AttributeError, match="has no attribute 'TernGradd'"):
-        lightning_gradcomp.TernGradd  # type: ignore[attr-defined]  # noqa: B018
+        lightning_gradcomp.TernGradd  # noqa: B018
     with pytest.raises(ImportError):
         exec("from lightning_gradcomp.weightgrad import no_such_name", {})
 

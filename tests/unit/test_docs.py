@@ -28,10 +28,12 @@ import importlib.util
 import itertools
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 _EXTERNAL = re.compile(r"\b(pytorch|torch|lightning|deepspeed|triton|nccl|gloo|github)\b", re.I)
@@ -193,7 +195,7 @@ def test_brace_expansion() -> None:
     assert list(itertools.chain(_expand("{x,y}_{1..2}"))) == ["x_1", "x_2", "y_1", "y_2"]
 
 
-def test_generated_tables_in_the_pages_equal_what_the_stored_results_print(capsys) -> None:
+def test_generated_tables_in_the_pages_equal_what_the_stored_results_print(capsys: pytest.CaptureFixture[str]) -> None:
     """Each ``<!-- results:NAME -->`` block is ``tools/results_tables.py``'s rendering of the stored runs: a page
     cannot drift from its data (``python tools/results_tables.py --write`` regenerates them)."""
     from tools import results_tables

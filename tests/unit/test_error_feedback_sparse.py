@@ -7,17 +7,21 @@ float32 residual can make the identity exact: there unsent entries are exact and
 at most half an ulp (of the larger of |x| and the level), the rounding of the residual itself (see docs/compressors.md).
 """
 
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
+from torch import Tensor
 
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
-from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.backends import Backend
+from lightning_gradcomp.compressors.base import Compressor, Packet
 from lightning_gradcomp.memory import ResidualMemory
 from tests.unit.feedback import feedback_step
 
 _SHAPES = {"conv.weight": (16, 8, 5, 5), "fc.weight": (64, 300), "fc.bias": (64,)}
 
-EXACT = {
+EXACT: dict[str, Callable[[], GradientDropping]] = {
     "graddrop": lambda: GradientDropping(),
     "graddrop-strided": lambda: GradientDropping(sample="strided", max_sample=500),
     "graddrop-exact-delta16-bf16": lambda: GradientDropping(sample="exact", index_encoding="delta16", values="bf16"),
@@ -25,7 +29,7 @@ EXACT = {
     "graddrop-global": lambda: GradientDropping(scope="global"),
     "graddrop-ratio0": lambda: GradientDropping(drop_ratio=0.0),
 }
-LEVELS = {
+LEVELS: dict[str, Callable[[], GradientDropping | AdaComp]] = {
     "graddrop-threshold": lambda: GradientDropping(quantize="threshold"),
     "graddrop-column-mean": lambda: GradientDropping(quantize="column_mean", drop_ratio=0.9),
     "graddrop-global-mean": lambda: GradientDropping(quantize="global_mean", scope="global"),
@@ -37,7 +41,7 @@ LEVELS = {
 }
 
 
-def _steps(comp: Compressor, steps: int = 4):
+def _steps(comp: Compressor, steps: int = 4) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor, Packet]]:
     comp.setup(0, 1, torch.device("cpu"))
     memory = ResidualMemory()
     gen = torch.Generator().manual_seed(7)
@@ -51,9 +55,9 @@ def _steps(comp: Compressor, steps: int = 4):
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("key", sorted(EXACT))
-def test_sent_plus_residual_is_exact(key: str, backend: str) -> None:
+def test_sent_plus_residual_is_exact(key: str, backend: Backend) -> None:
     comp = EXACT[key]()
-    comp.backend = backend  # type: ignore[attr-defined]
+    comp.backend = backend
     assert comp.uses_memory
     for before, sent, residual, x, packet in _steps(comp):
         assert torch.equal(before, x)
@@ -63,9 +67,9 @@ def test_sent_plus_residual_is_exact(key: str, backend: str) -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("key", sorted(LEVELS))
-def test_sent_plus_residual_within_the_residuals_rounding(key: str, backend: str) -> None:
+def test_sent_plus_residual_within_the_residuals_rounding(key: str, backend: Backend) -> None:
     comp = LEVELS[key]()
-    comp.backend = backend  # type: ignore[attr-defined]
+    comp.backend = backend
     assert comp.uses_memory
     for before, sent, residual, x, _packet in _steps(comp):
         assert torch.equal(residual, x - sent)  # the residual is x - sent, rounded once

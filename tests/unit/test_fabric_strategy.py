@@ -23,6 +23,7 @@ def test_every_registered_name_constructs_a_fabric_strategy(name: str) -> None:
         assert type(strategy.compressor) is type(make_compressor(name))
         assert strategy._start_method == start_method
     other = Fabric(strategy=name, accelerator="cpu", devices=2).strategy
+    assert isinstance(other, GradCompFabricStrategy) and isinstance(strategy, GradCompFabricStrategy)
     assert other.compressor is not strategy.compressor, "two Fabrics must not share a stateful compressor"
 
 
@@ -43,15 +44,16 @@ def test_fabric_accepts_a_configured_strategy_instance() -> None:
 @pytest.mark.parametrize(
     ("build", "match"),
     [
-        (lambda: GradCompFabricStrategy("terngrad", transforms=[object()]), "Expected every entry of `transforms`"),
+        # wrong types on purpose (ignored for mypy): the checks under test run at construction
+        (lambda: GradCompFabricStrategy("terngrad", transforms=[object()]), "Expected every entry of `transforms`"),  # type: ignore[list-item]
         (lambda: GradCompFabricStrategy("terngrad", transforms=[SigmaClipping(2.5)]), "Expected one sigma clipping"),
         (lambda: GradCompFabricStrategy("dgc", transforms=[MomentumCorrection(0.9, weight_decay=1e-4)]), "weight_decay"),
-        (lambda: GradCompFabricStrategy("terngrad", nonfinite="drop"), "Expected `nonfinite`"),
+        (lambda: GradCompFabricStrategy("terngrad", nonfinite="drop"), "Expected `nonfinite`"),  # type: ignore[arg-type]
         (lambda: GradCompFabricStrategy("terngrad", ddp_comm_hook=print), "Expected `ddp_comm_hook` to be None"),
         (lambda: GradCompFabricStrategy("terngrad", clip_factor=2.5), "Unknown option"),
         (lambda: GradCompFabricStrategy("ternary"), "Expected `compressor`"),
         (lambda: GradCompFabricStrategy("terngrad", timeout=timedelta(0)), "Expected `timeout`"),
-        (lambda: GradCompFabricStrategy("terngrad", static_graph="no"), "Expected `static_graph`"),
+        (lambda: GradCompFabricStrategy("terngrad", static_graph="no"), "Expected `static_graph`"),  # type: ignore[arg-type]
         (lambda: GradCompFabricStrategy("terngrad", bucket_cap_mb=-25), "Expected `bucket_cap_mb`"),
     ],
 )
@@ -104,10 +106,11 @@ def test_every_sharded_name_constructs_the_sharded_fabric_strategy() -> None:
 @pytest.mark.parametrize(
     ("build", "match"),
     [
-        (lambda: ShardedGradCompFabricStrategy("terngrad"), "Expected `parallelize_fn` to be a function"),
+        # wrong types on purpose (ignored for mypy): the checks under test run at construction
+        (lambda: ShardedGradCompFabricStrategy("terngrad"), "Expected `parallelize_fn` to be a function"),  # type: ignore[arg-type]
         (lambda: ShardedGradCompFabricStrategy(compressor="terngrad", shard_size=0), "Expected `shard_size`"),
         (lambda: ShardedGradCompFabricStrategy(compressor="ternary"), "Expected `compressor`"),
-        (lambda: ShardedGradCompFabricStrategy(nonfinite="drop"), "Expected `nonfinite`"),
+        (lambda: ShardedGradCompFabricStrategy(nonfinite="drop"), "Expected `nonfinite`"),  # type: ignore[arg-type]
         (lambda: ShardedGradCompFabricStrategy(timeout=timedelta(0)), "Expected `timeout`"),
     ],
 )

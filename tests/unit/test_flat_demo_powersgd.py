@@ -4,7 +4,7 @@ counts: a fixed number of ops per distinct (chunk) shape, whatever the number of
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from typing import Optional, TypeVar
+from typing import Optional, TypeVar, cast
 
 import numpy as np
 import pytest
@@ -16,7 +16,7 @@ from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DeMo, PowerSGD
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.demo import ChunkedDCT
-from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
+from lightning_gradcomp.compressors.multiround import AllReduce, FlatExchanged, MultiRoundCompressor
 from lightning_gradcomp.groups import layer_offsets
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.compressors.powersgd import orthogonalize_
@@ -222,24 +222,25 @@ def _ranks_exchange(compressors: Sequence[PowerSGD], inputs: Sequence[Sequence[T
 def _reference_powersgd(steps: Sequence[Sequence[Sequence[Tensor]]], rank: int, warm_start: bool) -> list[list[Tensor]]:
     """The per-tensor maths (torch's hook, layer by layer) over all ranks' inputs at once: the mean per step."""
     planner = PowerSGD(rank=rank)
-    seeds, memory = np.random.RandomState(0), {}
+    seeds = np.random.RandomState(0)
+    memory: dict[int, Tensor] = {}
     means = []
     for per_rank in steps:
         world = len(per_rank)
         plans = [planner.plan(t.shape) for t in per_rank[0]]
         needs = [p is not None and (not warm_start or i not in memory) for i, p in enumerate(plans)]
         generator = torch.Generator().manual_seed(int(seeds.randint(1_000_000_000))) if any(needs) else None
-        step_means = []
+        step_means: list[Tensor] = []
         for i, plan in enumerate(plans):
             if plan is None:
-                step_means.append(sum(x[i] for x in per_rank) / world)
+                step_means.append(cast(Tensor, sum(x[i] for x in per_rank)) / world)
                 continue
             n, m, r = plan
             q = torch.randn(m, r, generator=generator) if needs[i] else memory[i]
             q = orthogonalize_(q.clone())
             matrices = [x[i].reshape(n, m) for x in per_rank]
-            p = orthogonalize_(sum(mat @ q for mat in matrices))
-            q = sum(mat.t() @ p for mat in matrices) / world
+            p = orthogonalize_(cast(Tensor, sum(mat @ q for mat in matrices)))
+            q = cast(Tensor, sum(mat.t() @ p for mat in matrices)) / world
             memory[i] = q
             step_means.append((p @ q.t()).view(per_rank[0][i].shape))
         means.append(step_means)
@@ -318,9 +319,15 @@ def test_powersgd_flat_exchange_is_the_layer_exchange_bit_for_bit(rank: int, war
         looping[r].setup(r, RANKS, CPU)
     for step in range(3):
         xs = [_flat(seg, 10 * step + r) for r in range(RANKS)]
-        ours, our_rounds = _on_ranks(RANKS, lambda r, all_reduce, xs=xs: batched[r].exchange_flat(xs[r], seg, all_reduce))
-        theirs, their_rounds = _on_ranks(
-            RANKS, lambda r, all_reduce, xs=xs: MultiRoundCompressor.exchange_flat(looping[r], xs[r], seg, all_reduce))
+
+        def batched_on(r: int, all_reduce: AllReduce, xs: list[Tensor] = xs) -> FlatExchanged:
+            return batched[r].exchange_flat(xs[r], seg, all_reduce)
+
+        def looping_on(r: int, all_reduce: AllReduce, xs: list[Tensor] = xs) -> FlatExchanged:
+            return MultiRoundCompressor.exchange_flat(looping[r], xs[r], seg, all_reduce)
+
+        ours, our_rounds = _on_ranks(RANKS, batched_on)
+        theirs, their_rounds = _on_ranks(RANKS, looping_on)
         assert our_rounds == their_rounds and len(our_rounds) == 2
         for r in range(RANKS):
             mine, ref = ours[r], theirs[r]
@@ -402,7 +409,7 @@ def test_hook_runs_powersgd_on_the_buckets_groups() -> None:
     for step in range(3):
         grads = _flat(seg, step)
         buffer = grads.clone()
-        assert gradcomp_hook(state, _Bucket(params, buffer)).wait() is buffer
+        assert gradcomp_hook(state, _Bucket(params, buffer)).wait() is buffer  # type: ignore[arg-type]  # duck-typed GradBucket
         xs = [v + residuals.get(i, 0) for i, v in enumerate(seg.views(grads))]
         results = reference.exchange([xs[i] for i in compressed], [seg.names[i] for i in compressed], lambda t: t)
         expected = list(seg.views(grads))
@@ -433,7 +440,8 @@ def test_hook_multiround_ops_do_not_grow_with_layers() -> None:
         for step in range(3):
             buffer = _flat(seg, step)
             with count_ops() if step == 2 else contextlib.nullcontext() as counted:
-                gradcomp_hook(state, _Bucket(params, buffer)).wait()
+                gradcomp_hook(state, _Bucket(params, buffer)).wait()  # type: ignore[arg-type]  # duck-typed GradBucket
+        assert counted is not None  # count_ops() on the last step
         counts.append(counted)
     assert counts[0].ops == counts[1].ops
     assert counts[0].host_reads == counts[1].host_reads == 0

@@ -183,6 +183,7 @@ def test_int8_batched_rounding_is_unbiased_with_the_bernoulli_variance() -> None
     compressor.setup(0, 2, torch.device("cpu"))  # 2 ranks: 63 levels
     x = flats[0]
     shared = compressor.flat_statistic(x, segments)
+    assert shared is not None
     draws = 1000
     packets = [compressor.compress_flat(x, segments, shared) for _ in range(draws)]
     samples = torch.stack([compressor.decompress_flat(p) for p in packets])

@@ -2,6 +2,7 @@
 per-layer loop (``Compressor``'s defaults), bit for bit, and its op counts."""
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 import torch
@@ -10,7 +11,10 @@ from torch import Tensor
 from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
+from lightning_gradcomp.compressors.adacomp import Quantizer
+from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.compressors.base import Compressor, FlatPacket
+from lightning_gradcomp.compressors.graddrop import Sample, Scope
 from lightning_gradcomp.compressors.graddrop_flat import gather_samples
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.kernels import torch_ops
@@ -81,7 +85,7 @@ def _compare(make: Callable[[], Compressor], seg: Segments, residuals: bool = Fa
         batched.append((fast, a))
         looped.append((slow, b))
     # the hook hands remote sizes back as it exchanged them: a device tensor, or host integers
-    received = [p.with_payload(p.payload.clone(), tuple(p.layer_nbytes.tolist()) if r == 1 else p.layer_nbytes)
+    received = [p.with_payload(p.payload.clone(), tuple(cast(Tensor, p.layer_nbytes).tolist()) if r == 1 else p.layer_nbytes)
                 for r, (_, p) in enumerate(batched)]
     out = torch.full((seg.total,), float("nan"))
     batched[0][0].decompress_flat_mean_into(received, out)
@@ -90,7 +94,7 @@ def _compare(make: Callable[[], Compressor], seg: Segments, residuals: bool = Fa
     assert torch.equal(out, expected) and out.abs().sum() > 0
 
 
-GRADDROP_CASES = {
+GRADDROP_CASES: dict[str, dict[str, Any]] = {
     "exact": dict(sample="exact"),
     "strided": dict(sample="strided", max_sample=300),
     "random": dict(sample="random", sample_fraction=0.05, min_sample=40),
@@ -104,12 +108,12 @@ GRADDROP_CASES = {
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("case", GRADDROP_CASES)
-def test_graddrop_batched_equals_the_layer_loop(case: str, backend: str) -> None:
+def test_graddrop_batched_equals_the_layer_loop(case: str, backend: Backend) -> None:
     _compare(lambda: GradientDropping(backend=backend, seed=7, **GRADDROP_CASES[case]), _layout(), residuals=True)
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_graddrop_batched_sends_nan_and_fp16_overflow_as_the_loop(backend: str) -> None:
+def test_graddrop_batched_sends_nan_and_fp16_overflow_as_the_loop(backend: Backend) -> None:
     seg = _layout()
 
     def make() -> Compressor:
@@ -139,7 +143,7 @@ def test_graddrop_other_settings_loop_over_the_layers(make: Callable[[], Compres
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("sample", ["exact", "random"])
-def test_graddrop_global_scope_restarts_where_the_loop_does(sample: str, backend: str) -> None:
+def test_graddrop_global_scope_restarts_where_the_loop_does(sample: Sample, backend: Backend) -> None:
     # groups change between steps (DDP rebuilds its buckets after the first): the step restarts at the first layer
     # seen again, in the middle of a group here, and the layers before it keep the previous threshold
     layers = [f"layer{i}.weight" for i in range(6)]
@@ -158,7 +162,11 @@ def test_graddrop_global_scope_restarts_where_the_loop_does(sample: str, backend
             a, b = fast.compress_flat(x, seg), Compressor.compress_flat(slow, x, seg)
             _assert_same_stats(a, b)
             assert torch.equal(fast.sent_flat(x, a), Compressor.sent_flat(slow, x, b))
-        assert torch.equal(fast._global_threshold, slow._global_threshold) if step else fast._global_threshold is None
+        if step:
+            assert fast._global_threshold is not None and slow._global_threshold is not None
+            assert torch.equal(fast._global_threshold, slow._global_threshold)
+        else:
+            assert fast._global_threshold is None
     assert _same_state(fast.state_dict(), slow.state_dict())
 
 
@@ -191,7 +199,7 @@ def _ops_per_step(make: Callable[[], Compressor], layers: int) -> tuple[int, int
                                   lambda b: AdaComp(backend=b), lambda b: AdaComp(backend=b, bin_size_fc=3)],
                          ids=["graddrop_strided", "graddrop_fp16", "graddrop_global", "graddrop_random", "adacomp",
                               "adacomp_8bit"])
-def test_batched_ops_do_not_grow_with_the_layers(make: Callable[[str], Compressor], backend: str) -> None:
+def test_batched_ops_do_not_grow_with_the_layers(make: Callable[[str], Compressor], backend: Backend) -> None:
     if not make(backend).batched:
         pytest.skip("loops over the layers on this backend")
     few, many = _ops_per_step(lambda: make(backend), 8), _ops_per_step(lambda: make(backend), 32)
@@ -202,7 +210,7 @@ def test_batched_ops_do_not_grow_with_the_layers(make: Callable[[str], Compresso
     assert host_reads == 0 and data_dependent == (1 if backend == "torch" else 0)
 
 
-ADACOMP_CASES = {
+ADACOMP_CASES: dict[str, dict[str, Any]] = {
     "binary": dict(),
     "ternary": dict(quantizer="ternary"),
     "small_bins": dict(bin_size_fc=7, bin_size_conv=3, scale_factor=3.0),  # 8-bit words and many markers
@@ -212,12 +220,12 @@ ADACOMP_CASES = {
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("case", ADACOMP_CASES)
-def test_adacomp_batched_equals_the_layer_loop(case: str, backend: str) -> None:
+def test_adacomp_batched_equals_the_layer_loop(case: str, backend: Backend) -> None:
     _compare(lambda: AdaComp(backend=backend, **ADACOMP_CASES[case]), _layout(), residuals=True)
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_adacomp_markers_across_long_gaps_equal_the_loop(backend: str) -> None:
+def test_adacomp_markers_across_long_gaps_equal_the_loop(backend: Backend) -> None:
     # a layer whose non-empty bins lie more than one marker's reach (63 bins of 8-bit words) apart
     seg = _layout([(20_000,), (3,), (9_000,)])
     fast, slow = AdaComp(backend=backend, bin_size_fc=2), AdaComp(backend=backend, bin_size_fc=2)
@@ -226,7 +234,8 @@ def test_adacomp_markers_across_long_gaps_equal_the_loop(backend: str) -> None:
     fast.observe_gradient_flat(dw, seg)
     Compressor.observe_gradient_flat(slow, dw, seg)
     a, b = fast.compress_flat(dw, seg), Compressor.compress_flat(slow, dw, seg)
-    assert torch.equal(a.payload, b.payload) and a.layer_nbytes.tolist() == list(b.layer_nbytes)
+    assert torch.equal(a.payload, b.payload) and isinstance(a.layer_nbytes, Tensor)
+    assert a.layer_nbytes.tolist() == list(b.layer_nbytes)
     assert torch.equal(fast.decompress_flat(a), Compressor.decompress_flat(slow, b))
 
 
@@ -275,7 +284,7 @@ def test_group_kernels_equal_their_torch_ops_fallbacks() -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("quantizer", ["binary", "ternary"])
-def test_adacomp_batched_handles_nan_as_the_loop(backend: str, quantizer: str) -> None:
+def test_adacomp_batched_handles_nan_as_the_loop(backend: Backend, quantizer: Quantizer) -> None:
     # a NaN makes its bin's maximum and its layer's scale NaN: binary sends NaN values, ternary nothing of the layer
     seg = _layout()
     fast, slow = AdaComp(backend=backend, quantizer=quantizer), AdaComp(backend=backend, quantizer=quantizer)
@@ -284,14 +293,15 @@ def test_adacomp_batched_handles_nan_as_the_loop(backend: str, quantizer: str) -
     fast.observe_gradient_flat(x, seg)
     Compressor.observe_gradient_flat(slow, x, seg)
     a, b = fast.compress_flat(x, seg), Compressor.compress_flat(slow, x, seg)
-    assert torch.equal(a.payload, b.payload) and a.layer_nbytes.tolist() == list(b.layer_nbytes)
+    assert torch.equal(a.payload, b.payload) and isinstance(a.layer_nbytes, Tensor)
+    assert a.layer_nbytes.tolist() == list(b.layer_nbytes)
     sent = fast.sent_flat(x, a)
     torch.testing.assert_close(sent, Compressor.sent_flat(slow, x, b), rtol=0, atol=0, equal_nan=True)
     assert bool(torch.isnan(sent).any()) == (quantizer == "binary")
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_graddrop_batched_resumes_from_its_state_exactly(backend: str) -> None:
+def test_graddrop_batched_resumes_from_its_state_exactly(backend: Backend) -> None:
     # random samples and the global pool: a run restored from a checkpoint repeats the uninterrupted one
     seg = _layout()
 
@@ -343,11 +353,11 @@ def test_graddrop_torch_group_sample_draws_the_fused_kernels_positions(compiled:
 
 
 @pytest.mark.parametrize("scope", ["layer", "global"])
-def test_graddrop_torch_and_fused_backends_select_the_same_random_samples(scope: str) -> None:
+def test_graddrop_torch_and_fused_backends_select_the_same_random_samples(scope: Scope) -> None:
     # the same positions, so the same thresholds and survivors, per group as per layer; the same counters after
     seg = _layout()
 
-    def make(backend: str) -> GradientDropping:
+    def make(backend: Backend) -> GradientDropping:
         comp = GradientDropping(backend=backend, scope=scope, drop_ratio=0.9, sample_fraction=0.05, min_sample=40)
         comp.setup(1, RANKS, torch.device("cpu"))
         return comp

@@ -129,6 +129,7 @@ def test_dgc_threshold_adapted_every_time_allowed() -> None:
     seg = _segments([(300, 200), (3, 5)])
     batched, looping = _pair(lambda: DGC(0.001))
     probe, _ = _pair(lambda: DGC(0.001))
+    assert isinstance(probe, DGC)
     stride = probe.sampling(60000)[0]
     start = probe._start("layer0", stride)
     x = torch.rand(seg.total) * 1e-3

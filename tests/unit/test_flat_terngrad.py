@@ -215,7 +215,7 @@ def test_batched_draws_resume_exactly_from_a_state_dict(path: Callable[[], Abstr
         assert torch.equal(resumed.compress_flat(x, seg, resumed.flat_statistic(x, seg)).payload, first)
 
 
-def _step_ops(comp: TernGrad, layers: int) -> tuple[int, int, int]:
+def _step_ops(comp: Compressor, layers: int) -> tuple[int, int, int]:
     shapes = [(5, 3) if i % 3 else (1,) for i in range(layers)]
     seg = _segments(shapes)
     x = torch.randn(seg.total, generator=torch.Generator().manual_seed(layers))

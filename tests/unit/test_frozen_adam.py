@@ -89,10 +89,11 @@ def test_one_process_onebit_adam_is_adam_without_bias_correction_then_frozen_var
         ref(torch.randn(4, 3, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
         with torch.no_grad():
             for i, q in enumerate(ref.parameters()):
+                assert q.grad is not None
                 m[i] = 0.9 * m[i] + 0.1 * q.grad
                 if step < 2:
                     v[i] = 0.999 * v[i] + 0.001 * q.grad * q.grad
-                q -= 0.01 * (m[i] / (v[i].sqrt() + 1e-8) + 0.1 * q)
+                q.sub_(0.01 * (m[i] / (v[i].sqrt() + 1e-8) + 0.1 * q))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 

@@ -5,14 +5,15 @@ import math
 import pytest
 import torch
 
-from lightning_gradcomp.compressors.graddrop import GradientDropping, select_threshold, select_weighted_threshold
+from lightning_gradcomp.compressors.backends import Backend
+from lightning_gradcomp.compressors.graddrop import GradientDropping, Quantize, select_threshold, select_weighted_threshold
 from lightning_gradcomp.memory import ResidualMemory
-from lightning_gradcomp.sparse import delta16_nbytes
+from lightning_gradcomp.sparse import IndexEncoding, delta16_nbytes
 from tests.unit.feedback import feedback_step
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_exact_threshold_drops_the_smallest_ratio_with_marians_rule(backend: str) -> None:
+def test_exact_threshold_drops_the_smallest_ratio_with_marians_rule(backend: Backend) -> None:
     x = torch.arange(1, 1001, dtype=torch.float32) * torch.where(torch.arange(1000) % 2 == 0, 1.0, -1.0)
     comp = GradientDropping(drop_ratio=0.99, sample="exact", backend=backend)
     packet = comp.compress(x, "w")
@@ -69,7 +70,7 @@ def test_random_sample_state_is_counters_and_a_generator_checkpoint_is_refused()
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_drop_ratio_zero_sends_every_nonzero_value(backend: str) -> None:
+def test_drop_ratio_zero_sends_every_nonzero_value(backend: Backend) -> None:
     x = torch.randn(40, 30)
     x[0, :5] = 0.0
     comp = GradientDropping(drop_ratio=0.0, backend=backend)
@@ -84,7 +85,7 @@ def test_weighted_threshold_matches_exact_on_the_concatenation() -> None:
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_global_scope_uses_the_previous_steps_whole_model_threshold(backend: str) -> None:
+def test_global_scope_uses_the_previous_steps_whole_model_threshold(backend: Backend) -> None:
     comp = GradientDropping(drop_ratio=0.9, sample="exact", scope="global", backend=backend)
     small, large = torch.rand(1000), torch.rand(1000) * 100
     p0a = comp.compress(small, "a")
@@ -100,7 +101,7 @@ def test_global_scope_uses_the_previous_steps_whole_model_threshold(backend: str
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_global_state_round_trips(backend: str) -> None:
+def test_global_state_round_trips(backend: Backend) -> None:
     comp = GradientDropping(scope="global", seed=3, backend=backend)
     comp.setup(0, 1, torch.device("cpu"))
     for name in ("a", "b", "a"):
@@ -116,7 +117,7 @@ def test_global_state_round_trips(backend: str) -> None:
 @pytest.mark.parametrize("quantize", ["threshold", "column_mean", "global_mean", "2bit"])
 @pytest.mark.parametrize("index_encoding", ["coo32", "delta16"])
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_quantized_survivors(quantize: str, index_encoding: str, backend: str) -> None:
+def test_quantized_survivors(quantize: Quantize, index_encoding: IndexEncoding, backend: Backend) -> None:
     x = torch.randn(64, 100) * torch.linspace(0.1, 3.0, 100)  # columns on different scales
     comp = GradientDropping(drop_ratio=0.9, sample="exact", quantize=quantize, index_encoding=index_encoding, backend=backend)
     packet = comp.compress(x, "w")
@@ -143,7 +144,7 @@ def test_quantized_survivors(quantize: str, index_encoding: str, backend: str) -
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_narrow_values_and_fp16_overflow_stays_in_residual(backend: str) -> None:
+def test_narrow_values_and_fp16_overflow_stays_in_residual(backend: Backend) -> None:
     x = torch.randn(1000) * 10
     x[5] = 1e6  # beyond fp16
     comp = GradientDropping(drop_ratio=0.9, sample="exact", values="fp16", backend=backend)
@@ -209,7 +210,7 @@ def _feedback_run(comp: GradientDropping, grads: list[torch.Tensor]) -> list[tup
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_threshold_quantizer_sends_the_survivors_when_the_threshold_is_zero(backend: str) -> None:
+def test_threshold_quantizer_sends_the_survivors_when_the_threshold_is_zero(backend: Backend) -> None:
     # the audit's case: 1000 values, 3 non-zero, R = 0.99: the 990th smallest |x| is 0, so the threshold is 0
     grad = torch.zeros(1000)
     grad[[10, 500, 999]] = torch.tensor([2.0, -2.0, 2.0])
@@ -226,7 +227,7 @@ def test_threshold_quantizer_sends_the_survivors_when_the_threshold_is_zero(back
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_threshold_quantizer_sends_a_one_element_tensor(backend: str) -> None:
+def test_threshold_quantizer_sends_a_one_element_tensor(backend: Backend) -> None:
     comp = GradientDropping(drop_ratio=0.99, quantize="threshold", backend=backend)
     grad = torch.tensor([0.3])
     for sent, residual, count in _feedback_run(comp, [grad] * 4):  # floor(0.99 * 1) = 0: threshold 0
@@ -235,7 +236,7 @@ def test_threshold_quantizer_sends_a_one_element_tensor(backend: str) -> None:
 
 @pytest.mark.parametrize("quantize", ["none", "threshold"])
 @pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_ties_at_the_threshold_are_sent_when_nothing_exceeds_it(backend: str, quantize: str) -> None:
+def test_ties_at_the_threshold_are_sent_when_nothing_exceeds_it(backend: Backend, quantize: Quantize) -> None:
     # a two-class classifier's bias: its gradients are g and -g, so the threshold (the smallest |x|) ties with
     # every value; Marian's |x| <= threshold would drop both forever
     bias = torch.tensor([0.25, -0.25])

@@ -43,6 +43,8 @@ def _lab_references(path: Path) -> list[str]:
     """
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, (ast.stmt, ast.expr)):  # imports are statements, strings expressions
+            continue
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]

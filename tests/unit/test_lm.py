@@ -55,6 +55,7 @@ def test_stdlib_reader_order_split_and_truncation(tmp_path: Path) -> None:
     assert stream.index("# file: a.py") < stream.index("# file: b.py") < stream.index("# file: pkg/c.py")
     assert "Z = 9" not in stream
     dm.setup("fit")
+    assert isinstance(dm.val_set, TokenWindows)
     val_text = ByteTokenizer().decode(dm.val_set.ids)
     assert stream.endswith(val_text) and len(val_text) == int(len(stream) * 0.25)
     assert "C = 3" in val_text and "A = 1" not in val_text
@@ -67,6 +68,7 @@ def test_stdlib_reader_order_split_and_truncation(tmp_path: Path) -> None:
 def test_stdlib_reader_reads_the_real_standard_library() -> None:
     dm = StdlibSourceDataModule(max_bytes=20_000, seq_len=32)
     dm.setup("fit")
+    assert isinstance(dm.train_set, TokenWindows)
     assert dm.vocab_size == 256 and len(dm.train_set) > 100
     assert ByteTokenizer().decode(dm.train_set.ids[:8]) == "# file: "
 
@@ -83,6 +85,8 @@ def test_wikitext_reader_on_generated_files(tmp_path: Path, nested: bool, raw: b
     dm = WikiTextDataModule(str(tmp_path), variant="2", raw=raw, seq_len=8, stride=4, batch_size=2)
     dm.setup("fit")
     tok = ByteTokenizer()
+    assert isinstance(dm.train_set, TokenWindows) and isinstance(dm.val_set, TokenWindows)
+    assert isinstance(dm.test_set, TokenWindows)
     assert tok.decode(dm.train_set.ids) == texts["train"] and tok.decode(dm.val_set.ids) == texts["valid"]
     assert tok.decode(dm.test_set.ids) == texts["test"]
     assert len(dm.train_set) == (len(texts["train"]) - 1 - 8) // 4 + 1
@@ -97,6 +101,7 @@ def test_tiny_shakespeare_stride(tmp_path: Path) -> None:
     (tmp_path / "input.txt").write_text("First Citizen:\nSpeak, speak.\n" * 20)
     dm = TinyShakespeareDataModule(str(tmp_path), seq_len=10, stride=5, val_fraction=0.2)
     dm.setup("fit")
+    assert isinstance(dm.train_set, TokenWindows)
     assert dm.train_set[1][0][:5].tolist() == dm.train_set[0][0][5:].tolist()
     assert len(dm.train_set) == (len(dm.train_set.ids) - 11) // 5 + 1
 
@@ -107,12 +112,12 @@ def test_tiny_shakespeare_stride(tmp_path: Path) -> None:
         (lambda: TokenWindows(torch.arange(9), 4, stride=0), "stride"),
         (lambda: StdlibSourceDataModule(seq_len=0), "seq_len"),
         (lambda: StdlibSourceDataModule(val_fraction=0.9), "val_fraction"),
-        (lambda: WikiTextDataModule(variant="3"), "variant"),
+        (lambda: WikiTextDataModule(variant="3"), "variant"),  # type: ignore[arg-type]
         (lambda: GPT(width=30, num_heads=4), "width"),
         (lambda: GPT(depth=0), "depth"),
         (lambda: WarmupCosine(10, warmup_steps=10), "warmup_steps"),
         (lambda: CharLanguageModel(GPT(), optimizer="lion"), "optimizer"),  # type: ignore[arg-type]
-        (lambda: CharLanguageModel(GPT(), lr_schedule="linear"), "lr_schedule"),  # type: ignore[arg-type]
+        (lambda: CharLanguageModel(GPT(), lr_schedule="linear"), "lr_schedule"),
     ],
 )
 def test_bad_input_names_argument_and_fix(factory, arg: str) -> None:  # type: ignore[no-untyped-def]

@@ -1,6 +1,7 @@
 """The papers' models: output shapes on tiny inputs, parameter counts the papers imply, TF-style layers."""
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from gradcomp_lab.tasks import regularized_parameters
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _one_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -117,10 +118,12 @@ def test_lenet_tf_initialisation() -> None:
         assert float(w.abs().max()) <= 2 * std  # truncated at two standard deviations
         # a normal truncated at +-2 sigma has std 0.8796 sigma
         assert abs(float(w.std()) / (0.8796 * std) - 1) < 0.1
+        assert layer.bias is not None
         assert torch.equal(layer.bias.detach(), torch.zeros_like(layer.bias))
     assert {id(p) for p in regularized_parameters(model)} == {id(m.weight) for m in (model.conv1, model.conv2, model.fc3, model.fc4)}
     cifar = CifarNet()
     assert {id(p) for p in regularized_parameters(cifar)} == {id(cifar.fc3.weight), id(cifar.fc4.weight)}
+    assert cifar.conv2.bias is not None and cifar.conv1.bias is not None
     assert float(cifar.conv2.bias[0].detach()) == pytest.approx(0.1) and float(cifar.conv1.bias[0].detach()) == 0.0
 
 

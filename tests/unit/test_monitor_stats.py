@@ -1,5 +1,7 @@
 """Single-process checks of the monitor's maths: histograms, residual statistics, the time split, arguments."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -84,7 +86,7 @@ def test_layer_key_and_argument_errors() -> None:
         CompressionMonitor(histogram_layers="fc.*")
 
 
-def test_report_cli_rejects_a_missing_or_empty_log(tmp_path, capsys) -> None:
+def test_report_cli_rejects_a_missing_or_empty_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from gradcomp_lab import report
 
     with pytest.raises(SystemExit) as exit_info:

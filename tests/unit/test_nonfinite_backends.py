@@ -14,7 +14,7 @@ kernels' torch-ops path (``kernels.torch_ops()``, the CUDA and no-compiler path)
 """
 
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping, TernGrad
 from lightning_gradcomp.compressors.base import Compressor
 
-BACKENDS = [("torch", nullcontext), ("fused", nullcontext), ("fused", kernels.torch_ops)]
+BACKENDS: list[tuple[str, Callable[[], AbstractContextManager[None]]]] = [("torch", nullcontext), ("fused", nullcontext), ("fused", kernels.torch_ops)]
 NAN, INF = float("nan"), float("inf")
 
 

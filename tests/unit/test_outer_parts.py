@@ -60,7 +60,9 @@ def test_int8_codes_fit_the_int8_sum_and_are_unbiased(world_size: int) -> None:
     c.setup(0, world_size, torch.device("cpu"))
     assert c.levels == 127 // world_size
     x = torch.randn(4000, generator=torch.Generator().manual_seed(0))
-    shared = c.local_statistic(x, "w") * 1.5  # another rank's larger max
+    local = c.local_statistic(x, "w")
+    assert local is not None
+    shared = local * 1.5  # another rank's larger max
     packets = [c.compress(x, "w", shared) for _ in range(400)]
     codes = torch.stack([p.payload for p in packets])
     # within -L..L, so the world's codes summed stay inside int8

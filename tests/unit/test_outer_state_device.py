@@ -2,6 +2,9 @@
 accelerator while the parameters train on it. Needs a CUDA device (skipped otherwise: on a CPU-only machine both
 places are the same device and nothing could fail)."""
 
+from pathlib import Path
+from typing import cast
+
 import pytest
 import torch
 
@@ -23,7 +26,7 @@ def test_residual_memory_keeps_residuals_on_its_storage_device() -> None:
 
 
 @cuda
-def test_diloco_outer_state_on_cpu_while_training_on_cuda(tmp_path) -> None:
+def test_diloco_outer_state_on_cpu_while_training_on_cuda(tmp_path: Path) -> None:
     import lightning.pytorch as pl
 
     import lightning_gradcomp  # noqa: F401
@@ -48,10 +51,11 @@ def test_diloco_outer_state_on_cpu_while_training_on_cuda(tmp_path) -> None:
 
 
 @cuda
-def test_sharded_diloco_outer_state_on_cpu_while_the_shards_train_on_cuda(tmp_path) -> None:
+def test_sharded_diloco_outer_state_on_cpu_while_the_shards_train_on_cuda(tmp_path: Path) -> None:
     """Over FSDP2 (one site of one shard here: the outer round runs on the local shard, a plain CUDA tensor taken
     from the DTensor parameter), the anchor and the outer momentum stay on the CPU."""
     import lightning.pytorch as pl
+    from torch.distributed.tensor import DTensor
 
     import lightning_gradcomp  # noqa: F401
     from lightning_gradcomp.outer import ShardedDiLoCoStrategy
@@ -65,9 +69,9 @@ def test_sharded_diloco_outer_state_on_cpu_while_the_shards_train_on_cuda(tmp_pa
         trainer.fit(model, _loader())
     outer = strategy.outer
     assert outer is not None and outer.rounds == 2
-    assert all(p.to_local().device.type == "cuda" for p in model.parameters())
+    assert all(cast(DTensor, p).to_local().device.type == "cuda" for p in model.parameters())  # FSDP2's shards
     assert all(a.device.type == "cpu" for a in outer.anchor.values())
     momentum = [s["momentum_buffer"] for s in outer.outer_optimizer.state.values()]
     assert momentum and all(m.device.type == "cpu" for m in momentum)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.to_local().detach().cpu(), outer.anchor[name])
+        torch.testing.assert_close(cast(DTensor, p).to_local().detach().cpu(), outer.anchor[name])

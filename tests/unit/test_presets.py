@@ -105,6 +105,7 @@ def test_warning_names_the_gap_and_the_preset_for_adam_and_adamw_only() -> None:
                 assert f"strategy={entry.preset!r}" in message
                 assert PRESETS[entry.preset].measured.describe() in message
             else:
+                assert entry.best is not None
                 assert "No setting within 2 % of DDP was found" in message and entry.best.describe() in message
         assert paper_default_warning(make_compressor(name), [sgd]) is None
         assert paper_default_warning(make_compressor(name), [adamw], customised=True) is None

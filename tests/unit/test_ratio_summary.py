@@ -3,14 +3,16 @@
 import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "ratio_summary.py"
 
 
-def _load():
+def _load() -> ModuleType:
     spec = importlib.util.spec_from_file_location("ratio_summary", _SCRIPT)
+    assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

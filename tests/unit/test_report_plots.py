@@ -34,7 +34,7 @@ def _write_run(root: Path, warmup_ms: float = 2900.0, stall_ms: float = 0.0) -> 
     (run / "hparams.yaml").write_text("gradcomp:\n  compressor: TernGrad\n  clip_factor: 2.5\n  world_size: 2\n")
     rows = []
     for step in range(0, 50, 5):
-        row = {"step": step}
+        row: dict[str, float] = {"step": step}
         for i, layer in enumerate(_LAYERS):
             row[f"gradcomp/compression_ratio/{layer}"] = 16.0 if layer != "net-0-bias" else 13.3
             row[f"gradcomp/sparsity/{layer}"] = 0.7 + 0.01 * i + 0.001 * step

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightning_gradcomp import sparse
+from lightning_gradcomp.sparse import IndexEncoding, ValueFormat
 
 
 def _random_indices(n: int, k: int, seed: int) -> torch.Tensor:
@@ -13,7 +14,7 @@ def _random_indices(n: int, k: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("index", ["coo32", "delta16"])
-def test_sparse_round_trip_and_exact_bytes(index: str, fmt: str) -> None:
+def test_sparse_round_trip_and_exact_bytes(index: IndexEncoding, fmt: ValueFormat) -> None:
     # gaps beyond 65535 (escapes), adjacent indices, first and last positions
     n = 300_000
     idx = torch.cat((torch.tensor([0, 1, 2, 65536, 65537, 65537 + 65535, 200_000 + 131_071 - 31_072]), _random_indices(n, 50, 0)))

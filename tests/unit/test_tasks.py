@@ -2,6 +2,7 @@
 
 import math
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -13,10 +14,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from gradcomp_lab.ema import ExponentialMovingAverage
 from gradcomp_lab.models import MLP, CharLSTM, LeNet, Seq2SeqAttention
 from gradcomp_lab.tasks import CharLanguageModel, ImageClassifier, Seq2SeqTask
+from gradcomp_lab.tasks.base import OptimizerName
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
+def _one_thread() -> Iterator[None]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -24,7 +26,7 @@ def _one_thread():
 
 
 def _trainer(**kwargs: Any) -> L.Trainer:
-    options = dict(
+    options: dict[str, Any] = dict(
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
@@ -48,7 +50,7 @@ def test_task_applies_schedule_per_step() -> None:
     with pytest.raises(ValueError, match="decay_steps"):
         ImageClassifier(LeNet(), lr_schedule="staircase")
     with pytest.raises(ValueError, match="`adam_betas`"):
-        ImageClassifier(LeNet(), optimizer="adamw", adam_betas=(0.9, 0.95, 0.99))  # type: ignore[arg-type]
+        ImageClassifier(LeNet(), optimizer="adamw", adam_betas=(0.9, 0.95, 0.99))
 
 
 # ---------------------------------------------------------------- EMA
@@ -123,7 +125,8 @@ def test_staircase_decay_counts_epochs_in_steps() -> None:
     )  # fmt: skip
     trainer = _trainer(max_epochs=2, limit_val_batches=0)
     trainer.fit(task, DataLoader(_blobs(48, 0), batch_size=8))  # 6 steps per epoch
-    assert trainer.lr_scheduler_configs[0].scheduler.step_size == 6
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and scheduler.step_size == 6
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.01)
 
 
@@ -134,12 +137,16 @@ def test_weight_decay_inside_the_loss_reaches_the_gradient() -> None:
     def grads(task: ImageClassifier) -> dict[str, Tensor]:
         model.zero_grad()
         task.training_step((x, y), 0).backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
+        grads = {}
+        for n, p in model.named_parameters():
+            assert p.grad is not None
+            grads[n] = p.grad.clone()
+        return grads
 
     inside = ImageClassifier(model, weight_decay=0.01, weight_decay_in_loss=True)
-    inside.log = lambda *a, **k: None  # outside a Trainer
+    inside.log = lambda *a, **k: None  # type: ignore[method-assign]  # outside a Trainer
     outside = ImageClassifier(model, weight_decay=0.01, weight_decay_in_loss=False)
-    outside.log = lambda *a, **k: None
+    outside.log = lambda *a, **k: None  # type: ignore[method-assign]
     g_in, g_out = grads(inside), grads(outside)
     for name, p in model.named_parameters():
         extra = 0.01 * p.detach() if p.ndim > 1 else torch.zeros_like(p)  # weights decay, biases do not
@@ -152,14 +159,14 @@ def test_weight_decay_inside_the_loss_reaches_the_gradient() -> None:
 
 
 def test_optimizer_choices() -> None:
-    def build(name: str) -> torch.optim.Optimizer:
+    def build(name: OptimizerName) -> torch.optim.Optimizer:
         return ImageClassifier(LeNet(image_size=8), optimizer=name, lr=0.5).configure_optimizers()["optimizer"]
 
     assert build("sgd").param_groups[0]["momentum"] == 0.0
     assert build("momentum").param_groups[0]["momentum"] == 0.9
     assert isinstance(build("adam"), torch.optim.Adam) and isinstance(build("adagrad"), torch.optim.Adagrad)
     with pytest.raises(ValueError, match="`optimizer`"):
-        build("rmsprop")
+        build("rmsprop")  # type: ignore[arg-type]  # an unknown name, refused at runtime
     assert build("adamw").param_groups[0]["betas"] == (0.9, 0.95)
 
 
@@ -177,11 +184,11 @@ def test_char_lm_and_seq2seq_tasks_train() -> None:
     src = torch.randint(4, 12, (16, 5))
     pairs = [(s, torch.cat([torch.tensor([2]), s]), torch.cat([s, torch.tensor([3])])) for s in src]  # copy task
 
-    def collate(batch: list) -> tuple:
+    def collate(batch: list[tuple[Tensor, Tensor, Tensor]]) -> tuple[Tensor, ...]:
         s, ti, to = map(torch.stack, zip(*batch))
         return s, torch.full((len(s),), 5), ti, to
 
-    copies = DataLoader(pairs, batch_size=8, collate_fn=collate)
+    copies: DataLoader[tuple[Tensor, Tensor, Tensor]] = DataLoader(pairs, batch_size=8, collate_fn=collate)  # type: ignore[arg-type]  # a list is a map-style dataset
     seq = Seq2SeqTask(Seq2SeqAttention(12, 12, embedding_dim=8, hidden_size=16), bleu=True, max_decode_len=8, lr=0.02)
     trainer = _trainer(max_epochs=2)
     trainer.fit(seq, copies, copies)
@@ -221,5 +228,6 @@ def test_lightning_cli_builds_nested_objects(monkeypatch: pytest.MonkeyPatch) ->
     assert isinstance(cli.model, ImageClassifier) and isinstance(cli.model.model, LeNet)
     assert cli.model.model.fc3.in_features == 4 * 4 * 50 and cli.model.weight_decay_in_loss
     assert isinstance(cli.datamodule, DigitsDataModule) and cli.datamodule.batch_size == 16
-    (ema,) = [c for c in cli.trainer.callbacks if isinstance(c, ExponentialMovingAverage)]
+    callbacks = cli.trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    (ema,) = [c for c in callbacks if isinstance(c, ExponentialMovingAverage)]
     assert ema.decay == 0.99

@@ -5,6 +5,8 @@ this file. Two ranks are simulated in one process: packets cross the "wire" as t
 (decoded with the receiver's own context, as the hook does), summed or gathered by the compressor's aggregation.
 """
 
+from typing import cast
+
 import pytest
 import torch
 
@@ -32,7 +34,7 @@ def _ranks(name: str, backend: str, world: int) -> list[Compressor]:
     for rank in range(world):
         compressor = make_compressor(name)
         if backend != "default":
-            compressor.backend = backend
+            compressor.backend = backend  # type: ignore[attr-defined]  # those with a fused backend (_variants)
         compressor.setup(rank, world, torch.device("cpu"))
         ranks.append(compressor)
     return ranks
@@ -47,7 +49,8 @@ def _over_the_wire(packet: Packet, payload_bytes: torch.Tensor) -> Packet:
 def _exchange(ranks: list[Compressor], xs: list[torch.Tensor], name: str) -> tuple[list[Packet], torch.Tensor]:
     """Every rank's packet and rank 0's decoded mean, as the hook computes them."""
     local = [c.local_statistic(x, name) for c, x in zip(ranks, xs)]
-    shared = None if local[0] is None else torch.stack(local).amax(dim=0)
+    # every rank's compressor has a statistic, or none has
+    shared = None if local[0] is None else torch.stack(cast(list[torch.Tensor], local)).amax(dim=0)
     packets = []
     for c, x in zip(ranks, xs):
         if c.uses_memory:
@@ -75,6 +78,7 @@ def test_every_compressor_handles_empty_and_one_element_tensors(name: str, backe
     ranks = _ranks(name, backend, 1 if multiround else WORLD)
     xs = [torch.full(shape, VALUE) for _ in ranks]
     if multiround:
+        assert isinstance(ranks[0], MultiRoundCompressor)
         (result,) = ranks[0].exchange(xs, ["w"], lambda t: t)
         nbytes, mean = [result.nbytes], result.mean
         packet = ranks[0].compress(xs[0], "w2")

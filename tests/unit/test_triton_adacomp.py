@@ -8,6 +8,7 @@ as the torch ops' product and sum).
 
 import json
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from tests.unit.test_flat_graddrop_adacomp import ADACOMP_CASES, SHAPES
 CONFIGS: dict[str, dict[str, Any]] = {**ADACOMP_CASES, "factor": dict(scale_factor=2.7, bin_size_fc=64)}
 CPU = torch.device("cpu")
 #: groups with empty and one-element layers only, and a few tiny ones
-TINY = {"empty": [(0,)], "one": [(1,)], "mixed": [(0,), (3,), (0,), (1,)]}
+TINY: dict[str, list[tuple[int, ...]]] = {"empty": [(0,)], "one": [(1,)], "mixed": [(0,), (3,), (0,), (1,)]}
 
 
 def _segments(shapes: Sequence[tuple[int, ...]]) -> Segments:
@@ -151,8 +152,8 @@ def _case_op_counts(config: str) -> None:
             step()
         return ops.total, ops.host_reads, ops.data_dependent
 
-    triton_adacomp.launch = counted  # type: ignore[assignment]
-    triton_compact.launch = counted  # type: ignore[assignment]
+    triton_adacomp.launch = counted
+    triton_compact.launch = counted
     try:
         with kernels.torch_ops():
             torch_ops = step_ops(5, on=False)
@@ -160,7 +161,7 @@ def _case_op_counts(config: str) -> None:
             before = launches
             large = step_ops(11)
     finally:
-        triton_adacomp.launch = triton_compact.launch = launch  # type: ignore[assignment]
+        triton_adacomp.launch = triton_compact.launch = launch
     assert small == large and small[1:] == (1, 0), (small, large)
     assert launches - before == before == 2 * 12  # a warm-up step and a counted one
     assert small[0] < torch_ops[0] and torch_ops[1:] == (0, 1), (small, torch_ops)
@@ -183,13 +184,13 @@ def _case_choice() -> None:
 
 
 INTERPRETED: dict[str, Callable[[], None]] = {
-    **{f"exchange-{c}": (lambda c=c: _case_exchange(c, steps=2 if c == "binary" else 1)) for c in CONFIGS},
+    **{f"exchange-{c}": partial(_case_exchange, c, steps=2 if c == "binary" else 1) for c in CONFIGS},
     "one-rank": lambda: _case_exchange("binary", ranks=1, steps=3),
-    **{f"tiny-{name}": (lambda s=s: _case_exchange("small_bins", s)) for name, s in TINY.items()},
+    **{f"tiny-{name}": partial(_case_exchange, "small_bins", s) for name, s in TINY.items()},
     "long-gaps": lambda: _case_exchange("binary", [(3000,), (3,), (900,)], ranks=1, steps=1),
     "decode-blocks": _case_decode_blocks,
-    **{f"nonfinite-{q}": (lambda q=q: _case_exchange(q, poison=_nonfinite)) for q in ("binary", "ternary")},
-    **{f"op-counts-{c}": (lambda c=c: _case_op_counts(c)) for c in ("binary", "ternary")},
+    **{f"nonfinite-{q}": partial(_case_exchange, q, poison=_nonfinite) for q in ("binary", "ternary")},
+    **{f"op-counts-{c}": partial(_case_op_counts, c) for c in ("binary", "ternary")},
     "choice": _case_choice,
 }
 

@@ -3,6 +3,7 @@ index_select (and its inverse against index_add_), in Triton's interpreter (test
 
 import json
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -67,13 +68,13 @@ def _scatter_store(dtype: torch.dtype) -> None:
 
 
 CASES: dict[str, Callable[[], None]] = {
-    **{f"n{n}-d{d}-{str(t)[6:]}-{'known' if k else 'counted'}": (lambda n=n, d=d, t=t, k=k: _case(n, d, t, k))
+    **{f"n{n}-d{d}-{str(t)[6:]}-{'known' if k else 'counted'}": partial(_case, n, d, t, k)
        for n in (0, 1, 1023, 1024, 5000) for d in (0.0, 0.01, 0.5, 1.0)
        for t in (torch.float32, torch.float16) for k in (False, True)},
     "uint8-mask": _uint8_mask,
-    **{f"scatter-add-{str(t)[6:]}-{str(i)[6:]}": (lambda t=t, i=i: _scatter(t, i))
+    **{f"scatter-add-{str(t)[6:]}-{str(i)[6:]}": partial(_scatter, t, i)
        for t in (torch.float32, torch.float16) for i in (torch.int32, torch.int64)},
-    **{f"scatter-{str(t)[6:]}": (lambda t=t: _scatter_store(t)) for t in (torch.float32, torch.float16)},
+    **{f"scatter-{str(t)[6:]}": partial(_scatter_store, t) for t in (torch.float32, torch.float16)},
 }
 
 

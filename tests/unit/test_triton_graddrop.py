@@ -8,6 +8,7 @@ compiles every kernel for a Hopper GPU (sm_90) down to a cubin.
 import json
 import re
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Optional
 
 import pytest
@@ -22,7 +23,7 @@ from tests.unit.test_flat_graddrop_adacomp import GRADDROP_CASES, _gradient, _la
 
 CPU = torch.device("cpu")
 #: groups of only empty layers, of one element, and of mixed tiny layers
-TINY = {"empty": [(0,)], "one": [(1,)], "mixed": [(0,), (3,), (0,), (1,)]}
+TINY: dict[str, list[tuple[int, ...]]] = {"empty": [(0,)], "one": [(1,)], "mixed": [(0,), (3,), (0,), (1,)]}
 
 
 def _ranks(kwargs: dict[str, Any], ranks: int, triton: bool, device: torch.device) -> list[GradientDropping]:
@@ -205,11 +206,11 @@ def _op_counts(kwargs: dict[str, Any]) -> None:
         return comp
 
     torch_ops = _ops_per_step(lambda: make(False), 8)
-    triton_graddrop.launch = triton_compact.launch = counted  # type: ignore[assignment]
+    triton_graddrop.launch = triton_compact.launch = counted
     try:
         few, many = _ops_per_step(lambda: make(True), 8), _ops_per_step(lambda: make(True), 32)
     finally:
-        triton_graddrop.launch = triton_compact.launch = launch  # type: ignore[assignment]
+        triton_graddrop.launch = triton_compact.launch = launch
     assert few == many and many[1:] == (1, 0), (few, many)
     per_step = 9 if kwargs.get("sample") == "random" else 8  # whole layers: |x| is the sample, no sample kernel
     assert launches == 2 * 3 * per_step  # two calls of _ops_per_step, each two warm-up steps and a counted one
@@ -249,18 +250,18 @@ def _global_restart() -> None:
 
 
 INTERPRETED: dict[str, Callable[[], None]] = {
-    **{f"exchange-{c}": (lambda c=c: _compare(GRADDROP_CASES[c], _layout(), 2, corrupt=_in_bf16 if c == "bf16" else None))
+    **{f"exchange-{c}": partial(_compare, GRADDROP_CASES[c], _layout(), 2, corrupt=_in_bf16 if c == "bf16" else None)
        for c in GRADDROP_CASES},
-    **{f"one-rank-{c}": (lambda c=c: _compare(GRADDROP_CASES[c], _layout(), steps=1, ranks=1))
+    **{f"one-rank-{c}": partial(_compare, GRADDROP_CASES[c], _layout(), steps=1, ranks=1)
        for c in ("random", "fp16")},
-    **{f"tiny-{name}": (lambda s=s: _compare(GRADDROP_CASES["random"], _layout(s), steps=2)) for name, s in TINY.items()},
-    **{f"nonfinite-{c}": (lambda c=c: _compare(GRADDROP_CASES[c], _layout(), steps=1, corrupt=_nonfinite))
+    **{f"tiny-{name}": partial(_compare, GRADDROP_CASES["random"], _layout(s), steps=2) for name, s in TINY.items()},
+    **{f"nonfinite-{c}": partial(_compare, GRADDROP_CASES[c], _layout(), steps=1, corrupt=_nonfinite)
        for c in ("exact", "fp16", "random", "global_exact")},
     "nonfinite-bf16": lambda: _compare(GRADDROP_CASES["bf16"], _layout(), steps=1, corrupt=_nonfinite_bf16),
     "tile-edges": _tile_edges,
     "sample-positions": _sample_positions,
     "global-restart": _global_restart,
-    **{f"op-counts-{s}": (lambda s=s: _op_counts({"sample": s, "min_sample": 40, "values": "fp16"}))
+    **{f"op-counts-{s}": partial(_op_counts, {"sample": s, "min_sample": 40, "values": "fp16"})
        for s in ("random", "exact")},
     "choice": _choice,
 }

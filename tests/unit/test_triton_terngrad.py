@@ -7,6 +7,7 @@ compile for CUDA and round as the torch ops do (true division only as ``div.rn``
 """
 
 import json
+from functools import partial
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -155,13 +156,17 @@ def _case_division_modes() -> None:
     original = triton_terngrad.reciprocal_division
     try:
         for reciprocal in (False, True):
-            triton_terngrad.reciprocal_division = lambda device, r=reciprocal: r  # type: ignore[assignment]
+
+            def forced(device: torch.device, r: bool = reciprocal) -> bool:
+                return r
+
+            triton_terngrad.reciprocal_division = forced
             out = torch.empty(n)
             results[reciprocal] = triton_terngrad.decode(
                 payloads, n // 4, ranks, tables, scale, True, 1, 4, 4, out, divide=True
             )
     finally:
-        triton_terngrad.reciprocal_division = original  # type: ignore[assignment]
+        triton_terngrad.reciprocal_division = original
     assert torch.equal(results[False], summed / ranks)
     assert torch.equal(results[True], summed * (torch.tensor(1.0) / ranks))  # the float32 reciprocal: CUDA's div_
     assert not torch.equal(results[True], results[False])
@@ -185,14 +190,14 @@ def _case_op_counts(config: str, variant: str) -> None:
             launch(*args, **kwargs)
 
     comps = _with_triton(_ranks(CONFIGS[config], variant), on=False)
-    triton_terngrad.launch = counted  # type: ignore[assignment]
+    triton_terngrad.launch = counted
     try:
         with kernels.torch_ops():
             torch_ops = _step_ops(comps[0], 8)
             comps = _with_triton(_ranks(CONFIGS[config], variant))
             small, large = _step_ops(comps[0], 8), _step_ops(comps[0], 32)
     finally:
-        triton_terngrad.launch = launch  # type: ignore[assignment]
+        triton_terngrad.launch = launch
     assert small == large and small[1:] == (0, 0), (small, large)
     assert launches == 2 * 2 * 3  # two calls of _step_ops, each a warm-up step and a counted one
     assert small[0] < torch_ops[0], (small, torch_ops)
@@ -214,15 +219,15 @@ def _case_choice() -> None:
 
 
 INTERPRETED: dict[str, Callable[[], None]] = {
-    **{f"exchange-{c}-{v}": (lambda c=c, v=v: _case_exchange(c, v, steps=2 if c == "paper" else 1)) for c, v in CASES},
-    **{f"tiny-{name}-{v}": (lambda s=s, v=v: _case_exchange("paper", v, s)) for name, s in TINY.items()
+    **{f"exchange-{c}-{v}": partial(_case_exchange, c, v, steps=2 if c == "paper" else 1) for c, v in CASES},
+    **{f"tiny-{name}-{v}": partial(_case_exchange, "paper", v, s) for name, s in TINY.items()
        for v in ("allgather", "allreduce_int8")},
-    **{f"mean-into-{c}-{o}": (lambda c=c, o=o: _case_mean_into(c, o)) for c in ("paper", "per_worker", "base3")
+    **{f"mean-into-{c}-{o}": partial(_case_mean_into, c, o) for c in ("paper", "per_worker", "base3")
        for o in ("fp32", "fp16-strided", "fp16-out")},
-    **{f"nonfinite-{v}": (lambda v=v: _case_nonfinite(v)) for v in ("allgather", "allreduce_int8")},
+    **{f"nonfinite-{v}": partial(_case_nonfinite, v) for v in ("allgather", "allreduce_int8")},
     "ternarize-keys-wrap-nan-clip": _case_keys_wrap,
     "division-modes": _case_division_modes,
-    **{f"op-counts-{c}-{v}": (lambda c=c, v=v: _case_op_counts(c, v))
+    **{f"op-counts-{c}-{v}": partial(_case_op_counts, c, v)
        for c, v in (("paper", "allgather"), ("paper", "allreduce_int8"), ("per_worker", "allgather"))},
     "choice": _case_choice,
 }

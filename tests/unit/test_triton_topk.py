@@ -7,6 +7,7 @@ compiles every kernel for a Hopper GPU (sm_90): that they compile for CUDA, with
 
 import json
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import pytest
@@ -160,11 +161,11 @@ def _case_op_counts(name: str, compress_launches: int, reads: int) -> None:
         with _disable_current_modes():  # what a GPU would run as one kernel
             originals[0](*args, **kwargs)
 
-    triton_topk.launch = triton_compact.launch = counted  # type: ignore[assignment]
+    triton_topk.launch = triton_compact.launch = counted
     try:
         small, large = _step_ops(name, 4), _step_ops(name, 16)
     finally:
-        triton_topk.launch, triton_compact.launch = originals  # type: ignore[assignment]
+        triton_topk.launch, triton_compact.launch = originals
     assert small == large and small[1:] == (reads, 0), (small, large)
     # two calls of _step_ops, each a warm-up step and a counted one
     assert launches == 2 * 2 * (2 * compress_launches + 2 + 2 * 2), launches
@@ -186,7 +187,7 @@ RUNS = [("topk", 1), ("topk", 3), ("topk-fp16", 3), ("topk-sparse-1d", 3), ("top
         ("dgc", 1), ("dgc", 3), ("dgc-fp16-sparse-1d", 3), ("dgc-no-adaptation", 1)]
 
 CASES: dict[str, Callable[[], None]] = {
-    **{f"{name}-{r}-rank": (lambda n=name, r=r: _case_group(n, r)) for name, r in RUNS},
+    **{f"{name}-{r}-rank": partial(_case_group, name, r) for name, r in RUNS},
     "topk-nan-inf": lambda: _case_group("topk-sparse-1d", 3, special=True),
     "dgc-nan-inf": lambda: _case_group("dgc-fp16-sparse-1d", 3, special=True),
     "topk-tiny": lambda: _case_group("topk-sparse-1d", 3, [(0,), (1,), (0,), (3,)]),

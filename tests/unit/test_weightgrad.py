@@ -15,6 +15,7 @@ from lightning_gradcomp.weightgrad import (
     stochastic_ternary,
 )
 from lightning_gradcomp.sites import new_site_groups, site_layout
+from lightning_gradcomp.weightgrad.synchronizer import SiteView, WanQuantization
 from tests.harness import free_port
 
 
@@ -163,7 +164,7 @@ def test_significance_masks() -> None:
 @pytest.mark.parametrize(
     ("quantization", "view"), [("loss_aware", "global"), ("terngrad", "global"), ("none", "global"), ("loss_aware", "gaia")]
 )
-def test_round_keeps_what_it_did_not_send(quantization: str, view: str) -> None:
+def test_round_keeps_what_it_did_not_send(quantization: WanQuantization, view: SiteView) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         layout = site_layout(1)
