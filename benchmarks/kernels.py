@@ -412,16 +412,13 @@ def topk_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Call
                 else torch_select
             rows.append(("topk select", torch_select, kernel_select))
 
-        def decode(r: bool) -> Any:
-            return pair[r].decompress_flat(packets[r])
-
-        def mean_into(r: bool) -> Any:
-            return pair[r].decompress_flat_mean_into(received[r], out)
-
+        # bound now: a closure would read ``pair`` when the rows run, after the loop moved on to DGC
         rows += [
             (f"{label} compress", partial(pair[True].compress_flat, g, seg), partial(pair[False].compress_flat, g, seg)),
-            (f"{label} decode", partial(decode, True), partial(decode, False)),
-            (f"{label} mean x{world} into out", partial(mean_into, True), partial(mean_into, False)),
+            (f"{label} decode", partial(pair[True].decompress_flat, packets[True]),
+             partial(pair[False].decompress_flat, packets[False])),
+            (f"{label} mean x{world} into out", partial(pair[True].decompress_flat_mean_into, received[True], out),
+             partial(pair[False].decompress_flat_mean_into, received[False], out)),
         ]
     return rows
 

@@ -24,7 +24,7 @@ BAD_CONFIGS = [
     BadConfig("diloco-sync-delay-at-h", lambda: DiLoCoStrategy(sync_every=5, sync_delay=5), "sync_delay", "5"),
     BadConfig("diloco-sync-delay-negative", lambda: DiLoCoStrategy(sync_delay=-1), "sync_delay", "-1"),
     BadConfig("diloco-outer-lr-zero", lambda: DiLoCoStrategy(outer_lr=0.0), "outer_lr", "0.0"),
-    BadConfig("diloco-outer-state-device", lambda: DiLoCoStrategy(outer_state_device="cuda"), "outer_state_device", "'cuda'"),
+    BadConfig("diloco-outer-state-device", lambda: DiLoCoStrategy(outer_state_device="cuda"), "outer_state_device", "'cuda'"),  # type: ignore[arg-type]
     BadConfig("diloco-error-decay-above-one", lambda: DiLoCoStrategy(error_decay=1.5), "error_decay", "1.5"),
     BadConfig("diloco-compressor-unknown", lambda: DiLoCoStrategy(compressor="int4"), "compressor", "'int4'"),
     # the outer optimizer is built at the first round: its arguments are checked at construction

@@ -150,5 +150,5 @@ def hierarchy_fabric(rank: int, world_size: int, steps: int = 3) -> dict[str, An
             grads.append([p.grad.clone() for p in reference.parameters()])  # type: ignore[union-attr]
         with torch.no_grad():
             for i, p in enumerate(reference.parameters()):
-                p -= 0.1 * torch.stack([g[i] for g in grads]).mean(dim=0)
+                p.sub_(0.1 * torch.stack([g[i] for g in grads]).mean(dim=0))
     return {**out, "reference": _flat(reference)}
