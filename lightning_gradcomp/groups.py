@@ -231,7 +231,15 @@ class TensorBucket:
         return self._parameters
 
     def layer_shapes(self) -> list[torch.Size]:
-        return self._shapes
+        return list(self._shapes)
+
+    def layer_offsets(self) -> tuple[int, ...]:
+        """Each layer's first element in ``buffer``: back to back, in ``shapes`` (not the parameters' sizes)."""
+        offsets, at = [], 0
+        for shape in self._shapes:
+            offsets.append(at)
+            at += shape.numel()
+        return tuple(offsets)
 
     def index(self) -> int:
         return self._index

@@ -37,51 +37,31 @@ from lightning_gradcomp.guard import NonFiniteGradientError
 from lightning_gradcomp.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.sites import SiteGroups
 from lightning_gradcomp.ledger import dense_bytes, tensor_bytes
+from lightning_gradcomp.groups import TensorBucket
 
 
-class FlatBucket:
-    """A fragment's pseudo-gradients as one flat fp32 buffer, shaped as DDP's ``GradBucket`` for the hook.
+class FlatBucket(TensorBucket):
+    """A fragment's pseudo-gradients as one flat fp32 buffer (zeros until written), shaped as DDP's ``GradBucket``
+    for the hook.
 
     ``parameters()`` are the model's own parameters (the hook names them through ``GradCompState.names``);
     ``gradients()`` are views of the buffer in ``shapes`` (default: the parameters' shapes; under FSDP2 the shapes
-    of this rank's shards, which ``layer_shapes()`` and ``layer_offsets()`` tell the hook), which the hook overwrites
-    with the mean.
+    of this rank's shards, which ``layer_shapes()`` tells the hook), which the hook overwrites with the mean.
     """
 
     def __init__(self, index: int, params: Sequence[nn.Parameter], device: torch.device,
                  shapes: Optional[Sequence[torch.Size]] = None) -> None:
-        self._index = index
-        self._params = list(params)
-        self._shapes = [p.shape for p in params] if shapes is None else [torch.Size(s) for s in shapes]
-        self._buffer = torch.zeros(sum(s.numel() for s in self._shapes), dtype=torch.float32, device=device)
+        sizes = [p.shape for p in params] if shapes is None else [torch.Size(s) for s in shapes]
+        buffer = torch.zeros(sum(s.numel() for s in sizes), dtype=torch.float32, device=device)
+        super().__init__(buffer, params, sizes, index)
         self._views: list[Tensor] = []
-        self._offsets: list[int] = []
         offset = 0
-        for shape in self._shapes:
-            self._views.append(self._buffer[offset : offset + shape.numel()].view(shape))
-            self._offsets.append(offset)
+        for shape in sizes:
+            self._views.append(buffer[offset : offset + shape.numel()].view(shape))
             offset += shape.numel()
-
-    def buffer(self) -> Tensor:
-        return self._buffer
 
     def gradients(self) -> list[Tensor]:
         return self._views
-
-    def parameters(self) -> list[nn.Parameter]:
-        return self._params
-
-    def layer_shapes(self) -> list[torch.Size]:
-        return list(self._shapes)
-
-    def layer_offsets(self) -> tuple[int, ...]:
-        return tuple(self._offsets)
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return True
 
 
 @dataclass
