@@ -39,7 +39,7 @@ def run_recipe(recipe: str, overrides: list[str], quiet: bool = True, callbacks:
     """Fit ``recipe`` with ``overrides``, validate once more at the end, and return metrics and wall time.
 
     Returns a dict with the final ``callback_metrics`` after validation (floats), ``seconds`` of ``fit``, and
-    ``bytes_per_step`` for a :class:`~lightning_gradcomp.towers.TowerStrategy` (one worker's payload).
+    ``bytes_per_step`` for a :class:`~lightning_gradcomp.strategies.towers.TowerStrategy` (one worker's payload).
     """
     args = ["--config", str(ROOT / recipe), *overrides]
     if quiet:

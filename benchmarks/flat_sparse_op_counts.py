@@ -17,7 +17,7 @@ import torch
 from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 
 RANKS = 3
 

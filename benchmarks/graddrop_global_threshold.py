@@ -24,7 +24,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: `benchmarks` as a package
 from benchmarks._sparse_common import fashion_mnist, mnist_cnn
 from lightning_gradcomp.compressors.graddrop import GradientDropping, select_threshold
-from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.exchange.memory import ResidualMemory
 
 
 def main() -> None:

@@ -56,8 +56,8 @@ def build(model: str, width: int) -> tuple[nn.Module, Any]:
 
 def run(model_name: str, strategy: str, args: argparse.Namespace) -> dict[str, Any]:
     from lightning_gradcomp import GradCompState, gradcomp_hook, registry
-    from lightning_gradcomp.hierarchy import hierarchical_hook, new_site_exchange
-    from lightning_gradcomp.sites import site_layout
+    from lightning_gradcomp.sites.hierarchy import hierarchical_hook, new_site_exchange
+    from lightning_gradcomp.sites.layout import site_layout
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, loss = build(model_name, args.mlp_width)
@@ -114,7 +114,7 @@ def probe_links(args: argparse.Namespace) -> tuple[Any, Any]:
     and the ``tc`` limits deliver less than their nominal rate (docs/benchmarks.md section 1)."""
     from benchmarks.step_time import _probe_link
 
-    from lightning_gradcomp.costmodel import Link
+    from lightning_gradcomp.exchange.costmodel import Link
 
     rank, world = dist.get_rank(), dist.get_world_size()
     k = world // args.sites
@@ -137,8 +137,8 @@ def predict(r: dict[str, Any], compute_s: float, shapes: list, args: argparse.Na
         hierarchical_comm_seconds,
     )
     from lightning_gradcomp import registry
-    from lightning_gradcomp.codec import measure_codec
-    from lightning_gradcomp.costmodel import Network
+    from lightning_gradcomp.exchange.codec import measure_codec
+    from lightning_gradcomp.exchange.costmodel import Network
 
     net = Network(links[0], sites=args.sites, wan=links[1])
     base, _, hier = r["strategy"].partition("@")

@@ -4,7 +4,7 @@ Runs inside an emulated cluster (one process per rank, launched by ``gradcomp_la
 3x4096 MLP of ``step_time.py`` with stock DDP and with the gradcomp hook for each strategy, with a barrier before
 every step so the ranks start together, and prints per rank the medians over the timed steps: wall time of
 forward, backward and optimizer step, the process's CPU seconds per step (all its threads; ``sys`` is the part spent
-in the kernel: system calls, page faults, TCP), and the hook's time split (``lightning_gradcomp.stats.HookStats``: compress, collective_wait, decompress; summed over buckets).
+in the kernel: system calls, page faults, TCP), and the hook's time split (``lightning_gradcomp.exchange.stats.HookStats``: compress, collective_wait, decompress; summed over buckets).
 
     python -m gradcomp_lab.emulate --nproc 4 --bandwidth 1gbit -- \\
         python benchmarks/hook_breakdown.py --batch 8 --strategies ddp terngrad terngrad:ignore
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks.step_time import build_model
 
 from lightning_gradcomp import GradCompState, gradcomp_hook, registry
-from lightning_gradcomp.stats import HookStats
+from lightning_gradcomp.exchange.stats import HookStats
 
 
 def run(strategy: str, batch: int, steps: int, warmup: int) -> dict[str, object]:

@@ -13,8 +13,8 @@ The model has many small parameter tensors (``--layers`` blocks of 12 tensors, p
 ``--device cuda`` runs world size 1 on one GPU (NCCL group of one) and synchronizes the device around each step.
 ``--engine fsdp2`` times the sharded engine instead: each replica is sharded by FSDP2's ``fully_shard`` (every block,
 then the root) over a one-dimensional "shard" mesh of the ranks, and the compressed variants install
-:class:`~lightning_gradcomp.shards.ShardExchange` (the all-reduce hook of every unit) over a replicate group of one
-rank, as :class:`~lightning_gradcomp.sharded.ShardedGradCompStrategy` does; the baseline is stock FSDP2.
+:class:`~lightning_gradcomp.strategies.shards.ShardExchange` (the all-reduce hook of every unit) over a replicate group of one
+rank, as :class:`~lightning_gradcomp.strategies.sharded.ShardedGradCompStrategy` does; the baseline is stock FSDP2.
 On a shared CPU machine timings are noisy; the ratios within one run are the comparable numbers.
 """
 
@@ -98,8 +98,8 @@ def _sharded_replica(variant: str, model: nn.Module, rank: int, device: torch.de
     from torch.distributed.fsdp import fully_shard
 
     from lightning_gradcomp import GradCompState, registry
-    from lightning_gradcomp.shards import ShardExchange
-    from lightning_gradcomp.sites import new_group
+    from lightning_gradcomp.strategies.shards import ShardExchange
+    from lightning_gradcomp.sites.layout import new_group
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("shard",))
     for block in model.blocks:  # type: ignore[union-attr]

@@ -3,7 +3,7 @@
 The model of the audit that found OneBit diverging (issue 21): parameter tensors of 1, 7 and 1,000,003 elements,
 3 workers, 200 steps. Each worker's loss is the noisy quadratic 0.5 * sum((p - target - noise)^2) (fresh noise per
 worker and step; curvature 1 in every element, so lr / (1 - momentum) is every element's effective step), so fp32
-converges for every learning rate used here and any gap is the compressor's. Reported: the loss per element. Workers run through :class:`~lightning_gradcomp.towers.TowerStrategy`: the real compressors,
+converges for every learning rate used here and any gap is the compressor's. Reported: the loss per element. Workers run through :class:`~lightning_gradcomp.strategies.towers.TowerStrategy`: the real compressors,
 residuals and decoding, exactly as the hook combines them.
 
     PYTHONPATH=. python benchmarks/onebit_momentum.py                      # the audit's sizes
@@ -19,7 +19,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_gradcomp.towers import TowerStrategy
+from lightning_gradcomp.strategies.towers import TowerStrategy
 
 NOISE = 0.5
 

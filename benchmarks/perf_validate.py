@@ -35,8 +35,8 @@ from gradcomp_lab.perfmodel import (
     profile_compute,
 )
 from lightning_gradcomp import registry
-from lightning_gradcomp.codec import Codec, measure_codec
-from lightning_gradcomp.costmodel import Link, Network, parse_rate
+from lightning_gradcomp.exchange.codec import Codec, measure_codec
+from lightning_gradcomp.exchange.costmodel import Link, Network, parse_rate
 
 
 def _same_allocator_as(reports: dict[str, dict]) -> None:

@@ -22,8 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import GradCompState, gradcomp_hook, registry
-from lightning_gradcomp.checkpoint import rank_state
-from lightning_gradcomp.replicas import check_replicas
+from lightning_gradcomp.strategies.checkpoint import rank_state
+from lightning_gradcomp.strategies.replicas import check_replicas
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp.Queue) -> None:

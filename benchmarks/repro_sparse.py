@@ -4,7 +4,7 @@ Each run is a paper recipe (``recipes/graddrop/mlp_mnist_*.yaml``, ``recipes/ada
 through the same LightningCLI parser as ``gradcomp fit``, with these overrides (printed per run):
 
 * Fashion-MNIST instead of MNIST (the offline dataset here), ``--steps`` iterations instead of 20/100 epochs;
-* the workers emulated in one process with :class:`~lightning_gradcomp.towers.TowerStrategy` (the recipe's own
+* the workers emulated in one process with :class:`~lightning_gradcomp.strategies.towers.TowerStrategy` (the recipe's own
   compressor block, its workers and their total batch), because 4 or 8 processes do not fit on 2 shared cores;
 * graddrop: the MLP narrowed from 3x4096 to ``--hidden`` units per layer.
 

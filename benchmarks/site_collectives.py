@@ -1,6 +1,6 @@
 """The dense exchange inside a site: which torch.distributed collectives move a bucket's shares fastest (issue 18).
 
-The hierarchical hook (:mod:`lightning_gradcomp.hierarchy`) needs a reduce that leaves each of the ``k`` ranks of
+The hierarchical hook (:mod:`lightning_gradcomp.sites.hierarchy`) needs a reduce that leaves each of the ``k`` ranks of
 a site with the sum of its own share of the bucket, and the inverse gather. Measured side by side, on ``--ranks``
 Gloo processes on this host (loopback) or under ``gradcomp_lab.emulate`` (veths)::
 
@@ -40,7 +40,7 @@ def _median_ms(fn: Callable[[], None], repeats: int) -> float:
 
 
 def _rank(rank: int, world: int, numel: int, repeats: int, port: int) -> None:
-    from lightning_gradcomp import comm
+    from lightning_gradcomp.exchange import comm
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))

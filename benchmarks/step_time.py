@@ -127,8 +127,8 @@ def _run_one(model_name: str, strategy: str, args: argparse.Namespace, link: dic
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_gradcomp import GradCompState, gradcomp_hook, registry
-    from lightning_gradcomp.costmodel import Link, parse_rate
-    from lightning_gradcomp.planner import CollectivePlanner
+    from lightning_gradcomp.exchange.costmodel import Link, parse_rate
+    from lightning_gradcomp.exchange.planner import CollectivePlanner
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(model_name, args.mlp_width)
@@ -201,7 +201,7 @@ def _run_one(model_name: str, strategy: str, args: argparse.Namespace, link: dic
         dist.all_reduce(c, op=dist.ReduceOp.MAX)
         out["compute_s"] = statistics.median(c.tolist())
     if args.profile_compute and base == "terngrad":
-        from lightning_gradcomp.codec import measure_codec
+        from lightning_gradcomp.exchange.codec import measure_codec
 
         codec = measure_codec(registry.make_compressor("terngrad"), [(n, tuple(p.shape)) for n, p in model.named_parameters()], world)
         c = torch.tensor([codec.encode_s + codec.decode_s], dtype=torch.float64)
@@ -263,7 +263,7 @@ def machine() -> dict[str, Any]:
 def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
     from gradcomp_lab.emulate import Cluster, EmulationUnavailable, check_available, run_on_cluster
     from lightning_gradcomp import registry
-    from lightning_gradcomp.costmodel import parse_rate
+    from lightning_gradcomp.exchange.costmodel import parse_rate
 
     try:
         check_available()

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
 
 #: aten ops whose output size depends on the values of their input (a device-to-host wait on CUDA)
 DATA_DEPENDENT_OPS: frozenset[str] = frozenset(

@@ -5,8 +5,8 @@ Lightweight profiling on one machine plus an analytical communication model:
 * **compute**: forward + backward + update of one worker's batch, profiled here (:func:`profile_compute`) or
   estimated from a FLOP count and a device's effective FLOP/s (:class:`Device`, for GPUs we do not have);
 * **codec**: compression and decoding, measured on random tensors of every parameter's shape
-  (:func:`lightning_gradcomp.codec.measure_codec`), which also gives the exact bytes on the wire;
-* **communication**: :mod:`lightning_gradcomp.costmodel` (ring collectives, alpha-beta, N ranks, one or two
+  (:func:`lightning_gradcomp.exchange.codec.measure_codec`), which also gives the exact bytes on the wire;
+* **communication**: :mod:`lightning_gradcomp.exchange.costmodel` (ring collectives, alpha-beta, N ranks, one or two
   levels), with DDP's buckets each paying the per-message latency.
 
 ``step = compute + codec + communication`` (no overlap of communication with backward: an upper bound), and
@@ -45,9 +45,9 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_gradcomp.codec import Codec, Shapes, measure_codec
+from lightning_gradcomp.exchange.codec import Codec, Shapes, measure_codec
 from lightning_gradcomp.compressors.base import Aggregation
-from lightning_gradcomp.costmodel import (
+from lightning_gradcomp.exchange.costmodel import (
     Link,
     Network,
     hierarchical_allreduce_seconds,
@@ -356,7 +356,7 @@ def comm_seconds(codec: Codec, world_size: int, network: Network, buckets: Bucke
         network: one link class, or sites joined by a WAN.
         buckets: DDP's buckets (a count, or each bucket's share of the step's bytes).
         two_level_allreduce: on a network of sites, whether the backend's all-reduce over the flat group may run
-            the two-level schedule (:func:`~lightning_gradcomp.costmodel.hierarchical_allreduce_seconds`) when it
+            the two-level schedule (:func:`~lightning_gradcomp.exchange.costmodel.hierarchical_allreduce_seconds`) when it
             is faster. NCCL arranges its inter-node algorithms by node, so the GPU predictions allow it. Gloo
             runs one ring over the ranks whatever the topology; every step of that ring crosses the WAN. Give
             ``False`` to predict Gloo, as the emulated cluster runs it.
@@ -367,7 +367,7 @@ def comm_seconds(codec: Codec, world_size: int, network: Network, buckets: Bucke
 
 def hierarchical_comm_seconds(codec: Codec, dense_bytes: float, world_size: int, network: Network,
                               buckets: Buckets = 1) -> float:
-    """Seconds of one step of the hierarchical exchange (:mod:`lightning_gradcomp.hierarchy`) on a two-level
+    """Seconds of one step of the hierarchical exchange (:mod:`lightning_gradcomp.sites.hierarchy`) on a two-level
     ``network`` (``sites`` equal sites joined by ``wan``), bucket by bucket as the hook runs them:
 
     * a dense reduce of each share to its owner inside each site (``network.link``: the site's mean in) and a

@@ -2,7 +2,7 @@
 
 Importing the package registers the strategy names (``Trainer(strategy="terngrad")``, ``Fabric(strategy="terngrad")``,
 and ``"terngrad_notebook"`` for interactive sessions), and the presets measured on transformers with AdamW
-(``"terngrad_lm"``, :mod:`lightning_gradcomp.presets`).
+(``"terngrad_lm"``, :mod:`lightning_gradcomp.strategies.presets`).
 
 The top level holds the strategies, the DDP communication hook and the registry of names; compressors are spelt
 from their subpackage (``lightning_gradcomp.compressors.TernGrad``), callbacks from theirs
@@ -12,6 +12,10 @@ library: they live in ``gradcomp_lab``.
 
 import logging as _logging
 
+from lightning_gradcomp._deprecated import install_moved_modules as _install_moved_modules
+
+_install_moved_modules()  # `lightning_gradcomp.hook` and the other moved module paths still import, with a warning
+
 # INFO lines (what compresses, with which collectives and bytes; a kernel compile) reach the terminal by default,
 # exactly as Lightning makes its own visible: a handler of our own unless the application configured logging
 _logger = _logging.getLogger(__name__)
@@ -20,7 +24,7 @@ if not _logging.getLogger().hasHandlers():
     _logger.addHandler(_logging.StreamHandler())
     _logger.propagate = False
 
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook  # noqa: E402
+from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook  # noqa: E402
 from lightning_gradcomp.registry import (  # noqa: E402
     compressor_names,
     make_compressor,
@@ -28,9 +32,9 @@ from lightning_gradcomp.registry import (  # noqa: E402
     register_strategies,
     strategy_names,
 )
-from lightning_gradcomp.presets import register as _register_presets  # noqa: E402
-from lightning_gradcomp.strategy import GradCompStrategy, PresetStrategy  # noqa: E402
-from lightning_gradcomp.towers import TowerStrategy  # noqa: E402
+from lightning_gradcomp.strategies.presets import register as _register_presets  # noqa: E402
+from lightning_gradcomp.strategies.strategy import GradCompStrategy, PresetStrategy  # noqa: E402
+from lightning_gradcomp.strategies.towers import TowerStrategy  # noqa: E402
 
 register_strategies(GradCompStrategy)
 _register_presets(PresetStrategy)  # "terngrad_lm", ...: each compressor's setting measured to reach AdamW DDP (presets.PRESETS)
@@ -50,7 +54,7 @@ from lightning_gradcomp.onebit_adam.strategy import register as _register_frozen
 
 _register_frozen_adam()
 
-from lightning_gradcomp.sharded import ShardedGradCompStrategy  # noqa: E402
+from lightning_gradcomp.strategies.sharded import ShardedGradCompStrategy  # noqa: E402
 
 ShardedGradCompStrategy.register_strategies(None)
 
@@ -60,7 +64,7 @@ ShardedDiLoCoStrategy.register_strategies(None)
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES  # noqa: E402
 
-from lightning_gradcomp.fabric import (  # noqa: E402
+from lightning_gradcomp.strategies.fabric import (  # noqa: E402
     GradCompFabricStrategy,
     PresetFabricStrategy,
     ShardedGradCompFabricStrategy,
@@ -81,7 +85,7 @@ from lightning_gradcomp._deprecated import moved_names as _moved_names  # noqa: 
 __getattr__ = _moved_names(__name__, {
     "Compressor": "lightning_gradcomp.compressors:Compressor",
     "Identity": "lightning_gradcomp.compressors:Identity",
-    "LayerTransform": "lightning_gradcomp.pipeline:LayerTransform",
+    "LayerTransform": "lightning_gradcomp.exchange.pipeline:LayerTransform",
     "Packet": "lightning_gradcomp.compressors:Packet",
     "TernGrad": "lightning_gradcomp.compressors:TernGrad",
 })

@@ -80,7 +80,7 @@ def register_preset(name: str, strategy_cls: type, description: str, strategy_re
 
         strategy_registry = StrategyRegistry
     strategy_registry.register(name, strategy_cls, description=description, override=True, **init_params)
-    if "preset" in init_params:  # a measured setting's name (lightning_gradcomp.presets): one of strategy_names()
+    if "preset" in init_params:  # a measured setting's name (lightning_gradcomp.strategies.presets): one of strategy_names()
         _PRESET_NAMES.add(name)
     if notebook:
         strategy_registry.register(name + NOTEBOOK_SUFFIX, strategy_cls, description=f"{description}; processes "
@@ -127,7 +127,7 @@ def did_you_mean(value: str, choices: Iterable[str]) -> str:
 
 
 #: strategy names this package registers besides the compressor names (each but "gradcomp" also as `*_notebook`)
-#: the presets' names, as lightning_gradcomp.presets registers them at import
+#: the presets' names, as lightning_gradcomp.strategies.presets registers them at import
 _PRESET_NAMES: set[str] = set()
 _OWN_STRATEGIES = ("gradcomp", "weightgrad", "diloco", "streaming_diloco", "onebit_adam", "zero_one_adam")
 

@@ -65,11 +65,12 @@ SIZES = frozenset({"numel", "element_size", "nbytes"})
 BYTE_NAME = re.compile(r"(^|_)(n?bytes|wan|lan)(_|$)")
 #: the ledger's recording methods
 LEDGER_CALLS = re.compile(r"^record")
-#: the ledger's formulas (``lightning_gradcomp/ledger.py``): a size handed to one is counted there, not by the caller
+#: the ledger's formulas (``lightning_gradcomp/exchange/ledger.py``): a size handed to one is counted there, not by the caller
 LEDGER_FORMULAS = frozenset({"dense_bytes", "tensor_bytes"})
 #: functions whose byte sizes are of layout, not of the wire (syntactically alike), with the reason
 LAYOUT_SIZES = {
     "groups.py::Layouts.groups": "input bytes per pipeline chunk",
+    "exchange/groups.py::Layouts.groups": "input bytes per pipeline chunk",
     "compressors/terngrad_fused.py::FusedTernGrad._packed_and_scale": "where the scale starts in a packet's payload",
 }
 #: an expression that is a compressor (``compressor``, ``state.compressor``)
@@ -285,7 +286,7 @@ def count(library: Path = LIBRARY) -> Counts:
             undeclared |= _undeclared_attributes(tree, declared)
         for name, function in _functions(tree):
             where = f"{relative}::{name}"
-            if runtime and _performs_group_step(function, str(relative) == "hook.py", quantizers):
+            if runtime and _performs_group_step(function, relative.name == "hook.py", quantizers):
                 counts.group_step_functions.append(where)
             if _computes_bytes(name, function) and where not in LAYOUT_SIZES:
                 counts.byte_places.append(where)

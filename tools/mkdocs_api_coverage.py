@@ -21,7 +21,7 @@ PUBLIC_MODULES = (
     "lightning_gradcomp.callbacks",
     "lightning_gradcomp.weightgrad",
     "lightning_gradcomp.optimizers",
-    "lightning_gradcomp.presets",
+    "lightning_gradcomp.strategies.presets",
 )
 
 

@@ -357,7 +357,7 @@ def _rate_text(bits_per_second: float) -> str:
 def _emulator_allreduce_table(runs: list[dict[str, Any]]) -> str:
     """One all-reduce through the emulated-cluster launcher per cluster (the slowest rank's time, from the stored
     log of each command) against the cost model's ring all-reduce at the configured rates, alpha = 100 us."""
-    from lightning_gradcomp.costmodel import Link, Network, parse_rate, ring_allreduce_seconds
+    from lightning_gradcomp.exchange.costmodel import Link, Network, parse_rate, ring_allreduce_seconds
 
     lines = [*(f"{note}." for note in runs[0]["notes"]), "",
              "| cluster | measured (slowest rank) | predicted | error |", "|---|---|---|---|"]
@@ -564,8 +564,8 @@ AT_DEFAULT: list[tuple[str, str, str, str, list[tuple[str, str]]]] = [
 
 def _best() -> list[tuple[str, str, str, str, list[tuple[str, str]]]]:
     """The best setting per compressor, as :data:`AT_DEFAULT`'s rows: the others from the presets' table
-    (``lightning_gradcomp/presets.py``: the preset, or the best setting found where none is within 2 %)."""
-    from lightning_gradcomp.presets import PAPER_DEFAULTS, PRESETS
+    (``lightning_gradcomp/strategies/presets.py``: the preset, or the best setting found where none is within 2 %)."""
+    from lightning_gradcomp.strategies.presets import PAPER_DEFAULTS, PRESETS
 
     rows = list(AT_DEFAULT)
     for name, entry in PAPER_DEFAULTS.items():
@@ -605,7 +605,7 @@ def _best_table(runs: list[dict[str, Any]]) -> str:
 
 
 def _preset_labels() -> list[str]:
-    from lightning_gradcomp.presets import PAPER_DEFAULTS, PRESETS
+    from lightning_gradcomp.strategies.presets import PAPER_DEFAULTS, PRESETS
 
     labels = []
     for entry in PAPER_DEFAULTS.values():
@@ -615,9 +615,9 @@ def _preset_labels() -> list[str]:
 
 
 def _preset_table(runs: list[dict[str, Any]]) -> str:
-    """What the paper-default warning says (``lightning_gradcomp/presets.py``): each paper default's gap to AdamW
+    """What the paper-default warning says (``lightning_gradcomp/strategies/presets.py``): each paper default's gap to AdamW
     DDP, and the preset that closes it or the best setting found, recomputed from the stored runs."""
-    from lightning_gradcomp.presets import PAPER_DEFAULTS, PRESETS, measure
+    from lightning_gradcomp.strategies.presets import PAPER_DEFAULTS, PRESETS, measure
 
     by_label = {r["label"]: r for r in runs}
     lines = ["| `strategy=` | paper default vs DDP, fp32 DDP / bytes | preset | its setting | loss vs DDP, per seed | "
@@ -667,7 +667,7 @@ def _frozen_adam_labels() -> list[str]:
 def _frozen_adam_table(runs: list[dict[str, Any]]) -> str:
     """1-bit Adam and 0/1 Adam against AdamW DDP: loss per seed and its mean, bytes over the whole run (the dense
     warm-up included) and on a compressed step."""
-    from lightning_gradcomp.presets import measure
+    from lightning_gradcomp.strategies.presets import measure
 
     by_label = {r["label"]: r for r in runs}
     lines = ["| method | setting | loss vs DDP, per seed | mean | fp32 DDP / bytes over the run | "

@@ -6,7 +6,7 @@ from typing import Optional
 
 from gradcomp_lab.emulate.cluster import EmulationUnavailable, check_available, cleanup_stale
 from gradcomp_lab.emulate.launcher import RankFailed, launch
-from lightning_gradcomp.costmodel import parse_rate
+from lightning_gradcomp.exchange.costmodel import parse_rate
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from lightning_gradcomp.costmodel import format_rate
+from lightning_gradcomp.exchange.costmodel import format_rate
 from lightning_gradcomp.validation import check_int
 
 #: every namespace we create starts with this, followed by the creating process id

@@ -1,7 +1,7 @@
 """Callbacks whose work happens inside the communication hook, before compression.
 
 A :class:`PipelineCallback` lives in ``trainer.callbacks`` (so YAML configures it like any callback) but
-does its per-layer work through a :class:`~lightning_gradcomp.pipeline.LayerTransform` that it attaches to
+does its per-layer work through a :class:`~lightning_gradcomp.exchange.pipeline.LayerTransform` that it attaches to
 the :class:`~lightning_gradcomp.GradCompStrategy` at setup: Lightning's own gradient hooks run after DDP has
 already averaged the gradients, which is too late.
 """
@@ -12,8 +12,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_gradcomp.pipeline import LayerTransform
-from lightning_gradcomp.wiring import HookWiring
+from lightning_gradcomp.exchange.pipeline import LayerTransform
+from lightning_gradcomp.strategies.wiring import HookWiring
 
 
 class PipelineCallback(Callback, ABC):

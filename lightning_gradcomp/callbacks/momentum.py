@@ -28,9 +28,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradcomp.callbacks.base import PipelineCallback
-from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.exchange.pipeline import LayerTransform
 from lightning_gradcomp.validation import check_number
-from lightning_gradcomp.wiring import HookWiring
+from lightning_gradcomp.strategies.wiring import HookWiring
 
 
 class MomentumCorrect(LayerTransform):

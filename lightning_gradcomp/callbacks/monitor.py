@@ -9,7 +9,7 @@ On logging steps, rank 0 sends one dict per step to each logger (``for logger in
   ``bits_per_element`` and ``compression_ratio`` (fp32 bits / bits sent);
 * totals: ``gradcomp/bytes/total``, ``gradcomp/bits_per_element/total``, ``gradcomp/compression_ratio/total``;
 * the time split per step, ``gradcomp/time_ms/{compress,collective_wait,decompress}`` (see
-  :mod:`lightning_gradcomp.stats`);
+  :mod:`lightning_gradcomp.exchange.stats`);
 * with a ``WandbLogger``, in the same dict: ``gradcomp/histogram/<parameter name>/<kind>`` for ``kind`` in
   original, clipped, compressed, averaged (TernGrad Fig. 2); a ``TensorBoardLogger`` gets the same
   histograms under the same tags (``add_histogram_raw``), so ``gradcomp report`` can draw them.
@@ -32,10 +32,10 @@ from typing_extensions import override
 from lightning_gradcomp.callbacks.clipping import SigmaClip
 from lightning_gradcomp.callbacks.progress import PROGRESS_BAR_KEY, show_compression_ratio  # noqa: F401  (re-export)
 from lightning_gradcomp.extras import require
-from lightning_gradcomp.hook import GradCompState
-from lightning_gradcomp.ledger import ByteReport, dense_bytes
-from lightning_gradcomp.stats import HookStats
-from lightning_gradcomp.wiring import HookWiring
+from lightning_gradcomp.exchange.hook import GradCompState
+from lightning_gradcomp.exchange.ledger import ByteReport, dense_bytes
+from lightning_gradcomp.exchange.stats import HookStats
+from lightning_gradcomp.strategies.wiring import HookWiring
 from lightning_gradcomp.validation import check_int
 
 PREFIX = "gradcomp"

@@ -12,8 +12,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_gradcomp.hook import GradCompState
-from lightning_gradcomp.ledger import ByteReport
+from lightning_gradcomp.exchange.hook import GradCompState
+from lightning_gradcomp.exchange.ledger import ByteReport
 
 #: progress bar key of the current compression ratio
 PROGRESS_BAR_KEY = "comp_ratio"
@@ -25,7 +25,7 @@ def show_compression_ratio(
     """Put the strategy's compression ratio in the progress bar if it changed (or ``force``); returns what shows.
 
     The ratio is ``strategy.dense_bytes_per_step() / strategy.bytes_per_step()``
-    (:class:`~lightning_gradcomp.ledger.ByteReport`: the latest step's bytes for strategies that exchange every step,
+    (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`: the latest step's bytes for strategies that exchange every step,
     the run's average for DiLoCo and WeightGrad). The progress bar keeps the last value it got and ``self.log`` costs
     tens of microseconds: only changes are sent (a fixed-size compressor's ratio never changes), plus refreshes when
     ``force`` (logging steps, epoch starts).

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.topk import DGC_PAPER_WARMUP
-from lightning_gradcomp.wiring import HookWiring
+from lightning_gradcomp.strategies.wiring import HookWiring
 from lightning_gradcomp.validation import check_choice, check_int
 
 Unit = Literal["epoch", "step"]

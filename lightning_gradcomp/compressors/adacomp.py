@@ -23,7 +23,7 @@ Choices the paper leaves open (documented in ``docs/compressors.md``):
 
 The paper's wire format (``wire="paper"``): one float32 scale per layer, then a word per sent entry, 8 bits for
 L_T < 64 and 16 bits otherwise, 2 bits of which carry the ternary value and the rest the entry's offset in
-its bin, plus a marker word wherever the bin cannot be inferred (:func:`~lightning_gradcomp.sparse.encode_bin_relative`).
+its bin, plus a marker word wherever the bin cannot be inferred (:func:`~lightning_gradcomp.wire.sparse.encode_bin_relative`).
 ``wire="index32"`` is the third-party MXNet layout: int32 count, float32 scale, int32 absolute indices, one sign
 bit per entry. A layer that sends nothing sends 0 bytes.
 """
@@ -48,8 +48,8 @@ from lightning_gradcomp.compressors.backends import BACKENDS, Backend
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp, FusedSumCompressor, decode_sum
 from lightning_gradcomp.kernels import triton_adacomp
-from lightning_gradcomp.segments import Segments
-from lightning_gradcomp.sparse import (
+from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.wire.sparse import (
     bin_word_bits,
     decode_bin_relative,
     encode_bin_relative,

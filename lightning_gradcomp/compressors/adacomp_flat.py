@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.kernels import triton_adacomp, triton_compact
-from lightning_gradcomp.segments import Segments
-from lightning_gradcomp.sparse import CODE_ADVANCE, bin_word_bits
+from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.wire.sparse import CODE_ADVANCE, bin_word_bits
 
 _BIG = 2**62
 
@@ -174,7 +174,7 @@ def encode_group_words(
     g: Tensor, send: Tensor, scale: Tensor, layout: BinLayout, segments: Segments
 ) -> tuple[Tensor, Tensor]:
     """The paper's wire for every layer, back to back, and each layer's bytes (int64 ``[layers]``): per layer with
-    entries, ``[float32 scale][bin-relative words]`` as :func:`~lightning_gradcomp.sparse.encode_bin_relative`
+    entries, ``[float32 scale][bin-relative words]`` as :func:`~lightning_gradcomp.wire.sparse.encode_bin_relative`
     writes them (markers included); nothing for a layer without."""
     nbins = layout.bin_layer.numel()
     sent = send.to(torch.int64)

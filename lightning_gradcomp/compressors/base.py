@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradcomp.kernels import triton_launch
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_options
 
 
@@ -88,7 +88,7 @@ class Packet:
 
 @dataclass
 class FlatPacket:
-    """The compressed form of a group of layers laid out in one flat tensor (:class:`~lightning_gradcomp.segments.Segments`).
+    """The compressed form of a group of layers laid out in one flat tensor (:class:`~lightning_gradcomp.exchange.segments.Segments`).
 
     A batched compressor makes one from the whole group in a fixed number of ops; the default, built from
     :class:`Packet` s one layer at a time, keeps them in ``layers``.
@@ -339,7 +339,7 @@ class Compressor(ABC):
     # -- a group of layers in one flat tensor (the hook's batched pipeline) -------------------------------------
     # The defaults below loop over the layers with the per-layer methods above, so every compressor travels through
     # the hook's one pipeline; a batched compressor overrides them with a fixed number of ops per group (see
-    # :mod:`lightning_gradcomp.segments`) and sets :attr:`batched`. Overrides must give what the loop gives: the
+    # :mod:`lightning_gradcomp.exchange.segments`) and sets :attr:`batched`. Overrides must give what the loop gives: the
     # same values bit for bit where the compressor is deterministic, the same statistics where it draws.
 
     #: whether the ``*_flat`` methods run a fixed number of ops per group rather than the default loop over layers

@@ -12,7 +12,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 
 
 class Cast(Compressor):

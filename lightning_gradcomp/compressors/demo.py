@@ -52,7 +52,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 IndexDtype = Literal["uint8", "int16", "int64"]

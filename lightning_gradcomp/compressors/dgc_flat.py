@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.topk_flat import SparseLayout
 from lightning_gradcomp.kernels import segmented, triton_topk
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 
 
 @dataclass

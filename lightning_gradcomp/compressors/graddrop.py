@@ -8,7 +8,7 @@ Per tensor x (the gradient plus this rank's residual, added by the hook's error 
    k-th smallest sampled |x| (Marian's ``max(0, m*R - 1)``-th element, 2017-06 code); k = 0 means only exact
    zeros are dropped.
 2. drop |x| <= threshold (Marian's rule); the survivors travel as a sparse vector, the dropped values stay in
-   the residual (the hook's :class:`~lightning_gradcomp.memory.ResidualMemory`).
+   the residual (the hook's :class:`~lightning_gradcomp.exchange.memory.ResidualMemory`).
 3. optionally (paper Sec. 5.4) quantize the survivors: to +-threshold (Strom), to the per-column or global
    mean of each sign (Dryden), or with 2 bits that separate large movers from small ones.
 
@@ -51,8 +51,8 @@ from lightning_gradcomp.compressors.graddrop_flat import (
 from lightning_gradcomp.compressors.sparse_fused import FusedGradientDropping, FusedSumCompressor, decode_sum
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
 from lightning_gradcomp.kernels import rng, triton_graddrop
-from lightning_gradcomp.segments import Segments
-from lightning_gradcomp.sparse import (
+from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.wire.sparse import (
     INDEX_ENCODINGS,
     VALUE_FORMATS,
     IndexEncoding,

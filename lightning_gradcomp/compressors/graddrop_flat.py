@@ -8,7 +8,7 @@ is the compressor's, :meth:`GradientDropping._group_thresholds`):
   positions drawn from the counter-based streams of
   :class:`~lightning_gradcomp.compressors.streams.CounterStreams`: hash(i) mod n, keyed by seed, rank, name and a
   per-name counter, so the whole group draws in a fixed number of ops); the samples, back to back, are sorted per
-  layer at once (:meth:`Segments.sort <lightning_gradcomp.segments.Segments.sort>`) and each layer's floor(R * m)-th
+  layer at once (:meth:`Segments.sort <lightning_gradcomp.exchange.segments.Segments.sort>`) and each layer's floor(R * m)-th
   value is read at a cached position (``torch.kthvalue`` and a stable sort agree on every value, NaN ranked last);
 * the drop rule, the tie rule (a layer with nothing above its threshold sends its ties) and the fp16 overflow
   rule are masks over the whole group, per-layer "any" through one segment reduce;
@@ -30,8 +30,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.segments import Segments
-from lightning_gradcomp.sparse import ValueFormat, value_dtype, value_nbytes
+from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.wire.sparse import ValueFormat, value_dtype, value_nbytes
 
 
 @dataclass(frozen=True)

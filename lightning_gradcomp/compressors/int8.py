@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.compressors.base import max_or_zero
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_int
 
 _INT8_MAX = 127

@@ -31,10 +31,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gradcomp.bits import packed_bits_nbytes
+from lightning_gradcomp.wire.bits import packed_bits_nbytes
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.compressors.grouped import PackedPayload, derived
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_choice
 
 Granularity = Literal["tensor", "row"]

@@ -21,11 +21,11 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
+from lightning_gradcomp.wire.bits import pack_bits, packed_bits_nbytes, unpack_bits
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic, max_or_zero
 from lightning_gradcomp.compressors.grouped import PackedPayload, derived
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_int
 
 

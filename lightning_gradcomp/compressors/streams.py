@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.kernels.rng import MASK32, hash_index, stream_id, stream_key, to_uniform, uniform
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 
 
 class RandomStreams:

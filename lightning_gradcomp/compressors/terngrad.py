@@ -40,9 +40,9 @@ from lightning_gradcomp.compressors.streams import CounterStreams, RandomStreams
 from lightning_gradcomp.compressors.terngrad_flat import FlatTernGrad
 from lightning_gradcomp.compressors.terngrad_fused import FusedTernGrad
 from lightning_gradcomp.kernels._build import extension_for
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
-from lightning_gradcomp.wire import PACKINGS, Packing, pack_ternary, packed_nbytes, unpack_ternary
+from lightning_gradcomp.wire.ternary import PACKINGS, Packing, pack_ternary, packed_nbytes, unpack_ternary
 
 ClipMode = Literal["paper", "code"]
 ScalerShare = Literal["max", "per_worker"]

@@ -1,5 +1,5 @@
 """TernGrad over a group of layers laid out in one flat tensor: a fixed number of ops per group, whatever the number
-of layers (the hook's batched pipeline, :mod:`lightning_gradcomp.segments`).
+of layers (the hook's batched pipeline, :mod:`lightning_gradcomp.exchange.segments`).
 
 The maths is the fused backend's (:mod:`~lightning_gradcomp.compressors.terngrad_fused`), so the result equals
 ``backend="fused"`` layer by layer bit for bit given the same scalers:
@@ -27,7 +27,7 @@ resolution of ``torch.rand``) and the same scalers up to float32 rounding of sig
 
 Chunks: each layer is cut into chunks of ``bucket_size`` elements (the last one shorter), one scaler each; with
 ``bucket_size=None`` one chunk per layer; an empty layer has no chunk (no scaler, no byte on the wire). The
-chunks of a group are themselves :class:`~lightning_gradcomp.segments.Segments`, so per-chunk reductions are one
+chunks of a group are themselves :class:`~lightning_gradcomp.exchange.segments.Segments`, so per-chunk reductions are one
 ``scatter_reduce`` each.
 """
 
@@ -46,8 +46,8 @@ from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedS
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.compressors.terngrad_fused import TernGradSettings
 from lightning_gradcomp.kernels import triton_launch, triton_terngrad
-from lightning_gradcomp.segments import Segments
-from lightning_gradcomp.wire import Packing
+from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.wire.ternary import Packing
 
 _PER_BYTE = {"2bit": 4, "base3": 5}
 _RADIX = {"2bit": 4, "base3": 3}
@@ -117,7 +117,7 @@ class ChunkLayout:
 
 class PackLayout:
     """Where each element's code and each layer's scalers go in the group payload: every layer packed as
-    :func:`~lightning_gradcomp.wire.pack_ternary` packs it (its padded length split into ``per`` contiguous parts,
+    :func:`~lightning_gradcomp.wire.ternary.pack_ternary` packs it (its padded length split into ``per`` contiguous parts,
     byte k holding element k of each part), then, when scalers travel per worker, the layer's float32 scalers.
 
     Args:
@@ -440,7 +440,7 @@ class FlatTernGrad:
 
     @staticmethod
     def pack(ternary: Tensor, layout: PackLayout) -> Tensor:
-        """uint8 ``[bytes]``: every layer's ternaries packed as :func:`~lightning_gradcomp.wire.pack_ternary` packs them."""
+        """uint8 ``[bytes]``: every layer's ternaries packed as :func:`~lightning_gradcomp.wire.ternary.pack_ternary` packs them."""
         codes = torch.cat((ternary + _ZERO_CODE, ternary.new_full((1,), _ZERO_CODE))).view(torch.uint8)
         parts = codes.index_select(0, layout.gather(codes.device)).view(layout.per, layout.bytes)
         # place values times codes (<= 2) sum below 256: exact in uint8

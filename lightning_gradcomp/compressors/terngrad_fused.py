@@ -26,7 +26,7 @@ from torch import Tensor
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, Packet
 from lightning_gradcomp.compressors.streams import CounterStreams
-from lightning_gradcomp.wire import Packing, pack_ternary, packed_nbytes
+from lightning_gradcomp.wire.ternary import Packing, pack_ternary, packed_nbytes
 
 
 class TernGradSettings(Protocol):

@@ -32,13 +32,13 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
+from lightning_gradcomp.wire.bits import pack_bits, packed_bits_nbytes, unpack_bits
 from lightning_gradcomp.compressors import dgc_flat, topk_flat
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
 from lightning_gradcomp.compressors.topk_flat import INT2_HALF_RANGE as _INT2_HALF_RANGE
 from lightning_gradcomp.compressors.topk_flat import SparseLayout
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 ValueDtype = Literal["fp32", "fp16", "int2"]

@@ -1,5 +1,5 @@
 """The batched wire of :class:`~lightning_gradcomp.compressors.TopK` and ``DGC``: a whole group of layers
-(:class:`~lightning_gradcomp.segments.Segments`) encoded and decoded in a fixed number of ops.
+(:class:`~lightning_gradcomp.exchange.segments.Segments`) encoded and decoded in a fixed number of ops.
 
 A group payload is one ``uint8`` tensor of four sections, each 4-byte aligned where it starts (so each is a view
 of the payload, not a copy, when the payload itself is aligned):
@@ -9,7 +9,7 @@ of the payload, not a copy, when the payload itself is aligned):
 * dense layers (``dim() <= 1`` with ``dense_1d``): their elements in flat order, as float32;
 * indices: positions within the group's flat tensor (global, not per layer), layer after layer;
 * values: ``fp32`` / ``fp16`` per index, or ``int2``'s 2-bit codes, each layer's codes padded with zeros to a
-  whole byte (as a per-layer :func:`~lightning_gradcomp.bits.pack_bits` pads them).
+  whole byte (as a per-layer :func:`~lightning_gradcomp.wire.bits.pack_bits` pads them).
 
 Each layer accounts for exactly the bytes its per-layer packet has (``TopK.compress``): ``4 n`` dense,
 ``k (4 + value bytes)`` sparse, ``4 + 4 k + ceil(k / 4)`` with ``int2``; only their order in the payload differs.
@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.bits import pack_bits, unpack_bits
+from lightning_gradcomp.wire.bits import pack_bits, unpack_bits
 from lightning_gradcomp.kernels import triton_compact, triton_topk
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 
 #: int2 codes 0..3 stand for (code - 1.5) * s
 INT2_HALF_RANGE = 1.5

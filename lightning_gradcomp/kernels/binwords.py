@@ -1,4 +1,4 @@
-"""AdaComp's bin-relative wire words (:func:`lightning_gradcomp.sparse.encode_bin_relative`), encoded and
+"""AdaComp's bin-relative wire words (:func:`lightning_gradcomp.wire.sparse.encode_bin_relative`), encoded and
 decoded-and-summed in one sequential pass each.
 
 The words are a running code (the decoder's current bin moves with every marker and every offset that does not
@@ -16,12 +16,12 @@ from torch import Tensor
 
 from lightning_gradcomp.kernels._build import extension_for
 from lightning_gradcomp.kernels.selection import adacomp_select, sparse_decode_sum
-from lightning_gradcomp.sparse import bin_word_bits, decode_bin_relative, encode_bin_relative
+from lightning_gradcomp.wire.sparse import bin_word_bits, decode_bin_relative, encode_bin_relative
 from lightning_gradcomp.validation import check_int
 
 
 def bin_words_encode(indices: Tensor, codes: Tensor, bin_size: int) -> Tensor:
-    """:func:`~lightning_gradcomp.sparse.encode_bin_relative`: the words of ascending ``indices`` with value
+    """:func:`~lightning_gradcomp.wire.sparse.encode_bin_relative`: the words of ascending ``indices`` with value
     ``codes`` in {0, 1, 2}, bit-identical."""
     bits = bin_word_bits(bin_size)  # validates bin_size
     ext = extension_for(indices, codes)
@@ -37,7 +37,7 @@ def bin_words_decode_sum(
 
     Each payload is ``[float32 scale][bin-relative words]`` (empty: nothing sent); an entry with value code c
     contributes ``(c - 1) * scale``. Equal, bit for bit, to decoding each payload with
-    :func:`~lightning_gradcomp.sparse.decode_bin_relative` and :func:`sparse_decode_sum` of the results.
+    :func:`~lightning_gradcomp.wire.sparse.decode_bin_relative` and :func:`sparse_decode_sum` of the results.
     ``out`` (contiguous float32, ``numel`` elements) is overwritten if given.
     """
     check_int("numel", numel, minimum=0)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_gradcomp.kernels import rng
 from lightning_gradcomp.kernels._build import extension_for
-from lightning_gradcomp.wire import pack_ternary, unpack_ternary
+from lightning_gradcomp.wire.ternary import pack_ternary, unpack_ternary
 
 
 

@@ -7,11 +7,11 @@ update for 0/1 Adam) is cut into one chunk per rank, rank ``r`` being the "serve
    (:class:`~lightning_gradcomp.compressors.OneBit`, one group per *piece*: the part of a tensor that falls in one
    chunk, with its own sign bits and two reconstruction values, so that layers of different scales never share a
    scale, as DeepSpeed compressed each tensor on its own), and keeps what the bits did not carry as its new worker
-   error (:class:`~lightning_gradcomp.memory.ResidualMemory`, one residual per piece);
-2. an all-to-all sends chunk ``r`` of every rank to rank ``r`` (:func:`~lightning_gradcomp.comm.scatter_to_owners`);
+   error (:class:`~lightning_gradcomp.exchange.memory.ResidualMemory`, one residual per piece);
+2. an all-to-all sends chunk ``r`` of every rank to rank ``r`` (:func:`~lightning_gradcomp.exchange.comm.scatter_to_owners`);
 3. server stage: rank ``r`` decodes the ``W`` packets of its chunk, averages them (in rank order), adds its server
    error, compresses the mean again (per piece) and keeps what those bits did not carry as its server error;
-4. an all-gather of the servers' packets (:func:`~lightning_gradcomp.comm.gather_from_owners`, unequal sizes); every
+4. an all-gather of the servers' packets (:func:`~lightning_gradcomp.exchange.comm.gather_from_owners`, unequal sizes); every
    rank decodes every chunk from the same bytes, so the result is bit-identical on every rank.
 
 Bytes this rank contributes per exchange: its worker packet (every piece: ``ceil(n / 8) + 8`` bytes) plus its
@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp import comm
+from lightning_gradcomp.exchange import comm
 from lightning_gradcomp.compressors.base import FlatPacket
 from lightning_gradcomp.compressors.onebit import OneBit
-from lightning_gradcomp.memory import ResidualMemory
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.memory import ResidualMemory
+from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_int
 
 

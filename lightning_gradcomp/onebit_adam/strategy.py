@@ -20,17 +20,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp import comm
+from lightning_gradcomp.exchange import comm
 from lightning_gradcomp.compressors.base import Aggregation
-from lightning_gradcomp.groups import LayerViews, layer_offsets
-from lightning_gradcomp.guard import begin_step, bucket_is_nonfinite
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook
-from lightning_gradcomp.ledger import GroupRecord
+from lightning_gradcomp.exchange.groups import LayerViews, layer_offsets
+from lightning_gradcomp.exchange.guard import begin_step, bucket_is_nonfinite
+from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.exchange.ledger import GroupRecord
 from lightning_gradcomp.onebit_adam.exchange import CompressedAllReduce
 from lightning_gradcomp.optimizers.frozen_adam import FrozenVarianceAdam, OneBitAdam, ZeroOneAdam
-from lightning_gradcomp.replicas import check_replicas
-from lightning_gradcomp.segments import Segments
-from lightning_gradcomp.strategy import GradCompStrategy
+from lightning_gradcomp.strategies.replicas import check_replicas
+from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.strategies.strategy import GradCompStrategy
 from lightning_gradcomp.validation import check_int
 
 log = logging.getLogger(__name__)

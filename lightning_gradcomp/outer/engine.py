@@ -33,8 +33,8 @@ from torch.optim import Optimizer
 
 from lightning_gradcomp.outer.exchange import InFlight
 from lightning_gradcomp.outer.fragments import due, sync_offset
-from lightning_gradcomp.sites import SiteGroups
-from lightning_gradcomp.ledger import dense_bytes
+from lightning_gradcomp.sites.layout import SiteGroups
+from lightning_gradcomp.exchange.ledger import dense_bytes
 
 
 UnsentView = Literal["global", "gaia"]

@@ -1,7 +1,7 @@
 """The outer round's exchange: pseudo-gradients through the DDP hook's own pipeline, between site leaders.
 
 One implementation of compression and exchange serves both levels. An outer round hands the fragment's
-pseudo-gradients to :func:`~lightning_gradcomp.hook.gradcomp_hook` as one flat bucket, with a hook state of its
+pseudo-gradients to :func:`~lightning_gradcomp.exchange.hook.gradcomp_hook` as one flat bucket, with a hook state of its
 own whose group is the site leaders'. So every registered compressor (and any ``Compressor``) works on
 pseudo-gradients exactly as on gradients: summable encodings with a shared scale (Int8, TernGrad's max-shared
 scaler) travel by all-reduce, the others by all-gather, multi-round ones (PowerSGD) by their rounds; error
@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gradcomp import checkpoint as ckpt
-from lightning_gradcomp import comm
-from lightning_gradcomp.guard import NonFiniteGradientError
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook
-from lightning_gradcomp.sites import SiteGroups
-from lightning_gradcomp.ledger import dense_bytes, tensor_bytes
-from lightning_gradcomp.groups import TensorBucket
+from lightning_gradcomp.strategies import checkpoint as ckpt
+from lightning_gradcomp.exchange import comm
+from lightning_gradcomp.exchange.guard import NonFiniteGradientError
+from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.sites.layout import SiteGroups
+from lightning_gradcomp.exchange.ledger import dense_bytes, tensor_bytes
+from lightning_gradcomp.exchange.groups import TensorBucket
 
 
 class FlatBucket(TensorBucket):

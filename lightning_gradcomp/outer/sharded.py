@@ -13,7 +13,7 @@ Reused, not copied: the engine (:class:`~lightning_gradcomp.outer.engine.OuterSy
 through the hook's pipeline, its ledger counting the bytes), the outer options, final round and statistics
 (:class:`~lightning_gradcomp.outer.strategy.OuterRounds`), the mesh, its groups and the FSDP2 checks
 (:class:`~lightning_gradcomp.ShardedGradCompStrategy`), the replica check after a round and the per-rank checkpoint
-state (:class:`~lightning_gradcomp.resilience.ResilienceMixin`).
+state (:class:`~lightning_gradcomp.strategies.resilience.ResilienceMixin`).
 
 Why the engine works on plain local tensors (``DTensor.to_local()``) and not on ``DTensor`` parameters: everything in
 an outer round is elementwise (the pseudo-gradient, the outer SGD step, mixing) or goes through the hook, which
@@ -37,10 +37,10 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.outer.exchange import LeaderExchange
 from lightning_gradcomp.outer.fragments import strided_fragments
 from lightning_gradcomp.outer.strategy import STREAMING_DESCRIPTION, STREAMING_PRESET, OuterRounds, warn_one_site
-from lightning_gradcomp.resilience import ResumeCompression
-from lightning_gradcomp.sharded import ShardedGradCompStrategy
-from lightning_gradcomp.sites import SiteGroups, SiteLayout
-from lightning_gradcomp.ledger import dense_bytes
+from lightning_gradcomp.strategies.resilience import ResumeCompression
+from lightning_gradcomp.strategies.sharded import ShardedGradCompStrategy
+from lightning_gradcomp.sites.layout import SiteGroups, SiteLayout
+from lightning_gradcomp.exchange.ledger import dense_bytes
 
 log = logging.getLogger(__name__)
 

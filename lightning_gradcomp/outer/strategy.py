@@ -36,16 +36,16 @@ from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.hook import GradCompState
-from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.exchange.hook import GradCompState
+from lightning_gradcomp.exchange.memory import ResidualMemory
 from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.exchange import LeaderExchange
 from lightning_gradcomp.outer.fragments import strided_fragments
-from lightning_gradcomp.resilience import ResilienceMixin
-from lightning_gradcomp.strategy import _SiteStrategy
+from lightning_gradcomp.strategies.resilience import ResilienceMixin
+from lightning_gradcomp.strategies.strategy import _SiteStrategy
 from lightning_gradcomp.validation import check_bool, check_int, check_number, UnknownOptionError
-from lightning_gradcomp.ledger import dense_bytes
-from lightning_gradcomp.sites import SiteGroups, SiteLayout, site_layout, start_sites_from_rank0
+from lightning_gradcomp.exchange.ledger import dense_bytes
+from lightning_gradcomp.sites.layout import SiteGroups, SiteLayout, site_layout, start_sites_from_rank0
 
 if TYPE_CHECKING:
     # the type checker reads the mixin as the strategy it is mixed into (a ResilienceMixin over a Lightning
@@ -268,7 +268,7 @@ class OuterRounds(_OuterBase):
         """Log (INFO, rank 0) the outer rounds between ``sites`` sites: bytes per round and per inner step at
         ``sync_every`` of what this rank sends (``shapes``: its tensors' shapes, the outer compressor's packets and
         shared statistics as the ledger counts them), against fp32 DDP of the same tensors every step."""
-        from lightning_gradcomp.codec import measure_codec
+        from lightning_gradcomp.exchange.codec import measure_codec
 
         dense = sum(dense_bytes(s.numel()) for s in shapes.values())
         if sites == 1:

@@ -20,9 +20,9 @@ __all__ = [
 # spellings of an earlier release, kept for one more with a DeprecationWarning (not in __all__): the sites serve
 # every site strategy, not WeightGrad only
 __getattr__ = _moved_names(__name__, {
-    "SiteGroups": "lightning_gradcomp.sites:SiteGroups",
-    "SiteLayout": "lightning_gradcomp.sites:SiteLayout",
-    "new_site_groups": "lightning_gradcomp.sites:new_site_groups",
+    "SiteGroups": "lightning_gradcomp.sites.layout:SiteGroups",
+    "SiteLayout": "lightning_gradcomp.sites.layout:SiteLayout",
+    "new_site_groups": "lightning_gradcomp.sites.layout:new_site_groups",
     "register": "lightning_gradcomp.weightgrad.strategy:register",
-    "site_layout": "lightning_gradcomp.sites:site_layout",
+    "site_layout": "lightning_gradcomp.sites.layout:site_layout",
 })

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.wire import pack_ternary, packed_nbytes, unpack_ternary
+from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary
 
 EMPTY, DENSE_TERNARY, SPARSE_TERNARY, DENSE_FP32, SPARSE_FP32 = 0, 1, 2, 3, 4
 

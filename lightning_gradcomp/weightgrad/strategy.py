@@ -24,10 +24,10 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
-from lightning_gradcomp.strategy import _SiteStrategy
+from lightning_gradcomp.strategies.strategy import _SiteStrategy
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 from lightning_gradcomp.weightgrad.significance import Rule, Scope, SignificanceFilter
-from lightning_gradcomp.sites import SiteLayout, site_layout, start_sites_from_rank0
+from lightning_gradcomp.sites.layout import SiteLayout, site_layout, start_sites_from_rank0
 from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer, SiteView, Trigger, WanQuantization
 
 log = logging.getLogger(__name__)
@@ -300,7 +300,7 @@ class WeightGradStrategy(_SiteStrategy):
     @override
     def bytes_per_step(self) -> float:
         """Bytes this rank put between sites (WAN rounds and their consensus flags) per local step, averaged over the
-        run so far (:class:`~lightning_gradcomp.ledger.ByteReport`); the in-site bytes are the monitor's
+        run so far (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`); the in-site bytes are the monitor's
         ``lan_bytes``."""
         return 0.0 if self.synchronizer is None else self.synchronizer.bytes_per_step()
 

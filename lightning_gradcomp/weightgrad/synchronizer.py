@@ -42,12 +42,12 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_gradcomp import comm
+from lightning_gradcomp.exchange import comm
 from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.exchange import InFlight, sync_buffers
 from lightning_gradcomp.weightgrad import quantize
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
-from lightning_gradcomp.sites import SiteGroups
+from lightning_gradcomp.sites.layout import SiteGroups
 
 WanQuantization = Literal["loss_aware", "terngrad", "none"]
 SiteView = Literal["global", "gaia"]

@@ -1,6 +1,6 @@
 """Invalid TowerStrategy configurations (constructor)."""
 
-from lightning_gradcomp.towers import TowerStrategy
+from lightning_gradcomp.strategies.towers import TowerStrategy
 from tests.bad_configs import BadConfig
 
 # wrong types on purpose: each `type: ignore` marks a case whose wrong type mypy sees too

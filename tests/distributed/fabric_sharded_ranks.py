@@ -15,7 +15,7 @@ from torch import nn
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names in Fabric's registry)
 from lightning_gradcomp import ShardedGradCompFabricStrategy
-from lightning_gradcomp.resilience import ResumeCompression
+from lightning_gradcomp.strategies.resilience import ResumeCompression
 
 
 def make_model() -> nn.Sequential:

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
-from lightning_gradcomp.ledger import ByteReport
+from lightning_gradcomp.exchange.ledger import ByteReport
 
 #: a matrix, a bias, a conv kernel (PowerSGD's 4-D case), a small vector, a larger matrix (several chunks and bins)
 SHAPES = ((64, 32), (32,), (16, 16, 3, 3), (10,), (128, 64))
@@ -295,7 +295,7 @@ def engine_digests(rank: int, world_size: int, names: list[str], lr: float = 0.0
 
 def tower_digests(names: list[str], lr: float = 0.05) -> dict[str, dict[str, Any]]:
     """Per :data:`TOWERS` configuration, the digests of one fit in this process (single-threaded, as the ranks)."""
-    from lightning_gradcomp.towers import TowerStrategy
+    from lightning_gradcomp.strategies.towers import TowerStrategy
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

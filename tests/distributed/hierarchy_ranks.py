@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import CompressionMonitor
-from lightning_gradcomp.hierarchy import share_bounds
+from lightning_gradcomp.sites.hierarchy import share_bounds
 from tests.distributed.lightning_ranks import comm_state
 from tests.distributed.reliability_ranks import (
     PROBES,

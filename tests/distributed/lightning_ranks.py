@@ -9,8 +9,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
-from lightning_gradcomp.hook import GradCompState
-from lightning_gradcomp.wiring import HookWiring
+from lightning_gradcomp.exchange.hook import GradCompState
+from lightning_gradcomp.strategies.wiring import HookWiring
 
 
 def comm_state(strategy: object) -> GradCompState:

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from lightning_gradcomp import guard
+from lightning_gradcomp.exchange import guard
 from tests.distributed.lightning_ranks import comm_state
 from tests.distributed.reliability_ranks import StepDataClassifier, _guarded, fit, flat_params, make_strategy, step_loader
 

@@ -8,8 +8,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import GradCompState, gradcomp_hook, registry
-from lightning_gradcomp.costmodel import CompressionCost
-from lightning_gradcomp.planner import CollectivePlanner
+from lightning_gradcomp.exchange.costmodel import CompressionCost
+from lightning_gradcomp.exchange.planner import CollectivePlanner
 from tests.distributed.ranks import small_mlp
 
 

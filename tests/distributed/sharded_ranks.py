@@ -16,7 +16,7 @@ from typing_extensions import override
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.optimizers import SignSGD
-from lightning_gradcomp.sharded import ShardedGradCompStrategy
+from lightning_gradcomp.strategies.sharded import ShardedGradCompStrategy
 
 
 class ShardedRegressor(pl.LightningModule):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.callbacks.monitor import SUMMARIES
-from lightning_gradcomp.wire import packed_nbytes
+from lightning_gradcomp.wire.ternary import packed_nbytes
 from tests import wandb_reader
 from tests.distributed.monitor_ranks import monitored_runs
 from tests.harness import run_ranks

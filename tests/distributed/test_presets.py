@@ -6,7 +6,7 @@ import pytest
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.compressors import TernGrad
-from lightning_gradcomp.presets import PAPER_DEFAULTS, PRESETS
+from lightning_gradcomp.strategies.presets import PAPER_DEFAULTS, PRESETS
 from tests.distributed.preset_ranks import setups
 from tests.harness import run_ranks
 

@@ -34,7 +34,7 @@ import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from gradcomp_lab.cli import GradCompCLI
 from lightning_gradcomp import DiLoCoStrategy, GradCompStrategy, ShardedDiLoCoStrategy, ShardedGradCompStrategy
 from lightning_gradcomp.compressors.identity import Identity
-from lightning_gradcomp.towers import TowerStrategy
+from lightning_gradcomp.strategies.towers import TowerStrategy
 from lightning_gradcomp.weightgrad import WeightGradStrategy
 from tests.harness import freeze_imported_objects, memoize_lightning_entry_points
 from tests.integration.recipe_data import ROOT, data_overrides

@@ -8,7 +8,7 @@ import torch
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.compressors import Compressor, GradientDropping, PowerSGD, TernGrad
-from lightning_gradcomp.towers import TowerStrategy, _tower_slice
+from lightning_gradcomp.strategies.towers import TowerStrategy, _tower_slice
 from tests.distributed.lightning_ranks import fit_tiny
 from tests.harness import run_ranks
 

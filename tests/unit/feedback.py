@@ -9,13 +9,13 @@ from typing import Optional
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, Packet
-from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.exchange.memory import ResidualMemory
 
 
 def feedback_step(
     compressor: Compressor, memory: ResidualMemory, grad: Tensor, name: str
 ) -> tuple[Optional[Tensor], Tensor, Packet, Tensor]:
-    """What :func:`~lightning_gradcomp.hook.gradcomp_hook` does for a group, for one parameter, in the same order.
+    """What :func:`~lightning_gradcomp.exchange.hook.gradcomp_hook` does for a group, for one parameter, in the same order.
 
     Returns the old residual (``None`` on the first step), the compensated tensor, the packet and what it sent.
     """

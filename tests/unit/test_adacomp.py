@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from lightning_gradcomp.compressors.adacomp import AdaComp, Quantizer, Selection, layer_kind
 from lightning_gradcomp.compressors.backends import Backend
-from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.exchange.memory import ResidualMemory
 from tests.unit.feedback import feedback_step
 
 

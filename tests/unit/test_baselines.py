@@ -7,12 +7,12 @@ from typing import Any, Optional, TypeVar
 import pytest
 import torch
 
-from lightning_gradcomp.bits import pack_bits, packed_bits_nbytes, unpack_bits
+from lightning_gradcomp.wire.bits import pack_bits, packed_bits_nbytes, unpack_bits
 from lightning_gradcomp.compressors import BF16, DGC, FP16, QSGD, OneBit, PowerSGD, TopK, dgc_code_warmup
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.onebit import Granularity
 from lightning_gradcomp.compressors.powersgd import orthogonalize_
-from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.exchange.memory import ResidualMemory
 from lightning_gradcomp.registry import compressor_names, make_compressor
 
 

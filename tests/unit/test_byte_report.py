@@ -15,7 +15,7 @@ from lightning_gradcomp import (
     WeightGradStrategy,
 )
 from lightning_gradcomp.compressors import DeMo
-from lightning_gradcomp.ledger import ByteReport
+from lightning_gradcomp.exchange.ledger import ByteReport
 from lightning_gradcomp.optimizers import SignSGD
 
 STRATEGIES: dict[str, Callable[[], Any]] = {

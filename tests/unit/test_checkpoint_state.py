@@ -5,11 +5,11 @@ from typing import Optional
 import pytest
 import torch
 
-from lightning_gradcomp.checkpoint import CHECKPOINT_KEY, complete_epoch_end, rank_state, restore, select
+from lightning_gradcomp.strategies.checkpoint import CHECKPOINT_KEY, complete_epoch_end, rank_state, restore, select
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.hook import GradCompState
-from lightning_gradcomp.pipeline import LayerTransform
+from lightning_gradcomp.exchange.hook import GradCompState
+from lightning_gradcomp.exchange.pipeline import LayerTransform
 
 
 def _state(compressor: Optional[Compressor] = None) -> GradCompState:

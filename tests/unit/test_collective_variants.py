@@ -1,7 +1,7 @@
 """Declared collective variants: what a compressor offers a planner, and the per-bucket view it travels as.
 
 The planner picks among :meth:`Compressor.collectives` and hands its choice to the hook as a
-:class:`~lightning_gradcomp.planner.BucketPlan`; the compressor itself is never changed.
+:class:`~lightning_gradcomp.exchange.planner.BucketPlan`; the compressor itself is never changed.
 """
 
 import pytest
@@ -10,8 +10,8 @@ import torch
 from lightning_gradcomp.compressors import GradientDropping, Identity, TernGrad
 from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant
-from lightning_gradcomp.router import Router
-from lightning_gradcomp.planner import BucketPlan
+from lightning_gradcomp.exchange.router import Router
+from lightning_gradcomp.exchange.planner import BucketPlan
 
 GATHER = CollectiveVariant("allgather", Aggregation.GATHER)
 INT8 = CollectiveVariant("allreduce_int8", Aggregation.SUM)

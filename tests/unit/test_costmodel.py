@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lightning_gradcomp.costmodel import (
+from lightning_gradcomp.exchange.costmodel import (
     ALLGATHER_PACKED,
     ALLREDUCE_FP32,
     ALLREDUCE_INT8,

@@ -13,19 +13,19 @@ ROOT = Path(__file__).resolve().parents[2]
 MOVED = [
     ("lightning_gradcomp", "Compressor", "lightning_gradcomp.compressors", "Compressor"),
     ("lightning_gradcomp", "Identity", "lightning_gradcomp.compressors", "Identity"),
-    ("lightning_gradcomp", "LayerTransform", "lightning_gradcomp.pipeline", "LayerTransform"),
+    ("lightning_gradcomp", "LayerTransform", "lightning_gradcomp.exchange.pipeline", "LayerTransform"),
     ("lightning_gradcomp", "Packet", "lightning_gradcomp.compressors", "Packet"),
     ("lightning_gradcomp", "TernGrad", "lightning_gradcomp.compressors", "TernGrad"),
-    ("lightning_gradcomp.weightgrad", "SiteGroups", "lightning_gradcomp.sites", "SiteGroups"),
-    ("lightning_gradcomp.weightgrad", "SiteLayout", "lightning_gradcomp.sites", "SiteLayout"),
-    ("lightning_gradcomp.weightgrad", "new_site_groups", "lightning_gradcomp.sites", "new_site_groups"),
+    ("lightning_gradcomp.weightgrad", "SiteGroups", "lightning_gradcomp.sites.layout", "SiteGroups"),
+    ("lightning_gradcomp.weightgrad", "SiteLayout", "lightning_gradcomp.sites.layout", "SiteLayout"),
+    ("lightning_gradcomp.weightgrad", "new_site_groups", "lightning_gradcomp.sites.layout", "new_site_groups"),
     ("lightning_gradcomp.weightgrad", "register", "lightning_gradcomp.weightgrad.strategy", "register"),
-    ("lightning_gradcomp.weightgrad", "site_layout", "lightning_gradcomp.sites", "site_layout"),
+    ("lightning_gradcomp.weightgrad", "site_layout", "lightning_gradcomp.sites.layout", "site_layout"),
     ("lightning_gradcomp.outer", "register", "lightning_gradcomp.outer.strategy", "register"),
     ("lightning_gradcomp.callbacks", "ExponentialMovingAverage", "gradcomp_lab.ema", "ExponentialMovingAverage"),
     # modules that moved: their names resolve at the old module path
-    ("lightning_gradcomp.weightgrad.sites", "site_layout", "lightning_gradcomp.sites", "site_layout"),
-    ("lightning_gradcomp.weightgrad.sites", "new_site_groups", "lightning_gradcomp.sites", "new_site_groups"),
+    ("lightning_gradcomp.weightgrad.sites", "site_layout", "lightning_gradcomp.sites.layout", "site_layout"),
+    ("lightning_gradcomp.weightgrad.sites", "new_site_groups", "lightning_gradcomp.sites.layout", "new_site_groups"),
     ("lightning_gradcomp.callbacks.ema", "ExponentialMovingAverage", "gradcomp_lab.ema", "ExponentialMovingAverage"),
     ("lightning_gradcomp.callbacks.ema", "tf_ema_avg_fn", "gradcomp_lab.ema", "tf_ema_avg_fn"),
 ]
@@ -65,6 +65,6 @@ def test_a_script_of_the_earlier_release_runs_and_is_told_where_the_names_went()
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["lightning_gradcomp.compressors.terngrad", "(2,", "2)", "gradcomp_lab.ema"]
-    for new_place in ("lightning_gradcomp.compressors.TernGrad", "lightning_gradcomp.sites.new_site_groups",
-                      "lightning_gradcomp.sites.site_layout", "gradcomp_lab.ema.ExponentialMovingAverage"):
+    for new_place in ("lightning_gradcomp.compressors.TernGrad", "lightning_gradcomp.sites.layout.new_site_groups",
+                      "lightning_gradcomp.sites.layout.site_layout", "gradcomp_lab.ema.ExponentialMovingAverage"):
         assert f"moved to `{new_place}`" in out.stderr, out.stderr[-3000:]

@@ -157,7 +157,7 @@ def test_the_checker_flags_each_rule_and_passes_legitimate_text() -> None:
         "Re-measured on merged `main`": "merged",
         "as asked in issue 8, part 4": "issue number",
         "see #12 for the plan": "issue number",
-        "## Hierarchical exchange (`lightning_gradcomp/hierarchy.py`, issue 18)": "issue number",
+        "## Hierarchical exchange (`lightning_gradcomp/sites/hierarchy.py`, issue 18)": "issue number",
         "Gradient Dropping on the fused kernels (branch `sparsek`)": "branch",
         "the launcher is on another branch": "branch",
         "the issue's targets": "the issue",

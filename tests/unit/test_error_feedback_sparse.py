@@ -16,7 +16,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
 from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.compressors.base import Compressor, Packet
-from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.exchange.memory import ResidualMemory
 from tests.unit.feedback import feedback_step
 
 _SHAPES = {"conv.weight": (16, 8, 5, 5), "fc.weight": (64, 300), "fc.bias": (64,)}

@@ -17,10 +17,10 @@ from lightning_gradcomp.compressors import DeMo, PowerSGD
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.demo import ChunkedDCT
 from lightning_gradcomp.compressors.multiround import AllReduce, FlatExchanged, MultiRoundCompressor
-from lightning_gradcomp.groups import layer_offsets
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.exchange.groups import layer_offsets
+from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.compressors.powersgd import orthogonalize_
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 
 T = TypeVar("T")
 CPU = torch.device("cpu")

@@ -16,12 +16,12 @@ import torch
 from torch import Tensor
 
 from gradcomp_lab.opcount import OpCount, count_ops
-from lightning_gradcomp.bits import pack_bits
+from lightning_gradcomp.wire.bits import pack_bits
 from lightning_gradcomp.compressors import BF16, FP16, QSGD, Identity, OneBit
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket
 from lightning_gradcomp.compressors.int8 import Int8
 from lightning_gradcomp.compressors.streams import CounterStreams
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 
 RANKS = 3
 SHAPES = [torch.Size(s) for s in [(6, 5), (1,), (0,), (37,), (3, 2, 4), (0, 4), (2, 700), (9,)]]

@@ -18,7 +18,7 @@ from lightning_gradcomp.compressors.graddrop import Sample, Scope
 from lightning_gradcomp.compressors.graddrop_flat import gather_samples
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.kernels import torch_ops
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 
 RANKS = 3
 #: a 0-element and a 1-element layer, convolutions (AdaComp's L_T 50) and matrices (L_T 500), a partial last bin

@@ -11,10 +11,10 @@ from lightning_gradcomp.compressors.base import Aggregation, FlatPacket
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.compressors.topk import TopK
-from lightning_gradcomp.groups import Layouts
-from lightning_gradcomp.ledger import GroupRecord, LayerRecord, Ledger
-from lightning_gradcomp.memory import ResidualMemory
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.groups import Layouts
+from lightning_gradcomp.exchange.ledger import GroupRecord, LayerRecord, Ledger
+from lightning_gradcomp.exchange.memory import ResidualMemory
+from lightning_gradcomp.exchange.segments import Segments
 from gradcomp_lab.opcount import count_ops
 
 SHAPES = [torch.Size([3, 4]), torch.Size([1]), torch.Size([0]), torch.Size([7]), torch.Size([2, 2, 2])]

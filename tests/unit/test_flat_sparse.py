@@ -11,7 +11,7 @@ from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DGC, TopK
 from lightning_gradcomp.compressors.base import Compressor, FlatPacket
 from lightning_gradcomp.kernels import segmented
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 
 CPU = torch.device("cpu")
 RANKS = 3

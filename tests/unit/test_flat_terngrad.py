@@ -18,7 +18,7 @@ from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 
 RANKS = 3
 SHAPES = [(6, 5), (1,), (0,), (17,), (3, 2, 2), (4, 11), (9,)]

@@ -7,8 +7,8 @@ import torch
 
 from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.compressors.graddrop import GradientDropping, Quantize, select_threshold, select_weighted_threshold
-from lightning_gradcomp.memory import ResidualMemory
-from lightning_gradcomp.sparse import IndexEncoding, delta16_nbytes
+from lightning_gradcomp.exchange.memory import ResidualMemory
+from lightning_gradcomp.wire.sparse import IndexEncoding, delta16_nbytes
 from tests.unit.feedback import feedback_step
 
 

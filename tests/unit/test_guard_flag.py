@@ -7,7 +7,7 @@ distributed tests (``tests/distributed/test_reliability.py``) cover the agreemen
 import pytest
 import torch
 
-from lightning_gradcomp.guard import _flag
+from lightning_gradcomp.exchange.guard import _flag
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -40,8 +40,8 @@ def test_opposite_infinities_do_not_cancel() -> None:
 
 def test_an_overflowing_but_finite_bucket_does_not_skip_the_step() -> None:
     from lightning_gradcomp.compressors.identity import Identity
-    from lightning_gradcomp.guard import bucket_is_nonfinite
-    from lightning_gradcomp.hook import GradCompState
+    from lightning_gradcomp.exchange.guard import bucket_is_nonfinite
+    from lightning_gradcomp.exchange.hook import GradCompState
 
     state = GradCompState(compressor=Identity(), names={})
     huge = torch.full((10,), torch.finfo(torch.float32).max)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.hierarchy import HierarchySpec, hierarchy_spec, owned_names, share_bounds, share_plan
+from lightning_gradcomp.sites.hierarchy import HierarchySpec, hierarchy_spec, owned_names, share_bounds, share_plan
 from lightning_gradcomp.weightgrad import WeightGradStrategy
 
 
@@ -101,9 +101,9 @@ def test_the_performance_model_predicts_the_hierarchical_schedule() -> None:
     import math
 
     from gradcomp_lab.perfmodel import comm_seconds, hierarchical_comm_seconds
-    from lightning_gradcomp.codec import Codec
+    from lightning_gradcomp.exchange.codec import Codec
     from lightning_gradcomp.compressors.base import Aggregation
-    from lightning_gradcomp.costmodel import Link, Network, ring_allgather_seconds, ring_allreduce_seconds
+    from lightning_gradcomp.exchange.costmodel import Link, Network, ring_allgather_seconds, ring_allreduce_seconds
 
     lan, wan = Link(math.inf, 0.0), Link(1e8, 1e-3)
     net = Network(lan, sites=2, wan=wan)
@@ -126,7 +126,7 @@ def test_a_flat_gloo_all_reduce_over_sites_is_predicted_as_one_ring() -> None:
     import math
 
     from gradcomp_lab.perfmodel import comm_seconds, fp32_codec
-    from lightning_gradcomp.costmodel import Link, Network, hierarchical_allreduce_seconds, ring_allreduce_seconds
+    from lightning_gradcomp.exchange.costmodel import Link, Network, hierarchical_allreduce_seconds, ring_allreduce_seconds
 
     net = Network(Link(math.inf, 0.0), sites=2, wan=Link(1e8, 1e-3))
     numel = 1_000_000

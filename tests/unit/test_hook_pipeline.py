@@ -1,6 +1,6 @@
 """Grouping of a bucket's parameters for pipelined collectives (the hook's ``pipeline_bytes``)."""
 
-from lightning_gradcomp.groups import pipeline_chunks
+from lightning_gradcomp.exchange.groups import pipeline_chunks
 
 
 def test_one_group_without_a_limit() -> None:

@@ -18,7 +18,7 @@ import torch
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.terngrad import ClipMode
-from lightning_gradcomp.wire import pack_ternary, packed_nbytes, unpack_ternary
+from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from lightning_gradcomp.callbacks import (
     SigmaClipping,
 )
 from lightning_gradcomp.compressors import DGC_PAPER_WARMUP, Identity, TopK
-from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.exchange.memory import ResidualMemory
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

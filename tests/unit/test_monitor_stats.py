@@ -9,7 +9,7 @@ import torch
 from lightning_gradcomp.callbacks import CompressionMonitor
 from lightning_gradcomp.callbacks.monitor import layer_key, residual_statistics
 from lightning_gradcomp.compressors import TernGrad
-from lightning_gradcomp.stats import HookStats, _device_histogram, histogram
+from lightning_gradcomp.exchange.stats import HookStats, _device_histogram, histogram
 
 
 @pytest.mark.parametrize("values", [torch.randn(1000) * 3 + 1, torch.full((17,), 0.25), torch.zeros(5),

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_gradcomp.compressors import Int8, TopK
-from lightning_gradcomp.memory import ResidualMemory
+from lightning_gradcomp.exchange.memory import ResidualMemory
 from lightning_gradcomp.outer.fragments import due, layers_of, strided_fragments, sync_offset
 from lightning_gradcomp.outer.strategy import resolve_optimizer, tokens_in
 

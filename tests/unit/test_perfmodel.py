@@ -21,9 +21,9 @@ from gradcomp_lab.perfmodel import (
     predict_paper_model,
     profile_compute,
 )
-from lightning_gradcomp.codec import Codec, measure_codec
+from lightning_gradcomp.exchange.codec import Codec, measure_codec
 from lightning_gradcomp.compressors import Aggregation, PowerSGD, TernGrad
-from lightning_gradcomp.costmodel import Link, Network, ring_allreduce_seconds
+from lightning_gradcomp.exchange.costmodel import Link, Network, ring_allreduce_seconds
 
 
 @pytest.mark.parametrize(("model", "millions"), [("alexnet", 60.97), ("googlenet", 7.0), ("vgg_a", 132.86)])

@@ -1,4 +1,4 @@
-"""The presets' table (lightning_gradcomp/presets.py) against the stored runs it rests on, and which setups warn.
+"""The presets' table (lightning_gradcomp/strategies/presets.py) against the stored runs it rests on, and which setups warn.
 
 Every number the paper-default warning prints comes from that table; this test recomputes each from the stored
 JSON under benchmarks/results/lm_long/, so the warning cannot drift from the data."""
@@ -13,7 +13,7 @@ import torch
 
 from lightning_gradcomp import PresetStrategy
 from lightning_gradcomp.compressors import TernGrad
-from lightning_gradcomp.presets import (PAPER_DEFAULTS, PRESETS, Measurement, embedding_names, measure,
+from lightning_gradcomp.strategies.presets import (PAPER_DEFAULTS, PRESETS, Measurement, embedding_names, measure,
                                         paper_default_warning)
 from lightning_gradcomp.registry import compressor_names, make_compressor, strategy_names
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_gradcomp.replicas import checksums
+from lightning_gradcomp.strategies.replicas import checksums
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -205,7 +205,7 @@ def test_backend_is_validated_and_auto_follows_the_kernels(make: type) -> None:
 
 @pytest.mark.parametrize("bin_len", [1, 7, 63, 64, 500, 16384])
 def test_bin_words_equal_the_wire_module_with_long_gaps(compiled: bool, bin_len: int) -> None:
-    from lightning_gradcomp.sparse import decode_bin_relative, encode_bin_relative
+    from lightning_gradcomp.wire.sparse import decode_bin_relative, encode_bin_relative
 
     gen = torch.Generator().manual_seed(bin_len)
     n = 64 * 16384 * 2 + 5  # 16-bit words at bin_len 64: 32768 bins, more than one marker (16383 bins) can skip

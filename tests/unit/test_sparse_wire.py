@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lightning_gradcomp import sparse
-from lightning_gradcomp.sparse import IndexEncoding, ValueFormat
+from lightning_gradcomp.wire import sparse
+from lightning_gradcomp.wire.sparse import IndexEncoding, ValueFormat
 
 
 def _random_indices(n: int, k: int, seed: int) -> torch.Tensor:

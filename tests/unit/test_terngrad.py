@@ -5,7 +5,7 @@ import torch
 
 from lightning_gradcomp.compressors import Aggregation, TernGrad
 from lightning_gradcomp.compressors.terngrad import ClipMode
-from lightning_gradcomp.wire import pack_ternary, packed_nbytes, unpack_ternary
+from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary
 
 
 def _mean_of_decodes(comp: TernGrad, g: torch.Tensor, trials: int) -> torch.Tensor:

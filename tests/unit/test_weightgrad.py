@@ -14,7 +14,7 @@ from lightning_gradcomp.weightgrad import (
     loss_aware_ternary,
     stochastic_ternary,
 )
-from lightning_gradcomp.sites import new_site_groups, site_layout
+from lightning_gradcomp.sites.layout import new_site_groups, site_layout
 from lightning_gradcomp.weightgrad.synchronizer import SiteView, WanQuantization
 from tests.harness import free_port
 

@@ -5,7 +5,7 @@ parameter names) is seen, the planner probes a copy of the compressor on the buc
 collective variant the compressor declares (:meth:`~lightning_gradcomp.compressors.base.Compressor.collectives`;
 the compressor as it is when it declares none): exact bytes on the wire and measured compress/decode seconds, or
 the supplied per-element cost. It agrees the numbers with the other ranks (one small max all-reduce, issued
-from the hook body like every collective), and asks :func:`lightning_gradcomp.costmodel.choose` for the fastest of:
+from the hook body like every collective), and asks :func:`lightning_gradcomp.exchange.costmodel.choose` for the fastest of:
 
 * ``allreduce_fp32``: compression off for this bucket (plain all-reduce of the float gradient);
 * ``allgather``: all-gather of packed payloads (gather-only compressors, TernGrad's packed form);
@@ -33,17 +33,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.codec import measure_exchange
+from lightning_gradcomp.exchange.codec import measure_exchange
 from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant, Compressor
-from lightning_gradcomp.ledger import Ledger
-from lightning_gradcomp.transport import Transport
-from lightning_gradcomp.costmodel import ALLREDUCE_FP32, Candidate, CollectivePlan, CompressionCost, Link, Network, choose
+from lightning_gradcomp.exchange.ledger import Ledger
+from lightning_gradcomp.exchange.transport import Transport
+from lightning_gradcomp.exchange.costmodel import ALLREDUCE_FP32, Candidate, CollectivePlan, CompressionCost, Link, Network, choose
 
 log = logging.getLogger(__name__)
 
 
 class PlannerContext(Protocol):
-    """What the planner reads of the hook's state (:class:`~lightning_gradcomp.hook.GradCompState` is one), and
+    """What the planner reads of the hook's state (:class:`~lightning_gradcomp.exchange.hook.GradCompState` is one), and
     the ledger it counts its own collectives in."""
 
     @property
@@ -97,8 +97,8 @@ class CollectivePlanner:
     """Chooses per bucket between plain fp32 all-reduce and the compressor's collectives.
 
     Args:
-        network: the links between ranks: a :class:`~lightning_gradcomp.costmodel.Network`, a
-            :class:`~lightning_gradcomp.costmodel.Link`, or a spec such as ``"1gbit"`` / ``"100mbit@2ms"``.
+        network: the links between ranks: a :class:`~lightning_gradcomp.exchange.costmodel.Network`, a
+            :class:`~lightning_gradcomp.exchange.costmodel.Link`, or a spec such as ``"1gbit"`` / ``"100mbit@2ms"``.
         cost: compress/decode seconds per element; ``None`` measures them on the first step (each bucket's
             compression is timed once on a copy of the compressor, the max over ranks is used).
     """
@@ -131,7 +131,7 @@ class CollectivePlanner:
         self, state: PlannerContext, variant: Optional[CollectiveVariant], inputs: Sequence[Tensor], names: Sequence[str]
     ) -> tuple[str, str, float, float, float, int]:
         """One variant on a copy of the compressor, through the hook's own exchange
-        (:func:`~lightning_gradcomp.codec.measure_exchange`): (name, collective, bytes, encode s, decode s, rounds)."""
+        (:func:`~lightning_gradcomp.exchange.codec.measure_exchange`): (name, collective, bytes, encode s, decode s, rounds)."""
         try:
             probe = copy.deepcopy(state.compressor)
         except Exception:  # a compressor holding something uncopyable: a fresh set-up copy is equivalent

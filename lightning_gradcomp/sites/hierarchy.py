@@ -5,14 +5,14 @@ Per DDP bucket, identically on every rank:
 1. the model's parameters are split into ``k`` contiguous (in the model's order), byte-balanced shares (whole
    parameters, so layer-wise scalers, thresholds and bins keep their meaning; the split depends on the parameter
    sizes only and holds for the whole run, see :func:`share_index`), one per local rank. A dense reduce inside the
-   site (the LAN: :func:`lightning_gradcomp.comm.reduce_to_owners_`, each share's segment to its owner, summed
+   site (the LAN: :func:`lightning_gradcomp.exchange.comm.reduce_to_owners_`, each share's segment to its owner, summed
    there) leaves local rank ``j`` with the site's sum of share ``j`` of the bucket, divided by the site size: the
    site's mean gradient of that share;
-2. local rank ``j`` runs the flat hook (:func:`lightning_gradcomp.hook._exchange_bucket`: transforms, error
+2. local rank ``j`` runs the flat hook (:func:`lightning_gradcomp.exchange.hook._exchange_bucket`: transforms, error
    feedback, shared statistics, compression, collectives, decode) on its share, with the *cross-site* group of
    the ranks with local index ``j`` in every site. So each local rank puts about ``1/k`` of a step's inter-site
    bytes on the link, and the compressor averages over sites;
-3. a dense gather of the decoded shares inside the site (:func:`lightning_gradcomp.comm.gather_from_owners`),
+3. a dense gather of the decoded shares inside the site (:func:`lightning_gradcomp.exchange.comm.gather_from_owners`),
    unpacked into DDP's bucket: every rank ends with the same averaged bucket.
 
 Each rank sends the other shares once and its own share to the ``k - 1`` others: for ``k = 2`` the bucket once
@@ -28,7 +28,7 @@ sums the site's slots into every share. The flat hook's guard scans its share, s
 NaN on any rank of any site reaches every cross-site group and every rank skips the same steps. Every rank
 checks the whole decoded bucket after the gather, so the decoded flags agree too.
 
-Sites are contiguous blocks of global ranks (:mod:`lightning_gradcomp.sites`); all sites must have the
+Sites are contiguous blocks of global ranks (:mod:`lightning_gradcomp.sites.layout`); all sites must have the
 same size so that every local index has one rank in every site.
 """
 
@@ -41,13 +41,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp import comm
-from lightning_gradcomp.guard import observe_decoded
-from lightning_gradcomp.groups import layer_offsets
-from lightning_gradcomp.hook import GradCompState, _exchange_bucket
-from lightning_gradcomp.sites import SiteLayout, new_group, new_site_groups, site_layout
+from lightning_gradcomp.exchange import comm
+from lightning_gradcomp.exchange.guard import observe_decoded
+from lightning_gradcomp.exchange.groups import layer_offsets
+from lightning_gradcomp.exchange.hook import GradCompState, _exchange_bucket
+from lightning_gradcomp.sites.layout import SiteLayout, new_group, new_site_groups, site_layout
 from lightning_gradcomp.validation import check_choice, check_int
-from lightning_gradcomp.ledger import tensor_bytes
+from lightning_gradcomp.exchange.ledger import tensor_bytes
 
 
 Hierarchy = Literal["node"]
@@ -290,7 +290,7 @@ def new_site_exchange(
         layout: the sites (equal sizes).
         rank: this rank's global rank.
         sizes: every parameter that goes through the hook, (name, bytes) in the model's order.
-        timeout: every group's collective timeout (the strategy's ``timeout``, see :func:`~lightning_gradcomp.sites.new_group`).
+        timeout: every group's collective timeout (the strategy's ``timeout``, see :func:`~lightning_gradcomp.sites.layout.new_group`).
     """
 
     groups = new_site_groups(layout, rank, timeout)
@@ -305,7 +305,7 @@ def new_site_exchange(
 
 
 class _ShareBucket:
-    """One local rank's share of a DDP bucket, a :class:`~lightning_gradcomp.groups.HookBucket` for the flat hook.
+    """One local rank's share of a DDP bucket, a :class:`~lightning_gradcomp.exchange.groups.HookBucket` for the flat hook.
 
     ``buffer()`` is the share's segment (after the reduce: the site's mean and the flag slot), or the whole
     bucket on a step already skipped; ``parameters()`` are the share's only, at ``layer_offsets()`` in it.

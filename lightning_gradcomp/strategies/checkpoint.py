@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from lightning_gradcomp.hook import GradCompState
+    from lightning_gradcomp.exchange.hook import GradCompState
 
 #: key of the compression state in a Lightning checkpoint
 CHECKPOINT_KEY = "gradcomp"

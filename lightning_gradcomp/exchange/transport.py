@@ -1,13 +1,13 @@
 """How an exchange's collectives travel: one interface, three carriers.
 
-The hook's exchange (:func:`lightning_gradcomp.hook.gradcomp_hook`) issues four kinds of collective, always from
+The hook's exchange (:func:`lightning_gradcomp.exchange.hook.gradcomp_hook`) issues four kinds of collective, always from
 its body and in one order on every rank: a blocking max (shared statistics, the non-finite flag, the planner's
 agreement), a sum it waits for later (summable payloads), a blocking gather of small size tables, and a gather of
 payload bytes it waits for later. A :class:`Transport` carries them:
 
-* :class:`ProcessGroupTransport`: torch.distributed over a process group (:mod:`lightning_gradcomp.comm`) — DDP's
+* :class:`ProcessGroupTransport`: torch.distributed over a process group (:mod:`lightning_gradcomp.exchange.comm`) — DDP's
   buckets, the hierarchical exchange's groups, the outer rounds' leaders;
-* :class:`WorkerTransport`: ``N`` workers emulated in one process (:class:`~lightning_gradcomp.towers.TowerStrategy`),
+* :class:`WorkerTransport`: ``N`` workers emulated in one process (:class:`~lightning_gradcomp.strategies.towers.TowerStrategy`),
   each running the same exchange in its own thread; the workers meet at a barrier per collective and every worker
   combines the contributions in rank order, so all of them hold the same bits;
 * :class:`LoopbackTransport`: one rank standing in for ``N`` identical ones (every rank's contribution is this
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_gradcomp import comm
+from lightning_gradcomp.exchange import comm
 
 
 class Transport(Protocol):

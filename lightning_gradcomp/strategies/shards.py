@@ -3,7 +3,7 @@
 A model is sharded with FSDP2's ``fully_shard`` over the ``"shard"`` dimension of a ``("replicate", "shard")``
 device mesh: inside a replica (a node), FSDP2 reduce-scatters the gradients densely, so each rank holds the mean of
 its replica for its own shard. What remains is the mean over replicas, which stock HSDP sends as a dense all-reduce
-over the slow link. Here FSDP2 hands each unit's reduce-scattered shard to :func:`~lightning_gradcomp.hook.gradcomp_hook`
+over the slow link. Here FSDP2 hands each unit's reduce-scattered shard to :func:`~lightning_gradcomp.exchange.hook.gradcomp_hook`
 (``FSDPModule.set_all_reduce_hook``) as one bucket whose group is the replicate group: every compressor, its error
 feedback keyed by parameter name (each rank's residual covers its own shard only), the non-finite guard, the ledger
 and the statistics work exactly as for a DDP bucket. Nothing here compresses or communicates on its own.
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook
-from lightning_gradcomp.ledger import dense_bytes
+from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.exchange.ledger import dense_bytes
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def agree_on_skip(state: GradCompState, shard_group: dist.ProcessGroup, device: 
     and the ranks holding other shards see finite gradients. One 4-byte all-reduce (MAX) over the shard group after
     backward spreads the decision; a rank that learns of it here skips as if its own guard had (residuals rolled back).
     """
-    from lightning_gradcomp.guard import mark_skipped
+    from lightning_gradcomp.exchange.guard import mark_skipped
 
     if state.guard.mode == "ignore" or dist.get_world_size(shard_group) == 1:
         return

@@ -308,4 +308,4 @@ def register(strategy_cls: type, strategy_registry: Any = None) -> None:
 def _description(preset: Preset) -> str:
     with_what = f", with {preset.measured.measured_with}" if preset.measured.measured_with else ""
     return (f"{preset.describe()}: {preset.measured.describe()} over AdamW DDP on the LM benchmark{with_what} "
-            f"(lightning_gradcomp.presets)")
+            f"(lightning_gradcomp.strategies.presets)")

@@ -1,8 +1,8 @@
 """What a compressor costs per step: its exact bytes on the wire, and its codec time.
 
-Measured by running the hook's exchange itself (:func:`lightning_gradcomp.hook.gradcomp_hook`: the groups, error
+Measured by running the hook's exchange itself (:func:`lightning_gradcomp.exchange.hook.gradcomp_hook`: the groups, error
 feedback, the compressor's group methods, the shared statistics, decoding) on one bucket holding every tensor, over
-a :class:`~lightning_gradcomp.transport.LoopbackTransport` (this rank stands in for every rank), and reading bytes
+a :class:`~lightning_gradcomp.exchange.transport.LoopbackTransport` (this rank stands in for every rank), and reading bytes
 from its ledger: what is timed and counted is the code that trains. The strategy announces these bytes when
 training starts; the collective planner probes each bucket with :func:`measure_exchange`; the performance model
 (``gradcomp_lab.perfmodel``) adds the times and a cost model of the network to predict a step.
@@ -19,9 +19,9 @@ from torch.futures import Future
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
-from lightning_gradcomp.groups import TensorBucket
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook
-from lightning_gradcomp.transport import LoopbackTransport
+from lightning_gradcomp.exchange.groups import TensorBucket
+from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.exchange.transport import LoopbackTransport
 from lightning_gradcomp.validation import check_int
 
 #: (parameter name, shape) of every tensor a step sends

@@ -1,9 +1,9 @@
 """The strategy's reliability hooks: exact resume, replica checks, non-finite steps, clear collective failures.
 
-Kept apart from :mod:`lightning_gradcomp.strategy` (which wires the compression pipeline) as a mixin placed
+Kept apart from :mod:`lightning_gradcomp.strategies.strategy` (which wires the compression pipeline) as a mixin placed
 before ``DDPStrategy`` in :class:`~lightning_gradcomp.GradCompStrategy`'s bases; it expects the strategy to
 set ``comm_state`` when it registers the hook and to call :meth:`_init_resilience` from its constructor. What runs
-in its hooks is the runtime's (:class:`~lightning_gradcomp._runtime.Runtime`), which the Fabric strategies share.
+in its hooks is the runtime's (:class:`~lightning_gradcomp.strategies._runtime.Runtime`), which the Fabric strategies share.
 """
 
 import logging
@@ -20,22 +20,22 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gradcomp import checkpoint as ckpt
-from lightning_gradcomp._runtime import (  # noqa: F401  (check_recovery_options: public here)
+from lightning_gradcomp.strategies import checkpoint as ckpt
+from lightning_gradcomp.strategies._runtime import (  # noqa: F401  (check_recovery_options: public here)
     ResumeCompression,
     Runtime,
     RuntimeOptions,
     check_recovery_options,
 )
-from lightning_gradcomp.guard import NonFinite, NonFiniteGradientError
-from lightning_gradcomp.replicas import ReplicaDivergenceError, check_replicas
-from lightning_gradcomp.wiring import HookWiring
+from lightning_gradcomp.exchange.guard import NonFinite, NonFiniteGradientError
+from lightning_gradcomp.strategies.replicas import ReplicaDivergenceError, check_replicas
+from lightning_gradcomp.strategies.wiring import HookWiring
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_gradcomp.hook import GradCompState
+    from lightning_gradcomp.exchange.hook import GradCompState
 
     class _StrategyBase(HookWiring, DDPStrategy):
         """The type checker reads the mixin as the DDP strategy it is mixed into, with the hook's wiring (their
@@ -136,16 +136,16 @@ class RankOptimizerStates:
 
 
 class ResilienceMixin(RuntimeOptions, _StrategyBase):
-    """The Trainer's side of the per-rank runtime (:class:`~lightning_gradcomp._runtime.Runtime`): checkpointed
+    """The Trainer's side of the per-rank runtime (:class:`~lightning_gradcomp.strategies._runtime.Runtime`): checkpointed
     compression state, an optional replica check, and non-finite handling for a DDP strategy. Its overrides translate
-    the Trainer's hooks into the runtime's calls, which :class:`~lightning_gradcomp.fabric.FabricRecovery` makes
+    the Trainer's hooks into the runtime's calls, which :class:`~lightning_gradcomp.strategies.fabric.FabricRecovery` makes
     from Fabric's."""
 
     comm_state: Optional["GradCompState"]
     #: whether each rank's optimizer state is checkpointed (ranks whose optimizers differ, e.g. WeightGrad's sites)
     per_rank_optimizer_state: bool = False
     #: whether a non-finite step is decided over every site, not only inside the hook's site (WeightGrad): one 4-byte
-    #: all-reduce over every rank per step when there are several sites (:func:`~lightning_gradcomp.guard.agree_across_sites`)
+    #: all-reduce over every rank per step when there are several sites (:func:`~lightning_gradcomp.exchange.guard.agree_across_sites`)
     nonfinite_across_sites: bool = False
     #: whether the hook state exchanges at every backward; ``False`` where it only carries the per-rank checkpoint
     #: state (DiLoCo over FSDP2: the inner steps are FSDP2's own, with no hook), so no bucket is expected after backward

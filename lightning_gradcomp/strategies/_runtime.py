@@ -1,7 +1,7 @@
 """The per-rank runtime both front-ends hold: one implementation under the Trainer and under Fabric.
 
-:class:`~lightning_gradcomp.GradCompStrategy` (through :class:`~lightning_gradcomp.resilience.ResilienceMixin`) and
-:class:`~lightning_gradcomp.fabric.GradCompFabricStrategy` (through :class:`~lightning_gradcomp.fabric.FabricRecovery`)
+:class:`~lightning_gradcomp.GradCompStrategy` (through :class:`~lightning_gradcomp.strategies.resilience.ResilienceMixin`) and
+:class:`~lightning_gradcomp.strategies.fabric.GradCompFabricStrategy` (through :class:`~lightning_gradcomp.strategies.fabric.FabricRecovery`)
 derive from unrelated Lightning classes whose hooks differ (``post_backward`` against ``backward``, a Trainer's
 ``optimizer_step`` against Fabric's, ``save_checkpoint`` with other arguments). Each front-end keeps only the
 translation from its hooks; what happens in them is :class:`Runtime`'s: the reliability options, the hook state's
@@ -17,13 +17,13 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_gradcomp import checkpoint as ckpt
-from lightning_gradcomp.guard import NONFINITE_MODES, NonFinite, agree_across_sites, drop_skipped_gradients
-from lightning_gradcomp.replicas import check_replicas
+from lightning_gradcomp.strategies import checkpoint as ckpt
+from lightning_gradcomp.exchange.guard import NONFINITE_MODES, NonFinite, agree_across_sites, drop_skipped_gradients
+from lightning_gradcomp.strategies.replicas import check_replicas
 from lightning_gradcomp.validation import check_choice, check_int
 
 if TYPE_CHECKING:
-    from lightning_gradcomp.hook import GradCompState
+    from lightning_gradcomp.exchange.hook import GradCompState
 
 ResumeCompression = Literal["exact", "reset"]
 
@@ -116,7 +116,7 @@ class Runtime:
              option: Optional[str], shard_size: Optional[int], state: Optional["GradCompState"],
              device: torch.device) -> None:
         """Take this rank's entry of ``checkpoint`` (refusing another world size, exchange or shard size, see
-        :func:`~lightning_gradcomp.checkpoint.select`) and restore it into ``state`` now, or keep it for
+        :func:`~lightning_gradcomp.strategies.checkpoint.select`) and restore it into ``state`` now, or keep it for
         :meth:`attach` when the hook state of this run does not exist yet (``state`` is ``None``)."""
         self.pending = ckpt.select(checkpoint, rank, world_size, self.resume_compression == "reset", sites, option,
                                    shard_size)
@@ -130,7 +130,7 @@ class Runtime:
     def end_backward(self, state: "GradCompState", named_parameters: Iterable[tuple[str, Tensor]], rank: int,
                      device: torch.device, has_scaler: bool) -> bool:
         """After a backward that ran the hook: agree on the step over every site where needed, then drop a skipped
-        step's gradients (:func:`~lightning_gradcomp.guard.drop_skipped_gradients`). Returns whether this
+        step's gradients (:func:`~lightning_gradcomp.exchange.guard.drop_skipped_gradients`). Returns whether this
         backward's step was skipped."""
         named = list(named_parameters)
         if self.sites_agree:
@@ -143,7 +143,7 @@ class Runtime:
     def after_optimizer_step(self, named_parameters: Iterable[tuple[str, Tensor]], world_size: int, step: int,
                              sets: Optional[list[list[int]]], scope: str) -> None:
         """Count the optimizer step and, every ``check_replicas_every`` steps, compare the parameters of each set of
-        ranks in ``sets`` (``None``: all ranks) bit for bit (:func:`~lightning_gradcomp.replicas.check_replicas`;
+        ranks in ``sets`` (``None``: all ranks) bit for bit (:func:`~lightning_gradcomp.strategies.replicas.check_replicas`;
         every rank calls it after the same step). ``step`` and ``scope`` are for the message.
 
         Raises:

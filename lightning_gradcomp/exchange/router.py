@@ -16,13 +16,13 @@ from lightning_gradcomp.compressors.identity import Identity
 
 
 class Plan(Protocol):
-    """A planner's decision for one bucket (:class:`~lightning_gradcomp.planner.BucketPlan`)."""
+    """A planner's decision for one bucket (:class:`~lightning_gradcomp.exchange.planner.BucketPlan`)."""
 
     def compressor_for(self, compressor: Compressor, plain: Compressor) -> Compressor: ...
 
 
 class Planner(Protocol):
-    """What the router asks of a planner (:class:`~lightning_gradcomp.planner.CollectivePlanner`; a protocol,
+    """What the router asks of a planner (:class:`~lightning_gradcomp.exchange.planner.CollectivePlanner`; a protocol,
     because the planner probes compressors through the hook's exchange, which routes through this module)."""
 
     def plan(self, state: Any, names: Sequence[str], grads: Sequence[Tensor]) -> Optional[Plan]: ...
@@ -35,7 +35,7 @@ class Router:
         compressor: compresses every layer not sent in fp32.
         float_names: layers always sent in fp32 (the strategy's ``exclude`` / ``min_numel``).
         identity: the fp32 compressor (WeightGrad's serial aggregation swaps in a gathered one).
-        planner: a :class:`~lightning_gradcomp.planner.CollectivePlanner` consulted at the top of each bucket
+        planner: a :class:`~lightning_gradcomp.exchange.planner.CollectivePlanner` consulted at the top of each bucket
             (``None``: always compress).
     """
 

@@ -2,13 +2,13 @@
 
 Lightning's ``ModelParallelStrategy`` with a ``("replicate", "shard")`` device mesh: the user shards the model in
 ``configure_model`` over ``self.device_mesh["shard"]`` (``fully_shard``, FSDP2's own dense reduce-scatter and
-all-gather inside a replica), and the strategy installs :class:`~lightning_gradcomp.shards.ShardExchange` on every
+all-gather inside a replica), and the strategy installs :class:`~lightning_gradcomp.strategies.shards.ShardExchange` on every
 FSDP2 unit, so each rank's gradient shard is averaged over the replicas through the library's hook with any
 compressor. Checkpoints are Lightning's (distributed with ``torch.distributed.checkpoint`` by default) plus every
 rank's compression state.
 
 :class:`ShardedWiring` is what the Trainer strategy shares with its Fabric twin
-(:class:`~lightning_gradcomp.fabric.ShardedGradCompFabricStrategy`): the mesh's shape and groups, the check that the
+(:class:`~lightning_gradcomp.strategies.fabric.ShardedGradCompFabricStrategy`): the mesh's shape and groups, the check that the
 model is sharded over the mesh's ``"shard"`` dimension, the hook state and the exchange, and the non-finite agreement
 across the shard group.
 """
@@ -29,24 +29,24 @@ from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.guard import NonFinite
-from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
-from lightning_gradcomp.shards import ShardExchange, agree_on_skip, fsdp_units
-from lightning_gradcomp.sites import new_group
+from lightning_gradcomp.exchange.guard import NonFinite
+from lightning_gradcomp.strategies.resilience import ResilienceMixin, ResumeCompression
+from lightning_gradcomp.strategies.shards import ShardExchange, agree_on_skip, fsdp_units
+from lightning_gradcomp.sites.layout import new_group
 from lightning_gradcomp.validation import check_int
-from lightning_gradcomp.wiring import HookWiring, check_backend
+from lightning_gradcomp.strategies.wiring import HookWiring, check_backend
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_gradcomp.hook import GradCompState
+    from lightning_gradcomp.exchange.hook import GradCompState
 
 log = logging.getLogger(__name__)
 
 
 def new_mesh(replicas: int, shard: int, rank: int, device_type: str, timeout: Optional[timedelta]) -> "DeviceMesh":
     """The ``(replicas, shard)`` device mesh named ``("replicate", "shard")`` (rank = replica * shard + index), its
-    groups made by :func:`~lightning_gradcomp.sites.new_group` with the strategy's ``timeout``:
+    groups made by :func:`~lightning_gradcomp.sites.layout.new_group` with the strategy's ``timeout``:
     ``init_device_mesh`` would give them torch's 30-minute default, so a stalled peer would hold the others that
     long. Every rank makes every group, in the same order."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -108,7 +108,7 @@ def check_sharded(module: Module, shard_mesh: "DeviceMesh", where: str, mesh_nam
 
 class ShardedWiring(HookWiring):
     """The sharded engine's side of a strategy, shared by the Trainer and the Fabric strategy: shard size, the hook
-    state over the replicate group, the :class:`~lightning_gradcomp.shards.ShardExchange` on every FSDP2 unit, and
+    state over the replicate group, the :class:`~lightning_gradcomp.strategies.shards.ShardExchange` on every FSDP2 unit, and
     the non-finite agreement across the shard group after backward."""
 
     shard_size: Optional[int]
@@ -168,7 +168,7 @@ class ShardedWiring(HookWiring):
 
     def _agree_on_skip(self, mesh: "DeviceMesh", device: torch.device) -> None:
         """After a backward that ran the exchange, spread a step skipped on one shard to every rank of the model
-        (:func:`~lightning_gradcomp.shards.agree_on_skip`); a backward without it (gradient accumulation) issues
+        (:func:`~lightning_gradcomp.strategies.shards.agree_on_skip`); a backward without it (gradient accumulation) issues
         nothing. Every rank runs the same backwards, so every rank issues the same collectives."""
         state = self.comm_state
         if state is None or state.hook_calls == self._agreed_hook_calls:

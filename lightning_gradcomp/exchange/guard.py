@@ -37,9 +37,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.ledger import Ledger
-from lightning_gradcomp.memory import ResidualMemory
-from lightning_gradcomp.transport import Transport
+from lightning_gradcomp.exchange.ledger import Ledger
+from lightning_gradcomp.exchange.memory import ResidualMemory
+from lightning_gradcomp.exchange.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def _nonfinite_names(named_grads: Iterable[tuple[str, Optional[Tensor]]]) -> lis
 
 def mark_skipped(state: GuardedState) -> None:
     """Skip this step on this rank because another rank's guard did (an engine whose guard agrees within a
-    subgroup only spreads the decision itself, e.g. :func:`lightning_gradcomp.shards.agree_on_skip`)."""
+    subgroup only spreads the decision itself, e.g. :func:`lightning_gradcomp.strategies.shards.agree_on_skip`)."""
     _skip_step(state)
 
 

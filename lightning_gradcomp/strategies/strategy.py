@@ -15,15 +15,15 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp import presets
+from lightning_gradcomp.strategies import presets
 from lightning_gradcomp.callbacks import CompressionMonitor, CompressionProgressBar, CompressionSchedule
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp.hierarchy import Hierarchy
-from lightning_gradcomp.guard import NonFinite
-from lightning_gradcomp.resilience import ResilienceMixin, ResumeCompression
-from lightning_gradcomp.sites import SiteGroups, SiteLayout, check_site_options, new_site_groups
-from lightning_gradcomp.wiring import HookWiring, check_backend, select_float_names  # noqa: F401  (select_float_names: public here)
+from lightning_gradcomp.exchange.costmodel import CompressionCost, Link, Network
+from lightning_gradcomp.sites.hierarchy import Hierarchy
+from lightning_gradcomp.exchange.guard import NonFinite
+from lightning_gradcomp.strategies.resilience import ResilienceMixin, ResumeCompression
+from lightning_gradcomp.sites.layout import SiteGroups, SiteLayout, check_site_options, new_site_groups
+from lightning_gradcomp.strategies.wiring import HookWiring, check_backend, select_float_names  # noqa: F401  (select_float_names: public here)
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,11 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
             16 bytes per parameter tensor.
         nonfinite: a NaN/Inf gradient on any rank: ``"skip"`` the step on every rank (residuals untouched),
             ``"raise"`` on every rank naming the parameter, or ``"ignore"`` (no check). See
-            :mod:`lightning_gradcomp.guard`.
+            :mod:`lightning_gradcomp.exchange.guard`.
         resume_compression: ``"exact"`` restores every rank's compression state from the checkpoint (and refuses
             a checkpoint written by another world size); ``"reset"`` starts it afresh.
         link: the network between ranks (``"1gbit"``, ``"100mbit@2ms"``, a
-            :class:`~lightning_gradcomp.costmodel.Link` or ``Network``); when given, a cost model picks per
+            :class:`~lightning_gradcomp.exchange.costmodel.Link` or ``Network``); when given, a cost model picks per
             bucket between plain fp32 all-reduce and the compressor's collectives (logged at INFO, counted in
             ``comm_state.collectives``). ``None`` (default): always compress.
         compression_cost: compress/decode seconds per element for that choice; ``None`` measures them on the
@@ -71,7 +71,7 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
             launches its collectives before compressing the next, so compression overlaps the transfer of the
             previous group (a parameter is never split). ``None``: one group per bucket. Results are identical
             either way; each extra group costs one collective's latency.
-        hierarchy: ``"node"``: the hierarchical exchange with one site per node (see :mod:`lightning_gradcomp.hierarchy`):
+        hierarchy: ``"node"``: the hierarchical exchange with one site per node (see :mod:`lightning_gradcomp.sites.hierarchy`):
             dense inside a site, ``compressor`` between sites. ``None`` (default): flat, unless one of the next two
             is given. At most one of ``hierarchy``, ``site_size`` and ``site_sizes``.
         site_size: the hierarchical exchange with sites of this many consecutive ranks (at least 2).
@@ -110,7 +110,7 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         site_sizes: Optional[list[int]] = None,
         **kwargs: Any,
     ) -> None:
-        # reliability options (lightning_gradcomp.resilience), validated before anything else is built
+        # reliability options (lightning_gradcomp.strategies.resilience), validated before anything else is built
         self._init_resilience(check_replicas_every, nonfinite, resume_compression, timeout)
         flags = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
                      gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers)
@@ -179,7 +179,7 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     # -- override points for strategies that run DDP inside sites (WeightGrad, DiLoCo) ----------------------
     def _hook_group(self) -> tuple[int, Optional[int], dict[str, Any]]:
         """The hook's group size, this rank's index in it (``None``: the global rank) and further
-        :class:`~lightning_gradcomp.hook.GradCompState` fields. DDP's own process group is the hook's group."""
+        :class:`~lightning_gradcomp.exchange.hook.GradCompState` fields. DDP's own process group is the hook's group."""
         return self.world_size, None, {}
 
     def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
@@ -218,7 +218,7 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
 
 class _SiteStrategy(GradCompStrategy):
     """A :class:`GradCompStrategy` whose DDP runs inside sites that step apart between rounds (DiLoCo, WeightGrad):
-    the site options, the layout and the site groups (:func:`~lightning_gradcomp.sites.new_site_groups`, made in
+    the site options, the layout and the site groups (:func:`~lightning_gradcomp.sites.layout.new_site_groups`, made in
     ``setup_environment``; the site's group becomes DDP's), the hook inside the site, and the replica check per
     site. A subclass says how ranks form sites (:meth:`make_layout`) and what runs between them."""
 
@@ -250,7 +250,7 @@ class _SiteStrategy(GradCompStrategy):
         return self.groups.site_size, self.groups.site_rank, self._site_hook_fields()
 
     def _site_hook_fields(self) -> dict[str, Any]:
-        """Further :class:`~lightning_gradcomp.hook.GradCompState` fields of the hook inside a site. Default: none."""
+        """Further :class:`~lightning_gradcomp.exchange.hook.GradCompState` fields of the hook inside a site. Default: none."""
         return {}
 
     @override
@@ -263,14 +263,14 @@ class _SiteStrategy(GradCompStrategy):
 class PresetStrategy(GradCompStrategy):
     """:class:`GradCompStrategy` with a preset's compressor setting, measured to reach AdamW DDP's loss on a
     transformer (``Trainer(strategy="terngrad_lm")``; the table, its measurements and the stored runs they rest on:
-    :mod:`lightning_gradcomp.presets`).
+    :mod:`lightning_gradcomp.strategies.presets`).
 
     A preset sets the compressor's options, sends the parameters of every ``nn.Embedding`` in fp32 where it says so
     (on top of ``exclude``), and runs its first steps dense where it says so (a
     :class:`~lightning_gradcomp.callbacks.CompressionSchedule` added at setup, unless the Trainer has one already).
 
     Args:
-        preset: a preset name (:func:`lightning_gradcomp.presets.preset_names`).
+        preset: a preset name (:func:`lightning_gradcomp.strategies.presets.preset_names`).
         **kwargs: :class:`GradCompStrategy`'s options, except ``compressor``.
     """
 

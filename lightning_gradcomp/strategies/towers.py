@@ -3,9 +3,9 @@
 TernGrad's experiments use up to 64 workers with a total batch of 64; the original code emulates them by
 splitting each batch into N "towers" in one process. :class:`TowerStrategy` does the same with the real
 compressors: each tower is a worker r of N with its own compressor state (random stream seeded from r, its
-own residuals, its own :class:`~lightning_gradcomp.hook.GradCompState`), and each tower's gradients, laid out flat
-as one DDP bucket, go through the hook's exchange itself (:func:`~lightning_gradcomp.hook.gradcomp_hook`), each
-tower in its own thread; only the carrier of the collectives differs (:class:`~lightning_gradcomp.transport.Workers`:
+own residuals, its own :class:`~lightning_gradcomp.exchange.hook.GradCompState`), and each tower's gradients, laid out flat
+as one DDP bucket, go through the hook's exchange itself (:func:`~lightning_gradcomp.exchange.hook.gradcomp_hook`), each
+tower in its own thread; only the carrier of the collectives differs (:class:`~lightning_gradcomp.exchange.transport.Workers`:
 the towers meet at each collective, the shared statistic is the max over towers, summable payloads are summed in
 rank order, gathered ones decoded in rank order).
 
@@ -29,12 +29,12 @@ from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.groups import TensorBucket
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook
-from lightning_gradcomp.ledger import LayerRecord, Ledger
-from lightning_gradcomp.segments import Segments
-from lightning_gradcomp.transport import Workers
-from lightning_gradcomp.wiring import select_float_names
+from lightning_gradcomp.exchange.groups import TensorBucket
+from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.exchange.ledger import LayerRecord, Ledger
+from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.exchange.transport import Workers
+from lightning_gradcomp.strategies.wiring import select_float_names
 from lightning_gradcomp.validation import UnknownOptionError, check_int, check_options
 
 
@@ -159,7 +159,7 @@ class TowerStrategy(SingleDeviceStrategy):
     def _exchange(self, buffers: list[Tensor], params: Sequence[Tensor]) -> Tensor:
         """What every worker's hook would write for one bucket of ``params`` (each worker's gradients flat in
         ``buffers``, overwritten with the mean): the hook's exchange, run by each worker in its own thread over
-        the in-process :class:`~lightning_gradcomp.transport.Workers`; returns worker 0's buffer (all are equal)."""
+        the in-process :class:`~lightning_gradcomp.exchange.transport.Workers`; returns worker 0's buffer (all are equal)."""
         errors: list[BaseException] = []
 
         def work(rank: int) -> None:
@@ -222,7 +222,7 @@ class TowerStrategy(SingleDeviceStrategy):
 
     def bytes_per_step(self) -> float:
         """Bytes one emulated worker contributes per step: payloads plus shared statistics, as in the hook
-        (:class:`~lightning_gradcomp.ledger.ByteReport`)."""
+        (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`)."""
         return self.ledger.bytes_per_step()
 
     def dense_bytes_per_step(self) -> float:

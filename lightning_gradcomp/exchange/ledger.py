@@ -17,7 +17,7 @@ from typing import Optional, Protocol, Union, runtime_checkable
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket
-from lightning_gradcomp.segments import Segments
+from lightning_gradcomp.exchange.segments import Segments
 
 
 #: bytes per element of the reference every ratio is taken against: fp32 DDP
@@ -111,7 +111,7 @@ class GroupRecord:
 
 
 class Ledger:
-    """The hook's accounting for one :class:`~lightning_gradcomp.hook.GradCompState`.
+    """The hook's accounting for one :class:`~lightning_gradcomp.exchange.hook.GradCompState`.
 
     Args:
         keep_per_rank: keep each gathered parameter's per-rank decoded gradients (WeightGrad's serial per-worker

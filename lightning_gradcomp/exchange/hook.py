@@ -1,7 +1,7 @@
 """The DDP communication hook: compression inside each bucket, overlapping backward, in a fixed number of ops.
 
 For each bucket DDP hands us (in the order buckets become ready, identical on every rank), the bucket is cut into
-groups (:mod:`lightning_gradcomp.groups`: per pipelined chunk, the layers routed to one compressor, laid out back to
+groups (:mod:`lightning_gradcomp.exchange.groups`: per pipelined chunk, the layers routed to one compressor, laid out back to
 back; made once per layout), and each group goes through the compressor's flat methods, so the number of ops
 dispatched (kernel launches on a GPU) grows with the number of groups, never with the number of layers:
 
@@ -17,8 +17,8 @@ dispatched (kernel launches on a GPU) grows with the number of groups, never wit
 5. when all of them complete: decode, average, and write each group into the bucket's buffer (straight into it when
    the group's layers are adjacent there).
 
-Collectives are only launched here, never from ``.then`` callbacks (see :mod:`lightning_gradcomp.comm`), and travel
-on the state's :class:`~lightning_gradcomp.transport.Transport`: every engine, the emulated workers and the codec
+Collectives are only launched here, never from ``.then`` callbacks (see :mod:`lightning_gradcomp.exchange.comm`), and travel
+on the state's :class:`~lightning_gradcomp.exchange.transport.Transport`: every engine, the emulated workers and the codec
 measurement run this one exchange and differ only in the bucket they hand it and the transport (``docs/design.md``,
 "One exchange").
 """
@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp import comm
+from lightning_gradcomp.exchange import comm
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.multiround import AllReduce, FlatExchanged, MultiRoundCompressor
-from lightning_gradcomp.guard import (
+from lightning_gradcomp.exchange.guard import (
     NonFinite,
     NonFiniteGuard,
     begin_step,
@@ -44,13 +44,13 @@ from lightning_gradcomp.guard import (
     local_flag,
     observe_decoded,
 )
-from lightning_gradcomp.groups import HookBucket, LayerGroup, LayerViews, Layouts, layer_offsets, layer_shapes
-from lightning_gradcomp.ledger import GroupRecord, LayerRecord, Ledger, tensor_bytes
-from lightning_gradcomp.memory import ResidualMemory
-from lightning_gradcomp.pipeline import LayerTransform
-from lightning_gradcomp.router import Planner, Router
-from lightning_gradcomp.stats import NO_OBSERVER, HookObserver, HookStats
-from lightning_gradcomp.transport import ProcessGroupTransport, Transport
+from lightning_gradcomp.exchange.groups import HookBucket, LayerGroup, LayerViews, Layouts, layer_offsets, layer_shapes
+from lightning_gradcomp.exchange.ledger import GroupRecord, LayerRecord, Ledger, tensor_bytes
+from lightning_gradcomp.exchange.memory import ResidualMemory
+from lightning_gradcomp.exchange.pipeline import LayerTransform
+from lightning_gradcomp.exchange.router import Planner, Router
+from lightning_gradcomp.exchange.stats import NO_OBSERVER, HookObserver, HookStats
+from lightning_gradcomp.exchange.transport import ProcessGroupTransport, Transport
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class Peers:
     Attributes:
         process_group: the group to exchange with (``None``: the default group).
         world_size: ranks in ``process_group``.
-        hierarchy: the hierarchical exchange's sites and groups (:class:`~lightning_gradcomp.hierarchy.SiteExchange`);
+        hierarchy: the hierarchical exchange's sites and groups (:class:`~lightning_gradcomp.sites.hierarchy.SiteExchange`);
             ``None``: flat. When set, ``process_group`` is the cross-site group, ``world_size`` the number of sites,
             and the records hold this rank's share only, so ``bytes_per_step`` is what this rank puts on the link
             between sites.
@@ -84,16 +84,16 @@ class GradCompState:
         identity: the fp32 compressor (default :class:`~lightning_gradcomp.compressors.Identity`).
         memory: residuals for compressors with error feedback.
         nonfinite: what a NaN/Inf gradient on any rank does: ``"skip"`` the step everywhere, ``"raise"``, or
-            ``"ignore"`` (see :mod:`lightning_gradcomp.guard`).
+            ``"ignore"`` (see :mod:`lightning_gradcomp.exchange.guard`).
         keep_per_rank: keep each gathered parameter's per-rank decoded gradients in ``ledger.per_rank`` (WeightGrad's
             serial per-worker application needs them).
-        planner: a :class:`~lightning_gradcomp.planner.CollectivePlanner` that picks each bucket's collective from a
+        planner: a :class:`~lightning_gradcomp.exchange.planner.CollectivePlanner` that picks each bucket's collective from a
             cost model of the link (``None``: always compress, the compressor's own collective).
         stats: where the hook records times and captured statistics for a monitor (``None``: not monitored).
         pipeline_bytes: bytes of input per pipelined group within a bucket (``None``: the whole bucket in one
             group). Each group gets its own collectives; results are identical either way.
         hierarchy: see :class:`Peers`.
-        transport: what carries the collectives (:mod:`lightning_gradcomp.transport`); ``None``: torch.distributed
+        transport: what carries the collectives (:mod:`lightning_gradcomp.exchange.transport`); ``None``: torch.distributed
             over ``process_group``.
 
     Attributes:
@@ -101,14 +101,14 @@ class GradCompState:
         router: which compressor each layer uses (exclusions, the planner's choice, a dense warm-up).
         transforms: as above.
         peers: whom the hook exchanges with (:class:`Peers`).
-        transport: what carries the collectives (:class:`~lightning_gradcomp.transport.Transport`).
+        transport: what carries the collectives (:class:`~lightning_gradcomp.exchange.transport.Transport`).
         memory: the residuals, and the step transaction a skipped step rolls back.
-        guard: the non-finite guard's decisions and counters (:class:`~lightning_gradcomp.guard.NonFiniteGuard`).
-        ledger: records, bytes and collectives (:class:`~lightning_gradcomp.ledger.Ledger`).
-        observer: the monitor's :class:`~lightning_gradcomp.stats.HookStats`, or a no-op observer.
+        guard: the non-finite guard's decisions and counters (:class:`~lightning_gradcomp.exchange.guard.NonFiniteGuard`).
+        ledger: records, bytes and collectives (:class:`~lightning_gradcomp.exchange.ledger.Ledger`).
+        observer: the monitor's :class:`~lightning_gradcomp.exchange.stats.HookStats`, or a no-op observer.
         pipeline_bytes: as above.
-        scratch: reused concatenation and all-gather buffers (see :class:`~lightning_gradcomp.comm.Scratch`).
-        layouts: each bucket layout's groups of layers compressed together (:class:`~lightning_gradcomp.groups.Layouts`).
+        scratch: reused concatenation and all-gather buffers (see :class:`~lightning_gradcomp.exchange.comm.Scratch`).
+        layouts: each bucket layout's groups of layers compressed together (:class:`~lightning_gradcomp.exchange.groups.Layouts`).
         extra: further per-rank state saved with the checkpoint: name -> object with ``state_dict`` /
             ``load_state_dict`` (WeightGrad's synchronizer, DiLoCo's outer state, per-rank optimizer states).
     """
@@ -544,7 +544,7 @@ def _observe_averaged(state: GradCompState, group: LayerGroup, buffer: Tensor) -
 def _multiround_exchange(
     state: GradCompState, bucket: HookBucket, names: Sequence[str], route: Sequence[Compressor]
 ) -> torch.futures.Future[torch.Tensor]:
-    """The one-shot path's groups (:meth:`~lightning_gradcomp.groups.Layouts.groups`), transforms and flat error
+    """The one-shot path's groups (:meth:`~lightning_gradcomp.exchange.groups.Layouts.groups`), transforms and flat error
     feedback; then the fp32 group in one all-reduce, then the compressor's rounds on its group
     (:meth:`~lightning_gradcomp.compressors.multiround.MultiRoundCompressor.exchange_flat`). No per-layer view is
     made: each group is taken from the bucket, and its mean written back, in one op."""

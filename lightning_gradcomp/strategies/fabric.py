@@ -4,9 +4,9 @@ and ``ShardedGradCompFabricStrategy`` (FSDP2 inside a replica, compressed shards
 
 Fabric and the Trainer have separate ``DDPStrategy`` classes and separate strategy registries, so this is its own
 class; what it shares with :class:`~lightning_gradcomp.GradCompStrategy` is the whole hook side
-(:class:`~lightning_gradcomp.wiring.HookWiring`: options, transforms, :class:`~lightning_gradcomp.hook.GradCompState`,
-the hierarchical exchange) and the per-rank runtime (:class:`~lightning_gradcomp._runtime.Runtime`); the sharded one
-shares :class:`~lightning_gradcomp.sharded.ShardedWiring` with :class:`~lightning_gradcomp.ShardedGradCompStrategy`.
+(:class:`~lightning_gradcomp.strategies.wiring.HookWiring`: options, transforms, :class:`~lightning_gradcomp.exchange.hook.GradCompState`,
+the hierarchical exchange) and the per-rank runtime (:class:`~lightning_gradcomp.strategies._runtime.Runtime`); the sharded one
+shares :class:`~lightning_gradcomp.strategies.sharded.ShardedWiring` with :class:`~lightning_gradcomp.ShardedGradCompStrategy`.
 Both Fabric strategies share :class:`FabricRecovery` (the runtime's calls from Fabric's hooks: the compression state
 in ``fabric.save``/``fabric.load``, the non-finite step after ``fabric.backward``, the replica check after
 ``optimizer.step()``). Importing :mod:`lightning_gradcomp`
@@ -47,22 +47,22 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp import checkpoint as ckpt
+from lightning_gradcomp.strategies import checkpoint as ckpt
 from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.momentum import MomentumCorrection
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp._runtime import ResumeCompression, Runtime, RuntimeOptions
-from lightning_gradcomp.guard import NonFinite
-from lightning_gradcomp.hierarchy import Hierarchy
-from lightning_gradcomp.pipeline import LayerTransform
-from lightning_gradcomp.sharded import ShardedWiring, mesh_shape, new_mesh
-from lightning_gradcomp.wiring import HookWiring, check_backend
+from lightning_gradcomp.exchange.costmodel import CompressionCost, Link, Network
+from lightning_gradcomp.strategies._runtime import ResumeCompression, Runtime, RuntimeOptions
+from lightning_gradcomp.exchange.guard import NonFinite
+from lightning_gradcomp.sites.hierarchy import Hierarchy
+from lightning_gradcomp.exchange.pipeline import LayerTransform
+from lightning_gradcomp.strategies.sharded import ShardedWiring, mesh_shape, new_mesh
+from lightning_gradcomp.strategies.wiring import HookWiring, check_backend
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_gradcomp.hook import GradCompState
+    from lightning_gradcomp.exchange.hook import GradCompState
 
     class _FabricBase(HookWiring, ParallelStrategy):
         """The type checker reads the mixin as the Fabric strategy it is mixed into, with the hook's wiring; at run
@@ -72,11 +72,11 @@ else:
 
 
 class FabricRecovery(RuntimeOptions, _FabricBase):
-    """Fabric's side of the per-rank runtime (:class:`~lightning_gradcomp._runtime.Runtime`), shared by both Fabric
+    """Fabric's side of the per-rank runtime (:class:`~lightning_gradcomp.strategies._runtime.Runtime`), shared by both Fabric
     strategies: every rank's compression state written by ``fabric.save`` and given back by ``fabric.load``, a
     skipped step's gradients dropped after ``fabric.backward``, and the replica check after ``optimizer.step()``. Its
     overrides translate Fabric's hooks into the runtime's calls, which
-    :class:`~lightning_gradcomp.resilience.ResilienceMixin` makes from the Trainer's. The strategy calls
+    :class:`~lightning_gradcomp.strategies.resilience.ResilienceMixin` makes from the Trainer's. The strategy calls
     :meth:`_init_recovery` from its constructor and :meth:`_attach_recovery` once the hook state exists."""
 
     comm_state: Optional["GradCompState"]
@@ -158,7 +158,7 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
         transforms: per-layer transforms run inside the hook before compression, in order: pipeline callbacks
             (``SigmaClipping``, ``LocalGradientClipping``, ``MomentumCorrection`` without ``weight_decay``), which
             validate themselves against this strategy as under the Trainer, or
-            :class:`~lightning_gradcomp.pipeline.LayerTransform` instances.
+            :class:`~lightning_gradcomp.exchange.pipeline.LayerTransform` instances.
         find_unused_parameters: as in ``DistributedDataParallel``.
         static_graph: as in ``DistributedDataParallel``.
         gradient_as_bucket_view: as in ``DistributedDataParallel``.
@@ -453,17 +453,17 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
 
 class PresetFabricStrategy(GradCompFabricStrategy):
     """:class:`GradCompFabricStrategy` with a preset's compressor setting (``Fabric(strategy="terngrad_lm")``;
-    :mod:`lightning_gradcomp.presets`): the compressor's options, and the parameters of every ``nn.Embedding`` in
+    :mod:`lightning_gradcomp.strategies.presets`): the compressor's options, and the parameters of every ``nn.Embedding`` in
     fp32 where the preset says so. Presets with dense steps are Trainer-only (they need the Trainer's
     ``CompressionSchedule``).
 
     Args:
-        preset: a preset name without dense steps (:func:`lightning_gradcomp.presets.preset_names`).
+        preset: a preset name without dense steps (:func:`lightning_gradcomp.strategies.presets.preset_names`).
         **kwargs: :class:`GradCompFabricStrategy`'s options, except ``compressor``.
     """
 
     def __init__(self, preset: str, **kwargs: Any) -> None:
-        from lightning_gradcomp import presets
+        from lightning_gradcomp.strategies import presets
 
         self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__)
         if self.preset.dense_steps:
@@ -483,7 +483,7 @@ class PresetFabricStrategy(GradCompFabricStrategy):
 
     @override
     def _float_names(self, named: dict[str, torch.nn.Parameter]) -> frozenset[str]:
-        from lightning_gradcomp import presets
+        from lightning_gradcomp.strategies import presets
 
         names = super()._float_names(named)
         if self.preset.float_embeddings and self._preset_module is not None:
@@ -511,8 +511,8 @@ def register_trainer_only_names(fabric_registry: Any) -> None:
     generic "invalid strategy name"."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_gradcomp.sharded import ShardedGradCompStrategy
-    from lightning_gradcomp.strategy import GradCompStrategy
+    from lightning_gradcomp.strategies.sharded import ShardedGradCompStrategy
+    from lightning_gradcomp.strategies.strategy import GradCompStrategy
 
     for name, data in StrategyRegistry.items():
         cls = data["strategy"]

@@ -1,11 +1,11 @@
 """The hook's wiring shared by the Trainer strategy and the Fabric strategy: options, transforms, hook state.
 
 :class:`~lightning_gradcomp.GradCompStrategy` (``lightning.pytorch``) and
-:class:`~lightning_gradcomp.fabric.GradCompFabricStrategy` (``lightning.fabric``) derive from two unrelated
+:class:`~lightning_gradcomp.strategies.fabric.GradCompFabricStrategy` (``lightning.fabric``) derive from two unrelated
 ``DDPStrategy`` classes; both mix in :class:`HookWiring`, so the options are validated, the layer transforms
-attached, the :class:`~lightning_gradcomp.hook.GradCompState` built (flat or hierarchical) and the exchange's layout
+attached, the :class:`~lightning_gradcomp.exchange.hook.GradCompState` built (flat or hierarchical) and the exchange's layout
 described (sites, shard size, the sets of ranks that hold the same parameters) by one implementation. The per-rank
-state around the hook state (checkpoint, non-finite steps, replica check) is :class:`~lightning_gradcomp._runtime.Runtime`.
+state around the hook state (checkpoint, non-finite steps, replica check) is :class:`~lightning_gradcomp.strategies._runtime.Runtime`.
 """
 
 import copy
@@ -22,15 +22,15 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp._runtime import Runtime
+from lightning_gradcomp.strategies._runtime import Runtime
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
-from lightning_gradcomp.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp.hierarchy import Hierarchy, HierarchySpec, hierarchical_hook, hierarchy_spec, new_site_exchange
-from lightning_gradcomp.hook import GradCompState, gradcomp_hook
-from lightning_gradcomp.pipeline import LayerTransform
-from lightning_gradcomp.planner import CollectivePlanner
+from lightning_gradcomp.exchange.costmodel import CompressionCost, Link, Network
+from lightning_gradcomp.sites.hierarchy import Hierarchy, HierarchySpec, hierarchical_hook, hierarchy_spec, new_site_exchange
+from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.exchange.pipeline import LayerTransform
+from lightning_gradcomp.exchange.planner import CollectivePlanner
 from lightning_gradcomp.validation import check_bool, check_int, check_number
-from lightning_gradcomp.ledger import dense_bytes
+from lightning_gradcomp.exchange.ledger import dense_bytes
 
 # DDPStrategy arguments that would replace or bypass our hook; jsonargparse passes them as explicit None
 _HOOK_ARGUMENTS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
@@ -45,7 +45,7 @@ _DDP_OPTIONS = frozenset(inspect.signature(DistributedDataParallel.__init__).par
 _DDP_SIGNATURE = inspect.signature(DistributedDataParallel.__init__).parameters
 _DDP_BOOL_OPTIONS = frozenset(n for n, p in _DDP_SIGNATURE.items() if isinstance(p.default, bool))
 
-log = logging.getLogger("lightning_gradcomp.strategy")  # the setup line's logger, whichever strategy writes it
+log = logging.getLogger("lightning_gradcomp.strategies.strategy")  # the setup line's logger, whichever strategy writes it
 
 
 def check_ddp_options(options: dict[str, Any], bucket_cap_mb: Any, backend: Any) -> None:
@@ -181,7 +181,7 @@ class HookWiring:
     # -- the exchange's layout: what a checkpoint and the replica check must agree with ----------------------------
     def _checkpoint_sites(self, world_size: int, num_nodes: int) -> tuple[Optional[list[int]], Optional[str]]:
         """This run's sites under the hierarchical exchange (``None``: flat) and the option that chose them, which
-        a checkpoint's compression state must match (:func:`lightning_gradcomp.checkpoint.select`)."""
+        a checkpoint's compression state must match (:func:`lightning_gradcomp.strategies.checkpoint.select`)."""
         if self.hierarchy is None:
             return None, None
         arg, value = self.hierarchy.argument()
@@ -189,7 +189,7 @@ class HookWiring:
 
     def _checkpoint_shard_size(self) -> Optional[int]:
         """The ranks per replica of this run's sharded model (``None``: not sharded), which a checkpoint's compression
-        state must match (:func:`lightning_gradcomp.checkpoint.select`); the sharded wiring overrides it."""
+        state must match (:func:`lightning_gradcomp.strategies.checkpoint.select`); the sharded wiring overrides it."""
         return None
 
     def _replica_sets(self) -> Optional[list[list[int]]]:
@@ -204,9 +204,9 @@ class HookWiring:
 
     def _warn_paper_default(self, optimizers: Sequence[torch.optim.Optimizer], measured_exchange: bool = True) -> None:
         """Warn once, on rank 0, when the compressor has a paper default whose measured gap to AdamW DDP is large
-        and an optimizer is Adam or AdamW (:func:`lightning_gradcomp.presets.paper_default_warning`): not for an
+        and an optimizer is Adam or AdamW (:func:`lightning_gradcomp.strategies.presets.paper_default_warning`): not for an
         exchange nobody measured (``exclude``, ``min_numel``, or not ``measured_exchange``)."""
-        from lightning_gradcomp.presets import paper_default_warning
+        from lightning_gradcomp.strategies.presets import paper_default_warning
 
         customised = bool(self.exclude) or self.min_numel != 1 or not measured_exchange
         message = paper_default_warning(self.compressor, optimizers, customised=customised)
@@ -246,7 +246,7 @@ class HookWiring:
         **fields: Any,
     ) -> GradCompState:
         """Set up the compressor and transforms for this rank and build the hook state (not yet registered), its
-        non-finite mode given by the runtime (:meth:`~lightning_gradcomp._runtime.Runtime.hook_mode`).
+        non-finite mode given by the runtime (:meth:`~lightning_gradcomp.strategies._runtime.Runtime.hook_mode`).
 
         Args:
             named: the parameters that go through the hook, by name.
@@ -257,7 +257,7 @@ class HookWiring:
             group_rank: this rank's index inside ``process_group`` for the transforms (default: ``rank``).
             global_world_size: ranks in the default group, where the hook's group is one site of them (default:
                 ``world_size``).
-            **fields: further :class:`~lightning_gradcomp.hook.GradCompState` fields, overriding the defaults.
+            **fields: further :class:`~lightning_gradcomp.exchange.hook.GradCompState` fields, overriding the defaults.
         """
         self.compressor.setup(rank, world_size, device)
         for transform in self._transforms:
@@ -329,7 +329,7 @@ class HookWiring:
 
     def _hook_function(self) -> Callable[..., Any]:
         """The communication hook DDP runs on every bucket (a subclass whose exchange follows its optimizer's
-        phase wraps :func:`~lightning_gradcomp.hook.gradcomp_hook`)."""
+        phase wraps :func:`~lightning_gradcomp.exchange.hook.gradcomp_hook`)."""
         return gradcomp_hook if self.hierarchy is None else hierarchical_hook
 
     # -- what the strategy sends (ByteReport), and what it says about it ------------------------------------------
@@ -337,7 +337,7 @@ class HookWiring:
         """Bytes this rank sent in the latest optimizer step (payloads and shared statistics; with the hierarchical
         exchange, this rank's share between sites), read from the hook's ledger; 0 before the first step.
 
-        The same method on every strategy of the library (:class:`~lightning_gradcomp.ledger.ByteReport`); the
+        The same method on every strategy of the library (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`); the
         progress bar's ``comp_ratio`` and ``CompressionMonitor``'s totals read it.
         """
         return 0 if self.comm_state is None else self.comm_state.ledger.bytes_per_step()
@@ -363,7 +363,7 @@ class HookWiring:
         """Log (INFO, visible by default; call on rank 0) what runs: the compressor, its collectives, and its bytes.
 
         Fixed-size encodings: the exact bytes per rank and step, from
-        :func:`~lightning_gradcomp.codec.measure_codec` (a copy of the compressor packs tensors of every compressed
+        :func:`~lightning_gradcomp.exchange.codec.measure_codec` (a copy of the compressor packs tensors of every compressed
         parameter's shape; the size depends on the shapes only). Sparse encodings (``fixed_size=False``) send what
         each step's gradients select, and a cost-model planner (``link``) may send a bucket in fp32: no number is
         promised for them here; the bytes the first step sent, read from the ledger, follow in their own line
@@ -372,7 +372,7 @@ class HookWiring:
         ``between_sites``: the hierarchical exchange, ``world_size`` sites; the bytes are a site's (its ranks send
         one share each).
         """
-        from lightning_gradcomp.codec import measure_codec
+        from lightning_gradcomp.exchange.codec import measure_codec
 
         if between_sites:
             where, per = f"between {world_size} sites", "per site (its ranks send one share each)"

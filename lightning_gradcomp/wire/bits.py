@@ -3,13 +3,13 @@
 Used by the 1-bit SGD and QSGD baselines. Each value occupies exactly ``width`` bits, least significant bit
 first, values laid end to end: ``n`` values take ``ceil(n * width / 8)`` bytes, nothing more. A group of layers
 packs in a fixed number of ops with :func:`pack_bits_segments`, each layer's bits padded to whole bytes as
-:func:`pack_bits` pads them. Ternary values have their own denser layouts in :mod:`lightning_gradcomp.wire`.
+:func:`pack_bits` pads them. Ternary values have their own denser layouts in :mod:`lightning_gradcomp.wire.ternary`.
 """
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.segments import Padding, Segments
+from lightning_gradcomp.exchange.segments import Padding, Segments
 
 
 def packed_bits_nbytes(numel: int, width: int) -> int:
