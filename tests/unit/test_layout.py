@@ -7,8 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import lightning_gradcomp
 from lightning_gradcomp import compressors, registry
+from lightning_gradcomp._deprecated import MOVED_MODULES
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARY = ROOT / "lightning_gradcomp"
@@ -137,3 +140,14 @@ def test_every_dotted_name_in_docs_and_recipes_resolves() -> None:
     names = {(path.relative_to(ROOT), name) for path in files for name in pattern.findall(path.read_text())}
     assert len(names) > 100  # the pattern finds the names, not nothing
     assert sorted(f"{path}: {name}" for path, name in names if not _resolves(name)) == []
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
+def test_a_moved_module_path_imports_the_module_at_its_new_place_with_a_warning(old: str) -> None:
+    """Scripts and pickles that name a module's old path (``lightning_gradcomp.hook``) get the module itself, so
+    its classes are the same objects, and a ``DeprecationWarning`` naming the new path."""
+    new = importlib.import_module(MOVED_MODULES[old])
+    sys.modules.pop(old, None)  # a previous import would answer from the cache, without the warning
+    with pytest.warns(DeprecationWarning, match=re.escape(MOVED_MODULES[old])):
+        moved = importlib.import_module(old)
+    assert moved is new
