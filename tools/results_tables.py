@@ -1147,14 +1147,169 @@ def _choosing_cnn_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(notes)
 
 
+#: docs/migrating.md's alternatives to 1-bit Adam that keep AdamW: (what it replaces, what to use, the compressor
+#: whose best setting (the ``lm-long-best`` table's) it is, or "" for DiLoCo with int8 pseudo-gradients)
+MIGRATING_ONEBIT = [
+    ("fewer bytes at Adam's loss", '`strategy="int8"`', "int8"),
+    ("same, more bytes saved", '`strategy="terngrad_lm"`: TernGrad with a scaler per 64 elements, embeddings in fp32 '
+     "(`recipes/lm/gpt_small_terngrad_b64.yaml`)", "terngrad"),
+    ("1-bit signs with error feedback", '`strategy="onebit"` (1-bit SGD) with the embeddings in fp32 and 100 dense '
+     "steps", "onebit"),
+    ("the most bytes saved", '`strategy="demo_lm"` (`recipes/lm/gpt_small_demo_c16_k8.yaml`); it replaces AdamW by '
+     "DeMo's own `SignSGD`", "demo"),
+    ("0/1 Adam's skipped rounds", "DiLoCo with int8 pseudo-gradients every 50 steps "
+     "(`recipes/diloco/gpt_stdlib_diloco_int8.yaml`)", ""),
+]
+
+
+def _migrating_onebit_files() -> list[Path]:
+    labels = [label for _, _, name in MIGRATING_ONEBIT if name for pair in _best_pairs(name) for label in pair]
+    return ([RESULTS / "lm_long" / f"{label}.json" for label in dict.fromkeys(labels)]
+            + [RESULTS / "diloco" / "ddp.json", RESULTS / "diloco" / "int8_h50.json"])
+
+
+def _migrating_onebit_table(runs: list[dict[str, Any]]) -> str:
+    """docs/migrating.md's alternatives to 1-bit Adam: loss against DDP at the same seed (each seed, or the mean
+    of more than three) and bytes, at each compressor's best setting on the 2000-step grid."""
+    run = _by_path(runs)
+    lines = ["| if you used 1-bit Adam for | use | measured |", "| --- | --- | --- |"]
+    for need, use, name in MIGRATING_ONEBIT:
+        if not name:
+            diloco = run("diloco/int8_h50")
+            measured = f"{_pct(_loss(diloco, run('diloco/ddp')))} at {_times(_bytes(diloco))}"
+        else:
+            pairs = [(run(f"lm_long/{r}"), run(f"lm_long/{d}")) for r, d in _best_pairs(name)]
+            gaps = [_loss(r, d) for r, d in pairs]
+            if len(gaps) > 3:
+                loss = f"{_pct(statistics.mean(gaps))} (mean of {len(gaps)} seeds)"
+            else:
+                loss = " / ".join(_pct(g) for g in gaps) + (f" ({len(gaps)} seeds)" if len(gaps) > 1 else "")
+            measured = f"{loss} at {_times(_bytes(pairs[0][0]))} fewer bytes" if name == "int8" else \
+                f"{loss} at {_times(_bytes(pairs[0][0]))}"
+        lines.append(f"| {need} | {use} | {measured} |")
+    return "\n".join(lines)
+
+
 TABLES += [
     Table("choosing-transformer", _choosing_transformer_files, _choosing_transformer_table,
           "python tools/results_tables.py --only choosing-transformer"),
+    Table("migrating-onebit", _migrating_onebit_files, _migrating_onebit_table,
+          "python tools/results_tables.py --only migrating-onebit"),
 ]
+
+
+#: the target validation losses of the emulated grids' stored tables (each grid's ``emulated.py --target``)
+EMULATED_TARGETS = {"lm": 2.45, "sharded": 2.45, "diloco": 1.3}
+#: the README's headline compressors on the 2000-step grid, at their best settings, as the README names them
+HEADLINE_BEST = [("int8", "int8"), ("qsgd", "QSGD (31 levels)"), ("terngrad", "TernGrad (per-64 scalers)"),
+                 ("demo", "DeMo")]
+#: the 1-bit Adam and 0/1 Adam settings the README cites (rows of :data:`FROZEN_ADAM`: the best of each)
+HEADLINE_FROZEN = [("1-bit Adam", 0), ("0/1 Adam", 5)]
+#: the emulated language-model grid's runs, as the README names them
+EMULATED_NAMES = {"bf16": "bf16", "powersgd_r1": "PowerSGD rank 1", "powersgd_r4": "PowerSGD rank 4",
+                  "powersgd_r16": "PowerSGD rank 16", "terngrad": "TernGrad", "qsgd": "QSGD", "demo_k64": "DeMo"}
+
+
+def _headline_files() -> list[Path]:
+    from benchmarks.emulated import GRIDS
+
+    long = [label for name, _ in HEADLINE_BEST for pair in _best_pairs(name) for label in pair]
+    long += [label for _, row in HEADLINE_FROZEN for pair in FROZEN_ADAM[row][2] for label in pair]
+    emulated = [GRIDS[grid].out / wan / f"{label}.json" for grid in ("lm", "sharded") for wan in ("100mbit", "1gbit")
+                for label in GRIDS[grid].runs]
+    return ([RESULTS / "lm_long" / f"{label}.json" for label in dict.fromkeys(long)] + emulated
+            + [RESULTS / name for name in TARGET_RUNS if "default" in name]
+            + [RESULTS / "baselines/digits_5_epochs.md", RESULTS / "diloco/ddp.json", RESULTS / "diloco/int8_h50.json"]
+            + [GRIDS["diloco"].out / "100mbit" / f"{label}.json" for label in ("ddp", "diloco_int8_h50")])
+
+
+def _speedups(runs: list[dict[str, Any]], grid: str, wan: str) -> dict[str, float]:
+    """Each stored run's time to its grid's target over the baseline's, on one WAN rate (runs that did not reach
+    the target left out)."""
+    from benchmarks.emulated import GRIDS, time_to
+
+    spec = GRIDS[grid]
+    folder = (spec.out / wan).as_posix()
+    found = {r["label"]: time_to(r, EMULATED_TARGETS[grid]) for r in runs if Path(r["_path"]).parent.as_posix() == folder}
+    base = found[spec.baseline]
+    assert base is not None
+    return {label: base / t for label, t in found.items() if t is not None and label != spec.baseline}
+
+
+def _headline_table(runs: list[dict[str, Any]]) -> str:
+    """The README's headline numbers, each from the stored runs of the page it links to."""
+    from benchmarks import ratio_summary
+    from lightning_gradcomp.presets import measure
+
+    run = _by_path(runs)
+    long = {Path(r["_path"]).stem: r for r in runs if Path(r["_path"]).parent.name == "lm_long"}
+    seeds, cells = [], []
+    for name, shown in HEADLINE_BEST:
+        pairs = _best_pairs(name)
+        seeds.append(len(pairs))
+        gap = statistics.mean(_loss(long[r], long[d]) for r, d in pairs)
+        ratio = _bytes(long[pairs[0][0]])
+        cells.append(f"{shown} {_pct(gap)} at {_times(ratio)}")
+    frozen = []
+    for method, row in HEADLINE_FROZEN:
+        pairs = FROZEN_ADAM[row][2]
+        seeds.append(len(pairs))
+        frozen.append((method, *measure(long, pairs)))
+    quality = (f"{'; '.join(cells)}; {frozen[0][0]} {frozen[0][1]:+.1f} % and {frozen[1][0]} {frozen[1][1]:+.1f} % "
+               f"at {_times(frozen[0][2])} and {_times(frozen[1][2])} fewer bytes over the whole run (means over "
+               f"{min(seeds)}-{max(seeds)} seeds)")
+    lm = {wan: _speedups(runs, "lm", wan) for wan in ("100mbit", "1gbit")}
+    best_1g = max(lm["1gbit"].values())
+    ties = [EMULATED_NAMES.get(label, label) for label, s in lm["1gbit"].items() if f"{s:.2f}" == "1.00"]
+    tie = f" ({' and '.join(ties)} tie)" if len(ties) > 1 else f" ({ties[0]} ties)" if ties else ""
+    fastest = max(lm["1gbit"], key=lm["1gbit"].__getitem__)
+    at_1g = (f"no compressor faster than DDP on this machine{tie}" if best_1g < 1.005
+             else f"{EMULATED_NAMES.get(fastest, fastest)} {best_1g:.1f}x faster than DDP")
+    lm_cell = f"100 Mbit/s: TernGrad {lm['100mbit']['terngrad']:.1f}x faster than DDP; 1 Gbit/s: {at_1g}"
+    sharded = {wan: _speedups(runs, "sharded", wan)["hsdp_terngrad"] for wan in ("1gbit", "100mbit")}
+    fp32, tern = (run(f"sharded_emulated/1gbit/{label}")["final_val_loss"] for label in ("hsdp_fp32", "hsdp_terngrad"))
+    sharded_cell = (f"TernGrad's shards {sharded['1gbit']:.2f}x (1 Gbit/s) and {sharded['100mbit']:.2f}x (100 Mbit/s) "
+                    f"sooner than stock HSDP, at {'its' if abs(tern / fp32 - 1) < 0.005 else _pct(tern / fp32 - 1)} "
+                    f"loss")
+    targets = [row for r in runs if "step_time_target_default" in r["_path"]
+               for row in ratio_summary.ratios(Path(r["_path"]), "terngrad", ["ddp", "ddp_bf16"]).values()]
+    step_cell = (f"TernGrad's step {statistics.median(r['ddp'] for r in targets):.2f}x of DDP's and "
+                 f"{statistics.median(r['ddp_bf16'] for r in targets):.2f}x of bf16 DDP's (median of {len(targets)} "
+                 f"runs)")
+    digits = {cells[0]: cells for cells in _table_rows(run("baselines/digits_5_epochs")["table"])}
+    tern_acc, ddp_acc = (float(digits[name][1].rstrip("%")) for name in ("terngrad", "ddp"))
+    digits_cell = (f"TernGrad {tern_acc - ddp_acc:+.1f} points of DDP's accuracy with {digits['terngrad'][3]} fewer "
+                   f"bytes (digits MLP: {tern_acc:.1f} % against {ddp_acc:.1f} %); paper-vs-ours tables per recipe")
+    diloco, diloco_ddp = run("diloco/int8_h50"), run("diloco/ddp")
+    diloco_speed = _speedups(runs, "diloco", "100mbit")["diloco_int8_h50"]
+    diloco_cell = (f"{_times(_bytes(diloco))} fewer bytes than DDP; {diloco_speed:.1f}x faster than DDP to a target "
+                   f"loss over 100 Mbit/s (2 sites of 2); but {_pct(_loss(diloco, diloco_ddp))} loss at equal tokens "
+                   f"on this small model")
+    cpu, emulated = "2-core CPU VM", "2-core CPU VM, emulated network"
+    rows = [
+        ("Transformer with AdamW (GPT, 120k parameters, 4 ranks, 2000 steps): loss against DDP's at each "
+         "compressor's best setting", quality, cpu, "`docs/transformers.md`"),
+        ("Same workload family (446k parameters), time to a target loss, 2 sites over an emulated WAN", lm_cell,
+         emulated, "`docs/transformers.md`"),
+        ("Sharded model (FSDP2 in each site, 446k-parameter GPT), time to a target loss, 2 sites of 2 over an "
+         "emulated WAN", sharded_cell, emulated, "`docs/sharded.md`"),
+        ("Step time, 36.8M-parameter MLP, 4 ranks over an emulated 1 Gbit/s link", step_cell, emulated,
+         "`docs/benchmarks.md`"),
+        ("CNN/MLP with SGD: the papers' tables", digits_cell, cpu, "`docs/reproductions.md`, `docs/baselines.md`"),
+        ("DiLoCo, int8 pseudo-gradients, H = 50, 4 ranks (GPT, 120k parameters)", diloco_cell, emulated,
+         "`docs/diloco.md`"),
+    ]
+    lines = ["| what | result | hardware | page |", "| --- | --- | --- | --- |"]
+    lines += [f"| {' | '.join(row)} |" for row in rows]
+    return "\n".join(lines)
+
+
+TABLES.append(Table("headline", _headline_files, _headline_table, "python tools/results_tables.py --only headline"))
 REPRO_TABLES.append(Table("choosing-cnn", _choosing_cnn_files, _choosing_cnn_table,
                           "python tools/results_tables.py --only choosing-cnn"))
-#: the reproductions' tables whose runs are stored (the others are typed in the pages until they are)
-STORED_REPRO = ["repro-adacomp"]
+#: the reproductions' tables whose runs are stored under benchmarks/results/reproductions/ (all of them)
+STORED_REPRO = ["repro-terngrad-lenet", "repro-graddrop", "repro-graddrop-longer", "repro-graddrop-variants",
+                "repro-adacomp", "repro-weightgrad", "choosing-cnn"]
 TABLES += [table for table in REPRO_TABLES if table.name in STORED_REPRO]
 
 
