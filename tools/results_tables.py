@@ -1468,7 +1468,7 @@ def _benchmarks_targets_table(runs: list[dict[str, Any]]) -> str:
     gbps = max(row["fused"]["gbps"] for row in gpu["rows"] if row["size"] == largest
                and row["kernel"] in ("group compress int8", "group compress packed"))
     gpu_cell = (f"one H200: TernGrad's group decode {min(decode):.2f}-{max(decode):.2f} of copy bandwidth, its group "
-                f"compress far below ({gbps:.1f} GB/s against {gpu['memory_copy_gbps']:.0f}) (`docs/measured.md`)")
+                f"compress far below ({gbps:.1f} GB/s against {gpu['memory_copy_gbps']:.0f} GB/s) (`docs/measured.md`)")
     gpu_met = "**met** on the GPU" if min(decode + compress) >= 0.3 else "**not met** on the GPU"
     rows = [("1 Gbit/s, N = 4, MLP: TernGrad <= 1/3 of fp32 DDP", *step_row("ddp", 1 / 3, "1/3")),
             ("same: TernGrad <= 1/2 of bf16 DDP", *step_row("ddp_bf16", 1 / 2, "1/2")),
