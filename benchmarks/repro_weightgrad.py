@@ -68,11 +68,11 @@ def main() -> None:
             ov = overrides(args.steps, log_dir) + list(args.extra)
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=f"{ROOT}:{ROOT / 'benchmarks'}")
             start = time.perf_counter()
-            out = subprocess.run([sys.executable, "-m", "gradcomp_lab.cli", "fit", "--config", recipe, *ov],
+            proc = subprocess.run([sys.executable, "-m", "gradcomp_lab.cli", "fit", "--config", recipe, *ov],
                                  cwd=ROOT, env=env, capture_output=True, text=True)
             seconds = time.perf_counter() - start
-            if out.returncode != 0:
-                print(out.stderr[-3000:])
+            if proc.returncode != 0:
+                print(proc.stderr[-3000:])
                 raise SystemExit(f"{name} failed")
             acc, loss = last_metric(log_dir, "val_acc"), last_metric(log_dir, "val_loss")
             wan, lan = last_metric(log_dir, "wan_mb"), last_metric(log_dir, "lan_mb")

@@ -203,8 +203,9 @@ def test_generated_tables_in_the_pages_equal_what_the_stored_results_print(capsy
     pages = results_tables._pages_with_blocks()
     names = {m.group(2) for text in pages.values() for m in results_tables.BLOCK.finditer(text)}
     # the key tables are in the pages, and every block names a known table
-    key = {"lm-long-best", "step-time-grid", "diloco", "choosing-transformer", "model-parameters",
-           "sparse-fashion-mnist", "repro-adacomp"}
+    key = {"lm-long-best", "step-time-grid", "diloco", "choosing-transformer", "choosing-cnn", "model-parameters",
+           "sparse-fashion-mnist", "repro-terngrad-lenet", "repro-graddrop", "repro-graddrop-longer",
+           "repro-graddrop-variants", "repro-adacomp", "repro-weightgrad"}
     assert key <= names <= {t.name for t in results_tables.TABLES}
     assert results_tables.main(["--check"]) == 0, capsys.readouterr().out
 
