@@ -1245,7 +1245,7 @@ def _speedups(runs: list[dict[str, Any]], grid: str, wan: str) -> dict[str, floa
 def _headline_table(runs: list[dict[str, Any]]) -> str:
     """The README's headline numbers, each from the stored runs of the page it links to."""
     from benchmarks import ratio_summary
-    from lightning_gradcomp.presets import measure
+    from lightning_gradcomp.strategies.presets import measure
 
     run = _by_path(runs)
     long = {Path(r["_path"]).stem: r for r in runs if Path(r["_path"]).parent.name == "lm_long"}
