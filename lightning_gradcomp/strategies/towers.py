@@ -132,7 +132,6 @@ class TowerStrategy(SingleDeviceStrategy):
         #: one hook state per emulated worker (its compressor, residuals and records)
         self._states: list[GradCompState] = []
         self._float_names: frozenset[str] = frozenset()
-        self._workers = Workers(num_workers)
 
     @override
     def setup(self, trainer: Any) -> None:
