@@ -133,9 +133,12 @@ class LoopbackTransport:
     def gather_from_owners(self, out: Tensor, mine: Tensor, splits: Sequence[int], repeated: Tensor) -> Future:
         # every owner's segment is this rank's, cut or repeated to the owner's length (the bytes a real gather
         # moves, whatever they encode)
-        offset = 0
+        flat, offset = mine.reshape(-1), 0
         for n in splits:
-            out[offset : offset + n].copy_(mine.reshape(-1).repeat(-(-n // max(mine.numel(), 1)))[:n])
+            if flat.numel():
+                out[offset : offset + n].copy_(flat.repeat(-(-n // flat.numel()))[:n])
+            else:
+                out[offset : offset + n].zero_()
             offset += n
         return comm.completed(out)
 
