@@ -114,9 +114,10 @@ def test_terngrad_wan_quantizer_is_unbiased_and_agrees_within_a_site() -> None:
     x = torch.tensor([0.5, -0.25, 0.0, 1.0, -1.0])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        quantizer = _synchronizer("terngrad", "global", nn.Linear(2, 2)).quantizer
+        sync = _synchronizer("terngrad", "global", nn.Linear(2, 2))
     finally:
         dist.destroy_process_group()
+    quantizer = sync.quantizer
     assert isinstance(quantizer, TernGrad) and quantizer.clip_factor == 0.0 and quantizer.rank == 0  # site 0
     site0, replica, site1 = (copy.deepcopy(quantizer) for _ in range(3))
     site1.setup(1, 2, torch.device("cpu"))  # what a rank of site 1 sets up
@@ -127,6 +128,14 @@ def test_terngrad_wan_quantizer_is_unbiased_and_agrees_within_a_site() -> None:
     assert all(float(scale) == 1.0 for _, scale in first)  # max|x|: no clipping
     draws = torch.stack([s * b.float() for b, s in (site0.ternarize(x, name="w") for _ in range(4000))])
     torch.testing.assert_close(draws.mean(0), x, atol=0.04, rtol=0)
+    # the streams are training state: a resumed round draws what the uninterrupted one drew
+    sync.quantizer.ternarize(x, name="w")
+    saved = copy.deepcopy(sync.exchange_state())
+    drawn = sync.quantizer.ternarize(x.repeat(20), name="w")[0]
+    sync.load_exchange_state(saved)
+    assert torch.equal(sync.quantizer.ternarize(x.repeat(20), name="w")[0], drawn)
+    with pytest.raises(ValueError, match="resume_compression='reset'"):  # an older release's single stream
+        sync.load_exchange_state({"significance": saved["significance"], "generator": torch.get_rng_state()})
 
 
 def test_encoding_round_trip_and_exact_sizes() -> None:
