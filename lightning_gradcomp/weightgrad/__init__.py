@@ -1,7 +1,7 @@
 """WeightGrad (Akter & Adnan, KDD 2020): two-level LAN/WAN training with ternary gradients and weights."""
 
 from lightning_gradcomp._deprecated import moved_names as _moved_names
-from lightning_gradcomp.weightgrad.quantize import decode, encode, loss_aware_ternary, stochastic_ternary
+from lightning_gradcomp.weightgrad.quantize import decode, encode
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
 from lightning_gradcomp.weightgrad.strategy import GatheredFP32, WeightGradStrategy
 from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer
@@ -13,8 +13,6 @@ __all__ = [
     "WeightGradStrategy",
     "decode",
     "encode",
-    "loss_aware_ternary",
-    "stochastic_ternary",
 ]
 
 # spellings of an earlier release, kept for one more with a DeprecationWarning (not in __all__): the sites serve
