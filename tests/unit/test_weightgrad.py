@@ -263,3 +263,19 @@ def test_round_triggers(options: dict, expected: list[bool]) -> None:
         assert ran == expected
     finally:
         dist.destroy_process_group()
+
+
+def test_the_quantizers_old_function_spellings_warn_and_agree_with_the_compressors() -> None:
+    """``weightgrad.loss_aware_ternary``/``stochastic_ternary`` still resolve, with a DeprecationWarning, to the
+    compressors' ternarization: LAT's bits exactly, TernGrad's scale ``max|x|`` and values in {-1, 0, 1}."""
+    import lightning_gradcomp.weightgrad as weightgrad
+    from lightning_gradcomp.compressors import LossAwareTernary
+
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(DeprecationWarning, match="LossAwareTernary"):
+        alpha, b = weightgrad.loss_aware_ternary(x)
+    b_new, alpha_new = LossAwareTernary().ternarize(x)
+    assert torch.equal(alpha, alpha_new) and torch.equal(b, b_new.view(x.shape))
+    with pytest.warns(DeprecationWarning, match="TernGrad"):
+        scale, b = weightgrad.stochastic_ternary(x, torch.Generator().manual_seed(1))
+    assert torch.equal(scale, x.abs().max()) and b.shape == x.shape and set(b.unique().tolist()) <= {-1, 0, 1}
