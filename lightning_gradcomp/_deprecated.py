@@ -19,12 +19,13 @@ from types import ModuleType
 from typing import Any, Optional
 
 
-def moved_names(module: str, moves: Mapping[str, str]) -> Callable[[str], Any]:
+def moved_names(module: str, moves: Mapping[str, str], stacklevel: int = 2) -> Callable[[str], Any]:
     """A module ``__getattr__`` that resolves each moved name at its new place, with a ``DeprecationWarning``.
 
     Args:
         module: the module that held the names (its ``__name__``).
         moves: old name -> its new place as ``"package.module:Name"``.
+        stacklevel: the warning's ``stacklevel`` (3 where the module's own ``__getattr__`` calls this one).
 
     Returns:
         The ``__getattr__`` to assign in ``module``; other unknown names raise ``AttributeError`` as usual.
@@ -35,12 +36,13 @@ def moved_names(module: str, moves: Mapping[str, str]) -> Callable[[str], Any]:
         if target is None:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         new_module, _, attribute = target.partition(":")
-        # stacklevel 2: the warning points at the script's line, where Python's default filter shows it
+        # stacklevel 2 (3 through a module's own __getattr__): the warning points at the script's line, where
+        # Python's default filter shows it
         warnings.warn(
             f"`{module}.{name}` moved to `{new_module}.{attribute}`; the old name is deprecated and will be removed "
             f"in the next release. Fix: `from {new_module} import {attribute}`.",
             DeprecationWarning,
-            stacklevel=2,
+            stacklevel=stacklevel,
         )
         return getattr(importlib.import_module(new_module), attribute)
 

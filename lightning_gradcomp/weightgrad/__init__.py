@@ -56,7 +56,7 @@ _moved = _moved_names(__name__, {
     "new_site_groups": "lightning_gradcomp.sites.layout:new_site_groups",
     "register": "lightning_gradcomp.weightgrad.strategy:register",
     "site_layout": "lightning_gradcomp.sites.layout:site_layout",
-})
+}, stacklevel=3)
 
 
 def __getattr__(name: str) -> Any:
