@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -44,7 +44,6 @@ from torch import Tensor
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.streams import CounterStreams
-from lightning_gradcomp.compressors.terngrad_fused import TernGradSettings
 from lightning_gradcomp.kernels import triton_launch, triton_terngrad
 from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.wire.ternary import Packing
@@ -52,6 +51,26 @@ from lightning_gradcomp.wire.ternary import Packing
 _PER_BYTE = {"2bit": 4, "base3": 5}
 _RADIX = {"2bit": 4, "base3": 3}
 _ZERO_CODE = 1  # a ternary t is sent as the code t + 1; padding is a zero
+
+
+class TernGradSettings(Protocol):
+    """The settings of :class:`~lightning_gradcomp.compressors.TernGrad` the group code reads (at each call, so a
+    setting changed between steps, e.g. by ``CompressionSchedule``, takes effect at the next group)."""
+
+    @property
+    def clip_factor(self) -> float: ...
+
+    @property
+    def clip_mode(self) -> str: ...
+
+    @property
+    def scaler_share(self) -> str: ...
+
+    @property
+    def bucket_size(self) -> Optional[int]: ...
+
+    @property
+    def packing(self) -> Packing: ...
 
 
 def chunk_counts(numels: Sequence[int], bucket: Optional[int]) -> tuple[int, ...]:
@@ -552,8 +571,23 @@ class FlatTernGrad:
         # as the torch path: a shared scaler's scaled sum in the packet's dtype; per worker, the float32 sum
         return out.copy_(total.to(first.dtype) if shared else total).div_(ranks)
 
+    def decompress_sum(self, packets: Sequence[FlatPacket]) -> Tensor:
+        """The ranks' sum, flat ``[total]`` of the packets' dtype, rounded as :meth:`decompress_mean_into` rounds it
+        before dividing: with one shared scaler the exact integer sum scaled once, else the decoded packets added in
+        rank order."""
+        first = packets[0]
+        if "scale" not in first.ctx:
+            total = self.decompress(first)
+            for packet in packets[1:]:
+                total.add_(self.decompress(packet))
+            return total
+        values = self.values(first).to(torch.int32)
+        for packet in packets[1:]:
+            values = values + self.values(packet)
+        return self._scaled(values, first.ctx["scale"], first.segments).to(first.dtype)
+
     def decompress_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        """The ranks' mean into ``out``, as :meth:`TernGrad.decompress_mean_into` rounds it layer by layer."""
+        """The ranks' mean into ``out``: :meth:`decompress_sum` divided by the number of ranks, bit for bit."""
         first, ranks = packets[0], len(packets)
         if self.uses_triton(first.payload) and ("scale" in first.ctx or first.dtype == torch.float32):
             # (per-worker scalers of another dtype round each rank's decoded tensor: the torch path below)
@@ -601,4 +635,4 @@ def _rank_rows(payloads: Sequence[Tensor]) -> tuple[Tensor, int]:
     return torch.stack([p.reshape(-1) for p in payloads]), first.numel()
 
 
-__all__ = ["ChunkLayout", "FlatTernGrad", "PackLayout", "chunk_counts"]
+__all__ = ["ChunkLayout", "FlatTernGrad", "PackLayout", "TernGradSettings", "chunk_counts"]
