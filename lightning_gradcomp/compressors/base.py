@@ -331,8 +331,10 @@ class Compressor:
         return self.decompress_flat(_group_packet(packet)).view(packet.shape)
 
     def _has_group_methods(self) -> bool:
-        """Whether this compressor implements the group methods itself (then a single tensor is a group of one)."""
-        return type(self).compress_flat is not Compressor.compress_flat
+        """Whether this compressor is written at group level: it implements the group methods and not the per-layer
+        ones (then a single tensor is a group of one). A compressor with both keeps its own per-layer code."""
+        cls = type(self)
+        return cls.compress is Compressor.compress and cls.compress_flat is not Compressor.compress_flat
 
     def _require_group_methods(self, method: str) -> None:
         # the per-layer defaults call the group methods, whose defaults call the per-layer ones: one side must exist
