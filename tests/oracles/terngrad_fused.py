@@ -1,5 +1,5 @@
 """Test oracle: TernGrad's per-layer fused code (one layer per call of the per-layer kernels of
-:mod:`lightning_gradcomp.kernels`), the bit-for-bit reference the group code
+:mod:`tests.oracles.terngrad_kernels`), the bit-for-bit reference the group code
 (:mod:`lightning_gradcomp.compressors.terngrad_flat`) is checked against.
 
 Differences from the torch backend, and why they are safe:
@@ -22,10 +22,10 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, Packet
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.compressors.terngrad_flat import TernGradSettings
+from tests.oracles import terngrad_kernels as kernels
 from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes
 
 
