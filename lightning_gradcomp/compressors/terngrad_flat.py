@@ -1,29 +1,25 @@
 """TernGrad over a group of layers laid out in one flat tensor: a fixed number of ops per group, whatever the number
-of layers (the hook's batched pipeline, :mod:`lightning_gradcomp.exchange.segments`).
+of layers (the hook's batched pipeline, :mod:`lightning_gradcomp.exchange.segments`). This is TernGrad's one
+implementation: a single tensor (``TernGrad.compress(tensor, name)``) is a group of one.
 
-The maths is the fused backend's (:mod:`~lightning_gradcomp.compressors.terngrad_fused`), so the result equals
-``backend="fused"`` layer by layer bit for bit given the same scalers:
+The result equals TernGrad's per-layer oracle (``tests/oracles/terngrad.py`` with the per-layer kernels) layer by
+layer, bit for bit, given the same scalers:
 
 * scalers and clip thresholds per chunk from one float64 pass (sums of g and g**2 per chunk, one
   ``scatter_reduce`` each) and :func:`~lightning_gradcomp.kernels.terngrad_scaler`;
-* draws from the counter-based stream of :mod:`lightning_gradcomp.kernels.rng`, keyed per layer exactly as the fused
-  backend keys it (``(seed, rank, counter, stream id of the name)``, computed on the host and sent as one small
-  tensor per group); an element's index in the stream is its index within its layer;
-* the wire layout of every layer is today's (2-bit quarter-split or base-3 fifth-split packing, the scalers after
+* draws from the counter-based stream of :mod:`lightning_gradcomp.kernels.rng`, keyed per layer
+  (``(seed, rank, counter, stream id of the name)``, computed on the host and sent as one small tensor per group); an
+  element's index in the stream is its index within its layer;
+* the wire layout of every layer is one layer's (2-bit quarter-split or base-3 fifth-split packing, the scalers after
   the packed bytes when they are per worker), so the group payload is byte for byte the concatenation of the
-  per-layer payloads and ``layer_nbytes`` are today's.
+  per-layer payloads.
 
 On the CPU the fused backend runs a group with one call of each compiled kernel (``terngrad_scale_clip_flat``,
 ``terngrad_ternarize_flat``, ``terngrad_decode_sum_flat``, ``terngrad_scale_int8_flat``: the per-layer kernels' tile
 code looping over the group's layers inside), the same bits as those kernels layer by layer. On CUDA with Triton
 installed, Triton kernels (:mod:`lightning_gradcomp.kernels.triton_terngrad`: ternarize and pack, decode-and-average,
-decode of the int8 form; the same bits as the torch ops); elsewhere (CUDA without Triton, no compiler) torch ops.
-
-``backend="torch"`` draws from one ``torch.Generator`` per layer, which cannot be batched; off the CPU its batched
-path draws from the counter-based stream instead (on the CPU it keeps the per-layer loop, see
-:meth:`TernGrad.batch_on`): the same Bernoulli probabilities ``min(|g|, clip) / s`` (a 24-bit uniform against them, the
-resolution of ``torch.rand``) and the same scalers up to float32 rounding of sigma (float64 sums instead of
-``torch.std``), so the same expectation (unbiased) and variance; different draws.
+decode of the int8 form; the same bits as the torch ops); elsewhere (``backend="torch"``, CUDA without Triton, no
+compiler) torch ops, the same bits again.
 
 Chunks: each layer is cut into chunks of ``bucket_size`` elements (the last one shorter), one scaler each; with
 ``bucket_size=None`` one chunk per layer; an empty layer has no chunk (no scaler, no byte on the wire). The
@@ -335,7 +331,7 @@ class FlatTernGrad:
     # -- statistics -------------------------------------------------------------------------------------
     def scale_clip(self, flat: Tensor, segments: Segments) -> tuple[Tensor, Optional[Tensor]]:
         """This rank's scaler per chunk and the clip threshold per chunk (``None``: no clipping), as
-        :func:`~lightning_gradcomp.kernels.terngrad_scale_clip` gives them layer by layer."""
+        the per-layer ``terngrad_scale_clip`` kernel gives them layer by layer (``tests/oracles/terngrad_kernels.py``)."""
         chunks = self.chunk_layout(segments)
         x = flat.detach().reshape(-1).to(torch.float32)
         s = self.settings
