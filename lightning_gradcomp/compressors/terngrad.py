@@ -203,7 +203,7 @@ class TernGrad(KernelBacked[FlatTernGrad]):
         """The sum of the decoded packets in rank order; with a shared scaler the integer sum scaled once (exact),
         as the group's mean rounds it before dividing."""
         first = packets[0]
-        return self._flat.decompress_sum([_group_packet(p) for p in packets]).view(first.shape)
+        return self._flat.decompress_sum([_group_packet(self, p) for p in packets]).view(first.shape)
 
     def clipped(self, tensor: Tensor) -> Tensor:
         """``tensor`` after this rank's own c*sigma clipping, as float32 (for monitoring; draws no randomness).
@@ -214,7 +214,7 @@ class TernGrad(KernelBacked[FlatTernGrad]):
         x = tensor.detach().reshape(-1).float()
         if self.clip_factor == 0.0 or x.numel() == 0:
             return x.view(tensor.shape)
-        group = _one("", tensor.shape)
+        group = _one(self, "", tensor.shape)
         scale, clip = self._flat.scale_clip(x, group)
         threshold = self._flat.chunk_layout(group).chunks.expand(scale if clip is None else clip)
         return torch.maximum(torch.minimum(x, threshold), -threshold).view(tensor.shape)
