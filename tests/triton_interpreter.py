@@ -52,6 +52,7 @@ def run_cases(cases: Mapping[str, Callable[[], None]]) -> None:
     """Run every case (in the subprocess, under ``TRITON_INTERPRET=1``); print one JSON line: case -> "ok" or the
     traceback."""
     assert os.environ.get("TRITON_INTERPRET") == "1"  # read at each launch (torch may have imported Triton already)
+    _index_scalars_as_numpy_2_4_requires()
     report = {}
     for name, case in cases.items():
         try:
@@ -60,6 +61,25 @@ def run_cases(cases: Mapping[str, Callable[[], None]]) -> None:
         except Exception:
             report[name] = traceback.format_exc()
     print(json.dumps(report))
+
+
+def _index_scalars_as_numpy_2_4_requires() -> None:
+    """Triton 3.6's interpreter converts a scalar argument used as an index (``range(ranks)``) with ``int()`` of a
+    one-element array, which NumPy 2.4 refuses; Triton's fix (triton-lang/triton#9172) squeezes the array first.
+    Applied here only where the installed interpreter still has the old conversion; compiled kernels are unaffected."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    if "int(self.handle.data)" not in inspect.getsource(patch):
+        return
+
+    def patched(tensor: Any, scope: Any) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
 
 
 #: key -> (code, environment) of every registered job; key -> its report, once started

@@ -195,22 +195,16 @@ def _diloco_table(runs: list[dict[str, Any]]) -> str:
     return summarize(runs)
 
 
-#: rows of the stored GPU kernel run that timed DGC's decoder under top-k's label (``benchmarks/kernels.py`` bound
-#: them late); left out until ``benchmarks/gpu_session.sh`` measures them again
-MISLABELLED_GPU_ROWS = frozenset({"topk decode", "topk mean x4 into out"})
-
-
 def _gpu_kernels_table(runs: list[dict[str, Any]]) -> str:
     """The kernel rows at the largest size with the torch ops timed: the torch ops and the device's kernels (Triton on CUDA) in GB/s of fp32
     gradient, and the kernels' share of the device's copy bandwidth."""
     run = runs[0]
     largest = max(row["size"] for row in run["rows"] if row.get("torch"))  # the torch ops are timed up to a size
     lines = [f"Copy bandwidth of the device (`copy_` of 256 MB): {run['memory_copy_gbps']:.0f} GB/s. "
-             f"Rows at {largest // 2**20}M elements. Top-k's decode rows are not shown: the stored run timed DGC's "
-             "decoder under their label.", "",
+             f"Rows at {largest // 2**20}M elements.", "",
              "| kernel | torch ops GB/s | kernels GB/s | kernels / copy bandwidth |", "|---|---|---|---|"]
     for row in run["rows"]:
-        if row["size"] != largest or row["kernel"] in MISLABELLED_GPU_ROWS:
+        if row["size"] != largest:
             continue
         torch_ops = f"{row['torch']['gbps']:.1f}" if row.get("torch") else "-"  # no reference for some rows
         fused = row["fused"]
@@ -690,6 +684,7 @@ TARGET_RUNS = [f"step_time_target_default_{i}.json" for i in range(1, 9)] + \
 
 #: the one GPU the stored GPU runs used (their files name it in their notes)
 GPU = "one NVIDIA H200 (16 host cores), torch 2.11.0+cu130, Triton 3.6.0"
+GPU_H100 = "one NVIDIA H100 80GB HBM3 (16 host cores), torch 2.11.0+cu130, Triton 3.6.0"
 
 TABLES = [
     Table("lm-long-best", _lm("lm_long", _best_labels()), _best_table,
@@ -728,15 +723,17 @@ TABLES = [
     Table("hierarchy-100mbit", lambda: [RESULTS / "hierarchy/repeats_100mbit.md"], _stored_table,
           "python tools/results_tables.py --only hierarchy-100mbit",
           machine="the 2-core VM of docs/benchmarks.md (not recorded in the file)"),
-    Table("gpu-hook-small", lambda: [RESULTS / "gpu_h200/hook_small.md"], _stored_table,
-          "python tools/results_tables.py --only gpu-hook-small", machine=GPU),
-    Table("gpu-hook-mid", lambda: [RESULTS / "gpu_h200/hook_mid.md"], _stored_table,
-          "python tools/results_tables.py --only gpu-hook-mid", machine=GPU),
+    Table("gpu-hook-small", lambda: [RESULTS / "gpu_h100/hook_small.md", RESULTS / "gpu_h100/fsdp2_small.md"],
+          _stored_table, "python tools/results_tables.py --only gpu-hook-small"),
+    Table("gpu-hook-mid", lambda: [RESULTS / "gpu_h100/hook_mid.md", RESULTS / "gpu_h100/fsdp2_mid.md"],
+          _stored_table, "python tools/results_tables.py --only gpu-hook-mid"),
+    Table("gpu-hook-mid-segmented", lambda: [RESULTS / "gpu_h200/hook_mid.md"], _stored_table,
+          "python tools/results_tables.py --only gpu-hook-mid-segmented", machine=GPU),
     Table("gpu-hook-mid-scatter", lambda: [RESULTS / "gpu_h200/hook_mid_before.md",
                                            RESULTS / "gpu_h200/fsdp2_mid_before.md"], _stored_table,
           "python tools/results_tables.py --only gpu-hook-mid-scatter", machine=GPU),
-    Table("gpu-kernels", lambda: [RESULTS / "gpu_h200/kernels.json"], _gpu_kernels_table,
-          "python tools/results_tables.py --only gpu-kernels", machine=GPU),
+    Table("gpu-kernels", lambda: [RESULTS / "gpu_h100/kernels.json"], _gpu_kernels_table,
+          "python tools/results_tables.py --only gpu-kernels", machine=GPU_H100),
     Table("diloco", lambda: [RESULTS / "diloco" / f"{label}.json" for label in _diloco_grid()], _diloco_table,
           "python benchmarks/diloco.py --saved"),
     Table("diloco-sweep", lambda: _saved_order(RESULTS / "diloco_sweep"), _lm_table,
@@ -1393,7 +1390,7 @@ def _diloco_targets_table(runs: list[dict[str, Any]]) -> str:
 def _benchmarks_targets_files() -> list[Path]:
     return [*(RESULTS / name for name in TARGET_RUNS), RESULTS / "step_time_matrix.json",
             RESULTS / "perf_validate_target_default.json", RESULTS / "perf_validate_target_reuse.json",
-            RESULTS / "step_time_n2_inf_lenet.json", RESULTS / "kernels.json", RESULTS / "gpu_h200/kernels.json"]
+            RESULTS / "step_time_n2_inf_lenet.json", RESULTS / "kernels.json", RESULTS / "gpu_h100/kernels.json"]
 
 
 def _benchmarks_targets_table(runs: list[dict[str, Any]]) -> str:
@@ -1466,14 +1463,14 @@ def _benchmarks_targets_table(runs: list[dict[str, Any]]) -> str:
         f"{shown[k.split()[0]]} {k.split(' ', 1)[1]} {v:.2f}{' (against a clone)' if k == 'terngrad decode' else ''}"
         for k, v in lowest.items()) + " (`docs/kernels.md`)"
     kernels_met = "**met** on CPU" if all(v >= targets[k] for k, v in lowest.items()) else "**not met** on CPU"
-    gpu = run("gpu_h200/kernels")
+    gpu = run("gpu_h100/kernels")
     largest = max(row["size"] for row in gpu["rows"] if row.get("torch"))
     at = {row["kernel"]: row["fused"]["ratio_memory"] for row in gpu["rows"] if row["size"] == largest}
     decode = [at["group decode int8"], at["group decode packed"]]
     compress = [at["group compress int8"], at["group compress packed"]]
     gbps = max(row["fused"]["gbps"] for row in gpu["rows"] if row["size"] == largest
                and row["kernel"] in ("group compress int8", "group compress packed"))
-    gpu_cell = (f"one H200: TernGrad's group decode {min(decode):.2f}-{max(decode):.2f} of copy bandwidth, its group "
+    gpu_cell = (f"one H100: TernGrad's group decode {min(decode):.2f}-{max(decode):.2f} of copy bandwidth, its group "
                 f"compress far below ({gbps:.1f} GB/s against {gpu['memory_copy_gbps']:.0f} GB/s) (`docs/measured.md`)")
     gpu_met = "**met** on the GPU" if min(decode + compress) >= 0.3 else "**not met** on the GPU"
     rows = [("1 Gbit/s, N = 4, MLP: TernGrad <= 1/3 of fp32 DDP", *step_row("ddp", 1 / 3, "1/3")),
@@ -1489,7 +1486,7 @@ def _benchmarks_targets_table(runs: list[dict[str, Any]]) -> str:
 
 TABLES.append(Table("benchmarks-targets", _benchmarks_targets_files, _benchmarks_targets_table,
                     "python tools/results_tables.py --only benchmarks-targets",
-                    machine=f"2 cores (AMD EPYC), torch 2.13.0+cpu; the GPU row {GPU}"))
+                    machine=f"2 cores (AMD EPYC), torch 2.13.0+cpu; the GPU row {GPU_H100}"))
 TABLES.append(Table("diloco-targets", lambda: [RESULTS / folder / f"{label}.json"
                                                for folder, labels in DILOCO_TARGET_RUNS.items() for label in labels],
                     _diloco_targets_table, "python tools/results_tables.py --only diloco-targets"))

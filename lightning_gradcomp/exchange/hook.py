@@ -25,8 +25,8 @@ measurement run this one exchange and differ only in the bucket they hand it and
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Optional, Union, cast
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,59 @@ class Peers:
     process_group: Optional[dist.ProcessGroup] = None
     world_size: int = 1
     hierarchy: Optional[Any] = None
+
+
+class GroupStepState(Protocol):
+    """What the group step (:func:`group_step`; in the hook :func:`_prepare` and :func:`_compress_group`) reads and
+    writes: :class:`GradCompState` for DDP's buckets, :class:`GroupState` for an engine that exchanges one flat vector
+    on its own (1-bit Adam's compressed all-reduce)."""
+
+    @property
+    def memory(self) -> ResidualMemory: ...
+
+    @property
+    def ledger(self) -> Ledger: ...
+
+    @property
+    def observer(self) -> HookObserver: ...
+
+    @property
+    def transforms(self) -> Sequence[LayerTransform]: ...
+
+    @property
+    def transport(self) -> Transport: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def float_names(self) -> frozenset[str]: ...
+
+
+@dataclass
+class GroupState:
+    """The group step's state for an engine that exchanges one flat vector on its own (:func:`group_step`): each of
+    1-bit Adam's two compression stages has one (its own error feedback and ledger, the exchange's transport).
+
+    Attributes:
+        transport: what carries the exchange's collectives (and the shared statistics' max).
+        memory: the residuals of the error feedback, by segment name.
+        ledger: the group's record (bytes on the wire) and the collectives issued.
+        transforms: per-layer transforms before compression (none by default).
+        observer: a monitor's observer (none by default).
+        float_names: names the transforms treat as excluded from compression.
+    """
+
+    transport: Transport
+    memory: ResidualMemory = field(default_factory=ResidualMemory)
+    ledger: Ledger = field(default_factory=Ledger)
+    transforms: Sequence[LayerTransform] = ()
+    observer: HookObserver = NO_OBSERVER
+    float_names: frozenset[str] = frozenset()
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size
 
 
 class GradCompState:
@@ -219,13 +272,13 @@ class GradCompState:
         return self.ledger.dense_bytes_per_step()
 
 
-def _transform_group(state: GradCompState, group: LayerGroup, x: Tensor) -> Tensor:
+def _transform_group(state: GroupStepState, group: LayerGroup, x: Tensor) -> Tensor:
     """The layer transforms (clipping, momentum correction), layer by layer, on a group's flat gradients (a new
     flat tensor). Transforms are per-layer objects, so this is the one per-layer loop left on the hook's path; it
     runs only when a callback attached one."""
     parts = []
     for name, view in group.segments.items(x):
-        is_float = state.router.is_float(name)
+        is_float = name in state.float_names
         for transform in state.transforms:
             if transform.applies_to_float or not is_float:
                 view = transform.before_compress(view, name)
@@ -233,7 +286,7 @@ def _transform_group(state: GradCompState, group: LayerGroup, x: Tensor) -> Tens
     return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
 
-def _prepare(state: GradCompState, group: LayerGroup, buffer: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _prepare(state: GroupStepState, group: LayerGroup, buffer: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """A group's gradients, flat: as taken from the bucket, after the transforms, and as its compressor will see
     them (after error feedback)."""
     original = group.take(buffer)
@@ -255,7 +308,7 @@ def _observe_inputs(state: GradCompState, groups: Sequence[LayerGroup], prepared
 
 
 def _shared_statistics(
-    state: GradCompState,
+    state: GroupStepState,
     bucket_index: int,
     groups: Sequence[LayerGroup],
     inputs: Sequence[Tensor],
@@ -376,7 +429,7 @@ def _exchange_bucket(state: GradCompState, bucket: HookBucket) -> torch.futures.
 
 
 def _compress_group(
-    state: GradCompState,
+    state: GroupStepState,
     group: LayerGroup,
     x: Tensor,
     shared: Optional[SharedStatistic],
@@ -412,8 +465,34 @@ def _compress_group(
     return exchanged if packet is None else packet
 
 
-def _after_transforms(state: GradCompState, name: str, x: Tensor, sent: Tensor) -> None:
-    is_float = state.router.is_float(name)
+def group_step(state: GroupStepState, group: LayerGroup, flat: Tensor, key: int = 0) -> FlatPacket:
+    """The hook's group step on a vector an engine exchanges on its own (no DDP bucket): transforms, error
+    feedback, the shared statistics (their max over ``state.transport``), compression, the residual update and the
+    ledger's record, exactly as :func:`gradcomp_hook` runs them on a bucket's group.
+
+    Args:
+        state: the stage's transport, residuals and ledger (:class:`GroupState`).
+        group: the group laid out over ``flat`` (``positions``: its segments' offsets).
+        flat: the group's values, flat (read, not written).
+        key: the index the shared statistics' bytes are recorded under in the ledger.
+
+    Returns:
+        The packet to exchange (its bytes are recorded in ``state.ledger``).
+    """
+    if isinstance(group.compressor, MultiRoundCompressor):
+        raise ValueError(
+            f"Expected a one-round compressor for group_step, but got {type(group.compressor).__name__} (multi-round: "
+            f"it exchanges as it encodes). Fix: exchange it through gradcomp_hook, whose rounds run on the transport."
+        )
+    _, _, x = _prepare(state, group, flat)
+    shared, _ = _shared_statistics(state, key, [group], [x])
+    packet = _compress_group(state, group, x, shared[0])
+    assert isinstance(packet, FlatPacket)  # without ``all_reduce`` the group step returns a packet
+    return packet
+
+
+def _after_transforms(state: GroupStepState, name: str, x: Tensor, sent: Tensor) -> None:
+    is_float = name in state.float_names
     for transform in state.transforms:
         if transform.applies_to_float or not is_float:
             transform.after_compress(name, x, sent)

@@ -35,6 +35,16 @@ def tensor_bytes(tensor: Tensor, numel: Optional[int] = None) -> int:
     return (tensor.numel() if numel is None else numel) * tensor.element_size()
 
 
+#: bytes of the int64 size a variable-size message is preceded by (:func:`~lightning_gradcomp.exchange.comm.all_gather_bytes`)
+SIZE_HEADER_BYTES = 8
+
+
+def sized_message_bytes(message: Tensor) -> int:
+    """What a rank sends for a variable-size message: the message as it is and the int64 size sent ahead of it (the
+    receivers learn every size first, then the messages padded to the longest; the padding is not this rank's)."""
+    return tensor_bytes(message) + SIZE_HEADER_BYTES
+
+
 @runtime_checkable
 class ByteReport(Protocol):
     """What every strategy of the library reports about its traffic (``GradCompStrategy``, ``DiLoCoStrategy``,

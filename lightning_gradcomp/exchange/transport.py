@@ -3,7 +3,10 @@
 The hook's exchange (:func:`lightning_gradcomp.exchange.hook.gradcomp_hook`) issues four kinds of collective, always from
 its body and in one order on every rank: a blocking max (shared statistics, the non-finite flag, the planner's
 agreement), a sum it waits for later (summable payloads), a blocking gather of small size tables, and a gather of
-payload bytes it waits for later. A :class:`Transport` carries them:
+payload bytes it waits for later. 1-bit Adam's compressed all-reduce
+(:class:`~lightning_gradcomp.onebit_adam.CompressedAllReduce`) adds the owners' pair: each rank's segment ``r`` to
+its owner, rank ``r`` (:meth:`Transport.scatter_to_owners`), and every owner's segment to every rank
+(:meth:`Transport.gather_from_owners`). A :class:`Transport` carries them:
 
 * :class:`ProcessGroupTransport`: torch.distributed over a process group (:mod:`lightning_gradcomp.exchange.comm`) — DDP's
   buckets, the hierarchical exchange's groups, the outer rounds' leaders;
@@ -17,6 +20,7 @@ Only the carrier differs: the step that compresses, records and decodes is the s
 """
 
 import threading
+from collections.abc import Sequence
 from typing import Optional, Protocol
 
 import torch
@@ -53,6 +57,18 @@ class Transport(Protocol):
         and ``out`` as ``[world_size, n]``."""
         ...
 
+    def scatter_to_owners(self, out: Tensor, tensor: Tensor, splits: Sequence[int]) -> None:
+        """Segment ``j`` of ``tensor`` (``splits``: the segments' lengths, in rank order, the same on every rank) to
+        rank ``j``, waited for: ``out`` (``world_size`` times this rank's segment) holds this rank's segment of every
+        rank, in rank order."""
+        ...
+
+    def gather_from_owners(self, out: Tensor, mine: Tensor, splits: Sequence[int], repeated: Tensor) -> Future:
+        """Start the owners' segments to every rank: ``out`` (``sum(splits)`` elements) receives every owner's
+        ``mine`` in rank order (``splits``: their lengths); ``repeated`` is scratch of ``world_size`` times
+        ``mine``'s size. Read ``out`` once the future completes."""
+        ...
+
 
 class ProcessGroupTransport:
     """torch.distributed collectives over ``process_group`` (``None``: the default group).
@@ -80,6 +96,12 @@ class ProcessGroupTransport:
     def gather(self, tensor: Tensor, out: Tensor) -> tuple[Future, Tensor]:
         return comm.all_gather(tensor, self.process_group, self.world_size, out=out)
 
+    def scatter_to_owners(self, out: Tensor, tensor: Tensor, splits: Sequence[int]) -> None:
+        comm.scatter_to_owners(out, tensor, list(splits), self.process_group)
+
+    def gather_from_owners(self, out: Tensor, mine: Tensor, splits: Sequence[int], repeated: Tensor) -> Future:
+        return comm.gather_from_owners(out, mine, list(splits), self.process_group, repeated)
+
 
 class LoopbackTransport:
     """``world_size`` ranks whose contributions are all this rank's: a max or a sum leaves the tensor as it is (a
@@ -102,6 +124,23 @@ class LoopbackTransport:
         rows = out.view(self.world_size, -1)
         rows.copy_(tensor.reshape(1, -1).expand_as(rows))
         return comm.completed(out), rows
+
+    def scatter_to_owners(self, out: Tensor, tensor: Tensor, splits: Sequence[int]) -> None:
+        start = sum(splits[: self.rank])
+        rows = out.view(self.world_size, -1)
+        rows.copy_(tensor[start : start + splits[self.rank]].reshape(1, -1).expand_as(rows))
+
+    def gather_from_owners(self, out: Tensor, mine: Tensor, splits: Sequence[int], repeated: Tensor) -> Future:
+        # every owner's segment is this rank's, cut or repeated to the owner's length (the bytes a real gather
+        # moves, whatever they encode)
+        flat, offset = mine.reshape(-1), 0
+        for n in splits:
+            if flat.numel():
+                out[offset : offset + n].copy_(flat.repeat(-(-n // flat.numel()))[:n])
+            else:
+                out[offset : offset + n].zero_()
+            offset += n
+        return comm.completed(out)
 
 
 class Workers:
@@ -179,3 +218,16 @@ class WorkerTransport:
             row.copy_(part)
         self.workers.done_reading()
         return comm.completed(out), rows
+
+    def scatter_to_owners(self, out: Tensor, tensor: Tensor, splits: Sequence[int]) -> None:
+        parts = self.workers.contributions(self.rank, tensor.reshape(-1))
+        start = sum(splits[: self.rank])
+        for row, part in zip(out.view(self.world_size, -1), parts):
+            row.copy_(part[start : start + splits[self.rank]])
+        self.workers.done_reading()
+
+    def gather_from_owners(self, out: Tensor, mine: Tensor, splits: Sequence[int], repeated: Tensor) -> Future:
+        parts = self.workers.contributions(self.rank, mine.reshape(-1))
+        torch.cat(parts, out=out)
+        self.workers.done_reading()
+        return comm.completed(out)

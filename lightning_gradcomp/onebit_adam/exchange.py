@@ -3,15 +3,20 @@
 Tang et al. (2021), Section 4 / Algorithm 1: the flat vector (momentum for 1-bit Adam; gradient or accumulated
 update for 0/1 Adam) is cut into one chunk per rank, rank ``r`` being the "server" of chunk ``r``:
 
+Both compression stages are the hook's group step (:func:`~lightning_gradcomp.exchange.hook.group_step`: error
+feedback, compression, residual update, the ledger's record), each over its own
+:class:`~lightning_gradcomp.exchange.hook.GroupState` (its residuals and ledger), and both collectives travel on the
+exchange's :class:`~lightning_gradcomp.exchange.transport.Transport`:
+
 1. worker stage: each rank adds its worker error to the vector, compresses it to one bit per element
    (:class:`~lightning_gradcomp.compressors.OneBit`, one group per *piece*: the part of a tensor that falls in one
    chunk, with its own sign bits and two reconstruction values, so that layers of different scales never share a
    scale, as DeepSpeed compressed each tensor on its own), and keeps what the bits did not carry as its new worker
    error (:class:`~lightning_gradcomp.exchange.memory.ResidualMemory`, one residual per piece);
-2. an all-to-all sends chunk ``r`` of every rank to rank ``r`` (:func:`~lightning_gradcomp.exchange.comm.scatter_to_owners`);
+2. an all-to-all sends chunk ``r`` of every rank to rank ``r`` (``Transport.scatter_to_owners``);
 3. server stage: rank ``r`` decodes the ``W`` packets of its chunk, averages them (in rank order), adds its server
    error, compresses the mean again (per piece) and keeps what those bits did not carry as its server error;
-4. an all-gather of the servers' packets (:func:`~lightning_gradcomp.exchange.comm.gather_from_owners`, unequal sizes); every
+4. an all-gather of the servers' packets (``Transport.gather_from_owners``, unequal sizes); every
    rank decodes every chunk from the same bytes, so the result is bit-identical on every rank.
 
 Bytes this rank contributes per exchange: its worker packet (every piece: ``ceil(n / 8) + 8`` bytes) plus its
@@ -28,11 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.exchange import comm
 from lightning_gradcomp.compressors.base import FlatPacket
 from lightning_gradcomp.compressors.onebit import OneBit
+from lightning_gradcomp.exchange.groups import LayerGroup
+from lightning_gradcomp.exchange.hook import GroupState, group_step
 from lightning_gradcomp.exchange.memory import ResidualMemory
 from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.exchange.transport import ProcessGroupTransport, Transport
 from lightning_gradcomp.validation import check_int
 
 
@@ -85,16 +92,18 @@ class CompressedAllReduce:
             softmax ignores it); the per-piece values then give its coordinates of near-zero variance updates of
             ``m / sqrt(v)`` in the thousands, and training diverges (measured on the LM benchmark's GPT,
             ``docs/onebit_adam.md``).
+        transport: what carries the two collectives (``None``: torch.distributed over ``group``); a
+            :class:`~lightning_gradcomp.exchange.transport.LoopbackTransport` times the exchange alone.
 
     Attributes:
-        worker: the worker errors, one residual per piece.
-        server: the server errors of this rank's chunk, one residual per piece.
-        last_nbytes: bytes this rank contributed to the latest exchange (0 before the first, and at one rank).
+        worker_step: the worker stage's group-step state (its residuals, one per piece, and its ledger).
+        server_step: the server stage's (the pieces of this rank's chunk).
         exchanges: exchanges since construction.
     """
 
     def __init__(self, tensors: Sequence[tuple[str, int]], rank: int, world_size: int,
-                 group: Optional[dist.ProcessGroup] = None, block_size: Optional[int] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, block_size: Optional[int] = None,
+                 transport: Optional[Transport] = None) -> None:
         if block_size is not None:
             check_int("block_size", block_size, minimum=1, fix="use e.g. 64, or None for one scale per piece")
         self.numel = sum(n for _, n in tensors)
@@ -109,15 +118,34 @@ class CompressedAllReduce:
         self._chunk = [Segments([n for n, _ in p], [torch.Size([k]) for _, k in p]) for p in pieces]
         self.worker_segments = Segments([n for p in pieces for n, _ in p], [torch.Size([k]) for p in pieces for _, k in p])
         self.server_segments = self._chunk[rank]
+        # a chunk's packet sizes, for the collectives' splits (its worker and its server packet have this size)
         self.server_nbytes = [sum(self.compressor.payload_nbytes(k) for _, k in p) for p in pieces]
-        self.worker = ResidualMemory()
-        self.server = ResidualMemory()
-        self.last_nbytes = 0
+        self.transport: Transport = ProcessGroupTransport(group, world_size) if transport is None else transport
+        self.worker_step = GroupState(self.transport)
+        self.server_step = GroupState(self.transport)
+        self._worker_group = _whole(self.compressor, self.worker_segments)
+        self._server_group = _whole(self.compressor, self.server_segments)
         self.exchanges = 0
 
     @property
     def world_size(self) -> int:
         return self._world_size
+
+    @property
+    def worker(self) -> ResidualMemory:
+        """The worker errors, one residual per piece."""
+        return self.worker_step.memory
+
+    @property
+    def server(self) -> ResidualMemory:
+        """The server errors of this rank's chunk, one residual per piece."""
+        return self.server_step.memory
+
+    @property
+    def last_nbytes(self) -> int:
+        """Bytes this rank contributed to the latest exchange, as its two stages' ledgers recorded them (0 before the
+        first, and at one rank)."""
+        return self.worker_step.ledger.bytes_per_step() + self.server_step.ledger.bytes_per_step()
 
     def average(self, flat: Tensor) -> Tensor:
         """The mean over ranks of ``flat`` (float32, ``numel`` elements) as compressed twice, identical on every rank.
@@ -131,33 +159,31 @@ class CompressedAllReduce:
         if self._world_size == 1:
             return flat
         onebit = self.compressor
-        # worker stage
-        x = self.worker.compensate_flat(flat, self.worker_segments)
-        packet = onebit.compress_flat(x, self.worker_segments)
-        self.worker.update_flat(self.worker_segments, x, onebit.sent_flat(x, packet))
+        # worker stage: the group step over every piece, with the worker errors
+        packet = group_step(self.worker_step, self._worker_group, flat)
         mine = self.server_nbytes[self.rank]  # a chunk's worker packet has the size of its server packet
         received = torch.empty(self._world_size * mine, dtype=torch.uint8, device=flat.device)
-        comm.scatter_to_owners(received, packet.payload, self.server_nbytes, self.group)
-        # server stage: this rank's chunk from every worker, averaged in rank order, compressed again
+        self.transport.scatter_to_owners(received, packet.payload, self.server_nbytes)
+        self.worker_step.ledger.count("scatter_to_owners")
+        # server stage: this rank's chunk from every worker, averaged in rank order, then the group step with the
+        # server errors
         chunk = self._chunk[self.rank]
         sizes = self._piece_nbytes(chunk)
         packets = [FlatPacket(received[i * mine : (i + 1) * mine], chunk, torch.float32, sizes)
                    for i in range(self._world_size)]
         mean = onebit.decompress_flat_mean_into(packets, torch.empty(self.sizes[self.rank], device=flat.device))
-        y = self.server.compensate_flat(mean, self.server_segments)
-        server_packet = onebit.compress_flat(y, self.server_segments)
-        self.server.update_flat(self.server_segments, y, onebit.sent_flat(y, server_packet))
+        server_packet = group_step(self.server_step, self._server_group, mean)
         # every server's packet to every rank; all decode the same bytes
         gathered = torch.empty(sum(self.server_nbytes), dtype=torch.uint8, device=flat.device)
         repeated = torch.empty(self._world_size * server_packet.payload.numel(), dtype=torch.uint8, device=flat.device)
-        comm.gather_from_owners(gathered, server_packet.payload, self.server_nbytes, self.group, repeated).wait()
+        self.transport.gather_from_owners(gathered, server_packet.payload, self.server_nbytes, repeated).wait()
+        self.server_step.ledger.count("gather_from_owners")
         parts, offset = [], 0
-        for r, nbytes in enumerate(self.server_nbytes):
-            raw = gathered[offset : offset + nbytes]
+        for r, size in enumerate(self.server_nbytes):
+            raw = gathered[offset : offset + size]
             parts.append(onebit.decompress_flat(FlatPacket(raw, self._chunk[r], torch.float32,
                                                            self._piece_nbytes(self._chunk[r]))))
-            offset += nbytes
-        self.last_nbytes = packet.nbytes + server_packet.nbytes
+            offset += size
         self.exchanges += 1
         return torch.cat(parts)
 
@@ -170,8 +196,8 @@ class CompressedAllReduce:
 
     def reset_errors(self) -> None:
         """Zero both error buffers (0/1 Adam, when the variance freezes)."""
-        self.worker = ResidualMemory()
-        self.server = ResidualMemory()
+        self.worker_step.memory = ResidualMemory()
+        self.server_step.memory = ResidualMemory()
 
     def error_norms(self) -> dict[str, Tensor]:
         """L2 norms of this rank's worker error (all chunks) and server error (0-d tensors)."""
@@ -181,7 +207,7 @@ class CompressedAllReduce:
 
     def state_dict(self) -> dict[str, Any]:
         return {"pieces": list(self.worker_segments.names), "worker": self.worker.state_dict(), "server": self.server.state_dict(),
-                "exchanges": self.exchanges, "last_nbytes": self.last_nbytes}
+                "exchanges": self.exchanges}
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
         if list(state["pieces"]) != list(self.worker_segments.names):
@@ -194,4 +220,9 @@ class CompressedAllReduce:
         self.worker.load_state_dict(state["worker"], device)
         self.server.load_state_dict(state["server"], device)
         self.exchanges = state["exchanges"]
-        self.last_nbytes = state["last_nbytes"]
+
+
+def _whole(compressor: OneBit, segments: Segments) -> LayerGroup:
+    """A stage's pieces as one group of the group step, laid out back to back over its vector."""
+    # a rank whose chunk is empty (fewer elements than ranks) still has a group, of no element
+    return LayerGroup(compressor, segments, tuple(range(len(segments))), 0, segments.offsets[:-1] or (0,))

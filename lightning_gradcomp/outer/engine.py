@@ -23,7 +23,7 @@ complaint about DiLoCo), and the outer exchange's error feedback (residual memor
 """
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, Literal, Optional, Protocol
 
 import torch
@@ -35,6 +35,7 @@ from lightning_gradcomp.outer.exchange import InFlight
 from lightning_gradcomp.outer.fragments import due, sync_offset
 from lightning_gradcomp.sites.layout import SiteGroups
 from lightning_gradcomp.exchange.ledger import dense_bytes
+from lightning_gradcomp.exchange.memory import ResidualMemory
 
 
 UnsentView = Literal["global", "gaia"]
@@ -106,8 +107,9 @@ class OuterSync:
             # leaf tensors the outer optimizer steps; their .grad is set to the averaged pseudo-gradient
             self.anchor = {n: p.detach().to(state_device or p.device, copy=True) for n, p in params.items()}
         self.outer_optimizer = outer_optimizer([self.anchor[n] for n in sorted(self.anchor)])
-        #: the part of a site's update not yet in the global weights nor in its own (``unsent="global"``)
-        self.hidden: dict[str, Tensor] = {}
+        #: the part of a site's update not yet in the global weights nor in its own (``unsent="global"``), by name:
+        #: the hook's error feedback in update units (``theta - anchor``), ``residual = g_u - sent``
+        self.memory = ResidualMemory()
         self.inner_steps = 0
         self.rounds = 0
         self.tokens = 0
@@ -119,6 +121,11 @@ class OuterSync:
         self.landed: list[int] = []
         #: statistics of the latest step, as tensors (for ``CompressionMonitor`` and ``bytes_per_step``)
         self.stats: dict[str, Tensor] = {}
+
+    @property
+    def hidden(self) -> MutableMapping[str, Tensor]:
+        """The unsent part of this site's update by name (:attr:`memory`'s residuals; empty unless ``unsent="global"``)."""
+        return self.memory.residuals
 
     # -- every inner step -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -178,13 +185,12 @@ class OuterSync:
             self.anchor[name].grad = None
             new = self.anchor[name].to(p.device, p.dtype)
             if self.unsent is not None and flight.sent is not None and flight.deltas is not None:
-                # in update units (theta - anchor): what this site did not send
-                unsent = (flight.sent[i] - flight.deltas[i]).to(p.dtype)
+                # in update units (theta - anchor, g_u = -delta): what this site did not send
                 if self.unsent == "global":
                     p.copy_(new)
-                    self.hidden[name] = unsent
+                    self.memory.update(name, flight.deltas[i].neg(), flight.sent[i].neg())
                 else:
-                    p.copy_(new + unsent)
+                    p.copy_(new + (flight.sent[i] - flight.deltas[i]).to(p.dtype))
                     self.hidden.pop(name, None)
             elif mixing == 0.0:
                 p.copy_(new)
@@ -258,7 +264,7 @@ class OuterSync:
             "fragments": [list(f) for f in self.fragments],
             "params": {k: p.detach().cpu().clone() for k, p in self.params.items()},
             "anchor": {k: v.detach().cpu().clone() for k, v in self.anchor.items()},
-            "hidden": {k: v.detach().cpu().clone() for k, v in self.hidden.items()},
+            "hidden": self.memory.state_dict(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "inner_steps": self.inner_steps,
             "rounds": self.rounds,
@@ -305,7 +311,9 @@ class OuterSync:
             self.params[k].copy_(v)
         for k, v in state["anchor"].items():
             self.anchor[k].copy_(v)
-        self.hidden = {k: v.to(self.params[k].device) for k, v in state["hidden"].items()}
+        self.memory = ResidualMemory()
+        for k, v in state["hidden"].items():
+            self.memory.residuals[k] = v.to(self.params[k].device)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.exchange.load_exchange_state(state["exchange"])
         self.inner_steps = state["inner_steps"]

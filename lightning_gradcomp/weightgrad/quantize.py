@@ -1,13 +1,8 @@
 """What crosses the WAN: per-layer ternary weight updates with a scale, and their exact byte encoding.
 
-Quantizers (pure tensor code):
-
-* :func:`loss_aware_ternary`: Hou et al.'s loss-aware ternarization (LAT, approximate form of the authors' LAQ
-  code): ``alpha * b`` with ``b in {-1, 0, 1}`` minimising ``||x - alpha*b||^2_D`` for a diagonal
-  ``D = sqrt(v) + eps`` (``v``: the optimizer's second-moment estimate); ``D = 1`` gives plain (TWN-style)
-  ternarization. Deterministic.
-* :func:`stochastic_ternary`: TernGrad's unbiased ternarization ``s * sign(x) * Bernoulli(|x| / s)``,
-  ``s = max|x|``.
+The ternary values come from compressors (:class:`~lightning_gradcomp.compressors.loss_aware.LossAwareTernary`,
+Hou et al.'s loss-aware ternarization; :class:`~lightning_gradcomp.compressors.TernGrad`'s stochastic rounding at scale
+``max|x|``); this module only encodes them.
 
 Encoding (:func:`encode`/:func:`decode`): a message is an int32 header of ``(kind, count)`` per layer followed
 by each non-empty layer's body. Per layer the smaller of a dense and a sparse body is chosen, so an update
@@ -26,58 +21,6 @@ from torch import Tensor
 from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary
 
 EMPTY, DENSE_TERNARY, SPARSE_TERNARY, DENSE_FP32, SPARSE_FP32 = 0, 1, 2, 3, 4
-
-# LAQ code: at most 10 alternations of (b, alpha), stop when alpha moves less than this
-_LAQ_TOL = 1e-6
-
-
-def loss_aware_ternary(x: Tensor, d: Optional[Tensor] = None, iterations: int = 10) -> tuple[Tensor, Tensor]:
-    """Ternarize ``x`` as ``alpha * b`` under the diagonal metric ``d`` (LAT, Hou et al.'s approximate solver).
-
-    Alternates ``b = sign(x) * [|x| > alpha/2]`` and ``alpha = sum|b*d*x| / sum|b*d|`` from the TWN start
-    ``b = sign(x) * [|x| > 0.7 mean|x|]`` (the LAQ code's initialisation), over the non-zero elements.
-
-    Args:
-        x: the tensor (any shape; float).
-        d: positive per-element weights of the same shape (``sqrt(v) + eps``); ``None`` means all ones.
-        iterations: maximum number of alternations.
-
-    Returns:
-        ``(alpha, b)``: a 0-d float32 scale and an int8 tensor of ``x.shape`` with values in {-1, 0, 1}.
-    """
-    xf = x.detach().float()
-    ax = xf.abs()
-    nonzero = ax > 0
-    if not bool(nonzero.any()):
-        return xf.new_zeros(()), torch.zeros_like(xf, dtype=torch.int8)
-    w = torch.ones_like(xf) if d is None else d.detach().float()
-    mask = ax > 0.7 * ax[nonzero].mean()
-    alpha = xf.new_zeros(())
-    for _ in range(iterations):
-        wm = w * mask
-        new_alpha = (wm * ax).sum() / wm.sum().clamp_min(torch.finfo(torch.float32).tiny)
-        converged = bool((new_alpha - alpha).abs() <= _LAQ_TOL * new_alpha.clamp_min(1e-30))
-        alpha = new_alpha
-        new_mask = ax > 0.5 * alpha
-        if converged or not bool(new_mask.any()):
-            break
-        mask = new_mask
-    b = torch.where(mask, torch.sign(xf), torch.zeros_like(xf)).to(torch.int8)
-    return alpha, b
-
-
-def stochastic_ternary(x: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """TernGrad's unbiased ternarization with scale ``max|x|``: ``E[scale * b] == x``.
-
-    Returns:
-        ``(scale, b)`` as in :func:`loss_aware_ternary`.
-    """
-    xf = x.detach().float()
-    ax = xf.abs()
-    scale = ax.max() if xf.numel() else xf.new_zeros(())
-    rnd = torch.rand(xf.shape, generator=generator, device=xf.device).mul_(scale)
-    b = torch.where(rnd < ax, torch.sign(xf), torch.zeros_like(xf)).to(torch.int8)
-    return scale, b
 
 
 def _as_bytes(t: Tensor) -> Tensor:

@@ -11,8 +11,9 @@ the site's weights. The site's accumulated update is ``g_u = hidden + (w - ancho
 A WAN round (all sites together):
 
 1. each site takes the significant part of ``g_u`` (:class:`SignificanceFilter`), ternarizes it with a per-layer
-   scale (loss-aware with the optimizer's second moments, or TernGrad's stochastic rounding, or not at all),
-   encodes it (:mod:`~lightning_gradcomp.weightgrad.quantize`) and keeps what it did not send (``g_u - sent``:
+   scale through a compressor (:class:`~lightning_gradcomp.compressors.loss_aware.LossAwareTernary` with the optimizer's
+   second moments, or :class:`~lightning_gradcomp.compressors.TernGrad`'s stochastic rounding at scale ``max|x|``, or
+   not at all), encodes it (:mod:`~lightning_gradcomp.weightgrad.quantize`) and keeps what it did not send (``g_u - sent``:
    insignificant parts and rounding error keep accumulating, as in Gaia);
 2. leaders all-gather the messages over the WAN, then each leader broadcasts them inside its site over the
    LAN: the weights travel down as ternary weight updates with a per-layer scale;
@@ -37,12 +38,15 @@ update until the round's global update has arrived, which is how the bound is en
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
+from lightning_gradcomp.compressors.loss_aware import LossAwareTernary
+from lightning_gradcomp.compressors.terngrad import TernGrad
 from lightning_gradcomp.exchange import comm
+from lightning_gradcomp.exchange.ledger import dense_bytes, sized_message_bytes, tensor_bytes
 from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.exchange import InFlight, sync_buffers
 from lightning_gradcomp.weightgrad import quantize
@@ -52,9 +56,6 @@ from lightning_gradcomp.sites.layout import SiteGroups
 WanQuantization = Literal["loss_aware", "terngrad", "none"]
 SiteView = Literal["global", "gaia"]
 Trigger = Literal["bound", "significance"]
-
-# LAQ code: D = sqrt(v) + 1e-8
-_LAQ_EPS = 1e-8
 
 
 class GradientSynchronizer(OuterSync):
@@ -76,7 +77,7 @@ class GradientSynchronizer(OuterSync):
         second_moment: parameter name -> the optimizer's second-moment estimate (e.g. Adam's ``exp_avg_sq``), or
             ``None`` when it has none (plain ternary).
         learning_rate: parameter name -> the learning rate of its optimizer group.
-        seed: seed of the stochastic ternarization (one stream per site, identical on the site's ranks).
+        seed: seed of the stochastic ternarization (one stream per site and layer, identical on the site's ranks).
         float_names: layers that cross the WAN unquantized (the strategy's ``exclude`` / ``min_numel``).
     """
 
@@ -122,8 +123,16 @@ class GradientSynchronizer(OuterSync):
         self.second_moment = second_moment
         self.learning_rate = learning_rate
         device = next(iter(params.values())).device
-        self._generator = torch.Generator(device=device)
-        self._generator.manual_seed(seed * 1_000_003 + 7919 * groups.site)
+        #: the WAN quantizer. TernGrad: no clipping (scale max|x|), each site's own scale in its message, the torch
+        #: backend's per-layer streams; set up with the site as its rank, so a site's ranks draw the same bits (they
+        #: are replicas of the site) and sites draw different ones
+        self.quantizer: Union[TernGrad, LossAwareTernary]
+        if wan_quantization == "terngrad":
+            self.quantizer = TernGrad(clip_factor=0.0, scaler_share="per_worker", collective="allgather", seed=seed,
+                                      backend="torch")
+        else:
+            self.quantizer = LossAwareTernary(second_moment=second_moment)
+        self.quantizer.setup(groups.site, groups.layout.num_sites, device)
         with torch.no_grad():
             self.last = {n: p.detach().clone() for n, p in params.items()}
         self._step_update: dict[str, Tensor] = {}
@@ -156,9 +165,10 @@ class GradientSynchronizer(OuterSync):
             g = self.groups
             comm.hierarchical_all_reduce_max_(flags, g.leader_group, g.site_group, g.leader, g.site_size)
             late, significant = bool(flags[0]), bool(flags[1])
-            wan_bytes += flags.numel() if g.is_leader and g.layout.num_sites > 1 else 0
-            self.wan_bytes_total += flags.numel() if g.is_leader and g.layout.num_sites > 1 else 0
-            lan_bytes += flags.numel() if g.is_leader and g.site_size > 1 else 0
+            flag_wan = tensor_bytes(flags) if g.is_leader and g.layout.num_sites > 1 else 0
+            wan_bytes += flag_wan
+            self.wan_bytes_total += flag_wan
+            lan_bytes += tensor_bytes(flags) if g.is_leader and g.site_size > 1 else 0
 
         ran = at_bound or late or significant
         if ran:
@@ -183,10 +193,7 @@ class GradientSynchronizer(OuterSync):
 
     def pending(self, name: str) -> Tensor:
         """The site's accumulated update ``g_u`` of a layer (weight units)."""
-        p = self.params[name].detach()
-        out = p - self.anchor[name]
-        hidden = self.hidden.get(name)
-        return out if hidden is None else out + hidden
+        return self.memory.compensate(self.params[name].detach() - self.anchor[name], name)
 
     def _mask(self, name: str) -> Tensor:
         return self.significance.mask(name, self.pending(name), self._step_update[name], self.anchor[name])
@@ -195,11 +202,8 @@ class GradientSynchronizer(OuterSync):
     def _quantize(self, name: str, x: Tensor) -> tuple[Optional[Tensor], Tensor]:
         if self.wan_quantization == "none" or name in self.float_names:
             return None, x.float()
-        if self.wan_quantization == "terngrad":
-            return quantize.stochastic_ternary(x, self._generator)
-        v = self.second_moment(name)
-        d = None if v is None else v.detach().float().sqrt().add_(_LAQ_EPS)
-        return quantize.loss_aware_ternary(x, d)
+        b, scale = self.quantizer.ternarize(x, name=name)
+        return scale.reshape(()), b
 
     def launch(self, fragment: int, pseudo_gradients: Sequence[Tensor], step: int) -> InFlight:
         """The engine's exchange: the significant part of ``g_u = -delta`` quantized, all-gathered through the
@@ -230,11 +234,11 @@ class GradientSynchronizer(OuterSync):
             sent.append(decoded[g.site][i].view_as(p).to(p.dtype).neg())
         wan = lan = 0
         if g.is_leader and num_sites > 1:
-            wan = message.numel() + 8  # own message + its size
+            wan = sized_message_bytes(message)
         if g.is_leader and g.site_size > 1:
-            lan = 8 * num_sites + gathered.numel()
-        self.stats["wan_message_bytes"] = torch.tensor(message.numel())
-        dense = sum(4 * n for n in numels)
+            lan = tensor_bytes(sizes) + tensor_bytes(gathered)  # the leader's broadcasts of the sizes and messages
+        self.stats["wan_message_bytes"] = torch.tensor(tensor_bytes(message))
+        dense = dense_bytes(sum(numels))
         return InFlight(means, None, wan, lan, dense, step, done=True, sent=sent, deltas=list(pseudo_gradients))
 
     def wait(self, flight: InFlight) -> list[Tensor]:
@@ -244,11 +248,19 @@ class GradientSynchronizer(OuterSync):
         return sync_buffers(buffers, self.groups)
 
     def exchange_state(self) -> dict[str, Any]:
-        return {"significance": self.significance.state_dict(), "generator": self._generator.get_state()}
+        return {"significance": self.significance.state_dict(), "quantizer": self.quantizer.state_dict()}
 
     def load_exchange_state(self, state: dict[str, Any]) -> None:
+        if "quantizer" not in state and self.wan_quantization == "terngrad":
+            # the single stream of an older release cannot be split into TernGrad's per-layer streams, and starting
+            # them afresh silently would make the resumed run differ from the uninterrupted one
+            raise ValueError(
+                f"Expected the WeightGrad checkpoint's exchange state to hold the quantizer's random streams but got "
+                f"the keys {sorted(state)} (a checkpoint written before the WAN ternarization drew from TernGrad's "
+                "streams). Fix: resume with resume_compression='reset', or with the version that wrote the checkpoint."
+            )
         self.significance.load_state_dict(state["significance"])
-        self._generator.set_state(state["generator"])
+        self.quantizer.load_state_dict(state.get("quantizer", {}))
 
     # -- checkpointing ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -304,3 +304,80 @@ def tower_digests(names: list[str], lr: float = 0.05) -> dict[str, dict[str, Any
                            TOWER_STEPS, batch_size=TOWER_WORKERS, lr=lr) for name in names}
     finally:
         torch.set_num_threads(threads)
+
+
+# -- 1-bit Adam and 0/1 Adam: the optimizer's compressed all-reduce (worker and server stages) ---------------------
+
+#: per configuration: the method, the optimizer's options, the exchange's ``block_size``, the steps. 1-bit Adam:
+#: dense warm-up for 2 steps, then 3 compressed exchanges of the momentum (one scale per piece); 0/1 Adam: variance
+#: updates at steps 1, 2, 4, 1-bit gradient averaging at step 3, then local steps synchronised by the compressed
+#: exchange (blocks of 16 elements, several per piece)
+FROZEN_ADAMS: dict[str, tuple[str, dict[str, Any], Any, int]] = {
+    "onebit_adam": ("onebit", {"lr": 1e-2, "freeze_step": 2}, None, 5),
+    "zero_one_adam": ("zero_one", {"lr": 1e-2, "var_freeze_step": 4, "var_update_scaler": 1, "local_step_scaler": 2,
+                                   "local_step_clipper": 2}, 16, 8),
+}
+
+
+def frozen_adam_digests(rank: int, world_size: int, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Per :data:`FROZEN_ADAMS` configuration, DDP with the strategy's hook and the optimizer bound to its
+    :class:`~lightning_gradcomp.onebit_adam.CompressedAllReduce` (a 67-parameter model cut in uneven chunks): SHA-256s
+    of every exchange's input and average (``exchanged``), the parameters after every step (``params``), the worker
+    and server errors and the optimizer's moments at the end (``state``), and the exchange's bytes."""
+    from lightning_gradcomp import GradCompState
+    from lightning_gradcomp.compressors import Identity
+    from lightning_gradcomp.onebit_adam.strategy import LINK_KEY, FrozenAdamLink, frozen_adam_hook
+    from tests.distributed.onebit_adam_ranks import Small, batch, make_optimizer
+
+    dist.init_process_group("gloo")
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for name in names:
+            method, options, block_size, steps = FROZEN_ADAMS[name]
+            model = Small()
+            named: dict[str, Tensor] = dict(model.named_parameters())
+            state = GradCompState(compressor=Identity(), names={id(p): n for n, p in named.items()},
+                                  world_size=world_size)
+            link = FrozenAdamLink(rank, world_size, None, torch.device("cpu"), block_size)
+            state.attach(LINK_KEY, link)
+            ddp = DistributedDataParallel(model, bucket_cap_mb=0.0001)
+            ddp.register_comm_hook(state, frozen_adam_hook)
+            optimizer = make_optimizer(method, model.parameters(), options)
+            link.bind(optimizer, named)
+            exchange = link.exchange
+            assert exchange is not None
+            digests = {part: hashlib.sha256() for part in ("exchanged", "params", "state")}
+            nbytes: list[int] = []
+            average = exchange.average
+
+            def recorded(flat: Tensor, average: Any = average, exchange: Any = exchange,
+                         digests: Any = digests, nbytes: list[int] = nbytes) -> Tensor:
+                _update(digests["exchanged"], flat)
+                mean = average(flat)
+                _update(digests["exchanged"], mean)
+                nbytes.append(exchange.last_nbytes)
+                return mean
+
+            exchange.average = recorded  # type: ignore[method-assign]  # a pass-through: the optimizer's call is unchanged
+            for step in range(steps):
+                x, y = batch(rank, step)
+                optimizer.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                optimizer.step()
+                for p in model.parameters():
+                    _update(digests["params"], p)
+            for memory in (exchange.worker, exchange.server):
+                for key in sorted(memory.residuals):
+                    digests["state"].update(key.encode())
+                    _update(digests["state"], memory.residuals[key])
+            for p in model.parameters():
+                for key, value in sorted(optimizer.state[p].items()):
+                    digests["state"].update(key.encode())
+                    _update(digests["state"], value)
+            del ddp
+            out[name] = {**{part: d.hexdigest() for part, d in digests.items()}, "exchanges": len(nbytes),
+                         "nbytes": sum(nbytes), "expected_nbytes": exchange.expected_nbytes()}
+        dist.barrier()
+        return out
+    finally:
+        dist.destroy_process_group()

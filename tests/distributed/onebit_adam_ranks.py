@@ -2,6 +2,7 @@
 and the optimizer (no Trainer), and Trainer runs (wrong optimizer, resume, non-finite gradients)."""
 
 import os
+import threading
 from typing import Any, Optional
 
 import torch
@@ -11,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp import GradCompState
 from lightning_gradcomp.compressors import Identity
+from lightning_gradcomp.exchange.transport import Workers
 from lightning_gradcomp.onebit_adam.exchange import CompressedAllReduce
 from lightning_gradcomp.onebit_adam.strategy import LINK_KEY, FrozenAdamLink, frozen_adam_hook
 from lightning_gradcomp.optimizers import OneBitAdam, ZeroOneAdam
@@ -33,12 +35,50 @@ def exchange_rounds(rank: int, world_size: int, tensors: list[tuple[str, int]], 
             inputs.append(x.clone())
             outputs.append(exchange.average(x).clone())
             nbytes.append(exchange.last_nbytes)
-        worker = torch.cat([exchange.worker.residuals[n].reshape(-1) for n in exchange.worker_segments.names])
-        server = torch.cat([exchange.server.residuals[n].reshape(-1) for n in exchange.server_segments.names])
         return {"inputs": inputs, "outputs": outputs, "nbytes": nbytes, "expected": exchange.expected_nbytes(),
-                "worker": worker, "server": server, "sizes": exchange.sizes}
+                "sizes": exchange.sizes, **_errors(exchange)}
     finally:
         dist.destroy_process_group()
+
+
+def _errors(exchange: CompressedAllReduce) -> dict[str, torch.Tensor]:
+    return {"worker": torch.cat([exchange.worker.residuals[n].reshape(-1) for n in exchange.worker_segments.names]),
+            "server": torch.cat([exchange.server.residuals[n].reshape(-1) for n in exchange.server_segments.names])}
+
+
+def emulated_rounds(tensors: list[tuple[str, int]], inputs: list[list[torch.Tensor]],
+                    block_size: Optional[int] = None) -> list[dict[str, Any]]:
+    """The compressed all-reduces of ``inputs`` (per worker, per round) between ``len(inputs)`` workers emulated in
+    this process (one thread each, on a :class:`~lightning_gradcomp.exchange.transport.WorkerTransport`), each
+    single-threaded as a rank is: per worker, the averages, the bytes and both errors."""
+    workers = Workers(len(inputs), timeout=60.0)
+    results: list[dict[str, Any]] = [{} for _ in inputs]
+
+    def work(rank: int) -> None:
+        try:
+            exchange = CompressedAllReduce(tensors, rank, len(inputs), block_size=block_size,
+                                           transport=workers.transport(rank))
+            outputs, nbytes = [], []
+            for x in inputs[rank]:
+                outputs.append(exchange.average(x.clone()).clone())
+                nbytes.append(exchange.last_nbytes)
+            results[rank] = {"outputs": outputs, "nbytes": nbytes, **_errors(exchange)}
+        except BaseException:
+            workers.abort()
+            raise
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        threads = [threading.Thread(target=work, args=(rank,)) for rank in range(len(inputs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        torch.set_num_threads(threads_before)
+    assert all(results), "a worker failed (its traceback is above)"
+    return results
 
 
 class Small(nn.Module):

@@ -2,6 +2,8 @@
 Streaming DiLoCo, WeightGrad, the hierarchical exchange, TowerStrategy) computes through its strategy, bit for bit,
 stays what it was.
 
+1-bit Adam and 0/1 Adam are pinned through their compressed all-reduce on 2 and 3 ranks (uneven chunks).
+
 A refactor of the exchange (compressor contract, kernels, group step, transports) must leave every decoded mean,
 exchanged pseudo-gradient and WAN payload, parameter and residual unchanged; these tests pin them. The digests are
 of the machine and torch that recorded them (float reductions vectorise by the CPU's instruction set), so elsewhere
@@ -19,7 +21,15 @@ import pytest
 import torch
 
 from lightning_gradcomp import registry
-from tests.distributed.golden_ranks import TOWERS, engine_configs, compressor_digests, engine_digests, tower_digests
+from tests.distributed.golden_ranks import (
+    FROZEN_ADAMS,
+    TOWERS,
+    compressor_digests,
+    engine_configs,
+    engine_digests,
+    frozen_adam_digests,
+    tower_digests,
+)
 from tests.harness import run_ranks
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
@@ -102,3 +112,14 @@ def test_towers_compute_what_they_computed() -> None:
     and the bytes per step are those recorded."""
     digests = tower_digests(list(TOWERS))
     _check_engines({name: [value] for name, value in digests.items()})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_frozen_adams_compute_what_they_computed(world: int) -> None:
+    """1-bit Adam and 0/1 Adam through DDP's hook and their compressed all-reduce on ``world`` Gloo ranks (uneven
+    chunks at 3): per rank, every exchange's input and average, the parameters after every step, the worker and
+    server errors and the optimizer's moments, and the exchange's bytes are those recorded."""
+    names = list(FROZEN_ADAMS)
+    digests = run_ranks(frozen_adam_digests, world, names, timeout=120.0)
+    _check_engines({f"{name}_w{world}": [digests[rank][name] for rank in range(world)] for name in names})

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed.onebit_adam_ranks import Small, batch, exchange_rounds, train_raw
+from tests.distributed.onebit_adam_ranks import Small, batch, emulated_rounds, exchange_rounds, train_raw
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -215,6 +215,12 @@ def test_compressed_allreduce_matches_reference_and_keeps_both_errors(world: int
     for rank, r in enumerate(ranks):
         assert r["nbytes"] == [expected_bytes(tensors, world, rank, block)] * rounds == [r["expected"]] * rounds
         assert r["sizes"] == ref_sizes(sum(tensors), world)
+    # the same exchange between emulated workers (threads on a WorkerTransport) computes the Gloo ranks' bits
+    emulated = emulated_rounds([(f"t{i}", n) for i, n in enumerate(tensors)], [r["inputs"] for r in ranks], block)
+    for rank, r in enumerate(ranks):
+        assert all(torch.equal(a, b) for a, b in zip(emulated[rank]["outputs"], r["outputs"])), f"worker {rank}"
+        assert torch.equal(emulated[rank]["worker"], r["worker"]) and torch.equal(emulated[rank]["server"], r["server"])
+        assert emulated[rank]["nbytes"] == r["nbytes"]
 
 
 # -- the optimizers through DDP and the strategy's hook ----------------------------------------------------------

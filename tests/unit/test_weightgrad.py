@@ -1,5 +1,7 @@
 """WeightGrad pieces in one process: site layouts, argument checks, quantizers, encoding, G_thresh, feedback."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,9 +13,9 @@ from lightning_gradcomp.weightgrad import (
     WeightGradStrategy,
     decode,
     encode,
-    loss_aware_ternary,
-    stochastic_ternary,
 )
+from lightning_gradcomp.compressors import TernGrad
+from lightning_gradcomp.compressors.loss_aware import LossAwareTernary
 from lightning_gradcomp.sites.layout import new_site_groups, site_layout
 from lightning_gradcomp.weightgrad.synchronizer import SiteView, WanQuantization
 from tests.harness import free_port
@@ -86,24 +88,54 @@ def _weighted_error(x: torch.Tensor, d: torch.Tensor, alpha: torch.Tensor, b: to
 def test_loss_aware_ternary_fits_the_metric() -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2000, generator=gen)
-    alpha, b = loss_aware_ternary(x)
+    b, alpha = LossAwareTernary().ternarize(x, "w")
     assert set(b.unique().tolist()) <= {-1, 0, 1} and float(alpha) > 0
     kept = b != 0
     assert torch.allclose(alpha, x.abs()[kept].mean())  # D = 1: alpha is the mean magnitude of what it keeps
     assert torch.equal(b[kept].float(), torch.sign(x[kept]))
     # a metric that weighs the large elements heavily: its own solution beats the unweighted one under it
     d = torch.where(x.abs() > 1.5, torch.full_like(x, 50.0), torch.ones_like(x))
-    alpha_d, b_d = loss_aware_ternary(x, d)
+    weighted = LossAwareTernary(second_moment=lambda name: d**2 if name == "w" else None)  # D = sqrt(v) + eps
+    b_d, alpha_d = weighted.ternarize(x, "w")
     assert _weighted_error(x, d, alpha_d, b_d) < _weighted_error(x, d, alpha, b)
-    zero_alpha, zero_b = loss_aware_ternary(torch.zeros(7))
+    assert torch.equal(weighted.ternarize(x, "other")[0], b)  # a layer without a second moment: D = 1
+    zero_b, zero_alpha = LossAwareTernary().ternarize(torch.zeros(7))
     assert float(zero_alpha) == 0 and not zero_b.any()
+    # as a compressor: the packet (2-bit b, fp32 alpha) decodes to exactly alpha * b, deterministically
+    packet = weighted.compress(x.view(40, 50), "w")
+    assert packet.nbytes == 2000 // 4 + 4
+    assert torch.equal(weighted.decompress(packet), (alpha_d * b_d.float()).view(40, 50))
+    assert torch.equal(weighted.compress(x.view(40, 50), "w").payload, packet.payload)
 
 
-def test_stochastic_ternary_is_unbiased() -> None:
+def test_terngrad_wan_quantizer_is_unbiased_and_agrees_within_a_site() -> None:
+    """``wan_quantization="terngrad"`` is TernGrad (scale max|x|) set up with the site as its rank: a site's ranks
+    draw the same ternary values, other sites other ones, and the values are unbiased."""
     x = torch.tensor([0.5, -0.25, 0.0, 1.0, -1.0])
-    gen = torch.Generator().manual_seed(0)
-    draws = torch.stack([s * b.float() for s, b in (stochastic_ternary(x, gen) for _ in range(4000))])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        sync = _synchronizer("terngrad", "global", nn.Linear(2, 2))
+    finally:
+        dist.destroy_process_group()
+    quantizer = sync.quantizer
+    assert isinstance(quantizer, TernGrad) and quantizer.clip_factor == 0.0 and quantizer.rank == 0  # site 0
+    site0, replica, site1 = (copy.deepcopy(quantizer) for _ in range(3))
+    site1.setup(1, 2, torch.device("cpu"))  # what a rank of site 1 sets up
+    replica.setup(0, 2, torch.device("cpu"))
+    site0.setup(0, 2, torch.device("cpu"))
+    first = [q.ternarize(x.repeat(20), name="w") for q in (site0, replica, site1)]
+    assert torch.equal(first[0][0], first[1][0]) and not torch.equal(first[0][0], first[2][0])
+    assert all(float(scale) == 1.0 for _, scale in first)  # max|x|: no clipping
+    draws = torch.stack([s * b.float() for b, s in (site0.ternarize(x, name="w") for _ in range(4000))])
     torch.testing.assert_close(draws.mean(0), x, atol=0.04, rtol=0)
+    # the streams are training state: a resumed round draws what the uninterrupted one drew
+    sync.quantizer.ternarize(x, name="w")
+    saved = copy.deepcopy(sync.exchange_state())
+    drawn = sync.quantizer.ternarize(x.repeat(20), name="w")[0]
+    sync.load_exchange_state(saved)
+    assert torch.equal(sync.quantizer.ternarize(x.repeat(20), name="w")[0], drawn)
+    with pytest.raises(ValueError, match="resume_compression='reset'"):  # an older release's single stream
+        sync.load_exchange_state({"significance": saved["significance"], "generator": torch.get_rng_state()})
 
 
 def test_encoding_round_trip_and_exact_sizes() -> None:
@@ -161,20 +193,24 @@ def test_significance_masks() -> None:
 
 
 # -- error feedback across a WAN round (one rank, one site) -------------------------------------------------
+def _synchronizer(quantization: WanQuantization, view: SiteView, layer: nn.Module) -> GradientSynchronizer:
+    """One site of one rank (needs a process group)."""
+    return GradientSynchronizer(
+        dict(layer.named_parameters()), [], new_site_groups(site_layout(1), 0), SignificanceFilter(threshold=1.5),
+        staleness_bound=2, staleness_seconds=None, trigger="bound", flush_at_bound=False, wan_quantization=quantization,
+        site_view=view, second_moment=lambda n: None, learning_rate=lambda n: 0.1,
+    )
+
+
 @pytest.mark.parametrize(
     ("quantization", "view"), [("loss_aware", "global"), ("terngrad", "global"), ("none", "global"), ("loss_aware", "gaia")]
 )
 def test_round_keeps_what_it_did_not_send(quantization: WanQuantization, view: SiteView) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        layout = site_layout(1)
         layer = nn.Linear(6, 4)
         params = dict(layer.named_parameters())
-        sync = GradientSynchronizer(
-            params, [], new_site_groups(layout, 0), SignificanceFilter(threshold=1.5), staleness_bound=2,
-            staleness_seconds=None, trigger="bound", flush_at_bound=False, wan_quantization=quantization,
-            site_view=view, second_moment=lambda n: None, learning_rate=lambda n: 0.1,
-        )
+        sync = _synchronizer(quantization, view, layer)
         start = {n: p.detach().clone() for n, p in params.items()}
         for step in range(2):
             with torch.no_grad():
@@ -227,3 +263,19 @@ def test_round_triggers(options: dict, expected: list[bool]) -> None:
         assert ran == expected
     finally:
         dist.destroy_process_group()
+
+
+def test_the_quantizers_old_function_spellings_warn_and_agree_with_the_compressors() -> None:
+    """``weightgrad.loss_aware_ternary``/``stochastic_ternary`` still resolve, with a DeprecationWarning, to the
+    compressors' ternarization: LAT's bits exactly, TernGrad's scale ``max|x|`` and values in {-1, 0, 1}."""
+    import lightning_gradcomp.weightgrad as weightgrad
+    from lightning_gradcomp.compressors import LossAwareTernary
+
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(DeprecationWarning, match="LossAwareTernary"):
+        alpha, b = weightgrad.loss_aware_ternary(x)
+    b_new, alpha_new = LossAwareTernary().ternarize(x)
+    assert torch.equal(alpha, alpha_new) and torch.equal(b, b_new.view(x.shape))
+    with pytest.warns(DeprecationWarning, match="TernGrad"):
+        scale, b = weightgrad.stochastic_ternary(x, torch.Generator().manual_seed(1))
+    assert torch.equal(scale, x.abs().max()) and b.shape == x.shape and set(b.unique().tolist()) <= {-1, 0, 1}
