@@ -40,7 +40,7 @@ from lightning_gradcomp.compressors.base import (
     _group_packet,
     _one,
 )
-from lightning_gradcomp.compressors.streams import CounterStreams
+from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
 from lightning_gradcomp.compressors.terngrad_flat import FlatTernGrad
 from lightning_gradcomp.kernels._build import extension_for
 from lightning_gradcomp.exchange.segments import Segments
@@ -134,7 +134,9 @@ class TernGrad(KernelBacked[FlatTernGrad]):
         return self._keys.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # (a checkpoint's "streams" entry, the torch.Generator states of an earlier torch backend, has nothing to restore)
+        # a checkpoint's "streams": the per-name torch.Generator states of the torch backend's earlier per-layer draws,
+        # which no counter can continue: refused unless empty (nothing drawn)
+        check_counters(state.get("streams", {}), type(self).__name__)
         self._keys.load_state_dict(state)
         self._flat.forget()
 
@@ -198,6 +200,23 @@ class TernGrad(KernelBacked[FlatTernGrad]):
         if numel == 0:  # an empty tensor has no chunk: no scaler, nothing on the wire
             return 0
         return 1 if self.bucket_size is None else -(-numel // self.bucket_size)
+
+    def ternarize(self, tensor: Tensor, scaler: Optional[Tensor] = None, name: str = "") -> tuple[Tensor, Tensor]:
+        """Ternary values (int8, the tensor's flat length) and the scalers used (float32, one per chunk): the group
+        code's ternaries on a group of one, drawn from ``name``'s stream (its counter moves on, as in ``compress``).
+
+        Args:
+            tensor: the gradient.
+            scaler: scalers shared by all ranks (one per chunk); ``None`` uses this rank's own.
+            name: the parameter's name, which selects its random stream.
+        """
+        x = tensor.detach().reshape(-1)
+        if x.numel() == 0:
+            return x.new_zeros(0, dtype=torch.int8), x.new_zeros(0, dtype=torch.float32)
+        group = _one(self, name, tensor.shape)
+        local, clip = self._flat.scale_clip(x, group)
+        s = local if scaler is None else scaler.reshape(-1).to(local.device, torch.float32)
+        return self._flat.encode(x, group, s, clip), s
 
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         """The sum of the decoded packets in rank order; with a shared scaler the integer sum scaled once (exact),

@@ -407,6 +407,10 @@ class FlatTernGrad:
             no_clip if clip is None else clip.contiguous(), self._keys(segments), packed,
         )
 
+    def encode(self, flat: Tensor, segments: Segments, scale: Tensor, clip: Optional[Tensor]) -> Tensor:
+        """int8 ``[total]`` ternaries of the group given its scalers and clip thresholds (the stream's next draws)."""
+        return self._encode(flat, segments, scale, clip, packed=False)[0]
+
     def _triton_encode(
         self, flat: Tensor, segments: Segments, scale: Tensor, clip: Optional[Tensor], packed: bool
     ) -> tuple[Tensor, Tensor]:
