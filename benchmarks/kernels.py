@@ -197,7 +197,7 @@ def kernel_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Ca
         (
             "terngrad decode into out",
             lambda: ref_tg.decompress(ref_packet),
-            lambda: kernels.decode(fused_packet.payload, n, fused_packet.ctx["scale"], n, out=out),
+            lambda: fused_tg.decompress_mean_into([fused_packet], out),  # one payload: decoded into out
         ),
         (
             # what the hook runs for gathered payloads: decode, sum and average into DDP's bucket view

@@ -121,7 +121,7 @@ def _trials(rank: int, world_size: int, port: int, args: argparse.Namespace) -> 
         def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
             super().on_fit_start(trainer, pl_module)
             if self.stats is not None:
-                for name in ("start_bucket", "blocking", "observe_input", "observe_packet", "observe_averaged"):
+                for name in ("start_bucket", "blocking", "observe_input", "observe_group", "observe_averaged"):
                     setattr(self.stats, name, self._timed(getattr(self.stats, name)))
 
         def on_train_batch_start(self, *a: Any) -> None:

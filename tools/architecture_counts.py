@@ -71,7 +71,6 @@ LEDGER_FORMULAS = frozenset({"dense_bytes", "tensor_bytes", "sized_message_bytes
 LAYOUT_SIZES = {
     "groups.py::Layouts.groups": "input bytes per pipeline chunk",
     "exchange/groups.py::Layouts.groups": "input bytes per pipeline chunk",
-    "compressors/terngrad_fused.py::FusedTernGrad._packed_and_scale": "where the scale starts in a packet's payload",
 }
 #: an expression that is a compressor (``compressor``, ``state.compressor``)
 COMPRESSOR_EXPRESSION = re.compile(r"(^|\.)compressor$")

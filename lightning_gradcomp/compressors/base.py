@@ -18,7 +18,6 @@ one per bucket and uses :meth:`Compressor.for_collective` for that bucket, leavi
 import enum
 import functools
 import inspect
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -131,6 +130,28 @@ class FlatPacket:
         return replace(self, payload=payload, layer_nbytes=sizes, stats={}, layers=layers)
 
 
+def _one(compressor: "Compressor", name: str, shape: torch.Size) -> Segments:
+    """The group of one layer: how the per-layer methods call the group methods. Kept per (name, shape), so the
+    group code's layouts and index tensors, cached per group layout, are built once per layer as in the hook."""
+    groups: dict[tuple[str, torch.Size], Segments] = compressor.__dict__.setdefault("_groups_of_one", {})
+    key = (name, torch.Size(shape))
+    group = groups.get(key)
+    if group is None:
+        group = groups[key] = Segments([name], [shape])
+    return group
+
+
+def _layer_packet(group: FlatPacket) -> Packet:
+    """The packet of a group of one, as the per-layer methods return it (its statistics as 0-d tensors)."""
+    return Packet(group.payload, group.segments.shapes[0], group.dtype, dict(group.ctx),
+                  {k: v.reshape(()) for k, v in group.stats.items()})
+
+
+def _group_packet(compressor: "Compressor", packet: Packet) -> FlatPacket:
+    """A per-layer packet as the group of one it came from (the layer's name plays no part in decoding)."""
+    return FlatPacket(packet.payload, _one(compressor, "", packet.shape), packet.dtype, (packet.nbytes,), dict(packet.ctx))
+
+
 def _slice_payload(raw: Tensor, offset: int, nbytes: int, dtype: torch.dtype) -> Tensor:
     """The ``nbytes`` at byte ``offset`` of a group payload, as a 1-D tensor of ``dtype``: a slice when the group
     payload has that dtype, else bytes reinterpreted (copied first: a byte slice may be misaligned for a wider dtype)."""
@@ -193,12 +214,16 @@ def _refusing_unknown_options(init: Callable[..., None]) -> Callable[..., None]:
     return checked
 
 
-class Compressor(ABC):
+class Compressor:
     """Base class of all gradient compressors.
 
-    Subclasses set :attr:`aggregation` and implement :meth:`compress` and :meth:`decompress`. A compressor
-    whose decode needs a value agreed by all ranks (TernGrad's shared scaler) returns it from
-    :meth:`local_statistic`; the hook reduces it with ``MAX`` over ranks before calling :meth:`compress`.
+    Subclasses set :attr:`aggregation` and implement either the group methods (:meth:`compress_flat`,
+    :meth:`decompress_flat`, and :meth:`flat_statistic` where ranks agree on a value), which the hook calls, or
+    the per-layer ones (:meth:`compress`, :meth:`decompress`, :meth:`local_statistic`). Each side defaults to the
+    other: a single tensor is a group of one (:meth:`compress` of a compressor with group methods is
+    :meth:`compress_flat` of a one-layer group), and the default group methods loop over the layers with the
+    per-layer ones. A compressor whose decode needs a value agreed by all ranks (TernGrad's shared scaler) returns
+    it from its statistic; the hook reduces it with ``MAX`` over ranks before compressing.
 
     Compressors may hold per-rank state (a random generator, thresholds); :meth:`setup` is called once with
     this rank's place in the group, and :meth:`state_dict` / :meth:`load_state_dict` round-trip that state.
@@ -276,15 +301,21 @@ class Compressor(ABC):
     def local_statistic(self, tensor: Tensor, name: str) -> Optional[Tensor]:
         """A small float32 tensor to be max-reduced over ranks before :meth:`compress`, or ``None``.
 
+        The default is :meth:`flat_statistic` of the group of one when the compressor has group methods, else ``None``.
+
         Args:
             tensor: the gradient (after transforms and residual) of parameter ``name``.
             name: the parameter's name.
         """
-        return None
+        if not self._has_group_methods():
+            return None
+        shared = self.flat_statistic(tensor.reshape(-1), _one(self, name, tensor.shape))
+        return None if shared is None else shared.values
 
-    @abstractmethod
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
         """Compress ``tensor`` (the gradient of parameter ``name``) into a packet.
+
+        The default is :meth:`compress_flat` of the group of one (a compressor without group methods overrides it).
 
         Args:
             tensor: the gradient to compress; not modified.
@@ -292,13 +323,32 @@ class Compressor(ABC):
             shared: the max over ranks of :meth:`local_statistic`; ``None`` when used standalone, in which case
                 the local statistic is used.
         """
+        self._require_group_methods("compress")
+        statistic = None if shared is None else SharedStatistic(shared.reshape(-1).float(), (shared.numel(),))
+        return _layer_packet(self.compress_flat(tensor.reshape(-1), _one(self, name, tensor.shape), statistic))
 
-    @abstractmethod
     def decompress(self, packet: Packet) -> Tensor:
         """Decode one packet to a dense tensor of ``packet.shape`` and ``packet.dtype``.
 
-        For ``Aggregation.SUM`` compressors this must be linear in ``packet.payload``.
+        For ``Aggregation.SUM`` compressors this must be linear in ``packet.payload``. The default is
+        :meth:`decompress_flat` of the group of one.
         """
+        self._require_group_methods("decompress")
+        return self.decompress_flat(_group_packet(self, packet)).view(packet.shape)
+
+    def _has_group_methods(self) -> bool:
+        """Whether this compressor is written at group level: it implements the group methods and not the per-layer
+        ones (then a single tensor is a group of one). A compressor with both keeps its own per-layer code."""
+        cls = type(self)
+        return cls.compress is Compressor.compress and cls.compress_flat is not Compressor.compress_flat
+
+    def _require_group_methods(self, method: str) -> None:
+        # the per-layer defaults call the group methods, whose defaults call the per-layer ones: one side must exist
+        if not self._has_group_methods():
+            raise NotImplementedError(
+                f"Expected {type(self).__name__} to implement `{method}` or the group methods (`compress_flat`, "
+                f"`decompress_flat`) but got neither. Fix: override one of them."
+            )
 
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         """The sum of the decoded packets, in the given (rank) order.
@@ -332,15 +382,19 @@ class Compressor(ABC):
     def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
         """What this rank effectively contributed for ``tensor`` (its own packet decoded).
 
-        Used for error feedback: ``residual = tensor - sent``. Override where an exact form is cheaper.
+        Used for error feedback: ``residual = tensor - sent``. Override where an exact form is cheaper. The
+        default is :meth:`sent_flat` of the group of one when the compressor has group methods.
         """
-        return self.decompress(packet)
+        if not self._has_group_methods():
+            return self.decompress(packet)
+        return self.sent_flat(tensor.reshape(-1), _group_packet(self, packet)).view(packet.shape)
 
     # -- a group of layers in one flat tensor (the hook's batched pipeline) -------------------------------------
     # The defaults below loop over the layers with the per-layer methods above, so every compressor travels through
     # the hook's one pipeline; a batched compressor overrides them with a fixed number of ops per group (see
-    # :mod:`lightning_gradcomp.exchange.segments`) and sets :attr:`batched`. Overrides must give what the loop gives: the
-    # same values bit for bit where the compressor is deterministic, the same statistics where it draws.
+    # :mod:`lightning_gradcomp.exchange.segments`) and sets :attr:`batched`, and its per-layer methods are then these
+    # methods on a group of one. Where a compressor keeps both, overrides must give what the loop gives: the same
+    # values bit for bit where the compressor is deterministic, the same statistics where it draws.
 
     #: whether the ``*_flat`` methods run a fixed number of ops per group rather than the default loop over layers
     batched: bool = False

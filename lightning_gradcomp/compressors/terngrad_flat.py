@@ -1,29 +1,25 @@
 """TernGrad over a group of layers laid out in one flat tensor: a fixed number of ops per group, whatever the number
-of layers (the hook's batched pipeline, :mod:`lightning_gradcomp.exchange.segments`).
+of layers (the hook's batched pipeline, :mod:`lightning_gradcomp.exchange.segments`). This is TernGrad's one
+implementation: a single tensor (``TernGrad.compress(tensor, name)``) is a group of one.
 
-The maths is the fused backend's (:mod:`~lightning_gradcomp.compressors.terngrad_fused`), so the result equals
-``backend="fused"`` layer by layer bit for bit given the same scalers:
+The result equals TernGrad's per-layer oracle (``tests/oracles/terngrad.py`` with the per-layer kernels) layer by
+layer, bit for bit, given the same scalers:
 
 * scalers and clip thresholds per chunk from one float64 pass (sums of g and g**2 per chunk, one
   ``scatter_reduce`` each) and :func:`~lightning_gradcomp.kernels.terngrad_scaler`;
-* draws from the counter-based stream of :mod:`lightning_gradcomp.kernels.rng`, keyed per layer exactly as the fused
-  backend keys it (``(seed, rank, counter, stream id of the name)``, computed on the host and sent as one small
-  tensor per group); an element's index in the stream is its index within its layer;
-* the wire layout of every layer is today's (2-bit quarter-split or base-3 fifth-split packing, the scalers after
+* draws from the counter-based stream of :mod:`lightning_gradcomp.kernels.rng`, keyed per layer
+  (``(seed, rank, counter, stream id of the name)``, computed on the host and sent as one small tensor per group); an
+  element's index in the stream is its index within its layer;
+* the wire layout of every layer is one layer's (2-bit quarter-split or base-3 fifth-split packing, the scalers after
   the packed bytes when they are per worker), so the group payload is byte for byte the concatenation of the
-  per-layer payloads and ``layer_nbytes`` are today's.
+  per-layer payloads.
 
 On the CPU the fused backend runs a group with one call of each compiled kernel (``terngrad_scale_clip_flat``,
 ``terngrad_ternarize_flat``, ``terngrad_decode_sum_flat``, ``terngrad_scale_int8_flat``: the per-layer kernels' tile
 code looping over the group's layers inside), the same bits as those kernels layer by layer. On CUDA with Triton
 installed, Triton kernels (:mod:`lightning_gradcomp.kernels.triton_terngrad`: ternarize and pack, decode-and-average,
-decode of the int8 form; the same bits as the torch ops); elsewhere (CUDA without Triton, no compiler) torch ops.
-
-``backend="torch"`` draws from one ``torch.Generator`` per layer, which cannot be batched; off the CPU its batched
-path draws from the counter-based stream instead (on the CPU it keeps the per-layer loop, see
-:meth:`TernGrad.batch_on`): the same Bernoulli probabilities ``min(|g|, clip) / s`` (a 24-bit uniform against them, the
-resolution of ``torch.rand``) and the same scalers up to float32 rounding of sigma (float64 sums instead of
-``torch.std``), so the same expectation (unbiased) and variance; different draws.
+decode of the int8 form; the same bits as the torch ops); elsewhere (``backend="torch"``, CUDA without Triton, no
+compiler) torch ops, the same bits again.
 
 Chunks: each layer is cut into chunks of ``bucket_size`` elements (the last one shorter), one scaler each; with
 ``bucket_size=None`` one chunk per layer; an empty layer has no chunk (no scaler, no byte on the wire). The
@@ -36,7 +32,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -44,7 +40,6 @@ from torch import Tensor
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.streams import CounterStreams
-from lightning_gradcomp.compressors.terngrad_fused import TernGradSettings
 from lightning_gradcomp.kernels import triton_launch, triton_terngrad
 from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.wire.ternary import Packing
@@ -52,6 +47,26 @@ from lightning_gradcomp.wire.ternary import Packing
 _PER_BYTE = {"2bit": 4, "base3": 5}
 _RADIX = {"2bit": 4, "base3": 3}
 _ZERO_CODE = 1  # a ternary t is sent as the code t + 1; padding is a zero
+
+
+class TernGradSettings(Protocol):
+    """The settings of :class:`~lightning_gradcomp.compressors.TernGrad` the group code reads (at each call, so a
+    setting changed between steps, e.g. by ``CompressionSchedule``, takes effect at the next group)."""
+
+    @property
+    def clip_factor(self) -> float: ...
+
+    @property
+    def clip_mode(self) -> str: ...
+
+    @property
+    def scaler_share(self) -> str: ...
+
+    @property
+    def bucket_size(self) -> Optional[int]: ...
+
+    @property
+    def packing(self) -> Packing: ...
 
 
 def chunk_counts(numels: Sequence[int], bucket: Optional[int]) -> tuple[int, ...]:
@@ -316,7 +331,7 @@ class FlatTernGrad:
     # -- statistics -------------------------------------------------------------------------------------
     def scale_clip(self, flat: Tensor, segments: Segments) -> tuple[Tensor, Optional[Tensor]]:
         """This rank's scaler per chunk and the clip threshold per chunk (``None``: no clipping), as
-        :func:`~lightning_gradcomp.kernels.terngrad_scale_clip` gives them layer by layer."""
+        the per-layer ``terngrad_scale_clip`` kernel gives them layer by layer (``tests/oracles/terngrad_kernels.py``)."""
         chunks = self.chunk_layout(segments)
         x = flat.detach().reshape(-1).to(torch.float32)
         s = self.settings
@@ -391,6 +406,10 @@ class FlatTernGrad:
             x, self.chunk_layout(segments).offsets(), self._bucket(), scale.contiguous(),
             no_clip if clip is None else clip.contiguous(), self._keys(segments), packed,
         )
+
+    def encode(self, flat: Tensor, segments: Segments, scale: Tensor, clip: Optional[Tensor]) -> Tensor:
+        """int8 ``[total]`` ternaries of the group given its scalers and clip thresholds (the stream's next draws)."""
+        return self._encode(flat, segments, scale, clip, packed=False)[0]
 
     def _triton_encode(
         self, flat: Tensor, segments: Segments, scale: Tensor, clip: Optional[Tensor], packed: bool
@@ -552,8 +571,23 @@ class FlatTernGrad:
         # as the torch path: a shared scaler's scaled sum in the packet's dtype; per worker, the float32 sum
         return out.copy_(total.to(first.dtype) if shared else total).div_(ranks)
 
+    def decompress_sum(self, packets: Sequence[FlatPacket]) -> Tensor:
+        """The ranks' sum, flat ``[total]`` of the packets' dtype, rounded as :meth:`decompress_mean_into` rounds it
+        before dividing: with one shared scaler the exact integer sum scaled once, else the decoded packets added in
+        rank order."""
+        first = packets[0]
+        if "scale" not in first.ctx:
+            total = self.decompress(first)
+            for packet in packets[1:]:
+                total.add_(self.decompress(packet))
+            return total
+        values = self.values(first).to(torch.int32)
+        for packet in packets[1:]:
+            values = values + self.values(packet)
+        return self._scaled(values, first.ctx["scale"], first.segments).to(first.dtype)
+
     def decompress_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        """The ranks' mean into ``out``, as :meth:`TernGrad.decompress_mean_into` rounds it layer by layer."""
+        """The ranks' mean into ``out``: :meth:`decompress_sum` divided by the number of ranks, bit for bit."""
         first, ranks = packets[0], len(packets)
         if self.uses_triton(first.payload) and ("scale" in first.ctx or first.dtype == torch.float32):
             # (per-worker scalers of another dtype round each rank's decoded tensor: the torch path below)
@@ -601,4 +635,4 @@ def _rank_rows(payloads: Sequence[Tensor]) -> tuple[Tensor, int]:
     return torch.stack([p.reshape(-1) for p in payloads]), first.numel()
 
 
-__all__ = ["ChunkLayout", "FlatTernGrad", "PackLayout", "chunk_counts"]
+__all__ = ["ChunkLayout", "FlatTernGrad", "PackLayout", "TernGradSettings", "chunk_counts"]

@@ -166,10 +166,6 @@ class HookObserver:
     def observe_input(self, name: str, original: Tensor, clipped: Tensor, compressor: Any) -> None:
         """This rank's gradient before and after the transforms (before error feedback)."""
 
-    def observe_packet(self, name: str, compressor: Any, compressed_input: Tensor, packet: Any,
-                       sent: Optional[Tensor]) -> None:
-        """One layer's packet, with what it carries of the compressed input (``sent``, when computed)."""
-
     def observe_group(self, segments: Any, compressor: Any, compressed_input: Tensor, packet: Any,
                       sent: Optional[Tensor]) -> None:
         """A group's packet (:class:`~lightning_gradcomp.compressors.base.FlatPacket`), flat input and local decode."""
@@ -245,21 +241,6 @@ class HookStats(HookObserver):
         layer = self.histograms.setdefault(name, {})
         layer["original"] = histogram(original, self.bins)
         layer["clipped"] = histogram(clipped, self.bins)
-
-    def observe_packet(self, name: str, compressor: Any, compressed_input: Tensor, packet: Any,
-                       sent: Optional[Tensor]) -> None:
-        """This rank's packet for one parameter; ``sent`` is its local decode when the hook already has it."""
-        if not self.capture:
-            return
-        want_hist = self.wants_histogram(name)
-        if "sparsity" in packet.stats and not want_hist:
-            return
-        if sent is None:
-            sent = compressor.sent(compressed_input, packet)
-        if "sparsity" not in packet.stats:
-            self.layer_stats.setdefault(name, {})["sparsity"] = (sent == 0).float().mean()
-        if want_hist:
-            self.histograms.setdefault(name, {})["compressed"] = histogram(sent, self.bins)
 
     def observe_group(self, segments: Any, compressor: Any, compressed_input: Tensor, packet: Any,
                       sent: Optional[Tensor]) -> None:

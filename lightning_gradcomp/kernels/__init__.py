@@ -28,15 +28,7 @@ from lightning_gradcomp.kernels.selection import (
     select_above,
     sparse_decode_sum,
 )
-from lightning_gradcomp.kernels.terngrad import (
-    decode,
-    decode_sum,
-    ternarize_int8,
-    ternarize_pack,
-    terngrad_scale_clip,
-    terngrad_scaler,
-    terngrad_stats,
-)
+from lightning_gradcomp.kernels.terngrad import terngrad_scaler
 
 
 def fused_available() -> bool:
@@ -53,8 +45,6 @@ __all__ = [
     "bin_words_decode_sum",
     "bin_words_encode",
     "cpu_extension",
-    "decode",
-    "decode_sum",
     "fused_available",
     "graddrop_group_kth",
     "graddrop_group_sample",
@@ -66,10 +56,6 @@ __all__ = [
     "select_above",
     "sparse_decode_sum",
     "stream_key",
-    "ternarize_int8",
-    "ternarize_pack",
-    "terngrad_scale_clip",
     "terngrad_scaler",
-    "terngrad_stats",
     "torch_ops",
 ]

@@ -123,8 +123,8 @@ class GradientSynchronizer(OuterSync):
         self.second_moment = second_moment
         self.learning_rate = learning_rate
         device = next(iter(params.values())).device
-        #: the WAN quantizer. TernGrad: no clipping (scale max|x|), each site's own scale in its message, the torch
-        #: backend's per-layer streams; set up with the site as its rank, so a site's ranks draw the same bits (they
+        #: the WAN quantizer. TernGrad: no clipping (scale max|x|), each site's own scale in its message, per-name
+        #: counter-based streams; set up with the site as its rank, so a site's ranks draw the same bits (they
         #: are replicas of the site) and sites draw different ones
         self.quantizer: Union[TernGrad, LossAwareTernary]
         if wan_quantization == "terngrad":

@@ -221,3 +221,34 @@ def test_batch_on_is_the_one_decision_of_a_groups_path(name: str, on_cpu: bool) 
     assert (packet.layers is None) == decided, (name, decided)
     # every registered compressor has a batched path for float32 groups at its defaults: the path a GPU runs
     assert decided == (on_cpu or comp.batch_on_cpu), name
+
+
+def test_a_compressor_written_per_group_is_its_own_per_layer_api_on_a_group_of_one() -> None:
+    """TernGrad implements only the group methods: ``compress``/``decompress``/``sent``/``local_statistic`` of one tensor
+    are the group methods on a group of one (same bytes, decode, statistic, stats as 0-d tensors); a compressor with
+    neither side says what to override."""
+    from lightning_gradcomp.compressors import TernGrad
+    from lightning_gradcomp.compressors.base import Compressor, SharedStatistic
+
+    g = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))
+    alone, grouped = TernGrad(seed=1, bucket_size=8), TernGrad(seed=1, bucket_size=8)
+    for c in (alone, grouped):
+        c.setup(0, 2, torch.device("cpu"))
+    seg = Segments(["w"], [g.shape])
+    statistic = alone.local_statistic(g, "w")
+    group_statistic = grouped.flat_statistic(g.reshape(-1), seg)
+    assert statistic is not None and isinstance(group_statistic, SharedStatistic)
+    assert torch.equal(statistic, group_statistic.values)
+    packet = alone.compress(g, "w", statistic)
+    group = grouped.compress_flat(g.reshape(-1), seg, group_statistic)
+    assert torch.equal(packet.payload, group.payload) and packet.nbytes == group.layer_nbytes[0]
+    assert all(v.dim() == 0 and torch.equal(v, group.stats[k][0]) for k, v in packet.stats.items())
+    decoded = alone.decompress(packet)
+    assert decoded.shape == g.shape and torch.equal(decoded.reshape(-1), grouped.decompress_flat(group))
+    assert torch.equal(alone.sent(g, packet), decoded)
+
+    class Neither(Compressor):
+        pass
+
+    with pytest.raises(NotImplementedError, match="Expected Neither to implement `compress`.*Fix: override"):
+        Neither().compress(g, "w")

@@ -1,10 +1,11 @@
-"""TernGrad's batched flat path (a whole group of layers per call) against the default loop over layers.
+"""TernGrad's group code (a whole group of layers per call) against its per-layer oracle.
 
-The batched path keys its counter-based draws per layer as the fused backend does, so against ``backend="fused"``
-layer by layer it must give the same statistic, payload bytes, decoded values, ``sent``, per-layer bytes and stats,
-bit for bit, for both collective variants; and a number of dispatched ops that does not depend on the number of
-layers, with no host read. ``backend="torch"`` draws from ``torch.Generator`` layer by layer, so there the batched
-path is checked for the same statistics (scalers, unbiasedness) instead.
+The group code keys its counter-based draws per layer as the per-layer fused kernels do, so against the oracle
+(:class:`~tests.oracles.terngrad.LayerTernGrad` with ``backend="fused"``, looping over the layers) it must give the
+same statistic, payload bytes, decoded values, ``sent``, per-layer bytes and stats, bit for bit, for both collective
+variants; and a number of dispatched ops that does not depend on the number of layers, with no host read. The
+oracle's ``backend="torch"`` draws from ``torch.Generator`` layer by layer, so there the group code is checked for
+the same statistics (scalers, unbiasedness) instead.
 """
 
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.exchange.segments import Segments
+from tests.oracles.terngrad import LayerTernGrad
 
 RANKS = 3
 SHAPES = [(6, 5), (1,), (0,), (17,), (3, 2, 2), (4, 11), (9,)]
@@ -59,20 +61,21 @@ def _grads(seg: Segments, seed: int = 0) -> list[torch.Tensor]:
     return grads
 
 
-def _ranks(kwargs: dict[str, Any], variant: str, backend: str = "fused") -> list[Compressor]:
-    """RANKS compressors travelling as ``variant`` (an explicit `collective` where TernGrad declares none)."""
+def _ranks(kwargs: dict[str, Any], variant: str, backend: str = "fused", oracle: bool = False) -> list[Compressor]:
+    """RANKS compressors (the oracle's when ``oracle``) travelling as ``variant`` (an explicit `collective` where
+    TernGrad declares none)."""
     comps: list[Compressor] = []
     for r in range(RANKS):
-        auto = TernGrad(seed=5, backend=backend, **kwargs)  # type: ignore[arg-type]
+        auto = (LayerTernGrad if oracle else TernGrad)(seed=5, backend=backend, **kwargs)  # type: ignore[arg-type]
         auto.setup(r, RANKS, torch.device("cpu"))
         names = [v.name for v in auto.collectives(RANKS)]
         comps.append(auto.for_collective(variant) if variant in names else auto)
     return comps
 
 
-def _exchange(comps: Sequence[Compressor], seg: Segments, grads: Sequence[torch.Tensor], batched: bool) -> dict[str, Any]:
-    """One simulated step of RANKS ranks as the hook runs it, through the batched methods or the default loop."""
-    call = (lambda name: getattr(Compressor, name)) if not batched else (lambda name: getattr(type(comps[0]), name))
+def _exchange(comps: Sequence[Compressor], seg: Segments, grads: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """One simulated step of RANKS ranks as the hook runs it, through the compressors' group methods."""
+    call = lambda name: getattr(type(comps[0]), name)  # noqa: E731
     stats = [call("flat_statistic")(c, g, seg) for c, g in zip(comps, grads)]
     shared = None
     if stats[0] is not None:
@@ -124,17 +127,17 @@ def test_batched_equals_the_fused_loop_bit_for_bit(
     kwargs = CONFIGS[config]
     seg = _segments()
     grads = _grads(seg)
-    looped = _exchange(_ranks(kwargs, variant), seg, grads, batched=False)
+    looped = _exchange(_ranks(kwargs, variant, oracle=True), seg, grads)
     batched_comps = _ranks(kwargs, variant)
     with path():
-        batched = _exchange(batched_comps, seg, grads, batched=True)
+        batched = _exchange(batched_comps, seg, grads)
     _assert_same(batched, looped)
     int8 = batched_comps[0].aggregation_for(RANKS) is Aggregation.SUM
     assert batched["payloads"][0].dtype == (torch.int8 if int8 else torch.uint8)
     assert batched["layer_nbytes"][0][SHAPES.index((0,))] == 0  # an empty layer puts nothing on the wire
     # a second step draws again (the per-name counters advanced) and still matches
     with path():
-        again = _exchange(batched_comps, seg, grads, batched=True)
+        again = _exchange(batched_comps, seg, grads)
     assert not torch.equal(again["payloads"][0], batched["payloads"][0])
 
 
@@ -146,7 +149,7 @@ def test_statistic_is_the_looping_layout_so_either_path_reads_the_other(
     comp = TernGrad(bucket_size=7, backend="fused")
     with path():
         batched = comp.flat_statistic(x, seg)
-    looped = Compressor.flat_statistic(comp, x, seg)
+    looped = LayerTernGrad(bucket_size=7, backend="fused").flat_statistic(x, seg)
     assert isinstance(batched, SharedStatistic) and isinstance(looped, SharedStatistic)
     assert batched.lengths == looped.lengths  # chunks per layer; 0 for the empty layer
     assert all(
@@ -157,13 +160,13 @@ def test_statistic_is_the_looping_layout_so_either_path_reads_the_other(
 
 
 def test_torch_ops_path_has_the_torch_backends_scalers_and_is_unbiased() -> None:
-    """The batched torch-ops path (what CUDA runs, for ``backend="torch"`` too) draws from the counter-based stream,
-    not ``torch.Generator``: the same scalers as the torch backend (up to float32 rounding of sigma) and the same
-    expectation, E[decoded] = the gradient."""
+    """The group torch-ops path (``backend="torch"``, and what CUDA runs) draws from the counter-based stream, not
+    ``torch.Generator``: the same scalers as the oracle's per-layer torch ops (up to float32 rounding of sigma) and
+    the same expectation, E[decoded] = the gradient."""
     seg = _segments([(40, 25), (1,), (0,), (300,), (7, 7)])
     g = torch.randn(seg.total, generator=torch.Generator().manual_seed(1))
     comp = TernGrad(backend="fused", clip_factor=0.0)
-    reference = TernGrad(backend="torch", clip_factor=0.0)
+    reference = LayerTernGrad(backend="torch", clip_factor=0.0)
     for c in (comp, reference):
         c.setup(0, 1, torch.device("cpu"))
     trials = 300
@@ -182,22 +185,21 @@ def test_torch_ops_path_has_the_torch_backends_scalers_and_is_unbiased() -> None
     assert (mean - g).mean().abs() < 0.01
 
 
-def test_torch_backend_batches_off_the_cpu_and_keeps_its_generator_loop_on_it() -> None:
-    """On the CPU the torch backend's flat methods loop over layers with torch.Generator, as before (torch.rand is
-    far cheaper there than the counter-based stream in torch ops); on another device they run batched."""
+def test_torch_backend_runs_the_group_code_with_the_fused_backends_bits() -> None:
+    """``backend="torch"`` runs the same group code in torch ops on every device: the compiled kernels' bits, and
+    a single tensor's per-layer call is the group of one (the same bytes as that layer in its group)."""
     seg = _segments()
     x = _grads(seg)[0]
-    comp = TernGrad(seed=4, backend="torch")
-    comp.setup(0, 2, torch.device("cpu"))
-    assert not comp.batched and TernGrad(backend="fused").batched
-    packet = comp.compress_flat(x, seg, comp.flat_statistic(x, seg))
-    assert packet.layers is not None and comp.state_dict()["counters"] == {}
-    reference = TernGrad(seed=4, backend="torch")
-    reference.setup(0, 2, torch.device("cpu"))
-    assert torch.equal(packet.payload, torch.cat([reference.compress(v, n).payload for n, v in seg.items(x)]))
-    elsewhere = TernGrad(backend="torch")
-    elsewhere.setup(0, 2, torch.device("meta"))
-    assert elsewhere.batched
+    torch_ops, fused = TernGrad(seed=4, backend="torch"), TernGrad(seed=4, backend="fused")
+    for c in (torch_ops, fused):
+        c.setup(0, 2, torch.device("cpu"))
+    assert torch_ops.batched and fused.batched and torch_ops.chosen_backend == "torch"
+    packets = [c.compress_flat(x, seg, c.flat_statistic(x, seg)) for c in (torch_ops, fused)]
+    assert packets[0].layers is None and torch.equal(packets[0].payload, packets[1].payload)
+    alone = TernGrad(seed=4, backend="torch")
+    alone.setup(0, 2, torch.device("cpu"))
+    per_layer = [alone.compress(v, n, alone.local_statistic(v, n)).payload for n, v in seg.items(x)]
+    assert torch.equal(torch.cat(per_layer), packets[0].payload)
 
 
 def test_batched_draws_resume_exactly_from_a_state_dict(path: Callable[[], AbstractContextManager[None]]) -> None:
@@ -256,13 +258,13 @@ def test_tiny_groups_and_a_half_precision_strided_out_match_the_loop(
     (fp16, strided): the same bytes and decoded values as the loop."""
     seg = _segments(shapes)
     x = torch.randn(seg.total, generator=torch.Generator().manual_seed(2)).half()
-    batched, looped = TernGrad(seed=1, backend="fused"), TernGrad(seed=1, backend="fused")
+    batched, looped = TernGrad(seed=1, backend="fused"), LayerTernGrad(seed=1, backend="fused")
     for c in (batched, looped):
         c.setup(0, 2, torch.device("cpu"))
     with path():
         packet = batched.compress_flat(x, seg, batched.flat_statistic(x, seg))
         out = batched.decompress_flat_mean_into([packet, packet], torch.full((seg.total, 2), float("nan")).half()[:, 0])
-    reference = Compressor.compress_flat(looped, x, seg, Compressor.flat_statistic(looped, x, seg))
-    expected = Compressor.decompress_flat_mean_into(looped, [reference, reference], torch.empty(seg.total).half())
+    reference = looped.compress_flat(x, seg, looped.flat_statistic(x, seg))
+    expected = looped.decompress_flat_mean_into([reference, reference], torch.empty(seg.total).half())
     assert torch.equal(packet.payload, reference.payload) and packet.layer_nbytes == reference.layer_nbytes
     assert out.dtype == torch.float16 and torch.equal(out, expected)

@@ -1,7 +1,7 @@
 """Fused kernels: exact parity with wire.py and the torch reference, statistical properties, fallbacks.
 
 The compiled CPU path is compared with the torch-ops path of the same functions (``kernels.torch_ops()``)
-and with the reference implementations (``wire.py``, ``TernGrad(backend="torch")``, plain torch selection).
+and with the reference implementations (``wire.py``, the per-layer oracle ``tests/oracles/terngrad.py``, plain torch selection).
 The extension is compiled once per session (module fixture); on a machine where it cannot be built the
 comparisons that need it are skipped and the fallback tests still run.
 """
@@ -18,6 +18,8 @@ import torch
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.terngrad import ClipMode
+from tests.oracles import terngrad_kernels as layer_kernels
+from tests.oracles.terngrad import LayerTernGrad
 from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +34,7 @@ def compiled() -> bool:
 
 
 def _scaler_and_clip(g: torch.Tensor, bucket: int, clip_factor: float = 2.5, mode: str = "paper") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    sigma, absmax = kernels.terngrad_stats(g, bucket)
+    sigma, absmax = layer_kernels.terngrad_stats(g, bucket)
     return kernels.terngrad_scaler(sigma, absmax, clip_factor, mode)
 
 
@@ -48,11 +50,11 @@ def test_ternarize_pack_equals_wire_packing_and_the_torch_ops_path(compiled: boo
     for clip_factor in (2.5, 0.0):
         s, clip = _scaler_and_clip(g, b, clip_factor)
         key = kernels.stream_key(7, 1, 3)
-        packed, nonzero = kernels.ternarize_pack(g, s, clip, b, key)
-        values, nonzero8 = kernels.ternarize_int8(g, s, clip, b, key)
+        packed, nonzero = layer_kernels.ternarize_pack(g, s, clip, b, key)
+        values, nonzero8 = layer_kernels.ternarize_int8(g, s, clip, b, key)
         with kernels.torch_ops():
-            packed_t, nonzero_t = kernels.ternarize_pack(g, s, clip, b, key)
-            values_t, _ = kernels.ternarize_int8(g, s, clip, b, key)
+            packed_t, nonzero_t = layer_kernels.ternarize_pack(g, s, clip, b, key)
+            values_t, _ = layer_kernels.ternarize_int8(g, s, clip, b, key)
         assert packed.numel() == packed_nbytes(n, "2bit")
         assert torch.equal(packed, pack_ternary(values, "2bit"))  # the wire layout, byte for byte
         assert torch.equal(unpack_ternary(packed, n, "2bit"), values)
@@ -69,18 +71,18 @@ def test_decode_and_decode_sum_are_bit_identical_to_the_reference(compiled: bool
     per_elem = scale.repeat_interleave(b)[:n]
     ternaries = [torch.randint(-1, 2, (n,), dtype=torch.int8) for _ in range(3)]
     payloads = [pack_ternary(t, "2bit") for t in ternaries]
-    assert torch.equal(kernels.decode(payloads[0], n, scale, b), ternaries[0].float() * per_elem)
+    assert torch.equal(layer_kernels.decode(payloads[0], n, scale, b), ternaries[0].float() * per_elem)
     total = sum(t.to(torch.int32) for t in ternaries)
-    assert torch.equal(kernels.decode_sum(payloads, n, scale, b), total.float() * per_elem)  # type: ignore[union-attr]
+    assert torch.equal(layer_kernels.decode_sum(payloads, n, scale, b), total.float() * per_elem)  # type: ignore[union-attr]
     with kernels.torch_ops():
-        assert torch.equal(kernels.decode_sum(payloads, n, scale, b), total.float() * per_elem)  # type: ignore[union-attr]
+        assert torch.equal(layer_kernels.decode_sum(payloads, n, scale, b), total.float() * per_elem)  # type: ignore[union-attr]
     out = torch.full((n,), float("nan"))  # decoding into a reused buffer overwrites all of it
-    assert kernels.decode(payloads[1], n, scale, b, out=out) is out
+    assert layer_kernels.decode(payloads[1], n, scale, b, out=out) is out
     assert torch.equal(out, ternaries[1].float() * per_elem)
-    kernels.decode_sum(payloads, n, scale, b, out=out)
+    layer_kernels.decode_sum(payloads, n, scale, b, out=out)
     assert torch.equal(out, total.float() * per_elem)  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="out"):
-        kernels.decode(payloads[0], n, scale, b, out=torch.empty(n + 1))
+        layer_kernels.decode(payloads[0], n, scale, b, out=torch.empty(n + 1))
 
 
 # payload counts on both summing paths of the kernel (bytes up to 127, int32 beyond) and at their edges, and
@@ -101,27 +103,27 @@ def test_decode_sum_with_divisor_equals_sum_then_float_division(
     payloads = [pack_ternary(t, "2bit") for t in ternaries]
     total = torch.stack([t.to(torch.int32) for t in ternaries]).sum(0)
     expected_sum = total.float() * per_elem
-    assert torch.equal(kernels.decode_sum(payloads, n, scale, b), expected_sum)
+    assert torch.equal(layer_kernels.decode_sum(payloads, n, scale, b), expected_sum)
     for divisor in sorted({1, 3, 4, count}):
         expected = expected_sum.clone().div_(divisor)
         out = torch.full((n,), float("nan"))
-        assert kernels.decode_sum(payloads, n, scale, b, out=out, divisor=divisor) is out
+        assert layer_kernels.decode_sum(payloads, n, scale, b, out=out, divisor=divisor) is out
         assert torch.equal(out, expected), (count, divisor)
         with kernels.torch_ops():
-            assert torch.equal(kernels.decode_sum(payloads, n, scale, b, divisor=divisor), expected)
+            assert torch.equal(layer_kernels.decode_sum(payloads, n, scale, b, divisor=divisor), expected)
 
 
 def test_decode_sum_rejects_a_bad_divisor() -> None:
     payload = pack_ternary(torch.ones(4, dtype=torch.int8), "2bit")
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="divisor"):
-            kernels.decode_sum([payload], 4, torch.ones(1), 4, divisor=bad)  # type: ignore[arg-type]
+            layer_kernels.decode_sum([payload], 4, torch.ones(1), 4, divisor=bad)  # type: ignore[arg-type]
 
 
 def test_statistics_match_torch_std_and_max_including_a_partial_tail(compiled: bool) -> None:
     g = torch.randn(10_007) * 3 + 0.5
     for bucket in (g.numel(), 1000, 4096):
-        sigma, absmax = kernels.terngrad_stats(g, bucket)
+        sigma, absmax = layer_kernels.terngrad_stats(g, bucket)
         padded = torch.cat((g, g.new_full((-(-g.numel() // bucket) * bucket - g.numel(),), float("nan"))))
         rows = padded.view(-1, bucket)
         for i, row in enumerate(rows):
@@ -129,7 +131,7 @@ def test_statistics_match_torch_std_and_max_including_a_partial_tail(compiled: b
             assert sigma[i].item() == pytest.approx(row.std(correction=0).item(), rel=1e-5)
             assert absmax[i].item() == row.abs().max().item()
         with kernels.torch_ops():
-            sigma_t, absmax_t = kernels.terngrad_stats(g, bucket)
+            sigma_t, absmax_t = layer_kernels.terngrad_stats(g, bucket)
         assert torch.allclose(sigma, sigma_t, rtol=1e-6) and torch.equal(absmax, absmax_t)
 
 
@@ -142,15 +144,15 @@ def test_native_scale_and_clip_equal_the_torch_ops_bit_for_bit(compiled: bool, c
     g[4000:5000] = 0.0  # an all-zero chunk
     g[7500] = float("nan")  # a non-finite chunk: NaN must come out where the torch ops give NaN
     for bucket in (1000, 9000):
-        native = kernels.terngrad_scale_clip(g, bucket, clip_factor, clip_mode, 1e-5)
-        composed = kernels.terngrad_scaler(*kernels.terngrad_stats(g, bucket), clip_factor, clip_mode, 1e-5)
+        native = layer_kernels.terngrad_scale_clip(g, bucket, clip_factor, clip_mode, 1e-5)
+        composed = kernels.terngrad_scaler(*layer_kernels.terngrad_stats(g, bucket), clip_factor, clip_mode, 1e-5)
         for got, want in zip(native, composed):
             assert (got is None) == (want is None)
             if got is not None and want is not None:
                 assert torch.equal(got.isnan(), want.isnan())
                 assert torch.equal(got.nan_to_num(), want.nan_to_num())
     with pytest.raises(ValueError, match="clip_mode"):
-        kernels.terngrad_scale_clip(g, 1000, clip_factor, "sigma", 1e-5)
+        layer_kernels.terngrad_scale_clip(g, 1000, clip_factor, "sigma", 1e-5)
 
 
 @pytest.mark.parametrize("clip_mode", ["paper", "code"])
@@ -159,7 +161,7 @@ def test_fused_scaler_equals_the_torch_backend(clip_mode: ClipMode, clip_factor:
     g = torch.randn(5000)
     g[:5] = 40.0
     for bucket in (None, 1200):
-        ref = TernGrad(clip_factor=clip_factor, clip_mode=clip_mode, bucket_size=bucket, backend="torch")
+        ref = LayerTernGrad(clip_factor=clip_factor, clip_mode=clip_mode, bucket_size=bucket, backend="torch")
         fused = TernGrad(clip_factor=clip_factor, clip_mode=clip_mode, bucket_size=bucket, backend="fused")
         assert torch.allclose(fused.local_statistic(g, "w"), ref.local_statistic(g, "w"), rtol=1e-5)  # type: ignore[arg-type]
 
@@ -175,7 +177,7 @@ def test_bernoulli_probabilities_unbiasedness_and_independent_streams(compiled: 
     n = g.numel()
     masks = []
     for seed, rank, counter in ((0, 0, 0), (0, 0, 1), (0, 1, 0), (5, 0, 0)):
-        t, _ = kernels.ternarize_int8(g, s, clip, n, kernels.stream_key(seed, rank, counter))
+        t, _ = layer_kernels.ternarize_int8(g, s, clip, n, kernels.stream_key(seed, rank, counter))
         kept = (t != 0).view(levels.numel(), copies).double()
         p = levels.clamp(max=1.0).double()
         freq = kept.mean(dim=1)
@@ -214,19 +216,19 @@ def test_fused_compressor_is_unbiased_like_the_reference() -> None:
 def test_fused_backend_keeps_the_compressor_contract(kwargs: dict) -> None:
     g0, g1 = torch.randn(1001), torch.randn(1001) * 2
     ranks = [TernGrad(seed=2, backend="fused", **kwargs), TernGrad(seed=2, backend="fused", **kwargs)]
-    refs = [TernGrad(seed=2, backend="torch", **kwargs), TernGrad(seed=2, backend="torch", **kwargs)]
+    refs = [LayerTernGrad(seed=2, backend="torch", **kwargs), LayerTernGrad(seed=2, backend="torch", **kwargs)]
     for r, comp in enumerate(ranks + refs):
         comp.setup(r % 2, 2, torch.device("cpu"))
     stats = [c.local_statistic(g, "w") for c, g in zip(ranks, (g0, g1))]
     shared = None if stats[0] is None else torch.maximum(stats[0], stats[1])  # type: ignore[arg-type]
     packets = [c.compress(g, "w", shared) for c, g in zip(ranks, (g0, g1))]
     for comp, ref, packet in zip(ranks, refs, packets):
-        assert packet.nbytes == ref.payload_nbytes(1001)  # same wire size as the torch backend
-        # decoding is exact and the same on both backends: ranks on different backends still agree
+        assert packet.nbytes == ref.payload_nbytes(1001)  # same wire size as the per-layer oracle
+        # decoding is exact and the same as the oracle's per-layer torch ops
         assert torch.equal(comp.decompress(packet), ref.decompress(packet))
     total = ranks[0].decompress_sum(packets)
     assert torch.equal(total, refs[1].decompress_sum(packets))
-    # decoding straight into a (bucket-view-like) destination gives the same bits on both backends
+    # decoding straight into a (bucket-view-like) destination gives the same bits as the oracle
     for comp in (ranks[0], refs[0]):
         bucket = torch.full((2003,), float("nan"))
         into = comp.decompress_sum_into(packets, bucket[1:1002])
@@ -374,10 +376,10 @@ def test_cuda_path_equals_the_cpu_path() -> None:  # pragma: no cover - no GPU o
     g = torch.randn(100_003)
     s, clip = _scaler_and_clip(g, 4096)
     key = kernels.stream_key(1, 2, 3)
-    cpu = kernels.ternarize_pack(g, s, clip, 4096, key)[0]
-    gpu = kernels.ternarize_pack(g.cuda(), s.cuda(), clip.cuda(), 4096, key)[0]  # type: ignore[union-attr]
+    cpu = layer_kernels.ternarize_pack(g, s, clip, 4096, key)[0]
+    gpu = layer_kernels.ternarize_pack(g.cuda(), s.cuda(), clip.cuda(), 4096, key)[0]  # type: ignore[union-attr]
     assert torch.equal(cpu, gpu.cpu())
-    assert torch.equal(kernels.decode(cpu, g.numel(), s, 4096), kernels.decode(gpu, g.numel(), s.cuda(), 4096).cpu())
+    assert torch.equal(layer_kernels.decode(cpu, g.numel(), s, 4096), layer_kernels.decode(gpu, g.numel(), s.cuda(), 4096).cpu())
     thr = torch.tensor(1.5)
     assert torch.equal(kernels.select_above(g, thr)[0], kernels.select_above(g.cuda(), thr)[0].cpu())
 

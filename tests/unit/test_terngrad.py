@@ -140,7 +140,8 @@ def test_shared_scaler_is_used_and_decode_sum_is_exact() -> None:
     assert torch.equal(fast, slow)
     # ranks draw different random streams from the same seed
     half = torch.rand(1000) + 0.5
-    assert not torch.equal(a.ternarize(half, torch.full((1,), 2.0))[0], b.ternarize(half, torch.full((1,), 2.0))[0])
+    two = torch.full((1,), 2.0)
+    assert not torch.equal(a.compress(half, "v", two).payload, b.compress(half, "v", two).payload)
 
 
 @pytest.mark.parametrize("backend", ["fused", "torch"])
@@ -221,3 +222,15 @@ def test_bad_configuration_names_argument_value_and_fix(kwargs: dict, argument: 
 def test_int8_allreduce_refuses_more_than_127_ranks() -> None:
     with pytest.raises(ValueError, match="world size"):
         TernGrad(collective="allreduce_int8").setup(0, 128, torch.device("cpu"))
+
+
+def test_a_checkpoint_of_per_layer_generator_streams_is_refused_and_an_empty_one_loads() -> None:
+    """Per-name ``torch.Generator`` states (``"streams"``) cannot continue as counters: resuming from them would draw
+    other bits than the uninterrupted run, so they are refused; an empty ``"streams"`` (nothing drawn) loads."""
+    comp = TernGrad(seed=1, backend="torch")
+    comp.setup(0, 2, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(1)
+    with pytest.raises(ValueError, match="resume_compression='reset'"):
+        comp.load_state_dict({"streams": {"w": ("cpu", generator.get_state())}, "counters": {}})
+    comp.load_state_dict({"streams": {}, "counters": {"w": 2}})
+    assert comp.state_dict() == {"counters": {"w": 2}}

@@ -61,7 +61,7 @@ def _case_exchange(
     grads = [g.to(device) for g in _grads(seg)]
 
     def run(comps: Sequence[Compressor]) -> list[dict[str, Any]]:
-        return [_exchange(comps, seg, grads, batched=True) for _ in range(steps)]
+        return [_exchange(comps, seg, grads) for _ in range(steps)]
 
     got, reference = _both(run, CONFIGS[config], variant)
     for a, b in zip(got, reference):

@@ -1,5 +1,6 @@
-"""TernGrad's fused backend: the same maths as :class:`~lightning_gradcomp.compressors.TernGrad` through
-:mod:`lightning_gradcomp.kernels`.
+"""Test oracle: TernGrad's per-layer fused code (one layer per call of the per-layer kernels of
+:mod:`tests.oracles.terngrad_kernels`), the bit-for-bit reference the group code
+(:mod:`lightning_gradcomp.compressors.terngrad_flat`) is checked against.
 
 Differences from the torch backend, and why they are safe:
 
@@ -12,40 +13,20 @@ Differences from the torch backend, and why they are safe:
 * ``local_statistic`` keeps the statistics it computed for ``compress`` (keyed by name, checked against the
   tensor's identity and version), so the hook's statistic + compress reads the gradient twice, not three times.
 
-It reads TernGrad's settings through :class:`TernGradSettings`, a protocol the compressor satisfies, so
-:mod:`~lightning_gradcomp.compressors.terngrad` imports this module and never the reverse; the settings are read at
-each call, not copied, so a setting changed between steps (``CompressionSchedule``) reaches both backends.
+It reads TernGrad's settings through :class:`TernGradSettings`, at each call.
 """
 
 from collections.abc import Sequence
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, Packet
 from lightning_gradcomp.compressors.streams import CounterStreams
-from lightning_gradcomp.wire.ternary import Packing, pack_ternary, packed_nbytes
-
-
-class TernGradSettings(Protocol):
-    """The settings of :class:`~lightning_gradcomp.compressors.TernGrad` the fused path reads (at each call)."""
-
-    @property
-    def clip_factor(self) -> float: ...
-
-    @property
-    def clip_mode(self) -> str: ...
-
-    @property
-    def scaler_share(self) -> str: ...
-
-    @property
-    def bucket_size(self) -> Optional[int]: ...
-
-    @property
-    def packing(self) -> Packing: ...
+from lightning_gradcomp.compressors.terngrad_flat import TernGradSettings
+from tests.oracles import terngrad_kernels as kernels
+from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes
 
 
 class FusedTernGrad:
