@@ -128,8 +128,7 @@ class GradientSynchronizer(OuterSync):
         #: are replicas of the site) and sites draw different ones
         self.quantizer: Union[TernGrad, LossAwareTernary]
         if wan_quantization == "terngrad":
-            self.quantizer = TernGrad(clip_factor=0.0, scaler_share="per_worker", collective="allgather", seed=seed,
-                                      backend="torch")
+            self.quantizer = TernGrad(clip_factor=0.0, scaler_share="per_worker", collective="allgather", seed=seed)
         else:
             self.quantizer = LossAwareTernary(second_moment=second_moment)
         self.quantizer.setup(groups.site, groups.layout.num_sites, device)
