@@ -727,6 +727,8 @@ TABLES = [
           _stored_table, "python tools/results_tables.py --only gpu-hook-small"),
     Table("gpu-hook-mid", lambda: [RESULTS / "gpu_h100/hook_mid.md", RESULTS / "gpu_h100/fsdp2_mid.md"],
           _stored_table, "python tools/results_tables.py --only gpu-hook-mid"),
+    Table("gpu-hook-mid-h200", lambda: [RESULTS / "gpu_h200/hook_mid_660dbba.md"], _stored_table,
+          "python tools/results_tables.py --only gpu-hook-mid-h200"),
     Table("gpu-hook-mid-segmented", lambda: [RESULTS / "gpu_h200/hook_mid.md"], _stored_table,
           "python tools/results_tables.py --only gpu-hook-mid-segmented", machine=GPU),
     Table("gpu-hook-mid-scatter", lambda: [RESULTS / "gpu_h200/hook_mid_before.md",

@@ -80,12 +80,21 @@ def _grad(seg: Segments, seed: int) -> Tensor:
     return torch.randn(seg.total, generator=torch.Generator().manual_seed(seed))
 
 
+def _same_bits_nan_as_nan(x: Tensor, y: Tensor) -> bool:
+    """Bit for bit, but a NaN as a NaN: on CUDA the torch ops give ``0x7fffffff`` where the kernels give ``0x7fc00000``,
+    both "NaN" to every reader (a layer holding a NaN has its step skipped by the guard on every rank)."""
+    if not x.is_floating_point():
+        return torch.equal(x, y)
+    x_finite, y_finite = (torch.where(t.isnan(), torch.zeros_like(t), t) for t in (x, y))
+    return torch.equal(x.isnan(), y.isnan()) and torch.equal(_bits(x_finite), _bits(y_finite))
+
+
 def _assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
-    """Counters, the names seen and the global pool and threshold, bit for bit (a pool may hold NaN samples)."""
+    """Counters, the names seen and the global pool and threshold, bit for bit (a pool's NaN samples as NaNs)."""
     assert got["counters"] == want["counters"] and got["seen"] == want["seen"]
     assert got["pool"].keys() == want["pool"].keys()
     for name, (sample, weight) in got["pool"].items():
-        assert torch.equal(_bits(sample), _bits(want["pool"][name][0])) and weight == want["pool"][name][1], name
+        assert _same_bits_nan_as_nan(sample, want["pool"][name][0]) and weight == want["pool"][name][1], name
     thresholds = got["global_threshold"], want["global_threshold"]
     assert thresholds == (None, None) or torch.equal(*map(_bits, thresholds))
 
@@ -97,12 +106,8 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
         assert torch.equal(_bits(got[key]), _bits(want[key])), key
     for a, b in zip(got["stats"], want["stats"]):
         assert a.keys() == b.keys(), (a.keys(), b.keys())
-        for k in a:  # bit for bit, but a NaN as a NaN: a layer's NaN statistic carries no payload to agree on
-            # (on CUDA the torch ops give 0x7fffffff where the kernel gives 0x7fc00000, both "NaN" to every reader)
-            x, y = a[k], b[k]
-            same_nan = torch.equal(x.isnan(), y.isnan()) if x.is_floating_point() else True
-            finite = (lambda t: torch.where(t.isnan(), torch.zeros_like(t), t)) if x.is_floating_point() else (lambda t: t)
-            assert same_nan and torch.equal(_bits(finite(x)), _bits(finite(y))), (k, x, y)
+        for k in a:  # a layer's NaN statistic carries no payload to agree on
+            assert _same_bits_nan_as_nan(a[k], b[k]), (k, a[k], b[k])
     for a, b in zip(got["state"], want["state"]):
         _assert_same_state(a, b)
 
