@@ -217,7 +217,7 @@ def test_fused_backend_keeps_the_compressor_contract(kwargs: dict) -> None:
     g0, g1 = torch.randn(1001), torch.randn(1001) * 2
     ranks = [TernGrad(seed=2, backend="fused", **kwargs), TernGrad(seed=2, backend="fused", **kwargs)]
     refs = [LayerTernGrad(seed=2, backend="torch", **kwargs), LayerTernGrad(seed=2, backend="torch", **kwargs)]
-    for r, comp in enumerate(ranks + refs):
+    for r, comp in enumerate([*ranks, *refs]):
         comp.setup(r % 2, 2, torch.device("cpu"))
     stats = [c.local_statistic(g, "w") for c, g in zip(ranks, (g0, g1))]
     shared = None if stats[0] is None else torch.maximum(stats[0], stats[1])  # type: ignore[arg-type]
