@@ -1516,13 +1516,19 @@ def _diloco_grid() -> list[str]:
 
 
 def _git_provenance(path: Path) -> dict[str, str] | None:
-    """The commit that added ``path`` (renames followed) and its date, or None without git history."""
-    try:
-        out = subprocess.run(["git", "log", "--follow", "--diff-filter=A", "--format=%h %cs", "--", str(path)],
-                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return {"commit": out[-2], "date": out[-1]} if len(out) >= 2 else None
+    """The commit that added ``path`` and its date (through renames, for a file that came by one), or None without
+    git history."""
+    # ``--follow`` alone would take a new file for a rename of a similar older one (a rerun's table beside the
+    # first run's) and date it by the older file: follow renames only for a path that was never added as itself
+    for follow in ([], ["--follow"]):
+        try:
+            out = subprocess.run(["git", "log", *follow, "--diff-filter=A", "--format=%h %cs", "--", str(path)],
+                                 cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+        if len(out) >= 2:
+            return {"commit": out[-2], "date": out[-1]}
+    return None
 
 
 def _provenance(paths: list[Path], update: bool) -> list[dict[str, str]]:
