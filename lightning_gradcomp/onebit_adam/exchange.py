@@ -118,8 +118,10 @@ class CompressedAllReduce:
         self._chunk = [Segments([n for n, _ in p], [torch.Size([k]) for _, k in p]) for p in pieces]
         self.worker_segments = Segments([n for p in pieces for n, _ in p], [torch.Size([k]) for p in pieces for _, k in p])
         self.server_segments = self._chunk[rank]
-        # a chunk's packet sizes, for the collectives' splits (its worker and its server packet have this size)
-        self.server_nbytes = [sum(self.compressor.payload_nbytes(k) for _, k in p) for p in pieces]
+        # each chunk's pieces' packet sizes, for decoding its packets, and their sum, for the collectives' splits (a
+        # chunk's worker and server packets have that size); fixed for the run
+        self._chunk_nbytes = [tuple(self.compressor.payload_nbytes(k) for _, k in p) for p in pieces]
+        self.server_nbytes = [sum(sizes) for sizes in self._chunk_nbytes]
         self.transport: Transport = ProcessGroupTransport(group, world_size) if transport is None else transport
         self.worker_step = GroupState(self.transport)
         self.server_step = GroupState(self.transport)
@@ -168,7 +170,7 @@ class CompressedAllReduce:
         # server stage: this rank's chunk from every worker, averaged in rank order, then the group step with the
         # server errors
         chunk = self._chunk[self.rank]
-        sizes = self._piece_nbytes(chunk)
+        sizes = self._chunk_nbytes[self.rank]
         packets = [FlatPacket(received[i * mine : (i + 1) * mine], chunk, torch.float32, sizes)
                    for i in range(self._world_size)]
         mean = onebit.decompress_flat_mean_into(packets, torch.empty(self.sizes[self.rank], device=flat.device))
@@ -182,13 +184,10 @@ class CompressedAllReduce:
         for r, size in enumerate(self.server_nbytes):
             raw = gathered[offset : offset + size]
             parts.append(onebit.decompress_flat(FlatPacket(raw, self._chunk[r], torch.float32,
-                                                           self._piece_nbytes(self._chunk[r]))))
+                                                           self._chunk_nbytes[r])))
             offset += size
         self.exchanges += 1
         return torch.cat(parts)
-
-    def _piece_nbytes(self, segments: Segments) -> tuple[int, ...]:
-        return tuple(self.compressor.payload_nbytes(n) for n in segments.numels)
 
     def expected_nbytes(self) -> int:
         """Bytes this rank contributes to one exchange: its worker packet (every chunk) and its server packet."""
