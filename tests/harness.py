@@ -11,6 +11,7 @@ import gc
 import importlib.metadata
 import os
 import pickle
+import random
 import socket
 import sys
 import traceback
@@ -63,10 +64,22 @@ memoize_lightning_entry_points()
 freeze_imported_objects()
 
 
+#: where :func:`free_port` looks: below Linux's ephemeral range (``ip_local_port_range``, 32768-60999), whose ports
+#: the kernel also hands to outgoing connections (Gloo opens many), so that no connection of a test running beside
+#: this one (pytest-xdist) takes the port between its choice and rank 0's bind
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that nothing holds now, outside the ephemeral range (:data:`PORTS`)."""
+    for port in random.Random().sample(PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"Expected a free port in {PORTS} but found none in 64 tries. Fix: free ports on 127.0.0.1.")
 
 
 def _worker(

@@ -94,9 +94,13 @@ def register_job(key: str, code: str, env: Mapping[str, str]) -> Callable[[], di
     _JOBS[key] = (code, dict(env))
 
     def report() -> dict[str, Any]:
-        for name, (job_code, job_env) in _JOBS.items():
+        # alone, the first job needed starts them all (two at a time, beside the tests in this process); under
+        # pytest-xdist a worker starts only the jobs of the module it runs, so that no job runs in two workers
+        module = key.split(":")[0]
+        wanted = [k for k in _JOBS if k.split(":")[0] == module] if os.environ.get("PYTEST_XDIST_WORKER") else list(_JOBS)
+        for name in wanted:
             if name not in _STARTED:
-                _STARTED[name] = _POOL.submit(run_subprocess, job_code, job_env)
+                _STARTED[name] = _POOL.submit(run_subprocess, *_JOBS[name])
         return _STARTED[key].result()
 
     return report
