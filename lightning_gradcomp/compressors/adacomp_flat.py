@@ -79,7 +79,9 @@ class BinLayout:
         numels = torch.tensor(segments.numels, dtype=torch.int64)
         sizes = torch.tensor(bin_sizes, dtype=torch.int64)
         bins = -(-numels // sizes)
-        word_bytes = torch.tensor([bin_word_bits(size) // 8 for size in bin_sizes], dtype=torch.int64)
+        # an L_T beyond the paper's 14-bit offsets is only allowed with the index32 wire, which selects with this
+        # layout but writes no words: its word fields are never read
+        word_bytes = torch.tensor([bin_word_bits(min(size, 1 << 14)) // 8 for size in bin_sizes], dtype=torch.int64)
         offsets = torch.tensor(segments.offsets[:-1], dtype=torch.int64)
         first_bin = bins.cumsum(0) - bins
         slots_per_layer = 2 + numels + bins  # the scale's two halves, a marker per bin, a word per element
