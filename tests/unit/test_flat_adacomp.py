@@ -11,6 +11,7 @@ from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp
+from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.compressors.base import Compressor, FlatPacket
 from lightning_gradcomp.exchange.segments import Segments
 from tests.oracles.adacomp import LayerAdaComp
@@ -18,16 +19,17 @@ from tests.unit.test_flat_graddrop_adacomp import RANKS, _assert_same_stats, _gr
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: every selection x wire x quantizer
-SETTINGS = {
+SETTINGS: dict[str, dict[str, Any]] = {
     f"{selection}-{wire}-{quantizer}": dict(selection=selection, wire=wire, quantizer=quantizer)
     for selection, wire, quantizer in itertools.product(("adaptive", "local"), ("paper", "index32"), ("binary", "ternary"))
 }
 #: bin lengths with 8-bit words and many markers, 16-bit words for convolutions, more than one entry per LS bin
 SETTINGS["small_bins-local2"] = dict(bin_size_fc=7, bin_size_conv=3, scale_factor=3.0, selection="local", local_count=2)
 SETTINGS["long_bins-index32"] = dict(bin_sizes={"layer4.*": 2000}, bin_size_conv=70, wire="index32")
+SETTINGS["huge_bins-index32"] = dict(bin_size_fc=20000, wire="index32")  # beyond the paper wire's 14-bit offsets
 
 
-def _pair(backend: str, rank: int, **kwargs: Any) -> tuple[AdaComp, LayerAdaComp]:
+def _pair(backend: Backend, rank: int, **kwargs: Any) -> tuple[AdaComp, LayerAdaComp]:
     group, oracle = AdaComp(backend=backend, **kwargs), LayerAdaComp(backend=backend, **kwargs)
     for comp in (group, oracle):
         comp.setup(rank, RANKS, torch.device("cpu"))
@@ -43,7 +45,7 @@ def _same_packets(a: FlatPacket, b: FlatPacket) -> None:
     _assert_same_stats(a, b)
 
 
-def _compare(backend: str, dtype: torch.dtype, seg: Segments, **kwargs: Any) -> None:
+def _compare(backend: Backend, dtype: torch.dtype, seg: Segments, **kwargs: Any) -> None:
     """Three ranks' two steps, group code and oracle: packets, sizes, stats, sent and the gathered mean, bit for bit."""
     groups, oracles = [], []
     for rank in range(RANKS):
@@ -73,13 +75,13 @@ def _compare(backend: str, dtype: torch.dtype, seg: Segments, **kwargs: Any) -> 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_group_code_equals_the_oracle_bit_for_bit(setting: str, dtype: str, backend: str) -> None:
+def test_group_code_equals_the_oracle_bit_for_bit(setting: str, dtype: str, backend: Backend) -> None:
     _compare(backend, DTYPES[dtype], _layout(), **SETTINGS[setting])
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_per_layer_api_is_the_group_of_one(setting: str, backend: str) -> None:
+def test_per_layer_api_is_the_group_of_one(setting: str, backend: Backend) -> None:
     # every layer of the group alone, by name (bin_sizes' patterns match names): compress, decompress, sent, sums
     seg = _layout()
     group, oracle = _pair(backend, 1, **SETTINGS[setting])
@@ -110,7 +112,7 @@ def test_a_group_of_empty_layers_sends_nothing(setting: str) -> None:
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("setting", ["local-paper-binary", "adaptive-index32-ternary", "local-index32-binary"])
-def test_nan_is_sent_as_the_oracle_sends_it(setting: str, backend: str) -> None:
+def test_nan_is_sent_as_the_oracle_sends_it(setting: str, backend: Backend) -> None:
     # a NaN makes its bin's maximum and its layer's scale NaN: binary sends NaN values, ternary nothing of the layer
     seg = _layout()
     group, oracle = _pair(backend, 0, **SETTINGS[setting])
