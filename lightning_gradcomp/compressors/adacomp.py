@@ -26,6 +26,14 @@ L_T < 64 and 16 bits otherwise, 2 bits of which carry the ternary value and the 
 its bin, plus a marker word wherever the bin cannot be inferred (:func:`~lightning_gradcomp.wire.sparse.encode_bin_relative`).
 ``wire="index32"`` is the third-party MXNet layout: int32 count, float32 scale, int32 absolute indices, one sign
 bit per entry. A layer that sends nothing sends 0 bytes.
+
+The code is written once, for a group of layers in one flat tensor: the hook's group methods (``compress_flat``,
+``decompress_flat_mean_into``, ...) run every setting, and the per-layer methods (``compress(tensor, name)``,
+``decompress(packet)``, ...) run them on a group of one. The adaptive selection with the paper's wire runs a fixed
+number of ops per group (:mod:`~lightning_gradcomp.compressors.adacomp_flat`, the compiled group kernels on CPU, Triton
+on CUDA); the local selection picks per layer (:func:`local_send`, then the group's wire at once) and the index32 wire
+writes and reads each layer's bytes in turn (:func:`encode_index32`, :func:`decode_index32`). A gradient of any float
+dtype is selected in float32, and the ranks' decoded values are summed in the gradients' dtype.
 """
 
 import fnmatch
@@ -44,19 +52,12 @@ from lightning_gradcomp.compressors.adacomp_flat import (
     encode_group_words,
     select_bins,
 )
-from lightning_gradcomp.compressors.backends import BACKENDS, Backend
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
-from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp, FusedSumCompressor, decode_sum
+from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
+from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic, _one
+from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp
 from lightning_gradcomp.kernels import triton_adacomp
 from lightning_gradcomp.exchange.segments import Segments
-from lightning_gradcomp.wire.sparse import (
-    bin_word_bits,
-    decode_bin_relative,
-    encode_bin_relative,
-    pack_codes,
-    packed_codes_nbytes,
-    unpack_codes,
-)
+from lightning_gradcomp.wire.sparse import bin_word_bits, pack_codes, packed_codes_nbytes, unpack_codes
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 Quantizer = Literal["binary", "ternary"]
@@ -77,7 +78,46 @@ def layer_kind(name: str, shape: torch.Size) -> LayerKind:
     return "fc"
 
 
-class AdaComp(FusedSumCompressor[FusedAdaComp]):
+def local_send(g: Tensor, size: int, count: int) -> tuple[Tensor, Tensor]:
+    """The paper's LS baseline on one layer: (the send mask, the layer's scale as a 0-d tensor).
+
+    Per bin of ``size`` elements of the flat float32 G (the last bin may be shorter), the ``count`` largest |G| as
+    ``torch.topk`` picks them (ties by its order), never a G = 0; the scale is the mean of the bins' max |G|
+    (:func:`~lightning_gradcomp.compressors.adacomp_flat.bin_mean`, as the adaptive selection's).
+    """
+    n = g.numel()
+    if n == 0:
+        return g.new_zeros(0, dtype=torch.bool), g.new_zeros(())
+    pad = -(-n // size) * size - n
+    bins = (torch.cat((g, g.new_zeros(pad))) if pad else g).view(-1, size)  # zero padding is never sent
+    magnitudes = bins.abs()
+    gmax = magnitudes.amax(dim=1)
+    scale = bin_mean(gmax, torch.tensor([gmax.numel()], device=g.device)).reshape(())
+    top = torch.topk(magnitudes, min(count, size), dim=1).indices
+    send = torch.zeros_like(magnitudes, dtype=torch.bool).scatter_(1, top, True) & (bins != 0)
+    return send.reshape(-1)[:n], scale
+
+
+def encode_index32(idx: Tensor, signs: Tensor, scale: Tensor) -> Tensor:
+    """One layer in the index32 wire (the MXNet layout): int32 count, float32 scale, int32 indices (ascending), one
+    bit per entry (1: positive, ``signs`` > 0), as uint8; nothing when no entry is sent."""
+    if idx.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8, device=scale.device)
+    count = torch.tensor([idx.numel()], dtype=torch.int32, device=idx.device).view(torch.uint8)
+    head = scale.float().reshape(1).view(torch.uint8)
+    return torch.cat((count, head, idx.to(torch.int32).view(torch.uint8), pack_codes((signs > 0).long(), 1)))
+
+
+def decode_index32(payload: Tensor) -> tuple[Tensor, Tensor]:
+    """(int64 indices, float32 values +-scale) of one layer's non-empty :func:`encode_index32` bytes."""
+    k = int(payload[:4].clone().view(torch.int32)[0])
+    scale = payload[4:8].clone().view(torch.float32)
+    idx = payload[8 : 8 + 4 * k].clone().view(torch.int32).long()
+    signs = unpack_codes(payload[8 + 4 * k : 8 + 4 * k + packed_codes_nbytes(k, 1)], k, 1)
+    return idx, torch.where(signs == 1, 1.0, -1.0) * scale
+
+
+class AdaComp(KernelBacked[FusedAdaComp]):
     """AdaComp: per-bin local selection with a soft threshold, sign x layer-scale values, residual feedback.
 
     Args:
@@ -95,6 +135,9 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
             maxima and selection in one pass per bin, the sum of all ranks' payloads decoded into one dense
             tensor; compiled on CPU, torch ops elsewhere) or ``"auto"`` (fused on CPU when the kernels compile
             here, else torch). Both send the same bytes; ``selection="local"`` always selects with torch ops.
+
+    Written at group level: the per-layer methods are the group methods on a group of one (a standalone per-layer
+    user calls :meth:`observe_gradient` with the fresh gradient before :meth:`compress`).
     """
 
     aggregation = Aggregation.GATHER
@@ -140,8 +183,7 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
         self.wire = wire
         self.backend = backend
         self._offer_kernels(FusedAdaComp(self))
-        self._gradients: dict[str, Tensor] = {}
-        # the batched path: each group's fresh gradient (by its names) and bin layout (by names, shapes, device, L_T)
+        # each group's fresh gradient (by its names), bin layout (by names, shapes, device, L_T) and kernel tables
         self._flat_gradients: dict[tuple[str, ...], Tensor] = {}
         self._layouts: dict[tuple[object, ...], BinLayout] = {}
         self._kernel_tables: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
@@ -171,116 +213,7 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
                 return size
         return self.bin_size_conv if layer_kind(name, shape) == "conv" else self.bin_size_fc
 
-    @staticmethod
-    def _bins(flat: Tensor, size: int) -> Tensor:
-        """``flat`` as [bins, size]; the last, partial bin is padded with zeros (which are never sent)."""
-        n = flat.numel()
-        pad = -(-n // size) * size - n
-        if pad:
-            flat = torch.cat((flat, flat.new_zeros(pad)))
-        return flat.view(-1, size)
-
-    # -- the algorithm ----------------------------------------------------------------------------------
-    def observe_gradient(self, grad: Tensor, name: str) -> None:
-        self._gradients[name] = grad
-
-    def select(self, g: Tensor, dw: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Algorithm 2 on a flat layer: the sent indices, their ternary values and the layer scale.
-
-        Args:
-            g: G = residue + dW, flat float32.
-            dw: dW, flat float32.
-            size: the bin length L_T.
-        """
-        n = g.numel()
-        if n == 0:
-            return g.new_zeros(0, dtype=torch.long), g.new_zeros(0, dtype=torch.long), g.new_zeros(())
-        fused = self._kernels(g.device)
-        if self.selection == "adaptive" and fused is not None:
-            return fused.select(g, dw, size)
-        bins = self._bins(g, size)
-        mag = bins.abs()
-        gmax = mag.amax(dim=1)
-        scale = bin_mean(gmax, torch.tensor([gmax.numel()], device=g.device)).reshape(())  # as the batched path sums
-        if self.selection == "adaptive":
-            h = self._bins(g + (self.scale_factor - 1.0) * dw, size)
-            send = h.abs() >= gmax[:, None]
-        else:
-            k = min(self.local_count, size)
-            top = torch.topk(mag, k, dim=1).indices
-            send = torch.zeros_like(mag, dtype=torch.bool).scatter_(1, top, True)
-        send &= bins != 0
-        if self.quantizer == "ternary":
-            send &= 2 * mag >= scale  # nearest of {-s, 0, s} is not 0
-        idx = torch.nonzero(send.reshape(-1)[:n]).reshape(-1)
-        values = torch.sign(g[idx]).long()
-        return idx, values, scale
-
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        dw_raw = self._gradients.pop(name, None)
-        if dw_raw is None:
-            raise RuntimeError(
-                f"AdaComp needs this step's gradient of {name!r} apart from its residue (H = residue + 2 dW). "
-                "Fix: call `observe_gradient(grad, name)` before `compress` (the gradcomp hook does)."
-            )
-        g = tensor.detach().reshape(-1).float()
-        dw = dw_raw.detach().reshape(-1).float()
-        size = self.bin_size(name, tensor.shape)
-        self.layer_kinds[name] = layer_kind(name, tensor.shape)
-        self.layer_bin_sizes[name] = size
-        idx, values, scale = self.select(g, dw, size)
-        payload = self._encode(idx, values, scale, size)
-        n = g.numel()
-        num_bins = -(-n // size)
-        dev = g.device
-        stats = {
-            "sparsity": torch.tensor(1.0 - idx.numel() / max(n, 1), device=dev),
-            "sent_per_bin": torch.tensor(idx.numel() / max(num_bins, 1), device=dev),
-            "scale": scale.detach().reshape(()),
-            "bin_size": torch.tensor(float(size), device=dev),
-            # the paper's effective compression rate: fp32 bits over bits sent (an empty payload counts as
-            # 1 byte, to stay finite)
-            "compression_rate": torch.tensor(4.0 * n / max(payload.numel(), 1), device=dev),
-        }
-        return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, ctx={"bin_size": size}, stats=stats)
-
-    # -- wire -------------------------------------------------------------------------------------------
-    def _encode(self, idx: Tensor, values: Tensor, scale: Tensor, size: int) -> Tensor:
-        if idx.numel() == 0:
-            return torch.zeros(0, dtype=torch.uint8, device=scale.device)
-        head = scale.float().reshape(1).view(torch.uint8)
-        if self.wire == "paper":
-            if self._kernels(idx.device) is not None:
-                return torch.cat((head, kernels.bin_words_encode(idx, values + 1, size)))
-            return torch.cat((head, encode_bin_relative(idx, values + 1, size)))
-        count = torch.tensor([idx.numel()], dtype=torch.int32, device=idx.device).view(torch.uint8)
-        return torch.cat(
-            (count, head, idx.to(torch.int32).view(torch.uint8), pack_codes((values > 0).long(), 1))
-        )
-
-    def _decode(self, payload: Tensor, size: int) -> tuple[Tensor, Tensor]:
-        if self.wire == "paper":
-            scale = payload[:4].clone().view(torch.float32)
-            idx, codes = decode_bin_relative(payload[4:], size)
-            return idx, (codes - 1).float() * scale
-        k = int(payload[:4].clone().view(torch.int32)[0])
-        scale = payload[4:8].clone().view(torch.float32)
-        idx = payload[8 : 8 + 4 * k].clone().view(torch.int32).long()
-        signs = unpack_codes(payload[8 + 4 * k : 8 + 4 * k + packed_codes_nbytes(k, 1)], k, 1)
-        return idx, torch.where(signs == 1, 1.0, -1.0) * scale
-
-    def decompress(self, packet: Packet) -> Tensor:
-        if self.wire == "paper" and packet.payload.numel() > 0 and self._kernels(packet.payload.device) is not None:
-            # one pass; sent values are +-scale, never 0, so this equals the assignment below bit for bit
-            decoded = kernels.bin_words_decode_sum(packet.numel, [packet.payload], packet.ctx["bin_size"])
-            return decoded.to(packet.dtype).view(packet.shape)
-        out = torch.zeros(packet.numel, dtype=torch.float32, device=packet.payload.device)
-        if packet.payload.numel() > 0:
-            idx, val = self._decode(packet.payload, packet.ctx["bin_size"])
-            out[idx] = val
-        return out.to(packet.dtype).view(packet.shape)
-
-    # -- a group of layers in one flat tensor (adacomp_flat) --------------------------------------------
+    # -- the group code (a single tensor is a group of one) ---------------------------------------------
     def _flat_settings(self) -> bool:
         """Whether the settings have a batched form: the adaptive selection and the paper's wire."""
         return self.selection == "adaptive" and self.wire == "paper"
@@ -288,14 +221,10 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
     @property
     def batched(self) -> bool:  # type: ignore[override]
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
-        backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group)."""
+        backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group). The
+        other settings loop over the group's layers inside the group methods."""
         torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
         return self._flat_settings() and (torch_ops or kernels.fused_available())
-
-    def batch_on(self, flat: Tensor, segments: Segments) -> bool:
-        """Batched for the settings of :meth:`_flat_settings` and float32 gradients, on every backend (the compiled
-        kernels' group call on the CPU, torch ops or Triton on CUDA)."""
-        return self._flat_settings() and flat.dtype == torch.float32
 
     def _bin_sizes(self, segments: Segments) -> tuple[int, ...]:
         sizes = tuple(self.bin_size(name, shape) for name, shape in zip(segments.names, segments.shapes))
@@ -330,102 +259,181 @@ class AdaComp(FusedSumCompressor[FusedAdaComp]):
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return None  # no statistic is shared (and the default would visit every layer to learn it)
 
+    def observe_gradient(self, grad: Tensor, name: str) -> None:
+        """:meth:`observe_gradient_flat` of the group of one (the base class observes per layer only)."""
+        self.observe_gradient_flat(grad.reshape(-1), _one(self, name, grad.shape))
+
     def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
-        if self.batch_on(flat, segments):
-            self._flat_gradients[segments.names] = flat
-        else:
-            super().observe_gradient_flat(flat, segments)
+        self._flat_gradients[segments.names] = flat
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        if not self.batch_on(flat, segments):
-            return super().compress_flat(flat, segments, shared)
         dw = self._flat_gradients.pop(segments.names, None)
         if dw is None:
             raise RuntimeError(
-                f"AdaComp needs this step's gradient of {list(segments.names)} apart from its residue (H = residue "
-                "+ 2 dW). Fix: call `observe_gradient_flat(grad, segments)` before `compress_flat` (the hook does)."
+                f"Expected this step's gradient of {list(segments.names)} apart from its residue (H = residue + 2 dW) "
+                "but got none. Fix: call `observe_gradient_flat(grad, segments)` before `compress_flat`, or "
+                "`observe_gradient(grad, name)` before `compress` (the gradcomp hook does)."
             )
-        g = flat.detach()
+        # selected in float32 whatever the gradients' dtype (widening bf16 or fp16 is exact)
+        g = flat.detach().float()
         dw = dw.detach().float()
         device = g.device
         sizes = self._bin_sizes(segments)
-        fused = self._kernels(device)
-        ternary = self.quantizer == "ternary"
         numels = torch.tensor(segments.numels, dtype=torch.int64, device=device)
         bin_sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
         bins = -(-numels // bin_sizes)
-        if fused is not None:  # one kernel call
-            payload, nbytes, scale, counts = kernels.adacomp_group_encode(
-                g, fused.look_ahead(g, dw), *self._kernel_args(segments, sizes), ternary
-            )
-        elif segments.total and self.uses_triton(g):  # four launches (bin maxima, selection, compaction)
-            payload, nbytes, scale, counts = encode_group_kernels(
-                g.contiguous(), dw.contiguous(), self.scale_factor - 1.0, self._layout(segments, device, sizes),
-                self._tables(segments, device, sizes), ternary,
-            )
+        if self.wire == "index32":
+            payload, nbytes, scale, counts = self._encode_index32(g, dw, segments, sizes)
+        elif self.selection == "adaptive":
+            payload, nbytes, scale, counts = self._encode_adaptive(g, dw, segments, sizes)
         else:
-            layout = self._layout(segments, device, sizes)
-            send, scale = select_bins(g, g + (self.scale_factor - 1.0) * dw, layout, segments, ternary)
-            if segments.total:
-                payload, nbytes = encode_group_words(g, send, scale, layout, segments)
-            else:
-                payload, nbytes = g.new_zeros(0, dtype=torch.uint8), bins.clone()
+            send, scale = self._select(g, dw, segments, sizes)
+            payload, nbytes = self._encode_words(g, send, scale, segments, sizes, bins)
             counts = segments.reduce(send.to(torch.int64), "sum")
         numels_f = numels.double()
-        # in float64 then rounded once, as the per-layer packets compute them in Python floats
+        # in float64 then rounded once, as Python floats would compute them per layer
         stats = {
             "sparsity": (1.0 - counts / numels_f.clamp(min=1)).float(),
             "sent_per_bin": (counts / bins.clamp(min=1).double()).float(),
             "scale": scale,
             "bin_size": bin_sizes.float(),
+            # the paper's effective compression rate: fp32 bits over bits sent (an empty payload counts as 1 byte,
+            # to stay finite)
             "compression_rate": (4.0 * numels_f / nbytes.clamp(min=1)).float(),
         }
-        return FlatPacket(payload, segments, flat.dtype, nbytes, stats=stats)
+        return FlatPacket(payload, segments, flat.dtype, nbytes, ctx={"bin_sizes": sizes}, stats=stats)
 
-    def _decode_group(self, packet: FlatPacket) -> tuple[Tensor, Tensor]:
-        device = packet.payload.device
-        nbytes = torch.as_tensor(packet.layer_nbytes, dtype=torch.int64, device=device)
-        layout = self._layout(packet.segments, device, self._bin_sizes(packet.segments))
-        return decode_group_words(packet.payload, nbytes, layout)
+    def _select(self, g: Tensor, dw: Tensor, segments: Segments, sizes: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """Algorithm 2's selection by torch ops: (the send mask ``[total]``, each layer's scale ``[layers]``); the
+        adaptive selection over the whole group at once, the local one layer after layer."""
+        ternary = self.quantizer == "ternary"
+        if self.selection == "adaptive":
+            layout = self._layout(segments, g.device, sizes)
+            return select_bins(g, g + (self.scale_factor - 1.0) * dw, layout, segments, ternary)
+        layers = [g[offset : offset + n] for offset, n in zip(segments.offsets, segments.numels)]
+        picks = [local_send(x, size, self.local_count) for x, size in zip(layers, sizes)]
+        send = torch.cat([mask.reshape(-1) for mask, _ in picks])
+        scale = torch.stack([s for _, s in picks])
+        if ternary:
+            send &= 2 * g.abs() >= segments.expand(scale)  # nearest of {-s, 0, s} is not 0
+        return send, scale
+
+    def _encode_adaptive(
+        self, g: Tensor, dw: Tensor, segments: Segments, sizes: tuple[int, ...]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The adaptive selection in the paper's wire, in a fixed number of ops: (payload, bytes, scale, sent count
+        per layer)."""
+        device = g.device
+        fused = self._kernels(device)
+        ternary = self.quantizer == "ternary"
+        if fused is not None:  # one kernel call
+            return kernels.adacomp_group_encode(g, fused.look_ahead(g, dw), *self._kernel_args(segments, sizes), ternary)
+        if segments.total and self.uses_triton(g):  # four launches (bin maxima, selection, compaction)
+            return encode_group_kernels(
+                g.contiguous(), dw.contiguous(), self.scale_factor - 1.0, self._layout(segments, device, sizes),
+                self._tables(segments, device, sizes), ternary,
+            )
+        send, scale = self._select(g, dw, segments, sizes)
+        bins = self._layout(segments, device, sizes).bins
+        payload, nbytes = self._encode_words(g, send, scale, segments, sizes, bins)
+        return payload, nbytes, scale, segments.reduce(send.to(torch.int64), "sum")
+
+    def _encode_words(
+        self, g: Tensor, send: Tensor, scale: Tensor, segments: Segments, sizes: tuple[int, ...], bins: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The paper's wire of a selection: (payload, bytes per layer)."""
+        if not segments.total:
+            return g.new_zeros(0, dtype=torch.uint8), torch.zeros_like(bins)
+        return encode_group_words(g, send, scale, self._layout(segments, g.device, sizes), segments)
+
+    def _encode_index32(
+        self, g: Tensor, dw: Tensor, segments: Segments, sizes: tuple[int, ...]
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The index32 wire, layer after layer: (payload, bytes, scale, sent count per layer). The fused backend's
+        adaptive selection runs the per-layer kernel, torch ops select over the group first."""
+        fused = self._kernels(g.device) if self.selection == "adaptive" else None
+        send, scale = (None, None) if fused is not None else self._select(g, dw, segments, sizes)
+        parts, scales, counts = [], [], []
+        for s, (offset, n, size) in enumerate(zip(segments.offsets, segments.numels, sizes)):
+            if fused is not None:
+                if n:
+                    idx, signs, layer_scale = fused.select(g[offset : offset + n], dw[offset : offset + n], size)
+                else:
+                    idx, signs, layer_scale = g.new_zeros(0, dtype=torch.int64), g.new_zeros(0), g.new_zeros(())
+                scales.append(layer_scale)
+            else:
+                assert send is not None and scale is not None
+                idx = torch.nonzero(send[offset : offset + n]).reshape(-1)
+                signs = torch.sign(g[offset : offset + n][idx])
+                layer_scale = scale[s]
+            parts.append(encode_index32(idx, signs, layer_scale))
+            counts.append(idx.numel())
+        if scale is None:
+            scale = torch.stack(scales) if scales else g.new_zeros(0)
+        payload = torch.cat(parts) if parts else g.new_zeros(0, dtype=torch.uint8)
+        nbytes = torch.tensor([p.numel() for p in parts], dtype=torch.int64, device=g.device)
+        return payload, nbytes, scale, torch.tensor(counts, dtype=torch.int64, device=g.device)
+
+    # -- decoding ---------------------------------------------------------------------------------------
+    def _packet_sizes(self, packet: FlatPacket) -> tuple[int, ...]:
+        """The packet's L_T per layer: its context's (a per-layer packet's group of one has no name), else by name."""
+        sizes = packet.ctx.get("bin_sizes")
+        return tuple(sizes) if sizes is not None else self._bin_sizes(packet.segments)
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
-        if packet.layers is not None:
-            return super().decompress_flat(packet)
         out = torch.zeros(packet.segments.total, dtype=torch.float32, device=packet.payload.device)
         return self._sum_into([packet], out).to(packet.dtype)
 
+    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
+        return self.decompress_flat(packet)
+
     def _sum_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        """The ranks' decoded sum written into ``out`` (float32): one compiled kernel call (CPU), or rank after rank
-        onto zeros by the Triton decode or the torch ops (each rank's entries are distinct positions, the rest adds 0:
-        the dense loop's sums)."""
+        """The ranks' decoded sum written into ``out`` (float32), rank after rank onto zeros (each rank's entries are
+        distinct positions, the rest adds 0: a dense loop's sums): one compiled kernel call (CPU, the paper's wire),
+        the Triton decode, or torch ops."""
         segments = packets[0].segments
+        sizes = self._packet_sizes(packets[0])
+        if self.wire == "index32":
+            out.zero_()
+            for packet in packets:
+                if packet.payload.numel():
+                    out.index_add_(0, *self._decode_index32(packet))
+            return out
         if self._kernels(out.device) is not None and out.is_contiguous():
-            sizes = [torch.as_tensor(p.layer_nbytes, dtype=torch.int64) for p in packets]
-            args = self._kernel_args(segments, self._bin_sizes(segments))
-            return kernels.adacomp_group_decode_sum([p.payload for p in packets], sizes, *args, out=out)
+            layer_nbytes = [torch.as_tensor(p.layer_nbytes, dtype=torch.int64) for p in packets]
+            args = self._kernel_args(segments, sizes)
+            return kernels.adacomp_group_decode_sum([p.payload for p in packets], layer_nbytes, *args, out=out)
         out.zero_()
         if self.uses_triton(out) and out.is_contiguous():  # two launches per rank, in rank order
-            tables = self._tables(segments, out.device, self._bin_sizes(segments))
+            tables = self._tables(segments, out.device, sizes)
             for packet in packets:
                 nbytes = torch.as_tensor(packet.layer_nbytes, dtype=torch.int64, device=out.device)
                 triton_adacomp.decode_add(packet.payload.reshape(-1).contiguous(), nbytes, tables, out)
             return out
+        layout = self._layout(segments, out.device, sizes)
         for packet in packets:
             if packet.payload.numel():
-                out.index_add_(0, *self._decode_group(packet))
+                nbytes = torch.as_tensor(packet.layer_nbytes, dtype=torch.int64, device=out.device)
+                out.index_add_(0, *decode_group_words(packet.payload, nbytes, layout))
         return out
 
+    def _decode_index32(self, packet: FlatPacket) -> tuple[Tensor, Tensor]:
+        """(group indices, float32 values) of an index32 packet, layer after layer (its sizes read on the host)."""
+        nbytes = packet.layer_nbytes
+        sizes = nbytes.tolist() if isinstance(nbytes, Tensor) else list(nbytes)
+        raw = packet.payload.reshape(-1).view(torch.uint8)
+        indices, values, at = [], [], 0
+        for offset, size in zip(packet.segments.offsets, sizes):
+            if size:
+                idx, val = decode_index32(raw[at : at + size])
+                indices.append(idx + offset)
+                values.append(val)
+            at += size
+        return torch.cat(indices), torch.cat(values)
+
     def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        if packets[0].layers is not None or packets[0].dtype != torch.float32 or out.dtype != torch.float32:
-            # looping packets, or a sum the loop makes in the gradients' dtype: the base class's rank-order sum
+        if packets[0].dtype != torch.float32 or out.dtype != torch.float32:
+            # the ranks' decoded tensors summed in the gradients' dtype: the base class's rank-order sum of
+            # decompress_flat
             return super().decompress_flat_mean_into(packets, out)
         return self._sum_into(packets, out).div_(len(packets))
-
-    def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        """The sum of the packets written into ``out`` (contiguous float32) by the kernels."""
-        first = packets[0]
-        if self.wire == "paper":  # decoded and scatter-added in one pass per payload
-            flat = out.view(-1)
-            kernels.bin_words_decode_sum(first.numel, [p.payload for p in packets], first.ctx["bin_size"], out=flat)
-            return out.view(first.shape)
-        return decode_sum(packets, lambda p: self._decode(p.payload, p.ctx["bin_size"]), out=out)

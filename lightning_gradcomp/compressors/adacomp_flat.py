@@ -1,7 +1,8 @@
 """AdaComp over a group of layers in one flat tensor, in a number of ops that does not grow with the layers.
 
-The batched form of :meth:`AdaComp.compress <lightning_gradcomp.compressors.AdaComp.compress>`'s torch path (the
-path CUDA runs) for the adaptive selection and the paper's wire (``wire="paper"``). Each layer keeps its own bin
+The batched torch path of :class:`~lightning_gradcomp.compressors.AdaComp` (the path CUDA runs without Triton) for the
+adaptive selection and the paper's wire (``wire="paper"``); its local selection writes the same wire from its own
+send mask. Each layer keeps its own bin
 length L_T; a :class:`BinLayout` numbers every bin of the group, so
 
 * the bin maxima are one ``scatter_reduce`` (amax) over bin ids, each layer's scale the mean of its bins' maxima
@@ -14,7 +15,8 @@ length L_T; a :class:`BinLayout` numbers every bin of the group, so
 * decoding walks the payload's bytes at once: each byte's layer from the per-layer sizes (``searchsorted``), the
   words' running bin a cumulative sum restarted per layer; entries are scatter-added, everything else adds 0.
 
-Bit-identical to the per-layer loop: the same selection, scales, payload bytes, sizes and decoded sums.
+Bit-identical to the per-layer oracle (``tests/oracles/adacomp.py``): the same selection, scales, payload bytes, sizes
+and decoded sums.
 """
 
 from dataclasses import dataclass
@@ -79,7 +81,9 @@ class BinLayout:
         numels = torch.tensor(segments.numels, dtype=torch.int64)
         sizes = torch.tensor(bin_sizes, dtype=torch.int64)
         bins = -(-numels // sizes)
-        word_bytes = torch.tensor([bin_word_bits(size) // 8 for size in bin_sizes], dtype=torch.int64)
+        # an L_T beyond the paper's 14-bit offsets is only allowed with the index32 wire, which selects with this
+        # layout but writes no words: its word fields are never read
+        word_bytes = torch.tensor([bin_word_bits(min(size, 1 << 14)) // 8 for size in bin_sizes], dtype=torch.int64)
         offsets = torch.tensor(segments.offsets[:-1], dtype=torch.int64)
         first_bin = bins.cumsum(0) - bins
         slots_per_layer = 2 + numels + bins  # the scale's two halves, a marker per bin, a word per element

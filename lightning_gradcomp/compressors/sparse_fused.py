@@ -6,13 +6,13 @@ The same maths as the torch backend (the compressors' own torch ops), with fewer
   dense |x|), the floor(R * m)-th smallest sampled value by :func:`~lightning_gradcomp.kernels.kth_smallest`
   (an exact order statistic, like ``torch.kthvalue``), and the survivors |x| > threshold by one compaction
   pass (:func:`~lightning_gradcomp.kernels.select_above`) instead of |x|, a mask, ``nonzero`` and a gather.
-* AdaComp: bin maxima and the selection |H| >= gmax(bin) in one pass per bin
-  (:func:`~lightning_gradcomp.kernels.adacomp_select`) instead of padded copies, |G|, |H|, two masks and
-  ``nonzero``; the G = 0 and ternary rules then filter the few selected entries. The paper's wire words are
-  written in one pass (:func:`~lightning_gradcomp.kernels.bin_words_encode`).
+* AdaComp: H = G + (c - 1) dW in a reused buffer (:meth:`FusedAdaComp.look_ahead`), for the group kernels
+  (:func:`~lightning_gradcomp.kernels.adacomp_group_encode`: bin maxima, selection and the paper's wire words of
+  every layer in one call); the ``index32`` wire's selection one layer at a time (:meth:`FusedAdaComp.select`:
+  :func:`~lightning_gradcomp.kernels.adacomp_select`, then the G = 0 and ternary rules on the selected entries).
 * Decoding the sum of N ranks' payloads: one dense output, each payload scatter-added in rank order
   (:func:`~lightning_gradcomp.kernels.sparse_decode_sum`; AdaComp's paper wire decoded in the same pass,
-  :func:`~lightning_gradcomp.kernels.bin_words_decode_sum`) instead of N dense decodes and N - 1 dense adds.
+  :func:`~lightning_gradcomp.kernels.adacomp_group_decode_sum`) instead of N dense decodes and N - 1 dense adds.
 
 What is exactly the same as the torch backend, and what is not:
 
@@ -204,7 +204,8 @@ class FusedAdaComp:
         return h.add_(g)  # (c - 1) dW + G: float addition commutes
 
     def select(self, g: Tensor, dw: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`AdaComp.select` for ``selection="adaptive"``: the sent indices, ternary values and scale."""
+        """AdaComp's adaptive selection of one layer (its ``index32`` wire's): the sent indices, ternary values and
+        scale."""
         sel = kernels.adacomp_select(g, self.look_ahead(g, dw), size)
         scale = bin_mean(sel.gmax, torch.tensor([sel.gmax.numel()], device=g.device)).reshape(())
         keep = sel.values != 0  # G = 0 is never sent

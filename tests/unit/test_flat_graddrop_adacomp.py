@@ -1,8 +1,9 @@
 """Gradient Dropping and AdaComp over a group of layers in one flat tensor: the batched torch path against the
-per-layer loop (``Compressor``'s defaults), bit for bit, and its op counts."""
+per-layer loop (``Compressor``'s defaults; for AdaComp its per-layer oracle, :mod:`tests.oracles.adacomp`), bit for
+bit, and its op counts."""
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Optional, cast
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from lightning_gradcomp.compressors.graddrop_flat import gather_samples
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.kernels import torch_ops
 from lightning_gradcomp.exchange.segments import Segments
+from tests.oracles.adacomp import LayerAdaComp
 
 RANKS = 3
 #: a 0-element and a 1-element layer, convolutions (AdaComp's L_T 50) and matrices (L_T 500), a partial last bin
@@ -55,11 +57,15 @@ def _same_state(a: object, b: object) -> bool:
     return a == b
 
 
-def _compare(make: Callable[[], Compressor], seg: Segments, residuals: bool = False) -> None:
-    """Three ranks' steps, batched and looped: packets, sizes, stats, sent and the gathered mean, bit for bit."""
+def _compare(
+    make: Callable[[], Compressor], seg: Segments, residuals: bool = False,
+    reference: Optional[Callable[[], Compressor]] = None,
+) -> None:
+    """Three ranks' steps, batched and looped (``reference``'s per-layer methods, else ``make``'s): packets, sizes,
+    stats, sent and the gathered mean, bit for bit."""
     batched, looped = [], []
     for rank in range(RANKS):
-        fast, slow = make(), make()
+        fast, slow = make(), (reference or make)()
         for c in (fast, slow):
             c.setup(rank, RANKS, torch.device("cpu"))
         if getattr(fast, "backend", "torch") == "fused" and not kernels.fused_available():
@@ -221,14 +227,15 @@ ADACOMP_CASES: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 @pytest.mark.parametrize("case", ADACOMP_CASES)
 def test_adacomp_batched_equals_the_layer_loop(case: str, backend: Backend) -> None:
-    _compare(lambda: AdaComp(backend=backend, **ADACOMP_CASES[case]), _layout(), residuals=True)
+    _compare(lambda: AdaComp(backend=backend, **ADACOMP_CASES[case]), _layout(), residuals=True,
+             reference=lambda: LayerAdaComp(backend=backend, **ADACOMP_CASES[case]))
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 def test_adacomp_markers_across_long_gaps_equal_the_loop(backend: Backend) -> None:
     # a layer whose non-empty bins lie more than one marker's reach (63 bins of 8-bit words) apart
     seg = _layout([(20_000,), (3,), (9_000,)])
-    fast, slow = AdaComp(backend=backend, bin_size_fc=2), AdaComp(backend=backend, bin_size_fc=2)
+    fast, slow = AdaComp(backend=backend, bin_size_fc=2), LayerAdaComp(backend=backend, bin_size_fc=2)
     dw = torch.zeros(seg.total)
     dw[[0, 1, 5, 300, 301, 19_999, 20_001, 20_003, 20_003 + 8_999]] = torch.tensor([1.0, -2, 3, -4, 5, 6, -7, 8, 9])
     fast.observe_gradient_flat(dw, seg)
@@ -243,18 +250,6 @@ def test_adacomp_batched_needs_the_fresh_gradient() -> None:
     seg = _layout()
     with pytest.raises(RuntimeError, match="observe_gradient_flat"):
         AdaComp(backend="torch").compress_flat(_gradient(seg, 0), seg)
-
-
-@pytest.mark.parametrize("make", [lambda: AdaComp(backend="fused", wire="index32"),
-                                  lambda: AdaComp(backend="torch", wire="index32"),
-                                  lambda: AdaComp(backend="torch", selection="local")])
-def test_adacomp_other_settings_loop_over_the_layers(make: Callable[[], Compressor]) -> None:
-    comp = make()
-    comp.setup(0, 1, torch.device("cpu"))
-    seg = _layout()
-    comp.observe_gradient_flat(_gradient(seg, 1), seg)
-    packet = comp.compress_flat(_gradient(seg, 0), seg)
-    assert not comp.batched and packet.layers is not None
 
 
 @pytest.mark.skipif(not kernels.fused_available(), reason="the compiled kernels do not load here")
@@ -287,7 +282,7 @@ def test_group_kernels_equal_their_torch_ops_fallbacks() -> None:
 def test_adacomp_batched_handles_nan_as_the_loop(backend: Backend, quantizer: Quantizer) -> None:
     # a NaN makes its bin's maximum and its layer's scale NaN: binary sends NaN values, ternary nothing of the layer
     seg = _layout()
-    fast, slow = AdaComp(backend=backend, quantizer=quantizer), AdaComp(backend=backend, quantizer=quantizer)
+    fast, slow = AdaComp(backend=backend, quantizer=quantizer), LayerAdaComp(backend=backend, quantizer=quantizer)
     x = _gradient(seg, 6)
     x[seg.offsets[3] + 5] = float("nan")
     fast.observe_gradient_flat(x, seg)
