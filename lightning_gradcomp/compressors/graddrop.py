@@ -33,7 +33,6 @@ the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ...) 
 
 import math
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import Any, Literal, Optional
 
 import torch
@@ -43,6 +42,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic, _one
 from lightning_gradcomp.compressors.graddrop_flat import (
+    GroupKernels,
     Quantize,
     SamplePlan,
     decode_group_coo32,
@@ -115,7 +115,7 @@ def select_weighted_threshold(
     return values[order][pos].reshape(())
 
 
-class GradientDropping(KernelBacked[ModuleType]):
+class GradientDropping(KernelBacked[GroupKernels]):
     """Gradient Dropping: the R% smallest |x| stay in the residual, the rest travel as a sparse vector.
 
     Args:
@@ -207,7 +207,7 @@ class GradientDropping(KernelBacked[ModuleType]):
         self.backend = backend
         # the random sample's streams, one counter per name; both backends draw the same positions from them
         self._keys = CounterStreams(seed)
-        self._offer_kernels(kernels)  # the group calls: compiled on CPU, their torch-ops forms elsewhere
+        self._offer_kernels(GroupKernels())
         self._device = torch.device("cpu")
         # global scope: the latest sample (and the elements each value stands for) per parameter name, the
         # names seen in the current step, and the threshold selected on the previous step's pool
@@ -412,14 +412,10 @@ class GradientDropping(KernelBacked[ModuleType]):
                 return self._flat_packet(payload, segments, flat.dtype, nbytes, thresholds, sparsity, sent, rate,
                                          overflow)
             index, values, counts, overflow = self._survivors(x, x.abs(), thresholds, segments, fp16)
-        elif small and self._kernels(device) is not None:  # kernel calls, their random samples keyed per layer
-            offsets, sizes, modes, ranks, sample_offsets = plan.kernel_args
-            keys = torch.tensor(self._keys.keys(plan.draws))
-            samples = kernels.graddrop_group_sample(x, offsets, sizes, modes, keys)
-            thresholds = self._group_thresholds(
-                segments, samples, plan, lambda: kernels.graddrop_group_kth(samples, sample_offsets, ranks)
-            )
-            index, values, counts, overflow = kernels.graddrop_group_select(x, offsets, thresholds, fp16)
+        elif small and (fused := self._kernels(device)) is not None:  # kernel calls, random samples keyed per layer
+            samples = fused.sample(x, plan, torch.tensor(self._keys.keys(plan.draws)))
+            thresholds = self._group_thresholds(segments, samples, plan, lambda: fused.thresholds(samples, plan))
+            index, values, counts, overflow = fused.select(x, plan, thresholds, fp16)
             if self._group_coo32(segments):
                 payload = torch.cat((index.view(torch.uint8), values.to(value_dtype(self.values)).view(torch.uint8)))
                 return self._coo32_packet(payload, segments, flat.dtype, plan, counts, thresholds, overflow)
@@ -543,9 +539,9 @@ class GradientDropping(KernelBacked[ModuleType]):
             # each rank's survivors added in rank order, then div_
             return triton_graddrop.decode_mean_into([p.payload for p in packets], value_dtype(self.values), out)
         decoded = [self._decoded(packet) for packet in packets]
-        if self._kernels(out.device) is not None and out.is_contiguous():  # one kernel call for all ranks
-            kernels.sparse_decode_sum(out.numel(), [i for i, _ in decoded], [v for _, v in decoded], out=out)
-            return out.div_(len(packets))
+        fused = self._kernels(out.device)
+        if fused is not None and out.is_contiguous():  # one kernel call for all ranks
+            return fused.decode_sum(out, decoded).div_(len(packets))
         # each rank's survivors are distinct positions: added rank after rank, the sums of the dense loop
         out.zero_()
         for index, values in decoded:

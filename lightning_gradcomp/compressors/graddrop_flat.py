@@ -32,6 +32,7 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
+from lightning_gradcomp import kernels
 from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.wire.sparse import (
     IndexEncoding,
@@ -123,6 +124,30 @@ def plan_samples(
         kernel_args,  # type: ignore[arg-type]
         weights, torch.tensor(segments.numels, dtype=torch.float64, device=device),
     )
+
+
+class GroupKernels:
+    """The fused backend of a group: :mod:`lightning_gradcomp.kernels`' group calls (compiled on CPU, their torch-ops
+    forms elsewhere), each one call per group with the layers' tables of a :class:`SamplePlan`."""
+
+    def sample(self, x: Tensor, plan: SamplePlan, keys: Tensor) -> Tensor:
+        """:func:`gather_samples`' values: every layer's sample of |x| back to back (``keys``: int64 ``[layers, 2]``)."""
+        offsets, sizes, modes, _, _ = plan.kernel_args
+        return kernels.graddrop_group_sample(x, offsets, sizes, modes, keys)
+
+    def thresholds(self, samples: Tensor, plan: SamplePlan) -> Tensor:
+        """:func:`segment_thresholds`' values: each layer's k-th smallest sampled value (0 where k = 0)."""
+        _, _, _, ranks, sample_offsets = plan.kernel_args
+        return kernels.graddrop_group_kth(samples, sample_offsets, ranks)
+
+    def select(self, x: Tensor, plan: SamplePlan, thresholds: Tensor, fp16: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:func:`survivors_mask`'s survivors: (int32 positions from the group's start, float32 values, int64 counts
+        ``[layers]``, float32 fp16 overflow counts ``[layers]``)."""
+        return kernels.graddrop_group_select(x, plan.kernel_args[0], thresholds, fp16)
+
+    def decode_sum(self, out: Tensor, decoded: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+        """Every rank's (positions, values) scatter-added into ``out`` (contiguous float32) in rank order."""
+        return kernels.sparse_decode_sum(out.numel(), [i for i, _ in decoded], [v for _, v in decoded], out=out)
 
 
 def gather_samples(magnitudes: Tensor, plan: SamplePlan, bits: Optional[Tensor]) -> Tensor:
@@ -288,6 +313,7 @@ def decode_layer(
 
 
 __all__ = [
+    "GroupKernels",
     "Quantize",
     "SamplePlan",
     "decode_group_coo32",
