@@ -38,8 +38,10 @@ def _ranks(kwargs: dict[str, Any], ranks: int, triton: bool, device: torch.devic
     return comps
 
 
-def _bits(t: Tensor) -> Tensor:
-    """A tensor's bytes, to compare floats bit for bit (the sign of a zero, NaN)."""
+def _bits(t: "Tensor | tuple[int, ...]") -> Tensor:
+    """A tensor's bytes, to compare floats bit for bit (the sign of a zero, NaN); host sizes as int64."""
+    if isinstance(t, tuple):
+        t = torch.tensor(t, dtype=torch.int64)
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -280,10 +282,11 @@ test_triton_kernels_match_the_torch_ops_in_the_interpreter = interpreter_test(__
 # -- on a GPU, when there is one ---------------------------------------------------------------------------------
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run on a GPU: the CUDA torch ops' rounding)")
-@pytest.mark.parametrize("case", sorted(GRADDROP_CASES))
+@pytest.mark.parametrize("case", [*sorted(GRADDROP_CASES), "2bit-delta16-global", "delta16-fp16"])
 def test_triton_kernels_match_the_torch_ops_on_cuda(case: str) -> None:
-    _compare(GRADDROP_CASES[case], _layout(), steps=2, device=torch.device("cuda"))
-    _compare(GRADDROP_CASES[case], _layout(), steps=1, device=torch.device("cuda"), corrupt=_nonfinite)
+    kwargs = GRADDROP_CASES.get(case) or LAYER_CASES[case]
+    _compare(kwargs, _layout(), steps=2, device=torch.device("cuda"))
+    _compare(kwargs, _layout(), steps=1, device=torch.device("cuda"), corrupt=_nonfinite)
 
 
 # -- compiled for a GPU, without one ------------------------------------------------------------------------------
