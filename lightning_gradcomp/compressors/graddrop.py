@@ -416,23 +416,17 @@ class GradientDropping(KernelBacked[GroupKernels]):
             samples = fused.sample(x, plan, torch.tensor(self._keys.keys(plan.draws)))
             thresholds = self._group_thresholds(segments, samples, plan, lambda: fused.thresholds(samples, plan))
             index, values, counts, overflow = fused.select(x, plan, thresholds, fp16)
-            if self._group_coo32(segments):
-                payload = torch.cat((index.view(torch.uint8), values.to(value_dtype(self.values)).view(torch.uint8)))
-                return self._coo32_packet(payload, segments, flat.dtype, plan, counts, thresholds, overflow)
         else:
             magnitudes = x.abs()
             # every drawing layer's positions from its own counter, as the kernels draw them
             bits = self._keys.bits_flat(plan.draws, device) if plan.draws.total else None
             samples = gather_samples(magnitudes, plan, bits)
             thresholds = self._group_thresholds(segments, samples, plan, lambda: segment_thresholds(samples, plan))
-            if self._group_coo32(segments):
-                keep = survivors_mask(magnitudes, thresholds, segments)
-                if fp16:
-                    keep, overflow = self._fits_fp16(keep, magnitudes, segments)
-                payload = encode_group_coo32(x, keep, self.values)
-                counts = segments.reduce(keep.to(torch.int64), "sum")
-                return self._coo32_packet(payload, segments, flat.dtype, plan, counts, thresholds, overflow)
             index, values, counts, overflow = self._survivors(x, magnitudes, thresholds, segments, fp16)
+        if self._group_coo32(segments):
+            payload = encode_group_coo32(index, values, self.values)
+            nbytes = counts * (4 + value_nbytes(self.values))
+            return self._counted_packet(payload, segments, flat.dtype, plan, counts, nbytes, nbytes, thresholds, overflow)
         return self._layers_packet(index, values, counts, overflow, thresholds, segments, flat.dtype, plan)
 
     @staticmethod
@@ -453,15 +447,9 @@ class GradientDropping(KernelBacked[GroupKernels]):
         if fp16:
             keep, overflow = self._fits_fp16(keep, magnitudes, segments)
         index = torch.nonzero(keep).reshape(-1)
-        return index, x.index_select(0, index), segments.reduce(keep.to(torch.int64), "sum"), overflow
-
-    def _coo32_packet(
-        self, payload: Tensor, segments: Segments, dtype: torch.dtype, plan: SamplePlan, counts: Tensor,
-        thresholds: Tensor, overflow: Optional[Tensor],
-    ) -> FlatPacket:
-        """The group's coo32 packet: each layer's K_s * (4 + value bytes), as a device tensor (no host read)."""
-        nbytes = counts * (4 + value_nbytes(self.values))
-        return self._counted_packet(payload, segments, dtype, plan, counts, nbytes, nbytes, thresholds, overflow)
+        # each layer's count from where its bounds fall among the sorted positions (not a sum over the whole group)
+        bounds = torch.tensor(segments.offsets, dtype=torch.int64, device=index.device)  # the total last
+        return index, x.index_select(0, index), torch.searchsorted(index, bounds).diff(), overflow
 
     def _layers_packet(
         self, index: Tensor, values: Tensor, counts: Tensor, overflow: Optional[Tensor], thresholds: Tensor,

@@ -188,11 +188,10 @@ def survivors_mask(magnitudes: Tensor, thresholds: Tensor, segments: Segments) -
     return keep | ((magnitudes == thr) & segments.expand(none_above & (thresholds > 0)))
 
 
-def encode_group_coo32(flat: Tensor, keep: Tensor, fmt: ValueFormat) -> Tensor:
-    """``[int32 index x K][value x K]`` bytes of the kept entries, indices from the group's start (one ``nonzero``)."""
-    index = torch.nonzero(keep).reshape(-1)
-    values = flat.index_select(0, index).to(value_dtype(fmt))
-    return torch.cat((index.to(torch.int32).view(torch.uint8), values.view(torch.uint8)))
+def encode_group_coo32(index: Tensor, values: Tensor, fmt: ValueFormat) -> Tensor:
+    """``[int32 index x K][value x K]`` bytes of the survivors (``index``: ascending positions from the group's start,
+    ``values``: float32)."""
+    return torch.cat((index.to(torch.int32).view(torch.uint8), values.to(value_dtype(fmt)).view(torch.uint8)))
 
 
 def decode_group_coo32(payload: Tensor, fmt: ValueFormat) -> tuple[Tensor, Tensor]:
