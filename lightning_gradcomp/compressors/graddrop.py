@@ -273,11 +273,9 @@ class GradientDropping(KernelBacked[GroupKernels]):
     def threshold(self, magnitudes: Tensor, name: str) -> Tensor:
         """The drop threshold of one tensor of |x| (0-d): the group code's threshold of a group of one (in global
         scope its sample joins the pool, as a layer of a group does)."""
-        flat = magnitudes.reshape(-1).abs()  # a tensor of its own: the global pool keeps views of the sample
+        samples, _ = self.threshold_sample(magnitudes.abs(), name)  # a tensor of its own: the pool keeps views of it
         group = _one(self, name, magnitudes.shape)
-        plan = self._sample_plan(group, flat.device)
-        bits = self._keys.bits_flat(plan.draws, flat.device) if plan.draws.total else None
-        samples = gather_samples(flat, plan, bits)
+        plan = self._sample_plan(group, samples.device)
         return self._group_thresholds(group, samples, plan, lambda: segment_thresholds(samples, plan)).reshape(())
 
     def _select_global(self) -> None:

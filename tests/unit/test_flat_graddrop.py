@@ -345,3 +345,16 @@ def test_torch_and_fused_backends_select_the_same_random_samples(scope: Scope) -
         assert torch.equal(a.stats["threshold"], per_layer)
     assert ref.state_dict()["counters"] == fused.state_dict()["counters"] == looped.state_dict()["counters"]
     assert ref.state_dict()["counters"] == {f"layer{i}.weight": 3 for i in (0, 3, 4, 6)}  # the layers over 40
+
+
+@pytest.mark.parametrize("sample", ["random", "strided", "exact"])
+def test_threshold_of_one_tensor_equals_the_oracle(sample: Sample) -> None:
+    # ``threshold(|x|, name)`` (benchmarks/graddrop_global_threshold.py's shadows): the group of one, pool included
+    ours, oracle = (cls(scope="global", sample=sample, min_sample=20, max_sample=100)
+                    for cls in (GradientDropping, LayerGradientDropping))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for name, shape in (("a", (30, 40)), ("b", (7,)), ("c", (500,))):
+            magnitudes = torch.randn(shape, generator=gen).abs()
+            assert torch.equal(ours.threshold(magnitudes, name), oracle.threshold(magnitudes.reshape(-1), name))
+    assert ours._global_threshold is not None and _same_state(ours.state_dict(), oracle.state_dict())
