@@ -22,11 +22,13 @@ global threshold (see ``docs/compressors.md``).
 
 The random sample's positions come from counter-based streams (:class:`~lightning_gradcomp.compressors.streams.
 CounterStreams`, keyed by seed, rank, parameter name and a per-name counter): draw i of a tensor of n elements is
-``hash(i) mod n`` (:func:`~lightning_gradcomp.kernels.rng.positions`). Both backends draw exactly these positions,
-per tensor and per group of tensors (the group path draws them all in a fixed number of ops). Earlier versions drew
-the torch backend's positions from a ``torch.Generator`` per name (other positions, the same distribution); the
-state is the per-name counters, and a checkpoint holding such generator states is refused at
+``hash(i) mod n`` (:func:`~lightning_gradcomp.kernels.rng.positions`); every backend draws exactly these positions.
+Earlier versions drew the torch backend's positions from a ``torch.Generator`` per name (other positions, the same
+distribution); the state is the per-name counters, and a checkpoint holding such generator states is refused at
 :meth:`~GradientDropping.load_state_dict` (resume it with ``resume_compression='reset'``).
+
+The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.graddrop_flat`);
+the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ...) run it on a group of one.
 """
 
 import math
@@ -37,33 +39,29 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.backends import BACKENDS, Backend
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
+from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic, _one
 from lightning_gradcomp.compressors.graddrop_flat import (
+    GroupKernels,
+    Quantize,
     SamplePlan,
     decode_group_coo32,
+    decode_layer,
     encode_group_coo32,
+    encode_layer,
     gather_samples,
     plan_samples,
     segment_thresholds,
     survivors_mask,
 )
-from lightning_gradcomp.compressors.sparse_fused import FusedGradientDropping, FusedSumCompressor, decode_sum
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
-from lightning_gradcomp.kernels import rng, triton_graddrop
 from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.kernels import triton_graddrop
 from lightning_gradcomp.wire.sparse import (
     INDEX_ENCODINGS,
     VALUE_FORMATS,
     IndexEncoding,
     ValueFormat,
-    decode_indices,
-    decode_sparse,
-    encode_indices,
-    encode_sparse,
-    pack_codes,
-    packed_codes_nbytes,
-    unpack_codes,
     value_dtype,
     value_nbytes,
 )
@@ -71,11 +69,12 @@ from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 Sample = Literal["random", "strided", "exact"]
 Scope = Literal["layer", "global"]
-Quantize = Literal["none", "threshold", "column_mean", "global_mean", "2bit"]
 QUANTIZERS: tuple[str, ...] = ("none", "threshold", "column_mean", "global_mean", "2bit")
 
 # guards floor(R * m) against R's binary rounding (0.29 * 100 = 28.999999999999996)
 _FLOOR_EPS = 1e-9
+# a group's coo32 payload counts positions from the group's start in int32
+_INT32_POSITIONS = 2**31
 
 
 def drop_count(ratio: float, m: int) -> int:
@@ -89,24 +88,6 @@ def select_threshold(sample: Tensor, ratio: float) -> Tensor:
     if k == 0:
         return sample.new_zeros(())
     return torch.kthvalue(sample.float(), k).values
-
-
-def kth_threshold(sample: Tensor, ratio: float) -> Tensor:
-    """:func:`select_threshold` through the order-statistic kernel (the fused backend's selection)."""
-    k = drop_count(ratio, sample.numel())
-    if k == 0:
-        return sample.new_zeros((), dtype=torch.float32)
-    return kernels.kth_smallest(sample, k - 1).to(sample.device)
-
-
-def threshold_level(threshold: Tensor, survivors: Tensor) -> Tensor:
-    """The one level of ``quantize="threshold"`` (Strom): the threshold, "effectively the minimum surviving
-    absolute value" (Aji & Heafield, Sec. 5.4). At threshold 0 (more than R of the values exactly 0, or a
-    one-element tensor) it is the smallest surviving |x| instead, else every survivor would be sent as 0; NaN
-    when a NaN survives (NaN in, NaN out). ``survivors``: the survivors' |x| (non-empty). Returns a 1-element
-    float32 tensor."""
-    level = torch.where(threshold > 0, threshold.float(), survivors.min())
-    return torch.where(survivors.isnan().any(), float("nan"), level).reshape(1)
 
 
 def select_weighted_threshold(
@@ -134,7 +115,7 @@ def select_weighted_threshold(
     return values[order][pos].reshape(())
 
 
-class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
+class GradientDropping(KernelBacked[GroupKernels]):
     """Gradient Dropping: the R% smallest |x| stay in the residual, the rest travel as a sparse vector.
 
     Args:
@@ -158,15 +139,13 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             beyond fp16's range stay in the residual; the ``overflow`` statistic counts them).
         seed: seed of the random sample; rank r draws from seed and r.
         backend: ``"torch"`` (torch ops: the reference, and the path CUDA runs), ``"fused"``
-            (:mod:`lightning_gradcomp.kernels`: sampling, order statistic and survivor compaction in fewer
-            passes, the sum of all ranks' payloads decoded into one dense tensor; compiled on CPU, torch ops
-            elsewhere) or ``"auto"`` (fused on CPU when the kernels compile here, else torch). Both draw the
-            same random sample, select the same survivors and send the same bytes (see
-            :mod:`~lightning_gradcomp.compressors.sparse_fused`). On CUDA with Triton installed, a group of layers
-            (the batched path) runs Triton kernels whatever the backend (``kernels/triton_graddrop.py``): the
-            same bits as the torch ops.
+            (:mod:`lightning_gradcomp.kernels`' group calls: the samples, their order statistics and the survivors'
+            compaction of a whole group, and the sum of all ranks' payloads decoded into one dense tensor; compiled
+            on CPU, torch ops elsewhere) or ``"auto"`` (fused on CPU when the kernels compile here, else torch).
+            Both draw the same random sample, select the same survivors and send the same bytes. On CUDA with
+            Triton installed, a group runs Triton kernels whatever the backend (``kernels/triton_graddrop.py``):
+            the same bits as the torch ops.
     """
-
     aggregation = Aggregation.GATHER
     uses_memory = True
     fixed_size = False
@@ -228,14 +207,14 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         self.backend = backend
         # the random sample's streams, one counter per name; both backends draw the same positions from them
         self._keys = CounterStreams(seed)
-        self._offer_kernels(FusedGradientDropping(self, streams=self._keys))
+        self._offer_kernels(GroupKernels())
         self._device = torch.device("cpu")
         # global scope: the latest sample (and the elements each value stands for) per parameter name, the
         # names seen in the current step, and the threshold selected on the previous step's pool
         self._pool: dict[str, tuple[Tensor, float]] = {}
         self._seen: set[str] = set()
         self._global_threshold: Optional[Tensor] = None
-        # the batched path's sample plans, per group layout, device and sample settings
+        # the sample plans, per group layout, device and sample settings
         self._plans: dict[tuple[object, ...], SamplePlan] = {}
         # the global pool's per-value weights and the layout they were built for
         self._pool_weights: tuple[tuple[object, ...], Tensor] = ((), torch.zeros(0))
@@ -284,42 +263,20 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
 
     # -- threshold --------------------------------------------------------------------------------------
     def threshold_sample(self, magnitudes: Tensor, name: str = "") -> tuple[Tensor, float]:
-        """The sampled |x| of one flat tensor and how many elements each sampled value stands for."""
-        n = magnitudes.numel()
-        if self.sample == "exact" or n == 0:
-            return magnitudes, 1.0
-        if self.sample == "strided":
-            # Marian: sortSize = min(100000, len); tmp[j] = |data[j * (len / sortSize)]|
-            size = min(self.max_sample, n)
-            stride = n // size
-            return magnitudes[: stride * size : stride], n / size
-        size = max(self.min_sample, math.ceil(self.sample_fraction * n))
-        if size >= n:
-            return magnitudes, 1.0
-        # the fused kernel's positions (sample_abs), from the same counter-based stream
-        idx = rng.positions(size, n, self._keys.key(name), magnitudes.device)
-        return magnitudes[idx], n / size
+        """The sampled |x| of one tensor and how many elements each sampled value stands for: the group code's sample
+        of a group of one (a random sample draws from ``name``'s stream, whose counter moves on)."""
+        flat = magnitudes if magnitudes.dim() == 1 else magnitudes.reshape(-1)
+        plan = self._sample_plan(_one(self, name, magnitudes.shape), flat.device)
+        bits = self._keys.bits_flat(plan.draws, flat.device) if plan.draws.total else None
+        return gather_samples(flat, plan, bits), plan.weights[0]
 
     def threshold(self, magnitudes: Tensor, name: str) -> Tensor:
-        """The drop threshold for one flat tensor of |x| (updates the global pool in global scope)."""
-        sample, weight = self.threshold_sample(magnitudes, name)
-        return self.pooled_threshold(sample, weight, name)
-
-    def pooled_threshold(
-        self, sample: Tensor, weight: float, name: str, select: Callable[[Tensor, float], Tensor] = select_threshold
-    ) -> Tensor:
-        """The drop threshold from one tensor's sample: ``select`` on it (layer scope, or a first global step),
-        else the previous step's whole-model threshold; in global scope the sample joins the pool."""
-        if self.scope == "layer":
-            return select(sample, self.drop_ratio)
-        if name in self._seen:  # a name comes back: a new step began, select on the previous step's pool
-            self._select_global()
-        self._seen.add(name)
-        # a copy: the sample may be a view of a tensor the hook reuses
-        self._pool[name] = (sample.clone(), weight)
-        if self._global_threshold is None:  # first step: no whole-model pool yet
-            return select(sample, self.drop_ratio)
-        return self._global_threshold.to(sample.device)
+        """The drop threshold of one tensor of |x| (0-d): the group code's threshold of a group of one (in global
+        scope its sample joins the pool, as a layer of a group does)."""
+        samples, _ = self.threshold_sample(magnitudes.abs(), name)  # a tensor of its own: the pool keeps views of it
+        group = _one(self, name, magnitudes.shape)
+        plan = self._sample_plan(group, samples.device)
+        return self._group_thresholds(group, samples, plan, lambda: segment_thresholds(samples, plan)).reshape(())
 
     def _select_global(self) -> None:
         """Select the whole-model threshold on the pool (the previous step's samples) and start a new step."""
@@ -336,11 +293,12 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
     def _group_thresholds(
         self, segments: Segments, samples: Tensor, plan: SamplePlan, per_layer: Callable[[], Tensor]
     ) -> Tensor:
-        """``[layers]``: :meth:`pooled_threshold` of every layer of the group, in order, with a fixed number of ops.
+        """``[layers]``: the drop threshold of every layer of the group, in order, with a fixed number of ops.
 
-        ``per_layer`` selects each layer's threshold on its own sample (``samples``, laid out as ``plan.segments``).
-        In global scope the pool keeps the group's samples as views of one tensor, and the whole-model threshold is
-        selected again where the loop would: at the first layer of the group already seen this step.
+        ``per_layer`` selects each layer's threshold on its own sample (``samples``, laid out as ``plan.segments``):
+        layer scope, and the global scope's first step. In global scope every layer's sample joins the whole-model
+        pool (views of one tensor), and each layer uses the threshold selected on the previous step's pool; a new
+        step begins at the first layer of the group already seen this step, where the pool is selected again.
         """
         names = segments.names
         if self.scope == "layer":
@@ -365,150 +323,27 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
             return after.clone()
         return torch.where(torch.arange(len(names), device=device) < restart, first, after)
 
-    # -- compress ---------------------------------------------------------------------------------------
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        flat = tensor.detach().reshape(-1).float()
-        n = flat.numel()
-        fused = self._kernels(flat.device)
-        if fused is not None:
-            sample, weight = fused.threshold_sample(flat, name)
-            thr = self.pooled_threshold(sample, weight, name, select=kth_threshold)
-            idx, kept, overflow = fused.survivors(flat, thr)
-        else:
-            idx, kept, thr, overflow = self._select(flat, name)
-        if self.quantize == "none":
-            payload = encode_sparse(idx, kept, self.index_encoding, self.values)
-        else:
-            payload = self._encode_quantized(idx, kept, thr, tensor.shape, n)
-        nbytes = payload.numel()
-        dev = flat.device
-        stats = {
-            "sparsity": torch.tensor(1.0 - idx.numel() / max(n, 1), device=dev),
-            "threshold": thr.detach().float().reshape(()),
-            "sent": torch.tensor(float(idx.numel()), device=dev),
-            # bytes fp32 would take over bytes sent (an empty payload counts as 1 byte, to stay finite)
-            "compression_rate": torch.tensor(4.0 * n / max(nbytes, 1), device=dev),
-        }
-        if self.values == "fp16":
-            stats["overflow"] = overflow
-        return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
-
-    def _select(self, flat: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """(indices, values, threshold, fp16 overflow count) of the survivors, with torch ops."""
-        magnitudes = flat.abs()
-        thr = self.threshold(magnitudes, name)
-        keep = ~(magnitudes <= thr)  # dropped at or below the threshold; a NaN never is, so it is sent
-        # nothing above it (then no NaN either, and every |x| <= thr): send the ties |x| == thr. Decided on the
-        # device as a mask, not with `if not keep.any()`: a branch would read a scalar back to the host per
-        # tensor, which on CUDA drains the stream; the selected set is the same
-        keep |= (magnitudes == thr) & ~keep.any() & (thr > 0)
-        overflow = flat.new_zeros(())
-        if self.quantize == "none" and self.values == "fp16":
-            # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
-            fits = ~(magnitudes > torch.finfo(torch.float16).max)
-            overflow = (keep & ~fits).sum().float()
-            keep &= fits
-        idx = torch.nonzero(keep).reshape(-1)
-        return idx, flat[idx], thr, overflow
-
-    # -- quantized survivors (paper Sec. 5.4) -----------------------------------------------------------
-    @staticmethod
-    def _columns(shape: torch.Size, n: int) -> int:
-        return 1 if len(shape) < 2 or n == 0 else n // shape[0]
-
-    def _levels(self, idx: Tensor, kept: Tensor, thr: Tensor, shape: torch.Size, n: int) -> tuple[Tensor, Tensor]:
-        """Codes per survivor and the float levels they select (the decode table)."""
-        positive = kept > 0
-        mag = kept.abs()
-        if self.quantize == "threshold":
-            return positive.long(), threshold_level(thr, mag)
-        if self.quantize == "global_mean":
-            return positive.long(), torch.stack((_mean(mag[~positive]), _mean(mag[positive])))
-        if self.quantize == "column_mean":
-            cols = self._columns(shape, n)
-            col = idx % cols
-            group = col * 2 + positive.long()  # [neg, pos] per column
-            sums = torch.zeros(2 * cols, device=kept.device).index_add_(0, group, mag)
-            counts = torch.zeros(2 * cols, device=kept.device).index_add_(0, group, torch.ones_like(mag))
-            return positive.long(), torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)
-        # 2bit: bit 0 the sign, bit 1 "large mover" (above the mean |survivor|); a mean per (size, sign) group
-        large = mag > _mean(mag)
-        code = positive.long() + 2 * large.long()
-        sums = torch.zeros(4, device=kept.device).index_add_(0, code, mag)
-        counts = torch.zeros(4, device=kept.device).index_add_(0, code, torch.ones_like(mag))
-        return code, torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)
-
-    def _encode_quantized(self, idx: Tensor, kept: Tensor, thr: Tensor, shape: torch.Size, n: int) -> Tensor:
-        # [uint32 K][float32 levels][packed codes][indices]: K sizes the rest, the index section goes last
-        if idx.numel() == 0:
-            return torch.zeros(0, dtype=torch.uint8, device=kept.device)
-        codes, levels = self._levels(idx, kept, thr, shape, n)
-        count = torch.tensor([idx.numel()], dtype=torch.int32, device=kept.device)
-        bits = 2 if self.quantize == "2bit" else 1
-        return torch.cat(
-            (
-                count.view(torch.uint8),
-                levels.float().contiguous().view(torch.uint8),
-                pack_codes(codes, bits),
-                encode_indices(idx, self.index_encoding),
-            )
-        )
-
-    def _num_levels(self, shape: torch.Size, n: int) -> int:
-        return {"threshold": 1, "global_mean": 2, "2bit": 4}.get(self.quantize, 2 * self._columns(shape, n))
-
-    def _decode_quantized(self, payload: Tensor, shape: torch.Size, n: int) -> tuple[Tensor, Tensor]:
-        k = int(payload[:4].clone().view(torch.int32)[0])
-        n_levels = self._num_levels(shape, n)
-        levels = payload[4 : 4 + 4 * n_levels].clone().view(torch.float32)
-        start = 4 + 4 * n_levels
-        bits = 2 if self.quantize == "2bit" else 1
-        code_bytes = packed_codes_nbytes(k, bits)
-        codes = unpack_codes(payload[start : start + code_bytes], k, bits)
-        idx = decode_indices(payload[start + code_bytes :], k, self.index_encoding)
-        sign = torch.where(codes % 2 == 1, 1.0, -1.0)
-        if self.quantize == "threshold":
-            return idx, sign * levels[0]
-        if self.quantize == "column_mean":
-            group = (idx % self._columns(shape, n)) * 2 + codes
-            return idx, sign * levels[group]
-        return idx, sign * levels[codes]
-
-    def _decode(self, packet: Packet) -> tuple[Tensor, Tensor]:
-        """(int64 indices, float32 values) of a non-empty packet."""
-        if self.quantize == "none":
-            return decode_sparse(packet.payload, self.index_encoding, self.values)
-        return self._decode_quantized(packet.payload, packet.shape, packet.numel)
-
-    def decompress(self, packet: Packet) -> Tensor:
-        out = torch.zeros(packet.numel, dtype=torch.float32, device=packet.payload.device)
-        if packet.payload.numel() > 0:
-            idx, val = self._decode(packet)
-            out[idx] = val
-        return out.to(packet.dtype).view(packet.shape)
-
-    def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        return decode_sum(packets, self._decode, out=out)
-
-    # -- a group of layers in one flat tensor (graddrop_flat) -------------------------------------------
+    # -- a group of layers in one flat tensor (a single tensor is a group of one) -----------------------------
     def _flat_settings(self) -> bool:
-        """Whether the settings have a batched form: unquantized survivors in coo32 (either scope)."""
+        """Whether the settings have a fixed number of ops per group: unquantized survivors in coo32 (either scope)."""
         return self.quantize == "none" and self.index_encoding == "coo32"
 
     @property
     def batched(self) -> bool:  # type: ignore[override]
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
-        backend (the path CUDA runs), or on the fused backend with the compiled kernels (a few calls per group)."""
+        backend (the path CUDA runs), or on the fused backend with the compiled kernels (a few calls per group). The
+        other settings select a group at once too, and encode and decode it layer by layer."""
         torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
         return self._flat_settings() and (torch_ops or kernels.fused_available())
 
     def batch_on(self, flat: Tensor, segments: Segments) -> bool:
-        """Batched for the settings of :meth:`_flat_settings`, float32 gradients and groups whose positions fit the
-        int32 indices, on every backend (the compiled kernels' group calls on the CPU, torch ops or Triton on CUDA)."""
-        return (
-            self._flat_settings() and flat.dtype == torch.float32
-            and segments.total < 2**31  # group indices travel as int32
-        )
+        """Always: every setting, dtype and device compresses a group into one packet (no per-layer packets)."""
+        return True
+
+    def _group_coo32(self, segments: Segments) -> bool:
+        """Whether a group's payload is the group's coo32 (unquantized ``coo32`` survivors of a group whose positions
+        fit int32), else each layer's own encoding back to back (:func:`~.graddrop_flat.encode_layer`)."""
+        return self._flat_settings() and segments.total < _INT32_POSITIONS
 
     def _plan_key(self, segments: Segments, device: torch.device) -> tuple[object, ...]:
         return (segments.names, segments.shapes, device, self.sample, self.sample_fraction, self.min_sample,
@@ -530,14 +365,15 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         plan = self._plans.get(key)
         if plan is None:
             sizes, drawn, strides = [], [], []
-            for n in segments.numels:  # threshold_sample's choices, from the shape alone
+            for n in segments.numels:  # each layer's sample, from its shape alone
                 size, draw, stride = n, 0, 1
                 if self.sample == "strided" and n:
+                    # Marian: sortSize = min(100000, len); tmp[j] = |data[j * (len / sortSize)]|
                     size = min(self.max_sample, n)
                     stride = n // size
                 elif self.sample == "random" and n:
                     wanted = max(self.min_sample, math.ceil(self.sample_fraction * n))
-                    if wanted < n:
+                    if wanted < n:  # else the whole layer (a tensor no larger than the sample is selected exactly)
                         size = draw = wanted
                 sizes.append(size)
                 drawn.append(draw)
@@ -547,97 +383,156 @@ class GradientDropping(FusedSumCompressor[FusedGradientDropping]):
         return plan
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
-        return None  # no statistic is shared (and the default would visit every layer to learn it)
+        return None  # no statistic is shared
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        if not self.batch_on(flat, segments):
-            return super().compress_flat(flat, segments, shared)
         x = flat.detach()
+        if x.dtype != torch.float32:  # selected and sent from the float32 values, as a float32 gradient
+            x = x.float()
         device = x.device
         plan = self._sample_plan(segments, device)
-        fp16 = self.values == "fp16"
-        if self.uses_triton(x):  # the torch path's ops below, in Triton kernels (the samples' sort excepted)
+        fp16 = self.quantize == "none" and self.values == "fp16"
+        small = segments.total < _INT32_POSITIONS  # the kernels count positions in int32
+        overflow: Optional[Tensor] = None
+        if small and self.uses_triton(x):  # the torch path's ops below, in Triton kernels (the samples' sort excepted)
             x = x.contiguous()
             tables = self._triton_tables(segments, plan, device)
             keys = triton_graddrop.keys_on(self._keys.keys(plan.draws), device) if plan.draws.total else None
             samples = x.abs() if plan.whole else triton_graddrop.sample(x, tables, keys)
             thresholds = self._group_thresholds(segments, samples, plan, lambda: segment_thresholds(samples, plan))
-            payload, counts, overflow_count = triton_graddrop.select_encode(
-                x, tables, thresholds, value_dtype(self.values), fp16
-            )
-            nbytes, (sparsity, sent, rate, overflow) = triton_graddrop.statistics(
-                counts, overflow_count, plan.numels, value_nbytes(self.values)
-            )
-            return self._flat_packet(payload, segments, flat.dtype, nbytes, thresholds, sparsity, sent, rate, overflow)
-        if self._kernels(device) is not None:  # kernel calls, its random samples keyed as the fused loop keys them
-            offsets, sizes, modes, ranks, sample_offsets = plan.kernel_args
-            keys = torch.tensor(self._keys.keys(plan.draws))
-            samples = kernels.graddrop_group_sample(x, offsets, sizes, modes, keys)
-            thresholds = self._group_thresholds(
-                segments, samples, plan, lambda: kernels.graddrop_group_kth(samples, sample_offsets, ranks)
-            )
-            index, values, counts, overflow = kernels.graddrop_group_select(x, offsets, thresholds, fp16)
-            payload = torch.cat((index.view(torch.uint8), values.to(value_dtype(self.values)).view(torch.uint8)))
+            if self._group_coo32(segments):
+                payload, counts, overflow_count = triton_graddrop.select_encode(
+                    x, tables, thresholds, value_dtype(self.values), fp16
+                )
+                nbytes, (sparsity, sent, rate, overflow) = triton_graddrop.statistics(
+                    counts, overflow_count, plan.numels, value_nbytes(self.values)
+                )
+                return self._flat_packet(payload, segments, flat.dtype, nbytes, thresholds, sparsity, sent, rate,
+                                         overflow)
+            index, values, counts, overflow = self._survivors(x, x.abs(), thresholds, segments, fp16)
+        elif small and (fused := self._kernels(device)) is not None:  # kernel calls, random samples keyed per layer
+            samples = fused.sample(x, plan, torch.tensor(self._keys.keys(plan.draws)))
+            thresholds = self._group_thresholds(segments, samples, plan, lambda: fused.thresholds(samples, plan))
+            index, values, counts, overflow = fused.select(x, plan, thresholds, fp16)
         else:
             magnitudes = x.abs()
-            # every drawing layer's positions from its own counter, as threshold_sample and the kernel draw them
+            # every drawing layer's positions from its own counter, as the kernels draw them
             bits = self._keys.bits_flat(plan.draws, device) if plan.draws.total else None
             samples = gather_samples(magnitudes, plan, bits)
             thresholds = self._group_thresholds(segments, samples, plan, lambda: segment_thresholds(samples, plan))
-            keep = survivors_mask(magnitudes, thresholds, segments)
-            if fp16:
-                # fp16 would turn these into inf on every rank; they wait in the residual instead (counted)
-                fits = ~(magnitudes > torch.finfo(torch.float16).max)
-                overflow = segments.reduce((keep & ~fits).to(torch.float32), "sum")
-                keep &= fits
-            payload = encode_group_coo32(x, keep, self.values)
-            counts = segments.reduce(keep.to(torch.int64), "sum")
-        nbytes = counts * (4 + value_nbytes(self.values))
+            index, values, counts, overflow = self._survivors(x, magnitudes, thresholds, segments, fp16)
+        if self._group_coo32(segments):
+            payload = encode_group_coo32(index, values, self.values)
+            nbytes = counts * (4 + value_nbytes(self.values))
+            return self._counted_packet(payload, segments, flat.dtype, plan, counts, nbytes, nbytes, thresholds, overflow)
+        return self._layers_packet(index, values, counts, overflow, thresholds, segments, flat.dtype, plan)
+
+    @staticmethod
+    def _fits_fp16(keep: Tensor, magnitudes: Tensor, segments: Segments) -> tuple[Tensor, Tensor]:
+        """``keep`` without the survivors beyond fp16's range (fp16 would turn them into inf on every rank; they wait
+        in the residual instead), and their count per layer."""
+        fits = ~(magnitudes > torch.finfo(torch.float16).max)
+        overflow = segments.reduce((keep & ~fits).to(torch.float32), "sum")
+        return keep & fits, overflow
+
+    def _survivors(
+        self, x: Tensor, magnitudes: Tensor, thresholds: Tensor, segments: Segments, fp16: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
+        """(int64 positions from the group's start, float32 values, int64 counts per layer, fp16 overflow per layer
+        or ``None``) of the survivors, with torch ops (one ``nonzero``)."""
+        keep = survivors_mask(magnitudes, thresholds, segments)
+        overflow = None
+        if fp16:
+            keep, overflow = self._fits_fp16(keep, magnitudes, segments)
+        index = torch.nonzero(keep).reshape(-1)
+        # each layer's count from where its bounds fall among the sorted positions (not a sum over the whole group)
+        bounds = torch.tensor(segments.offsets, dtype=torch.int64, device=index.device)  # the total last
+        return index, x.index_select(0, index), torch.searchsorted(index, bounds).diff(), overflow
+
+    def _layers_packet(
+        self, index: Tensor, values: Tensor, counts: Tensor, overflow: Optional[Tensor], thresholds: Tensor,
+        segments: Segments, dtype: torch.dtype, plan: SamplePlan,
+    ) -> FlatPacket:
+        """The group's packet in each layer's own encoding, back to back (:func:`~.graddrop_flat.encode_layer`; the
+        survivors of the group split by layer, one host read of their counts)."""
+        per_layer = counts.tolist()
+        parts = []
+        for s, (idx, kept) in enumerate(zip(index.split(per_layer), values.split(per_layer))):
+            position = idx.long() - segments.offsets[s]
+            parts.append(encode_layer(position, kept, thresholds[s], segments.shapes[s], self.quantize,
+                                      self.index_encoding, self.values))
+        payload = torch.cat(parts) if parts else values.new_zeros(0, dtype=torch.uint8)
+        sizes = tuple(p.numel() for p in parts)
+        nbytes = torch.tensor(sizes, dtype=torch.int64, device=values.device)
+        return self._counted_packet(payload, segments, dtype, plan, counts, nbytes, sizes, thresholds, overflow)
+
+    def _counted_packet(
+        self, payload: Tensor, segments: Segments, dtype: torch.dtype, plan: SamplePlan, counts: Tensor,
+        nbytes: Tensor, layer_nbytes: "tuple[int, ...] | Tensor", thresholds: Tensor, overflow: Optional[Tensor],
+    ) -> FlatPacket:
+        """The group's packet, its statistics from the survivors' ``counts`` and each layer's bytes ``nbytes``."""
         numels = plan.numels
-        # in float64 then rounded once, as the per-layer packets compute them in Python floats
+        # in float64 then rounded once, as a layer's statistics in Python floats would be
         sparsity = (1.0 - counts / numels.clamp(min=1)).float()
+        # bytes fp32 would take over bytes sent (an empty payload counts as 1 byte, to stay finite)
         rate = (4.0 * numels / nbytes.clamp(min=1)).float()
-        return self._flat_packet(payload, segments, flat.dtype, nbytes, thresholds, sparsity, counts.float(), rate,
-                                 overflow if fp16 else None)
+        return self._flat_packet(payload, segments, dtype, layer_nbytes, thresholds, sparsity, counts.float(), rate,
+                                 overflow)
 
     def _flat_packet(
-        self, payload: Tensor, segments: Segments, dtype: torch.dtype, nbytes: Tensor, thresholds: Tensor,
-        sparsity: Tensor, sent: Tensor, rate: Tensor, overflow: Optional[Tensor],
+        self, payload: Tensor, segments: Segments, dtype: torch.dtype, layer_nbytes: "tuple[int, ...] | Tensor",
+        thresholds: Tensor, sparsity: Tensor, sent: Tensor, rate: Tensor, overflow: Optional[Tensor],
     ) -> FlatPacket:
-        """The group's packet with the per-layer statistics of the per-layer packets (``overflow`` with fp16 values)."""
+        """The group's packet with its per-layer statistics (``overflow`` with fp16 values)."""
         stats = {"sparsity": sparsity, "threshold": thresholds, "sent": sent, "compression_rate": rate}
         if self.values == "fp16" and overflow is not None:
             stats["overflow"] = overflow
-        return FlatPacket(payload, segments, dtype, nbytes, stats=stats)
+        return FlatPacket(payload, segments, dtype, layer_nbytes, stats=stats)
+
+    def _decoded(self, packet: FlatPacket) -> tuple[Tensor, Tensor]:
+        """(int64 positions from the group's start, float32 values) of a group packet."""
+        segments = packet.segments
+        if self._group_coo32(segments):
+            return decode_group_coo32(packet.payload, self.values)
+        sizes = packet.layer_nbytes
+        nbytes = sizes if isinstance(sizes, tuple) else tuple(int(n) for n in sizes.tolist())
+        raw = packet.payload.reshape(-1).view(torch.uint8)
+        indices, values, start = [raw.new_zeros(0, dtype=torch.int64)], [raw.new_zeros(0, dtype=torch.float32)], 0
+        for offset, shape, n in zip(segments.offsets, segments.shapes, nbytes):
+            if n:
+                idx, val = decode_layer(raw[start : start + n], shape, self.quantize, self.index_encoding, self.values)
+                indices.append(idx + offset)
+                values.append(val)
+            start += n
+        return torch.cat(indices), torch.cat(values)
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
-        if packet.layers is not None:
-            return super().decompress_flat(packet)
-        if self.uses_triton(packet.payload):
+        if self.uses_triton(packet.payload) and self._group_coo32(packet.segments):
             decoded = triton_graddrop.decode(packet.payload, value_dtype(self.values), packet.segments.total)
             return decoded.to(packet.dtype)
-        index, values = decode_group_coo32(packet.payload, self.values)
+        index, values = self._decoded(packet)
         out = torch.zeros(packet.segments.total, dtype=torch.float32, device=packet.payload.device)
         return out.index_put_((index,), values).to(packet.dtype)
 
     def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        if packets[0].layers is not None or packets[0].dtype != torch.float32 or out.dtype != torch.float32:
-            # looping packets, or a sum the loop makes in the gradients' dtype: the base class's rank-order sum
-            return super().decompress_flat_mean_into(packets, out)
-        if self.uses_triton(out) and out.is_contiguous():  # each rank's survivors added in rank order, then div_
+        if packets[0].dtype != torch.float32 or out.dtype != torch.float32:
+            # summed in the gradients' dtype, rank after rank, as a layer's decoded tensors add
+            total = self.decompress_flat(packets[0]).clone()
+            for packet in packets[1:]:
+                total.add_(self.decompress_flat(packet))
+            return out.copy_(total).div_(len(packets))
+        if self.uses_triton(out) and out.is_contiguous() and self._group_coo32(packets[0].segments):
+            # each rank's survivors added in rank order, then div_
             return triton_graddrop.decode_mean_into([p.payload for p in packets], value_dtype(self.values), out)
-        decoded = [decode_group_coo32(packet.payload, self.values) for packet in packets]
-        if self._kernels(out.device) is not None and out.is_contiguous():  # one kernel call for all ranks
-            kernels.sparse_decode_sum(out.numel(), [i for i, _ in decoded], [v for _, v in decoded], out=out)
-            return out.div_(len(packets))
+        decoded = [self._decoded(packet) for packet in packets]
+        fused = self._kernels(out.device)
+        if fused is not None and out.is_contiguous():  # one kernel call for all ranks
+            return fused.decode_sum(out, decoded).div_(len(packets))
         # each rank's survivors are distinct positions: added rank after rank, the sums of the dense loop
         out.zero_()
         for index, values in decoded:
             out.index_add_(0, index, values)
         return out.div_(len(packets))
 
-def _mean(values: Tensor) -> Tensor:
-    """Mean of a possibly empty tensor (0 when empty), as a 0-d tensor."""
-    if values.numel() == 0:
-        return values.new_zeros(())
-    return values.mean()
+    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
+        return self.decompress_flat(packet)

@@ -1,37 +1,54 @@
-"""Gradient Dropping over a group of layers in one flat tensor, in a number of ops that does not grow with the layers.
+"""Gradient Dropping over a group of layers in one flat tensor: the maths of
+:class:`~lightning_gradcomp.compressors.GradientDropping`, stated once (a single tensor is a group of one).
 
-The batched form of :meth:`GradientDropping.compress <lightning_gradcomp.compressors.GradientDropping.compress>`'s
-torch path (the path CUDA runs), for unquantized survivors and the ``coo32`` index encoding (the global scope's pool
-is the compressor's, :meth:`GradientDropping._group_thresholds`):
+The threshold and the survivors are found for the whole group at once, in a number of ops that does not grow with
+the layers (the global scope's pool is the compressor's, :meth:`GradientDropping._group_thresholds`):
 
-* each layer's threshold sample is taken as the per-layer path takes it (the whole layer, Marian's stride, or
-  positions drawn from the counter-based streams of
-  :class:`~lightning_gradcomp.compressors.streams.CounterStreams`: hash(i) mod n, keyed by seed, rank, name and a
-  per-name counter, so the whole group draws in a fixed number of ops); the samples, back to back, are sorted per
-  layer at once (:meth:`Segments.sort <lightning_gradcomp.exchange.segments.Segments.sort>`) and each layer's floor(R * m)-th
-  value is read at a cached position (``torch.kthvalue`` and a stable sort agree on every value, NaN ranked last);
+* each layer's threshold sample is the whole layer, Marian's stride, or positions drawn from the counter-based
+  streams of :class:`~lightning_gradcomp.compressors.streams.CounterStreams` (hash(i) mod n, keyed by seed, rank,
+  name and a per-name counter, so the whole group draws in a fixed number of ops); the samples, back to back, are
+  sorted per layer at once (:meth:`Segments.sort <lightning_gradcomp.exchange.segments.Segments.sort>`) and each
+  layer's floor(R * m)-th value is read at a cached position (``torch.kthvalue`` and a stable sort agree on every
+  value, NaN ranked last);
 * the drop rule, the tie rule (a layer with nothing above its threshold sends its ties) and the fp16 overflow
-  rule are masks over the whole group, per-layer "any" through one segment reduce;
-* one ``nonzero`` per group compacts the survivors; the payload is ``[int32 index x K][value x K]`` with indices
-  counted from the group's start, K * (4 + value bytes) in all: each layer's share is exactly its per-layer
-  ``coo32`` packet's size (``layer_nbytes``, an int64 device tensor);
-* decoding needs only the payload's length (a shape): K = bytes / (4 + value bytes).
+  rule are masks over the whole group, per-layer "any" through one segment reduce.
 
-Everything is bit-identical to the per-layer loop, the draws included: each layer draws from its own counter, as
-the loop does; and the fused backend's kernels draw the same positions. On CUDA with Triton,
-:mod:`lightning_gradcomp.kernels.triton_graddrop` runs the sample, the selection, the encode and the decoders in
-kernels, bit-identical to these ops (the samples' sort stays here).
+On the wire, unquantized survivors in ``coo32`` travel as one group payload ``[int32 index x K][value x K]`` with
+indices counted from the group's start (one ``nonzero``; each layer's share, K_s * (4 + value bytes), is exactly
+what the layer alone would send: ``layer_nbytes``, an int64 device tensor), decoded from the payload's length alone.
+Every other wire form (quantized survivors, ``delta16`` indices, and ``coo32`` for a group of 2**31 elements or
+more) is each layer's own encoding, back to back: :func:`encode_layer` / :func:`decode_layer` of one layer, looped
+over the group's layers inside the group methods.
+
+The fused backend's compiled kernels draw the same positions and select the same survivors; on CUDA with Triton,
+:mod:`lightning_gradcomp.kernels.triton_graddrop` runs the sample, the selection, the ``coo32`` encode and the
+decoders in kernels, bit-identical to these ops (the samples' sort stays here).
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 from torch import Tensor
 
+from lightning_gradcomp import kernels
 from lightning_gradcomp.exchange.segments import Segments
-from lightning_gradcomp.wire.sparse import ValueFormat, value_dtype, value_nbytes
+from lightning_gradcomp.wire.sparse import (
+    IndexEncoding,
+    ValueFormat,
+    decode_indices,
+    decode_sparse,
+    encode_indices,
+    encode_sparse,
+    pack_codes,
+    packed_codes_nbytes,
+    unpack_codes,
+    value_dtype,
+    value_nbytes,
+)
+
+Quantize = Literal["none", "threshold", "column_mean", "global_mean", "2bit"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,30 @@ def plan_samples(
     )
 
 
+class GroupKernels:
+    """The fused backend of a group: :mod:`lightning_gradcomp.kernels`' group calls (compiled on CPU, their torch-ops
+    forms elsewhere), each one call per group with the layers' tables of a :class:`SamplePlan`."""
+
+    def sample(self, x: Tensor, plan: SamplePlan, keys: Tensor) -> Tensor:
+        """:func:`gather_samples`' values: every layer's sample of |x| back to back (``keys``: int64 ``[layers, 2]``)."""
+        offsets, sizes, modes, _, _ = plan.kernel_args
+        return kernels.graddrop_group_sample(x, offsets, sizes, modes, keys)
+
+    def thresholds(self, samples: Tensor, plan: SamplePlan) -> Tensor:
+        """:func:`segment_thresholds`' values: each layer's k-th smallest sampled value (0 where k = 0)."""
+        _, _, _, ranks, sample_offsets = plan.kernel_args
+        return kernels.graddrop_group_kth(samples, sample_offsets, ranks)
+
+    def select(self, x: Tensor, plan: SamplePlan, thresholds: Tensor, fp16: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:func:`survivors_mask`'s survivors: (int32 positions from the group's start, float32 values, int64 counts
+        ``[layers]``, float32 fp16 overflow counts ``[layers]``)."""
+        return kernels.graddrop_group_select(x, plan.kernel_args[0], thresholds, fp16)
+
+    def decode_sum(self, out: Tensor, decoded: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
+        """Every rank's (positions, values) scatter-added into ``out`` (contiguous float32) in rank order."""
+        return kernels.sparse_decode_sum(out.numel(), [i for i, _ in decoded], [v for _, v in decoded], out=out)
+
+
 def gather_samples(magnitudes: Tensor, plan: SamplePlan, bits: Optional[Tensor]) -> Tensor:
     """Every layer's threshold sample of |x|, back to back (laid out as ``plan.segments``), in a fixed number of ops.
 
@@ -147,11 +188,10 @@ def survivors_mask(magnitudes: Tensor, thresholds: Tensor, segments: Segments) -
     return keep | ((magnitudes == thr) & segments.expand(none_above & (thresholds > 0)))
 
 
-def encode_group_coo32(flat: Tensor, keep: Tensor, fmt: ValueFormat) -> Tensor:
-    """``[int32 index x K][value x K]`` bytes of the kept entries, indices from the group's start (one ``nonzero``)."""
-    index = torch.nonzero(keep).reshape(-1)
-    values = flat.index_select(0, index).to(value_dtype(fmt))
-    return torch.cat((index.to(torch.int32).view(torch.uint8), values.view(torch.uint8)))
+def encode_group_coo32(index: Tensor, values: Tensor, fmt: ValueFormat) -> Tensor:
+    """``[int32 index x K][value x K]`` bytes of the survivors (``index``: ascending positions from the group's start,
+    ``values``: float32)."""
+    return torch.cat((index.to(torch.int32).view(torch.uint8), values.to(value_dtype(fmt)).view(torch.uint8)))
 
 
 def decode_group_coo32(payload: Tensor, fmt: ValueFormat) -> tuple[Tensor, Tensor]:
@@ -164,12 +204,125 @@ def decode_group_coo32(payload: Tensor, fmt: ValueFormat) -> tuple[Tensor, Tenso
     return index, values
 
 
+# -- one layer's wire form (quantized survivors, delta16, coo32 of a very large group) ---------------------------------
+def threshold_level(threshold: Tensor, survivors: Tensor) -> Tensor:
+    """The one level of ``quantize="threshold"`` (Strom): the threshold, "effectively the minimum surviving
+    absolute value" (Aji & Heafield, Sec. 5.4). At threshold 0 (more than R of the values exactly 0, or a
+    one-element tensor) it is the smallest surviving |x| instead, else every survivor would be sent as 0; NaN
+    when a NaN survives (NaN in, NaN out). ``survivors``: the survivors' |x| (non-empty). Returns a 1-element
+    float32 tensor."""
+    level = torch.where(threshold > 0, threshold.float(), survivors.min())
+    return torch.where(survivors.isnan().any(), float("nan"), level).reshape(1)
+
+
+def _mean(values: Tensor) -> Tensor:
+    """Mean of a possibly empty tensor (0 when empty), as a 0-d tensor."""
+    if values.numel() == 0:
+        return values.new_zeros(())
+    return values.mean()
+
+
+def _columns(shape: torch.Size) -> int:
+    """Columns of ``quantize="column_mean"``: the second dimension of the layer viewed as ``[shape[0], -1]``."""
+    n = shape.numel()
+    return 1 if len(shape) < 2 or n == 0 else n // shape[0]
+
+
+def _num_levels(quantize: Quantize, shape: torch.Size) -> int:
+    return {"threshold": 1, "global_mean": 2, "2bit": 4}.get(quantize, 2 * _columns(shape))
+
+
+def quantized_levels(
+    quantize: Quantize, idx: Tensor, kept: Tensor, threshold: Tensor, shape: torch.Size
+) -> tuple[Tensor, Tensor]:
+    """One layer's quantized survivors (paper Sec. 5.4): the code of each survivor and the float levels they select.
+
+    Args:
+        quantize: ``"threshold"`` (1 bit: the sign, one level), ``"global_mean"`` (1 bit, the mean |x| per sign),
+            ``"column_mean"`` (1 bit, the mean |x| per sign and column) or ``"2bit"`` (sign and whether |x| exceeds
+            the mean |survivor|: four means).
+        idx: the survivors' positions in the layer (int64, ascending).
+        kept: their values (float32).
+        threshold: the layer's threshold (0-d float32).
+        shape: the layer's shape.
+    """
+    positive = kept > 0
+    mag = kept.abs()
+    if quantize == "threshold":
+        return positive.long(), threshold_level(threshold, mag)
+    if quantize == "global_mean":
+        return positive.long(), torch.stack((_mean(mag[~positive]), _mean(mag[positive])))
+    if quantize == "column_mean":
+        cols = _columns(shape)
+        group = (idx % cols) * 2 + positive.long()  # [neg, pos] per column
+        sums = torch.zeros(2 * cols, device=kept.device).index_add_(0, group, mag)
+        counts = torch.zeros(2 * cols, device=kept.device).index_add_(0, group, torch.ones_like(mag))
+        return positive.long(), torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)
+    # 2bit: bit 0 the sign, bit 1 "large mover" (above the mean |survivor|); a mean per (size, sign) group
+    large = mag > _mean(mag)
+    code = positive.long() + 2 * large.long()
+    sums = torch.zeros(4, device=kept.device).index_add_(0, code, mag)
+    counts = torch.zeros(4, device=kept.device).index_add_(0, code, torch.ones_like(mag))
+    return code, torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)
+
+
+def encode_layer(
+    idx: Tensor, kept: Tensor, threshold: Tensor, shape: torch.Size, quantize: Quantize, index: IndexEncoding,
+    values: ValueFormat,
+) -> Tensor:
+    """One layer's payload (uint8) from its survivors (``idx`` ascending positions in the layer, ``kept`` float32).
+
+    Unquantized: :func:`~lightning_gradcomp.wire.sparse.encode_sparse` (``delta16`` sends its count even when
+    nothing survives). Quantized: ``[uint32 K][float32 levels][packed codes][indices]`` (K sizes the rest, the
+    index section goes last), nothing at all when nothing survives.
+    """
+    if quantize == "none":
+        return encode_sparse(idx, kept, index, values)
+    if idx.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8, device=kept.device)
+    codes, levels = quantized_levels(quantize, idx, kept, threshold, shape)
+    count = torch.tensor([idx.numel()], dtype=torch.int32, device=kept.device)
+    bits = 2 if quantize == "2bit" else 1
+    return torch.cat(
+        (count.view(torch.uint8), levels.float().contiguous().view(torch.uint8), pack_codes(codes, bits),
+         encode_indices(idx, index))
+    )
+
+
+def decode_layer(
+    payload: Tensor, shape: torch.Size, quantize: Quantize, index: IndexEncoding, values: ValueFormat
+) -> tuple[Tensor, Tensor]:
+    """(int64 positions in the layer, float32 values) of :func:`encode_layer`'s non-empty ``payload``."""
+    if quantize == "none":
+        return decode_sparse(payload, index, values)
+    k = int(payload[:4].clone().view(torch.int32)[0])
+    n_levels = _num_levels(quantize, shape)
+    levels = payload[4 : 4 + 4 * n_levels].clone().view(torch.float32)
+    start = 4 + 4 * n_levels
+    bits = 2 if quantize == "2bit" else 1
+    code_bytes = packed_codes_nbytes(k, bits)
+    codes = unpack_codes(payload[start : start + code_bytes], k, bits)
+    idx = decode_indices(payload[start + code_bytes :], k, index)
+    sign = torch.where(codes % 2 == 1, 1.0, -1.0)
+    if quantize == "threshold":
+        return idx, sign * levels[0]
+    if quantize == "column_mean":
+        return idx, sign * levels[(idx % _columns(shape)) * 2 + codes]
+    return idx, sign * levels[codes]
+
+
 __all__ = [
+    "GroupKernels",
+    "Quantize",
     "SamplePlan",
     "decode_group_coo32",
+    "decode_layer",
     "encode_group_coo32",
+    "encode_layer",
     "gather_samples",
     "plan_samples",
+    "quantized_levels",
     "segment_thresholds",
     "survivors_mask",
+    "threshold_level",
 ]

@@ -8,6 +8,7 @@ import torch
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping, TernGrad
 from lightning_gradcomp.compressors.backends import Backend, KernelBacked
+from lightning_gradcomp.exchange.segments import Segments
 
 MAKERS: dict[str, Callable[[Backend], KernelBacked]] = {
     "terngrad": lambda backend: TernGrad(backend=backend),
@@ -98,13 +99,17 @@ def test_a_terngrad_setting_changed_between_steps_reaches_the_fused_path() -> No
 @needs_kernels
 def test_gradient_droppings_sample_fraction_changed_between_steps_reaches_the_fused_path() -> None:
     x = torch.randn(200_000, generator=torch.Generator().manual_seed(1))
-    comp = GradientDropping(sample="random", backend="fused")
-    comp.setup(0, 1, torch.device("cpu"))
-    fused = comp._kernels(x.device)
-    assert fused is not None
+    comp, built = GradientDropping(sample="random", backend="fused"), GradientDropping(sample="random", sample_fraction=0.01,
+                                                                                     backend="fused")
+    for c in (comp, built):
+        c.setup(0, 1, torch.device("cpu"))
+    assert comp._kernels(x.device) is not None
+    comp.compress(x, "w")
+    built.compress(x, "w")  # the streams move on alike
     comp.sample_fraction = 0.01
-    sample, _ = fused.threshold_sample(x, "w")
-    assert sample.numel() == 2000  # 1 % of the tensor, not the 0.1 % it was built with
+    # 1 % of the tensor, not the 0.1 % it was built with: the threshold of a compressor built with 1 %
+    assert torch.equal(comp.compress(x, "w").stats["threshold"], built.compress(x, "w").stats["threshold"])
+    assert comp._sample_plan(Segments(["w"], [x.shape]), x.device).segments.numels == (2000,)
 
 
 @needs_kernels

@@ -1,6 +1,6 @@
-"""Gradient Dropping and AdaComp over a group of layers in one flat tensor: the batched torch path against the
-per-layer loop (``Compressor``'s defaults; for AdaComp its per-layer oracle, :mod:`tests.oracles.adacomp`), bit for
-bit, and its op counts."""
+"""AdaComp over a group of layers in one flat tensor: the batched torch path against its per-layer oracle
+(:mod:`tests.oracles.adacomp`), bit for bit; both sparse compressors' op counts and group kernels. Gradient Dropping's
+group code against its per-layer oracle: ``tests/unit/test_flat_graddrop.py``."""
 
 from collections.abc import Callable
 from typing import Any, Optional, cast
@@ -15,9 +15,6 @@ from lightning_gradcomp.compressors import AdaComp, GradientDropping
 from lightning_gradcomp.compressors.adacomp import Quantizer
 from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.compressors.base import Compressor, FlatPacket
-from lightning_gradcomp.compressors.graddrop import Sample, Scope
-from lightning_gradcomp.compressors.graddrop_flat import gather_samples
-from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.kernels import torch_ops
 from lightning_gradcomp.exchange.segments import Segments
 from tests.oracles.adacomp import LayerAdaComp
@@ -98,82 +95,6 @@ def _compare(
     expected = torch.empty(seg.total)
     Compressor.decompress_flat_mean_into(looped[0][0], [p for _, p in looped], expected)
     assert torch.equal(out, expected) and out.abs().sum() > 0
-
-
-GRADDROP_CASES: dict[str, dict[str, Any]] = {
-    "exact": dict(sample="exact"),
-    "strided": dict(sample="strided", max_sample=300),
-    "random": dict(sample="random", sample_fraction=0.05, min_sample=40),
-    "ratio0": dict(drop_ratio=0.0, sample="exact"),
-    "bf16": dict(drop_ratio=0.9, values="bf16"),
-    "fp16": dict(drop_ratio=0.5, values="fp16", sample="exact"),
-    "global_exact": dict(scope="global", sample="exact"),
-    "global_random": dict(scope="global", drop_ratio=0.9, sample_fraction=0.05, min_sample=40),
-}
-
-
-@pytest.mark.parametrize("backend", ["torch", "fused"])
-@pytest.mark.parametrize("case", GRADDROP_CASES)
-def test_graddrop_batched_equals_the_layer_loop(case: str, backend: Backend) -> None:
-    _compare(lambda: GradientDropping(backend=backend, seed=7, **GRADDROP_CASES[case]), _layout(), residuals=True)
-
-
-@pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_graddrop_batched_sends_nan_and_fp16_overflow_as_the_loop(backend: Backend) -> None:
-    seg = _layout()
-
-    def make() -> Compressor:
-        return GradientDropping(backend=backend, values="fp16", sample="exact", drop_ratio=0.9)
-
-    fast, slow = make(), make()
-    x = _gradient(seg, 3)
-    x[:40] = float("nan")
-    x[seg.offsets[4] : seg.offsets[4] + 5] = 1e6  # beyond fp16
-    a, b = fast.compress_flat(x, seg), Compressor.compress_flat(slow, x, seg)
-    _assert_same_stats(a, b)
-    assert float(a.stats["overflow"][4]) == 5
-    torch.testing.assert_close(fast.sent_flat(x, a), Compressor.sent_flat(slow, x, b), rtol=0, atol=0, equal_nan=True)
-
-
-@pytest.mark.parametrize("make", [lambda: GradientDropping(backend="fused", quantize="threshold"),
-                                  lambda: GradientDropping(backend="torch", quantize="2bit"),
-                                  lambda: GradientDropping(backend="fused", index_encoding="delta16"),
-                                  lambda: GradientDropping(backend="torch", index_encoding="delta16")])
-def test_graddrop_other_settings_loop_over_the_layers(make: Callable[[], Compressor]) -> None:
-    comp = make()
-    comp.setup(0, 1, torch.device("cpu"))
-    seg = _layout()
-    packet = comp.compress_flat(_gradient(seg, 0), seg)
-    assert not comp.batched and packet.layers is not None
-
-
-@pytest.mark.parametrize("backend", ["torch", "fused"])
-@pytest.mark.parametrize("sample", ["exact", "random"])
-def test_graddrop_global_scope_restarts_where_the_loop_does(sample: Sample, backend: Backend) -> None:
-    # groups change between steps (DDP rebuilds its buckets after the first): the step restarts at the first layer
-    # seen again, in the middle of a group here, and the layers before it keep the previous threshold
-    layers = [f"layer{i}.weight" for i in range(6)]
-    shapes = {name: torch.Size(s) for name, s in zip(layers, [(30, 40), (1,), (0,), (2500,), (17,), (300,)])}
-    steps = [[layers[:4], layers[4:]], [layers[5:], layers[:5]], [layers[2:4], layers[4:], layers[:2]], [layers]]
-
-    def make() -> GradientDropping:
-        return GradientDropping(backend=backend, scope="global", sample=sample, drop_ratio=0.95, min_sample=40,
-                                sample_fraction=0.05)
-
-    fast, slow = make(), make()
-    for step, groups in enumerate(steps):
-        for names in groups:
-            seg = Segments(names, [shapes[n] for n in names])
-            x = torch.randn(seg.total, generator=torch.Generator().manual_seed(step)) * (1 + step)
-            a, b = fast.compress_flat(x, seg), Compressor.compress_flat(slow, x, seg)
-            _assert_same_stats(a, b)
-            assert torch.equal(fast.sent_flat(x, a), Compressor.sent_flat(slow, x, b))
-        if step:
-            assert fast._global_threshold is not None and slow._global_threshold is not None
-            assert torch.equal(fast._global_threshold, slow._global_threshold)
-        else:
-            assert fast._global_threshold is None
-    assert _same_state(fast.state_dict(), slow.state_dict())
 
 
 def _ops_per_step(make: Callable[[], Compressor], layers: int) -> tuple[int, int, int]:
@@ -293,79 +214,3 @@ def test_adacomp_batched_handles_nan_as_the_loop(backend: Backend, quantizer: Qu
     sent = fast.sent_flat(x, a)
     torch.testing.assert_close(sent, Compressor.sent_flat(slow, x, b), rtol=0, atol=0, equal_nan=True)
     assert bool(torch.isnan(sent).any()) == (quantizer == "binary")
-
-
-@pytest.mark.parametrize("backend", ["torch", "fused"])
-def test_graddrop_batched_resumes_from_its_state_exactly(backend: Backend) -> None:
-    # random samples and the global pool: a run restored from a checkpoint repeats the uninterrupted one
-    seg = _layout()
-
-    def make() -> GradientDropping:
-        comp = GradientDropping(backend=backend, scope="global", drop_ratio=0.9, sample_fraction=0.05, min_sample=40)
-        comp.setup(1, RANKS, torch.device("cpu"))
-        return comp
-
-    steps = [_gradient(seg, s) for s in range(4)]
-    through = make()
-    expected = [through.compress_flat(x, seg) for x in steps]
-    first = make()
-    for x in steps[:2]:
-        first.compress_flat(x, seg)
-    resumed = make()
-    resumed.load_state_dict(first.state_dict())
-    for x, want in zip(steps[2:], expected[2:]):
-        got = resumed.compress_flat(x, seg)
-        assert torch.equal(got.payload, want.payload) and torch.equal(got.stats["threshold"], want.stats["threshold"])
-
-
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch-ops"])
-def test_graddrop_torch_group_sample_draws_the_fused_kernels_positions(compiled: bool) -> None:
-    # on x = each element's flat position, every sampled |x| is the position it was drawn at
-    if compiled and not kernels.fused_available():
-        pytest.skip("the compiled kernels do not load here")
-    seg = _layout([(30, 40), (1,), (0,), (2500,), (17,), (700,), (50, 3)])
-    comp = GradientDropping(backend="torch", sample="random", sample_fraction=0.05, min_sample=40, seed=7)
-    comp.setup(2, RANKS, torch.device("cpu"))
-    plan = comp._sample_plan(seg, torch.device("cpu"))
-    assert plan.draws.numels == (60, 0, 0, 125, 0, 40, 40)  # the two tiny layers and the empty one are not drawn
-    keys = CounterStreams(7)
-    keys.reset(2)
-    offsets, sizes, modes, _, _ = plan.kernel_args
-    position = torch.arange(seg.total, dtype=torch.float32)
-    for _ in range(2):  # the counters move on alike
-        ours = gather_samples(position, plan, comp._keys.bits_flat(plan.draws, torch.device("cpu")))
-        table = torch.tensor(keys.keys(plan.draws), dtype=torch.int64)
-        if compiled:
-            theirs = kernels.graddrop_group_sample(position, offsets, sizes, modes, table)
-        else:
-            with torch_ops():
-                theirs = kernels.graddrop_group_sample(position, offsets, sizes, modes, table)
-        assert torch.equal(ours, theirs)
-        drawn = ours[plan.segments.offsets[0] : plan.segments.offsets[1]]
-        assert drawn.min() >= 0 and drawn.max() < 1200 and drawn.unique().numel() > 40  # uniform over the layer
-    assert comp._keys.counters == keys.counters == {n: 2 for n in ("layer0.weight", "layer3.weight", "layer5.weight",
-                                                                    "layer6.weight")}
-
-
-@pytest.mark.parametrize("scope", ["layer", "global"])
-def test_graddrop_torch_and_fused_backends_select_the_same_random_samples(scope: Scope) -> None:
-    # the same positions, so the same thresholds and survivors, per group as per layer; the same counters after
-    seg = _layout()
-
-    def make(backend: Backend) -> GradientDropping:
-        comp = GradientDropping(backend=backend, scope=scope, drop_ratio=0.9, sample_fraction=0.05, min_sample=40)
-        comp.setup(1, RANKS, torch.device("cpu"))
-        return comp
-
-    ref, fused, looped = make("torch"), make("fused"), make("torch")
-    if not fused.batched:
-        pytest.skip("the compiled kernels do not load here (the fused backend then loops over the layers)")
-    for step in range(3):
-        x = _gradient(seg, step)
-        a, b = ref.compress_flat(x, seg), fused.compress_flat(x, seg)
-        assert torch.equal(a.stats["threshold"], b.stats["threshold"]) and torch.equal(a.payload, b.payload)
-        per_layer = torch.stack([looped.compress(x[o : o + n], name).stats["threshold"]
-                                 for name, o, n in zip(seg.names, seg.offsets, seg.numels)])
-        assert torch.equal(a.stats["threshold"], per_layer)
-    assert ref.state_dict()["counters"] == fused.state_dict()["counters"] == looped.state_dict()["counters"]
-    assert ref.state_dict()["counters"] == {f"layer{i}.weight": 3 for i in (0, 3, 4, 6)}  # the layers over 40

@@ -19,7 +19,7 @@ from lightning_gradcomp.compressors import GradientDropping
 from lightning_gradcomp.compressors.base import FlatPacket
 from lightning_gradcomp.exchange.segments import Segments
 from tests.triton_interpreter import compile_for_hopper, hopper_job, interpreter_test, needs_triton
-from tests.unit.test_flat_graddrop_adacomp import GRADDROP_CASES, _gradient, _layout, _ops_per_step
+from tests.unit.test_flat_graddrop import GRADDROP_CASES, LAYER_CASES, _gradient, _layout, _ops_per_step
 
 CPU = torch.device("cpu")
 #: groups of only empty layers, of one element, and of mixed tiny layers
@@ -38,8 +38,10 @@ def _ranks(kwargs: dict[str, Any], ranks: int, triton: bool, device: torch.devic
     return comps
 
 
-def _bits(t: Tensor) -> Tensor:
-    """A tensor's bytes, to compare floats bit for bit (the sign of a zero, NaN)."""
+def _bits(t: "Tensor | tuple[int, ...]") -> Tensor:
+    """A tensor's bytes, to compare floats bit for bit (the sign of a zero, NaN); host sizes as int64."""
+    if isinstance(t, tuple):
+        t = torch.tensor(t, dtype=torch.int64)
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -74,7 +76,7 @@ def _exchange(comps: Sequence[GradientDropping], seg: Segments, grads: Sequence[
 
 
 def _grad(seg: Segments, seed: int) -> Tensor:
-    """A gradient with zeros and a layer of ties (test_flat_graddrop_adacomp's) for its layout, else a random one."""
+    """A gradient with zeros and a layer of ties (test_flat_graddrop's) for its layout, else a random one."""
     if seg.shapes == _layout().shapes:
         return _gradient(seg, seed)
     return torch.randn(seg.total, generator=torch.Generator().manual_seed(seed))
@@ -257,6 +259,8 @@ def _global_restart() -> None:
 INTERPRETED: dict[str, Callable[[], None]] = {
     **{f"exchange-{c}": partial(_compare, GRADDROP_CASES[c], _layout(), 2, corrupt=_in_bf16 if c == "bf16" else None)
        for c in GRADDROP_CASES},
+    # the other wire forms: the thresholds in the kernels, each layer's own encoding with torch ops
+    **{f"layers-{c}": partial(_compare, LAYER_CASES[c], _layout(), 2) for c in ("2bit-delta16-global", "delta16-fp16")},
     **{f"one-rank-{c}": partial(_compare, GRADDROP_CASES[c], _layout(), steps=1, ranks=1)
        for c in ("random", "fp16")},
     **{f"tiny-{name}": partial(_compare, GRADDROP_CASES["random"], _layout(s), steps=2) for name, s in TINY.items()},
@@ -278,10 +282,11 @@ test_triton_kernels_match_the_torch_ops_in_the_interpreter = interpreter_test(__
 # -- on a GPU, when there is one ---------------------------------------------------------------------------------
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run on a GPU: the CUDA torch ops' rounding)")
-@pytest.mark.parametrize("case", sorted(GRADDROP_CASES))
+@pytest.mark.parametrize("case", [*sorted(GRADDROP_CASES), "2bit-delta16-global", "delta16-fp16"])
 def test_triton_kernels_match_the_torch_ops_on_cuda(case: str) -> None:
-    _compare(GRADDROP_CASES[case], _layout(), steps=2, device=torch.device("cuda"))
-    _compare(GRADDROP_CASES[case], _layout(), steps=1, device=torch.device("cuda"), corrupt=_nonfinite)
+    kwargs = GRADDROP_CASES.get(case) or LAYER_CASES[case]
+    _compare(kwargs, _layout(), steps=2, device=torch.device("cuda"))
+    _compare(kwargs, _layout(), steps=1, device=torch.device("cuda"), corrupt=_nonfinite)
 
 
 # -- compiled for a GPU, without one ------------------------------------------------------------------------------
