@@ -24,73 +24,13 @@ The fused class reads its compressor's settings through the protocol declared he
 setting reaches it): the compressor module imports this one, never the reverse.
 """
 
-from abc import abstractmethod
-from collections.abc import Callable, Sequence
-from typing import Optional, Protocol, TypeVar
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.adacomp_flat import bin_mean
-from lightning_gradcomp.compressors.backends import KernelBacked
-from lightning_gradcomp.compressors.base import Packet
-
-F = TypeVar("F")
-
-
-def decode_sum(
-    packets: Sequence[Packet], decode: Callable[[Packet], tuple[Tensor, Tensor]], out: Optional[Tensor] = None
-) -> Tensor:
-    """The dense float32 sum of sparse packets, scatter-added payload by payload in the given (rank) order.
-
-    Args:
-        packets: one packet per rank, in rank order (empty payloads contribute nothing).
-        decode: (indices, float32 values) of one non-empty packet.
-        out: a contiguous float32 tensor of the packets' numel to write into (overwritten), or None.
-    """
-    first = packets[0]
-    pairs = [decode(p) for p in packets if p.payload.numel() > 0]
-    indices, values = [i for i, _ in pairs], [v for _, v in pairs]
-    if out is None:
-        out = torch.empty(first.numel, dtype=torch.float32, device=first.payload.device)
-    return kernels.sparse_decode_sum(first.numel, indices, values, out=out.view(-1)).view(first.shape)
-
-
-def _writes_into(packets: Sequence[Packet], out: Tensor) -> bool:
-    """Whether the kernels can decode straight into ``out``: float32 gradients and a contiguous float32
-    destination (the kernels write flat float32)."""
-    return (
-        packets[0].dtype == torch.float32
-        and out.dtype == torch.float32
-        and out.is_contiguous()
-        and out.numel() == packets[0].numel
-    )
-
-
-class FusedSumCompressor(KernelBacked[F]):
-    """A sparse compressor whose ranks' sum the kernels decode (AdaComp).
-
-    Subclasses offer their fused implementation (:meth:`_offer_kernels`) and implement :meth:`_fused_sum`; the
-    torch backend, and gradients that are not float32 (the torch backend adds decoded tensors in the gradient's
-    dtype), keep the base class's sums.
-    """
-
-    @abstractmethod
-    def _fused_sum(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        """The sum of ``packets`` written into ``out`` (contiguous float32, overwritten) by the kernels."""
-
-    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
-        first = packets[0]
-        if first.dtype != torch.float32 or self._kernels(first.payload.device) is None:
-            return super().decompress_sum(packets)
-        return self._fused_sum(packets, torch.empty(first.numel, dtype=torch.float32, device=first.payload.device))
-
-    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        if not _writes_into(packets, out) or self._kernels(packets[0].payload.device) is None:
-            return super().decompress_sum_into(packets, out)
-        self._fused_sum(packets, out)
-        return out
 
 
 class AdaCompSettings(Protocol):
@@ -140,4 +80,4 @@ class FusedAdaComp:
         return sel.index[keep].long(), torch.sign(values).long(), scale
 
 
-__all__ = ["FusedAdaComp", "FusedSumCompressor", "decode_sum"]
+__all__ = ["FusedAdaComp"]
