@@ -1,18 +1,19 @@
-"""DGC's selection (``DGC.select``) for a whole group of layers in a fixed number of ops, one data-dependent op
-(the final ``nonzero``) and no host read.
+"""DGC's selection: :func:`select_segment` states it for one layer (:func:`select_loop` runs it layer by layer, a
+CPU's form); :func:`select` for a whole group of layers in a fixed number of ops, one data-dependent op (the final
+``nonzero``) and no host read (a GPU's form; :func:`select_mask` with Triton's kernels).
 
-Per layer, ``DGC.select`` takes the ``top_k_samples``-th largest of a strided sample as threshold ``t0``, then tries
+Per layer, DGC takes the ``top_k_samples``-th largest of a strided sample as threshold ``t0``, then tries
 ``t0, t0 * lb, t0 * lb**2, ...`` (at most ``max_adaptation_iters`` times) until the count ``c`` of ``|x| >= t``
 is above ``k`` (then an exact top-k of those if ``c > ub * k``) or at least ``lb * k``, and keeps the first ``k``
-survivors by position. Here every layer's samples are sorted at once (:meth:`Segments.sort`), the counts of
+survivors by position. In :func:`select` every layer's samples are sorted at once (:meth:`Segments.sort`), the counts of
 all the thresholds ``t_j`` are one histogram of each element's "level" (how many of its layer's thresholds it
 reaches), the stopping rule is evaluated for every layer at once on those ``[layers, iters + 1]`` counts, and
 the exact top-k (for the layers that need it) is a segmented radix select
 (:func:`~lightning_gradcomp.kernels.segmented.kth_largest`). "The first k survivors" is a segmented prefix count.
 
-The same selected set as ``DGC.select`` when the same sample offsets are drawn (the per-name counter streams
-both use), except that ties at a top-k layer's k-th largest magnitude are broken by position (``torch.topk``
-breaks them as its kernel happens to).
+Every form selects the same set when the same sample offsets are drawn (the per-name counter streams all use); ties
+at a top-k layer's k-th largest magnitude are broken by position (the per-layer oracle's ``torch.topk`` breaks them
+as its kernel happens to).
 """
 
 import math

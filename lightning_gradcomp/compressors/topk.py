@@ -19,10 +19,14 @@ value plus one float32 scale per tensor; the rounding error stays in the residua
 ``dim() <= 1`` (biases, norms) are sent dense as float32 values when ``dense_1d`` (DGC's code compresses only
 ``dim() > 1``).
 
-A group of layers (the hook's batched pipeline, :meth:`TopK.compress_flat`) is compressed and decoded in a fixed
-number of ops: the group payload's layout is :mod:`~lightning_gradcomp.compressors.topk_flat`'s (the same bytes
-per layer as here), DGC's selection of all layers at once :mod:`~lightning_gradcomp.compressors.dgc_flat`'s. DGC's
-sample offsets come from per-name counter streams computed on the host, so both paths draw the same ones.
+The code is written once, for a group of layers in one flat tensor (the hook's pipeline, :meth:`TopK.compress_flat`);
+the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ``sent``) run it on a group of one. The
+group payload's layout is :mod:`~lightning_gradcomp.compressors.topk_flat`'s; the selection, what differs by device
+(:attr:`TopK.selection`), is stated for one layer once (:func:`~lightning_gradcomp.compressors.topk_flat.top_k_segment`,
+:func:`~lightning_gradcomp.compressors.dgc_flat.select_segment`) and looped over the layers on a CPU, batched for all
+layers at once elsewhere (:mod:`~lightning_gradcomp.compressors.dgc_flat`, or Triton's kernels on CUDA): the same
+elements either way. DGC's sample offsets come from per-name counter streams computed on the host, so every
+selection draws the same ones.
 """
 
 import math

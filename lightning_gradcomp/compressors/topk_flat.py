@@ -1,5 +1,7 @@
-"""The batched wire of :class:`~lightning_gradcomp.compressors.TopK` and ``DGC``: a whole group of layers
-(:class:`~lightning_gradcomp.exchange.segments.Segments`) encoded and decoded in a fixed number of ops.
+"""The wire of :class:`~lightning_gradcomp.compressors.TopK` and ``DGC``: a whole group of layers
+(:class:`~lightning_gradcomp.exchange.segments.Segments`) encoded and decoded in a fixed number of ops, and top-k's
+selection (:func:`top_k_segment` for one layer, looped by :func:`select_top_k`; :func:`select_top_k_batched` for
+the whole group at once).
 
 A group payload is one ``uint8`` tensor of four sections, each 4-byte aligned where it starts (so each is a view
 of the payload, not a copy, when the payload itself is aligned):
@@ -11,12 +13,12 @@ of the payload, not a copy, when the payload itself is aligned):
 * values: ``fp32`` / ``fp16`` per index, or ``int2``'s 2-bit codes, each layer's codes padded with zeros to a
   whole byte (as a per-layer :func:`~lightning_gradcomp.wire.bits.pack_bits` pads them).
 
-Each layer accounts for exactly the bytes its per-layer packet has (``TopK.compress``): ``4 n`` dense,
-``k (4 + value bytes)`` sparse, ``4 + 4 k + ceil(k / 4)`` with ``int2``; only their order in the payload differs.
-Decoding writes what the per-layer decoders write, bit for bit: ``sent`` copies each value into zeros; the ranks'
-sum starts from +0.0 at sparse positions and -0.0 at dense ones (``-0.0 + v == v`` for every ``v``: what the
-per-layer dense sum, which starts from rank 0's values, gives) and adds the ranks in order, one ``scatter_add_``
-per rank (no duplicate index within a rank, so even CUDA's atomics add each element in rank order).
+Each layer accounts for ``4 n`` bytes dense, ``k (4 + value bytes)`` sparse, ``4 + 4 k + ceil(k / 4)`` with
+``int2`` (what a layer sent on its own, as a group of one, puts on the wire). Decoding writes bit for bit what a
+decode of each layer alone writes (the per-layer oracle, ``tests/oracles/topk.py``): ``sent`` copies each value into
+zeros; the ranks' sum starts from +0.0 at sparse positions and -0.0 at dense ones (``-0.0 + v == v`` for every
+``v``: what a dense layer's sum, which starts from rank 0's values, gives) and adds the ranks in order, one
+``scatter_add_`` per rank (no duplicate index within a rank, so even CUDA's atomics add each element in rank order).
 """
 
 from collections.abc import Callable, Sequence
