@@ -242,11 +242,10 @@ def encode_mask(x: Tensor, layout: SparseLayout, mask: Tensor, count: Optional[i
     return payload
 
 
-def sparse_count(layout: SparseLayout, payload_nbytes: int, selection: Optional[Segments] = None) -> int:
-    """How many indices a payload of ``payload_nbytes`` holds (a host integer from its size, no read); int2's from
-    its ``selection`` (default: ``layout.selection``)."""
+def sparse_count(layout: SparseLayout, payload_nbytes: int) -> int:
+    """How many indices a payload of ``payload_nbytes`` holds (a host integer from its size, no read)."""
     if layout.value_dtype == _INT2:
-        return (layout.selection if selection is None else selection).total
+        return layout.selection.total
     return (payload_nbytes - 4 * layout.dense_total) // (4 + layout.value_nbytes)
 
 
