@@ -1,5 +1,6 @@
-"""TopK and DGC on one group of layers: the per-layer loop (the base ``*_flat`` methods) against the batched
-overrides, for compress + sent + the mean of 3 ranks' gathered payloads.
+"""TopK and DGC on one group of layers: the group code's two selections, a partial selection per layer (``"loop"``,
+a CPU's default) against the batched ops (``"batched"``, a GPU's without Triton), for compress + sent + the mean of
+3 ranks' gathered payloads.
 
 Per compressor and number of layers (pairs of a 256x256 weight and a 256 bias): aten ops, host reads and
 data-dependent ops (deterministic), and the median wall time of a few repetitions on this machine's CPU (one torch
@@ -17,35 +18,34 @@ import torch
 
 from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DGC, TopK
-from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.exchange.segments import Segments
 
 RANKS = 3
-COMPRESSORS: dict[str, Callable[[], Compressor]] = {"topk(0.01)": lambda: TopK(0.01), "dgc(0.001)": lambda: DGC(0.001)}
+COMPRESSORS: dict[str, Callable[[], TopK]] = {"topk(0.01)": lambda: TopK(0.01), "dgc(0.001)": lambda: DGC(0.001)}
 
 
-def _step(c: Compressor, seg: Segments, xs: list[torch.Tensor], loop: bool) -> None:
-    owner = Compressor if loop else type(c)
-    packets = [owner.compress_flat(c, x, seg) for x in xs]
-    owner.sent_flat(c, xs[0], packets[0])
+def _step(c: TopK, seg: Segments, xs: list[torch.Tensor]) -> None:
+    packets = [c.compress_flat(x, seg) for x in xs]
+    c.sent_flat(xs[0], packets[0])
     out = torch.empty(seg.total)
-    owner.decompress_flat_mean_into(c, [packets[0].with_payload(p.payload, p.layer_nbytes) for p in packets], out)
+    c.decompress_flat_mean_into([packets[0].with_payload(p.payload, p.layer_nbytes) for p in packets], out)
 
 
-def measure(make: Callable[[], Compressor], layers: int, loop: bool, repeat: int) -> tuple[int, int, int, float]:
+def measure(make: Callable[[], TopK], layers: int, selection: str, repeat: int) -> tuple[int, int, int, float]:
     """(ops, host reads, data-dependent ops, median ms) of one step after a warm-up one."""
     seg = Segments([f"l{i}" for i in range(layers)], [torch.Size(s) for s in [(256, 256), (256,)] * (layers // 2)])
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(seg.total, generator=gen) for _ in range(RANKS)]
     c = make()
     c.setup(0, RANKS, torch.device("cpu"))
-    _step(c, seg, xs, loop)
+    c.selection = selection  # type: ignore[assignment]
+    _step(c, seg, xs)
     with count_ops() as counted:
-        _step(c, seg, xs, loop)
+        _step(c, seg, xs)
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
-        _step(c, seg, xs, loop)
+        _step(c, seg, xs)
         times.append(1000 * (time.perf_counter() - start))
     return counted.total, counted.host_reads, counted.data_dependent, statistics.median(times)
 
@@ -61,7 +61,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, make in COMPRESSORS.items():
         for layers in args.layers:
-            loop, batched = (measure(make, layers, flag, args.repeat) for flag in (True, False))
+            loop, batched = (measure(make, layers, selection, args.repeat) for selection in ("loop", "batched"))
             cells = [*loop[:3], f"{loop[3]:.1f}", *batched[:3], f"{batched[3]:.1f}"]
             print(f"| {name} | {layers} | " + " | ".join(str(c) for c in cells) + " |")
 

@@ -397,7 +397,7 @@ def topk_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Call
         for reference in (True, False):
             comp = pair[reference] = make()
             comp.setup(0, world, device)
-            comp.batch_on_cpu = True  # the group path (a GPU's) on either device
+            comp.selection = "batched"  # the group path a GPU runs without Triton, on either device
             comp.triton = False if reference else None  # None: the device's choice
         packets = {r: c.compress_flat(g, seg) for r, c in pair.items()}
         received = {r: [p.with_payload(p.payload.clone()) for _ in range(world)] for r, p in packets.items()}

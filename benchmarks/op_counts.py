@@ -23,17 +23,20 @@ from lightning_gradcomp import registry
 from lightning_gradcomp.compressors.adacomp import AdaComp
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.graddrop import GradientDropping
+from lightning_gradcomp.compressors.topk import TopK
 from gradcomp_lab.opcount import hook_op_overhead
 
 SIZES = (40, 160)
 
 
 def _gpu_path(factory: Callable[[], Compressor]) -> Callable[[], Compressor]:
-    """``factory`` with the compressor taking, on CPU too, the group path a GPU runs (``batch_on_cpu``)."""
+    """``factory`` with the compressor taking, on CPU too, the group path a GPU runs (top-k's and DGC's batched
+    selection instead of a CPU's partial selection per layer)."""
 
     def make() -> Compressor:
         compressor = factory()
-        compressor.batch_on_cpu = True
+        if isinstance(compressor, TopK):
+            compressor.selection = "batched"
         return compressor
 
     return make

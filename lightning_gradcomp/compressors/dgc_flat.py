@@ -1,18 +1,19 @@
-"""DGC's selection (``DGC.select``) for a whole group of layers in a fixed number of ops, one data-dependent op
-(the final ``nonzero``) and no host read.
+"""DGC's selection: :func:`select_segment` states it for one layer (:func:`select_loop` runs it layer by layer, a
+CPU's form); :func:`select` for a whole group of layers in a fixed number of ops, one data-dependent op (the final
+``nonzero``) and no host read (a GPU's form; :func:`select_mask` with Triton's kernels).
 
-Per layer, ``DGC.select`` takes the ``top_k_samples``-th largest of a strided sample as threshold ``t0``, then tries
+Per layer, DGC takes the ``top_k_samples``-th largest of a strided sample as threshold ``t0``, then tries
 ``t0, t0 * lb, t0 * lb**2, ...`` (at most ``max_adaptation_iters`` times) until the count ``c`` of ``|x| >= t``
 is above ``k`` (then an exact top-k of those if ``c > ub * k``) or at least ``lb * k``, and keeps the first ``k``
-survivors by position. Here every layer's samples are sorted at once (:meth:`Segments.sort`), the counts of
+survivors by position. In :func:`select` every layer's samples are sorted at once (:meth:`Segments.sort`), the counts of
 all the thresholds ``t_j`` are one histogram of each element's "level" (how many of its layer's thresholds it
 reaches), the stopping rule is evaluated for every layer at once on those ``[layers, iters + 1]`` counts, and
 the exact top-k (for the layers that need it) is a segmented radix select
 (:func:`~lightning_gradcomp.kernels.segmented.kth_largest`). "The first k survivors" is a segmented prefix count.
 
-The same selected set as ``DGC.select`` when the same sample offsets are drawn (the per-name counter streams
-both use), except that ties at a top-k layer's k-th largest magnitude are broken by position (``torch.topk``
-breaks them as its kernel happens to).
+Every form selects the same set when the same sample offsets are drawn (the per-name counter streams all use); ties
+at a top-k layer's k-th largest magnitude are broken by position (the per-layer oracle's ``torch.topk`` breaks them
+as its kernel happens to).
 """
 
 import math
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.compressors import topk_flat
 from lightning_gradcomp.compressors.topk_flat import SparseLayout
 from lightning_gradcomp.kernels import segmented, triton_topk
 from lightning_gradcomp.exchange.segments import Segments
@@ -79,6 +81,58 @@ class DGCPlan:
         """Each layer's ``top_k_samples`` capped by its drawn sample's size (``len(range(start, n, stride))``)."""
         return [min(t, len(range(a, n, s))) if s else 0
                 for t, a, n, s in zip(self.top_samples, starts, self.layout.segments.numels, self.strides)]
+
+
+def select_segment(magnitudes: Tensor, k: int, stride: int, start: int, top: int, plan: DGCPlan) -> Tensor:
+    """DGC's selection of one layer (the official code's): int64 positions, ascending, within ``magnitudes``.
+
+    The ``top``-th largest of the sample ``magnitudes[start::stride]`` is the threshold (NaN when a NaN is among
+    the top: nothing is sent); with a sample (``stride > 1``) it is adapted up to ``plan.iters`` times: more than
+    ``k`` survivors stop it (an exact top-k of them, :func:`~lightning_gradcomp.compressors.topk_flat.top_k_segment`,
+    when more than ``upper_bound * k``), at least ``lower_bound * k`` too, else the threshold is multiplied by
+    ``lower_bound``. The first ``k`` survivors by position are sent.
+
+    Args:
+        magnitudes: ``|x|`` of the layer.
+        k: the most elements sent (the layer's top-k count).
+        stride: the sample's stride (1: the whole layer, no adaptation).
+        start: the sample's offset drawn this step.
+        top: the rank in the sample of the threshold (capped by the sample's size).
+        plan: the adaptation settings.
+    """
+    samples = magnitudes if stride == 1 else magnitudes[start::stride]
+    threshold = torch.topk(samples, top, sorted=False).values.min()
+    survivors = torch.nonzero(magnitudes >= threshold).reshape(-1)
+    if stride > 1:
+        for _ in range(plan.iters):
+            count = survivors.numel()
+            if count > k:
+                if count > plan.upper_bound * k:
+                    survivors = survivors[topk_flat.top_k_segment(magnitudes.index_select(0, survivors), k)]
+                break
+            if count >= plan.lower_bound * k:
+                break
+            threshold = threshold * plan.lower_bound
+            survivors = torch.nonzero(magnitudes >= threshold).reshape(-1)
+    return survivors[:k]
+
+
+def select_loop(plan: DGCPlan, magnitudes: Tensor, starts: Sequence[int]) -> tuple[Tensor, tuple[int, ...]]:
+    """:func:`select` as one :func:`select_segment` per layer (a CPU's fastest: a few partial selections and
+    compactions per layer instead of the batched form's passes over the group per threshold): ``(int64 flat
+    positions in ascending order, host counts per layer)``."""
+    seg = plan.layout.segments
+    parts, counts = [], []
+    for o, n, k, stride, start, top in zip(seg.offsets, seg.numels, plan.layout.counts, plan.strides, starts,
+                                          plan.top_in_sample(starts)):
+        if not k:
+            counts.append(0)
+            continue
+        part = select_segment(magnitudes[o : o + n], k, stride, start, top, plan)
+        parts.append(part.add_(o))
+        counts.append(part.numel())
+    positions = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=magnitudes.device)
+    return positions, tuple(counts)
 
 
 def _thresholds(plan: DGCPlan, source: Tensor, starts: Sequence[int], absolute: bool) -> tuple[Tensor, Tensor]:
@@ -193,4 +247,4 @@ def select_mask(plan: DGCPlan, x: Tensor, starts: Sequence[int]) -> tuple[Tensor
     return mask, torch.minimum(count, k)
 
 
-__all__ = ["DGCPlan", "select", "select_mask"]
+__all__ = ["DGCPlan", "select", "select_loop", "select_mask", "select_segment"]

@@ -19,10 +19,14 @@ value plus one float32 scale per tensor; the rounding error stays in the residua
 ``dim() <= 1`` (biases, norms) are sent dense as float32 values when ``dense_1d`` (DGC's code compresses only
 ``dim() > 1``).
 
-A group of layers (the hook's batched pipeline, :meth:`TopK.compress_flat`) is compressed and decoded in a fixed
-number of ops: the group payload's layout is :mod:`~lightning_gradcomp.compressors.topk_flat`'s (the same bytes
-per layer as here), DGC's selection of all layers at once :mod:`~lightning_gradcomp.compressors.dgc_flat`'s. DGC's
-sample offsets come from per-name counter streams computed on the host, so both paths draw the same ones.
+The code is written once, for a group of layers in one flat tensor (the hook's pipeline, :meth:`TopK.compress_flat`);
+the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ``sent``) run it on a group of one. The
+group payload's layout is :mod:`~lightning_gradcomp.compressors.topk_flat`'s; the selection, what differs by device
+(:attr:`TopK.selection`), is stated for one layer once (:func:`~lightning_gradcomp.compressors.topk_flat.top_k_segment`,
+:func:`~lightning_gradcomp.compressors.dgc_flat.select_segment`) and looped over the layers on a CPU, batched for all
+layers at once elsewhere (:mod:`~lightning_gradcomp.compressors.dgc_flat`, or Triton's kernels on CUDA): the same
+elements either way. DGC's sample offsets come from per-name counter streams computed on the host, so every
+selection draws the same ones.
 """
 
 import math
@@ -32,11 +36,9 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.wire.bits import pack_bits, packed_bits_nbytes, unpack_bits
 from lightning_gradcomp.compressors import dgc_flat, topk_flat
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
-from lightning_gradcomp.compressors.topk_flat import INT2_HALF_RANGE as _INT2_HALF_RANGE
 from lightning_gradcomp.compressors.topk_flat import SparseLayout
 from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
@@ -44,6 +46,10 @@ from lightning_gradcomp.validation import check_choice, check_int, check_number
 ValueDtype = Literal["fp32", "fp16", "int2"]
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _INT2 = "int2"
+Selection = Literal["loop", "batched"]
+#: the selections by torch ops: every sparse layer's top-k of the magnitudes, int64 flat positions ascending
+_TOP_K = {"loop": topk_flat.select_top_k, "batched": topk_flat.select_top_k_batched}
+_SELECTIONS = tuple(_TOP_K)
 
 DGC_PAPER_WARMUP: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625, 0.001)
 """The DGC paper's sparsity warm-up as kept fractions: 75%, 93.75%, 98.4375%, 99.6%, 99.9% sparsity.
@@ -103,63 +109,26 @@ class TopK(Compressor):
     def is_dense(self, shape: torch.Size) -> bool:
         return self.dense_1d and len(shape) <= 1
 
-    def select(self, importance: Tensor, name: str = "") -> Tensor:
-        """Indices (int64) of the elements to send, given their magnitudes."""
-        k = min(self.num_selects(importance.numel()), importance.numel())
-        return torch.topk(importance, k, sorted=False).indices
-
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        flat = tensor.detach().reshape(-1)
-        if self.is_dense(tensor.shape):
-            payload = flat.float().view(torch.uint8)
-            return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats={"density": flat.new_ones(())})
-        # an empty tensor selects nothing (the samplers' order statistics need a value)
-        indices = self.select(flat.abs(), name) if flat.numel() else flat.new_zeros(0, dtype=torch.long)
-        index_bytes = indices.to(torch.int32).view(torch.uint8)
-        if self.value_dtype == _INT2:
-            values = flat[indices].float()
-            scale = values.abs().amax().reshape(1) / _INT2_HALF_RANGE if values.numel() else values.new_zeros(1)
-            codes = topk_flat.int2_codes(values, scale)
-            payload = torch.cat((scale.view(torch.uint8), index_bytes, pack_bits(codes, 2)))
-        else:
-            values = flat[indices].to(_VALUE_DTYPES[self.value_dtype])
-            payload = torch.cat((values.view(torch.uint8), index_bytes))
-        stats = {"density": flat.new_tensor(indices.numel() / max(1, flat.numel()), dtype=torch.float32)}
-        return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
-
-    def _values_indices(self, packet: Packet) -> tuple[Tensor, Tensor]:
-        if self.value_dtype == _INT2:
-            return _int2_values_indices(packet.payload)
-        value_size = _VALUE_DTYPES[self.value_dtype].itemsize
-        k = packet.payload.numel() // (value_size + 4)
-        # clone: slices at odd byte offsets cannot be reinterpreted as wider dtypes in place
-        values = packet.payload[: k * value_size].clone().view(_VALUE_DTYPES[self.value_dtype])
-        indices = packet.payload[k * value_size :].clone().view(torch.int32).long()
-        return values, indices
-
-    def decompress(self, packet: Packet) -> Tensor:
-        if self.is_dense(packet.shape):
-            return packet.payload.clone().view(torch.float32).to(packet.dtype).view(packet.shape)
-        values, indices = self._values_indices(packet)
-        out = torch.zeros(packet.numel, dtype=packet.dtype, device=packet.payload.device)
-        out[indices] = values.to(packet.dtype)
-        return out.view(packet.shape)
-
-    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
-        if self.is_dense(packets[0].shape):
-            return super().decompress_sum(packets)
-        first = packets[0]
-        out = torch.zeros(first.numel, dtype=first.dtype, device=first.payload.device)
-        for packet in packets:  # rank order, identical on every rank
-            values, indices = self._values_indices(packet)
-            out.index_add_(0, indices, values.to(first.dtype))
-        return out.view(first.shape)
-
-    # -- a group of layers at once (the hook's batched pipeline; wire layout in topk_flat) ------------------------
+    # -- the group code: a group of layers at once (the hook's pipeline; a single tensor is a group of one) ---------
     batched = True
-    # the group's two stable sorts cost 10-20x the per-layer partial selections on a CPU
-    # (`python benchmarks/flat_sparse.py`); on a GPU they are a few kernels instead of dozens per layer
-    batch_on_cpu = False
+
+    #: how a group's elements are selected where the Triton kernels do not run (:meth:`uses_triton`): ``"loop"``,
+    #: one partial selection (``torch.topk``) per layer, or ``"batched"``, a fixed number of ops per group (sorts of
+    #: the whole group); ``None`` (default) chooses by device: the loop on a CPU, where an op costs well under a
+    #: microsecond and a group's sort 10-20x the partial selections (``python benchmarks/flat_sparse.py``), the
+    #: batched ops elsewhere, where every op is a kernel launch. Both select the same elements.
+    selection: Optional[Selection] = None
+
+    def _selecting(self, x: Tensor) -> str:
+        """The selection that runs on ``x``: ``"triton"``, ``"loop"`` or ``"batched"`` (see :attr:`selection`)."""
+        if self.uses_triton(x):
+            return "triton"
+        if self.selection is None:
+            return "loop" if x.device.type == "cpu" else "batched"
+        if self.selection not in _SELECTIONS:
+            raise ValueError(f"Expected `selection` to be one of {list(_SELECTIONS)} or None but got "
+                             f"{self.selection!r}. Fix: use None to choose by device.")
+        return self.selection
 
     def _layout(self, segments: Segments, device: torch.device) -> SparseLayout:
         key = (segments, self._ratio, self.value_dtype, self.dense_1d, device)
@@ -179,36 +148,40 @@ class TopK(Compressor):
         return None
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        """Every sparse layer's ``k`` largest |x| (a per-segment sort, then each segment's first k positions: a
-        fixed size, no data-dependent op), sent in position order; ties at the k-th largest are broken by lowest
-        position. With Triton (:meth:`uses_triton`) a radix select and a compaction in place of the sorts."""
-        if not self.batch_on(flat, segments):
-            return Compressor.compress_flat(self, flat, segments, shared)
+        """Every sparse layer's ``k`` largest ``|x|`` (NaN above +inf; of the values equal to the k-th largest, the
+        lowest positions), sent in position order, in the group payload of
+        :mod:`~lightning_gradcomp.compressors.topk_flat`. The selection by device (:attr:`selection`): one partial
+        selection per layer, a segmented sort, or with Triton (:meth:`uses_triton`) a radix select and a compaction."""
         layout = self._layout(segments, flat.device)
         x = flat.detach()
-        if self.uses_triton(x):
+        selecting = self._selecting(x)
+        if selecting == "triton":
             payload = topk_flat.encode_top_k(x, layout)
         else:
-            _, order = segments.sort(x.abs(), descending=True)
-            indices = order.index_select(0, segments.firsts(layout.counts, flat.device)).sort().values
-            payload = topk_flat.encode(x, layout, indices)
+            payload = topk_flat.encode(x, layout, _TOP_K[selecting](x.abs(), layout))
         stats = {"density": layout.constant("density", lambda: topk_flat.density(layout, layout.counts))}
         return FlatPacket(payload, segments, flat.dtype, layout.fixed_nbytes(), ctx={"layout": layout}, stats=stats)
 
+    def _decoding(self, packet: FlatPacket) -> tuple[SparseLayout, Optional[Segments]]:
+        """The layout a packet was encoded with (its own context; a packet made by hand: this compressor's), and its
+        int2 selection when it is not the layout's (DGC's counts, from the packet's sizes)."""
+        layout = packet.ctx.get("layout")
+        if layout is None:
+            layout = self._layout(packet.segments, packet.payload.device)
+        return layout, None
+
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
-        if packet.layers is not None:
-            return super().decompress_flat(packet)
-        return topk_flat.decode_sent(packet.payload, packet.ctx["layout"], packet.dtype, self._triton_wire(packet.payload))
+        layout, selection = self._decoding(packet)
+        return topk_flat.decode_sent(packet.payload, layout, packet.dtype, self._triton_wire(packet.payload), selection)
 
     def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
-        return self.decompress_flat(packet) if packet.layers is None else super().sent_flat(flat, packet)
+        return self.decompress_flat(packet)
 
     def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        if packets[0].layers is not None:
-            return super().decompress_flat_mean_into(packets, out)
-        first = packets[0]
-        return topk_flat.decode_mean_into([p.payload for p in packets], first.ctx["layout"], first.dtype, out,
-                                          self._triton_wire(first.payload))
+        layout = self._decoding(packets[0])[0]
+        selections = [self._decoding(p)[1] for p in packets]
+        return topk_flat.decode_mean_into([p.payload for p in packets], layout, packets[0].dtype, out,
+                                          self._triton_wire(packets[0].payload), selections)
 
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
@@ -217,18 +190,6 @@ class TopK(Compressor):
     def describe(self) -> dict[str, Any]:
         return {"compressor": type(self).__name__, "ratio": self._ratio, "value_dtype": self.value_dtype,
                 "dense_1d": self.dense_1d}
-
-
-def _int2_values_indices(payload: Tensor) -> tuple[Tensor, Tensor]:
-    """Values and indices of an int2 payload ``scale (4 B) | k int32 indices | k 2-bit codes``."""
-    total = payload.numel() - 4
-    k = max(0, total * 4 // 17 - 1)  # 4k + ceil(k / 4) == total: start just below and step up
-    while 4 * k + packed_bits_nbytes(k, 2) < total:
-        k += 1
-    scale = payload[:4].clone().view(torch.float32)
-    indices = payload[4 : 4 + 4 * k].clone().view(torch.int32).long()
-    codes = unpack_bits(payload[4 + 4 * k :], k, 2).float()
-    return topk_flat.int2_values(codes, scale), indices
 
 
 class DGC(TopK):
@@ -240,7 +201,7 @@ class DGC(TopK):
         upper_bound: when more than ``upper_bound * k`` elements pass, take an exact top-k of those (1.3).
         lower_bound: when fewer than ``lower_bound * k`` pass, multiply the threshold by it and retry (0.8).
         max_adaptation_iters: threshold adaptations at most (10).
-        value_dtype: ``"fp32"`` or ``"fp16"`` values on the wire.
+        value_dtype: ``"fp32"`` or ``"fp16"`` values on the wire, or ``"int2"`` (as :class:`TopK`'s).
         dense_1d: send tensors with ``dim() <= 1`` dense (DGC's code).
         seed: seed of the sampling offsets; rank r draws from seed and r.
     """
@@ -277,14 +238,9 @@ class DGC(TopK):
         self._streams.reset(rank)
         self._plans = {}
 
-    @property
-    def batched(self) -> bool:  # type: ignore[override]
-        """int2 values need two data-dependent sizes per group (indices and padded codes): they loop over layers."""
-        return self.value_dtype != _INT2
-
     def _start(self, name: str, stride: int) -> int:
         """The sample's random offset in ``[0, stride)`` for ``name``'s next draw: a pure function of (seed, rank,
-        name, draw number) computed on the host (no op, no read), the same in the per-layer and group paths."""
+        name, draw number) computed on the host (no op, no read), whichever selection runs."""
         return self._streams.key(name)[0] % stride
 
     def state_dict(self) -> dict[str, Any]:
@@ -308,31 +264,6 @@ class DGC(TopK):
                 samples = numel // stride
         return stride, samples, max(1, math.ceil(samples * self._ratio))
 
-    def select(self, importance: Tensor, name: str = "") -> Tensor:
-        numel = importance.numel()
-        num_selects = min(self.num_selects(numel), numel)
-        stride, num_samples, top_k_samples = self.sampling(numel)
-        if stride == 1:
-            samples = importance
-        else:
-            samples = importance[self._start(name, stride) :: stride]
-        top_k_samples = min(top_k_samples, samples.numel())
-        threshold = torch.topk(samples, top_k_samples, sorted=False).values.min()
-        indices = torch.nonzero(importance >= threshold).view(-1)
-        if stride > 1:
-            for _ in range(self.max_adaptation_iters):
-                count = indices.numel()
-                if count > num_selects:
-                    if count > self.upper_bound * num_selects:
-                        top = torch.topk(importance[indices], num_selects, sorted=False).indices
-                        indices = indices[top]
-                    break
-                if count >= self.lower_bound * num_selects:
-                    break
-                threshold = threshold * self.lower_bound
-                indices = torch.nonzero(importance >= threshold).view(-1)
-        return indices[:num_selects]
-
     def _plan(self, segments: Segments, device: torch.device) -> dgc_flat.DGCPlan:
         key = (segments, self._ratio, self.value_dtype, self.dense_1d, self.sample_ratio, self.upper_bound,
                self.lower_bound, self.max_adaptation_iters, device)
@@ -348,27 +279,50 @@ class DGC(TopK):
         return plan
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        """DGC's selection of every layer (:mod:`~lightning_gradcomp.compressors.dgc_flat`): one ``nonzero`` per
-        group (with Triton, :meth:`uses_triton`: kernels, and one read of the selected count); the per-layer sizes
-        stay on the device (``layer_nbytes`` an int64 tensor)."""
-        if not self.batch_on(flat, segments):
-            return Compressor.compress_flat(self, flat, segments, shared)
+        """DGC's selection of every layer (:func:`~lightning_gradcomp.compressors.dgc_flat.select_segment` states it
+        for one layer), sent in position order in :mod:`~lightning_gradcomp.compressors.topk_flat`'s group payload.
+        The selection by device (:attr:`~TopK.selection`): one :func:`~lightning_gradcomp.compressors.dgc_flat
+        .select_segment` per layer (host counts), :func:`~lightning_gradcomp.compressors.dgc_flat.select`'s fixed
+        number of ops with one ``nonzero`` per group, or with Triton (:meth:`uses_triton`) kernels and one read of the
+        selected count; the batched forms keep the per-layer sizes on the device (``layer_nbytes`` an int64 tensor).
+        int2 values are coded with the counts on the host (a read of them after a batched selection)."""
         plan = self._plan(segments, flat.device)
         starts = [0] * len(segments)
         for i in plan.drawn:
             starts[i] = self._start(segments.names[i], plan.strides[i])
         x = flat.detach()
         layout = plan.layout
-        if self.uses_triton(x):
+        selecting = self._selecting(x)
+        sent: "tuple[int, ...] | Tensor"
+        if selecting == "triton":
             x = x.float().contiguous()
             mask, sent = dgc_flat.select_mask(plan, x, starts)
-            payload = topk_flat.encode_mask(x, layout, mask)
+            if self.value_dtype != _INT2:
+                return self._packet(topk_flat.encode_mask(x, layout, mask), segments, flat.dtype, layout, sent)
+            indices = torch.nonzero(mask).reshape(-1)
+        elif selecting == "loop":
+            indices, sent = dgc_flat.select_loop(plan, x.abs(), starts)
         else:
             indices, sent = dgc_flat.select(plan, x.abs(), starts)
-            payload = topk_flat.encode(x, layout, indices)
-        return FlatPacket(payload, segments, flat.dtype,
-                          topk_flat.sent_nbytes(layout, sent), ctx={"layout": layout},
+        if self.value_dtype != _INT2:
+            return self._packet(topk_flat.encode(x, layout, indices), segments, flat.dtype, layout, sent)
+        counts = sent if isinstance(sent, tuple) else tuple(sent.tolist())
+        payload = topk_flat.encode(x, layout, indices, layout.selection_of(counts))
+        return self._packet(payload, segments, flat.dtype, layout, counts)
+
+    @staticmethod
+    def _packet(payload: Tensor, segments: Segments, dtype: torch.dtype, layout: SparseLayout,
+                sent: "tuple[int, ...] | Tensor") -> FlatPacket:
+        """The group packet of ``payload`` sending ``sent`` elements per layer (host counts or a device tensor)."""
+        return FlatPacket(payload, segments, dtype, topk_flat.sent_nbytes(layout, sent), ctx={"layout": layout},
                           stats={"density": topk_flat.density(layout, sent)})
+
+    def _decoding(self, packet: FlatPacket) -> tuple[SparseLayout, Optional[Segments]]:
+        layout, _ = super()._decoding(packet)
+        if self.value_dtype != _INT2:
+            return layout, None
+        # int2 codes are padded per layer: the layers' counts, from this packet's (this rank's) sizes
+        return layout, layout.selection_of(topk_flat.int2_counts(layout, packet.layer_nbytes))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "sample_ratio": self.sample_ratio, "upper_bound": self.upper_bound,

@@ -1,5 +1,7 @@
-"""The batched wire of :class:`~lightning_gradcomp.compressors.TopK` and ``DGC``: a whole group of layers
-(:class:`~lightning_gradcomp.exchange.segments.Segments`) encoded and decoded in a fixed number of ops.
+"""The wire of :class:`~lightning_gradcomp.compressors.TopK` and ``DGC``: a whole group of layers
+(:class:`~lightning_gradcomp.exchange.segments.Segments`) encoded and decoded in a fixed number of ops, and top-k's
+selection (:func:`top_k_segment` for one layer, looped by :func:`select_top_k`; :func:`select_top_k_batched` for
+the whole group at once).
 
 A group payload is one ``uint8`` tensor of four sections, each 4-byte aligned where it starts (so each is a view
 of the payload, not a copy, when the payload itself is aligned):
@@ -11,12 +13,12 @@ of the payload, not a copy, when the payload itself is aligned):
 * values: ``fp32`` / ``fp16`` per index, or ``int2``'s 2-bit codes, each layer's codes padded with zeros to a
   whole byte (as a per-layer :func:`~lightning_gradcomp.wire.bits.pack_bits` pads them).
 
-Each layer accounts for exactly the bytes its per-layer packet has (``TopK.compress``): ``4 n`` dense,
-``k (4 + value bytes)`` sparse, ``4 + 4 k + ceil(k / 4)`` with ``int2``; only their order in the payload differs.
-Decoding writes what the per-layer decoders write, bit for bit: ``sent`` copies each value into zeros; the ranks'
-sum starts from +0.0 at sparse positions and -0.0 at dense ones (``-0.0 + v == v`` for every ``v``: what the
-per-layer dense sum, which starts from rank 0's values, gives) and adds the ranks in order, one ``scatter_add_``
-per rank (no duplicate index within a rank, so even CUDA's atomics add each element in rank order).
+Each layer accounts for ``4 n`` bytes dense, ``k (4 + value bytes)`` sparse, ``4 + 4 k + ceil(k / 4)`` with
+``int2`` (what a layer sent on its own, as a group of one, puts on the wire). Decoding writes bit for bit what a
+decode of each layer alone writes (the per-layer oracle, ``tests/oracles/topk.py``): ``sent`` copies each value into
+zeros; the ranks' sum starts from +0.0 at sparse positions and -0.0 at dense ones (``-0.0 + v == v`` for every
+``v``: what a dense layer's sum, which starts from rank 0's values, gives) and adds the ranks in order, one
+``scatter_add_`` per rank (no duplicate index within a rank, so even CUDA's atomics add each element in rank order).
 """
 
 from collections.abc import Callable, Sequence
@@ -84,8 +86,12 @@ class SparseLayout:
 
     def fixed_nbytes(self) -> tuple[int, ...]:
         """Bytes per layer when every sparse layer sends its ``counts`` elements (top-k)."""
+        return self.nbytes_of(self.counts)
+
+    def nbytes_of(self, sent: Sequence[int]) -> tuple[int, ...]:
+        """Bytes per layer when each sparse layer sends ``sent`` elements (dense layers their ``4 n``)."""
         out = []
-        for n, k, d in zip(self.segments.numels, self.counts, self.dense):
+        for n, k, d in zip(self.segments.numels, sent, self.dense):
             if d:
                 out.append(4 * n)
             elif self.value_dtype == _INT2:
@@ -93,6 +99,14 @@ class SparseLayout:
             else:
                 out.append(k * (4 + self.value_nbytes))
         return tuple(out)
+
+    def selection_of(self, sent: Sequence[int]) -> Segments:
+        """The sent elements' layout when each layer sends ``sent`` elements (int2's scales and padding follow it):
+        :attr:`selection` for the top-k counts, else made anew (DGC's counts differ by rank and step)."""
+        sent = tuple(sent)
+        if sent == self.counts:
+            return self.selection
+        return Segments(self.segments.names, [torch.Size([k]) for k in sent])
 
     def constant(self, name: str, make: Callable[[], Tensor]) -> Tensor:
         """A per-layout constant tensor ``make()`` on the layout's device, made on first use."""
@@ -115,6 +129,38 @@ class SparseLayout:
             cached.index_fill_(0, self.dense_index, -0.0)
             self._templates[dtype] = cached
         return cached
+
+
+def top_k_segment(magnitudes: Tensor, k: int) -> Tensor:
+    """int64 positions, ascending, of the ``k`` largest of the 1-D ``magnitudes`` (``1 <= k <= numel``): NaN above
+    +inf, and of the values equal to the k-th largest the lowest positions (a stable descending sort's first ``k``).
+
+    One partial selection (``torch.topk``) and a count of what reaches its k-th largest; only when that count says
+    values equal to it were left out (``torch.topk`` chooses among ties as its kernel happens to) or a NaN is among
+    the top ``k``, the stable sort that states the rule.
+    """
+    values, index = torch.topk(magnitudes, k, sorted=False)
+    if k < magnitudes.numel() and int((magnitudes >= values.min()).sum()) != k:  # a NaN minimum reaches nothing
+        index = torch.sort(magnitudes, descending=True, stable=True).indices[:k]
+    return index.sort().values
+
+
+def select_top_k(magnitudes: Tensor, layout: SparseLayout) -> Tensor:
+    """Every sparse layer's top ``layout.counts`` of ``magnitudes`` (``[segments.total]``): int64 flat positions,
+    ascending. One :func:`top_k_segment` per layer (a CPU's fastest: a partial selection costs less than the batched
+    form's sorts of the whole group)."""
+    seg = layout.segments
+    parts = [top_k_segment(magnitudes[o : o + n], k).add_(o) for o, n, k in zip(seg.offsets, seg.numels, layout.counts)
+             if k]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=magnitudes.device)
+
+
+def select_top_k_batched(magnitudes: Tensor, layout: SparseLayout) -> Tensor:
+    """:func:`select_top_k` in a fixed number of ops, no host read: a segmented stable sort (descending), then each
+    layer's first ``counts`` positions (a GPU's form without Triton)."""
+    seg = layout.segments
+    _, order = seg.sort(magnitudes, descending=True)
+    return order.index_select(0, seg.firsts(layout.counts, magnitudes.device)).sort().values
 
 
 def int2_codes(values: Tensor, scale: Tensor) -> Tensor:
@@ -146,15 +192,16 @@ def _bytes(t: Tensor) -> Tensor:
 _WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-def encode(flat: Tensor, layout: SparseLayout, indices: Tensor) -> Tensor:
+def encode(flat: Tensor, layout: SparseLayout, indices: Tensor, selection: Optional[Segments] = None) -> Tensor:
     """The group payload of ``flat`` sending ``indices`` (int64 flat positions of sparse layers' elements, layer
-    after layer; for int2, exactly ``layout.counts`` per layer)."""
+    after layer; for int2, exactly ``selection``'s counts per layer: by default ``layout.selection``, the top-k
+    counts)."""
     dense = flat.index_select(0, layout.dense_index).float()
     picked = flat.index_select(0, indices)
     index_bytes = _bytes(indices.to(torch.int32))
     if layout.value_dtype != _INT2:
         return torch.cat((_bytes(dense), index_bytes, _bytes(picked.to(_WIRE_DTYPES[layout.value_dtype]))))
-    sel = layout.selection
+    sel = layout.selection if selection is None else selection
     values = picked.float()
     scale = sel.reduce(values.abs(), "amax") / INT2_HALF_RANGE  # an empty layer: 0, as the per-layer path
     codes = int2_codes(values, sel.expand(scale))
@@ -202,6 +249,20 @@ def sparse_count(layout: SparseLayout, payload_nbytes: int) -> int:
     return (payload_nbytes - 4 * layout.dense_total) // (4 + layout.value_nbytes)
 
 
+def int2_counts(layout: SparseLayout, layer_nbytes: "Sequence[int] | Tensor") -> tuple[int, ...]:
+    """Each layer's sent count of an int2 payload from its bytes per layer (``4 + 4 k + ceil(k / 4)`` for a sparse
+    layer; 0 for a dense one)."""
+    sizes = layer_nbytes.tolist() if isinstance(layer_nbytes, Tensor) else layer_nbytes
+    out = []
+    for nbytes, dense in zip(sizes, layout.dense):
+        total = int(nbytes) - 4
+        k = 0 if dense else max(0, total * 4 // 17 - 1)  # 4k + ceil(k / 4) == total: start just below and step up
+        while not dense and 4 * k + -(-k // 4) < total:
+            k += 1
+        out.append(k)
+    return tuple(out)
+
+
 def sections(payload: Tensor, layout: SparseLayout) -> tuple[Tensor, Tensor, Tensor]:
     """``(dense float32 values, int32 indices, values as they travel)`` of an fp32 / fp16 group payload, views of it
     where aligned."""
@@ -212,55 +273,58 @@ def sections(payload: Tensor, layout: SparseLayout) -> tuple[Tensor, Tensor, Ten
     return dense, indices, _as(payload[offset + 4 * count :], _WIRE_DTYPES[layout.value_dtype])
 
 
-def decode(payload: Tensor, layout: SparseLayout) -> tuple[Tensor, Tensor, Tensor]:
+def decode(payload: Tensor, layout: SparseLayout, selection: Optional[Segments] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dense float32 values, int64 indices, values)`` of a group payload (values as they travel: fp32, fp16,
-    or int2's dequantized float32)."""
+    or int2's dequantized float32; int2's sent counts per layer are ``selection``'s, by default the top-k ones)."""
     if layout.value_dtype != _INT2:
         dense, indices, values = sections(payload, layout)
         return dense, indices.long(), values
-    count = sparse_count(layout, payload.numel())
+    sel = layout.selection if selection is None else selection
+    count = sel.total
     offset = 4 * layout.dense_total
     dense = _as(payload[:offset], torch.float32)
     scales = _as(payload[offset : offset + 4 * layout.n_sparse], torch.float32)
     offset += 4 * layout.n_sparse
     indices = _as(payload[offset : offset + 4 * count], torch.int32).long()
     offset += 4 * count
-    sel = layout.selection
     padding = sel.padding(4)
     codes = padding.unpad(unpack_bits(payload[offset:], padding.total, 2)).float()
     scale = scales.new_zeros(len(sel)).scatter_(0, layout.sparse_layers, scales)
     return dense, indices, int2_values(codes, sel.expand(scale))
 
 
-def decode_sent(payload: Tensor, layout: SparseLayout, dtype: torch.dtype, triton: bool = False) -> Tensor:
-    """The flat tensor a payload stands for (each value copied into zeros, as the per-layer decoder does); with
-    ``triton`` (fp32 / fp16 values) the copies are :func:`~lightning_gradcomp.kernels.triton_compact.scatter`'s."""
+def decode_sent(
+    payload: Tensor, layout: SparseLayout, dtype: torch.dtype, triton: bool = False, selection: Optional[Segments] = None
+) -> Tensor:
+    """The flat tensor a payload stands for (each value copied into zeros); with ``triton`` (fp32 / fp16 values) the
+    copies are :func:`~lightning_gradcomp.kernels.triton_compact.scatter`'s. ``selection``: as :func:`decode`'s."""
     out = torch.zeros(layout.segments.total, dtype=dtype, device=payload.device)
     if triton:
         dense, index, values = sections(payload, layout)
         triton_compact.scatter(layout.dense_index, dense, out)
         return triton_compact.scatter(index, values, out)
-    dense, indices, values = decode(payload, layout)
+    dense, indices, values = decode(payload, layout, selection)
     out.scatter_(0, layout.dense_index, dense.to(dtype))
     return out.scatter_(0, indices, values.to(dtype))
 
 
 def decode_mean_into(
-    payloads: Sequence[Tensor], layout: SparseLayout, dtype: torch.dtype, out: Tensor, triton: bool = False
+    payloads: Sequence[Tensor], layout: SparseLayout, dtype: torch.dtype, out: Tensor, triton: bool = False,
+    selections: Optional[Sequence[Optional[Segments]]] = None,
 ) -> Tensor:
     """The ranks' mean of gathered payloads (in rank order) in ``out``, bit for bit the per-layer sum then division;
     with ``triton`` (fp32 / fp16 values) each rank's adds are :func:`~lightning_gradcomp.kernels.triton_compact
-    .scatter_add`'s."""
+    .scatter_add`'s. ``selections``: each payload's, as :func:`decode`'s."""
     total = out if out.dtype == dtype and out.is_contiguous() else torch.empty(
         layout.segments.total, dtype=dtype, device=out.device)
     total.copy_(layout.sum_template(dtype))
-    for payload in payloads:
+    for r, payload in enumerate(payloads):
         if triton:
             dense, index, values = sections(payload, layout)
             triton_compact.scatter_add(layout.dense_index, dense, total)
             triton_compact.scatter_add(index, values, total)
             continue
-        dense, indices, values = decode(payload, layout)
+        dense, indices, values = decode(payload, layout, None if selections is None else selections[r])
         total.scatter_add_(0, layout.dense_index, dense.to(dtype))
         total.scatter_add_(0, indices, values.to(dtype))
     if total is not out:
@@ -280,12 +344,15 @@ def density(layout: SparseLayout, sent: "Sequence[int] | Tensor") -> Tensor:
     return torch.where(dense, 1.0, sent.double() / denominators).float()
 
 
-def sent_nbytes(layout: SparseLayout, sent: Tensor) -> Tensor:
-    """int64 ``[layers]``: the bytes each layer puts on the wire when it sends ``sent`` elements (fp32 / fp16
-    values; dense layers their ``4 n``)."""
+def sent_nbytes(layout: SparseLayout, sent: "Sequence[int] | Tensor") -> "tuple[int, ...] | Tensor":
+    """The bytes each layer puts on the wire when it sends ``sent`` elements (dense layers their ``4 n``): host
+    integers for host counts (:meth:`SparseLayout.nbytes_of`), else int64 ``[layers]`` (fp32 / fp16 values)."""
+    if not isinstance(sent, Tensor):
+        return layout.nbytes_of(sent)
     dense = layout.constant("dense_nbytes", lambda: torch.tensor(
         [4 * n if d else 0 for n, d in zip(layout.segments.numels, layout.dense)], dtype=torch.int64))
     return sent * (4 + layout.value_nbytes) + dense
 
 __all__ = ["INT2_HALF_RANGE", "int2_codes", "int2_values", "SparseLayout", "decode", "decode_mean_into", "decode_sent",
-           "density", "encode", "encode_mask", "encode_top_k", "sections", "sent_nbytes", "sparse_count"]
+           "density", "encode", "encode_mask", "encode_top_k", "int2_counts", "sections", "select_top_k",
+           "select_top_k_batched", "sent_nbytes", "sparse_count", "top_k_segment"]

@@ -117,10 +117,13 @@ def test_topk_sends_the_largest_and_keeps_the_rest() -> None:
 
 def test_dgc_sampled_threshold_selects_about_k_large_elements() -> None:
     compressor = _ready(DGC(ratio=0.001))
-    x = torch.randn(200_000)
-    indices = compressor.select(x.abs())
+    x = torch.randn(400, 500)  # 2-D: 1-D tensors are sent dense
+    sent = compressor.sent(x, compressor.compress(x, "w")).reshape(-1)
+    x = x.reshape(-1)
+    indices = torch.nonzero(sent).reshape(-1)
     k = 200
     assert 0.8 * k <= indices.numel() <= k
+    assert torch.equal(sent[indices], x[indices])  # sent exactly
     assert x.abs()[indices].min() >= x.abs().topk(3 * k).values[-1]  # near the top, not arbitrary
     assert compressor.sampling(200_000)[0] > 1  # sampled, not exact
 

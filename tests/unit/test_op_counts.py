@@ -2,7 +2,7 @@
 
 Issue 17's deterministic test (counts, never timings): one step at world size 1 (an in-process 1-rank Gloo group)
 of residual MLPs with 40 and 160 parameter tensors (one DDP bucket), counted by :mod:`gradcomp_lab.opcount` as ops
-beyond the same step of DDP with torch's own all-reduce hook, on the path a GPU runs (``batch_on_cpu``). Before
+beyond the same step of DDP with torch's own all-reduce hook, on the path a GPU runs. Before
 the batched pipeline every compressor grew by 9 to 142 ops per tensor (benchmarks/results/op_counts/before.json).
 """
 
@@ -14,16 +14,18 @@ import torch
 from lightning_gradcomp import registry
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.graddrop import GradientDropping
+from lightning_gradcomp.compressors.topk import TopK
 from gradcomp_lab.opcount import OpCount, count_ops, hook_op_overhead
 
 NAMES = registry.compressor_names()
 
 
 def gpu_path(name: str) -> Compressor:
-    """The registered compressor taking the path a GPU runs, on CPU too (``batch_on_cpu``: top-k's group sort costs
-    more than its per-layer selections on a CPU, so there the hook keeps those)."""
+    """The registered compressor taking the path a GPU runs, on CPU too (top-k's and DGC's batched selection: on a
+    CPU they select with a partial selection per layer, cheaper there than the group's sorts)."""
     compressor = registry.COMPRESSORS[name][0]()
-    compressor.batch_on_cpu = True
+    if isinstance(compressor, TopK):
+        compressor.selection = "batched"
     return compressor
 
 

@@ -29,6 +29,7 @@ COMPRESSORS: dict[str, Callable[[], TopK]] = {
     "topk-sparse-1d": lambda: TopK(0.2, dense_1d=False),
     "topk-all": lambda: TopK(1.0, dense_1d=False),
     "topk-int2": lambda: TopK(0.03, value_dtype="int2", dense_1d=False),  # the kernels select, torch ops code
+    "dgc-int2": lambda: DGC(0.02, value_dtype="int2", dense_1d=False),  # the kernels select, torch ops code
     "dgc": lambda: DGC(0.01),
     "dgc-fp16-sparse-1d": lambda: DGC(0.02, value_dtype="fp16", dense_1d=False),
     "dgc-no-adaptation": lambda: DGC(0.05, max_adaptation_iters=0),
@@ -43,7 +44,7 @@ def _ranks(make: Callable[[], TopK], ranks: int, triton: bool, device: torch.dev
     comps = [make() for _ in range(ranks)]
     for r, c in enumerate(comps):
         c.setup(r, ranks, device)
-        c.batch_on_cpu = True  # the group path (a GPU's)
+        c.selection = "batched"  # the torch ops a GPU runs without Triton
         c.triton = triton
     return comps
 
@@ -184,7 +185,7 @@ def _case_choice() -> None:
 
 #: (compressor, ranks) of the group cases (the interpreter is slow: 3 ranks where the mean's rank order matters)
 RUNS = [("topk", 1), ("topk", 3), ("topk-fp16", 3), ("topk-sparse-1d", 3), ("topk-all", 1), ("topk-int2", 3),
-        ("dgc", 1), ("dgc", 3), ("dgc-fp16-sparse-1d", 3), ("dgc-no-adaptation", 1)]
+        ("dgc", 1), ("dgc", 3), ("dgc-fp16-sparse-1d", 3), ("dgc-no-adaptation", 1), ("dgc-int2", 2)]
 
 CASES: dict[str, Callable[[], None]] = {
     **{f"{name}-{r}-rank": partial(_case_group, name, r) for name, r in RUNS},
