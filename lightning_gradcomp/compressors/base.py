@@ -398,11 +398,6 @@ class Compressor:
 
     #: whether the ``*_flat`` methods run a fixed number of ops per group rather than the default loop over layers
     batched: bool = False
-    #: whether the batched path also runs on CPU. False where the batched ops cost more on a CPU than the per-layer
-    #: loop they replace (a sort of the whole group instead of one partial selection per layer): there a dispatched
-    #: op costs well under a microsecond, where on a GPU each is a kernel launch. Set True to run (and count) on CPU
-    #: the path a GPU runs.
-    batch_on_cpu: bool = True
 
     #: whether a compressor with Triton group kernels runs them: ``None`` chooses at the first group call after
     #: :meth:`setup` (CUDA with Triton importable, :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True``
@@ -416,12 +411,6 @@ class Compressor:
         if self._triton is None:
             self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
         return self._triton
-
-    def batch_on(self, flat: Tensor, segments: Segments) -> bool:
-        """Whether :meth:`compress_flat` takes the batched path for the group ``segments`` of ``flat`` (its device,
-        dtype, size): the one place a compressor decides it. The decoders follow the packet: a looping packet
-        carries its per-layer packets. Default: :attr:`batched`, on a CPU only with :attr:`batch_on_cpu`."""
-        return self.batched and (flat.device.type != "cpu" or self.batch_on_cpu)
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         """The group's local statistics (:meth:`local_statistic` of every layer) as one vector, or ``None``."""

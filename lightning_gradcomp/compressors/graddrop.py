@@ -336,10 +336,6 @@ class GradientDropping(KernelBacked[GroupKernels]):
         torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
         return self._flat_settings() and (torch_ops or kernels.fused_available())
 
-    def batch_on(self, flat: Tensor, segments: Segments) -> bool:
-        """Always: every setting, dtype and device compresses a group into one packet (no per-layer packets)."""
-        return True
-
     def _group_coo32(self, segments: Segments) -> bool:
         """Whether a group's payload is the group's coo32 (unquantized ``coo32`` survivors of a group whose positions
         fit int32), else each layer's own encoding back to back (:func:`~.graddrop_flat.encode_layer`)."""

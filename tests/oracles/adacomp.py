@@ -42,9 +42,6 @@ class LayerAdaComp(AdaComp):
     def batched(self) -> bool:  # type: ignore[override]
         return False
 
-    def batch_on(self, flat: Tensor, segments: Segments) -> bool:
-        return False
-
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return Compressor.flat_statistic(self, flat, segments)
 

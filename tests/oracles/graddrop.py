@@ -132,9 +132,6 @@ class LayerGradientDropping(GradientDropping):
     def batched(self) -> bool:  # type: ignore[override]
         return False
 
-    def batch_on(self, flat: Tensor, segments: Segments) -> bool:
-        return False
-
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return Compressor.flat_statistic(self, flat, segments)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_gradcomp import registry
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.compressors.topk import TopK
@@ -162,8 +162,11 @@ def test_groups_take_and_put_non_adjacent_layers_of_a_bucket() -> None:
 
 
 def test_the_looping_flat_packet_splits_a_remote_payload_by_that_ranks_sizes() -> None:
+    # a compressor written per layer (here TopK's oracle) travels as the base class's looping group packet
+    from tests.oracles.topk import LayerTopK
+
     seg = Segments(["a", "b"], [torch.Size([6]), torch.Size([4])])
-    topk = TopK(ratio=0.5)
+    topk = LayerTopK(ratio=0.5)
     x = torch.randn(seg.total, generator=torch.Generator().manual_seed(3))
     packet = topk.compress_flat(x, seg)
     assert isinstance(packet, FlatPacket) and packet.layers is not None
@@ -204,23 +207,17 @@ def test_a_compressor_that_compressed_a_group_still_pickles_and_deep_copies(name
 
 
 @pytest.mark.parametrize("name", [n for n in registry.compressor_names() if n != "powersgd"])
-@pytest.mark.parametrize("on_cpu", [False, True])
-def test_batch_on_is_the_one_decision_of_a_groups_path(name: str, on_cpu: bool) -> None:
-    """``Compressor.batch_on(flat, segments)`` says which path ``compress_flat`` takes: a looping packet (per-layer
-    packets in ``packet.layers``) exactly when it says no; with ``batch_on_cpu`` forced, the path a GPU runs."""
+def test_every_registered_compressor_makes_one_group_packet(name: str) -> None:
+    """Every registered compressor compresses a group into one packet, on a CPU as on a GPU: none falls back to the
+    base class's loop over its layers (per-layer packets in ``packet.layers``)."""
     seg = _segments()
     comp = registry.make_compressor(name)
     comp.setup(0, 2, torch.device("cpu"))
-    if on_cpu:
-        comp.batch_on_cpu = True
     x = torch.randn(seg.total, generator=torch.Generator().manual_seed(1))
-    decided = comp.batch_on(x, seg)
     if comp.uses_memory:
         comp.observe_gradient_flat(x, seg)
     packet = comp.compress_flat(x, seg, comp.flat_statistic(x, seg))
-    assert (packet.layers is None) == decided, (name, decided)
-    # every registered compressor has a batched path for float32 groups at its defaults: the path a GPU runs
-    assert decided == (on_cpu or comp.batch_on_cpu), name
+    assert packet.layers is None and type(comp).compress_flat is not Compressor.compress_flat, name
 
 
 def test_a_compressor_written_per_group_is_its_own_per_layer_api_on_a_group_of_one() -> None:
