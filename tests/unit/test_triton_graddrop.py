@@ -280,13 +280,13 @@ test_triton_kernels_match_the_torch_ops_in_the_interpreter = interpreter_test(__
 
 
 # -- on a GPU, when there is one ---------------------------------------------------------------------------------
-@needs_triton
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run on a GPU: the CUDA torch ops' rounding)")
 #: measured on an H100 (benchmarks/results/gpu_h100/cuda_tests.log): the same thresholds, sizes and statistics on both
 #: paths, but 3-7 bytes of each payload differ, in the 2-bit quantizer's float means (torch ops on both paths)
 _CUDA_MEANS_DIFFER = pytest.mark.xfail(reason="2-bit means differ in their last bits between the two CUDA paths")
 
 
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run on a GPU: the CUDA torch ops' rounding)")
 @pytest.mark.parametrize(
     "case", [*sorted(GRADDROP_CASES), pytest.param("2bit-delta16-global", marks=_CUDA_MEANS_DIFFER), "delta16-fp16"]
 )
