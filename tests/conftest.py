@@ -24,6 +24,17 @@ def _compiled_kernels() -> None:
     kernels.fused_available()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadgroup``): every test module is one unit of work, and the multi-rank tests
+    (``tests/distributed``) are one unit together, run first and in their order by one worker while the other takes
+    the rest. Their ranks fork from one fork server per process, started by the first of them with the harness's
+    settings, as in a run without workers."""
+    for item in items:
+        path = item.path.relative_to(config.rootpath).as_posix()
+        group = "ranks" if path.startswith("tests/distributed/") else path
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Every test module is imported now: keep what they and the library hold out of full garbage collections."""
     freeze_imported_objects()
