@@ -25,14 +25,14 @@ def _compiled_kernels() -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``--dist loadgroup``): every test module is one unit of work, and the multi-rank tests
-    (``tests/distributed``) are one unit together, run first and in their order by one worker while the other takes
-    the rest. Their ranks fork from one fork server per process, started by the first of them with the harness's
-    settings, as in a run without workers."""
+    """Under pytest-xdist (``--dist loadgroup``) every test module is one unit of work, and the golden digests
+    (``tests/distributed/test_golden.py``) come first: their worker starts its ranks' fork server for them, with the
+    harness's settings, as a run of that module alone does (after other modules in the same worker, the engines'
+    digests changed)."""
+    golden = "tests/distributed/test_golden.py"
     for item in items:
-        path = item.path.relative_to(config.rootpath).as_posix()
-        group = "ranks" if path.startswith("tests/distributed/") else path
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(item.path.relative_to(config.rootpath).as_posix()))
+    items.sort(key=lambda item: item.path.relative_to(config.rootpath).as_posix() != golden)  # stable
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
