@@ -19,7 +19,7 @@ from torch import Tensor
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.adacomp import AdaComp, layer_kind
 from lightning_gradcomp.compressors.adacomp_flat import bin_mean
-from lightning_gradcomp.compressors.base import Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.base import Compressor, Packet
 from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.wire.sparse import (
     decode_bin_relative,
@@ -28,40 +28,23 @@ from lightning_gradcomp.wire.sparse import (
     packed_codes_nbytes,
     unpack_codes,
 )
+from tests.oracles.layer_loop import LayerLoop
 
 
-class LayerAdaComp(AdaComp):
+class LayerAdaComp(LayerLoop, AdaComp):
     """AdaComp per layer (the oracle); same options as :class:`~lightning_gradcomp.compressors.AdaComp`."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._gradients: dict[str, Tensor] = {}
 
-    # the group methods: the base class's loop over the per-layer methods below
+    # a loop over layers is not a fixed number of ops per group (the group methods: LayerLoop's)
     @property
     def batched(self) -> bool:  # type: ignore[override]
         return False
 
-    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
-        return Compressor.flat_statistic(self, flat, segments)
-
     def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
         Compressor.observe_gradient_flat(self, flat, segments)
-
-    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        return Compressor.compress_flat(self, flat, segments, shared)
-
-    def decompress_flat(self, packet: FlatPacket) -> Tensor:
-        return Compressor.decompress_flat(self, packet)
-
-    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        return Compressor.decompress_flat_mean_into(self, packets, out)
-
-    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
-        return Compressor.sent_flat(self, flat, packet)
-
-    def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
-        return self.decompress(packet)
 
     # -- the algorithm, per layer -------------------------------------------------------------------------
     @staticmethod

@@ -17,10 +17,9 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.base import Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.base import Compressor, Packet
 from lightning_gradcomp.compressors.graddrop import GradientDropping, drop_count, select_threshold
 from lightning_gradcomp.compressors.streams import CounterStreams
-from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.kernels import rng
 from lightning_gradcomp.wire.sparse import (
     decode_indices,
@@ -31,6 +30,7 @@ from lightning_gradcomp.wire.sparse import (
     packed_codes_nbytes,
     unpack_codes,
 )
+from tests.oracles.layer_loop import LayerLoop
 
 
 def kth_threshold(sample: Tensor, ratio: float) -> Tensor:
@@ -117,7 +117,7 @@ class FusedGradientDropping:
         return idx.long(), kept, overflow
 
 
-class LayerGradientDropping(GradientDropping):
+class LayerGradientDropping(LayerLoop, GradientDropping):
     """Gradient Dropping per layer (the oracle); same options as :class:`~lightning_gradcomp.compressors.GradientDropping`."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -127,25 +127,10 @@ class LayerGradientDropping(GradientDropping):
     def _layer_kernels(self, device: torch.device) -> Optional[FusedGradientDropping]:
         return self._fused if self._kernels(device) is not None else None
 
-    # the group methods: the base class's loop over the per-layer methods below
+    # a loop over layers is not a fixed number of ops per group (the group methods: LayerLoop's)
     @property
     def batched(self) -> bool:  # type: ignore[override]
         return False
-
-    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
-        return Compressor.flat_statistic(self, flat, segments)
-
-    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        return Compressor.compress_flat(self, flat, segments, shared)
-
-    def decompress_flat(self, packet: FlatPacket) -> Tensor:
-        return Compressor.decompress_flat(self, packet)
-
-    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        return Compressor.decompress_flat_mean_into(self, packets, out)
-
-    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
-        return Compressor.sent_flat(self, flat, packet)
 
     # -- threshold --------------------------------------------------------------------------------------
     def threshold_sample(self, magnitudes: Tensor, name: str = "") -> tuple[Tensor, float]:

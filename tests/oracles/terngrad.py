@@ -17,19 +17,17 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import (
     Aggregation,
     Compressor,
-    FlatPacket,
     Packet,
-    SharedStatistic,
     max_or_zero,
 )
 from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.compressors.terngrad import _SIGMA_NOISE, TernGrad
-from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary
 from tests.oracles.terngrad_fused import FusedTernGrad
+from tests.oracles.layer_loop import LayerLoop
 
 
-class LayerTernGrad(TernGrad):
+class LayerTernGrad(LayerLoop, TernGrad):
     """TernGrad per layer (the oracle); same options as :class:`~lightning_gradcomp.compressors.TernGrad`."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -52,25 +50,6 @@ class LayerTernGrad(TernGrad):
 
     def _layer_kernels(self, device: torch.device) -> Optional[FusedTernGrad]:
         return self._fused if self._kernels(device) is not None else None
-
-    # the group methods: the base class's loop over the per-layer methods below
-    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
-        return Compressor.flat_statistic(self, flat, segments)
-
-    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        return Compressor.compress_flat(self, flat, segments, shared)
-
-    def decompress_flat(self, packet: FlatPacket) -> Tensor:
-        return Compressor.decompress_flat(self, packet)
-
-    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        return Compressor.decompress_flat_mean_into(self, packets, out)
-
-    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
-        return Compressor.sent_flat(self, flat, packet)
-
-    def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
-        return self.decompress(packet)
 
     def _chunked(self, tensor: Tensor) -> Tensor:
         """The flat float32 tensor as [chunks, chunk_len]; a partial last chunk is padded with zeros."""

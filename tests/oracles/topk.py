@@ -18,15 +18,15 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors import topk_flat
-from lightning_gradcomp.compressors.base import Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.base import Compressor, Packet
 from lightning_gradcomp.compressors.topk import DGC, TopK
-from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.wire.bits import pack_bits, packed_bits_nbytes, unpack_bits
+from tests.oracles.layer_loop import LayerLoop
 
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 
 
-class LayerTopK(TopK):
+class LayerTopK(LayerLoop, TopK):
     """Top-k per layer (the oracle); same options as :class:`~lightning_gradcomp.compressors.TopK`."""
 
     batched = False
@@ -83,24 +83,6 @@ class LayerTopK(TopK):
             out.index_add_(0, indices, values.to(first.dtype))
         return out.view(first.shape)
 
-    def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
-        return self.decompress(packet)
-
-    # the group methods: the base class's loop over the per-layer methods above
-    def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
-        return Compressor.flat_statistic(self, flat, segments)
-
-    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        return Compressor.compress_flat(self, flat, segments, shared)
-
-    def decompress_flat(self, packet: FlatPacket) -> Tensor:
-        return Compressor.decompress_flat(self, packet)
-
-    def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
-        return Compressor.decompress_flat_mean_into(self, packets, out)
-
-    def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
-        return Compressor.sent_flat(self, flat, packet)
 
 
 def _int2_values_indices(payload: Tensor) -> tuple[Tensor, Tensor]:
