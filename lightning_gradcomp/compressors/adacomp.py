@@ -186,6 +186,7 @@ class AdaComp(KernelBacked[FusedAdaComp]):
         # each group's fresh gradient (by its names), bin layout (by names, shapes, device, L_T) and kernel tables
         self._flat_gradients: dict[tuple[str, ...], Tensor] = {}
         self._layouts: dict[tuple[object, ...], BinLayout] = {}
+        self._counts: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
         self._kernel_tables: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
         self._triton_tables: dict[tuple[object, ...], triton_adacomp.Tables] = {}
         #: per parameter name: layer type and L_T, filled at first compression
@@ -233,6 +234,15 @@ class AdaComp(KernelBacked[FusedAdaComp]):
             self.layer_bin_sizes[name] = size
         return sizes
 
+    def _bin_counts(self, segments: Segments, device: torch.device, sizes: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """Each layer's L_T and number of bins, int64 ``[layers]`` on ``device`` (built once per group and L_T)."""
+        key = (segments.names, segments.shapes, device, sizes)
+        counts = self._counts.get(key)
+        if counts is None:
+            bin_sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
+            counts = self._counts[key] = (bin_sizes, -(-segments.lengths(device) // bin_sizes))
+        return counts
+
     def _layout(self, segments: Segments, device: torch.device, sizes: tuple[int, ...]) -> BinLayout:
         key = (segments.names, segments.shapes, device, sizes)
         layout = self._layouts.get(key)
@@ -279,9 +289,8 @@ class AdaComp(KernelBacked[FusedAdaComp]):
         dw = dw.detach().float()
         device = g.device
         sizes = self._bin_sizes(segments)
-        numels = torch.tensor(segments.numels, dtype=torch.int64, device=device)
-        bin_sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
-        bins = -(-numels // bin_sizes)
+        numels = segments.lengths(device)
+        bin_sizes, bins = self._bin_counts(segments, device, sizes)
         if self.wire == "index32":
             payload, nbytes, scale, counts = self._encode_index32(g, dw, segments, sizes)
         elif self.selection == "adaptive":

@@ -442,8 +442,8 @@ class GradientDropping(KernelBacked[GroupKernels]):
             keep, overflow = self._fits_fp16(keep, magnitudes, segments)
         index = torch.nonzero(keep).reshape(-1)
         # each layer's count from where its bounds fall among the sorted positions (not a sum over the whole group)
-        bounds = torch.tensor(segments.offsets, dtype=torch.int64, device=index.device)  # the total last
-        return index, x.index_select(0, index), torch.searchsorted(index, bounds).diff(), overflow
+        counts = torch.searchsorted(index, segments.bounds(index.device)).diff()
+        return index, x.index_select(0, index), counts, overflow
 
     def _layers_packet(
         self, index: Tensor, values: Tensor, counts: Tensor, overflow: Optional[Tensor], thresholds: Tensor,

@@ -85,6 +85,7 @@ class Segments:
         self.position: dict[str, int] = {name: i for i, name in enumerate(self.names)}
         self._ids: dict[torch.device, Tensor] = {}
         self._lengths: dict[torch.device, Tensor] = {}
+        self._bounds: dict[torch.device, Tensor] = {}
         self._paddings: dict[int, Padding] = {}
         self._firsts: dict[tuple[object, ...], Tensor] = {}
 
@@ -120,6 +121,13 @@ class Segments:
         cached = self._lengths.get(device)
         if cached is None:
             cached = self._lengths[device] = torch.tensor(self.numels, dtype=torch.int64, device=device)
+        return cached
+
+    def bounds(self, device: torch.device) -> Tensor:
+        """int64 ``[len + 1]``: every segment's first position, then the total (:attr:`offsets`)."""
+        cached = self._bounds.get(device)
+        if cached is None:
+            cached = self._bounds[device] = torch.tensor(self.offsets, dtype=torch.int64, device=device)
         return cached
 
     def reduce(self, values: Tensor, how: Literal["amax", "amin", "sum"]) -> Tensor:
