@@ -24,17 +24,6 @@ def _compiled_kernels() -> None:
     kernels.fused_available()
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``--dist loadgroup``) every test module is one unit of work, and the golden digests
-    (``tests/distributed/test_golden.py``) come first: their worker starts its ranks' fork server for them, with the
-    harness's settings, as a run of that module alone does (after other modules in the same worker, the engines'
-    digests changed)."""
-    golden = "tests/distributed/test_golden.py"
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.path.relative_to(config.rootpath).as_posix()))
-    items.sort(key=lambda item: item.path.relative_to(config.rootpath).as_posix() != golden)  # stable
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Every test module is imported now: keep what they and the library hold out of full garbage collections."""
     freeze_imported_objects()

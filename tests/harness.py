@@ -136,16 +136,34 @@ SINGLE_THREADED = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_DYNAMIC"
 PRELOAD = ["torch", "lightning.pytorch", "lightning_gradcomp", "gradcomp_lab", "tests.harness"]
 
 
+#: the test process's environment as it was before any test ran: the fork server starts with it whichever test
+#: starts it first, so a variable set by an earlier test in the same process cannot reach the ranks
+_ENVIRONMENT = dict(os.environ)
+
+#: Lightning's seed variables (``seed_everything`` sets them in the process that calls it): a rank's strategy setup
+#: seeds again from ``PL_GLOBAL_SEED`` (``reset_seed``), so one inherited from a test that seeded in-process would
+#: change every rank's random streams, and what a rank computes would depend on which tests ran before
+SEED_VARIABLES = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+def rank_environment() -> dict[str, str]:
+    """The environment the fork server starts with, and so every rank: the test process's own before any test ran,
+    without Lightning's seed variables, with :data:`SINGLE_THREADED`."""
+    base = {k: v for k, v in _ENVIRONMENT.items() if k not in SEED_VARIABLES}
+    return {**base, **SINGLE_THREADED}
+
+
 def _context() -> Any:
-    """The fork-server context, its server started (once per test session) with :data:`SINGLE_THREADED` set.
+    """The fork-server context, its server started (once per test process) in :func:`rank_environment`.
 
     A rank is forked from the server, so it is a fresh process that never ran a collective or an OpenMP region,
-    with the server's environment: a variable a test sets in its own process after the server started does not
-    reach the ranks (pass it as ``run_ranks(..., env=...)``, which each rank sets first).
+    with the server's environment: a variable a test sets in its own process does not reach the ranks (pass it as
+    ``run_ranks(..., env=...)``, which each rank sets first).
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    with mock.patch.dict(os.environ, SINGLE_THREADED):  # the server imports the math libraries: they read these once
+    # the server imports the math libraries, which read their thread settings once
+    with mock.patch.dict(os.environ, rank_environment(), clear=True):
         forkserver.ensure_running()
     return ctx
 

@@ -30,7 +30,7 @@ from tests.distributed.golden_ranks import (
     frozen_adam_digests,
     tower_digests,
 )
-from tests.harness import run_ranks
+from tests.harness import rank_environment, run_ranks
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 COMPRESSORS = GOLDEN / "compressors.json"
@@ -41,6 +41,19 @@ STEPS = 3
 WORLD = 2
 #: the engines' world: 2 sites of 2 ranks (in-site exchange, leaders between sites, shares of the hierarchy)
 ENGINE_WORLD = 4
+
+
+def _rank_seed(rank: int, world_size: int) -> str | None:
+    return os.environ.get("PL_GLOBAL_SEED")
+
+
+@pytest.mark.distributed
+def test_ranks_do_not_inherit_a_seed_set_in_the_test_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An earlier test in the same process that called ``seed_everything`` leaves ``PL_GLOBAL_SEED`` set; a rank's
+    strategy would seed again from it, and every digest here would depend on the tests that ran before."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")
+    assert "PL_GLOBAL_SEED" not in rank_environment()
+    assert run_ranks(_rank_seed, 2, timeout=60.0) == [None, None]
 
 
 def _machine() -> dict[str, str]:

@@ -75,7 +75,7 @@ def test_ci_runs_the_readme_commands() -> None:
     install = [line for line in readme if line.startswith("python3 -m venv .venv && ")]
     tests = [line for line in readme if line.startswith("python -m pytest")]
     assert len(install) == 1 and 'pip install -e ".[test]"' in install[0]
-    assert tests == ["python -m pytest -q -n 2 --dist loadgroup tests"]
+    assert tests == ["python -m pytest -q -n 2 --dist loadfile tests"]
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert install[0] in ci and tests[0] in ci
 
@@ -132,4 +132,4 @@ def test_ci_lints_and_type_checks_the_library_after_the_install() -> None:
     install = next(i for i, line in enumerate(ci) if line.startswith("python3 -m venv .venv && "))
     ruff = "ruff check lightning_gradcomp gradcomp_lab tests benchmarks tools examples docs"  # the tests and scripts too
     steps = [ci.index(step) for step in ('pip install -e ".[lint,docs]"', ruff, "mypy")]
-    assert install < steps[0] < steps[1] < steps[2] < ci.index("python -m pytest -q -n 2 --dist loadgroup tests")
+    assert install < steps[0] < steps[1] < steps[2] < ci.index("python -m pytest -q -n 2 --dist loadfile tests")
