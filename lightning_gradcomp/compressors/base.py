@@ -371,12 +371,17 @@ class Compressor:
         return out.copy_(self.decompress_sum(packets))
 
     def decompress_mean_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        """The ranks' mean: :meth:`decompress_sum_into` divided by ``len(packets)``, in ``out``; returns ``out``.
+        """The ranks' mean of gathered packets, in ``out``; returns ``out``.
 
-        The hook averages gathered packets with this. The result must equal ``decompress_sum_into(packets,
-        out).div_(len(packets))`` bit for bit (what the default does), so a compressor may fold the division
-        into its decoder's pass over ``out`` but never change the rounding.
+        For a compressor written at group level, this is :meth:`decompress_flat_mean_into` of the group of one, as
+        the hook averages (DeMo's mean over the ranks that selected a coefficient included). Otherwise the result
+        must equal ``decompress_sum_into(packets, out).div_(len(packets))`` bit for bit (what the default does), so
+        a compressor may fold the division into its decoder's pass over ``out`` but never change the rounding.
         """
+        if self._has_group_methods():
+            flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+            self.decompress_flat_mean_into([_group_packet(self, p) for p in packets], flat)
+            return out if flat.data_ptr() == out.data_ptr() else out.copy_(flat.view(out.shape))
         return self.decompress_sum_into(packets, out).div_(len(packets))
 
     def sent(self, tensor: Tensor, packet: Packet) -> Tensor:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.exchange.segments import Segments
 
 
@@ -33,12 +33,6 @@ class Cast(Compressor):
                 f"Fix: use the 'fp16' or 'bf16' compressor, or 'fp32' for uncompressed gradients."
             )
         self.dtype = dtype
-
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        return Packet(payload=self._cast(tensor.detach().reshape(-1)), shape=tensor.shape, dtype=tensor.dtype)
-
-    def decompress(self, packet: Packet) -> Tensor:
-        return self._uncast(packet.payload, packet.dtype).view(packet.shape)
 
     @override
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:

@@ -51,7 +51,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
@@ -222,7 +222,6 @@ class DeMo(Compressor):
         self.topk, self.chunk, self.beta, self.index_dtype = topk, chunk, float(beta), index_dtype
         self.average: Average = average
         self._plans: dict[tuple[tuple[torch.Size, ...], torch.dtype, torch.device], _GroupPlan] = {}
-        self._layers: dict[torch.Size, Segments] = {}
 
     def kept_per_chunk(self, shape: torch.Size) -> int:
         """Coefficients sent per chunk of a tensor of ``shape``."""
@@ -265,13 +264,6 @@ class DeMo(Compressor):
         )
         self._plans[key] = plan
         return plan
-
-    def _layer(self, shape: torch.Size) -> Segments:
-        """The layout of one tensor alone: the per-layer methods are the batched ones on a group of one."""
-        layout = self._layers.get(shape)
-        if layout is None:
-            layout = self._layers[shape] = Segments(("",), (shape,))
-        return layout
 
     @staticmethod
     def _energy_kept(plan: _GroupPlan, kept: list[Tensor], total: list[Tensor], layers: int, like: Tensor) -> Tensor:
@@ -348,42 +340,15 @@ class DeMo(Compressor):
         return self._sum_into([p.payload for p in packets], plan, out).div_(len(packets))
 
     def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
-        return self._decayed(flat, self.decompress_flat(packet))
-
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        x = tensor.detach()
-        group = self.compress_flat(x.reshape(-1), self._layer(x.shape))
-        stats = {key: value[0] for key, value in group.stats.items()}
-        return Packet(payload=group.payload, shape=x.shape, dtype=x.dtype, stats=stats)
-
-    def decompress(self, packet: Packet) -> Tensor:
-        return self.decompress_sum([packet])
-
-    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
-        # linear: summing in the coefficient domain and transforming once equals transforming each and summing
-        first = packets[0]
-        out = torch.empty(first.numel, dtype=first.dtype, device=first.payload.device)
-        plan = self._plan(self._layer(first.shape), first.dtype, out.device)
-        return self._sum_into([p.payload for p in packets], plan, out).view(first.shape)
-
-    def decompress_mean_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        if self.average == "ranks":
-            return super().decompress_mean_into(packets, out)
-        first = packets[0]
-        flat = torch.empty(first.numel, dtype=first.dtype, device=first.payload.device)
-        plan = self._plan(self._layer(first.shape), first.dtype, flat.device)
-        return out.copy_(self._sum_into([p.payload for p in packets], plan, flat, per_selector=True).view(first.shape))
-
-    def _decayed(self, x: Tensor, q: Tensor) -> Tensor:
-        return x - self.beta * (x - q)
-
-    def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
         """``x - beta * (x - q)``, so the hook's residual ``x - sent`` is DeMo's decayed momentum ``beta * (m - q)``.
 
         The hook's error feedback keeps ``x - sent`` and adds it to the next gradient, which makes the next
         input ``g + beta * (m - q)``: DeMo's ``m <- beta * m + g`` after the transmitted ``q`` was removed.
         """
-        return self._decayed(tensor, self.decompress(packet))
+        return self._decayed(flat, self.decompress_flat(packet))
+
+    def _decayed(self, x: Tensor, q: Tensor) -> Tensor:
+        return x - self.beta * (x - q)
 
     def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Warn once (rank 0, at setup) about an optimizer that keeps momentum of its own on top of DeMo's.

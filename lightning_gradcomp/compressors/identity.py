@@ -5,7 +5,7 @@ from typing import Optional
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.exchange.segments import Segments
 
 
@@ -17,15 +17,6 @@ class Identity(Compressor):
 
     aggregation = Aggregation.SUM
     batched = True
-
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        return Packet(payload=tensor.detach().reshape(-1), shape=tensor.shape, dtype=tensor.dtype)
-
-    def decompress(self, packet: Packet) -> Tensor:
-        return packet.payload.view(packet.shape)
-
-    def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
-        return tensor
 
     @override
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:

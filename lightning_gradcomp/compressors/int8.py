@@ -7,9 +7,10 @@ uses the same scale and at most ``L = 127 // world_size`` levels per side: the s
 stochastically to one of ``-L .. L`` (unbiased: ``E[q] * scale / L == x``). With 2 ranks that is 63 levels, with
 4 ranks 31, with 8 ranks 15: fewer levels as the group grows, which is the price of summing in int8.
 
-The rounding draws come from counter-based streams, one per parameter name (:class:`CounterStreams`): a group of
-layers draws in one call exactly what its layers would draw one by one, so the batched path and the per-layer
-one give the same codes bit for bit, and the state that a checkpoint keeps is one counter per name.
+Written once, for a group of layers (a single tensor is a group of one). The rounding draws come from counter-based
+streams, one per parameter name (:class:`CounterStreams`): a group draws in one call exactly what its layers draw one
+by one (``tests/oracles/dense.py`` holds the per-layer reference), and the state that a checkpoint keeps is one
+counter per name.
 """
 
 from typing import Any, Optional
@@ -18,8 +19,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
-from lightning_gradcomp.compressors.base import max_or_zero
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
 from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_int
@@ -57,25 +57,8 @@ class Int8(Compressor):
         """L: codes run over ``-L .. L`` so that the sum over the group's ranks fits in int8."""
         return _INT8_MAX // max(1, self.world_size)
 
-    def local_statistic(self, tensor: Tensor, name: str) -> Optional[Tensor]:
-        return _amax(tensor)
-
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        flat = tensor.detach().reshape(-1).float()
-        scale = (shared if shared is not None else _amax(tensor)).reshape(()).float()
-        rnd = self._streams.uniform(name, flat.numel(), flat.device)
-        codes = self._round(flat, self._inverse(scale), rnd)
-        stats = {"scaler": max_or_zero(scale.reshape(1))}
-        return Packet(payload=codes, shape=tensor.shape, dtype=tensor.dtype, ctx={"scale": scale}, stats=stats)
-
-    def decompress(self, packet: Packet) -> Tensor:
-        # linear in the payload: the summed codes decode to the sum of the ranks' values
-        step = packet.ctx["scale"] / self.levels
-        return (packet.payload.float() * step).to(packet.dtype).view(packet.shape)
-
     @override
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
-        # laid out as the per-layer statistics are (one value per layer), so either path reads it
         return SharedStatistic(_amax_flat(flat, segments), (1,) * len(segments))
 
     @override
@@ -111,11 +94,7 @@ class Int8(Compressor):
         return {"compressor": type(self).__name__, "levels": self.levels, "seed": self.seed}
 
 
-def _amax(tensor: Tensor) -> Tensor:
-    """The largest magnitude (0 for an empty tensor), one float32: the scale every rank shares."""
-    return tensor.detach().abs().amax().float().reshape(1) if tensor.numel() else tensor.new_zeros(1, dtype=torch.float32)
-
-
 def _amax_flat(flat: Tensor, segments: Segments) -> Tensor:
-    """:func:`_amax` of every layer of a group, ``[layers]``."""
+    """The largest magnitude of every layer of a group (0 for an empty layer), ``[layers]`` float32: the scales
+    every rank shares."""
     return segments.reduce(flat.detach().abs().float(), "amax")

@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.wire.bits import packed_bits_nbytes
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.grouped import PackedPayload, derived
 from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_choice
@@ -60,7 +60,6 @@ class OneBit(Compressor):
         super().__init__()
         check_choice("granularity", granularity, ("tensor", "row"))
         self.granularity: Granularity = granularity
-        self._single: dict[torch.Size, Segments] = {}
 
     def _num_groups(self, shape: torch.Size) -> int:
         if shape.numel() == 0:  # nothing to reconstruct: no group, no reconstruction values, 0 bytes
@@ -70,16 +69,6 @@ class OneBit(Compressor):
     def payload_nbytes(self, numel: int, num_groups: int = 1) -> int:
         """Exact bytes of one packet: the sign bits and two float32 values per group."""
         return packed_bits_nbytes(numel, 1) + 8 * num_groups
-
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        group = self.compress_flat(tensor.detach().reshape(-1), self._alone(tensor.shape))
-        stats = {"scale": group.stats["scale"].reshape(())}
-        return Packet(payload=group.payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
-
-    def decompress(self, packet: Packet) -> Tensor:
-        segments = self._alone(packet.shape)
-        group = FlatPacket(packet.payload, segments, packet.dtype, (packet.nbytes,))
-        return self.decompress_flat(group).view(packet.shape)
 
     @override
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
@@ -108,13 +97,6 @@ class OneBit(Compressor):
 
     def _layout(self, segments: Segments) -> "_Groups":
         return derived(segments, ("onebit", self.granularity), lambda: _Groups(segments, self._num_groups))
-
-    def _alone(self, shape: torch.Size) -> Segments:
-        """A group of one layer of ``shape`` (kept: its derived layouts live as long as it does)."""
-        segments = self._single.get(shape)
-        if segments is None:
-            segments = self._single[shape] = Segments(("",), (shape,))
-        return segments
 
     def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Warn when an optimizer applies SGD momentum of :data:`HEAVY_MOMENTUM` or more (see the module docs)."""

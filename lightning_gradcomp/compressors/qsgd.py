@@ -8,10 +8,10 @@ On the wire (exact), fixed-width levels: per element one sign bit and ``ceil(log
 packed end to end, plus one float32 norm per bucket. (The paper's Elias coding of the sparse levels is
 denser at small s; fixed width keeps every packet the same size, so no size exchange is needed.)
 
-A group of layers (the hook's batched path) is quantized in a fixed number of ops: each layer padded to whole
-buckets, one norm per bucket row, per-element scalers by bucket index; its payload is the per-layer payloads back
-to back. The draws come from counter-based streams, one per parameter name (:class:`CounterStreams`), so the group
-draws exactly what its layers would draw one by one: both paths give the same codes bit for bit.
+Written once, for a group of layers (a single tensor is a group of one), in a fixed number of ops: each layer padded
+to whole buckets, one norm per bucket row, per-element scalers by bucket index; its payload is the layers' payloads
+back to back. The draws come from counter-based streams, one per parameter name (:class:`CounterStreams`), so a group
+draws exactly what its layers draw one by one (``tests/oracles/dense.py`` holds the per-layer reference).
 """
 
 import math
@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.wire.bits import pack_bits, packed_bits_nbytes, unpack_bits
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, Packet, SharedStatistic, max_or_zero
+from lightning_gradcomp.wire.bits import packed_bits_nbytes
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.grouped import PackedPayload, derived
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
 from lightning_gradcomp.exchange.segments import Segments
@@ -78,23 +78,6 @@ class QSGD(Compressor):
         """Exact bytes of one packet: packed sign+level codes and one float32 norm per bucket."""
         return packed_bits_nbytes(numel, self.width) + 4 * -(-numel // self.bucket_size)
 
-    def _buckets(self, flat: Tensor) -> Tensor:
-        pad = (-flat.numel()) % self.bucket_size
-        if pad:  # zero padding changes no norm and decodes to nothing
-            flat = torch.cat((flat, flat.new_zeros(pad)))
-        return flat.view(-1, self.bucket_size)
-
-    def quantize(self, tensor: Tensor, name: str = "") -> tuple[Tensor, Tensor, Tensor]:
-        """Signs (bool, negative), levels (int32 in [0, s]) and bucket norms (float32) of ``tensor``."""
-        flat = tensor.detach().reshape(-1).float()
-        buckets = self._buckets(flat)
-        # summed in float64: squares of finite float32 values beyond ~1e19 overflow float32 (the norm itself fits)
-        norms = torch.linalg.vector_norm(buckets, dim=1, dtype=torch.float64).float()
-        scaled = buckets.abs() * self._inverse(norms)[:, None]
-        n = flat.numel()
-        level = self._round(scaled.reshape(-1)[:n], self._streams.uniform(name, n, flat.device))
-        return (buckets < 0).reshape(-1)[:n], level, norms
-
     def _inverse(self, norms: Tensor) -> Tensor:
         """s / ||v|| per bucket (s for an all-zero bucket, whose levels are all 0)."""
         return self.levels / torch.where(norms > 0, norms, 1.0)
@@ -103,24 +86,6 @@ class QSGD(Compressor):
         """int32 levels: ``scaled`` rounded up with probability its fraction."""
         lower = scaled.floor()
         return (lower + (rnd < scaled - lower).float()).clamp_(max=self.levels).to(torch.int32)  # guard at r == s
-
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        negative, level, norms = self.quantize(tensor, name)
-        codes = level * 2 + negative.to(torch.int32)
-        payload = torch.cat((pack_bits(codes, self.width), norms.view(torch.uint8)))
-        # an empty tensor has no bucket: its statistics are 0, not a reduction over nothing
-        stats = {"sparsity": (level == 0).float().mean().nan_to_num(0.0), "norm": max_or_zero(norms)}
-        return Packet(payload=payload, shape=tensor.shape, dtype=tensor.dtype, stats=stats)
-
-    def decompress(self, packet: Packet) -> Tensor:
-        n = packet.numel
-        ncodes = packed_bits_nbytes(n, self.width)
-        codes = unpack_bits(packet.payload[:ncodes], n, self.width)
-        # clone: a slice at an odd byte offset cannot be reinterpreted as float32 in place
-        norms = packet.payload[ncodes:].clone().view(torch.float32)
-        magnitude = (codes >> 1).float() * (norms.repeat_interleave(self.bucket_size)[:n] / self.levels)
-        out = torch.where((codes & 1).bool(), -magnitude, magnitude)
-        return out.to(packet.dtype).view(packet.shape)
 
     @override
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:

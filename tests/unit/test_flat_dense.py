@@ -1,10 +1,11 @@
-"""The dense baselines' batched group path (issue 17) against the per-layer loop it replaces.
+"""The dense baselines, written once at group level, against their per-layer oracle (``tests/oracles/dense.py``).
 
 For fp32, fp16/bf16, int8, QSGD and 1-bit SGD, on a group of layers of mixed shapes (a 1-element and a 0-element
-layer among them): the batched ``compress_flat`` / ``decompress_flat`` (SUM) or ``decompress_flat_mean_into``
-(GATHER) / ``sent_flat`` give what the base class's loop over the per-layer methods gives, bit for bit (int8's and
-QSGD's draws included: their counter-based streams draw per layer in one call), with the same per-layer bytes and
-statistics; and they dispatch the same number of ops for 8 and 32 layers, with no host read.
+layer among them): ``compress_flat`` / ``decompress_flat`` (SUM) or ``decompress_flat_mean_into`` (GATHER) /
+``sent_flat`` give what the oracle's loop over its per-layer methods gives, bit for bit (int8's and QSGD's draws
+included: their counter-based streams draw per layer in one call), with the same per-layer bytes and statistics
+(1-bit SGD, whose per-row means have no other statement than its group code, against its own layers one by one);
+and they dispatch the same number of ops for 8 and 32 layers, with no host read.
 """
 
 import gc
@@ -22,6 +23,7 @@ from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPac
 from lightning_gradcomp.compressors.int8 import Int8
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.exchange.segments import Segments
+from tests.oracles.dense import LayerCast, LayerIdentity, LayerInt8, LayerQSGD
 
 RANKS = 3
 SHAPES = [torch.Size(s) for s in [(6, 5), (1,), (0,), (37,), (3, 2, 4), (0, 4), (2, 700), (9,)]]
@@ -37,6 +39,18 @@ FACTORIES: dict[str, Callable[[], Compressor]] = {
     "onebit-tensor": lambda: OneBit("tensor"),
 }
 
+#: the per-layer oracle of each (``None``: the base class's loop over the compressor's own per-layer methods)
+ORACLES: dict[str, Callable[[], Compressor] | None] = {
+    "fp32": LayerIdentity,
+    "fp16": lambda: LayerCast(torch.float16),
+    "bf16": lambda: LayerCast(torch.bfloat16),
+    "int8": lambda: LayerInt8(seed=3),
+    "qsgd": lambda: LayerQSGD(levels=5, bucket_size=16, seed=3),
+    "qsgd-paper": lambda: LayerQSGD(),
+    "onebit-row": None,
+    "onebit-tensor": None,
+}
+
 
 def _group(shapes: list[torch.Size], seed: int = 0) -> tuple[Segments, list[Tensor]]:
     """A layout and one flat fp32 gradient per rank (values of several magnitudes, exact zeros among them)."""
@@ -49,18 +63,20 @@ def _group(shapes: list[torch.Size], seed: int = 0) -> tuple[Segments, list[Tens
     return segments, flats
 
 
-def _ranks(name: str) -> list[Compressor]:
-    """One compressor per rank, set up for a group of :data:`RANKS`."""
+def _ranks(name: str, oracle: bool = False) -> list[Compressor]:
+    """One compressor (or its oracle) per rank, set up for a group of :data:`RANKS`."""
     out = []
     for rank in range(RANKS):
-        compressor = FACTORIES[name]()
+        make = ORACLES[name] if oracle else FACTORIES[name]
+        compressor = (make or FACTORIES[name])()
         compressor.setup(rank, RANKS, torch.device("cpu"))
         out.append(compressor)
     return out
 
 
 def _exchange(batched: bool, compressors: list[Compressor], segments: Segments, flats: list[Tensor]) -> dict:
-    """One simulated exchange of the group: the hook's steps, through the batched overrides or the base loop."""
+    """One simulated exchange of the group: the hook's steps, through the compressors' group methods or the base
+    class's loop over their per-layer methods (an oracle's group methods are that loop)."""
     call = (lambda method, c, *args: getattr(c, method)(*args)) if batched else (
         lambda method, c, *args: getattr(Compressor, method)(c, *args))
     statistics = [call("flat_statistic", c, x, segments) for c, x in zip(compressors, flats)]
@@ -109,13 +125,13 @@ def _assert_identical(a: object, b: object, where: str = "") -> None:
 
 
 @pytest.mark.parametrize("name", list(FACTORIES))
-def test_batched_group_matches_the_per_layer_loop(name: str) -> None:
+def test_group_code_equals_the_per_layer_oracle(name: str) -> None:
     segments, flats = _group(SHAPES)
-    batched, looped = _ranks(name), _ranks(name)
+    batched, looped = _ranks(name), _ranks(name, oracle=True)
     assert all(c.batched for c in batched)
     for step in range(2):  # a second step: the random streams moved on identically
         got = _exchange(True, batched, segments, flats)
-        want = _exchange(False, looped, segments, flats)
+        want = _exchange(ORACLES[name] is not None, looped, segments, flats)
         _assert_identical(got, want, f"step {step}")
     # each layer's bytes are its per-layer packet's, and the group payload is all of them
     payload = got["payloads"][0]
