@@ -1,4 +1,4 @@
-"""Per-step time of the gradcomp hook against plain DDP on a small GPT-style transformer (issue 17).
+"""Per-step time of the gradcomp hook against plain DDP on a small GPT-style transformer.
 
 Every variant is timed side by side in one run: each rank builds one DDP replica per variant (plain DDP with no
 comm hook, DDP with torch's ``fp16_compress_hook``, and the gradcomp hook with each compressor) and, step by

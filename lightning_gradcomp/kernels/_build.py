@@ -56,6 +56,7 @@ FUNCTIONS = [
     "graddrop_group_select",
     "adacomp_group_encode",
     "adacomp_group_decode_sum",
+    "counter_uniform_flat",
 ]
 _CFLAGS = ["-O3", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]

@@ -417,3 +417,24 @@ def test_the_translation_unit_includes_no_file_of_the_checkout() -> None:
     unit = translation_unit()
     assert re.findall(r'^\s*#include\s+"', unit, flags=re.M) == []
     assert all(line in unit for text in _source_texts() for line in text.splitlines() if '#include "' not in line)
+
+
+# -- counter-based uniforms of a group (QSGD, Int8) ------------------------------------------------------------
+def test_compiled_group_uniforms_equal_the_torch_ops_draws(compiled: bool) -> None:
+    """The compiled draw of a group's uniforms gives the torch ops' bits for every layer (empty ones draw nothing),
+    and moves the same counters."""
+    from lightning_gradcomp.compressors.streams import CounterStreams
+    from lightning_gradcomp.exchange.segments import Segments
+
+    shapes = [(5, 3), (0,), (1,), (70001,), (0, 2), (77,)]
+    segments = Segments([f"l{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes])
+    fast, reference = CounterStreams(3), CounterStreams(3)
+    fast.reset(2)
+    reference.reset(2)
+    for _ in range(2):
+        drawn = fast.uniform_flat(segments, torch.device("cpu"))
+        with kernels.torch_ops():
+            expected = reference.uniform_flat(segments, torch.device("cpu"))
+        assert torch.equal(drawn, expected)
+        assert fast.counters == reference.counters
+    assert 0.0 <= float(drawn.min()) and float(drawn.max()) < 1.0 and drawn.unique().numel() > 0.99 * drawn.numel()

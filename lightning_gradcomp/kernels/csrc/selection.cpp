@@ -349,4 +349,26 @@ torch::Tensor sparse_decode_sum(int64_t n, std::vector<torch::Tensor> indices, s
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Counter-based uniforms of a group of layers (QSGD's and Int8's stochastic rounding)
+
+// element j of layer s (elements offsets[s] to offsets[s + 1]) draws hash_index(j, keys[2s], keys[2s + 1]); its top
+// 24 bits scaled by 2^-24 are the uniform in [0, 1), exactly rng.py's to_uniform (both steps are exact in float32)
+torch::Tensor counter_uniform_flat(torch::Tensor offsets, torch::Tensor keys) {
+  TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && keys.scalar_type() == torch::kInt64, "int64 tables");
+  const int64_t layers = offsets.numel() - 1;
+  TORCH_CHECK(layers >= 0 && keys.numel() == 2 * layers, "a key pair per layer");
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t* ky = keys.data_ptr<int64_t>();
+  auto out = torch::empty({layers > 0 ? off[layers] : 0}, torch::kFloat32);
+  float* op = out.data_ptr<float>();
+  for (int64_t s = 0; s < layers; ++s) {
+    const uint32_t k0 = (uint32_t)ky[2 * s], k1 = (uint32_t)ky[2 * s + 1];
+    float* lp = op + off[s];
+    const int64_t n = off[s + 1] - off[s];
+    for (int64_t j = 0; j < n; ++j) lp[j] = (float)(hash_index((uint32_t)j, k0, k1) >> 8) * 5.9604644775390625e-08f;
+  }
+  return out;
+}
+
 }  // namespace
