@@ -247,8 +247,8 @@ def group_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Cal
 
     def compressor(collective: str, reference: bool) -> TernGrad:
         comp = TernGrad(backend="fused", collective=collective)  # type: ignore[arg-type]
+        comp.triton = False if reference else None  # None: the device's choice
         comp.setup(0, world, device)
-        comp._flat.triton = False if reference else None  # None: the device's choice
         return comp
 
     def path(reference: bool, fn: Callable[[], Any]) -> Callable[[], Any]:

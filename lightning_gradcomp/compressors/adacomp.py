@@ -224,7 +224,8 @@ class AdaComp(KernelBacked[FusedAdaComp]):
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
         backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group). The
         other settings loop over the group's layers inside the group methods."""
-        torch_ops = self.backend == "torch" if self._chosen is None else not self._chosen
+        chosen = self._kernels_chosen
+        torch_ops = self.backend == "torch" if chosen is None else chosen != "fused"
         return self._flat_settings() and (torch_ops or kernels.fused_available())
 
     def _bin_sizes(self, segments: Segments) -> tuple[int, ...]:

@@ -1,8 +1,9 @@
 """The ``backend=`` option of the compressors with fused kernels (TernGrad, Gradient Dropping, AdaComp).
 
-Such a compressor runs either its own torch ops (the reference) or a fused implementation built on
-:mod:`lightning_gradcomp.kernels`. It decides once which, when it learns the device its gradients live on: in
-:meth:`~lightning_gradcomp.compressors.base.Compressor.setup`, or at its first call when it is used without
+Such a compressor runs its own torch ops (the reference), a fused implementation built on
+:mod:`lightning_gradcomp.kernels` (compiled on a CPU), or Triton's kernels (CUDA). It decides once which, in one
+place (:meth:`~lightning_gradcomp.compressors.base.Compressor.kernels`), when it learns the device its gradients live
+on: in :meth:`~lightning_gradcomp.compressors.base.Compressor.setup`, or at its first call when it is used without
 ``setup``. A fused implementation takes the tensors and settings it needs, never the compressor itself, so each
 compressor module imports its fused module and not the other way round.
 """
@@ -12,7 +13,7 @@ from typing import Generic, Literal, Optional, TypeVar
 import torch
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.base import Compressor, Kernels
 
 Backend = Literal["auto", "torch", "fused"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "fused")
@@ -35,33 +36,32 @@ class KernelBacked(Compressor, Generic[F]):
     """A compressor with a ``backend=`` option: a fused implementation of type ``F`` or its own torch ops.
 
     Subclasses set :attr:`backend` and call :meth:`_offer_kernels` in ``__init__`` with their fused implementation;
-    their methods then ask :meth:`_kernels` for it, which answers ``None`` when the torch ops run.
+    their methods then ask :meth:`_kernels` for it, which answers ``None`` when the torch ops or Triton's kernels run.
     """
 
-    #: ``"auto"``, ``"torch"`` or ``"fused"`` (see :func:`fused_enabled`); read when the backend is chosen
+    #: ``"auto"``, ``"torch"`` or ``"fused"`` (see :func:`fused_enabled`); read when the kernels are chosen
     backend: str
 
     def _offer_kernels(self, fused: F) -> None:
         self._fused_impl = fused
-        self._chosen: Optional[bool] = None
 
-    def setup(self, rank: int, world_size: int, device: torch.device) -> None:
-        super().setup(rank, world_size, device)
-        self._chosen = fused_enabled(self.backend, device)
+    def choose_kernels(self, device: torch.device) -> Kernels:
+        """Triton's kernels where they run (:attr:`triton`), else the fused implementation where :attr:`backend`
+        enables it on ``device``, else the torch ops."""
+        chosen = super().choose_kernels(device)
+        return "fused" if chosen == "torch" and fused_enabled(self.backend, device) else chosen
 
     def _kernels(self, device: torch.device) -> Optional[F]:
-        """The fused implementation, or ``None`` for torch ops: as chosen in ``setup``, or chosen now for
-        ``device`` when this compressor is used without ``setup`` (then kept for every later call)."""
-        if self._chosen is None:
-            self._chosen = fused_enabled(self.backend, device)
-        return self._fused_impl if self._chosen else None
+        """The fused implementation when it runs the groups (:meth:`kernels`), else ``None``."""
+        return self._fused_impl if self.kernels(device) == "fused" else None
 
     @property
     def chosen_backend(self) -> Optional[Literal["torch", "fused"]]:
-        """The code path chosen (``None`` until ``setup`` or the first call)."""
-        if self._chosen is None:
+        """The ``backend=`` path chosen (``None`` until ``setup`` or the first call): ``"fused"`` when the fused
+        implementation runs, else ``"torch"`` (torch ops or Triton's kernels)."""
+        if self._kernels_chosen is None:
             return None
-        return "fused" if self._chosen else "torch"
+        return "fused" if self._kernels_chosen == "fused" else "torch"
 
 
 __all__ = ["BACKENDS", "Backend", "KernelBacked", "fused_enabled"]

@@ -20,7 +20,7 @@ import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -29,6 +29,11 @@ from torch.optim import Optimizer
 from lightning_gradcomp.kernels import triton_launch
 from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_options
+
+
+#: the kernels that run a compressor's group code on a device (:meth:`Compressor.kernels`): its torch ops, the compiled
+#: CPU kernels (``"fused"``: compressors with a ``backend=`` option), or Triton's
+Kernels = Literal["torch", "fused", "triton"]
 
 
 class Aggregation(str, enum.Enum):
@@ -258,7 +263,7 @@ class Compressor:
         """
         self.rank = rank
         self.world_size = world_size
-        self._triton = None  # chosen again for the device the groups come on
+        self._kernels_chosen = self.choose_kernels(device)
 
     def aggregation_for(self, world_size: int) -> Aggregation:
         """How this compressor travels in a group of ``world_size`` ranks (default: :attr:`aggregation`)."""
@@ -404,18 +409,30 @@ class Compressor:
     #: whether the ``*_flat`` methods run a fixed number of ops per group rather than the default loop over layers
     batched: bool = False
 
-    #: whether a compressor with Triton group kernels runs them: ``None`` chooses at the first group call after
-    #: :meth:`setup` (CUDA with Triton importable, :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True``
-    #: forces them (on CPU tensors they need ``TRITON_INTERPRET=1``: the tests); ``False`` never
+    #: whether a compressor with Triton group kernels runs them: ``None`` chooses by device (CUDA with Triton
+    #: importable, :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True`` forces them (on CPU tensors
+    #: they need ``TRITON_INTERPRET=1``: the tests); ``False`` never
     triton: Optional[bool] = None
-    _triton: Optional[bool] = None
+    _kernels_chosen: Optional[Kernels] = None
+
+    def choose_kernels(self, device: torch.device) -> Kernels:
+        """The kernels that run this compressor's groups on ``device``: Triton's where :attr:`triton` says so, else
+        the torch ops (a compressor with compiled kernels adds its own rule:
+        :class:`~lightning_gradcomp.compressors.backends.KernelBacked`)."""
+        use_triton = triton_launch.usable(device) if self.triton is None else self.triton
+        return "triton" if use_triton else "torch"
+
+    def kernels(self, device: torch.device) -> Kernels:
+        """The kernels that run the groups: chosen once in :meth:`setup` for its device, or at the first group call
+        for ``device`` when this compressor is used without ``setup`` (then kept until ``setup``)."""
+        if self._kernels_chosen is None:
+            self._kernels_chosen = self.choose_kernels(device)
+        return self._kernels_chosen
 
     def uses_triton(self, tensor: Tensor) -> bool:
-        """Whether this compressor's Triton kernels run the groups on ``tensor``'s device (chosen at the first call,
-        kept until :meth:`setup`; see :attr:`triton`). Meaningful for compressors that have such kernels."""
-        if self._triton is None:
-            self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
-        return self._triton
+        """Whether Triton's kernels run the groups on ``tensor``'s device (:meth:`kernels`). Meaningful for
+        compressors that have such kernels."""
+        return self.kernels(tensor.device) == "triton"
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         """The group's local statistics (:meth:`local_statistic` of every layer) as one vector, or ``None``."""

@@ -40,7 +40,7 @@ from torch import Tensor
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic
 from lightning_gradcomp.compressors.streams import CounterStreams
-from lightning_gradcomp.kernels import triton_launch, triton_terngrad
+from lightning_gradcomp.kernels import triton_terngrad
 from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.wire.ternary import Packing
 
@@ -67,6 +67,8 @@ class TernGradSettings(Protocol):
 
     @property
     def packing(self) -> Packing: ...
+
+    def uses_triton(self, tensor: Tensor) -> bool: ...
 
 
 def chunk_counts(numels: Sequence[int], bucket: Optional[int]) -> tuple[int, ...]:
@@ -243,22 +245,15 @@ class FlatTernGrad:
         streams: the counter-based random streams (shared with the fused backend, checkpointed by the compressor).
         native: the compiled CPU kernels to run a group with (one call per group, looping over its layers inside),
             or ``None`` for torch ops; asked at each call with the group's tensor.
-        triton: whether the Triton kernels run the groups: ``None`` chooses at the first call (CUDA with Triton
-            importable, :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True`` forces them (on CPU
-            tensors they need ``TRITON_INTERPRET=1``: the tests), ``False`` never.
+
+    Whether Triton's kernels run is the compressor's choice (``settings.uses_triton``, made once per device).
     """
 
-    def __init__(
-        self, settings: TernGradSettings, sigma_noise: float, streams: CounterStreams, native: Native,
-        triton: Optional[bool] = None,
-    ) -> None:
+    def __init__(self, settings: TernGradSettings, sigma_noise: float, streams: CounterStreams, native: Native) -> None:
         self.settings = settings
         self.sigma_noise = sigma_noise
         self.streams = streams
         self.native = native
-        self.triton = triton
-        #: whether the Triton kernels run (chosen once, at the first call after construction or `forget`)
-        self._triton: Optional[bool] = None
         self._layouts: "weakref.WeakKeyDictionary[Segments, _Layouts]" = weakref.WeakKeyDictionary()
         #: the statistics :meth:`statistic` computed, for :meth:`compress` of the same tensor
         self._pending: "weakref.WeakKeyDictionary[Segments, tuple[Tensor, int, Tensor, Optional[Tensor]]]" = (
@@ -266,16 +261,12 @@ class FlatTernGrad:
         )
 
     def forget(self) -> None:
-        """Drop the statistics kept between :meth:`statistic` and :meth:`compress` (the state was replaced), and the
-        choice of kernels (``setup`` may have moved the compressor to another device)."""
+        """Drop the statistics kept between :meth:`statistic` and :meth:`compress` (the state was replaced)."""
         self._pending = weakref.WeakKeyDictionary()
-        self._triton = None
 
     def uses_triton(self, tensor: Tensor) -> bool:
-        """Whether the Triton kernels run the groups (chosen at the first call for ``tensor``'s device, then kept)."""
-        if self._triton is None:
-            self._triton = triton_launch.usable(tensor.device) if self.triton is None else self.triton
-        return self._triton
+        """Whether Triton's kernels run the groups on ``tensor``'s device: the compressor's choice."""
+        return self.settings.uses_triton(tensor)
 
     def tables(self, segments: Segments, device: torch.device) -> triton_terngrad.GroupTables:
         """The Triton kernels' tables of this group under the current settings, on ``device`` (built once)."""

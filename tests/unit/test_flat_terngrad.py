@@ -10,7 +10,7 @@ the same statistics (scalers, unbiasedness) instead.
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -61,12 +61,15 @@ def _grads(seg: Segments, seed: int = 0) -> list[torch.Tensor]:
     return grads
 
 
-def _ranks(kwargs: dict[str, Any], variant: str, backend: str = "fused", oracle: bool = False) -> list[Compressor]:
+def _ranks(kwargs: dict[str, Any], variant: str, backend: str = "fused", oracle: bool = False,
+           triton: Optional[bool] = None) -> list[Compressor]:
     """RANKS compressors (the oracle's when ``oracle``) travelling as ``variant`` (an explicit `collective` where
-    TernGrad declares none)."""
+    TernGrad declares none); ``triton``: the option (``True`` forces Triton's kernels, on CPU tensors the
+    interpreter), read when ``setup`` chooses the kernels, which the variants share."""
     comps: list[Compressor] = []
     for r in range(RANKS):
         auto = (LayerTernGrad if oracle else TernGrad)(seed=5, backend=backend, **kwargs)  # type: ignore[arg-type]
+        auto.triton = triton
         auto.setup(r, RANKS, torch.device("cpu"))
         names = [v.name for v in auto.collectives(RANKS)]
         comps.append(auto.for_collective(variant) if variant in names else auto)

@@ -32,8 +32,8 @@ def _ranks(kwargs: dict[str, Any], ranks: int, triton: bool, device: torch.devic
     comps = []
     for rank in range(ranks):
         comp = GradientDropping(backend="torch", seed=7, **kwargs)
+        comp.triton = triton  # an option: read when setup chooses the kernels
         comp.setup(rank, ranks, device)
-        comp.triton = triton
         comps.append(comp)
     return comps
 
@@ -129,7 +129,7 @@ def _compare(
                 for g in grads:
                     corrupt(g, seg)
             records.append(_exchange(comps, seg, [g.to(device) for g in grads]))
-        assert all(c._triton is triton for c in comps)  # the kernels ran, and only on one side
+        assert all((c._kernels_chosen == "triton") is triton for c in comps)  # the kernels ran, and only on one side
         runs.append(records)
     for want, got in zip(*runs):
         _assert_same(got, want)
@@ -233,11 +233,12 @@ def _choice() -> None:
     comp.setup(0, 2, CPU)
     seg = _layout()
     comp.compress_flat(_gradient(seg, 0), seg)
-    assert comp._triton is False
-    comp._triton = True  # kept until setup
+    assert comp.kernels(CPU) == "torch"
+    comp.triton = True  # read at the next setup
     comp.compress_flat(_gradient(seg, 1), seg)
+    assert comp.kernels(CPU) == "torch"
     comp.setup(0, 2, CPU)
-    assert comp._triton is None
+    assert comp.kernels(CPU) == "triton"
 
 
 def _global_restart() -> None:

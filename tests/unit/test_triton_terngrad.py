@@ -28,25 +28,16 @@ CPU = torch.device("cpu")
 TINY = {"empty": [(0,)], "one": [(1,)], "mixed": [(0,), (3,), (0,), (1,)]}
 
 
-def _with_triton(comps: Sequence[Compressor], on: bool = True) -> Sequence[Compressor]:
-    """The compressors with their group path forced onto the Triton kernels (CPU tensors: the interpreter), or
-    (``on=False``) onto the torch ops (on CUDA they would choose Triton)."""
-    for comp in comps:
-        assert isinstance(comp, TernGrad)
-        comp._flat.triton = on
-    return comps
-
-
 def _both(run: Callable[[Sequence[Compressor]], Any], kwargs: dict[str, Any], variant: str) -> tuple[Any, Any]:
     """``run`` on RANKS fresh compressors through the torch ops, then through the Triton kernels."""
     with kernels.torch_ops():  # the compiled CPU kernels off: the torch ops are the reference on both sides
-        references = _with_triton(_ranks(kwargs, variant), on=False)
+        references = _ranks(kwargs, variant, triton=False)
         reference = run(references)
-        comps = _with_triton(_ranks(kwargs, variant))
+        comps = _ranks(kwargs, variant, triton=True)
         got = run(comps)
     # the kernels did run, and only on one side
-    assert all(isinstance(c, TernGrad) and c._flat._triton for c in comps)
-    assert not any(isinstance(c, TernGrad) and c._flat._triton for c in references)
+    assert all(c.kernels(CPU) == "triton" for c in comps)
+    assert not any(c.kernels(CPU) == "triton" for c in references)
     return got, reference
 
 
@@ -189,12 +180,12 @@ def _case_op_counts(config: str, variant: str) -> None:
         with _disable_current_modes():  # what a GPU would run as one kernel
             launch(*args, **kwargs)
 
-    comps = _with_triton(_ranks(CONFIGS[config], variant), on=False)
+    comps = _ranks(CONFIGS[config], variant, triton=False)
     triton_terngrad.launch = counted
     try:
         with kernels.torch_ops():
             torch_ops = _step_ops(comps[0], 8)
-            comps = _with_triton(_ranks(CONFIGS[config], variant))
+            comps = _ranks(CONFIGS[config], variant, triton=True)
             small, large = _step_ops(comps[0], 8), _step_ops(comps[0], 32)
     finally:
         triton_terngrad.launch = launch
@@ -215,7 +206,7 @@ def _case_choice() -> None:
     x = _grads(seg)[0]
     with kernels.torch_ops():
         comp.compress_flat(x, seg, comp.flat_statistic(x, seg))
-    assert comp._flat._triton is False
+    assert comp.kernels(x.device) == "fused"
 
 
 INTERPRETED: dict[str, Callable[[], None]] = {
