@@ -45,10 +45,10 @@ class KernelBacked(Compressor, Generic[F]):
     def _offer_kernels(self, fused: F) -> None:
         self._fused_impl = fused
 
-    def choose_kernels(self, device: torch.device) -> Kernels:
+    def _choose_kernels(self, device: torch.device) -> Kernels:
         """Triton's kernels where they run (:attr:`triton`), else the fused implementation where :attr:`backend`
         enables it on ``device``, else the torch ops."""
-        chosen = super().choose_kernels(device)
+        chosen = super()._choose_kernels(device)
         return "fused" if chosen == "torch" and fused_enabled(self.backend, device) else chosen
 
     def _kernels(self, device: torch.device) -> Optional[F]:

@@ -263,7 +263,7 @@ class Compressor:
         """
         self.rank = rank
         self.world_size = world_size
-        self._kernels_chosen = self.choose_kernels(device)
+        self._kernels_chosen = self._choose_kernels(device)
 
     def aggregation_for(self, world_size: int) -> Aggregation:
         """How this compressor travels in a group of ``world_size`` ranks (default: :attr:`aggregation`)."""
@@ -415,7 +415,7 @@ class Compressor:
     triton: Optional[bool] = None
     _kernels_chosen: Optional[Kernels] = None
 
-    def choose_kernels(self, device: torch.device) -> Kernels:
+    def _choose_kernels(self, device: torch.device) -> Kernels:
         """The kernels that run this compressor's groups on ``device``: Triton's where :attr:`triton` says so, else
         the torch ops (a compressor with compiled kernels adds its own rule:
         :class:`~lightning_gradcomp.compressors.backends.KernelBacked`)."""
@@ -426,7 +426,7 @@ class Compressor:
         """The kernels that run the groups: chosen once in :meth:`setup` for its device, or at the first group call
         for ``device`` when this compressor is used without ``setup`` (then kept until ``setup``)."""
         if self._kernels_chosen is None:
-            self._kernels_chosen = self.choose_kernels(device)
+            self._kernels_chosen = self._choose_kernels(device)
         return self._kernels_chosen
 
     def uses_triton(self, tensor: Tensor) -> bool:
