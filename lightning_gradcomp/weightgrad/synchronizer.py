@@ -252,7 +252,7 @@ class GradientSynchronizer(OuterSync):
             p = self.params[name]
             # in pseudo-gradient units (negated exactly): the engine's SGD at lr 1 adds the mean update back
             means.append(mean.to(p.dtype).neg())
-            sent.append(self._contribution.sent[name].view_as(p).to(p.dtype).neg())
+            sent.append(self._contribution.sent.pop(name).view_as(p).to(p.dtype).neg())
         # only the leaders' messages cross the WAN (every rank of a site encodes the same one)
         wan = ledger.bytes_of(self.names, 0, sizes=True) if g.is_leader and g.layout.num_sites > 1 else 0
         self.stats["wan_message_bytes"] = torch.tensor(ledger.bytes_of(self.names, 0))
