@@ -45,7 +45,6 @@ from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor, nn
-
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.loss_aware import LossAwareTernary
