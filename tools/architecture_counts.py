@@ -17,7 +17,7 @@ Prints, for one checkout of the library package (default: this repository's ``li
   (``nbytes``, ``*_bytes``, ``wan``, ``lan``: a variable, attribute, keyword, or the return of a function so named),
   hands it to the ledger (``record_*``), sums or tuples packet sizes (``.nbytes``, ``element_size()``), or writes
   fp32's width by hand (``4 * x.numel()``); the packets' own ``nbytes`` and the sparse formats' size formulas
-  included. Sizes handed to the ledger's formulas (``dense_bytes``, ``tensor_bytes``, ``sized_message_bytes``) are counted in the ledger. A compressor's ``sent``/``sent_flat`` (the decoded contribution, a tensor) and sizes used for layout
+  included. Sizes handed to the ledger's formulas (``dense_bytes``, ``tensor_bytes``) are counted in the ledger. A compressor's ``sent``/``sent_flat`` (the decoded contribution, a tensor) and sizes used for layout
   (offsets, byte-balanced shares, chunks: :data:`LAYOUT_SIZES`) are not bytes on the wire;
 * the compressor contract: public methods and class attributes of ``Compressor`` (the flags among them: those
   typed ``bool`` or ``Optional[bool]``), and the attributes the runtime reads off a compressor by name
@@ -66,7 +66,7 @@ BYTE_NAME = re.compile(r"(^|_)(n?bytes|wan|lan)(_|$)")
 #: the ledger's recording methods
 LEDGER_CALLS = re.compile(r"^record")
 #: the ledger's formulas (``lightning_gradcomp/exchange/ledger.py``): a size handed to one is counted there, not by the caller
-LEDGER_FORMULAS = frozenset({"dense_bytes", "tensor_bytes", "sized_message_bytes"})
+LEDGER_FORMULAS = frozenset({"dense_bytes", "tensor_bytes"})
 #: functions whose byte sizes are of layout, not of the wire (syntactically alike), with the reason
 LAYOUT_SIZES = {
     "groups.py::Layouts.groups": "input bytes per pipeline chunk",

@@ -106,6 +106,9 @@ class FlatPacket:
         ctx: further local decode context, e.g. per-layer scalers every rank agreed on.
         stats: per-layer statistics, each a ``[layers]`` tensor on the payload's device.
         layers: the per-layer packets the default (looping) path made, else ``None``.
+        self_describing: whether the payload carries its own per-layer layout (a header, as WeightGrad's WAN message
+            does): a variable-size gather then sends only the payload's total length ahead of it, and the decoder
+            reads the layers' sizes from the payload (a received packet keeps the receiver's ``layer_nbytes``).
     """
 
     payload: Tensor
@@ -115,6 +118,7 @@ class FlatPacket:
     ctx: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Tensor] = field(default_factory=dict)
     layers: Optional[list[Packet]] = None
+    self_describing: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -9,8 +9,9 @@ ternarization. Deterministic: no random draws.
 
 WeightGrad (Akter & Adnan, KDD 2020) sends a site's significant weight updates between sites this way
 (:class:`~lightning_gradcomp.weightgrad.synchronizer.GradientSynchronizer`, ``wan_quantization="loss_aware"``), with the
-optimizer's second moment as the metric; it encodes :meth:`LossAwareTernary.ternarize`'s values in its own sparse or
-dense WAN message. As a compressor on its own, a packet is the 2-bit packed ``b`` followed by the fp32 ``alpha``;
+optimizer's second moment as the metric: its WAN message's compressor
+(:class:`~lightning_gradcomp.weightgrad.quantize.WanMessage`) encodes :meth:`LossAwareTernary.ternarize`'s values in a
+sparse or dense body per layer. As a compressor on its own, a packet is the 2-bit packed ``b`` followed by the fp32 ``alpha``;
 every rank has its own ``alpha``, so packets are all-gathered.
 """
 

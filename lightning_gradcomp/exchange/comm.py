@@ -121,73 +121,17 @@ def completed(value: Tensor) -> Future:
     return fut
 
 
-# -- two-level (site / leader) collectives for WeightGrad ---------------------------------------------------
+# -- two-level (site / leader) collectives -----------------------------------------------------------------------
 # A site's ranks share a LAN (``site_group``); one leader per site talks over the WAN (``leader_group``, None
 # on ranks that are not leaders). Every function is called by every rank of the world, in the same order, and
-# waits: the WAN step runs between training steps, not inside a DDP hook.
+# waits: these run between training steps, not inside a DDP hook. The exchange's collectives over the sites are
+# :class:`~lightning_gradcomp.exchange.transport.SiteLeadersTransport`'s (the leaders' collective, then
+# :func:`broadcast_` inside each site).
 
 
 def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> None:
     """In-place broadcast from global rank ``src`` over ``group``, waited for."""
     dist.broadcast(tensor, src=src, group=group)
-
-
-def all_gather_bytes(payload: Tensor, group: ProcessGroup, world_size: int) -> tuple[Tensor, Tensor]:
-    """All-gather variable-size uint8 payloads: sizes first, then every rank pads to the longest.
-
-    Returns:
-        ``(sizes, gathered)``: int64 ``[world_size]`` and uint8 ``[world_size, max(sizes)]``.
-    """
-    sizes = all_gather_sizes(torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device), group, world_size)
-    sizes = sizes.reshape(-1)
-    longest = int(sizes.max())
-    padded = payload if payload.numel() == longest else torch.cat((payload, payload.new_zeros(longest - payload.numel())))
-    if longest == 0:
-        return sizes, payload.new_zeros((world_size, 0))
-    out = payload.new_empty(world_size * longest)
-    dist.all_gather_single(out, padded, group=group)
-    return sizes, out.view(world_size, longest)
-
-
-def hierarchical_all_gather_bytes(
-    payload: Tensor,
-    leader_group: ProcessGroup,
-    site_group: ProcessGroup,
-    site_leader: int,
-    num_sites: int,
-    site_size: int,
-) -> tuple[Tensor, Tensor]:
-    """Each site's leader contributes ``payload``; every rank of every site receives all sites' payloads.
-
-    Leaders all-gather over the WAN (``leader_group``), then each leader broadcasts the sizes and the gathered
-    bytes inside its site over the LAN. Payloads of non-leaders are ignored.
-
-    Returns:
-        ``(sizes, gathered)`` as in :func:`all_gather_bytes`, identical on every rank of the world.
-    """
-    if leader_group is not None:
-        sizes, gathered = all_gather_bytes(payload, leader_group, num_sites)
-    else:
-        sizes = torch.zeros(num_sites, dtype=torch.int64, device=payload.device)
-        gathered = payload.new_zeros((num_sites, 0))
-    if site_size > 1:
-        broadcast_(sizes, site_leader, site_group)
-        longest = int(sizes.max())
-        if leader_group is None:
-            gathered = payload.new_zeros((num_sites, longest))
-        if longest:
-            broadcast_(gathered, site_leader, site_group)
-    return sizes, gathered
-
-
-def hierarchical_all_reduce_max_(
-    tensor: Tensor, leader_group: ProcessGroup, site_group: ProcessGroup, site_leader: int, site_size: int
-) -> None:
-    """In place: the max over the leaders' values (WAN), then broadcast from each leader to its site (LAN)."""
-    if leader_group is not None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=leader_group)
-    if site_size > 1:
-        broadcast_(tensor, site_leader, site_group)
 
 
 def hierarchical_broadcast_(

@@ -508,8 +508,14 @@ def _concat(state: GradCompState, key: tuple[object, ...], parts: Sequence[Tenso
     return flat
 
 
+def _wire_sizes(packet: FlatPacket) -> "tuple[int, ...] | Tensor":
+    """The sizes the receivers of a gathered packet must know before its payload: each layer's, or the total alone for
+    a payload that carries its own layout (``self_describing``)."""
+    return (packet.nbytes,) if packet.self_describing else packet.layer_nbytes
+
+
 def _host_sizes(packet: FlatPacket) -> Tensor:
-    sizes = packet.layer_nbytes
+    sizes = _wire_sizes(packet)
     return sizes if isinstance(sizes, Tensor) else torch.tensor(sizes, dtype=torch.int64, device=packet.payload.device)
 
 
@@ -546,10 +552,12 @@ def _launch(
         sum_buffers.append((idx, flat))
 
     gathered: Optional[Tensor] = None
-    sizes: list[list[int]] = []  # per rank, the byte length of each gathered layer's packet
+    # per rank, the byte length of each gathered layer's packet (of the whole packet where it is self-describing)
+    sizes: list[list[int]] = []
+    size_table = 0  # bytes of this rank's sizes sent ahead of the payloads
     if gather_idx and world > 1:
         parts = [_as_bytes(packets[k].payload) for k in gather_idx]
-        known = [packets[k].layer_nbytes for k in gather_idx]
+        known = [_wire_sizes(packets[k]) for k in gather_idx]
         if not all(groups[k].compressor.fixed_size and isinstance(n, tuple) for k, n in zip(gather_idx, known)):
             # variable-size payloads: per-layer sizes first (waited for: the bucket's one host read), then every
             # rank pads to the largest total
@@ -557,6 +565,7 @@ def _launch(
             with state.observer.blocking():
                 table = state.transport.gather_sizes(own)
             state.ledger.count("allgather_sizes")
+            size_table = tensor_bytes(own)
             sizes = table.tolist()
         else:
             sizes = [[n for row in known for n in row]] * world
@@ -569,6 +578,7 @@ def _launch(
             state.ledger.count("allgather")
         else:
             gathered = flat.new_zeros((world, 0))
+    state.ledger.record_sizes(key, size_table)
 
     def decode() -> None:
         for idx, flat in sum_buffers:
@@ -589,11 +599,13 @@ def _launch(
                 per_rank = [packet]
             else:
                 per_rank = []
-                count = len(group.segments)
+                count = 1 if packet.self_describing else len(group.segments)
                 for r in range(world):
                     row = tuple(sizes[r][layer : layer + count])
                     raw = gathered[r, starts[r] : starts[r] + sum(row)]
-                    per_rank.append(packet.with_payload(_from_bytes(raw, packet.payload.dtype), layer_nbytes=row))
+                    received = _from_bytes(raw, packet.payload.dtype)
+                    # a self-describing payload's layer sizes are in the payload: its decoder reads them there
+                    per_rank.append(packet.with_payload(received, layer_nbytes=None if packet.self_describing else row))
                     starts[r] += sum(row)
                 layer += count
             # decoded and averaged straight into DDP's bucket when the group's layers are adjacent there

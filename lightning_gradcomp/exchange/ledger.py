@@ -35,16 +35,6 @@ def tensor_bytes(tensor: Tensor, numel: Optional[int] = None) -> int:
     return (tensor.numel() if numel is None else numel) * tensor.element_size()
 
 
-#: bytes of the int64 size a variable-size message is preceded by (:func:`~lightning_gradcomp.exchange.comm.all_gather_bytes`)
-SIZE_HEADER_BYTES = 8
-
-
-def sized_message_bytes(message: Tensor) -> int:
-    """What a rank sends for a variable-size message: the message as it is and the int64 size sent ahead of it (the
-    receivers learn every size first, then the messages padded to the longest; the padding is not this rank's)."""
-    return tensor_bytes(message) + SIZE_HEADER_BYTES
-
-
 @runtime_checkable
 class ByteReport(Protocol):
     """What every strategy of the library reports about its traffic (``GradCompStrategy``, ``DiLoCoStrategy``,
@@ -130,6 +120,11 @@ class Ledger:
     Attributes:
         records: the latest :class:`LayerRecord` per parameter name (a group's records are made when read).
         shared_stat_bytes: bytes of the statistic all-reduce in the latest round, per bucket index.
+        size_bytes: bytes of the sizes a variable-size gather sent ahead of its payloads in the latest round, per
+            (bucket index, chunk index); not in :meth:`bytes_per_step` (see :meth:`bytes_of`).
+        channels: bytes this rank put on each named link of a transport that spans two, since
+            :meth:`take_channel` last read it (``"lan"``: the fan-out inside a site of
+            :class:`~lightning_gradcomp.exchange.transport.SiteLeadersTransport`).
         collectives: how many collectives of each kind ran.
         hook_calls: bucket hook calls since construction.
         per_rank: with ``keep_per_rank``, the per-rank decoded gradients of the latest exchange, by name.
@@ -141,6 +136,8 @@ class Ledger:
         self._owner: dict[str, tuple[str, ...]] = {}
         self._records: Optional[dict[str, LayerRecord]] = None
         self.shared_stat_bytes: dict[int, int] = {}
+        self.size_bytes: dict[tuple[int, int], int] = {}
+        self.channels: Counter = Counter()
         self.collectives: Counter = Counter()
         self.hook_calls = 0
         self.per_rank: Optional[dict[str, list[Tensor]]] = {} if keep_per_rank else None
@@ -202,6 +199,19 @@ class Ledger:
         """Bytes of a bucket's shared-statistics all-reduce this round."""
         self.shared_stat_bytes[bucket_index] = nbytes
 
+    def record_sizes(self, key: tuple[int, int], nbytes: int) -> None:
+        """Bytes of the sizes chunk ``key`` (bucket index, chunk index) sent ahead of its gathered payloads this round
+        (0: none: fixed sizes, or nothing gathered)."""
+        self.size_bytes[key] = nbytes
+
+    def record_channel(self, channel: str, nbytes: int) -> None:
+        """``nbytes`` more put on the link ``channel`` (a transport's second link, e.g. ``"lan"``)."""
+        self.channels[channel] += nbytes
+
+    def take_channel(self, channel: str) -> int:
+        """Bytes put on ``channel`` since the last call (then forgotten)."""
+        return self.channels.pop(channel, 0)
+
     def keep_per_rank(self, name: str, decoded: list[Tensor]) -> None:
         if self.per_rank is not None:
             self.per_rank[name] = decoded
@@ -222,8 +232,19 @@ class Ledger:
         """What plain fp32 DDP would have contributed for the same parameters."""
         return dense_bytes(sum(r.numel for r in self._singles.values()) + sum(g.segments.total for g in self._groups.values()))
 
-    def bytes_of(self, names: Iterable[str], bucket_index: int) -> int:
+    def bytes_of(self, names: Iterable[str], bucket_index: int, sizes: bool = False) -> int:
         """Bytes of the latest records of ``names`` plus bucket ``bucket_index``'s shared statistics: one bucket's
-        share of :meth:`bytes_per_step` (an outer round's fragment)."""
+        share of :meth:`bytes_per_step` (an outer round's fragment).
+
+        Args:
+            names: the bucket's parameters (or some of them).
+            bucket_index: the bucket.
+            sizes: also the sizes its variable-size gathers sent ahead of the payloads (:attr:`size_bytes`; a WAN
+                message counted with its length, as WeightGrad reports it). The per-step reports of the other
+                engines leave them out.
+        """
         records = self.records
-        return sum(records[n].nbytes for n in names) + self.shared_stat_bytes.get(bucket_index, 0)
+        total = sum(records[n].nbytes for n in names) + self.shared_stat_bytes.get(bucket_index, 0)
+        if sizes:
+            total += sum(n for (bucket, _), n in self.size_bytes.items() if bucket == bucket_index)
+        return total

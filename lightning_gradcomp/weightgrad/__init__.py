@@ -9,7 +9,7 @@ from torch import Tensor
 from lightning_gradcomp._deprecated import moved_names as _moved_names
 from lightning_gradcomp.compressors.loss_aware import LossAwareTernary
 from lightning_gradcomp.compressors.terngrad import TernGrad
-from lightning_gradcomp.weightgrad.quantize import decode, encode
+from lightning_gradcomp.weightgrad.quantize import WanMessage, decode, encode
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
 from lightning_gradcomp.weightgrad.strategy import GatheredFP32, WeightGradStrategy
 from lightning_gradcomp.weightgrad.synchronizer import GradientSynchronizer
@@ -18,6 +18,7 @@ __all__ = [
     "GatheredFP32",
     "GradientSynchronizer",
     "SignificanceFilter",
+    "WanMessage",
     "WeightGradStrategy",
     "decode",
     "encode",

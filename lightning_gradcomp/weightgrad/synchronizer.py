@@ -10,13 +10,16 @@ the site's weights. The site's accumulated update is ``g_u = hidden + (w - ancho
 
 A WAN round (all sites together):
 
-1. each site takes the significant part of ``g_u`` (:class:`SignificanceFilter`), ternarizes it with a per-layer
-   scale through a compressor (:class:`~lightning_gradcomp.compressors.loss_aware.LossAwareTernary` with the optimizer's
-   second moments, or :class:`~lightning_gradcomp.compressors.TernGrad`'s stochastic rounding at scale ``max|x|``, or
-   not at all), encodes it (:mod:`~lightning_gradcomp.weightgrad.quantize`) and keeps what it did not send (``g_u - sent``:
-   insignificant parts and rounding error keep accumulating, as in Gaia);
-2. leaders all-gather the messages over the WAN, then each leader broadcasts them inside its site over the
-   LAN: the weights travel down as ternary weight updates with a per-layer scale;
+1. each site takes the significant part of ``g_u`` (:class:`SignificanceFilter`) and runs the hook's exchange on it
+   (:func:`~lightning_gradcomp.exchange.hook.gradcomp_hook`) with the WAN message as its compressor
+   (:class:`~lightning_gradcomp.weightgrad.quantize.WanMessage`: per layer a scale and ternary values from
+   :class:`~lightning_gradcomp.compressors.loss_aware.LossAwareTernary` with the optimizer's second moments, or
+   :class:`~lightning_gradcomp.compressors.TernGrad`'s stochastic rounding at scale ``max|x|``, or fp32 values, in one
+   variable-size message); the site keeps what it did not send (``g_u - sent``: insignificant parts and rounding
+   error keep accumulating, as in Gaia);
+2. the exchange's transport is the sites (:class:`~lightning_gradcomp.exchange.transport.SiteLeadersTransport`): the
+   leaders all-gather the messages over the WAN, then each leader broadcasts them inside its site over the LAN; the
+   weights travel down as ternary weight updates with a per-layer scale;
 3. every rank decodes all sites' messages in site order and moves ``anchor`` by their average (the Global
    Server's average), bit-identically everywhere;
 4. ``site_view="global"``: every rank's weights become ``anchor`` (all sites identical after the round; the
@@ -38,24 +41,41 @@ update until the round's global update has arrived, which is how the bound is en
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_gradcomp.compressors.loss_aware import LossAwareTernary
 from lightning_gradcomp.compressors.terngrad import TernGrad
-from lightning_gradcomp.exchange import comm
-from lightning_gradcomp.exchange.ledger import dense_bytes, sized_message_bytes, tensor_bytes
+from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
+from lightning_gradcomp.exchange.ledger import tensor_bytes
+from lightning_gradcomp.exchange.pipeline import LayerTransform
+from lightning_gradcomp.exchange.transport import SiteLeadersTransport
 from lightning_gradcomp.outer.engine import OuterSync
-from lightning_gradcomp.outer.exchange import InFlight, sync_buffers
-from lightning_gradcomp.weightgrad import quantize
+from lightning_gradcomp.outer.exchange import FlatBucket, InFlight, sync_buffers
+from lightning_gradcomp.weightgrad.quantize import Ternarizer, WanMessage
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
 from lightning_gradcomp.sites.layout import SiteGroups
 
 WanQuantization = Literal["loss_aware", "terngrad", "none"]
 SiteView = Literal["global", "gaia"]
 Trigger = Literal["bound", "significance"]
+
+
+class _Contribution(LayerTransform):
+    """What a WAN round's message effectively sent of each layer (its own decode, which the group step computes for
+    the transforms): the engine keeps ``g_u - sent``, so the message's compressor keeps no residual of its own."""
+
+    applies_to_float = True
+
+    def __init__(self) -> None:
+        self.sent: dict[str, Tensor] = {}
+
+    @override
+    def after_compress(self, name: str, compressed_input: Tensor, sent: Tensor) -> None:
+        self.sent[name] = sent
 
 
 class GradientSynchronizer(OuterSync):
@@ -123,15 +143,26 @@ class GradientSynchronizer(OuterSync):
         self.second_moment = second_moment
         self.learning_rate = learning_rate
         device = next(iter(params.values())).device
-        #: the WAN quantizer. TernGrad: no clipping (scale max|x|), each site's own scale in its message, per-name
-        #: counter-based streams; set up with the site as its rank, so a site's ranks draw the same bits (they
-        #: are replicas of the site) and sites draw different ones
-        self.quantizer: Union[TernGrad, LossAwareTernary]
+        # the WAN quantizer. TernGrad: no clipping (scale max|x|), each site's own scale in its message, per-name
+        # counter-based streams; set up with the site as its rank, so a site's ranks draw the same bits (they are
+        # replicas of the site) and sites draw different ones
+        quantizer: Optional[Ternarizer] = None
         if wan_quantization == "terngrad":
-            self.quantizer = TernGrad(clip_factor=0.0, scaler_share="per_worker", collective="allgather", seed=seed)
-        else:
-            self.quantizer = LossAwareTernary(second_moment=second_moment)
-        self.quantizer.setup(groups.site, groups.layout.num_sites, device)
+            quantizer = TernGrad(clip_factor=0.0, scaler_share="per_worker", collective="allgather", seed=seed)
+        elif wan_quantization == "loss_aware":
+            quantizer = LossAwareTernary(second_moment=second_moment)
+        #: the WAN message: the exchange's compressor, set up with the site as its rank among the sites
+        self.message = WanMessage(quantizer, float_names)
+        self.message.setup(groups.site, groups.layout.num_sites, device)
+        self._contribution = _Contribution()
+        #: the WAN round's exchange: the hook's, over the sites (every rank of a site runs it on the same data), its
+        #: ledger counting the bytes between sites and the leaders' broadcasts inside them (channel ``"lan"``);
+        #: no non-finite check of its own: the site's inner exchange checks every gradient
+        self.transport = SiteLeadersTransport(groups)
+        self.state = GradCompState(self.message, {id(p): n for n, p in params.items()}, transforms=[self._contribution],
+                                   world_size=groups.layout.num_sites, nonfinite="ignore", transport=self.transport)
+        self.transport.ledger = self.state.ledger
+        self.bucket = FlatBucket(0, [params[n] for n in self.names], device)
         with torch.no_grad():
             self.last = {n: p.detach().clone() for n, p in params.items()}
         self._step_update: dict[str, Tensor] = {}
@@ -162,12 +193,12 @@ class GradientSynchronizer(OuterSync):
             if self.trigger == "significance" and not at_bound:
                 flags[1] = int(any(bool(self._mask(n).any()) for n in self.names))
             g = self.groups
-            comm.hierarchical_all_reduce_max_(flags, g.leader_group, g.site_group, g.leader, g.site_size)
+            self.transport.max_(flags)
             late, significant = bool(flags[0]), bool(flags[1])
             flag_wan = tensor_bytes(flags) if g.is_leader and g.layout.num_sites > 1 else 0
             wan_bytes += flag_wan
             self.wan_bytes_total += flag_wan
-            lan_bytes += tensor_bytes(flags) if g.is_leader and g.site_size > 1 else 0
+            lan_bytes += self.state.ledger.take_channel("lan")
 
         ran = at_bound or late or significant
         if ran:
@@ -197,48 +228,35 @@ class GradientSynchronizer(OuterSync):
     def _mask(self, name: str) -> Tensor:
         return self.significance.mask(name, self.pending(name), self._step_update[name], self.anchor[name])
 
-    # -- a WAN round: the engine's exchange ------------------------------------------------------------------
-    def _quantize(self, name: str, x: Tensor) -> tuple[Optional[Tensor], Tensor]:
-        if self.wan_quantization == "none" or name in self.float_names:
-            return None, x.float()
-        b, scale = self.quantizer.ternarize(x, name=name)
-        return scale.reshape(()), b
+    @property
+    def quantizer(self) -> Optional[Ternarizer]:
+        """The WAN message's quantizer (``None``: ``wan_quantization="none"``)."""
+        return self.message.quantizer
 
+    # -- a WAN round: the engine's exchange ------------------------------------------------------------------
     def launch(self, fragment: int, pseudo_gradients: Sequence[Tensor], step: int) -> InFlight:
-        """The engine's exchange: the significant part of ``g_u = -delta`` quantized, all-gathered through the
-        leaders, decoded in site order; blocking, so the result is complete on return."""
+        """The engine's exchange: the significant part of ``g_u = -delta`` through the hook's exchange over the sites
+        (quantized and encoded by :attr:`message`, all-gathered through the leaders, decoded and averaged in site
+        order); blocking, so the result is complete on return."""
         g = self.groups
-        pendings, layers = [], []
-        for name, delta in zip(self.names, pseudo_gradients):
+        for name, view, delta in zip(self.names, self.bucket.gradients(), pseudo_gradients):
             pending = -delta  # g_u, exactly: delta = (anchor - w) - hidden
             mask = torch.ones_like(pending, dtype=torch.bool) if self._flush else self._mask(name)
             self.stats[f"fraction_significant/{name}"] = mask.float().mean()
-            pendings.append(pending)
-            layers.append(self._quantize(name, torch.where(mask, pending, torch.zeros_like(pending))))
-        message = quantize.encode(layers)
-        num_sites = g.layout.num_sites
-        sizes, gathered = comm.hierarchical_all_gather_bytes(
-            message, g.leader_group, g.site_group, g.leader, num_sites, g.site_size
-        )
-        numels = [self.params[n].numel() for n in self.names]
-        decoded = [quantize.decode(gathered[s, : int(sizes[s])], numels) for s in range(num_sites)]
+            view.copy_(torch.where(mask, pending, torch.zeros_like(pending)))
+        gradcomp_hook(self.state, self.bucket).wait()  # type: ignore[arg-type]  # duck-typed GradBucket
+        ledger = self.state.ledger
         means, sent = [], []
-        for i, name in enumerate(self.names):
+        for name, mean in zip(self.names, self.bucket.gradients()):
             p = self.params[name]
-            total = decoded[0][i].clone()
-            for s in range(1, num_sites):
-                total.add_(decoded[s][i])
             # in pseudo-gradient units (negated exactly): the engine's SGD at lr 1 adds the mean update back
-            means.append(total.div_(num_sites).view_as(p).to(p.dtype).neg_())
-            sent.append(decoded[g.site][i].view_as(p).to(p.dtype).neg())
-        wan = lan = 0
-        if g.is_leader and num_sites > 1:
-            wan = sized_message_bytes(message)
-        if g.is_leader and g.site_size > 1:
-            lan = tensor_bytes(sizes) + tensor_bytes(gathered)  # the leader's broadcasts of the sizes and messages
-        self.stats["wan_message_bytes"] = torch.tensor(tensor_bytes(message))
-        dense = dense_bytes(sum(numels))
-        return InFlight(means, None, wan, lan, dense, step, done=True, sent=sent, deltas=list(pseudo_gradients))
+            means.append(mean.to(p.dtype).neg())
+            sent.append(self._contribution.sent.pop(name).view_as(p).to(p.dtype).neg())
+        # only the leaders' messages cross the WAN (every rank of a site encodes the same one)
+        wan = ledger.bytes_of(self.names, 0, sizes=True) if g.is_leader and g.layout.num_sites > 1 else 0
+        self.stats["wan_message_bytes"] = torch.tensor(ledger.bytes_of(self.names, 0))
+        return InFlight(means, None, wan, ledger.take_channel("lan"), ledger.dense_bytes_per_step(), step, done=True,
+                        sent=sent, deltas=list(pseudo_gradients))
 
     def wait(self, flight: InFlight) -> list[Tensor]:
         return flight.means
@@ -247,7 +265,7 @@ class GradientSynchronizer(OuterSync):
         return sync_buffers(buffers, self.groups)
 
     def exchange_state(self) -> dict[str, Any]:
-        return {"significance": self.significance.state_dict(), "quantizer": self.quantizer.state_dict()}
+        return {"significance": self.significance.state_dict(), "quantizer": self.message.state_dict()}
 
     def load_exchange_state(self, state: dict[str, Any]) -> None:
         if "quantizer" not in state and self.wan_quantization == "terngrad":
@@ -259,7 +277,7 @@ class GradientSynchronizer(OuterSync):
                 "streams). Fix: resume with resume_compression='reset', or with the version that wrote the checkpoint."
             )
         self.significance.load_state_dict(state["significance"])
-        self.quantizer.load_state_dict(state.get("quantizer", {}))
+        self.message.load_state_dict(state.get("quantizer", {}))
 
     # -- checkpointing ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

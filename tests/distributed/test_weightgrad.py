@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.weightgrad_ranks import fit_configs
+from tests.distributed.weightgrad_ranks import fit_configs, site_transport
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -97,3 +97,28 @@ def test_registered_name_defaults_to_one_site_per_node(results: list[list[dict[s
     for step in range(3):
         assert all(torch.equal(runs[0]["params"][step], runs[r]["params"][step]) for r in range(4))
     assert int(runs[0]["stats"][-1]["wan_bytes"]) == 0  # a single site has nobody to talk to over a WAN
+
+
+def test_site_leaders_transport_is_the_flat_collectives_over_the_sites() -> None:
+    """On 2 sites of 2 Gloo ranks, each site's data on its leader: max, sum, the size table and the gather give what
+    the flat collectives over the sites give (site 0's and site 1's values combined, in site order), bit-identical on
+    every rank; the hook's exchange over the transport averages the sites' WAN messages, sending one int64 length
+    ahead of each; leaders count what they broadcast inside their site."""
+    results = run_ranks(site_transport, 4, timeout=120.0)
+    sites = [torch.arange(5.0) * (1 + s) - 3 * s for s in range(2)]
+    for rank, out in enumerate(results):
+        assert (out["site"], out["world_size"], out["rank"]) == (rank // 2, 2, rank // 2)
+        assert torch.equal(out["max"], torch.maximum(sites[0], sites[1]))
+        assert torch.equal(out["sum"], sites[0] + sites[1])
+        assert torch.equal(out["sizes"], torch.stack([s[:3] for s in sites]).to(torch.int64))
+        assert torch.equal(out["gather"], torch.stack([s[:4] for s in sites]))
+        assert torch.equal(out["mean"], (results[0]["own"] + results[2]["own"]) / 2)
+        for key in ("max", "sum", "sizes", "gather", "mean"):
+            assert torch.equal(out[key], results[0][key]), f"rank {rank} {key}"
+        leader = rank % 2 == 0
+        # the leader's broadcasts: max and sum (5 fp32), the size table (2 x 3 int64), the gathered rows (2 x 4 fp32)
+        assert out["lan_collectives"] == (20 + 20 + 48 + 32 if leader else 0)
+        longest = max(results[0]["message_bytes"], results[2]["message_bytes"])
+        assert out["lan_round"] == (2 * 8 + 2 * longest if leader else 0)
+        assert out["wan_bytes"] == out["message_bytes"] + 8  # the message and its int64 length
+    assert results[0]["message_bytes"] != results[2]["message_bytes"]  # the sites' messages differ in length

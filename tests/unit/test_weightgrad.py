@@ -10,13 +10,16 @@ from torch import nn
 from lightning_gradcomp.weightgrad import (
     GradientSynchronizer,
     SignificanceFilter,
+    WanMessage,
     WeightGradStrategy,
     decode,
     encode,
 )
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.loss_aware import LossAwareTernary
+from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.sites.layout import new_site_groups, site_layout
+from lightning_gradcomp.wire.ternary import pack_ternary
 from lightning_gradcomp.weightgrad.synchronizer import SiteView, WanQuantization
 from tests.harness import free_port
 
@@ -129,11 +132,11 @@ def test_terngrad_wan_quantizer_is_unbiased_and_agrees_within_a_site() -> None:
     draws = torch.stack([s * b.float() for b, s in (site0.ternarize(x, name="w") for _ in range(4000))])
     torch.testing.assert_close(draws.mean(0), x, atol=0.04, rtol=0)
     # the streams are training state: a resumed round draws what the uninterrupted one drew
-    sync.quantizer.ternarize(x, name="w")
+    quantizer.ternarize(x, name="w")
     saved = copy.deepcopy(sync.exchange_state())
-    drawn = sync.quantizer.ternarize(x.repeat(20), name="w")[0]
+    drawn = quantizer.ternarize(x.repeat(20), name="w")[0]
     sync.load_exchange_state(saved)
-    assert torch.equal(sync.quantizer.ternarize(x.repeat(20), name="w")[0], drawn)
+    assert torch.equal(quantizer.ternarize(x.repeat(20), name="w")[0], drawn)
     with pytest.raises(ValueError, match="resume_compression='reset'"):  # an older release's single stream
         sync.load_exchange_state({"significance": saved["significance"], "generator": torch.get_rng_state()})
 
@@ -152,6 +155,74 @@ def test_encoding_round_trip_and_exact_sizes() -> None:
     assert torch.equal(out[0], 0.5 * dense_b.float())
     assert torch.equal(out[1], 2.0 * sparse_b.float())
     assert torch.equal(out[2], fp) and not out[3].any()
+
+
+class _SignTernary:
+    """A deterministic ternarizer with known output: ``b = sign(x)``, scale ``max|x|``."""
+
+    def ternarize(self, tensor: torch.Tensor, *, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        x = tensor.reshape(-1)
+        return torch.sign(x).to(torch.int8), x.abs().max() if x.numel() else x.new_zeros(())
+
+    def setup(self, rank: int, world_size: int, device: torch.device) -> None:
+        self.rank = rank
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def _raw(values: list, dtype: torch.dtype) -> bytes:
+    return torch.tensor(values, dtype=dtype).numpy().tobytes()
+
+
+def test_wan_message_is_the_encoding_of_a_group() -> None:
+    """:class:`WanMessage` on a group of layers (empty, all-zero, one element, dense and sparse ternary, sparse and
+    dense fp32 layers) makes exactly the encoding's bytes, attributes them to the layers, and decodes to scale * b."""
+    dense = torch.tensor([0.5, -1.0, 0.0, 0.25, -0.5, 1.0, 0.0, 2.0])  # 6 of 8 non-zero: dense ternary
+    sparse = torch.zeros(64)
+    sparse[[3, 40]] = torch.tensor([-0.5, 1.5])  # 2 of 64: sparse ternary
+    sparse_fp = torch.zeros(6)
+    sparse_fp[4] = -3.25  # an fp32 layer, 1 of 6: sparse fp32
+    dense_fp = torch.tensor([1.0, -2.0, 0.5])  # an fp32 layer, all non-zero: dense fp32
+    layers = {"a.empty": torch.zeros(0), "b.zero": torch.zeros(5), "c.one": torch.tensor([0.75]), "d.dense": dense,
+              "e.sparse": sparse, "f.sparse_fp": sparse_fp, "g.dense_fp": dense_fp.view(3, 1)}
+    segments = Segments(list(layers), [t.shape for t in layers.values()])
+    flat = torch.cat([t.reshape(-1) for t in layers.values()])
+    ternary = _SignTernary()
+    wan = WanMessage(ternary, float_names=frozenset({"f.sparse_fp", "g.dense_fp"}))
+    wan.setup(1, 2, torch.device("cpu"))
+    assert ternary.rank == 1  # the quantizer is set up with the message's rank (the site)
+    packet = wan.compress_flat(flat, segments)
+
+    header = _raw([0, 0, 0, 0, 1, 1, 1, 8, 2, 2, 4, 1, 3, 3], torch.int32)
+    bodies = [
+        _raw([0.75], torch.float32) + pack_ternary(torch.ones(1, dtype=torch.int8)).numpy().tobytes(),
+        _raw([2.0], torch.float32) + pack_ternary(torch.sign(dense).to(torch.int8)).numpy().tobytes(),
+        _raw([1.5], torch.float32) + _raw([2 * 3 + 1, 2 * 40], torch.int32),
+        _raw([4], torch.int32) + _raw([-3.25], torch.float32),
+        _raw([1.0, -2.0, 0.5], torch.float32),
+    ]
+    assert packet.payload.numpy().tobytes() == header + b"".join(bodies)
+    assert packet.layer_nbytes == (8, 8, 8 + 5, 8 + 6, 8 + 12, 8 + 8, 8 + 12) and packet.self_describing
+    assert sum(packet.layer_nbytes) == packet.nbytes
+
+    expected = torch.cat([torch.zeros(5), torch.tensor([0.75]), 2.0 * torch.sign(dense), 1.5 * torch.sign(sparse),
+                          sparse_fp, dense_fp])
+    assert torch.equal(wan.decompress_flat(packet), expected)
+    assert torch.equal(wan.sent_flat(flat, packet), expected)  # what the engine keeps the rest of
+    # the sites' mean: decoded, summed in site order, divided (the exchange's decode)
+    other = wan.compress_flat(flat * 2, segments)
+    mean = wan.decompress_flat_mean_into([packet, other], torch.empty(segments.total))
+    assert torch.equal(mean, (expected + wan.decompress_flat(other)) / 2)
+    # a single tensor is a group of one; without a quantizer every layer travels as fp32 values
+    one = wan.compress(dense.view(2, 4), "d.dense")
+    assert one.payload.numpy().tobytes() == _raw([1, 8], torch.int32) + bodies[1]
+    assert torch.equal(wan.decompress(one), (2.0 * torch.sign(dense)).view(2, 4))
+    unquantized = WanMessage()
+    assert torch.equal(unquantized.decompress_flat(unquantized.compress_flat(flat, segments)), flat)
 
 
 # -- G_thresh ------------------------------------------------------------------------------------------
