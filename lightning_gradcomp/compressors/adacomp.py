@@ -224,9 +224,7 @@ class AdaComp(KernelBacked[FusedAdaComp]):
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
         backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group). The
         other settings loop over the group's layers inside the group methods."""
-        chosen = self._kernels_chosen
-        torch_ops = self.backend == "torch" if chosen is None else chosen != "fused"
-        return self._flat_settings() and (torch_ops or kernels.fused_available())
+        return self._flat_settings() and (self._torch_ops_form() or kernels.fused_available())
 
     def _bin_sizes(self, segments: Segments) -> tuple[int, ...]:
         sizes = tuple(self.bin_size(name, shape) for name, shape in zip(segments.names, segments.shapes))

@@ -51,6 +51,12 @@ class KernelBacked(Compressor, Generic[F]):
         chosen = super()._choose_kernels(device)
         return "fused" if chosen == "torch" and fused_enabled(self.backend, device) else chosen
 
+    def _torch_ops_form(self) -> bool:
+        """Whether the groups run in a form without the compiled kernels (torch ops or Triton): as chosen, or, before
+        the choice, as the ``backend=`` option says."""
+        chosen = self._kernels_chosen
+        return self.backend == "torch" if chosen is None else chosen != "fused"
+
     def _kernels(self, device: torch.device) -> Optional[F]:
         """The fused implementation when it runs the groups (:meth:`kernels`), else ``None``."""
         return self._fused_impl if self.kernels(device) == "fused" else None

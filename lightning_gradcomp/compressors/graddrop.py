@@ -333,9 +333,7 @@ class GradientDropping(KernelBacked[GroupKernels]):
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
         backend (the path CUDA runs), or on the fused backend with the compiled kernels (a few calls per group). The
         other settings select a group at once too, and encode and decode it layer by layer."""
-        chosen = self._kernels_chosen
-        torch_ops = self.backend == "torch" if chosen is None else chosen != "fused"
-        return self._flat_settings() and (torch_ops or kernels.fused_available())
+        return self._flat_settings() and (self._torch_ops_form() or kernels.fused_available())
 
     def _group_coo32(self, segments: Segments) -> bool:
         """Whether a group's payload is the group's coo32 (unquantized ``coo32`` survivors of a group whose positions

@@ -11,7 +11,7 @@ by each non-empty layer's body. Per layer the smaller of a dense and a sparse bo
 whose significant part is small costs little: dense ternary ``4 + ceil(n/4)`` bytes (fp32 scale + 2-bit
 codes), sparse ternary ``4 + 4k`` bytes (scale + one int32 per non-zero: ``2*index + (value < 0)``); without
 quantization dense fp32 ``4n`` or sparse ``8k`` (int32 index + fp32 value); an all-zero layer costs only its
-header. :func:`layer_nbytes` attributes a message's bytes to its layers (each layer's header entry and body).
+header. A message's bytes are attributed to its layers as each layer's header entry and body.
 """
 
 from collections.abc import Sequence
@@ -60,6 +60,12 @@ def encode(layers: Sequence[tuple[Optional[Tensor], Tensor]]) -> Tensor:
         layers: per layer, ``(scale, b)`` with ``b`` int8 ternary values (quantized), or ``(None, x)`` with ``x``
             float32 values (unquantized).
     """
+    return _encode(layers)[0]
+
+
+def _encode(layers: Sequence[tuple[Optional[Tensor], Tensor]]) -> tuple[Tensor, list[int]]:
+    """:func:`encode`'s message and its header as host integers (``kind, count`` per layer), which the encoder
+    already holds: the sizes per layer come from it without reading the message back."""
     header: list[int] = []
     bodies: list[Tensor] = []
     for scale, values in layers:
@@ -86,7 +92,7 @@ def encode(layers: Sequence[tuple[Optional[Tensor], Tensor]]) -> Tensor:
                 header += [DENSE_FP32, n]
                 bodies.append(_as_bytes(flat.float()))
     head = _as_bytes(torch.tensor(header, dtype=torch.int32))
-    return torch.cat([head, *bodies]) if bodies else head
+    return (torch.cat([head, *bodies]) if bodies else head), header
 
 
 def _view(raw: Tensor, dtype: torch.dtype) -> Tensor:
@@ -98,10 +104,9 @@ def _header(message: Tensor, num: int) -> list[int]:
     return _view(message[: HEADER_ENTRY_BYTES * num], torch.int32).tolist()
 
 
-def layer_nbytes(message: Tensor, numels: Sequence[int]) -> tuple[int, ...]:
-    """Each layer's bytes in a message of :func:`encode` (its header entry and its body; they add up to the
-    message's length), read from the header."""
-    header = _header(message, len(numels))
+def _layer_nbytes(header: Sequence[int], numels: Sequence[int]) -> tuple[int, ...]:
+    """Each layer's bytes in a message with this header (its header entry and its body; they add up to the message's
+    length)."""
     return tuple(HEADER_ENTRY_BYTES + _body_nbytes(header[2 * i], header[2 * i + 1], n, i) for i, n in enumerate(numels))
 
 
@@ -181,8 +186,8 @@ class WanMessage(Compressor):
             else:
                 b, scale = self.quantizer.ternarize(x, name=name)
                 layers.append((scale.reshape(()), b))
-        message = encode(layers)
-        return FlatPacket(message, segments, flat.dtype, layer_nbytes(message, segments.numels), self_describing=True)
+        message, header = _encode(layers)
+        return FlatPacket(message, segments, flat.dtype, _layer_nbytes(header, segments.numels), self_describing=True)
 
     @override
     def decompress_flat(self, packet: FlatPacket) -> Tensor:

@@ -243,7 +243,7 @@ class GradientSynchronizer(OuterSync):
             pending = -delta  # g_u, exactly: delta = (anchor - w) - hidden
             mask = torch.ones_like(pending, dtype=torch.bool) if self._flush else self._mask(name)
             self.stats[f"fraction_significant/{name}"] = mask.float().mean()
-            view.copy_(torch.where(mask, pending, torch.zeros_like(pending)))
+            view.copy_(pending).masked_fill_(~mask, 0.0)
         gradcomp_hook(self.state, self.bucket).wait()  # type: ignore[arg-type]  # duck-typed GradBucket
         ledger = self.state.ledger
         means, sent = [], []

@@ -184,7 +184,8 @@ class EngineRecorder(pl.Callback):
         if getattr(strategy, "synchronizer", None) is not None:
             from lightning_gradcomp.weightgrad import quantize
 
-            self._observe(quantize, "encode", lambda message, layers: _update(self.digests["payload"], message))
+            # the WAN message as the encoder makes it (WanMessage.compress_flat calls `_encode`)
+            self._observe(quantize, "_encode", lambda made, layers: _update(self.digests["payload"], made[0]))
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
