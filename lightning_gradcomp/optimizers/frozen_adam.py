@@ -76,8 +76,10 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
         check_bool("bias_correction", bias_correction)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"Expected `betas` to be a pair (beta1, beta2) but got {betas!r}. Fix: e.g. betas=(0.9, 0.999).")
-        check_number("betas[0]", betas[0], minimum=0.0, maximum=1.0)
-        check_number("betas[1]", betas[1], minimum=0.0, maximum=1.0)
+        for index, beta in enumerate(betas):
+            # as torch's Adam: at 1 a moment never leaves its initial zero (beta1: the parameters never move)
+            check_number(f"betas[{index}]", beta, minimum=0.0, maximum=1.0, max_open=True,
+                         fix=f"use a decay in [0, 1), e.g. betas=(0.9, 0.999) (got betas={tuple(betas)!r})")
         check_number("eps", eps, minimum=0.0, min_open=True)
         check_number("weight_decay", weight_decay, minimum=0.0)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})

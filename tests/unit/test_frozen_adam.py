@@ -15,11 +15,22 @@ from lightning_gradcomp.optimizers import OneBitAdam, SignSGD, ZeroOneAdam
 @pytest.mark.parametrize(
     ("cls", "options", "argument"),
     [(OneBitAdam, {"freeze_step": 0}, "freeze_step"), (ZeroOneAdam, {"var_update_scaler": 0}, "var_update_scaler"),
-     (OneBitAdam, {"lr": -1.0}, "lr"), (ZeroOneAdam, {"local_step_clipper": 1.5}, "local_step_clipper")],
+     (OneBitAdam, {"lr": -1.0}, "lr"), (ZeroOneAdam, {"local_step_clipper": 1.5}, "local_step_clipper"),
+     (ZeroOneAdam, {"eps": -1e-8}, "eps"), (OneBitAdam, {"weight_decay": -0.1}, "weight_decay")],
 )
 def test_bad_options_name_argument_and_fix(cls: type, options: dict, argument: str) -> None:
     with pytest.raises(ValueError, match=f"`{argument}`.*Fix:"):
         cls(nn.Linear(2, 2).parameters(), **options)
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+@pytest.mark.parametrize(("betas", "index"), [((1.0, 0.999), 0), ((0.9, 1.0), 1), ((0.9, -0.5), 1), ((1.5, 0.9), 0)])
+def test_betas_outside_zero_one_are_refused_as_torch_adam_does(cls: type, betas: tuple, index: int) -> None:
+    # at exactly 1 a moment never leaves zero: with beta1 = 1 the parameters would never change
+    with pytest.raises(ValueError, match=rf"Expected `betas\[{index}\]` to be a finite number >= 0 and < 1, but got "
+                                         rf"{betas[index]}\. Fix: use a decay in \[0, 1\)"):
+        cls(nn.Linear(2, 2).parameters(), betas=betas)
+    cls(nn.Linear(2, 2).parameters(), betas=(0.0, 0.0))  # the closed end stays allowed, as torch's
 
 
 def test_signsgd_still_imports_from_the_package() -> None:
