@@ -9,6 +9,7 @@ or the accumulated update through :class:`~lightning_gradcomp.onebit_adam.exchan
 its step. The optimizer's phase counters are identical on every rank, so every rank takes the same path.
 """
 
+import inspect
 import logging
 from typing import Any, Callable, Optional, Union
 
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 #: key of the per-rank state in ``GradCompState.extra`` (and the checkpoint)
 LINK_KEY = "frozen_adam"
+#: the step after which the variance freezes, under each optimizer's name for it
+_FREEZE_EQUIVALENT = {"freeze_step": "var_freeze_step", "var_freeze_step": "freeze_step"}
 
 
 class FrozenAdamLink:
@@ -152,8 +155,34 @@ class OneBitAdamStrategy(GradCompStrategy):
                     f"it: warm-up gradients travel in fp32 and the exchange is {type(self).__name__}'s own 1-bit "
                     f"all-reduce (use GradCompStrategy for another compressor)."
                 )
+        self._refuse_optimizer_options(kwargs)
         super().__init__(compressor="fp32", **kwargs)
         self.link: Optional[FrozenAdamLink] = None
+
+    def _refuse_optimizer_options(self, kwargs: dict[str, Any]) -> None:
+        """An option of either optimizer given to the strategy: name where it goes (the generic unknown-option
+        error would point at compressor and DDP options)."""
+        own = self.optimizer_class
+        options: dict[type[FrozenVarianceAdam], list[str]] = {
+            cls: [n for n in inspect.signature(cls).parameters if n != "params"] for cls in (OneBitAdam, ZeroOneAdam)
+        }
+        misplaced = [k for k in kwargs if any(k in names for names in options.values())]
+        if not misplaced:
+            return
+        name, value = misplaced[0], kwargs[misplaced[0]]
+        # each method's variance freeze has its own name: point at the one of this strategy's optimizer
+        target = _FREEZE_EQUIVALENT.get(name, name) if name not in options[own] else name
+        other = OneBitAdam if own is ZeroOneAdam else ZeroOneAdam
+        where = (f"`{own.__name__}(self.parameters(), {target}={value!r})` from configure_optimizers"
+                 if target in options[own] else
+                 f"`{other.__name__}(self.parameters(), {name}={value!r})` from configure_optimizers, with "
+                 f"Trainer(strategy={other.paired_strategy!r})")
+        raise ValueError(
+            f"Expected `{name}` to be given to the optimizer, but got {type(self).__name__}({name}={value!r}): the "
+            f"method's options are its optimizer's (as in DeepSpeed), not the strategy's. Fix: drop it here and return "
+            f"{where} (1-bit Adam's warm-up is `OneBitAdam(params, freeze_step=...)`, 0/1 Adam's "
+            f"`ZeroOneAdam(params, var_freeze_step=...)`)."
+        )
 
     @override
     def _hook_function(self) -> Callable[..., Any]:

@@ -7,7 +7,8 @@ compressor with error feedback. The optimizers here hold the method's arithmetic
 injected (:meth:`FrozenVarianceAdam.bind`): under ``Trainer(strategy="onebit_adam")`` /
 ``"zero_one_adam"`` the strategy binds the two-stage compressed all-reduce of
 :mod:`lightning_gradcomp.onebit_adam` and averages the gradients densely exactly on the steps
-:meth:`FrozenVarianceAdam.dense_gradients` asks for. Unbound (one process), the exchange is the identity.
+:meth:`FrozenVarianceAdam.dense_gradients` asks for. Unbound in one process (no process group), the exchange is
+the identity; unbound in a distributed run (any other strategy), the first step is refused.
 
 Like the papers' Algorithm 1 and DeepSpeed's implementation, neither optimizer applies Adam's bias correction by
 default (``bias_correction=True`` does), and weight decay is added to the update
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Optional, Protocol, Union, overload
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
@@ -61,7 +63,15 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
     method's counters live in :attr:`counters` and travel in ``state_dict()[COUNTERS_KEY]``. A step in which no
     parameter has a gradient (the strategy dropped a non-finite step on every rank) changes nothing and
     exchanges nothing.
+
+    In a distributed run (a process group exists) the first step refuses, before it runs anything, an optimizer
+    that no exchange was bound to (:meth:`bind`): only its paired strategy (:attr:`paired_strategy`) binds one and
+    averages the gradients densely exactly on the steps it asks for. Under any other strategy it would step without
+    its 1-bit exchange (stock DDP: fp32 every step) or on gradients a compressor already changed (diverges).
     """
+
+    #: the ``Trainer(strategy=...)`` whose exchange this optimizer steps with
+    paired_strategy = ""
 
     def __init__(
         self,
@@ -85,6 +95,7 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         self.bias_correction = bias_correction
         self.exchange: MomentumExchange = _Alone()
+        self._bound = False
         self.counters: dict[str, Any] = self._initial_counters()
         #: whether the latest step ran the compressed exchange (the strategy accounts its bytes)
         self.exchanged = False
@@ -95,6 +106,21 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
     def bind(self, exchange: MomentumExchange) -> None:
         """Exchange through ``exchange`` from now on (the strategy binds its compressed all-reduce at setup)."""
         self.exchange = exchange
+        self._bound = True
+
+    def _check_bound(self) -> None:
+        """Refuse a step in a distributed run without a bound exchange (see the class docstring): the same on every
+        rank, and before the closure, so no rank enters a collective the others skip."""
+        if self._bound or not (dist.is_available() and dist.is_initialized()):
+            return
+        raise ValueError(
+            f"Expected {type(self).__name__} to step under Trainer(strategy={self.paired_strategy!r}), which binds "
+            f"its compressed exchange and averages the gradients on the steps it asks for, but got it unbound in a "
+            f"distributed run of {dist.get_world_size()} rank(s) (another strategy: 'ddp', a GradCompStrategy, "
+            f"the sharded engine, DiLoCo or Fabric). There it would send fp32 gradients every step, or step on "
+            f"gradients a compressor already changed and diverge. Fix: use Trainer(strategy="
+            f"{self.paired_strategy!r}) with {type(self).__name__}, or torch.optim.AdamW with this strategy."
+        )
 
     def dense_gradients(self) -> bool:
         """Whether the next step needs the gradients averaged over ranks densely (else each rank's own)."""
@@ -166,6 +192,7 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
     @override
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One step of the method; a no-op (counters included) when no parameter has a gradient."""
+        self._check_bound()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -219,6 +246,8 @@ class OneBitAdam(FrozenVarianceAdam):
             ``v`` that is still far below its scale (``1 - 0.999 ** 300 = 26 %``); corrected, the frozen
             preconditioner has Adam's scale.
     """
+
+    paired_strategy = "onebit_adam"
 
     def __init__(
         self,
@@ -297,6 +326,8 @@ class ZeroOneAdam(FrozenVarianceAdam):
         local_step_clipper: the longest local-step interval (16).
         bias_correction: as :class:`OneBitAdam`'s (the variance's count is its updates).
     """
+
+    paired_strategy = "zero_one_adam"
 
     def __init__(
         self,

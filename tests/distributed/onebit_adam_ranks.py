@@ -165,17 +165,44 @@ def _lightning() -> Any:
     return pl, AdamVariant
 
 
-def fit_wrong_optimizer(rank: int, world_size: int, strategy: str) -> dict[str, Any]:
-    """``strategy`` with AdamW: the error, and whether any step ran."""
+def fit_unpaired(rank: int, world_size: int, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
+    """Per case ``(strategy, method)``, 1-bit Adam or 0/1 Adam under a strategy that is not its own, in one world: a
+    Trainer strategy name, or ``"fabric:<name>"`` for a Fabric loop. The error, the step reached and whether any
+    parameter changed."""
+    from lightning.fabric import Fabric
+
     pl, AdamVariant = _lightning()
     from tests.distributed.reliability_ranks import fit, step_loader
+    from tests.distributed.sharded_ranks import ShardedRegressor
+    from tests.distributed.sharded_ranks import fit as sharded_fit
 
-    model = AdamVariant("adamw", {})
-    try:
-        fit(world_size, strategy, 3, model, loader=step_loader())
-        return {"raised": None}
-    except ValueError as exc:
-        return {"raised": str(exc), "global_step": model.trainer.global_step}
+    def full_params(model: nn.Module) -> torch.Tensor:  # under the sharded engine: gathered (every rank calls it)
+        return torch.cat([getattr(p, "full_tensor", p.detach)().detach().reshape(-1).clone() for p in model.parameters()])
+
+    out: list[dict[str, Any]] = []
+    for strategy, method in cases:
+        # the sharded engine needs a module that shards itself (configure_model)
+        model = ShardedRegressor(optimizer=method) if strategy.startswith("sharded_") else AdamVariant(method, {})
+        before = full_params(model)
+        try:
+            if strategy.startswith("sharded_"):
+                sharded_fit(world_size, strategy, model)
+            elif strategy.startswith("fabric:"):
+                fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy.split(":", 1)[1])
+                fabric.launch()  # ranks are started externally: joins the group
+                module, optimizer = fabric.setup(model, model.configure_optimizers())
+                for step in range(3):
+                    x = torch.randn(16, 20, generator=torch.Generator().manual_seed(step))
+                    optimizer.zero_grad()
+                    fabric.backward(nn.functional.cross_entropy(module(x), x[:, :5].argmax(dim=1)))
+                    optimizer.step()
+            else:
+                fit(world_size, strategy, 3, model, loader=step_loader())
+            out.append({"raised": None})
+        except ValueError as exc:
+            step = 0 if strategy.startswith("fabric:") else model.trainer.global_step
+            out.append({"raised": str(exc), "step": step, "changed": not torch.equal(before, full_params(model))})
+    return out
 
 
 def resume_run(rank: int, world_size: int, method: str, options: dict[str, Any], tmpdir: str, total: int,

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from lightning_gradcomp import GradCompStrategy
-from lightning_gradcomp.optimizers import SignSGD
+from lightning_gradcomp.optimizers import OneBitAdam, SignSGD, ZeroOneAdam
 from lightning_gradcomp.strategies.sharded import ShardedGradCompStrategy
 
 
@@ -66,6 +66,8 @@ class ShardedRegressor(pl.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         if self.optimizer == "sign":
             return SignSGD(self.parameters(), lr=0.01)
+        if self.optimizer in ("onebit", "zero_one"):  # not the sharded engine's: refused at the first step
+            return (OneBitAdam if self.optimizer == "onebit" else ZeroOneAdam)(self.parameters(), lr=0.01)
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 

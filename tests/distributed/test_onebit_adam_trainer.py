@@ -6,19 +6,36 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.onebit_adam_ranks import fit_wrong_optimizer, nonfinite_run, resume_run
+from tests.distributed.onebit_adam_ranks import fit_unpaired, nonfinite_run, resume_run
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("strategy", ["onebit_adam", "zero_one_adam"])
-def test_wrong_optimizer_fails_before_the_first_step(strategy: str) -> None:
-    for r in run_ranks(fit_wrong_optimizer, 2, strategy, timeout=120):
-        assert r["raised"] is not None and r["global_step"] == 0
-        expected = "OneBitAdam" if strategy == "onebit_adam" else "ZeroOneAdam"
-        assert f"Expected configure_optimizers to return one lightning_gradcomp.optimizers.{expected}" in r["raised"]
-        assert "but got AdamW" in r["raised"] and "Fix:" in r["raised"]
+#: pairs refused both ways: 1-bit Adam / 0/1 Adam under strategies that are not theirs (``"fabric:<name>"``: a
+#: Fabric loop), and the two strategies with an optimizer that is not theirs
+UNPAIRED = [("ddp", "onebit"), ("terngrad", "zero_one"), ("sharded_terngrad", "onebit"), ("diloco", "zero_one"),
+            ("fabric:ddp", "zero_one"), ("fabric:terngrad", "onebit"), ("zero_one_adam", "onebit"),
+            ("onebit_adam", "zero_one"), ("onebit_adam", "adamw"), ("zero_one_adam", "adamw")]
+OPTIMIZERS = {"onebit": "OneBitAdam", "zero_one": "ZeroOneAdam", "adamw": "AdamW"}
+
+
+def test_a_strategy_optimizer_mismatch_is_refused_before_any_parameter_changes() -> None:
+    """One world for every combination: each refused on every rank, before the first update."""
+    ranks = run_ranks(fit_unpaired, 2, UNPAIRED, timeout=300)
+    for r in ranks:
+        for (strategy, method), case in zip(UNPAIRED, r):
+            optimizer = OPTIMIZERS[method]
+            assert case["raised"] is not None, f"{optimizer} under {strategy} ran"
+            assert case["step"] == 0 and not case["changed"], f"{optimizer} under {strategy}: a parameter changed"
+            if strategy in ("onebit_adam", "zero_one_adam"):  # the strategy's own check, at setup
+                expected = "OneBitAdam" if strategy == "onebit_adam" else "ZeroOneAdam"
+                assert (f"Expected configure_optimizers to return one lightning_gradcomp.optimizers.{expected} for "
+                        f"strategy={strategy!r}, but got {optimizer}. Fix:") in case["raised"]
+            else:  # the optimizer's, at its first step
+                paired = "onebit_adam" if method == "onebit" else "zero_one_adam"
+                assert case["raised"].startswith(f"Expected {optimizer} to step under Trainer(strategy={paired!r})")
+                assert "but got it unbound in a distributed run of 2 rank(s)" in case["raised"]
 
 
 # (method, options, checkpoint step, total steps, phase at the checkpoint)

@@ -5,11 +5,14 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gradcomp_lab.models import MLP
 from gradcomp_lab.tasks import CharLanguageModel, ImageClassifier
 from lightning_gradcomp.optimizers import OneBitAdam, SignSGD, ZeroOneAdam
+from lightning_gradcomp.optimizers.frozen_adam import _Alone
+from tests.harness import free_port
 
 
 @pytest.mark.parametrize(
@@ -133,3 +136,55 @@ def test_scale_blocks_cut_every_piece_and_bad_sizes_name_the_fix() -> None:
     for bad in (0, 2.5):
         with pytest.raises(ValueError, match=r"`scale_block`.*Fix: use e.g. 64"):
             OneBitAdamStrategy(scale_block=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cls", [OneBitAdam, ZeroOneAdam])
+def test_unbound_in_a_distributed_run_refuses_its_first_step_before_anything_runs(cls: type[OneBitAdam | ZeroOneAdam]) -> None:
+    """Under any strategy but its own (stock DDP, a GradCompStrategy, the sharded engine, DiLoCo, Fabric) nothing
+    binds the exchange: the first step refuses before the closure (forward, backward, collectives) or any update."""
+    model = nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = cls(model.parameters())
+    closure_ran = []
+
+    def closure() -> float:
+        closure_ran.append(True)
+        loss = model(torch.ones(1, 3)).sum()
+        loss.backward()
+        return loss.item()
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=rf"Expected {cls.__name__} to step under Trainer\(strategy="
+                                             rf"'{cls.paired_strategy}'\).*but got it unbound in a distributed run of "
+                                             rf"1 rank\(s\).*Fix: use Trainer\(strategy='{cls.paired_strategy}'\)"):
+            optimizer.step(closure)
+        assert not closure_ran and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert optimizer.counters["step"] == 0
+        optimizer.bind(_Alone())  # what the paired strategy does (here the identity: one rank)
+        optimizer.step(closure)
+    finally:
+        dist.destroy_process_group()
+    assert closure_ran and optimizer.counters["step"] == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize(
+    ("strategy", "option", "fix"),
+    [("ZeroOneAdamStrategy", "freeze_step", "`ZeroOneAdam(self.parameters(), var_freeze_step=10)`"),
+     ("ZeroOneAdamStrategy", "var_freeze_step", "`ZeroOneAdam(self.parameters(), var_freeze_step=10)`"),
+     ("OneBitAdamStrategy", "var_freeze_step", "`OneBitAdam(self.parameters(), freeze_step=10)`"),
+     ("OneBitAdamStrategy", "freeze_step", "`OneBitAdam(self.parameters(), freeze_step=10)`"),
+     ("OneBitAdamStrategy", "local_step_scaler",
+      "`ZeroOneAdam(self.parameters(), local_step_scaler=10)` from configure_optimizers, with "
+      "Trainer(strategy='zero_one_adam')")],
+)
+def test_an_optimizer_option_given_to_the_strategy_names_the_optimizer(strategy: str, option: str, fix: str) -> None:
+    import lightning_gradcomp
+
+    with pytest.raises(ValueError) as raised:
+        getattr(lightning_gradcomp, strategy)(**{option: 10})
+    message = str(raised.value)
+    assert message.startswith(f"Expected `{option}` to be given to the optimizer, but got {strategy}({option}=10)")
+    assert f"Fix: drop it here and return {fix}" in message
+    assert "compressor" not in message  # not the generic unknown-option fix
