@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -301,7 +302,9 @@ class ZeroOneAdamStrategy(OneBitAdamStrategy):
     Dense fp32 gradient averaging on the optimizer's variance-update steps; 1-bit compressed gradient averaging on
     the other steps before the variance freezes; after it, local steps and a 1-bit averaged update every
     ``local_interval`` steps. Between synchronisations the ranks' weights and optimizer states differ, so each
-    rank's are checkpointed.
+    rank's are checkpointed. A ``fit`` that ends between two synchronisations synchronises once more after its last
+    step (:class:`FinalSynchronisation`), so every rank leaves ``fit`` with the same weights, and the checkpoints
+    written at its end hold them.
 
     Args:
         **kwargs: :class:`OneBitAdamStrategy`'s ``scale_block`` and :class:`~lightning_gradcomp.GradCompStrategy`'s
@@ -328,11 +331,77 @@ class ZeroOneAdamStrategy(OneBitAdamStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         k = self.sync_check_every
         if k and self._optimizer_steps % k == 0 and isinstance(optimizer, ZeroOneAdam) and optimizer.in_sync():
-            module = self.lightning_module
-            assert module is not None  # optimizer steps run only with a module attached
-            named = list(module.named_parameters())
-            check_replicas([n for n, _ in named], [p for _, p in named], self.world_size, module.trainer.global_step)
+            self._check_synchronised()
         return output
+
+    def _check_synchronised(self) -> None:
+        """The replica check (``check_replicas_every``) at a synchronised point."""
+        module = self.lightning_module
+        assert module is not None  # optimizer steps run only with a module attached
+        named = list(module.named_parameters())
+        check_replicas([n for n, _ in named], [p for _, p in named], self.world_size, module.trainer.global_step)
+
+    def final_synchronisation(self) -> None:
+        """At the end of ``fit``: the scheduled synchronisation brought forward when the ranks are apart
+        (:meth:`~lightning_gradcomp.optimizers.ZeroOneAdam.synchronise`), so every rank holds the same weights.
+
+        The method's own exchange rather than an exact average of the weights: its weights, momentum and
+        synchronisation anchor stay consistent, so a run resumed from the final checkpoint continues the method
+        (exactly as if the schedule had synchronised at this step). Every rank calls it at the same point (the
+        decision depends only on the optimizer's counters, identical on every rank)."""
+        link = self.link
+        if link is None or not isinstance(link.optimizer, ZeroOneAdam) or not link.optimizer.synchronise():
+            return
+        assert link.exchange is not None
+        module = self.lightning_module
+        assert module is not None
+        if self.global_rank == 0:
+            log.info(
+                "gradcomp: ZeroOneAdam: final synchronisation after step %d (it ended between two), so every rank "
+                "leaves fit with the same weights (%s bytes from this rank)", module.trainer.global_step,
+                f"{link.exchange.last_nbytes:,}",
+            )
+        if self.sync_check_every:
+            self._check_synchronised()
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        # first among the callbacks: the others (checkpoints, validation, `on_train_end`) see the synchronised weights
+        if not any(isinstance(c, FinalSynchronisation) for c in trainer.callbacks):  # type: ignore[attr-defined]
+            trainer.callbacks.insert(0, FinalSynchronisation())  # type: ignore[attr-defined]
+        super().setup(trainer)
+
+
+class FinalSynchronisation(Callback):
+    """Runs :meth:`ZeroOneAdamStrategy.final_synchronisation` after the last training step of ``fit`` (first among
+    the callbacks, before the validation and the checkpoints that follow it), and again at ``on_train_end`` for a
+    ``fit`` stopped otherwise (early stopping, ``max_time``; a no-op when already in sync)."""
+
+    @override
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, ZeroOneAdamStrategy) and _ends_fit(trainer):
+            strategy.final_synchronisation()
+
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, ZeroOneAdamStrategy):
+            strategy.final_synchronisation()
+
+
+def _ends_fit(trainer: "pl.Trainer") -> bool:
+    """Whether ``fit`` stops after the current batch: ``max_steps`` reached, or the last batch of the last epoch
+    (the same on every rank: the step count and the number of batches are)."""
+    if 0 <= trainer.max_steps <= trainer.global_step:
+        return True
+    max_epochs = trainer.max_epochs
+    if max_epochs is None or max_epochs < 0 or trainer.current_epoch + 1 < max_epochs:
+        return False
+    # the epoch loop's own end-of-epoch test (its `_num_ready_batches_reached`)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return progress.is_last_batch or progress.current.ready == trainer.num_training_batches
 
 
 def register(strategy_registry: Any = None) -> None:

@@ -417,6 +417,21 @@ class ZeroOneAdam(FrozenVarianceAdam):
             c["local_counter"] = 0
             c["local_interval"] = min(self.local_step_clipper, c["local_interval"] * 2)
 
+    @torch.no_grad()
+    def synchronise(self) -> bool:
+        """Synchronise now if the ranks are apart (local steps since the last synchronisation), as the next scheduled
+        synchronisation would: every rank then holds the same weights and momentum. The strategy calls it on every
+        rank when ``fit`` ends between two synchronisations; the schedule's counters are unchanged.
+
+        Returns:
+            Whether it exchanged (``False``: already in sync).
+        """
+        self.exchanged = False
+        if self.in_sync():
+            return False
+        self._synchronise(self._params())
+        return True
+
     def _synchronise(self, params: list[tuple[dict[str, Any], Tensor]]) -> None:
         """Average the updates accumulated since the last synchronisation (1-bit) and restart from it.
 

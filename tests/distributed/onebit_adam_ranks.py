@@ -256,3 +256,31 @@ def nonfinite_run(rank: int, world_size: int, method: str, options: dict[str, An
     assert isinstance(optimizer, FrozenVarianceAdam)
     return {"raised": None, "params": flat_params(model), "skipped": comm_state(trainer.strategy).skipped_steps,
             "counters": dict(optimizer.counters), "finite": bool(torch.isfinite(flat_params(model)).all())}
+
+
+def final_sync_run(rank: int, world_size: int, tmpdir: str, cases: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
+    """0/1 Adam fits that end between two synchronisations, one per case ``(max_steps, max_epochs, batches per
+    rank)``, each with a ModelCheckpoint at the epoch's end: the parameters this rank leaves ``fit`` with, whether
+    the optimizer is in sync, the checkpoint's weights and its per-rank entry."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl, AdamVariant = _lightning()
+    from lightning_gradcomp.onebit_adam import ZeroOneAdamStrategy
+    from tests.distributed.reliability_ranks import fit, flat_params, step_loader
+
+    out = []
+    for index, (max_steps, max_epochs, batches) in enumerate(cases):
+        # frozen after step 2; synchronisations at steps 3, 4, 6, then every 4 steps (8, 12, ...)
+        model = AdamVariant("zero_one", {"var_freeze_step": 1, "local_step_scaler": 2})
+        saver = ModelCheckpoint(dirpath=os.path.join(tmpdir, str(index)))
+        _, trainer = fit(world_size, ZeroOneAdamStrategy(), max_steps, model, loader=step_loader(batches),
+                         max_epochs=max_epochs, enable_checkpointing=True, callbacks=[saver])
+        optimizer = trainer.optimizers[0]
+        assert isinstance(optimizer, ZeroOneAdam)
+        saved = torch.load(saver.best_model_path, weights_only=False)
+        out.append({
+            "params": flat_params(model), "in_sync": optimizer.in_sync(), "step": trainer.global_step,
+            "checkpoint": torch.cat([v.reshape(-1) for v in saved["state_dict"].values()]),
+            "entry": saved["gradcomp"]["ranks"][rank]["extra"][LINK_KEY],
+        })
+    return out
