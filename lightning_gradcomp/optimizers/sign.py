@@ -16,6 +16,11 @@ class SignSGD(torch.optim.Optimizer):
     averaged momentum components; with :class:`~lightning_gradcomp.compressors.demo.DeMo` as the strategy's
     compressor this optimizer completes the method. torch has no sign-based optimizer, hence this one.
 
+    Unlike :class:`~lightning_gradcomp.optimizers.OneBitAdam`, it needs no exchange of its own, so any strategy may
+    step it: on the gradient another strategy averaged it is signSGD (Bernstein et al., 2018), a method of its own,
+    and neither refused nor warned about. The pairing is checked from DeMo's side only: DeMo with another optimizer
+    warns at setup (:meth:`~lightning_gradcomp.compressors.demo.DeMo.check_optimizers`).
+
     Args:
         params: parameters or parameter groups.
         lr: step size (each coordinate moves by exactly ``lr``).
