@@ -2,6 +2,7 @@
 
 import math
 import time
+import warnings
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -145,23 +146,30 @@ def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 
         },
         "collectives": None if state is None else dict(state.collectives),
         "units": None if exchange is None else len(exchange.units),
+        "strategy_bytes": trainer.strategy.bytes_per_step(),  # type: ignore[attr-defined]
     }
 
 
 def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> list[Any]:
+    """One fit per config; kinds: ``"sharded"`` (default), ``"native"`` (stock HSDP over the 2-D mesh), ``"fsdp"``
+    (stock FSDP2 over the shard dimension, no hook), ``"unsharded"``, ``"ddp"``. Each result also holds the
+    UserWarnings the fit emitted on this rank."""
     out: list[Any] = []
     for config in configs:
         kind = config.get("kind", "sharded")
         model_cls = UnshardedRegressor if kind in ("unsharded", "ddp") else ShardedRegressor
         model = model_cls(native=kind == "native", nan_at=config.get("nan_at", -1),
                           optimizer=config.get("optimizer", "adamw"))
-        cls = {"native": NativeHSDP, "ddp": GradCompStrategy}.get(kind, ShardedGradCompStrategy)
+        cls = {"native": NativeHSDP, "fsdp": NativeHSDP, "ddp": GradCompStrategy}.get(kind, ShardedGradCompStrategy)
         record = Shards()
-        try:
-            out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4),
-                           config.get("save", ""), config.get("resume", ""), record))
-        except (ValueError, RuntimeError) as error:  # bad input (before step 0), a divergence: every rank alike
-            out.append({"error": str(error), "steps_done": len(record.shards)})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4),
+                               config.get("save", ""), config.get("resume", ""), record))
+            except (ValueError, RuntimeError) as error:  # bad input (before step 0), a divergence: every rank alike
+                out.append({"error": str(error), "steps_done": len(record.shards)})
+        out[-1]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     return out
 
 
