@@ -171,7 +171,7 @@ class ShardedWiring(HookWiring):
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         replicate = mesh["replicate"]
         if replicate.size() == 1:
-            self._warn_one_replica(mesh["shard"].size())
+            self._check_one_replica(mesh["shard"].size())
         state = self._new_comm_state(
             named, replicate.get_group(), rank, replicate.size(), device, group_rank=replicate.get_local_rank(),
         )
@@ -191,22 +191,35 @@ class ShardedWiring(HookWiring):
             )
         return state
 
-    def _warn_one_replica(self, shard: int) -> None:
-        """Warn (rank 0, at setup) that one replica of ``shard`` ranks (the whole world) exchanges nothing, so the
-        compressor is not used, with the ``shard_size`` that would give replicas to compress between."""
-        world = shard
+    def _check_one_replica(self, world: int) -> None:
+        """One replica of all ``world`` ranks exchanges nothing (:func:`~lightning_gradcomp.strategies.shards.guard_shard`):
+        warn on rank 0 that the compressor is not used, naming the ``shard_size`` that gives replicas to compress
+        between; refuse gradient transforms, which run in that exchange (MomentumCorrection's momentum would be
+        lost without a word).
+
+        Raises:
+            ValueError: a gradient transform is attached (by a callback such as ``MomentumCorrection``).
+        """
         if world == 1:
             fix = "use `devices=2` or more (CPU ranks are fine) with `shard_size=1`"
         else:
-            # the largest shard size below the world's that divides it: the most replicas' worth of sharding kept
+            # the largest shard size that still gives 2 replicas or more: each rank's share of the model grows least
             smaller = world // next(k for k in range(2, world + 1) if world % k == 0)
             fix = (f"pass `shard_size={smaller}` or a smaller divisor of {world} ({world // smaller} replicas or more "
                    f"that compress between them; on several nodes, `shard_size=world_size // num_nodes`)")
+        if self.transforms:
+            raise ValueError(
+                f"Expected no gradient transforms with one replica under {type(self).__name__} (they run in the "
+                f"exchange between replicas, which one replica skips: nothing would apply them), but got "
+                f"{[type(t).__name__ for t in self.transforms]} with `shard_size={world}` on world_size={world}. "
+                f"Fix: {fix}, or drop the callbacks that add them (without compression, MomentumCorrection(m) with "
+                f"SGD(momentum=0) is SGD(momentum=m))."
+            )
         rank_zero_warn(
             f"Expected at least 2 replicas for {type(self).__name__} to exchange compressed gradient shards, but got "
-            f"1: `shard_size={shard}` ranks per replica on world_size={world} (devices x num_nodes), so nothing "
+            f"1: `shard_size={world}` ranks per replica on world_size={world} (devices x num_nodes), so nothing "
             f"crosses a link between replicas. {type(self.compressor).__name__} is not used: the run is plain FSDP2 "
-            f"over {shard} ranks (as `sharded_fp32` or stock FSDP2) and `bytes_per_step()` is 0. Fix: {fix}, or use "
+            f"over {world} ranks (as `sharded_fp32` or stock FSDP2) and `bytes_per_step()` is 0. Fix: {fix}, or use "
             f"Lightning's `ModelParallelStrategy` for FSDP2 without compression.",
             category=UserWarning,
         )

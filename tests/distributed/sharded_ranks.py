@@ -4,6 +4,7 @@ import math
 import time
 import warnings
 from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -16,6 +17,7 @@ from typing_extensions import override
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.callbacks import MomentumCorrection
 from lightning_gradcomp.optimizers import SignSGD
 from lightning_gradcomp.strategies.sharded import ShardedGradCompStrategy
 
@@ -121,10 +123,11 @@ def _loader(n: int = 64, batch_size: int = 4) -> DataLoader:
 
 
 def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 4, save: str = "",
-        resume: str = "", record: Optional[Shards] = None) -> dict[str, Any]:
+        resume: str = "", record: Optional[Shards] = None, extra: Sequence[Callback] = ()) -> dict[str, Any]:
     record = record or Shards()
     # a checkpoint at each epoch's end (4 batches per rank), as a user's ModelCheckpoint writes it
-    callbacks: list[Callback] = [record] + ([ModelCheckpoint(dirpath=save, every_n_epochs=1, save_top_k=-1)] if save else [])
+    callbacks: list[Callback] = [record, *extra] + (
+        [ModelCheckpoint(dirpath=save, every_n_epochs=1, save_top_k=-1)] if save else [])
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
                          enable_checkpointing=bool(save), enable_progress_bar=False, enable_model_summary=False,
                          callbacks=callbacks)
@@ -152,8 +155,8 @@ def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 
 
 def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> list[Any]:
     """One fit per config; kinds: ``"sharded"`` (default), ``"native"`` (stock HSDP over the 2-D mesh), ``"fsdp"``
-    (stock FSDP2 over the shard dimension, no hook), ``"unsharded"``, ``"ddp"``. Each result also holds the
-    UserWarnings the fit emitted on this rank."""
+    (stock FSDP2 over the shard dimension, no hook), ``"unsharded"``, ``"ddp"``; ``"momentum_correction": m`` adds
+    that callback. Each result also holds the UserWarnings the fit emitted on this rank."""
     out: list[Any] = []
     for config in configs:
         kind = config.get("kind", "sharded")
@@ -165,8 +168,9 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> li
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
+                extra = [MomentumCorrection(config["momentum_correction"])] if "momentum_correction" in config else []
                 out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4),
-                               config.get("save", ""), config.get("resume", ""), record))
+                               config.get("save", ""), config.get("resume", ""), record, extra))
             except (ValueError, RuntimeError) as error:  # bad input (before step 0), a divergence: every rank alike
                 out.append({"error": str(error), "steps_done": len(record.shards)})
         out[-1]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]

@@ -46,11 +46,13 @@ CONFIGS: list[dict[str, Any]] = [
     {"strategy": {"compressor": "graddrop"}, "nan_at": 1, "steps": 3},
     # DeMo with SGD momentum instead of its sign step: warned before the first step, as under DDP
     {"strategy": {"compressor": "demo", "shard_size": 2}, "optimizer": "sgd", "steps": 1},
+    # one replica with a transform that only the exchange would run: refused before the first step
+    {"strategy": {"compressor": "dgc"}, "momentum_correction": 0.9},
 ]
 NATIVE, FIRST = 0, 1
 ONE_SHARD = FIRST + len(COMPRESSORS)
-NAN, BAD_SIZE, UNSHARDED, DDP, CHECKED, ONE_REPLICA, FSDP, ONE_REPLICA_NAN, DEMO_SGD = (
-    ONE_SHARD + k for k in range(1, 10))
+NAN, BAD_SIZE, UNSHARDED, DDP, CHECKED, ONE_REPLICA, FSDP, ONE_REPLICA_NAN, DEMO_SGD, ONE_REPLICA_MOMENTUM = (
+    ONE_SHARD + k for k in range(1, 11))
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +170,16 @@ def test_one_replica_still_skips_a_nonfinite_step_on_every_rank(results: list[li
         assert not torch.equal(runs[rank]["shards"][1], runs[rank]["shards"][2])
         assert torch.isfinite(runs[rank]["shards"][2]).all()
         assert runs[rank]["bytes"] == [0, 0, 0]
+
+
+def test_one_replica_refuses_a_transform_it_would_never_run(results: list[list[dict[str, Any]]]) -> None:
+    """MomentumCorrection's momentum runs in the exchange between replicas; with one replica nothing runs it, so the
+    run would train without momentum: refused on every rank before the first step, naming the shard size to use."""
+    for rank, run in enumerate(_run(results, ONE_REPLICA_MOMENTUM)):
+        error = run.get("error", "")
+        assert run.get("steps_done") == 0, (rank, run)
+        assert "Expected no gradient transforms with one replica under ShardedGradCompStrategy" in error, error
+        assert "['MomentumCorrect'] with `shard_size=4`" in error and "Fix: pass `shard_size=2`" in error, error
 
 
 def test_demo_with_sgd_momentum_is_warned_as_under_ddp(results: list[list[dict[str, Any]]]) -> None:
