@@ -219,7 +219,7 @@ class ShardedWiring(HookWiring):
             f"Expected at least 2 replicas for {type(self).__name__} to exchange compressed gradient shards, but got "
             f"1: `shard_size={world}` ranks per replica on world_size={world} (devices x num_nodes), so nothing "
             f"crosses a link between replicas. {type(self.compressor).__name__} is not used: the run is plain FSDP2 "
-            f"over {world} ranks (as `sharded_fp32` or stock FSDP2) and `bytes_per_step()` is 0. Fix: {fix}, or use "
+            f"over {world} rank{'s' if world > 1 else ''} (as `sharded_fp32` or stock FSDP2) and `bytes_per_step()` is 0. Fix: {fix}, or use "
             f"Lightning's `ModelParallelStrategy` for FSDP2 without compression.",
             category=UserWarning,
         )
