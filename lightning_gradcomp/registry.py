@@ -4,8 +4,7 @@ Lightning has no entry point for external strategies, so importing :mod:`lightni
 every name here (``Trainer(strategy="terngrad")``). Unknown names fail loudly: a typo never becomes a default.
 """
 
-import difflib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
 from lightning_gradcomp.compressors.adacomp import AdaComp
@@ -20,6 +19,7 @@ from lightning_gradcomp.compressors.onebit import OneBit
 from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.compressors.qsgd import QSGD
 from lightning_gradcomp.compressors.topk import DGC, TopK
+from lightning_gradcomp.validation import did_you_mean  # public here too (presets, the CLI)
 
 #: registered name -> (factory of a fresh compressor, one-line description)
 COMPRESSORS: dict[str, tuple[Callable[[], Compressor], str]] = {
@@ -118,12 +118,6 @@ def register_strategies(strategy_cls: type[NamedStrategy], strategy_registry: An
     strategy_registry.register(
         strategy_cls.strategy_name, strategy_cls, description=f"{strategy_cls.__name__} with its defaults", override=True
     )
-
-
-def did_you_mean(value: str, choices: Iterable[str]) -> str:
-    """``"did you mean 'x'? "`` for the closest of ``choices`` (difflib), or ``""``."""
-    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}? " if close else ""
 
 
 #: strategy names this package registers besides the compressor names (each but "gradcomp" also as `*_notebook`)

@@ -4,6 +4,7 @@ Every public constructor validates eagerly with these helpers, so a bad configur
 process group exists and never gets silently clamped.
 """
 
+import difflib
 import math
 from collections.abc import Iterable
 from typing import Any, Optional
@@ -58,13 +59,20 @@ def check_bool(name: str, value: Any, fix: Optional[str] = None) -> None:
         raise _fail(name, value, "True or False", fix or f"pass the bool itself, e.g. `{name}=False` (a string such as 'false' is truthy)")
 
 
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """``"did you mean 'x'? "`` for the closest of ``choices`` (difflib), or ``""``."""
+    close = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 class UnknownOptionError(TypeError, ValueError):
     """An unknown keyword argument: a ``TypeError`` as Python raises for one, and a ``ValueError`` like every other
     bad configuration here, so both ``except`` clauses catch it."""
 
 
 def check_options(owner: str, given: Iterable[str], valid: Iterable[str], values: Optional[dict[str, Any]] = None) -> None:
-    """Raise :class:`UnknownOptionError` naming the first of ``given`` not in ``valid``, with the valid options.
+    """Raise :class:`UnknownOptionError` naming the first of ``given`` not in ``valid``, the closest valid option
+    (:func:`did_you_mean`) and the valid options.
 
     Args:
         owner: the class the options were passed to, e.g. ``"TernGrad"``.
@@ -80,5 +88,5 @@ def check_options(owner: str, given: Iterable[str], valid: Iterable[str], values
         raise UnknownOptionError(
             f"Expected `{name}` to be an option of {owner}, but got {shown}"
             + (f" (also unknown: {unknown[1:]})" if unknown[1:] else "")
-            + f". Fix: {owner}'s options are {options}."
+            + f". Fix: {did_you_mean(name, options)}{owner}'s options are {options}."
         )

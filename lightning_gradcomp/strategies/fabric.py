@@ -56,7 +56,7 @@ from lightning_gradcomp.strategies._runtime import ResumeCompression, Runtime, R
 from lightning_gradcomp.exchange.guard import NonFinite
 from lightning_gradcomp.sites.hierarchy import Hierarchy
 from lightning_gradcomp.exchange.pipeline import LayerTransform
-from lightning_gradcomp.strategies.sharded import ShardedWiring, mesh_shape, new_mesh
+from lightning_gradcomp.strategies.sharded import ShardedWiring, keyword_options, mesh_shape, new_mesh
 from lightning_gradcomp.strategies.wiring import HookWiring, check_backend
 
 if TYPE_CHECKING:
@@ -361,6 +361,8 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
             shards (``True``) or one full file.
         process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
         timeout: collective timeout (a positive ``timedelta``), also of the mesh's groups.
+        **kwargs: refused with the option named (a misspelt option, or the DDP engine's ``site_size``), as a
+            ``ValueError``.
     """
 
     #: also registered as a name in Fabric's registry (`Fabric(strategy="sharded_gradcomp")`)
@@ -380,6 +382,7 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        **kwargs: Any,
     ) -> None:
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise ValueError(
@@ -388,9 +391,9 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
                 f"`ShardedGradCompFabricStrategy(compressor='terngrad')`, and a function that calls "
                 f"`fully_shard(block, mesh=device_mesh['shard'])` as `parallelize_fn`."
             )
+        self._init_sharding(shard_size, kwargs, keyword_options(ShardedGradCompFabricStrategy))
         self._init_recovery(nonfinite, resume_compression, timeout, check_replicas_every)
         self._init_wiring(compressor, exclude, min_numel, pipeline_mb, None, None, {}, {}, None, process_group_backend)
-        self._init_sharding(shard_size)
         super().__init__(
             parallelize_fn=parallelize_fn or _shard_blocks,
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -440,7 +443,7 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
                     f"replaces them with their shards). Fix: `model = fabric.setup(model)`, then "
                     f"`optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`."
                 )
-        self.compressor.check_optimizers([optimizer])  # as the Trainer strategy does (e.g. OneBit's momentum warning)
+        self._check_optimizers([optimizer])  # as the Trainer strategy does (e.g. DeMo's sign-step warning)
         return super().setup_optimizer(optimizer)
 
     @override

@@ -13,6 +13,7 @@ model is sharded over the mesh's ``"shard"`` dimension, the hook state and the e
 across the shard group.
 """
 
+import inspect
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch import Tensor
@@ -33,7 +35,7 @@ from lightning_gradcomp.exchange.guard import NonFinite
 from lightning_gradcomp.strategies.resilience import ResilienceMixin, ResumeCompression
 from lightning_gradcomp.strategies.shards import ShardExchange, agree_on_skip, fsdp_units
 from lightning_gradcomp.sites.layout import new_group
-from lightning_gradcomp.validation import check_int
+from lightning_gradcomp.validation import UnknownOptionError, check_int, check_options
 from lightning_gradcomp.strategies.wiring import HookWiring, check_backend
 
 if TYPE_CHECKING:
@@ -77,6 +79,11 @@ def mesh_shape(world_size: int, shard_size: Optional[int], ranks_per_node: int) 
     return world_size // shard, shard
 
 
+def keyword_options(cls: type) -> list[str]:
+    """The keyword options ``cls.__init__`` takes (its ``**kwargs`` aside), for the unknown-option error."""
+    return [n for n, p in inspect.signature(cls).parameters.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+
+
 def check_sharded(module: Module, shard_mesh: "DeviceMesh", where: str, mesh_name: str) -> None:
     """Refuse a model that was not sharded with FSDP2 over the mesh's ``"shard"`` dimension (its gradients would not
     reach the replica exchange). ``where`` names the user's sharding code (``configure_model``, ``parallelize_fn``)
@@ -106,6 +113,35 @@ def check_sharded(module: Module, shard_mesh: "DeviceMesh", where: str, mesh_nam
             )
 
 
+#: the DDP engine's site options: under the sharded engine a replica (``shard_size`` consecutive ranks) is the site
+_SITE_OPTIONS = ("site_size", "site_sizes", "hierarchy")
+
+
+def check_sharded_options(owner: str, unknown: dict[str, Any], options: Sequence[str]) -> None:
+    """Refuse keyword arguments a sharded strategy does not take, naming them (instead of Python's ``TypeError``):
+    a site option of the DDP engine points to ``shard_size``; any other, to the closest option
+    (:func:`~lightning_gradcomp.validation.check_options`).
+
+    Raises:
+        ValueError: an unknown keyword (:class:`~lightning_gradcomp.validation.UnknownOptionError`).
+    """
+    for name in _SITE_OPTIONS:
+        if name in unknown:
+            value = unknown[name]
+            if name == "site_size" and isinstance(value, int) and not isinstance(value, bool):
+                fix = f"`shard_size={value}`"
+            elif name == "hierarchy":
+                fix = "`shard_size=None` (the default: one replica per node)"
+            else:
+                fix = "`shard_size=<ranks per replica>` (replicas are all the same size; None: one node's ranks)"
+            raise UnknownOptionError(
+                f"Expected {owner}'s replicas to be set with `shard_size` (a replica of `shard_size` consecutive "
+                f"ranks is its site), but got `{name}={value!r}`, GradCompStrategy's option for its sites. "
+                f"Fix: did you mean 'shard_size'? pass {fix}."
+            )
+    check_options(owner, unknown, options, unknown)
+
+
 class ShardedWiring(HookWiring):
     """The sharded engine's side of a strategy, shared by the Trainer and the Fabric strategy: shard size, the hook
     state over the replicate group, the :class:`~lightning_gradcomp.strategies.shards.ShardExchange` on every FSDP2 unit, and
@@ -116,7 +152,10 @@ class ShardedWiring(HookWiring):
     #: the strategy's ``("replicate", "shard")`` mesh (``ModelParallelStrategy``'s, set in ``setup_environment``)
     _device_mesh: Optional["DeviceMesh"]
 
-    def _init_sharding(self, shard_size: Optional[int]) -> None:
+    def _init_sharding(self, shard_size: Optional[int], unknown: dict[str, Any], options: Sequence[str]) -> None:
+        """Validate and keep ``shard_size``; refuse ``unknown`` keyword arguments (:func:`check_sharded_options`,
+        ``options``: the ones the strategy takes)."""
+        check_sharded_options(type(self).__name__, unknown, options)
         if shard_size is not None:
             check_int("shard_size", shard_size, minimum=1, fix="pass the ranks of one node, e.g. 8, or None for that")
         self.shard_size = shard_size
@@ -131,13 +170,19 @@ class ShardedWiring(HookWiring):
         check_sharded(module, mesh["shard"], where, mesh_name)
         named = {n: p for n, p in module.named_parameters() if p.requires_grad}
         replicate = mesh["replicate"]
+        if replicate.size() == 1:
+            self._check_one_replica(mesh["shard"].size())
         state = self._new_comm_state(
             named, replicate.get_group(), rank, replicate.size(), device, group_rank=replicate.get_local_rank(),
         )
         self.comm_state = state
         self.exchange = ShardExchange(state, module)
         self._agreed_hook_calls = state.hook_calls
-        if rank == 0:
+        if rank == 0 and replicate.size() == 1:
+            log.info("gradcomp: FSDP2 over %d ranks in one replica: nothing is exchanged between replicas, %s is not "
+                     "used (plain FSDP2, 0 bytes per rank per step)", mesh["shard"].size(),
+                     type(self.compressor).__name__)
+        elif rank == 0:
             log.info(
                 "gradcomp: FSDP2 over %d ranks per replica, %s between %d replicas on each rank's gradient shard "
                 "(%s fp32 bytes per rank per step for dense HSDP)",
@@ -145,6 +190,46 @@ class ShardedWiring(HookWiring):
                 f"{self.exchange.shard_bytes():,}",
             )
         return state
+
+    def _check_one_replica(self, world: int) -> None:
+        """One replica of all ``world`` ranks exchanges nothing (:func:`~lightning_gradcomp.strategies.shards.guard_shard`):
+        warn on rank 0 that the compressor is not used, naming the ``shard_size`` that gives replicas to compress
+        between; refuse gradient transforms, which run in that exchange (MomentumCorrection's momentum would be
+        lost without a word).
+
+        Raises:
+            ValueError: a gradient transform is attached (by a callback such as ``MomentumCorrection``).
+        """
+        if world == 1:
+            fix = "use `devices=2` or more (CPU ranks are fine) with `shard_size=1`"
+        else:
+            # the largest shard size that still gives 2 replicas or more: each rank's share of the model grows least
+            smaller = world // next(k for k in range(2, world + 1) if world % k == 0)
+            fix = (f"pass `shard_size={smaller}` or a smaller divisor of {world} ({world // smaller} replicas or more "
+                   f"that compress between them; on several nodes, `shard_size=world_size // num_nodes`)")
+        if self.transforms:
+            raise ValueError(
+                f"Expected no gradient transforms with one replica under {type(self).__name__} (they run in the "
+                f"exchange between replicas, which one replica skips: nothing would apply them), but got "
+                f"{[type(t).__name__ for t in self.transforms]} with `shard_size={world}` on world_size={world}. "
+                f"Fix: {fix}, or drop the callbacks that add them (without compression, MomentumCorrection(m) with "
+                f"SGD(momentum=0) is SGD(momentum=m))."
+            )
+        rank_zero_warn(
+            f"Expected at least 2 replicas for {type(self).__name__} to exchange compressed gradient shards, but got "
+            f"1: `shard_size={world}` ranks per replica on world_size={world} (devices x num_nodes), so nothing "
+            f"crosses a link between replicas. {type(self.compressor).__name__} is not used: the run is plain FSDP2 "
+            f"over {world} rank{'s' if world > 1 else ''} (as `sharded_fp32` or stock FSDP2) and `bytes_per_step()` is 0. Fix: {fix}, or use "
+            f"Lightning's `ModelParallelStrategy` for FSDP2 without compression.",
+            category=UserWarning,
+        )
+
+    def _check_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """The compressor's check of the optimizers before the first step (e.g. DeMo's sign step, OneBit's
+        momentum), as the DDP engine runs it; not with one replica, where no compressor runs."""
+        assert self._device_mesh is not None, "the mesh exists from setup_environment on"
+        if self._device_mesh["replicate"].size() > 1:
+            self.compressor.check_optimizers(optimizers)
 
     def _shard_group_size(self) -> int:
         assert self._device_mesh is not None, "the mesh exists from setup_environment on"
@@ -202,6 +287,8 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         save_distributed_checkpoint: as in ``ModelParallelStrategy`` (each rank writes its shards).
         process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
         timeout: collective timeout (a positive ``timedelta``).
+        **kwargs: refused with the option named (a misspelt option, or the DDP engine's ``site_size``), as a
+            ``ValueError``.
     """
 
     strategy_name = "sharded_gradcomp"
@@ -219,10 +306,11 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        **kwargs: Any,
     ) -> None:
+        self._init_sharding(shard_size, kwargs, keyword_options(ShardedGradCompStrategy))
         self._init_resilience(check_replicas_every, nonfinite, resume_compression, timeout)
         self._init_wiring(compressor, exclude, min_numel, pipeline_mb, None, None, {}, {}, None, process_group_backend)
-        self._init_sharding(shard_size)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -266,6 +354,11 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         state = self._install_exchange(module, self.device_mesh, self.global_rank, self.root_device,
                                        "configure_model", "self.device_mesh")
         self._attach_resilience(state)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        super().setup_optimizers(trainer)
+        self._check_optimizers(self.optimizers)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:

@@ -6,7 +6,9 @@ its replica for its own shard. What remains is the mean over replicas, which sto
 over the slow link. Here FSDP2 hands each unit's reduce-scattered shard to :func:`~lightning_gradcomp.exchange.hook.gradcomp_hook`
 (``FSDPModule.set_all_reduce_hook``) as one bucket whose group is the replicate group: every compressor, its error
 feedback keyed by parameter name (each rank's residual covers its own shard only), the non-finite guard, the ledger
-and the statistics work exactly as for a DDP bucket. Nothing here compresses or communicates on its own.
+and the statistics work exactly as for a DDP bucket. Nothing here compresses or communicates on its own. With one
+replica there is nothing to average between replicas: the hook's non-finite guard alone runs on each shard (no
+compressor, no transform, no collective, no bytes), so the run is plain FSDP2.
 
 Why the layout is read from FSDP2's parameter group: the hook receives one flat tensor per unit, the shards of the
 unit's parameters back to back, each padded to an equal share of its first dimension. The public API gives no
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_gradcomp.exchange.guard import begin_step, bucket_is_nonfinite
 from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.exchange.ledger import dense_bytes
 
@@ -122,7 +125,8 @@ class ShardExchange:
     bucket index is its place in that order within the step (index 0 opens the step for the non-finite guard and
     the residuals). Every unit reduce-scatters all its trainable parameters on every backward
     (``set_reduce_scatter_unused_params``: an unused one contributes zeros), so each unit's layout is fixed and
-    every replica issues the same collectives even where a rank skipped a layer.
+    every replica issues the same collectives even where a rank skipped a layer. With one replica (``state``'s
+    world size 1) each unit's shard only passes the non-finite guard (:func:`guard_shard`): nothing is compressed.
 
     Args:
         state: the hook state; its process group is the replicate group (one rank per replica holding the same
@@ -156,6 +160,9 @@ class ShardExchange:
             index = self._calls
             self._calls = (self._calls + 1) % self._expected
             bucket = ShardBucket(index, index == self._expected - 1, reduce_output, layout)
+            if self.state.world_size == 1:
+                guard_shard(self.state, bucket)
+                return
             # FSDP2 reads the shard right after the hook returns: the replicas' mean must be in place by then
             gradcomp_hook(self.state, bucket).wait()  # type: ignore[arg-type]  # duck-typed GradBucket
 
@@ -164,6 +171,20 @@ class ShardExchange:
     def shard_bytes(self) -> int:
         """The fp32 size of this rank's gradient shards (what dense HSDP all-reduces per step, per rank)."""
         return sum(dense_bytes(sum(s.numel() for s in layout.shapes)) for layout in self.layouts)
+
+
+def guard_shard(state: GradCompState, bucket: ShardBucket) -> None:
+    """One replica: what the hook does to a bucket before anything compresses it, and nothing more. The bucket is
+    counted (the step's end is detected from the last one), bucket 0 opens the step, and the non-finite guard decides
+    on this shard (a skipped step's shard is filled with NaN, as the hook fills its buckets); the compressor, the
+    transforms and the residuals never see it, no collective runs and the ledger records no bytes. What FSDP2
+    reduce-scattered is what the optimizer gets: stock FSDP2's gradient, bit for bit."""
+    state.ledger.bucket_called(bucket.is_last())
+    if bucket.index() == 0:
+        begin_step(state)
+    names = [state.names[id(p)] for p in bucket.parameters()]
+    if bucket_is_nonfinite(state, bucket.buffer(), bucket.gradients(), names):
+        bucket.buffer().fill_(float("nan"))
 
 
 def agree_on_skip(state: GradCompState, shard_group: dist.ProcessGroup, device: torch.device) -> None:

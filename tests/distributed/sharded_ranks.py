@@ -2,7 +2,9 @@
 
 import math
 import time
+import warnings
 from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -15,6 +17,7 @@ from typing_extensions import override
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
 from lightning_gradcomp import GradCompStrategy
+from lightning_gradcomp.callbacks import MomentumCorrection
 from lightning_gradcomp.optimizers import OneBitAdam, SignSGD, ZeroOneAdam
 from lightning_gradcomp.strategies.sharded import ShardedGradCompStrategy
 
@@ -122,10 +125,11 @@ def _loader(n: int = 64, batch_size: int = 4) -> DataLoader:
 
 
 def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 4, save: str = "",
-        resume: str = "", record: Optional[Shards] = None) -> dict[str, Any]:
+        resume: str = "", record: Optional[Shards] = None, extra: Sequence[Callback] = ()) -> dict[str, Any]:
     record = record or Shards()
     # a checkpoint at each epoch's end (4 batches per rank), as a user's ModelCheckpoint writes it
-    callbacks: list[Callback] = [record] + ([ModelCheckpoint(dirpath=save, every_n_epochs=1, save_top_k=-1)] if save else [])
+    callbacks: list[Callback] = [record, *extra] + (
+        [ModelCheckpoint(dirpath=save, every_n_epochs=1, save_top_k=-1)] if save else [])
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
                          enable_checkpointing=bool(save), enable_progress_bar=False, enable_model_summary=False,
                          callbacks=callbacks)
@@ -147,23 +151,31 @@ def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 
         },
         "collectives": None if state is None else dict(state.collectives),
         "units": None if exchange is None else len(exchange.units),
+        "strategy_bytes": trainer.strategy.bytes_per_step(),  # type: ignore[attr-defined]
     }
 
 
 def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> list[Any]:
+    """One fit per config; kinds: ``"sharded"`` (default), ``"native"`` (stock HSDP over the 2-D mesh), ``"fsdp"``
+    (stock FSDP2 over the shard dimension, no hook), ``"unsharded"``, ``"ddp"``; ``"momentum_correction": m`` adds
+    that callback. Each result also holds the UserWarnings the fit emitted on this rank."""
     out: list[Any] = []
     for config in configs:
         kind = config.get("kind", "sharded")
         model_cls = UnshardedRegressor if kind in ("unsharded", "ddp") else ShardedRegressor
         model = model_cls(native=kind == "native", nan_at=config.get("nan_at", -1),
                           optimizer=config.get("optimizer", "adamw"))
-        cls = {"native": NativeHSDP, "ddp": GradCompStrategy}.get(kind, ShardedGradCompStrategy)
+        cls = {"native": NativeHSDP, "fsdp": NativeHSDP, "ddp": GradCompStrategy}.get(kind, ShardedGradCompStrategy)
         record = Shards()
-        try:
-            out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4),
-                           config.get("save", ""), config.get("resume", ""), record))
-        except (ValueError, RuntimeError) as error:  # bad input (before step 0), a divergence: every rank alike
-            out.append({"error": str(error), "steps_done": len(record.shards)})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                extra = [MomentumCorrection(config["momentum_correction"])] if "momentum_correction" in config else []
+                out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4),
+                               config.get("save", ""), config.get("resume", ""), record, extra))
+            except (ValueError, RuntimeError) as error:  # bad input (before step 0), a divergence: every rank alike
+                out.append({"error": str(error), "steps_done": len(record.shards)})
+        out[-1]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     return out
 
 

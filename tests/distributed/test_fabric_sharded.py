@@ -93,6 +93,7 @@ def test_fabric_one_replica_trains_with_fsdp2_alone(results: list[dict[str, Any]
         assert "error" not in runs[rank] and len(runs[rank]["shards"]) == 4, runs[rank].get("error")
         assert torch.isfinite(runs[rank]["shards"][-1]).all()
         assert not torch.equal(runs[rank]["shards"][0], runs[rank]["shards"][-1])
+        assert runs[rank]["bytes"] == [0, 0, 0, 0], "one replica: nothing crosses a link, nothing compressed"
 
 
 def test_fabric_bad_input_is_refused_before_the_first_step(results: list[dict[str, Any]]) -> None:

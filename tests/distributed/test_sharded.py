@@ -38,10 +38,21 @@ CONFIGS: list[dict[str, Any]] = [
     {"kind": "ddp", "strategy": {"compressor": "graddrop"}},
     # the replica check compares each shard with its copies in the other replicas (not the two different shards)
     {"strategy": {"compressor": "terngrad", "shard_size": 2, "check_replicas_every": 1}},
+    # the default shard size on one node: 1 replica of 4 shards (`strategy="sharded_terngrad"`), and its reference,
+    # stock FSDP2 over the same 4 ranks with no hook
+    {"strategy": {"compressor": "terngrad"}},
+    {"kind": "fsdp", "strategy": {"shard_size": 4}},
+    # one replica, a NaN at step 1: the guard still skips the step on every rank (no compressor runs)
+    {"strategy": {"compressor": "graddrop"}, "nan_at": 1, "steps": 3},
+    # DeMo with SGD momentum instead of its sign step: warned before the first step, as under DDP
+    {"strategy": {"compressor": "demo", "shard_size": 2}, "optimizer": "sgd", "steps": 1},
+    # one replica with a transform that only the exchange would run: refused before the first step
+    {"strategy": {"compressor": "dgc"}, "momentum_correction": 0.9},
 ]
 NATIVE, FIRST = 0, 1
 ONE_SHARD = FIRST + len(COMPRESSORS)
-NAN, BAD_SIZE, UNSHARDED, DDP, CHECKED = (ONE_SHARD + k for k in range(1, 6))
+NAN, BAD_SIZE, UNSHARDED, DDP, CHECKED, ONE_REPLICA, FSDP, ONE_REPLICA_NAN, DEMO_SGD, ONE_REPLICA_MOMENTUM = (
+    ONE_SHARD + k for k in range(1, 11))
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +136,59 @@ def test_residuals_and_optimizer_state_are_sharded(results: list[list[dict[str, 
 def test_replica_check_compares_the_copies_of_each_shard(results: list[list[dict[str, Any]]]) -> None:
     for rank, run in enumerate(_run(results, CHECKED)):
         assert "error" not in run and len(run["shards"]) == 4, (rank, run.get("error"))
+
+
+def test_one_replica_is_plain_fsdp2_warned_at_setup_with_zero_bytes(results: list[list[dict[str, Any]]]) -> None:
+    """`sharded_terngrad` on one node (the default shard size: 4 ranks, one replica): nothing crosses a link, so
+    rank 0 warns before the first step naming `shard_size` and the value to use, TernGrad never runs (every shard
+    equals stock FSDP2's at every step, bit for bit) and the strategy reports 0 bytes per step."""
+    ours, stock = _run(results, ONE_REPLICA), _run(results, FSDP)
+    for rank in range(4):
+        assert "error" not in ours[rank], ours[rank].get("error")
+        assert len(ours[rank]["shards"]) == 4
+        for step, (a, b) in enumerate(zip(stock[rank]["shards"], ours[rank]["shards"])):
+            assert torch.equal(a, b), f"rank {rank} differs from stock FSDP2 at step {step}"
+        assert ours[rank]["bytes"] == [0, 0, 0, 0] and ours[rank]["strategy_bytes"] == 0, rank
+        # no compressor's collective: only the 4-byte agreement on a skipped step over the shard group
+        assert set(ours[rank]["collectives"]) == {"allreduce_nonfinite"}, ours[rank]["collectives"]
+    assert not torch.equal(ours[0]["shards"][0], ours[0]["shards"][-1]), "nothing trained"
+    warned = [w for w in ours[0]["warnings"] if "Expected at least 2 replicas" in w]
+    assert len(warned) == 1, ours[0]["warnings"]
+    for part in ("ShardedGradCompStrategy", "but got 1: `shard_size=4`", "TernGrad is not used",
+                 "Fix: pass `shard_size=2`", "`bytes_per_step()` is 0"):
+        assert part in warned[0], (part, warned[0])
+    assert not any("Expected at least 2 replicas" in w for r in range(1, 4) for w in ours[r]["warnings"])
+    two = _run(results, FIRST + COMPRESSORS.index("terngrad"))  # 2 replicas: no such warning
+    assert not any("Expected at least 2 replicas" in w for w in two[0]["warnings"])
+
+
+def test_one_replica_still_skips_a_nonfinite_step_on_every_rank(results: list[list[dict[str, Any]]]) -> None:
+    runs = _run(results, ONE_REPLICA_NAN)
+    for rank in range(4):
+        assert runs[rank]["skipped"] == [0, 1, 1], rank
+        assert torch.equal(runs[rank]["shards"][0], runs[rank]["shards"][1]), f"rank {rank} stepped at the NaN step"
+        assert not torch.equal(runs[rank]["shards"][1], runs[rank]["shards"][2])
+        assert torch.isfinite(runs[rank]["shards"][2]).all()
+        assert runs[rank]["bytes"] == [0, 0, 0]
+
+
+def test_one_replica_refuses_a_transform_it_would_never_run(results: list[list[dict[str, Any]]]) -> None:
+    """MomentumCorrection's momentum runs in the exchange between replicas; with one replica nothing runs it, so the
+    run would train without momentum: refused on every rank before the first step, naming the shard size to use."""
+    for rank, run in enumerate(_run(results, ONE_REPLICA_MOMENTUM)):
+        error = run.get("error", "")
+        assert run.get("steps_done") == 0, (rank, run)
+        assert "Expected no gradient transforms with one replica under ShardedGradCompStrategy" in error, error
+        assert "['MomentumCorrect'] with `shard_size=4`" in error and "Fix: pass `shard_size=2`" in error, error
+
+
+def test_demo_with_sgd_momentum_is_warned_as_under_ddp(results: list[list[dict[str, Any]]]) -> None:
+    """The compressor's optimizer check (DeMo's: its update is a sign step) runs at setup under the sharded engine
+    too; with SignSGD, DeMo's own optimizer, nothing is said."""
+    warned = [w for w in _run(results, DEMO_SGD)[0]["warnings"] if "Expected DeMo's optimizer to be SignSGD" in w]
+    assert len(warned) == 1 and "SGD with momentum=0.9" in warned[0], warned
+    own = _run(results, FIRST + COMPRESSORS.index("demo"))[0]["warnings"]
+    assert not any("Expected DeMo's optimizer" in w for w in own), own
 
 
 def test_resume_is_exact(tmp_path: Path) -> None:

@@ -20,3 +20,18 @@ def test_bad_configuration_is_refused_with_argument_value_and_fix(case: BadConfi
     assert case.argument in message, f"the message does not name the argument `{case.argument}`: {message}"
     assert case.value in message, f"the message does not show the value {case.value}: {message}"
     assert "Fix:" in message, f"the message gives no fix: {message}"
+
+
+#: unknown options of the sharded strategies, and the option each one meant
+MEANT = {"sharded-site-size": "shard_size", "sharded-misspelt-option": "shard_size",
+         "fabric-sharded-site-size": "shard_size", "fabric-sharded-misspelt-option": "compressor"}
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in MEANT], ids=lambda c: c.id)
+def test_an_unknown_sharded_option_names_the_one_meant(case: BadConfig) -> None:
+    """`ShardedGradCompStrategy(site_size=2)` (the DDP engine's option) and a misspelt option name the option meant
+    ("did you mean"), as a ValueError that is also the TypeError Python raises for an unknown keyword."""
+    with pytest.raises(TypeError) as info:
+        case.build()
+    assert f"Fix: did you mean {MEANT[case.id]!r}?" in str(info.value), str(info.value)
+    assert isinstance(info.value, ValueError)
