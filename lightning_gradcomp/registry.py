@@ -196,8 +196,10 @@ def strategy_name_error(name: str, fabric: bool = False) -> Optional[str]:
     # our `*_notebook` variants are ours too, not Lightning's
     lightning = sorted(n for n in known if n.removesuffix(NOTEBOOK_SUFFIX) not in strategy_names())
     ours = fabric_strategy_names() if fabric else strategy_names()
+    # suggestions: every name that works here (under Fabric, not the Trainer-only ones), `*_notebook` variants too
+    usable = sorted({*ours, *(n for n in known if n in lightning or n.removesuffix(NOTEBOOK_SUFFIX) in ours)})
     return (
         f"Expected `strategy` to be a registered strategy name, but got {name!r}. "
-        f"Fix: {did_you_mean(name.lower(), sorted({*ours, *lightning}))}use one of gradcomp's {ours} "
+        f"Fix: {did_you_mean(name.lower(), usable)}use one of gradcomp's {ours} "
         f"(or `<name>{NOTEBOOK_SUFFIX}` for a notebook) or Lightning's {lightning}."
     )
