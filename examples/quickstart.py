@@ -15,8 +15,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gradcomp_lab.tasks import ImageClassifier
 
 STRATEGIES = ("ddp", "terngrad")
+
+
+def build_task() -> "ImageClassifier":
+    """The model and task every run trains (the setup line that docs/monitoring.md shows is this model's)."""
+    from gradcomp_lab.models import MLP
+    from gradcomp_lab.tasks import ImageClassifier
+
+    return ImageClassifier(MLP(64, 256, 2, 10), num_classes=10, optimizer="momentum", lr=0.05, momentum=0.9)
 
 
 def train(strategy: str, out: Path, epochs: int) -> None:
@@ -25,12 +37,10 @@ def train(strategy: str, out: Path, epochs: int) -> None:
     import lightning_gradcomp  # noqa: F401  (registers "terngrad")
     from gradcomp_lab.cli import close_process_group
     from gradcomp_lab.data import DigitsDataModule
-    from gradcomp_lab.models import MLP
-    from gradcomp_lab.tasks import ImageClassifier
 
     pl.seed_everything(0, verbose=False)
     data = DigitsDataModule(batch_size=32)
-    task = ImageClassifier(MLP(64, 256, 2, 10), num_classes=10, optimizer="momentum", lr=0.05, momentum=0.9)
+    task = build_task()
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",

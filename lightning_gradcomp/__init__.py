@@ -77,6 +77,11 @@ register_strategies(ShardedGradCompFabricStrategy, _FABRIC_STRATEGIES, prefix=_S
 _register_presets(PresetFabricStrategy, _FABRIC_STRATEGIES)
 register_trainer_only_names(_FABRIC_STRATEGIES)  # Fabric(strategy="diloco") says it is Trainer-only, and what to use
 
+from lightning_gradcomp.strategies.argument import install as _install_strategy_checks  # noqa: E402
+
+# Trainer(strategy="terngard") and Fabric(strategy=GradCompStrategy(...)) get our errors, with the fix
+_install_strategy_checks()
+
 __version__ = "0.1.0"
 
 from lightning_gradcomp._deprecated import moved_names as _moved_names  # noqa: E402

@@ -5,7 +5,7 @@ every name here (``Trainer(strategy="terngrad")``). Unknown names fail loudly: a
 """
 
 from collections.abc import Callable
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Union
 
 from lightning_gradcomp.compressors.adacomp import AdaComp
 from lightning_gradcomp.compressors.base import Compressor
@@ -44,15 +44,32 @@ def compressor_names() -> list[str]:
     return sorted(COMPRESSORS)
 
 
-def make_compressor(name: str) -> Compressor:
-    """A fresh compressor with the paper's defaults for a registered name."""
+def make_compressor(name: str, argument: str = "compressor") -> Compressor:
+    """A fresh compressor with the paper's defaults for a registered name.
+
+    Args:
+        name: a registered compressor name (any case).
+        argument: the argument ``name`` was given as, named by the error for an unknown name.
+    """
     key = name.lower()
     if key not in COMPRESSORS:
         raise ValueError(
-            f"Expected `compressor` to be one of {compressor_names()}, but got {name!r}. "
+            f"Expected `{argument}` to be one of {compressor_names()}, but got {name!r}. "
             f"Fix: {did_you_mean(name, compressor_names())}use a registered name or pass a Compressor instance."
         )
     return COMPRESSORS[key][0]()
+
+
+def resolve_compressor(value: Union[Compressor, str], argument: str = "compressor") -> Compressor:
+    """``value`` itself when it is a :class:`Compressor`, a fresh one for a registered name; an error naming
+    ``argument`` (the argument ``value`` was given as) otherwise."""
+    compressor = make_compressor(value, argument) if isinstance(value, str) else value
+    if not isinstance(compressor, Compressor):
+        raise ValueError(
+            f"Expected `{argument}` to be a Compressor or a registered name, but got {value!r}. "
+            f"Fix: use one of {compressor_names()}."
+        )
+    return compressor
 
 
 def register_compressor(name: str, factory: Callable[[], Compressor], description: str) -> None:
@@ -136,26 +153,47 @@ def strategy_names() -> list[str]:
     return sorted({*COMPRESSORS, *_OWN_STRATEGIES, *sharded, *_PRESET_NAMES})
 
 
-def strategy_name_error(name: str) -> Optional[str]:
-    """Why ``Trainer(strategy=name)`` would fail, with the fix; ``None`` when Lightning accepts the name.
+def lightning_strategy_registry(fabric: bool) -> Any:
+    """Lightning's strategy registry: Fabric's ``STRATEGY_REGISTRY`` or the Trainer's ``StrategyRegistry``."""
+    if fabric:
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-    Lightning's own error lists only Lightning's names; this names ours too, and says when one of ours is used before
-    ``import lightning_gradcomp`` registered it.
-    """
+        return STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
-    known = StrategyRegistry.available_strategies()
-    if name == "auto" or name in known:
+    return StrategyRegistry
+
+
+def fabric_strategy_names() -> list[str]:
+    """This package's strategy names that ``Fabric(strategy=name)`` runs (its ``_notebook`` variants aside), as
+    registered in Fabric's registry: the Trainer-only names are registered there too, as a function that raises."""
+    fabric = lightning_strategy_registry(fabric=True)
+    return [n for n in strategy_names() if n in fabric and isinstance(fabric[n]["strategy"], type)]
+
+
+def strategy_name_error(name: str, fabric: bool = False) -> Optional[str]:
+    """Why ``Trainer(strategy=name)`` (``Fabric(strategy=name)`` with ``fabric``) would fail, with the fix; ``None``
+    when Lightning accepts the name.
+
+    Lightning's own error lists only Lightning's names; this names ours too, suggests the closest name, and says when
+    one of ours is used before ``import lightning_gradcomp`` registered it.
+    """
+    known = lightning_strategy_registry(fabric).available_strategies()
+    if name.lower() == "auto" or name.lower() in known:  # Lightning looks the name up lower-cased
         return None
     if name.lower().removesuffix(NOTEBOOK_SUFFIX) in strategy_names():
         return (
             f"Expected `strategy` to be a registered name, but {name!r} is not registered yet. "
-            f"Fix: `import lightning_gradcomp` before creating the Trainer (the import registers {strategy_names()})."
+            f"Fix: `import lightning_gradcomp` before creating the {'Fabric' if fabric else 'Trainer'} (the import "
+            f"registers {strategy_names()})."
         )
     # our `*_notebook` variants are ours too, not Lightning's
     lightning = sorted(n for n in known if n.removesuffix(NOTEBOOK_SUFFIX) not in strategy_names())
+    ours = fabric_strategy_names() if fabric else strategy_names()
+    # suggestions: every name that works here (under Fabric, not the Trainer-only ones), `*_notebook` variants too
+    usable = sorted({*ours, *(n for n in known if n in lightning or n.removesuffix(NOTEBOOK_SUFFIX) in ours)})
     return (
         f"Expected `strategy` to be a registered strategy name, but got {name!r}. "
-        f"Fix: {did_you_mean(name, sorted({*strategy_names(), *known}))}use one of gradcomp's {strategy_names()} "
+        f"Fix: {did_you_mean(name.lower(), usable)}use one of gradcomp's {ours} "
         f"(or `<name>{NOTEBOOK_SUFFIX}` for a notebook) or Lightning's {lightning}."
     )

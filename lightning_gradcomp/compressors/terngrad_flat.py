@@ -76,6 +76,23 @@ def chunk_counts(numels: Sequence[int], bucket: Optional[int]) -> tuple[int, ...
     return tuple(0 if n == 0 else 1 if bucket is None else -(-n // bucket) for n in numels)
 
 
+def ternary_from_uniforms(x: Tensor, u: Tensor, scale: Tensor, clip: Optional[Tensor] = None) -> Tensor:
+    """int8 ternaries ``t = sign(x) * b`` with ``b = [u * scale < min(|x|, clip)]``: for uniform ``u``,
+    ``E[scale * t] == sign(x) * min(|x|, clip)`` wherever that is at most ``scale`` (``x`` itself without a clip).
+
+    Args:
+        x: float32 values.
+        u: uniforms in ``[0, 1)`` of ``x``'s shape; consumed (scaled in place).
+        scale: the scaler of each element (or one, broadcast).
+        clip: the clip threshold of each element (or one); ``None``: no clipping.
+    """
+    a = x.abs()
+    if clip is not None:
+        a = torch.minimum(a, clip)
+    keep = u.mul_(scale) < a
+    return torch.where(keep, torch.sign(x), 0.0).to(torch.int8)
+
+
 class _PerDevice:
     """Tensors built once on the host and kept per device."""
 
@@ -374,11 +391,8 @@ class FlatTernGrad:
         chunks = self.chunk_layout(segments)
         x = flat.detach().reshape(-1).to(torch.float32)
         u = self.streams.uniform_flat(segments, x.device)
-        a = x.abs()
-        if clip is not None:
-            a = torch.minimum(a, chunks.chunks.expand(clip))
-        keep = u.mul_(chunks.chunks.expand(scale)) < a
-        return torch.where(keep, torch.sign(x), 0.0).to(torch.int8)
+        return ternary_from_uniforms(x, u, chunks.chunks.expand(scale),
+                                     None if clip is None else chunks.chunks.expand(clip))
 
     def _encode(
         self, flat: Tensor, segments: Segments, scale: Tensor, clip: Optional[Tensor], packed: bool
@@ -626,4 +640,4 @@ def _rank_rows(payloads: Sequence[Tensor]) -> tuple[Tensor, int]:
     return torch.stack([p.reshape(-1) for p in payloads]), first.numel()
 
 
-__all__ = ["ChunkLayout", "FlatTernGrad", "PackLayout", "TernGradSettings", "chunk_counts"]
+__all__ = ["ChunkLayout", "FlatTernGrad", "PackLayout", "TernGradSettings", "chunk_counts", "ternary_from_uniforms"]

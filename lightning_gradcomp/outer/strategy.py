@@ -187,13 +187,7 @@ class OuterRounds(_OuterBase):
                      fix="beta of the outer error feedback: SparseLoCo-style 0.95, 1 for plain error feedback, 0 for none")
         self.outer_optimizer_class = resolve_optimizer(outer_optimizer)
         check_outer_kwargs(self.outer_optimizer_class, outer_kwargs or {})
-        outer_compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
-        if not isinstance(outer_compressor, Compressor):
-            raise ValueError(
-                f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
-                f"Fix: use one of {registry.compressor_names()}."
-            )
-        self.outer_compressor = outer_compressor
+        self.outer_compressor = registry.resolve_compressor(compressor)
         self.sync_every = sync_every
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
@@ -413,7 +407,8 @@ class DiLoCoStrategy(OuterRounds, _SiteStrategy):
         self._init_outer(sync_every, compressor, outer_optimizer, outer_lr, outer_momentum, outer_nesterov,
                          outer_kwargs, fragments, sync_delay, mixing, outer_state_device, error_decay)
         self._init_sites(site_size, site_sizes)
-        super().__init__(compressor=inner_compressor, **kwargs)
+        # resolved here so that a bad value is reported as the argument given, not as GradCompStrategy's `compressor`
+        super().__init__(compressor=registry.resolve_compressor(inner_compressor, "inner_compressor"), **kwargs)
 
     # -- sites ----------------------------------------------------------------------------------------------
     @override

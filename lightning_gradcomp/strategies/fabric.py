@@ -23,8 +23,9 @@ Trainer strategy does, and ``fabric.load`` gives each rank its own part back, so
 both with the objects (``fabric.load(path, state)``) and without (``full = fabric.load(path)`` followed by
 ``model.load_state_dict(full["model"])``; the compression state is restored by the load itself).
 
-Only the per-step compressors run under Fabric: the names of strategies that need the Trainer's loop (``"diloco"``,
-``"streaming_diloco"``, ``"weightgrad"``) are refused by ``Fabric(strategy=...)`` with what to use instead. Not
+Only the per-step compressors (and their presets) run under Fabric: the names of strategies that need the Trainer's
+loop (``"diloco"``, ``"streaming_diloco"``, ``"weightgrad"``, ``"onebit_adam"``, ...) are refused by
+``Fabric(strategy=...)`` with what to use instead (:func:`fabric_alternatives`). Not
 available under Fabric either (they need the Trainer's loop): ``CompressionSchedule``, ``CompressionMonitor`` and
 ``ExponentialMovingAverage`` (see ``docs/compatibility.md``). The replica check (``check_replicas_every``) and the
 hierarchical exchange (``site_size``, ``site_sizes``, ``hierarchy``) work as under the Trainer.
@@ -494,17 +495,34 @@ class PresetFabricStrategy(GradCompFabricStrategy):
         return names
 
 
-def _trainer_only(strategy_name: str, strategy_class: str, **_: Any) -> None:
-    """What Fabric's registry builds for a name of a Trainer-only strategy: an error naming what Fabric supports."""
-    raise ValueError(
-        f"Expected `strategy` to be a strategy Fabric can run, but got {strategy_name!r}: {strategy_class} is "
+def fabric_alternatives() -> str:
+    """What this package runs under Fabric, for an error's fix: the names from Fabric's registry (so a preset or a
+    compressor registered later is listed too) and the classes."""
+    names = registry.fabric_strategy_names()
+    sharded = [n for n in names if n.startswith(registry.SHARDED_PREFIX)]
+    per_step = [n for n in names if n not in sharded]
+    return (
+        f"Under Fabric, gradcomp runs the per-step compressors and their presets: `Fabric(strategy=<name>)` with a "
+        f"name of {per_step} (or `<name>{registry.NOTEBOOK_SUFFIX}` for a notebook), or "
+        f"`Fabric(strategy=GradCompFabricStrategy(...))`; sharded models: a name of {sharded} or "
+        f"`ShardedGradCompFabricStrategy(...)`."
+    )
+
+
+def trainer_only_message(given: str, strategy_name: str, strategy_class: str) -> str:
+    """The error for a Trainer-only strategy (``strategy_class``, registered as ``strategy_name``) given to Fabric as
+    ``given`` (its name, or the instance's description)."""
+    return (
+        f"Expected `strategy` to be a strategy Fabric can run, but got {given}: {strategy_class} is "
         f"Trainer-only (it runs inside the Trainer's loop: its optimizer step, backward and checkpoint hooks, "
-        f"which Fabric's loop does not call). Under Fabric, gradcomp supports the per-step compressors: "
-        f"`Fabric(strategy=<name>)` with a name of {registry.compressor_names()} or 'gradcomp', or "
-        f"`Fabric(strategy=GradCompFabricStrategy(...))`; sharded models: `Fabric(strategy='sharded_<name>')` or "
-        f"`ShardedGradCompFabricStrategy(...)`. Fix: use one of those with Fabric, or "
+        f"which Fabric's loop does not call). {fabric_alternatives()} Fix: use one of those with Fabric, or "
         f"`lightning.pytorch.Trainer(strategy={strategy_name!r})` for {strategy_class}."
     )
+
+
+def _trainer_only(strategy_name: str, strategy_class: str, **_: Any) -> None:
+    """What Fabric's registry builds for a name of a Trainer-only strategy: an error naming what Fabric supports."""
+    raise ValueError(trainer_only_message(repr(strategy_name), strategy_name, strategy_class))
 
 
 def register_trainer_only_names(fabric_registry: Any) -> None:

@@ -126,7 +126,7 @@ class TowerStrategy(SingleDeviceStrategy):
         check_int("num_workers", num_workers, minimum=1)
         check_int("min_numel", min_numel, minimum=1, fix="use 1 to compress every parameter")
         self.num_workers = num_workers
-        self.compressor = _emulable(registry.make_compressor(compressor) if isinstance(compressor, str) else compressor)
+        self.compressor = _emulable(registry.resolve_compressor(compressor))
         self.exclude = list(exclude or [])
         self.min_numel = min_numel
         #: one hook state per emulated worker (its compressor, residuals and records)

@@ -147,12 +147,7 @@ class HookWiring:
                 f"{sorted(_DDP_OPTIONS)}."
             )
         check_ddp_options({**ddp_flags, **ddp_kwargs}, bucket_cap_mb, process_group_backend)
-        self.compressor = registry.make_compressor(compressor) if isinstance(compressor, str) else compressor
-        if not isinstance(self.compressor, Compressor):
-            raise ValueError(
-                f"Expected `compressor` to be a Compressor or a registered name, but got {compressor!r}. "
-                f"Fix: use one of {registry.compressor_names()}."
-            )
+        self.compressor = registry.resolve_compressor(compressor)
         if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude or ()):
             raise ValueError(
                 f"Expected `exclude` to be a list of parameter-name patterns, but got {exclude!r}. "

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from lightning_gradcomp._deprecated import moved_names as _moved_names
 from lightning_gradcomp.compressors.loss_aware import LossAwareTernary
-from lightning_gradcomp.compressors.terngrad import TernGrad
+from lightning_gradcomp.compressors.terngrad_flat import ternary_from_uniforms
 from lightning_gradcomp.weightgrad.quantize import WanMessage, decode, encode
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
 from lightning_gradcomp.weightgrad.strategy import GatheredFP32, WeightGradStrategy
@@ -37,13 +37,12 @@ def _loss_aware_ternary(x: Tensor, d: Optional[Tensor] = None, iterations: int =
 
 
 def _stochastic_ternary(x: Tensor, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """``(scale, b)`` of TernGrad's unbiased ternarization with scale ``max|x|`` (seeded from ``generator``'s seed:
-    the same distribution as before, other draws)."""
-    terngrad = TernGrad(clip_factor=0.0, scaler_share="per_worker", seed=generator.initial_seed() % 2**31,
-                        backend="torch")
-    terngrad.setup(0, 1, x.device)
-    b, scale = terngrad.ternarize(x)
-    return scale.reshape(()), b.view(x.shape)
+    """``(scale, b)`` of TernGrad's unbiased ternarization with scale ``max|x|`` (``E[scale * b] == x``), its
+    uniforms drawn from ``generator``, which moves on: every call a fresh draw, as the function always did."""
+    xf = x.detach().float()
+    scale = xf.abs().max() if xf.numel() else xf.new_zeros(())
+    u = torch.rand(xf.shape, generator=generator, device=xf.device)
+    return scale, ternary_from_uniforms(xf, u, scale)
 
 
 _DEPRECATED_QUANTIZERS = {"loss_aware_ternary": ("LossAwareTernary(...).ternarize", _loss_aware_ternary),

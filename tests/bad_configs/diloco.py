@@ -26,7 +26,11 @@ BAD_CONFIGS = [
     BadConfig("diloco-outer-lr-zero", lambda: DiLoCoStrategy(outer_lr=0.0), "outer_lr", "0.0"),
     BadConfig("diloco-outer-state-device", lambda: DiLoCoStrategy(outer_state_device="cuda"), "outer_state_device", "'cuda'"),  # type: ignore[arg-type]
     BadConfig("diloco-error-decay-above-one", lambda: DiLoCoStrategy(error_decay=1.5), "error_decay", "1.5"),
-    BadConfig("diloco-compressor-unknown", lambda: DiLoCoStrategy(compressor="int4"), "compressor", "'int4'"),
+    BadConfig("diloco-compressor-unknown", lambda: DiLoCoStrategy(compressor="int4"), "`compressor`", "'int4'"),
+    # the per-step compressor is named as the argument given, not as GradCompStrategy's `compressor`
+    BadConfig("diloco-inner-compressor-unknown", lambda: DiLoCoStrategy(inner_compressor="tern"), "`inner_compressor`",
+              "'tern'"),
+    BadConfig("diloco-inner-compressor-type", lambda: DiLoCoStrategy(inner_compressor=3), "`inner_compressor`", "3"),  # type: ignore[arg-type]
     # the outer optimizer is built at the first round: its arguments are checked at construction
     BadConfig("diloco-outer-kwargs-unknown", lambda: DiLoCoStrategy(outer_optimizer="adam", outer_kwargs={"betaz": (0.9, 0.95)}),
               "outer_kwargs", "'betaz'"),

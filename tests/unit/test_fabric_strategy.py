@@ -6,11 +6,23 @@ import pytest
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
-from lightning_gradcomp import GradCompFabricStrategy, ShardedGradCompFabricStrategy
+from lightning.pytorch import Trainer
+
+from lightning_gradcomp import (
+    DiLoCoStrategy,
+    GradCompFabricStrategy,
+    GradCompStrategy,
+    PresetStrategy,
+    ShardedGradCompFabricStrategy,
+    ShardedGradCompStrategy,
+)
 from lightning_gradcomp.callbacks import MomentumCorrection, SigmaClipping
 from lightning_gradcomp.callbacks.clipping import SigmaClip
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.registry import NOTEBOOK_SUFFIX, SHARDED_PREFIX, compressor_names, make_compressor
+
+#: this package's Fabric strategy classes
+_FABRIC_CLASSES = (GradCompFabricStrategy, ShardedGradCompFabricStrategy)
 
 
 @pytest.mark.parametrize("name", compressor_names())
@@ -92,6 +104,46 @@ def test_trainer_only_names_are_refused_by_fabric_with_what_to_use(name: str) ->
     assert f"got {name!r}" in message and "Fix:" in message
     assert "GradCompFabricStrategy" in message and "'terngrad'" in message  # what Fabric supports
     assert f"Trainer(strategy={name!r})" in message  # and where this one runs
+    # every name Fabric runs is offered, read from Fabric's registry: the presets ('terngrad_lm') and sharded names too
+    runnable = [n for n, data in STRATEGY_REGISTRY.items() if not n.endswith(NOTEBOOK_SUFFIX)
+                and isinstance(data["strategy"], type) and issubclass(data["strategy"], _FABRIC_CLASSES)]
+    assert "terngrad_lm" in runnable and "sharded_terngrad" in runnable
+    assert [n for n in runnable if repr(n) not in message] == []
+
+
+@pytest.mark.parametrize(
+    ("strategy", "expected"),
+    [
+        (lambda: GradCompStrategy("terngrad"), "`Fabric(strategy=GradCompFabricStrategy(...))`"),
+        (lambda: PresetStrategy("qsgd_lm"), "`Fabric(strategy=PresetFabricStrategy(...))`"),
+        (lambda: ShardedGradCompStrategy(), "`Fabric(strategy=ShardedGradCompFabricStrategy(...))`"),
+        (lambda: DiLoCoStrategy(), "Trainer-only"),
+    ],
+    ids=["gradcomp", "preset", "sharded", "diloco"],
+)
+def test_a_trainer_strategy_given_to_fabric_is_refused_at_construction_with_the_fabric_class(  # type: ignore[no-untyped-def]
+    strategy, expected: str
+) -> None:
+    """Lightning's own message ("You selected an invalid strategy name") names neither the cause nor the class to use."""
+    instance = strategy()
+    with pytest.raises(ValueError, match="Expected `strategy`") as info:
+        Fabric(strategy=instance, accelerator="cpu", devices=2)
+    message = str(info.value)
+    assert f"the Trainer's `{type(instance).__name__}`" in message and expected in message and "Fix:" in message
+
+
+def test_a_fabric_strategy_given_to_the_trainer_names_the_trainer_class() -> None:
+    with pytest.raises(ValueError, match=r"got Fabric's `GradCompFabricStrategy`.*Fix: `Trainer\(strategy="
+                       r"GradCompStrategy\(\.\.\.\)\)`"):
+        # the wrong API on purpose (ignored for mypy): the check under test runs at construction
+        Trainer(strategy=GradCompFabricStrategy("terngrad"), accelerator="cpu", devices=2, logger=False)  # type: ignore[arg-type]
+
+
+def test_a_misspelt_name_given_to_fabric_names_the_closest_fabric_name() -> None:
+    with pytest.raises(ValueError, match=r"got 'terngard'\. Fix: did you mean 'terngrad'\?"):
+        Fabric(strategy="terngard", accelerator="cpu", devices=2)
+    # what Lightning accepts is still accepted: it looks names up lower-cased
+    assert isinstance(Fabric(strategy="TernGrad", accelerator="cpu", devices=2).strategy, GradCompFabricStrategy)
 
 
 def test_every_sharded_name_constructs_the_sharded_fabric_strategy() -> None:

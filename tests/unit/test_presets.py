@@ -136,3 +136,21 @@ def test_preset_names_are_registered_and_bad_arguments_name_the_fix() -> None:
         PresetStrategy("qsgd_ml")
     with pytest.raises(ValueError, match=r"Expected `compressor` to be unset .* Fix: drop it"):
         PresetStrategy("qsgd_lm", compressor="terngrad")
+
+
+def test_the_readmes_preset_with_hierarchy_node_builds_the_preset_between_nodes() -> None:
+    """The README's snippet of a preset over several nodes, evaluated as written: the preset's compressor, and one
+    site per node (2 nodes of 8 ranks: 2 sites of 8); Fabric's preset takes the same option."""
+    import lightning_gradcomp
+    from lightning_gradcomp import PresetFabricStrategy
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = re.search(r"`(PresetStrategy\([^`]*hierarchy=\"node\"[^`]*\))`", readme)
+    assert snippet, "the README shows no preset with hierarchy=\"node\""
+    strategy = eval(snippet.group(1), {"PresetStrategy": lightning_gradcomp.PresetStrategy})
+    assert isinstance(strategy, PresetStrategy) and strategy.preset.name == "terngrad_lm"
+    assert isinstance(strategy.compressor, TernGrad) and strategy.compressor.describe() == \
+        PRESETS["terngrad_lm"].make_compressor().describe()
+    assert strategy.hierarchy is not None and strategy.hierarchy.layout(16, 2).sizes == (8, 8)
+    fabric = PresetFabricStrategy("terngrad_lm", hierarchy="node")
+    assert fabric.hierarchy is not None and fabric.hierarchy.layout(16, 2).sizes == (8, 8)

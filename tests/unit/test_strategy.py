@@ -1,6 +1,7 @@
 """GradCompStrategy configuration: names, DDP options, validation before training."""
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +25,35 @@ def test_trainer_accepts_the_registered_name() -> None:
     trainer = Trainer(strategy="terngrad", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, GradCompStrategy)
     assert isinstance(trainer.strategy.compressor, TernGrad)
+
+
+@pytest.mark.parametrize("name", ["terngard", "TernGard", "shraded_terngrad"])
+def test_a_misspelt_name_given_to_the_trainer_names_the_closest_one(name: str) -> None:
+    """The CLI's message (``registry.strategy_name_error``) from a plain script too, instead of Lightning's list of its
+    own names without a suggestion."""
+    closest = "sharded_terngrad" if "shraded" in name else "terngrad"
+    with pytest.raises(ValueError, match=rf"got {name!r}\. Fix: did you mean {closest!r}\?.*'terngrad_lm'.*'ddp'"):
+        Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+
+
+def test_names_lightning_accepts_are_still_accepted_in_any_case() -> None:
+    assert isinstance(Trainer(strategy="TernGrad", accelerator="cpu", devices=2, logger=False).strategy, GradCompStrategy)
+    assert type(Trainer(strategy="DDP", accelerator="cpu", devices=2, logger=False).strategy).__name__ == "DDPStrategy"
+
+
+def test_the_strategy_check_wraps_each_lightning_connector_once() -> None:
+    """Importing twice (or a reload) must not stack the wrappers: each connector's check is wrapped exactly once."""
+    from lightning.fabric.connector import _Connector
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    from lightning_gradcomp.strategies import argument
+
+    connectors = (_AcceleratorConnector, _Connector)
+    before: list[Any] = [c._check_config_and_set_final_flags for c in connectors]
+    argument.install()
+    assert [c._check_config_and_set_final_flags for c in connectors] == before
+    assert all(getattr(m, "_gradcomp_strategy_check", False) for m in before)
+    assert not any(getattr(m.__wrapped__, "_gradcomp_strategy_check", False) for m in before)
 
 
 def test_ddp_options_reach_ddp() -> None:

@@ -350,3 +350,29 @@ def test_the_quantizers_old_function_spellings_warn_and_agree_with_the_compresso
     with pytest.warns(DeprecationWarning, match="TernGrad"):
         scale, b = weightgrad.stochastic_ternary(x, torch.Generator().manual_seed(1))
     assert torch.equal(scale, x.abs().max()) and b.shape == x.shape and set(b.unique().tolist()) <= {-1, 0, 1}
+
+
+def test_the_stochastic_ternary_alias_draws_afresh_from_its_generator_and_is_unbiased() -> None:
+    """``weightgrad.stochastic_ternary(x, generator)`` keeps its old meaning: each call a new draw from the generator
+    it is given (which moves on), the same seed the same draws, and ``scale * b`` unbiased (its mean over calls
+    tends to ``x``); the name still warns."""
+    import lightning_gradcomp.weightgrad as weightgrad
+
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(DeprecationWarning, match="stochastic_ternary"):
+        stochastic_ternary = weightgrad.stochastic_ternary
+    generator = torch.Generator().manual_seed(3)
+    draws = [stochastic_ternary(x, generator) for _ in range(3)]
+    assert not torch.equal(draws[0][1], draws[1][1]) and not torch.equal(draws[1][1], draws[2][1])
+    again = torch.Generator().manual_seed(3)
+    assert all(torch.equal(b, stochastic_ternary(x, again)[1]) for _, b in draws)
+
+    n = 4000
+    total = torch.zeros_like(x, dtype=torch.float64)  # float32 sums of 4000 terms would round by more than 1e-6
+    for _ in range(n):
+        scale, b = stochastic_ternary(x, generator)
+        total += scale.double() * b
+    # scale * b takes the values 0 and scale * sign(x): its variance is scale * |x| - x^2; 5 standard errors
+    scale = x.abs().max()
+    tolerance = 5 * ((scale * x.abs() - x * x).clamp_min(0) / n).sqrt() + 1e-6
+    assert ((total / n - x.double()).abs() <= tolerance).all()
