@@ -121,12 +121,14 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
         "world_size": cli.trainer.world_size, "steps": cli.trainer.global_step, "parameters": params,
         "tokens_per_step": cli.trainer.world_size * data.batch_size * data.seq_len,
         "val_curve": recorder.curve, "val_train_seconds": recorder.train_seconds, "final_val_loss": recorder.curve[-1][1],
-        # a strategy's own count (DiLoCo) is already its average over the run so far: the last one covers the run
-        "bytes_per_step": (recorder.bytes[-1] if callable(getattr(cli.trainer.strategy, "bytes_per_step", None))
+        # what a compressed step sends: the last step's where ranks exchange every step (the dense warm-up is
+        # ``total_bytes``'s), the run's average where sites exchange every few steps (DiLoCo, WeightGrad)
+        "bytes_per_step": (int(cli.trainer.strategy.bytes_per_step()) if exchanges_every_few_steps(cli.trainer.strategy)
+                           else recorder.bytes[-1] if callable(getattr(cli.trainer.strategy, "last_step_bytes", None))
                            else statistics.median(recorder.bytes)),
         "fp32_bytes_per_step": 4 * params,
         # the whole run, warm-up and dense steps included: what a method with phases (1-bit Adam) costs in all
-        "total_bytes": total_bytes(cli.trainer.strategy, recorder.bytes), "fp32_total_bytes": 4 * params * len(recorder.bytes),
+        "total_bytes": total_bytes(recorder.bytes), "fp32_total_bytes": 4 * params * len(recorder.bytes),
         "outer_rounds": int(getattr(cli.trainer.strategy, "stats", {}).get("rounds", 0)),
         "median_step_seconds": statistics.median(recorder.seconds), "fit_seconds": wall,
         "machine": machine(), "python": sys.version.split()[0], "torch": torch.__version__,
@@ -137,24 +139,26 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
 
 
 def bytes_per_step(strategy: Any, module: Any) -> int:
-    """This rank's payload bytes of the last step: the strategy's own count, else fp32 DDP's (4 per parameter)."""
-    if callable(getattr(strategy, "bytes_per_step", None)):
-        return int(strategy.bytes_per_step())
+    """This rank's payload bytes of the last step: the strategy's own count (``last_step_bytes``), else fp32 DDP's
+    (4 per parameter)."""
+    if callable(getattr(strategy, "last_step_bytes", None)):
+        return int(strategy.last_step_bytes())
     state = getattr(strategy, "comm_state", None)
     if state is not None and state.records:
-        return int(state.bytes_per_step())
+        return int(state.last_step_bytes())
     return 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def total_bytes(strategy: Any, per_step: list[int]) -> int:
-    """This rank's payload bytes over the whole run: the sum of its steps' counts, or, for a strategy whose count
-    is already its average over the run so far (DiLoCo, WeightGrad: sites that exchange every few steps), the last
-    count times the steps."""
+def exchanges_every_few_steps(strategy: Any) -> bool:
+    """Whether ``strategy``'s sites exchange every few steps (DiLoCo, WeightGrad): its last step says little."""
     from lightning_gradcomp.outer.strategy import DiLoCoStrategy
     from lightning_gradcomp.weightgrad.strategy import WeightGradStrategy
 
-    if isinstance(strategy, (DiLoCoStrategy, WeightGradStrategy)):
-        return round(per_step[-1] * len(per_step)) if per_step else 0
+    return isinstance(strategy, (DiLoCoStrategy, WeightGradStrategy))
+
+
+def total_bytes(per_step: list[int]) -> int:
+    """This rank's payload bytes over the whole run: the sum of its steps' counts (warm-up and dense steps included)."""
     return sum(per_step)
 
 

@@ -353,9 +353,14 @@ class OuterRounds(_OuterBase):
         applied), ``inner_steps_since_sync``, ``rounds``."""
         return {} if self.outer is None else self.outer.stats
 
-    def bytes_per_step(self) -> float:
-        """Bytes this rank put on the link between sites per inner step, averaged over the run so far."""
-        return 0.0 if self.outer is None else self.outer.bytes_per_step()
+    def bytes_per_step(self) -> int:
+        """Bytes this rank put on the link between sites per inner step, averaged over the run so far
+        (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`); 0 with one site."""
+        return 0 if self.outer is None else self.outer.bytes_per_step()
+
+    def last_step_bytes(self) -> int:
+        """Bytes this rank put on the link between sites in the latest inner step (0 on a step without a round)."""
+        return 0 if self.outer is None else self.outer.last_step_bytes()
 
 
 class DiLoCoStrategy(OuterRounds, _SiteStrategy):

@@ -293,16 +293,21 @@ class WeightGradStrategy(_SiteStrategy):
     def _update_stats(self) -> None:
         assert self.synchronizer is not None and self.comm_state is not None
         sync = self.synchronizer.stats
-        hook_bytes = self.comm_state.bytes_per_step() if self.groups and self.groups.site_size > 1 else 0
+        hook_bytes = self.comm_state.last_step_bytes() if self.groups and self.groups.site_size > 1 else 0
         self.stats = dict(sync)
         self.stats["lan_bytes"] = torch.tensor(hook_bytes) + sync["round_lan_bytes"]
 
     @override
-    def bytes_per_step(self) -> float:
+    def bytes_per_step(self) -> int:
         """Bytes this rank put between sites (WAN rounds and their consensus flags) per local step, averaged over the
-        run so far (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`); the in-site bytes are the monitor's
-        ``lan_bytes``."""
-        return 0.0 if self.synchronizer is None else self.synchronizer.bytes_per_step()
+        run so far (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`); 0 with one site, where nothing crosses
+        between sites. The in-site exchange's bytes are the monitor's ``lan_bytes``."""
+        return 0 if self.synchronizer is None else self.synchronizer.bytes_per_step()
+
+    @override
+    def last_step_bytes(self) -> int:
+        """Bytes this rank put between sites in the latest local step (its WAN round and flags, if any)."""
+        return 0 if self.synchronizer is None else self.synchronizer.last_step_bytes()
 
     @classmethod
     @override
