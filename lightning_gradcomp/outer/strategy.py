@@ -272,7 +272,8 @@ class OuterRounds(_OuterBase):
 
         dense = sum(dense_bytes(s.numel()) for s in shapes.values())
         if sites == 1:
-            log.info("diloco: one site: no outer round sends anything (0 bytes per step vs %s for fp32 DDP)", f"{dense:,}")
+            log.info("diloco: one site: no outer round sends anything (bytes_per_step() 0 vs %s for fp32 DDP)",
+                     f"{dense:,}")
             return
         compressed = [(n, tuple(s)) for n, s in shapes.items() if n not in float_names]
         codec = measure_codec(copy.deepcopy(self.outer_compressor), compressed, sites, timed=False) if compressed else None

@@ -183,6 +183,20 @@ class WeightGradStrategy(_SiteStrategy):
         return dict(identity=GatheredFP32() if serial else Identity(), keep_per_rank=serial)
 
     @override
+    def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int,
+                  in_sites: bool = False, between_sites: bool = False) -> None:
+        """The in-site exchange's setup line, then what crosses between sites: what :meth:`bytes_per_step` counts."""
+        super()._announce(named, float_names, world_size, in_sites=in_sites, between_sites=between_sites)
+        assert self.layout is not None
+        if self.layout.num_sites == 1:
+            log.info("weightgrad: one site: nothing crosses between sites, so bytes_per_step() is 0; the in-site "
+                     "exchange's bytes are the monitor's lan_bytes")
+        else:
+            log.info("weightgrad: WAN rounds between %d sites, at most %d local steps apart: their bytes follow the "
+                     "significance filter; bytes_per_step() averages this rank's bytes between sites over the run",
+                     self.layout.num_sites, self.staleness_bound)
+
+    @override
     def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
         assert self.groups is not None and self.comm_state is not None
         module = self.lightning_module
