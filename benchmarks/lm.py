@@ -121,11 +121,7 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
         "world_size": cli.trainer.world_size, "steps": cli.trainer.global_step, "parameters": params,
         "tokens_per_step": cli.trainer.world_size * data.batch_size * data.seq_len,
         "val_curve": recorder.curve, "val_train_seconds": recorder.train_seconds, "final_val_loss": recorder.curve[-1][1],
-        # what a compressed step sends: the last step's where ranks exchange every step (the dense warm-up is
-        # ``total_bytes``'s), the run's average where sites exchange every few steps (DiLoCo, WeightGrad)
-        "bytes_per_step": (int(cli.trainer.strategy.bytes_per_step()) if exchanges_every_few_steps(cli.trainer.strategy)
-                           else recorder.bytes[-1] if callable(getattr(cli.trainer.strategy, "last_step_bytes", None))
-                           else statistics.median(recorder.bytes)),
+        "bytes_per_step": compressed_step_bytes(cli.trainer.strategy, recorder.bytes),
         "fp32_bytes_per_step": 4 * params,
         # the whole run, warm-up and dense steps included: what a method with phases (1-bit Adam) costs in all
         "total_bytes": total_bytes(recorder.bytes), "fp32_total_bytes": 4 * params * len(recorder.bytes),
@@ -149,12 +145,18 @@ def bytes_per_step(strategy: Any, module: Any) -> int:
     return 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def exchanges_every_few_steps(strategy: Any) -> bool:
-    """Whether ``strategy``'s sites exchange every few steps (DiLoCo, WeightGrad): its last step says little."""
+def compressed_step_bytes(strategy: Any, per_step: list[int]) -> float:
+    """What a compressed step sends, as the stored runs record it: the run's mean where sites exchange every few
+    steps (DiLoCo, WeightGrad: one step says little), else the last step's (after any dense warm-up, which
+    :func:`total_bytes` counts); the median step without a count of the strategy's own."""
     from lightning_gradcomp.outer.strategy import DiLoCoStrategy
     from lightning_gradcomp.weightgrad.strategy import WeightGradStrategy
 
-    return isinstance(strategy, (DiLoCoStrategy, WeightGradStrategy))
+    if isinstance(strategy, (DiLoCoStrategy, WeightGradStrategy)):
+        return strategy.bytes_per_step()
+    if callable(getattr(strategy, "last_step_bytes", None)):
+        return per_step[-1]
+    return statistics.median(per_step)
 
 
 def total_bytes(per_step: list[int]) -> int:

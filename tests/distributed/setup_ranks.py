@@ -133,14 +133,14 @@ def _monitored_fit(world_size: int, strategy: Any, steps: int, callbacks: Sequen
         logger.removeHandler(lines)
     strategy = trainer.strategy
     totals = [m for _, m in memory.logged if "gradcomp/bytes/total" in m]
-    state = strategy.comm_state  # type: ignore[attr-defined]
+    state = strategy.comm_state
     assert state is not None
     return {
         "means": steps_seen.means,
         "lasts": steps_seen.lasts,
-        "bytes": strategy.bytes_per_step(),  # type: ignore[attr-defined]
-        "last": strategy.last_step_bytes(),  # type: ignore[attr-defined]
-        "dense": strategy.dense_bytes_per_step(),  # type: ignore[attr-defined]
+        "bytes": strategy.bytes_per_step(),
+        "last": strategy.last_step_bytes(),
+        "dense": strategy.dense_bytes_per_step(),
         "hook_bytes": state.last_step_bytes(),
         "comp_ratio": float(trainer.progress_bar_metrics.get("comp_ratio", float("nan"))),
         "logged": totals,
