@@ -195,7 +195,8 @@ class OneBitAdamStrategy(GradCompStrategy):
             assert self.link.exchange is not None
             log.info(
                 "gradcomp: %s on %d ranks, phase %s: fp32 gradient all-reduce on dense steps (%s bytes), then the "
-                "two-stage 1-bit all-reduce with worker and server error compensation (about %s bytes per exchange)",
+                "two-stage 1-bit all-reduce with worker and server error compensation (about %s bytes per exchange); "
+                "bytes_per_step() averages both phases over the run",
                 type(optimizer).__name__, self.comm_state.world_size, optimizer.phase, f"{4 * numel:,}",
                 f"{self.link.exchange.expected_nbytes():,}",
             )
