@@ -1,8 +1,8 @@
 """What the hook did: per-layer records, bytes on the wire, collectives issued, bucket calls.
 
 The one place bytes are counted: :meth:`Ledger.bytes_per_step` (the run's mean per step, :class:`RunBytes`) and
-:meth:`Ledger.last_step_bytes` are what the monitor, the progress bar, WeightGrad and the benchmarks report. Only the ledger's methods change it; the hook, the guard, the planner and the hierarchical
-exchange report to it.
+:meth:`Ledger.last_step_bytes` are what the monitor, the progress bar, WeightGrad and the benchmarks report. Only the
+ledger's methods change them; the hook, the guard, the planner and the hierarchical exchange report to it.
 
 Every strategy of the library answers the same question the same way (:class:`ByteReport`):
 ``strategy.bytes_per_step()`` (per rank and step, averaged over the run so far, warm-up included, an int),
