@@ -26,7 +26,7 @@ class WanBytes(Callback):
             return
         state = getattr(trainer.strategy, "comm_state", None)
         if state is not None:
-            self.wan += int(state.bytes_per_step())
+            self.wan += int(state.last_step_bytes())
         else:
             self.wan += 4 * sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
 

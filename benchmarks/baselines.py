@@ -3,7 +3,7 @@
 Trains the same MLP on scikit-learn's digits (8x8 images, 10 classes; 1437 train / 360 test) for a few epochs
 with each compressor name registered in :mod:`lightning_gradcomp.registry` *at run time* (so compressors added
 later appear without editing this file), plus Lightning's stock ``"ddp"`` for reference, and prints test
-accuracy, bytes per step per rank (``trainer.strategy.comm_state.bytes_per_step()``: payloads plus shared
+accuracy, bytes per step per rank (``trainer.strategy.comm_state.last_step_bytes()``: payloads plus shared
 statistics of the last step), and the compression ratio against fp32.
 
 Each compressor runs with its registered defaults and the same optimizer (SGD, lr 0.1, momentum 0.9), except
@@ -107,7 +107,7 @@ def _train(world_size: int, name: str, epochs: int, seed: int) -> dict[str, Any]
     state = getattr(trainer.strategy, "comm_state", None)
     return {
         "accuracy": accuracy,
-        "bytes": state.bytes_per_step() if state is not None else None,
+        "bytes": state.last_step_bytes() if state is not None else None,
         "dense_bytes": state.dense_bytes_per_step() if state is not None else 4 * params.numel(),
         "steps": trainer.global_step,
         "seconds": seconds,

@@ -121,12 +121,10 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
         "world_size": cli.trainer.world_size, "steps": cli.trainer.global_step, "parameters": params,
         "tokens_per_step": cli.trainer.world_size * data.batch_size * data.seq_len,
         "val_curve": recorder.curve, "val_train_seconds": recorder.train_seconds, "final_val_loss": recorder.curve[-1][1],
-        # a strategy's own count (DiLoCo) is already its average over the run so far: the last one covers the run
-        "bytes_per_step": (recorder.bytes[-1] if callable(getattr(cli.trainer.strategy, "bytes_per_step", None))
-                           else statistics.median(recorder.bytes)),
+        "bytes_per_step": compressed_step_bytes(cli.trainer.strategy, recorder.bytes),
         "fp32_bytes_per_step": 4 * params,
         # the whole run, warm-up and dense steps included: what a method with phases (1-bit Adam) costs in all
-        "total_bytes": total_bytes(cli.trainer.strategy, recorder.bytes), "fp32_total_bytes": 4 * params * len(recorder.bytes),
+        "total_bytes": total_bytes(recorder.bytes), "fp32_total_bytes": 4 * params * len(recorder.bytes),
         "outer_rounds": int(getattr(cli.trainer.strategy, "stats", {}).get("rounds", 0)),
         "median_step_seconds": statistics.median(recorder.seconds), "fit_seconds": wall,
         "machine": machine(), "python": sys.version.split()[0], "torch": torch.__version__,
@@ -137,24 +135,32 @@ def run_one(label: str, recipe: str, overrides: list[str], out: Path) -> None:
 
 
 def bytes_per_step(strategy: Any, module: Any) -> int:
-    """This rank's payload bytes of the last step: the strategy's own count, else fp32 DDP's (4 per parameter)."""
-    if callable(getattr(strategy, "bytes_per_step", None)):
-        return int(strategy.bytes_per_step())
+    """This rank's payload bytes of the last step: the strategy's own count (``last_step_bytes``), else fp32 DDP's
+    (4 per parameter)."""
+    if callable(getattr(strategy, "last_step_bytes", None)):
+        return int(strategy.last_step_bytes())
     state = getattr(strategy, "comm_state", None)
     if state is not None and state.records:
-        return int(state.bytes_per_step())
+        return int(state.last_step_bytes())
     return 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-def total_bytes(strategy: Any, per_step: list[int]) -> int:
-    """This rank's payload bytes over the whole run: the sum of its steps' counts, or, for a strategy whose count
-    is already its average over the run so far (DiLoCo, WeightGrad: sites that exchange every few steps), the last
-    count times the steps."""
+def compressed_step_bytes(strategy: Any, per_step: list[int]) -> float:
+    """What a compressed step sends, as the stored runs record it: the run's mean where sites exchange every few
+    steps (DiLoCo, WeightGrad: one step says little), else the last step's (after any dense warm-up, which
+    :func:`total_bytes` counts); the median step without a count of the strategy's own."""
     from lightning_gradcomp.outer.strategy import DiLoCoStrategy
     from lightning_gradcomp.weightgrad.strategy import WeightGradStrategy
 
     if isinstance(strategy, (DiLoCoStrategy, WeightGradStrategy)):
-        return round(per_step[-1] * len(per_step)) if per_step else 0
+        return strategy.bytes_per_step()
+    if callable(getattr(strategy, "last_step_bytes", None)):
+        return per_step[-1]
+    return statistics.median(per_step)
+
+
+def total_bytes(per_step: list[int]) -> int:
+    """This rank's payload bytes over the whole run: the sum of its steps' counts (warm-up and dense steps included)."""
     return sum(per_step)
 
 

@@ -121,7 +121,7 @@ def _worker(args: argparse.Namespace) -> None:
                 self.lan_bytes += int(stats["lan_bytes"])
             else:
                 state = getattr(trainer.strategy, "comm_state", None)
-                self.wan_bytes += state.bytes_per_step() if state else 4 * sum(p.numel() for p in trainer.lightning_module.parameters())
+                self.wan_bytes += state.last_step_bytes() if state else 4 * sum(p.numel() for p in trainer.lightning_module.parameters())
 
         def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self.train_time += time.perf_counter() - self._start

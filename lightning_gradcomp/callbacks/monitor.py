@@ -7,7 +7,9 @@ On logging steps, rank 0 sends one dict per step to each logger (``for logger in
   when the compressor does not report it, ``clipped_fraction`` (with :class:`SigmaClipping`),
   ``residual_norm`` / ``residual_max`` / ``residual_p95`` (error-feedback compressors), ``bytes``,
   ``bits_per_element`` and ``compression_ratio`` (fp32 bits / bits sent);
-* totals: ``gradcomp/bytes/total``, ``gradcomp/bits_per_element/total``, ``gradcomp/compression_ratio/total``;
+* totals: ``gradcomp/bytes/total`` (the strategy's ``bytes_per_step()``: per rank and step, averaged over the run so
+  far, warm-up included), ``gradcomp/last_step_bytes/total`` (the latest step's), ``gradcomp/bits_per_element/total``,
+  ``gradcomp/compression_ratio/total`` (fp32 DDP's bytes over ``bytes_per_step()``, as ``comp_ratio``);
 * the time split per step, ``gradcomp/time_ms/{compress,collective_wait,decompress}`` (see
   :mod:`lightning_gradcomp.exchange.stats`);
 * with a ``WandbLogger``, in the same dict: ``gradcomp/histogram/<parameter name>/<kind>`` for ``kind`` in
@@ -52,6 +54,7 @@ SUMMARIES = {
     "compression_ratio": "mean,last",
     "bits_per_element": "mean,last",
     "bytes": "mean,last",
+    "last_step_bytes": "mean,last",
     "wan_bytes": "mean,last",
     "lan_bytes": "mean,last",
     "time_ms": "mean,last",
@@ -320,6 +323,7 @@ class CompressionMonitor(Callback):
         # the strategy's own answer (ByteReport): the hook's ledger, or DiLoCo's and WeightGrad's bytes between sites
         sent = strategy.bytes_per_step()
         metrics[layer_key("bytes", "total")] = float(sent)
+        metrics[layer_key("last_step_bytes", "total")] = float(strategy.last_step_bytes())
         # what this rank put on the link between sites: all of it when flat, its share's when hierarchical, the
         # outer rounds' under DiLoCo (its hook runs inside a site)
         metrics[layer_key("wan_bytes", "total")] = float(sent)

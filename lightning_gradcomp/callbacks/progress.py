@@ -2,8 +2,8 @@
 
 :class:`~lightning_gradcomp.GradCompStrategy` adds it to every Trainer it runs in (unless a
 :class:`~lightning_gradcomp.callbacks.CompressionMonitor` already shows the ratio), so compression is visible from
-the first run: ``comp_ratio`` (fp32 bytes / bytes this rank sent in the last step) beside ``loss`` and ``v_num``,
-and in ``trainer.progress_bar_metrics``.
+the first run: ``comp_ratio`` (fp32 bytes / bytes this rank sent per step, averaged over the run so far) beside
+``loss`` and ``v_num``, and in ``trainer.progress_bar_metrics``.
 """
 
 from typing import Any, Optional
@@ -25,10 +25,10 @@ def show_compression_ratio(
     """Put the strategy's compression ratio in the progress bar if it changed (or ``force``); returns what shows.
 
     The ratio is ``strategy.dense_bytes_per_step() / strategy.bytes_per_step()``
-    (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`: the latest step's bytes for strategies that exchange every step,
-    the run's average for DiLoCo and WeightGrad). The progress bar keeps the last value it got and ``self.log`` costs
-    tens of microseconds: only changes are sent (a fixed-size compressor's ratio never changes), plus refreshes when
-    ``force`` (logging steps, epoch starts).
+    (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`: per rank and step, averaged over the run so far, warm-up
+    included; DiLoCo's and WeightGrad's bytes between sites). The progress bar keeps the last value it got and
+    ``self.log`` costs tens of microseconds: only changes are sent (a fixed-size compressor's ratio without warm-up
+    never changes), plus refreshes when ``force`` (logging steps, epoch starts).
     """
     sent = strategy.bytes_per_step()
     if not sent:

@@ -264,8 +264,13 @@ class GradCompState:
         return self.guard.skipped_steps
 
     def bytes_per_step(self) -> int:
-        """Bytes this rank contributed to the collectives of one full backward (payloads + shared statistics)."""
+        """Bytes this rank contributed to the collectives per backward, averaged over the run so far
+        (:meth:`~lightning_gradcomp.exchange.ledger.Ledger.bytes_per_step`)."""
         return self.ledger.bytes_per_step()
+
+    def last_step_bytes(self) -> int:
+        """Bytes this rank contributed to the collectives of the latest backward (payloads + shared statistics)."""
+        return self.ledger.last_step_bytes()
 
     def dense_bytes_per_step(self) -> int:
         """What plain fp32 DDP would have contributed for the same parameters."""
@@ -367,7 +372,7 @@ def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.future
 
 
 def _exchange_bucket(state: GradCompState, bucket: HookBucket) -> torch.futures.Future[torch.Tensor]:
-    state.ledger.bucket_called(bucket.is_last())
+    state.ledger.bucket_called(bucket.is_last(), first=bucket.index() == 0)
     timer = state.observer.start_bucket()
     buffer = bucket.buffer()
     params = bucket.parameters()

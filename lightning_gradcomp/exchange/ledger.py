@@ -1,11 +1,12 @@
 """What the hook did: per-layer records, bytes on the wire, collectives issued, bucket calls.
 
-The one place bytes are counted: :meth:`Ledger.bytes_per_step` is what the monitor, the progress bar, WeightGrad and
-the benchmarks report. Only the ledger's methods change it; the hook, the guard, the planner and the hierarchical
-exchange report to it.
+The one place bytes are counted: :meth:`Ledger.bytes_per_step` (the run's mean per step, :class:`RunBytes`) and
+:meth:`Ledger.last_step_bytes` are what the monitor, the progress bar, WeightGrad and the benchmarks report. Only the
+ledger's methods change them; the hook, the guard, the planner and the hierarchical exchange report to it.
 
 Every strategy of the library answers the same question the same way (:class:`ByteReport`):
-``strategy.bytes_per_step()`` and ``strategy.dense_bytes_per_step()``, read from its ledgers. The progress bar's
+``strategy.bytes_per_step()`` (per rank and step, averaged over the run so far, warm-up included, an int),
+``strategy.last_step_bytes()`` and ``strategy.dense_bytes_per_step()``, read from its ledgers. The progress bar's
 ``comp_ratio`` and :class:`~lightning_gradcomp.callbacks.CompressionMonitor`'s totals are these two.
 """
 
@@ -38,26 +39,78 @@ def tensor_bytes(tensor: Tensor, numel: Optional[int] = None) -> int:
 @runtime_checkable
 class ByteReport(Protocol):
     """What every strategy of the library reports about its traffic (``GradCompStrategy``, ``DiLoCoStrategy``,
-    ``WeightGradStrategy``, ``TowerStrategy``, ``GradCompFabricStrategy``).
+    ``WeightGradStrategy``, ``TowerStrategy``, ``GradCompFabricStrategy``, the sharded strategies).
 
-    Both are per rank and per optimizer step, read from what the exchange recorded as it ran (the hook's
-    :class:`Ledger`; the outer rounds' totals, themselves read from the outer hook's ledger), never estimated; 0
-    before the first exchange.
+    One meaning for every strategy: **bytes per rank per optimizer step, averaged over the run so far, warm-up
+    included, an ``int``** (the run's total floored by its step count, :meth:`RunBytes.mean`), and the latest step
+    apart (:meth:`last_step_bytes`). Both are read from what the exchange recorded as it ran (the hook's
+    :class:`Ledger`; the outer rounds' :class:`RunBytes`, itself fed from the outer hook's ledger), never estimated;
+    0 before the first exchange.
+
+    The bytes are those this rank puts on the link the compression is for. Flat exchange (``GradCompStrategy``,
+    Fabric, 1-bit Adam): everything this rank sends to the other ranks (payloads and shared statistics; a dense
+    warm-up step's fp32). Hierarchical exchange: this rank's share between sites. ``TowerStrategy``: one emulated
+    worker's. Strategies whose sites step apart (``DiLoCoStrategy``, ``WeightGradStrategy``): what this rank puts
+    between sites (0 with one site, where nothing crosses between sites); the in-site exchange is the monitor's
+    ``lan_bytes``.
     """
 
-    def bytes_per_step(self) -> float:
-        """Bytes this rank puts on the link the compression is for, per optimizer step.
+    def bytes_per_step(self) -> int:
+        """Bytes this rank put on the link per optimizer step, averaged over the run so far (warm-up included)."""
+        ...
 
-        Flat exchange (``GradCompStrategy``, Fabric): everything this rank sent to the other ranks in the latest step
-        (payloads and shared statistics). Hierarchical exchange: this rank's share between sites. ``TowerStrategy``:
-        one emulated worker's. Strategies whose sites exchange every few steps (``DiLoCoStrategy``,
-        ``WeightGradStrategy``): this rank's bytes between sites so far divided by the optimizer steps so far.
-        """
+    def last_step_bytes(self) -> int:
+        """Bytes this rank put on the link in the latest optimizer step (the same link as :meth:`bytes_per_step`)."""
         ...
 
     def dense_bytes_per_step(self) -> float:
         """What fp32 DDP would send per rank and step for the same parameters (``bytes_per_step``'s reference)."""
         ...
+
+
+class RunBytes:
+    """Bytes one rank put on a link over a run, step by step: the one implementation of :class:`ByteReport`'s mean.
+
+    Args:
+        total: bytes so far (a resumed run's).
+        steps: optimizer steps so far (a resumed run's).
+
+    Attributes:
+        total: every byte counted so far.
+        steps: the steps closed so far (:meth:`end_step`).
+        last: the bytes of the latest closed step (and of what :meth:`add` counted into it afterwards).
+    """
+
+    def __init__(self, total: int = 0, steps: int = 0) -> None:
+        self.total = int(total)
+        self.steps = int(steps)
+        self.last = 0
+        self._current = 0
+
+    def add(self, nbytes: int) -> None:
+        """``nbytes`` more put on the link in the step under way."""
+        self.total += int(nbytes)
+        self._current += int(nbytes)
+
+    def end_step(self) -> None:
+        """The step under way is over: its bytes become :attr:`last`."""
+        self.last, self._current = self._current, 0
+        self.steps += 1
+
+    def fold_into_last(self) -> None:
+        """What :meth:`add` counted since the last step closed belongs to that step (a round run after the last
+        step, such as DiLoCo's final round at the end of ``fit``): no step of its own."""
+        self.last, self._current = self.last + self._current, 0
+
+    def mean(self, open_step: Optional[int] = None) -> int:
+        """Bytes per step over the run so far, floored to an int (0 before the first step).
+
+        Args:
+            open_step: the bytes of a step under way that is counted as one more step (the hook's ledger closes a
+                step when the next one begins, so the latest step is still open when read between steps).
+        """
+        steps = self.steps + (open_step is not None)
+        return (self.total + (open_step or 0)) // steps if steps else 0
 
 
 @dataclass
@@ -121,13 +174,15 @@ class Ledger:
         records: the latest :class:`LayerRecord` per parameter name (a group's records are made when read).
         shared_stat_bytes: bytes of the statistic all-reduce in the latest round, per bucket index.
         size_bytes: bytes of the sizes a variable-size gather sent ahead of its payloads in the latest round, per
-            (bucket index, chunk index); not in :meth:`bytes_per_step` (see :meth:`bytes_of`).
+            (bucket index, chunk index); not in :meth:`last_step_bytes` (see :meth:`bytes_of`).
         channels: bytes this rank put on each named link of a transport that spans two, since
             :meth:`take_channel` last read it (``"lan"``: the fan-out inside a site of
             :class:`~lightning_gradcomp.exchange.transport.SiteLeadersTransport`).
         collectives: how many collectives of each kind ran.
         hook_calls: bucket hook calls since construction.
         per_rank: with ``keep_per_rank``, the per-rank decoded gradients of the latest exchange, by name.
+        run: the bytes of the exchanges before the latest one (:class:`RunBytes`; one step per exchange that
+            began at bucket 0, see :meth:`bucket_called`).
     """
 
     def __init__(self, keep_per_rank: bool = False) -> None:
@@ -144,9 +199,19 @@ class Ledger:
         # whether DDP handed over its last bucket since :meth:`take_last_bucket_seen`: a bucket never handed over
         # holds a parameter this rank computed no gradient for
         self._last_bucket_seen = False
+        self.run = RunBytes()
+        # whether an exchange began (bucket 0) whose bytes are not in ``run`` yet: the latest step, read live from
+        # the records until the next exchange begins (1-bit Adam records its step's exchange after the hook ran)
+        self._step_open = False
 
-    def bucket_called(self, is_last: bool) -> None:
-        """A bucket reached the hook."""
+    def bucket_called(self, is_last: bool, first: bool = False) -> None:
+        """A bucket reached the hook (``first``: bucket 0, the start of a new exchange: the previous one's bytes,
+        complete by now, go into :attr:`run`)."""
+        if first:
+            if self._step_open:
+                self.run.add(self.last_step_bytes())
+                self.run.end_step()
+            self._step_open = True
         self.hook_calls += 1
         if is_last:
             self._last_bucket_seen = True
@@ -217,15 +282,21 @@ class Ledger:
             self.per_rank[name] = decoded
 
     def bytes_per_step(self) -> int:
-        """Bytes this rank contributed to the collectives of one full backward (payloads + shared statistics)."""
+        """Bytes this rank contributed per exchange (one full backward), averaged over the exchanges so far, the
+        latest included (:meth:`RunBytes.mean`; :class:`ByteReport`'s meaning); 0 before the first."""
+        return self.run.mean(self.last_step_bytes() if self._step_open else None)
+
+    def last_step_bytes(self) -> int:
+        """Bytes this rank contributed to the collectives of the latest full backward (payloads + shared statistics),
+        from the latest record of every parameter."""
         return self.payload_bytes_per_step() + self.shared_bytes_per_step()
 
     def payload_bytes_per_step(self) -> int:
-        """The payloads' share of :meth:`bytes_per_step`."""
+        """The payloads' share of :meth:`last_step_bytes`."""
         return sum(r.nbytes for r in self._singles.values()) + sum(g.nbytes() for g in self._groups.values())
 
     def shared_bytes_per_step(self) -> int:
-        """The shared statistics' share of :meth:`bytes_per_step` (their small all-reduce, every bucket)."""
+        """The shared statistics' share of :meth:`last_step_bytes` (their small all-reduce, every bucket)."""
         return sum(self.shared_stat_bytes.values())
 
     def dense_bytes_per_step(self) -> int:
@@ -234,7 +305,7 @@ class Ledger:
 
     def bytes_of(self, names: Iterable[str], bucket_index: int, sizes: bool = False) -> int:
         """Bytes of the latest records of ``names`` plus bucket ``bucket_index``'s shared statistics: one bucket's
-        share of :meth:`bytes_per_step` (an outer round's fragment).
+        share of :meth:`last_step_bytes` (an outer round's fragment).
 
         Args:
             names: the bucket's parameters (or some of them).

@@ -147,7 +147,7 @@ class CompressedAllReduce:
     def last_nbytes(self) -> int:
         """Bytes this rank contributed to the latest exchange, as its two stages' ledgers recorded them (0 before the
         first, and at one rank)."""
-        return self.worker_step.ledger.bytes_per_step() + self.server_step.ledger.bytes_per_step()
+        return self.worker_step.ledger.last_step_bytes() + self.server_step.ledger.last_step_bytes()
 
     def average(self, flat: Tensor) -> Tensor:
         """The mean over ranks of ``flat`` (float32, ``numel`` elements) as compressed twice, identical on every rank.

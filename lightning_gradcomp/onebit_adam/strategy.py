@@ -110,7 +110,7 @@ def frozen_adam_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.fut
     link: FrozenAdamLink = state.extra[LINK_KEY]
     if link.dense_gradients():
         return gradcomp_hook(state, bucket)
-    state.ledger.bucket_called(bucket.is_last())
+    state.ledger.bucket_called(bucket.is_last(), first=bucket.index() == 0)
     buffer = bucket.buffer()
     if bucket.index() == 0:
         begin_step(state)
@@ -225,7 +225,8 @@ class OneBitAdamStrategy(GradCompStrategy):
             assert self.link.exchange is not None
             log.info(
                 "gradcomp: %s on %d ranks, phase %s: fp32 gradient all-reduce on dense steps (%s bytes), then the "
-                "two-stage 1-bit all-reduce with worker and server error compensation (about %s bytes per exchange)",
+                "two-stage 1-bit all-reduce with worker and server error compensation (about %s bytes per exchange); "
+                "bytes_per_step() averages both phases over the run",
                 type(optimizer).__name__, self.comm_state.world_size, optimizer.phase, f"{4 * numel:,}",
                 f"{self.link.exchange.expected_nbytes():,}",
             )
@@ -281,12 +282,14 @@ class OneBitAdamStrategy(GradCompStrategy):
     def stats(self) -> dict[str, Tensor]:
         """Statistics of the latest step for :class:`~lightning_gradcomp.callbacks.CompressionMonitor`:
         ``compressed_phase`` (1 once the gradients are no longer averaged densely), ``bytes_per_step`` (what
-        this rank contributed), ``worker_error_norm`` and ``server_error_norm``."""
+        this rank contributed per step, averaged over the run so far), ``last_step_bytes`` (in the latest step),
+        ``worker_error_norm`` and ``server_error_norm``."""
         if self.link is None or self.link.exchange is None or self.comm_state is None:
             return {}
         return {
             "compressed_phase": torch.tensor(float(not self.link.dense_gradients())),
             "bytes_per_step": torch.tensor(float(self.comm_state.bytes_per_step())),
+            "last_step_bytes": torch.tensor(float(self.comm_state.last_step_bytes())),
             **self.link.exchange.error_norms(),
         }
 

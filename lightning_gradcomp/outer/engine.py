@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from lightning_gradcomp.outer.exchange import InFlight
 from lightning_gradcomp.outer.fragments import due, sync_offset
 from lightning_gradcomp.sites.layout import SiteGroups
-from lightning_gradcomp.exchange.ledger import dense_bytes
+from lightning_gradcomp.exchange.ledger import RunBytes, dense_bytes
 from lightning_gradcomp.exchange.memory import ResidualMemory
 
 
@@ -113,7 +113,8 @@ class OuterSync:
         self.inner_steps = 0
         self.rounds = 0
         self.tokens = 0
-        self.wan_bytes_total = 0
+        #: what this rank put on the link between sites, inner step by inner step (``bytes_per_step``)
+        self.wan = RunBytes()
         self._in_flight: dict[int, InFlight] = {}
         self._launched_at: dict[int, float] = {}
         self._last_sync = [0] * len(self.fragments)
@@ -144,8 +145,14 @@ class OuterSync:
                     self.finish(f)
         self.stats["inner_steps_since_sync"] = torch.tensor(step - max(self._last_sync))
         self.stats["rounds"] = torch.tensor(self.rounds)
+        self.wan.end_step()
         if self.tokens:
             self.stats["bytes_per_token"] = torch.tensor(self.wan_bytes_total / self.tokens)
+
+    @property
+    def wan_bytes_total(self) -> int:
+        """Every byte this rank put on the link between sites so far."""
+        return self.wan.total
 
     def pseudo_gradient(self, name: str) -> Tensor:
         """DiLoCo's ``delta = anchor - theta`` of one parameter, less ``hidden`` (what the site has not sent yet):
@@ -203,7 +210,7 @@ class OuterSync:
         self.rounds += 1
         self._last_sync[f] = self.inner_steps
         self.landed.append(f)
-        self.wan_bytes_total += wan
+        self.wan.add(wan)
         self.stats["bytes_per_round"] = torch.tensor(wan)
         self.stats["lan_bytes_per_round"] = torch.tensor(lan)
         self.stats["compression_ratio"] = torch.tensor(flight.dense_bytes / max(1, flight.wan_bytes))
@@ -228,6 +235,7 @@ class OuterSync:
         for f in final:
             self.start(f)
             self.finish(f, mixing=0.0)
+        self.wan.fold_into_last()  # after the last inner step: its rounds count in that step
         self.stats["inner_steps_since_sync"] = torch.tensor(0)
         self.stats["rounds"] = torch.tensor(self.rounds)
         return final
@@ -245,9 +253,14 @@ class OuterSync:
         landed, self.landed = self.landed, []
         return landed
 
-    def bytes_per_step(self) -> float:
-        """Bytes this rank put on the link between sites per inner step so far (averaged over the run)."""
-        return self.wan_bytes_total / max(1, self.inner_steps)
+    def bytes_per_step(self) -> int:
+        """Bytes this rank put on the link between sites per inner step, averaged over the run so far (floored:
+        :meth:`~lightning_gradcomp.exchange.ledger.RunBytes.mean`)."""
+        return self.wan.mean()
+
+    def last_step_bytes(self) -> int:
+        """Bytes this rank put on the link between sites in the latest inner step (its rounds and flags)."""
+        return self.wan.last
 
     # -- checkpointing ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -319,7 +332,7 @@ class OuterSync:
         self.inner_steps = state["inner_steps"]
         self.rounds = state["rounds"]
         self.tokens = state["tokens"]
-        self.wan_bytes_total = state["wan_bytes_total"]
+        self.wan = RunBytes(state["wan_bytes_total"], state["inner_steps"])
         self._last_sync = list(state["last_sync"])
         self._in_flight = {}
         for f, saved in state["in_flight"].items():

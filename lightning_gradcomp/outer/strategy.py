@@ -266,7 +266,8 @@ class OuterRounds(_OuterBase):
 
         dense = sum(dense_bytes(s.numel()) for s in shapes.values())
         if sites == 1:
-            log.info("diloco: one site: no outer round sends anything (0 bytes per step vs %s for fp32 DDP)", f"{dense:,}")
+            log.info("diloco: one site: no outer round sends anything (bytes_per_step() 0 vs %s for fp32 DDP)",
+                     f"{dense:,}")
             return
         compressed = [(n, tuple(s)) for n, s in shapes.items() if n not in float_names]
         codec = measure_codec(copy.deepcopy(self.outer_compressor), compressed, sites, timed=False) if compressed else None
@@ -347,9 +348,14 @@ class OuterRounds(_OuterBase):
         applied), ``inner_steps_since_sync``, ``rounds``."""
         return {} if self.outer is None else self.outer.stats
 
-    def bytes_per_step(self) -> float:
-        """Bytes this rank put on the link between sites per inner step, averaged over the run so far."""
-        return 0.0 if self.outer is None else self.outer.bytes_per_step()
+    def bytes_per_step(self) -> int:
+        """Bytes this rank put on the link between sites per inner step, averaged over the run so far
+        (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`); 0 with one site."""
+        return 0 if self.outer is None else self.outer.bytes_per_step()
+
+    def last_step_bytes(self) -> int:
+        """Bytes this rank put on the link between sites in the latest inner step (0 on a step without a round)."""
+        return 0 if self.outer is None else self.outer.last_step_bytes()
 
 
 class DiLoCoStrategy(OuterRounds, _SiteStrategy):

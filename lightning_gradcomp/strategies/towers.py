@@ -219,10 +219,14 @@ class TowerStrategy(SingleDeviceStrategy):
             return {**output, "loss": loss_out}
         return loss_out
 
-    def bytes_per_step(self) -> float:
-        """Bytes one emulated worker contributes per step: payloads plus shared statistics, as in the hook
-        (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`)."""
+    def bytes_per_step(self) -> int:
+        """Bytes one emulated worker contributes per step, averaged over the run so far: payloads plus shared
+        statistics, as in the hook (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`)."""
         return self.ledger.bytes_per_step()
+
+    def last_step_bytes(self) -> int:
+        """Bytes one emulated worker contributed in the latest step."""
+        return self.ledger.last_step_bytes()
 
     def dense_bytes_per_step(self) -> float:
         """What one fp32 DDP worker would send per step for the same parameters."""

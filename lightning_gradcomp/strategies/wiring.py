@@ -166,6 +166,7 @@ class HookWiring:
         self.comm_state = None
         self.hierarchy = None
         self._first_step_reported = False
+        self._warm_up_reported = False
         return ddp_kwargs
 
     def _init_hierarchy(self, hierarchy: Optional[Hierarchy], site_size: Optional[int],
@@ -328,14 +329,19 @@ class HookWiring:
         return gradcomp_hook if self.hierarchy is None else hierarchical_hook
 
     # -- what the strategy sends (ByteReport), and what it says about it ------------------------------------------
-    def bytes_per_step(self) -> float:
-        """Bytes this rank sent in the latest optimizer step (payloads and shared statistics; with the hierarchical
-        exchange, this rank's share between sites), read from the hook's ledger; 0 before the first step.
+    def bytes_per_step(self) -> int:
+        """Bytes this rank sent per optimizer step (payloads and shared statistics; with the hierarchical exchange,
+        this rank's share between sites), averaged over the run so far, dense warm-up steps included, read from the
+        hook's ledger; 0 before the first step.
 
         The same method on every strategy of the library (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`); the
         progress bar's ``comp_ratio`` and ``CompressionMonitor``'s totals read it.
         """
         return 0 if self.comm_state is None else self.comm_state.ledger.bytes_per_step()
+
+    def last_step_bytes(self) -> int:
+        """Bytes this rank sent in the latest optimizer step, on the link :meth:`bytes_per_step` counts."""
+        return 0 if self.comm_state is None else self.comm_state.ledger.last_step_bytes()
 
     def dense_bytes_per_step(self) -> float:
         """What fp32 DDP would send per rank and step for the same parameters (from the hook's ledger)."""
@@ -365,7 +371,9 @@ class HookWiring:
         (:meth:`_report_first_step`). On one rank nothing is exchanged, and the line says so. ``in_sites``: the hook
         runs inside each site of ``world_size`` ranks (DiLoCo, WeightGrad; their own line describes the sites).
         ``between_sites``: the hierarchical exchange, ``world_size`` sites; the bytes are a site's (its ranks send
-        one share each).
+        one share each). Without a dense warm-up, the expected bytes are what ``bytes_per_step()`` reports (the
+        hook's, inside a site, are the monitor's ``lan_bytes``: ``bytes_per_step()`` of a strategy with sites counts
+        what crosses between them).
         """
         from lightning_gradcomp.exchange.codec import measure_codec
 
@@ -373,7 +381,9 @@ class HookWiring:
             where, per = f"between {world_size} sites", "per site (its ranks send one share each)"
         else:
             where = f"{'in each site of' if in_sites else 'on'} {world_size} rank{'' if world_size == 1 else 's'}"
-            per = "per rank"
+            # a site's inner exchange is not what its strategy's bytes_per_step counts (the bytes between sites)
+            per = ("per rank inside the site (the monitor's lan_bytes; bytes_per_step() counts what crosses between "
+                   "sites)") if in_sites else "per rank"
         name = f"{type(self.compressor).__name__} {where}"
         dense = sum(dense_bytes(p.numel()) for p in named.values())
         if world_size == 1:
@@ -413,14 +423,31 @@ class HookWiring:
         return not self.compressor.fixed_size or self.planner is not None
 
     def _report_first_step(self, rank: int) -> None:
-        """After the first exchange (call after each backward): on rank 0, log the bytes it sent, from the ledger,
-        where the setup line could not state them (:meth:`_announce`)."""
+        """After the first compressed exchange (call after each backward): on rank 0, log the bytes it sent, from the
+        ledger, where the setup line could not state them (:meth:`_announce`), or after a dense warm-up (which the
+        first exchange's line announces: its steps send fp32, as DDP, and count in ``bytes_per_step``'s mean)."""
         state = self.comm_state
         if self._first_step_reported or state is None or not state.hook_calls:
             return  # no exchange yet (an accumulation micro-batch runs no hook)
-        self._first_step_reported = True
-        if rank != 0 or state.world_size == 1 or not self._measured_later():
+        ledger = state.ledger
+        # the exchange under way is the ledger's open step: its number counts every exchange so far
+        step = ledger.run.steps + 1
+        if state.router.dense:
+            if not self._warm_up_reported and rank == 0 and state.world_size > 1:
+                log.info("gradcomp: step %d is a dense warm-up step: %s bytes per rank in fp32, as DDP; the first "
+                         "compressed step's bytes follow it; bytes_per_step() and comp_ratio average over the run, "
+                         "warm-up included", step, f"{ledger.last_step_bytes():,}")
+            self._warm_up_reported = True
             return
-        sent, dense = state.ledger.bytes_per_step(), state.ledger.dense_bytes_per_step()
-        log.info("gradcomp: step 1 sent %s bytes per rank vs %s for fp32 DDP (%.1fx less), measured; the progress "
-                 "bar's comp_ratio follows every step", f"{sent:,}", f"{dense:,}", dense / max(sent, 1))
+        self._first_step_reported = True
+        if rank != 0 or state.world_size == 1 or not (self._measured_later() or self._warm_up_reported):
+            return
+        sent, dense = ledger.last_step_bytes(), ledger.dense_bytes_per_step()
+        # a strategy with sites reports what crosses between them: the hook's bytes are the site's inner exchange
+        flat = type(self).bytes_per_step is HookWiring.bytes_per_step
+        log.info("gradcomp: step %d%s sent %s bytes per rank%s vs %s for fp32 DDP (%.1fx less), measured; %s", step,
+                 " (the first compressed)" if self._warm_up_reported else "", f"{sent:,}",
+                 "" if flat else " inside the site", f"{dense:,}", dense / max(sent, 1),
+                 ("bytes_per_step() and the progress bar's comp_ratio average over the run so far"
+                  + (", warm-up included" if self._warm_up_reported else "")) if flat else
+                 "the monitor's lan_bytes follow every step (bytes_per_step() counts what crosses between sites)")

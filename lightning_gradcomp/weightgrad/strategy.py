@@ -183,6 +183,20 @@ class WeightGradStrategy(_SiteStrategy):
         return dict(identity=GatheredFP32() if serial else Identity(), keep_per_rank=serial)
 
     @override
+    def _announce(self, named: dict[str, torch.nn.Parameter], float_names: frozenset[str], world_size: int,
+                  in_sites: bool = False, between_sites: bool = False) -> None:
+        """The in-site exchange's setup line, then what crosses between sites: what :meth:`bytes_per_step` counts."""
+        super()._announce(named, float_names, world_size, in_sites=in_sites, between_sites=between_sites)
+        assert self.layout is not None
+        if self.layout.num_sites == 1:
+            log.info("weightgrad: one site: nothing crosses between sites, so bytes_per_step() is 0; the in-site "
+                     "exchange's bytes are the monitor's lan_bytes")
+        else:
+            log.info("weightgrad: WAN rounds between %d sites, at most %d local steps apart: their bytes follow the "
+                     "significance filter; bytes_per_step() averages this rank's bytes between sites over the run",
+                     self.layout.num_sites, self.staleness_bound)
+
+    @override
     def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
         assert self.groups is not None and self.comm_state is not None
         module = self.lightning_module
@@ -293,16 +307,21 @@ class WeightGradStrategy(_SiteStrategy):
     def _update_stats(self) -> None:
         assert self.synchronizer is not None and self.comm_state is not None
         sync = self.synchronizer.stats
-        hook_bytes = self.comm_state.bytes_per_step() if self.groups and self.groups.site_size > 1 else 0
+        hook_bytes = self.comm_state.last_step_bytes() if self.groups and self.groups.site_size > 1 else 0
         self.stats = dict(sync)
         self.stats["lan_bytes"] = torch.tensor(hook_bytes) + sync["round_lan_bytes"]
 
     @override
-    def bytes_per_step(self) -> float:
+    def bytes_per_step(self) -> int:
         """Bytes this rank put between sites (WAN rounds and their consensus flags) per local step, averaged over the
-        run so far (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`); the in-site bytes are the monitor's
-        ``lan_bytes``."""
-        return 0.0 if self.synchronizer is None else self.synchronizer.bytes_per_step()
+        run so far (:class:`~lightning_gradcomp.exchange.ledger.ByteReport`); 0 with one site, where nothing crosses
+        between sites. The in-site exchange's bytes are the monitor's ``lan_bytes``."""
+        return 0 if self.synchronizer is None else self.synchronizer.bytes_per_step()
+
+    @override
+    def last_step_bytes(self) -> int:
+        """Bytes this rank put between sites in the latest local step (its WAN round and flags, if any)."""
+        return 0 if self.synchronizer is None else self.synchronizer.last_step_bytes()
 
     @classmethod
     @override

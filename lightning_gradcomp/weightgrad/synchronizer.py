@@ -197,7 +197,7 @@ class GradientSynchronizer(OuterSync):
             late, significant = bool(flags[0]), bool(flags[1])
             flag_wan = tensor_bytes(flags) if g.is_leader and g.layout.num_sites > 1 else 0
             wan_bytes += flag_wan
-            self.wan_bytes_total += flag_wan
+            self.wan.add(flag_wan)
             lan_bytes += self.state.ledger.take_channel("lan")
 
         ran = at_bound or late or significant
@@ -211,6 +211,7 @@ class GradientSynchronizer(OuterSync):
             self._round_started = time.monotonic()
             wan_bytes += int(self.stats["bytes_per_round"])
             lan_bytes += int(self.stats["lan_bytes_per_round"])
+        self.wan.end_step()
         self.stats.update(
             wan_bytes=torch.tensor(wan_bytes),
             round_lan_bytes=torch.tensor(lan_bytes),

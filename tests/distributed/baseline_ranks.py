@@ -39,7 +39,7 @@ def _ddp_run(model: nn.Module, rank: int, steps: int, state: Optional[GradCompSt
         opt.step()
         history.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
         if state is not None:
-            bytes_per_step.append(state.bytes_per_step())
+            bytes_per_step.append(state.last_step_bytes())
     result: dict[str, Any] = {"params": history}
     if state is not None:
         result.update(bytes=bytes_per_step, dense_bytes=state.dense_bytes_per_step(),
@@ -108,7 +108,7 @@ class _BytesPerStep(Callback):
         self.bytes: list[int] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.bytes.append(comm_state(trainer.strategy).bytes_per_step())
+        self.bytes.append(comm_state(trainer.strategy).last_step_bytes())
 
 
 def _fit(world_size: int, strategy: Any, model: _Classifier, callbacks: list, max_steps: int = 6) -> dict[str, Any]:

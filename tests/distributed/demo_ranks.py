@@ -55,7 +55,7 @@ def demo_suite(
             averaged.append({n: cast(torch.Tensor, p.grad).clone() for n, p in model.named_parameters()})
             opt.step()
             params.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
-            nbytes.append(state.bytes_per_step())
+            nbytes.append(state.last_step_bytes())
         dense_bytes = state.dense_bytes_per_step()
         # DDP's reducer goes while the group is still registered: were it the group's last holder, its destructor
         # would join Gloo's worker threads holding the GIL while a worker needs the GIL to free the tensors of a

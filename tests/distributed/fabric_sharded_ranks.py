@@ -119,7 +119,7 @@ def _train(fabric: Fabric, model: Any, optimizer: Any, batches: list, steps: ran
         if record is not None:
             state = getattr(fabric.strategy, "comm_state", None)
             record["shards"].append(_local(model))
-            record["bytes"].append(0 if state is None else state.bytes_per_step())
+            record["bytes"].append(0 if state is None else state.last_step_bytes())
             record["skipped"].append(0 if state is None else state.skipped_steps)
 
 

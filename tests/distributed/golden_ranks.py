@@ -233,7 +233,7 @@ class EngineRecorder(pl.Callback):
         if significance is not None:
             named({n: significance.threshold_of(n) for n in outer.names})
         assert isinstance(strategy, ByteReport)
-        self.bytes_per_step = float(strategy.bytes_per_step())
+        self.bytes_per_step = strategy.bytes_per_step()
 
     def result(self) -> dict[str, Any]:
         """The digests of the parts this engine recorded anything in, and its bytes per step."""

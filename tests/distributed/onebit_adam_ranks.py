@@ -232,7 +232,8 @@ def resume_run(rank: int, world_size: int, method: str, options: dict[str, Any],
     return {
         "full": flat_params(full), "resumed": flat_params(resumed), "reset": flat_params(reset),
         "phase_at_save": saved["optimizer_states"][0]["frozen_adam"], "entry": entry,
-        "stats": {k: float(v) for k, v in strategy.stats.items()}, "bytes": comm_state(strategy).bytes_per_step(),
+        "stats": {k: float(v) for k, v in strategy.stats.items()}, "bytes": strategy.bytes_per_step(),
+        "last_bytes": strategy.last_step_bytes(),
         "dense_bytes": comm_state(strategy).dense_bytes_per_step(),
     }
 

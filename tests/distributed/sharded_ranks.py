@@ -105,7 +105,7 @@ class Shards(Callback):
         self.batches.append(float(batch[0].sum()))
         self.shards.append(torch.cat([_local(p).detach().reshape(-1).clone() for p in pl_module.parameters()]))
         state = trainer.strategy.comm_state  # type: ignore[attr-defined]
-        self.bytes.append(0 if state is None else state.bytes_per_step())
+        self.bytes.append(0 if state is None else state.last_step_bytes())
         self.skipped.append(0 if state is None else state.skipped_steps)
 
 

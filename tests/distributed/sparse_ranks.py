@@ -41,7 +41,7 @@ def _train(rank: int, world_size: int, compressor: Optional[Compressor], steps: 
         opt.step()
         params.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
         if state is not None:
-            nbytes.append(state.bytes_per_step())
+            nbytes.append(state.last_step_bytes())
     out: dict[str, Any] = {"params": params, "grads": grads, "local_grads": local, "bytes": nbytes}
     if state is not None:
         out["collectives"] = dict(state.collectives)

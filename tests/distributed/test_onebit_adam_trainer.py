@@ -69,7 +69,8 @@ def test_resume_is_bit_exact(case: str, tmp_path: Path) -> None:
 
 
 def test_bytes_per_step_in_the_compressed_phase(tmp_path: Path) -> None:
-    """The hook's ledger (progress bar, monitor) shows the 1-bit exchange: worker packet + server packet."""
+    """The hook's ledger (progress bar, monitor) shows the 1-bit exchange: worker packet + server packet in the
+    latest step; ``bytes_per_step`` is the run's mean, the 2 dense warm-up steps included (an int)."""
     ranks = run_ranks(resume_run, 2, "onebit", {"freeze_step": 2}, str(tmp_path), 4, 2, timeout=400)
     # TinyClassifier: 20x64 + 64, 64x64 + 64, 64x5 + 5 = 5829 elements; chunks of 2915 / 2914: the second weight
     # (elements 1344..5439) is cut in two pieces, 1571 and 2525 elements
@@ -77,7 +78,11 @@ def test_bytes_per_step_in_the_compressed_phase(tmp_path: Path) -> None:
     packets = [sum((n + 7) // 8 + 8 for n in chunk) for chunk in pieces]
     assert ranks[0]["dense_bytes"] == 4 * 5829
     for rank, r in enumerate(ranks):
-        assert r["bytes"] == sum(packets) + packets[rank] == r["stats"]["bytes_per_step"]
+        compressed = sum(packets) + packets[rank]
+        assert r["last_bytes"] == compressed == r["stats"]["last_step_bytes"]
+        # steps 1-2 fp32 (freeze_step=2), steps 3-4 compressed
+        assert isinstance(r["bytes"], int) and r["bytes"] == (2 * 4 * 5829 + 2 * compressed) // 4
+        assert r["bytes"] == r["stats"]["bytes_per_step"]
 
 
 # (method, options, step of the NaN (0-based global step), phase there)

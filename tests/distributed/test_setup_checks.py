@@ -4,6 +4,7 @@ measured bytes where the size follows the data), warnings for combinations that 
 
 import math
 import re
+from typing import Any
 
 import pytest
 
@@ -83,12 +84,73 @@ def test_compression_on_one_rank_warns_and_claims_no_exchange(api: str) -> None:
     assert "all-gather" not in rank["lines"][0] and "expected" not in rank["lines"][0]
 
 
-def test_progress_bar_and_monitor_show_each_strategys_own_bytes_per_step() -> None:
-    ranks = run_ranks(shown_bytes, 2)
-    for run in ranks[0]:  # DiLoCo, WeightGrad: rank 0 logs
+@pytest.fixture(scope="module")
+def shown() -> list[dict[str, Any]]:
+    """One world of 2 ranks for every strategy's byte report (DiLoCo, WeightGrad on 2 sites and on one, a preset
+    with a dense warm-up)."""
+    return run_ranks(shown_bytes, 2)
+
+
+def _is_the_runs_mean(run: dict[str, Any]) -> None:
+    """``bytes_per_step()`` after every step is an int: every step's ``last_step_bytes()`` so far, summed, over the
+    steps (floored); the monitor logs both, and ``comp_ratio`` is fp32 DDP's bytes over the mean."""
+    lasts, means = run["lasts"], run["means"]
+    assert all(isinstance(m, int) and isinstance(n, int) for m, n in zip(means, lasts)), run
+    assert means == [sum(lasts[: i + 1]) // (i + 1) for i in range(len(lasts))], run
+    assert run["bytes"] == means[-1] and run["last"] == lasts[-1], run
+    logged = run["logged"]
+    assert [m["gradcomp/bytes/total"] for m in logged] == means, logged
+    assert [m["gradcomp/last_step_bytes/total"] for m in logged] == lasts, logged
+    if run["bytes"]:
+        assert math.isclose(run["comp_ratio"], run["dense"] / run["bytes"], rel_tol=1e-6), run
+        assert run["logged_ratio"] == pytest.approx(run["dense"] / run["bytes"])
+
+
+def test_progress_bar_and_monitor_show_each_strategys_own_bytes_per_step(shown: list[dict[str, Any]]) -> None:
+    for run in shown[0]["sites"]:  # DiLoCo, WeightGrad: rank 0 logs
         assert run["bytes"] and run["dense"], run  # each strategy answers, and something crossed
-        ratio = run["dense"] / run["bytes"]
-        assert math.isclose(run["comp_ratio"], ratio, rel_tol=1e-6), run
-        assert run["logged_bytes"] == pytest.approx(run["bytes"]) and run["logged_ratio"] == pytest.approx(ratio)
+        _is_the_runs_mean(run)
+        # rounds every 2 steps: the latest step (a round's) is not the run's mean
+        assert run["lasts"][1] > 0 and run["means"][1] != run["lasts"][1], run
         # the per-step hook inside a site is not what crosses between sites: the two answers differ
         assert run["bytes"] != run["hook_bytes"]
+
+
+def test_weightgrad_on_one_site_reports_nothing_between_sites_and_its_setup_line_says_so(
+    shown: list[dict[str, Any]],
+) -> None:
+    run = shown[0]["one_site"]
+    # nothing crosses between sites: 0, every step, in the strategy, the monitor and no comp_ratio
+    assert run["means"] == run["lasts"] == [0, 0, 0], run
+    _is_the_runs_mean(run)
+    assert math.isnan(run["comp_ratio"]), run
+    (line,) = [line for line in run["lines"] if line.startswith("gradcomp: TernGrad in each site of 2 ranks")]
+    expected = re.search(r"; expected ([\d,]+) bytes per rank inside the site \(the monitor's lan_bytes; "
+                         r"bytes_per_step\(\) counts what crosses between sites\) per step", line)
+    assert expected, line
+    # the in-site figure is the hook's, every step, as the monitor's lan_bytes shows it
+    lan = [m["gradcomp/weightgrad/lan_bytes"] for m in run["logged"]]
+    assert lan == [_number(expected.group(1))] * 3 == [run["hook_bytes"]] * 3, (lan, line)
+    assert run["weightgrad_lines"] == [
+        "weightgrad: one site: nothing crosses between sites, so bytes_per_step() is 0; the in-site exchange's bytes "
+        "are the monitor's lan_bytes"
+    ]
+
+
+def test_a_dense_warm_up_counts_in_the_mean_and_the_first_step_line_says_it_is_dense(
+    shown: list[dict[str, Any]],
+) -> None:
+    run = shown[0]["warm_up"]
+    _is_the_runs_mean(run)
+    dense = run["dense"]
+    # 2 dense steps (fp32, as DDP), then 2 compressed: the mean falls as compressed steps come
+    assert run["lasts"][:2] == [dense, dense] and 0 < run["lasts"][2] < dense, run
+    assert run["means"][-1] == (2 * dense + run["lasts"][2] + run["lasts"][3]) // 4 < dense
+    said = [line for line in run["lines"] if line.startswith("gradcomp: step ")]
+    assert said == [
+        f"gradcomp: step 1 is a dense warm-up step: {dense:,} bytes per rank in fp32, as DDP; the first compressed "
+        f"step's bytes follow it; bytes_per_step() and comp_ratio average over the run, warm-up included",
+        f"gradcomp: step 3 (the first compressed) sent {run['lasts'][2]:,} bytes per rank vs {dense:,} for fp32 DDP "
+        f"({dense / run['lasts'][2]:.1f}x less), measured; bytes_per_step() and the progress bar's comp_ratio average "
+        f"over the run so far, warm-up included",
+    ], run["lines"]

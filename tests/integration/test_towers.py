@@ -3,8 +3,10 @@
 from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.compressors import Compressor, GradientDropping, PowerSGD, TernGrad
@@ -54,6 +56,32 @@ def test_many_towers_run_and_count_bytes() -> None:
     # 8 workers: the int8 all-reduce form (1 byte per element) plus 4-byte shared scalers
     n_params = sum(r.numel for r in towers.records.values())
     assert towers.bytes_per_step() == n_params + 4 * len(towers.records)
+
+
+class _DenseFirstStep(Callback):
+    """Step 1 in fp32 on every tower (a dense warm-up), then compressed; each step's two byte answers."""
+
+    def __init__(self) -> None:
+        self.means: list[Any] = []
+        self.lasts: list[Any] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        for state in trainer.strategy._states:  # type: ignore[attr-defined]
+            state.router.set_dense(trainer.global_step < 1)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.means.append(trainer.strategy.bytes_per_step())  # type: ignore[attr-defined]
+        self.lasts.append(trainer.strategy.last_step_bytes())  # type: ignore[attr-defined]
+
+
+def test_towers_report_the_runs_mean_per_step_warm_up_included() -> None:
+    towers, steps = TowerStrategy(2, "terngrad"), _DenseFirstStep()
+    fit_tiny(0, 1, towers, 3, [steps], 32, 1)
+    dense = towers.dense_bytes_per_step()
+    assert steps.lasts[0] == dense and 0 < steps.lasts[1] == steps.lasts[2] < dense, steps.lasts
+    assert all(isinstance(m, int) for m in steps.means)
+    assert steps.means == [sum(steps.lasts[: i + 1]) // (i + 1) for i in range(3)]
+    assert towers.bytes_per_step() == (dense + 2 * steps.lasts[1]) // 3 and towers.last_step_bytes() == steps.lasts[1]
 
 
 def test_tower_slices_interleave_like_a_distributed_sampler() -> None:

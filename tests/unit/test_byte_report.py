@@ -15,7 +15,9 @@ from lightning_gradcomp import (
     WeightGradStrategy,
 )
 from lightning_gradcomp.compressors import DeMo
-from lightning_gradcomp.exchange.ledger import ByteReport
+from lightning_gradcomp.compressors.base import Aggregation
+from lightning_gradcomp.exchange.ledger import ByteReport, GroupRecord, Ledger, RunBytes
+from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.optimizers import SignSGD
 
 STRATEGIES: dict[str, Callable[[], Any]] = {
@@ -35,6 +37,34 @@ def test_every_strategy_reports_its_bytes_through_the_same_two_methods(name: str
     assert isinstance(strategy, ByteReport)
     # nothing exchanged before the first step: 0, not an error (the progress bar reads it from step 1 on)
     assert strategy.bytes_per_step() == 0 and strategy.dense_bytes_per_step() == 0
+    assert strategy.last_step_bytes() == 0 and isinstance(strategy.bytes_per_step(), int)
+
+
+def test_the_ledger_averages_its_exchanges_over_the_run_and_keeps_the_latest_apart() -> None:
+    """A step is an exchange that begins at bucket 0; the latest is read live from the records until the next
+    begins (1-bit Adam records its exchange after the hook ran)."""
+    ledger = Ledger()
+    layout = Segments(["a", "b"], [torch.Size([4]), torch.Size([2])])
+    assert ledger.bytes_per_step() == ledger.last_step_bytes() == 0
+    for nbytes in [(16, 8), (1, 2), (1, 3)]:
+        ledger.bucket_called(is_last=True, first=True)
+        ledger.record_group(GroupRecord(layout, nbytes, Aggregation.GATHER, {}))
+        ledger.record_shared(0, 4)
+        assert ledger.last_step_bytes() == sum(nbytes) + 4
+    assert ledger.bytes_per_step() == (28 + 7 + 8) // 3 == 14
+    ledger.bucket_called(is_last=True)  # a later bucket of the same exchange: no new step
+    assert ledger.bytes_per_step() == 14
+
+
+def test_a_round_after_the_last_step_counts_in_that_step() -> None:
+    run = RunBytes()
+    run.add(10)
+    run.end_step()
+    run.end_step()  # a step without a round
+    run.add(7)  # DiLoCo's final round, after the last inner step
+    run.fold_into_last()
+    assert (run.total, run.steps, run.last, run.mean()) == (17, 2, 7, 8)
+    assert RunBytes(17, 2).mean() == 8 and RunBytes().mean() == 0
 
 
 def _params() -> list[torch.nn.Parameter]:

@@ -425,7 +425,7 @@ def test_hook_runs_powersgd_on_the_buckets_groups() -> None:
             assert records[seg.names[i]].nbytes == result.nbytes
         for i in excluded:
             assert records[seg.names[i]].nbytes == 4 * seg.numels[i]
-        assert state.bytes_per_step() == sum(r.nbytes for r in results) + 4 * sum(seg.numels[i] for i in excluded)
+        assert state.last_step_bytes() == sum(r.nbytes for r in results) + 4 * sum(seg.numels[i] for i in excluded)
 
 
 def test_hook_multiround_ops_do_not_grow_with_layers() -> None:

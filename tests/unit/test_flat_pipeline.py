@@ -137,14 +137,14 @@ def test_group_records_read_as_layer_records_and_replace_a_stale_layout() -> Non
     seg = _segments()
     sizes = torch.tensor([8, 4, 0, 16, 8])
     ledger.record_group(GroupRecord(seg, sizes, Aggregation.GATHER, {"density": torch.arange(5.0)}))
-    assert ledger.bytes_per_step() == 36 and ledger.dense_bytes_per_step() == 4 * seg.total
+    assert ledger.last_step_bytes() == 36 and ledger.dense_bytes_per_step() == 4 * seg.total
     record = ledger.records["d"]
     assert (record.nbytes, record.numel, float(record.stats["density"])) == (16, 7, 3.0)
     # a rebuilt bucket regroups "a" and "b": the old group's other names keep their latest records
     ledger.record_group(GroupRecord(Segments(["a", "b"], SHAPES[:2]), (4, 4), Aggregation.SUM, {}))
     assert ledger.records["a"].nbytes == 4 and ledger.records["e"].nbytes == 8
     ledger.record("e", LayerRecord(1, 8, Aggregation.SUM, {}))
-    assert ledger.bytes_per_step() == 4 + 4 + 0 + 16 + 1
+    assert ledger.last_step_bytes() == 4 + 4 + 0 + 16 + 1
 
 
 def test_groups_take_and_put_non_adjacent_layers_of_a_bucket() -> None:
