@@ -225,20 +225,23 @@ def _trace(variant: str, step: Any, device: torch.device, out: Path, record: boo
     """``TRACE_STEPS`` steps of ``variant`` under torch's profiler (``record``: this rank records; the others only
     step): per step, the aten ops dispatched, the host reads, and on a GPU the kernel launches, the host
     synchronizations and the kernels' device milliseconds. The trace goes to ``out/trace_<variant>.json.gz``."""
-    import contextlib
     import gzip
     import shutil
 
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) if record else contextlib.nullcontext() as prof:
+    def steps() -> None:
         for _ in range(TRACE_STEPS):
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+
     if not record:
+        steps()
         return {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        steps()
     counts = {"aten ops": 0.0, "host reads": 0.0, "launches": 0.0, "syncs": 0.0, "device ms": 0.0}
     for event in prof.events():
         name = event.name

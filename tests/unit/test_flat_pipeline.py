@@ -50,7 +50,9 @@ def test_a_segment_larger_than_a_chunk_reduces_in_two_stages_with_the_same_bits(
     in_order = [torch.zeros(1).index_add_(0, torch.zeros(v.numel(), dtype=torch.int64), v)[0] for v in views]
     assert torch.equal(total[[0, 1, 3]], torch.stack([in_order[0], in_order[1], in_order[3]]))
     # the two-stage sum (the one off the CPU): within float32 rounding of the exact sum
-    chunks, per = seg.split(x.device)
+    split = seg.split(x.device)
+    assert split is not None
+    chunks, per = split
     assert chunks.tolist() == [segments_module.SPLIT, 5, 0, 3, segments_module.SPLIT, segments_module.SPLIT]
     assert per.tolist() == [2, 1, 1, 2]
     y = x.nan_to_num()
