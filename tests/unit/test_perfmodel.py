@@ -338,7 +338,9 @@ def test_the_stored_projections_of_the_guide_are_what_the_model_computes() -> No
     projections = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(projections)
     stored = json.loads((root / "benchmarks/results/projections/choosing.json").read_text())
-    computed = projections.transformer_rows()
+    kernels = stored["transformer"]["kernels"]  # the device kernels the stored projection used, named in the page
+    assert root / kernels["file"] == projections.KERNELS
+    computed = projections.transformer_rows(projections.load_kernels(root / kernels["file"]))
     assert [r["method"] for r in computed] == [r["method"] for r in stored["transformer"]["rows"]]
     for now, then in zip(computed, stored["transformer"]["rows"]):
         assert {k: v for k, v in now.items() if isinstance(v, float)} == pytest.approx(
