@@ -218,8 +218,17 @@ def kernel_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Ca
     ]
 
 
-def group_shapes(n: int, layers: int = 64) -> list[tuple[int]]:
-    """``layers`` layer sizes summing to ``n``, mixed as in a transformer (large matrices, small vectors, a scalar)."""
+#: layers in each group row (``--layers``): 64 mixed sizes, or 1, a group of one large layer (GPT-2's embedding,
+#: 50257 x 768 = 38,597,376 elements, is such a group: ``--layers 1 --sizes 38597376``)
+GROUP_LAYERS = 64
+
+
+def group_shapes(n: int, layers: Optional[int] = None) -> list[tuple[int]]:
+    """``layers`` (default :data:`GROUP_LAYERS`) layer sizes summing to ``n``, mixed as in a transformer (large
+    matrices, small vectors, a scalar); one layer of ``n`` elements for ``layers=1``."""
+    layers = GROUP_LAYERS if layers is None else layers
+    if layers == 1:
+        return [(n,)]
     weights = [32, 1, 8, 0] * (layers // 4)
     unit = n // sum(weights)
     sizes = [max(w * unit, 1) for w in weights]
@@ -448,7 +457,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (torch-ops path; compile timing is CPU's)")
     parser.add_argument("--json", default="benchmarks/results/kernels.json", help="where to write the results")
     parser.add_argument("--only", default="", help="time only the kernels whose name starts with one of these (comma-separated)")
+    parser.add_argument("--layers", type=int, choices=(1, 64), default=64,
+                        help="layers per group row: 64 of mixed sizes, or 1 (one large layer, as an embedding)")
     args = parser.parse_args()
+    global GROUP_LAYERS
+    GROUP_LAYERS = args.layers
 
     compile_s, compile_note = compile_seconds(args.cached)
     command = "python " + " ".join(sys.argv)
@@ -463,7 +476,7 @@ def main() -> None:
     from lightning_gradcomp.kernels import triton_launch
 
     group = "triton" if triton_launch.usable(device) else "compiled C++" if device.type == "cpu" else "torch ops"
-    print(f"group kernels (the 'fused' column of the group rows): {group}")
+    print(f"group kernels (the 'fused' column of the group rows): {group}; {args.layers} layers per group")
     memory_gbps = memory_copy_gbps(device)
     print(f"memory-copy bandwidth: {memory_gbps:.2f} GB/s (copy_ of 256 MB of fp32 into a preallocated tensor, median)")
     header = f"{'kernel':<26}{'size':>6}{'clone GB/s':>11}{'torch GB/s':>11}{'fused GB/s':>11}{'speedup':>9}" \
@@ -502,7 +515,8 @@ def main() -> None:
     print(f"load average after: {load_after:.1f}")
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": command, "machine": machine, "memory_copy_gbps": memory_gbps, "compile_seconds": compile_s,
+    out.write_text(json.dumps({"command": command, "machine": machine, "memory_copy_gbps": memory_gbps,
+                               "group_layers": args.layers, "compile_seconds": compile_s,
                                "compile_note": compile_note, "load_after": load_after, "rows": rows}, indent=2))
     print(f"wrote {out}")
 

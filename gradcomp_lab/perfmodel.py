@@ -23,6 +23,7 @@ Command line (``gradcomp-perf`` or ``python -m gradcomp_lab.perfmodel``)::
     gradcomp-perf predict --model alexnet --compressor terngrad --nproc 8 --link 1gbit --device gtx1080
     gradcomp-perf fig5 --out docs/img
     gradcomp-perf transformer --width 4096 --depth 32 --nproc 64 --gpus-per-node 8 --gpu h100
+    gradcomp-perf transformer --width 2048 --depth 24 --nproc 16 --kernels benchmarks/results/gpu_h100/kernels.json
     gradcomp-perf validate
 
 The AlexNet, GoogLeNet and VGG-A parameter shapes and FLOP counts are tables in this module (from the
@@ -158,6 +159,86 @@ DEVICES = {
     "h100": Device(989e12, 0.4, 3.35e12),
     "h200": Device(989e12, 0.4, 4.8e12),
 }
+
+
+#: each compressor's group compress and group decode rows in a stored ``benchmarks/kernels.py`` run (what the hook
+#: runs per bucket); the compressors not named have no kernel rows
+KERNEL_ROWS: dict[str, tuple[str, str]] = {
+    "terngrad": ("group compress packed", "group decode packed"),
+    "graddrop": ("graddrop group compress", "graddrop group decode"),
+    "adacomp": ("adacomp group compress", "adacomp group decode"),
+    "topk": ("topk compress", "topk decode"),
+    "dgc": ("dgc compress", "dgc decode"),
+}
+#: the hook compresses one DDP bucket at a time (25 MB of fp32): the stored size nearest it is used
+_BUCKET_ELEMENTS = 25 * 2**20 // 4
+
+
+@dataclass(frozen=True)
+class KernelThroughput:
+    """Codec seconds per element measured on a device, from a stored ``benchmarks/kernels.py`` run.
+
+    Attributes:
+        source: the stored run's file.
+        device: what ran the kernels: the GPU a CUDA run names, else the run's machine.
+        size: elements of the group whose rows are used (the stored size nearest a 25 MB DDP bucket).
+        seconds: compressor -> (compress, decode) seconds per fp32 element, for the compressors with both rows.
+    """
+
+    source: str
+    device: str
+    size: int
+    seconds: dict[str, tuple[float, float]]
+
+    def per_element(self, compressor: str, assumed_s: float) -> tuple[float, float]:
+        """(compress, decode) seconds per element of ``compressor``: measured, or ``assumed_s`` for both where the
+        run has no rows for it (:meth:`assumed` names those)."""
+        return self.seconds.get(compressor, (assumed_s, assumed_s))
+
+    def assumed(self, compressors: Sequence[str]) -> list[str]:
+        """The compressors of ``compressors`` the run has no rows for (their cost stays the memory-bound one)."""
+        return [name for name in compressors if name not in self.seconds]
+
+
+def load_kernels(path: Union[str, Path]) -> KernelThroughput:
+    """The codec throughput of a stored kernel run (``benchmarks/kernels.py --json``), for ``gradcomp-perf``.
+
+    Each compressor of :data:`KERNEL_ROWS` takes its group compress and group decode rows' measured GB/s (GB of
+    fp32 gradient per second, the column the kernel column of the run reports) at the stored size nearest a DDP
+    bucket of 25 MB. A compressor without both rows at that size is left out (its cost stays the memory-bound
+    assumption; :meth:`KernelThroughput.assumed`).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: the file is not a kernel run (no ``rows``), or holds none of the rows of :data:`KERNEL_ROWS`.
+    """
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Expected `--kernels` to name a stored kernel run, but got {str(path)!r}, which does "
+                                f"not exist. Fix: e.g. benchmarks/results/gpu_h100/kernels.json.")
+    run = json.loads(path.read_text())
+    rows = run.get("rows") if isinstance(run, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"Expected `--kernels` to be the JSON of `benchmarks/kernels.py --json`, with `rows`, but got "
+                         f"{str(path)!r} without them. Fix: give a stored kernel run.")
+    gbps: dict[tuple[str, int], float] = {(row["kernel"], int(row["size"])): float(row["fused"]["gbps"])
+                                          for row in rows if row.get("fused")}
+    wanted = {name for pair in KERNEL_ROWS.values() for name in pair}
+    sizes = sorted({size for name, size in gbps if name in wanted})
+    if not sizes:
+        raise ValueError(f"Expected `--kernels` {str(path)!r} to hold a compressor's group rows "
+                         f"({', '.join(sorted(wanted))}), but got none of them. Fix: run benchmarks/kernels.py "
+                         f"without --only.")
+    size = min(sizes, key=lambda n: abs(math.log(n / _BUCKET_ELEMENTS)))
+    seconds = {compressor: (4.0 / (gbps[encode, size] * 1e9), 4.0 / (gbps[decode, size] * 1e9))
+               for compressor, (encode, decode) in KERNEL_ROWS.items()
+               if (encode, size) in gbps and (decode, size) in gbps}
+    machine = str(run.get("machine", "unknown"))
+    # a CUDA run's machine ends with the GPU's name (benchmarks/kernels.py)
+    device = machine.rsplit(", ", 1)[-1] if "--device cuda" in str(run.get("command", "")) else machine
+    return KernelThroughput(str(path), device, size, seconds)
 
 
 @dataclass(frozen=True)
@@ -737,14 +818,16 @@ def stored_methods(directory: Optional[Path] = None) -> list[StoredMethod]:
 _STAND_IN: Shapes = [("w", (256, 256))]  # a layer on which each compressor shows its collective at N ranks
 
 
-def stored_codec(method: StoredMethod, shapes: Shapes, world_size: int, per_element_s: float) -> Codec:
+def stored_codec(method: StoredMethod, shapes: Shapes, world_size: int, per_element_s: float,
+                 kernels: Optional[KernelThroughput] = None) -> Codec:
     """The step's payload of ``method`` for a model of ``shapes`` on ``world_size`` ranks.
 
     Bytes: the layers the stored run kept in fp32 (its embeddings) at 4 bytes an element, the others at the stored
     run's bytes per element, scaled by how the compressor's own bytes on a stand-in layer change from the measured
     ranks to ``world_size`` (TernGrad's planner turns to an int8 all-reduce from 8 ranks). Collective and
-    statistics rounds: the compressor's at ``world_size``. Compute: ``per_element_s`` per element to encode and as
-    much to decode (memory-bound kernels: an assumption, low for PowerSGD's and DeMo's matrix products).
+    statistics rounds: the compressor's at ``world_size``. Compute: the measured group compress and decode of
+    ``kernels`` where it has the compressor's rows, else ``per_element_s`` per element to encode and as much to
+    decode (memory-bound kernels: an assumption, low for PowerSGD's and DeMo's matrix products).
     """
     from lightning_gradcomp import registry
 
@@ -755,8 +838,11 @@ def stored_codec(method: StoredMethod, shapes: Shapes, world_size: int, per_elem
     was = measure_codec(registry.make_compressor(method.setting.name), _STAND_IN, method.measured_ranks, timed=False)
     dense = sum(math.prod(shape) for name, shape in shapes if name in method.fp32_names)
     nbytes = 4.0 * dense + method.bytes_per_element * (numel - dense) * at.nbytes / was.nbytes
-    compute = 0.0 if method.setting.name == "bf16" else per_element_s * numel
-    return Codec(nbytes, at.aggregation, compute, compute, at.rounds)
+    if method.setting.name == "bf16":  # a cast, in the all-reduce's own kernels
+        return Codec(nbytes, at.aggregation, 0.0, 0.0, at.rounds)
+    encode, decode = (per_element_s, per_element_s) if kernels is None else \
+        kernels.per_element(method.setting.name, per_element_s)
+    return Codec(nbytes, at.aggregation, encode * numel, decode * numel, at.rounds)
 
 
 def diloco_comm_seconds(codec: Codec, dense_bytes: float, world_size: int, network: Network, sync_every: int,
@@ -790,7 +876,7 @@ def transformer_projection(
     width: int, depth: int, seq_len: int, batch: int, world_size: int, links: Sequence[str], device: str = "h100",
     vocab: int = 50257, step_s: Optional[float] = None, mfu: Optional[float] = None, gpus_per_node: int = 1,
     intra: str = "900gbit@5us", sync_every: Sequence[int] = (100,), directory: Optional[Path] = None,
-    overlap: bool = False,
+    overlap: bool = False, kernels: Optional[KernelThroughput] = None,
 ) -> list[TransformerRow]:
     """Step time of DDP, each compressor at its stored setting, the hierarchical exchange and DiLoCo for a GPT on
     ``world_size`` GPUs, for each link in ``links`` (between nodes when ``gpus_per_node`` > 1, else per GPU).
@@ -815,6 +901,8 @@ def transformer_projection(
         directory: the stored results (default: :func:`results_dir`).
         overlap: DDP's timeline for the flat rows (each bucket's exchange behind the rest of backward) instead of
             communication after compute; the hierarchical hook blocks on every bucket and DiLoCo's rows stay serial.
+        kernels: a device's measured codec throughput (:func:`load_kernels`) for the compressors it has rows for;
+            the others (and without it, all) assume memory-bound kernels at the device's ``memory_bandwidth``.
 
     Returns:
         One row per method and link; ``speedup`` is DDP's step over the method's on the same link. The hierarchical
@@ -846,12 +934,12 @@ def transformer_projection(
         net = Network(Link.parse(intra), sites=world_size // gpus_per_node, wan=link) if hier else Network(link)
         cases: list[tuple[str, StoredMethod, Prediction]] = []
         for method in methods:
-            codec = stored_codec(method, shapes, world_size, per_element)
+            codec = stored_codec(method, shapes, world_size, per_element, kernels)
             at_n = replace(method, bytes_ratio=4.0 * numel / codec.nbytes)  # the collective at N may differ from 4's
             cases.append((method.setting.name, at_n,
                           predict(step_s, codec, world_size, net, batch, buckets, overlap=overlap)))
             if hier and method.setting.name != "ddp":
-                site_codec = stored_codec(method, shapes, world_size // gpus_per_node, per_element)
+                site_codec = stored_codec(method, shapes, world_size // gpus_per_node, per_element, kernels)
                 unmeasured = replace(method, bytes_ratio=4.0 * numel / site_codec.nbytes, loss_vs_ddp=math.nan)
                 cases.append((f"hierarchical {method.setting.name}", unmeasured,
                               predict(step_s, site_codec, world_size, net, batch, buckets,
@@ -861,7 +949,7 @@ def transformer_projection(
         for h in sync_every:
             for outer, ratio in (("ddp", 1.0), ("int8", 4.0)):  # DiLoCo's fp32 and INTELLECT-1's int8 rounds
                 encoding = StoredMethod(StoredSetting(outer, "", ""), ratio, math.nan, 4, 4.0 / ratio)
-                comm = diloco_comm_seconds(stored_codec(encoding, shapes, sites, per_element), 4.0 * numel,
+                comm = diloco_comm_seconds(stored_codec(encoding, shapes, sites, per_element, kernels), 4.0 * numel,
                                            world_size, net, h, buckets)
                 label = "fp32" if outer == "ddp" else outer
                 setting = StoredSetting(f"diloco H={h} {label}", "", f"{label} pseudo-gradients every {h} steps")
@@ -871,7 +959,7 @@ def transformer_projection(
                               Prediction(world_size, step_s, 0.0, comm, batch, "outer")))
         if hier:
             cases += _sharded_cases(methods, shapes, world_size, gpus_per_node, net, step_s, batch, per_element,
-                                    sync_every)
+                                    sync_every, kernels)
         for name, method, p in cases:
             rows.append(TransformerRow(name, method.setting.setting, method.bytes_ratio, method.loss_vs_ddp, spec, p,
                                        ddp.step_s / p.step_s))
@@ -879,8 +967,8 @@ def transformer_projection(
 
 
 def _sharded_cases(methods: Sequence[StoredMethod], shapes: Shapes, world_size: int, shard_size: int, net: Network,
-                   step_s: float, batch: int, per_element: float,
-                   sync_every: Sequence[int]) -> list[tuple[str, StoredMethod, Prediction]]:
+                   step_s: float, batch: int, per_element: float, sync_every: Sequence[int],
+                   kernels: Optional[KernelThroughput] = None) -> list[tuple[str, StoredMethod, Prediction]]:
     """The sharded rows of :func:`transformer_projection`: FSDP2 over each node's ``shard_size`` GPUs (the lab's
     units: each block, then the root) with each compressor on the shards between nodes (``sharded fp32``: stock
     HSDP's dense all-reduce), and DiLoCo over the shards (:func:`sharded_comm_seconds`). Each rank encodes and
@@ -889,7 +977,7 @@ def _sharded_cases(methods: Sequence[StoredMethod], shapes: Shapes, world_size: 
     numel = sum(math.prod(shape) for _, shape in shapes)
     units, sites, cases = fsdp_unit_fractions(shapes), world_size // shard_size, []
     for method in methods:
-        codec = stored_codec(method, shapes, sites, per_element)
+        codec = stored_codec(method, shapes, sites, per_element, kernels)
         name = "fp32" if method.setting.name == "ddp" else method.setting.name
         unmeasured = replace(method, bytes_ratio=4.0 * numel / codec.nbytes, loss_vs_ddp=math.nan)
         comm = sharded_comm_seconds(codec, 4.0 * numel, world_size, net, units)
@@ -898,7 +986,7 @@ def _sharded_cases(methods: Sequence[StoredMethod], shapes: Shapes, world_size: 
     for h in sync_every:
         for outer, ratio in (("ddp", 1.0), ("int8", 4.0)):
             encoding = StoredMethod(StoredSetting(outer, "", ""), ratio, math.nan, 4, 4.0 / ratio)
-            codec = stored_codec(encoding, shapes, sites, per_element)
+            codec = stored_codec(encoding, shapes, sites, per_element, kernels)
             label = "fp32" if outer == "ddp" else outer
             setting = StoredSetting(f"sharded diloco H={h} {label}", "",
                                     f"{label} pseudo-gradient shards every {h} steps")
@@ -1037,11 +1125,24 @@ def validate_emulated(directory: Optional[Path] = None, given: str = "1gbit", ta
     return rows
 
 
+def codec_source(kernels: Optional[KernelThroughput], gpu: str) -> str:
+    """One sentence: where a projection's encoding and decoding costs come from (which device's kernels, and which
+    compressors fall back to the memory-bound assumption)."""
+    bandwidth = f"memory-bound kernels at {gpu}'s {DEVICES[gpu].memory_bandwidth / 1e9:,.0f} GB/s (an assumption)"
+    if kernels is None:
+        return f"Codec cost: {bandwidth} for every compressor."
+    assumed = kernels.assumed([s.name for s in LM_SETTINGS if s.name not in ("ddp", "bf16")] + ["int8 pseudo-gradients"])
+    return (f"Codec cost: measured group compress and decode of {', '.join(sorted(kernels.seconds))} on "
+            f"{kernels.device} ({kernels.source}, groups of {kernels.size / 2**20:g}M elements); {bandwidth} for "
+            f"{', '.join(assumed)}, which the run has no rows for.")
+
+
 def _print_transformer(args: argparse.Namespace) -> None:
+    kernels = None if args.kernels is None else load_kernels(args.kernels)
     rows = transformer_projection(
         args.width, args.depth, args.seq_len, args.batch, args.nproc, args.link, args.gpu, args.vocab,
         None if args.step_ms is None else args.step_ms / 1e3, args.mfu, args.gpus_per_node, args.intra,
-        args.diloco_h, overlap=args.overlap)
+        args.diloco_h, overlap=args.overlap, kernels=kernels)
     numel = sum(math.prod(shape) for _, shape in gpt_shapes(args.width, args.depth, args.vocab, args.seq_len))
     compute = rows[0].prediction.compute_s
     source = (f"measured {args.step_ms:g} ms" if args.step_ms is not None
@@ -1052,6 +1153,7 @@ def _print_transformer(args: argparse.Namespace) -> None:
     print(f"PROJECTION (a model, not a measurement): GPT width {args.width}, depth {args.depth}, "
           f"{numel / 1e6:.1f}M parameters, {args.batch} x {args.seq_len} tokens per GPU, {args.nproc} GPUs{nodes}; "
           f"compute {compute * 1e3:.1f} ms per step ({source}).")
+    print(codec_source(kernels, args.gpu))
     print("Bytes ratio: fp32 DDP's bytes per step over the method's, on the links between nodes; loss vs DDP: "
           "final validation loss of the stored CPU run (4 ranks, GPT width 64, 2000 steps), not of this model.")
     if args.gpus_per_node > 1:
@@ -1127,6 +1229,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     tr.add_argument("--diloco-h", type=int, nargs="+", default=[50, 100], help="DiLoCo's H values")
     tr.add_argument("--overlap", action="store_true",
                     help="DDP's timeline for the flat rows: each bucket's exchange behind the rest of backward")
+    tr.add_argument("--kernels", type=Path, default=None,
+                    help="a stored kernel run (benchmarks/kernels.py --json, e.g. "
+                         "benchmarks/results/gpu_h100/kernels.json): its measured group compress/decode replace the "
+                         "memory-bound codec cost for the compressors it has rows for")
     sub.add_parser("validate", help="the model against the emulated cluster's stored step times, with the error")
     args = parser.parse_args(argv)
     workers = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

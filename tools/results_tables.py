@@ -1044,7 +1044,8 @@ def _choosing_transformer_table(runs: list[dict[str, Any]]) -> str:
     int8 = long("int8")
     int8_loss = _best_gaps("int8", long)
     int8_cell = f"0; {_pct(statistics.mean(int8_loss))} (g)"
-    lines = ["| link | goal | use | loss vs DDP | bytes | step / DDP's (here) | speed-up (projected) |",
+    projected = "speed-up (projected) (p)" if proj.get("kernels") else "speed-up (projected)"
+    lines = [f"| link | goal | use | loss vs DDP | bytes | step / DDP's (here) | {projected} |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for link, wan in CHOOSING_LINKS:
         if wan == "10gbit":
@@ -1098,6 +1099,17 @@ def _choosing_transformer_table(runs: list[dict[str, Any]]) -> str:
         f"{_times(_projected(proj, 'terngrad', '100mbit'))} and DeMo at {_times(_projected(proj, 'demo', '100mbit'))} "
         f"at 100 Mbit/s.",
     ]
+    kernels = proj.get("kernels")
+    if kernels:  # which device's kernels the projected column's encoding and decoding come from
+        names = {"terngrad": "TernGrad", "graddrop": "Gradient Dropping", "adacomp": "AdaComp", "topk": "top-k",
+                 "dgc": "DGC", "int8": "int8", "qsgd": "QSGD", "powersgd": "PowerSGD", "onebit": "1-bit SGD",
+                 "demo": "DeMo"}
+        notes.append(
+            f"- (p) The projection's encoding and decoding: {', '.join(names.get(c, c) for c in kernels['measured'])} "
+            f"at the group compress and decode throughput measured on one {kernels['device']} "
+            f"(`{kernels['file']}`, groups of {kernels['size'] / 2**20:g}M elements: "
+            f"`gradcomp-perf transformer --kernels`); {', '.join(names.get(c, c) for c in kernels['assumed'])} "
+            f"assumed memory-bound at the {proj['device'].upper()}'s published bandwidth (no kernel rows measured for them).")
     return "\n".join(lines) + "\n\n" + "\n".join(notes)
 
 

@@ -232,6 +232,23 @@ def _num_levels(quantize: Quantize, shape: torch.Size) -> int:
     return {"threshold": 1, "global_mean": 2, "2bit": 4}.get(quantize, 2 * _columns(shape))
 
 
+def group_means(group: Tensor, values: Tensor, groups: int) -> Tensor:
+    """The mean of ``values`` (float32) per group id in ``group`` (int64 in ``[0, groups)``), 0 for an empty group.
+
+    Each group's values are summed one after another in their order in ``values``, on every device: a stable sort
+    by group, then one segment reduce over the sorted values. ``index_add_`` would give these bits on the CPU, but
+    CUDA adds it with float atomics in no fixed order, so the same survivors could send different means from one
+    run (or one kernel path) to the next. The counts come from where each group starts among the sorted ids (no
+    host read).
+    """
+    order = torch.sort(group, stable=True)
+    bounds = torch.searchsorted(order.values, torch.arange(groups + 1, device=group.device))
+    counts = bounds.diff()
+    # unsafe: the lengths add up to the values' count by construction (the check would read them to the host)
+    sums = torch.segment_reduce(values[order.indices], "sum", lengths=counts, unsafe=True, initial=0.0)
+    return torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)
+
+
 def quantized_levels(
     quantize: Quantize, idx: Tensor, kept: Tensor, threshold: Tensor, shape: torch.Size
 ) -> tuple[Tensor, Tensor]:
@@ -255,15 +272,11 @@ def quantized_levels(
     if quantize == "column_mean":
         cols = _columns(shape)
         group = (idx % cols) * 2 + positive.long()  # [neg, pos] per column
-        sums = torch.zeros(2 * cols, device=kept.device).index_add_(0, group, mag)
-        counts = torch.zeros(2 * cols, device=kept.device).index_add_(0, group, torch.ones_like(mag))
-        return positive.long(), torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)
+        return positive.long(), group_means(group, mag, 2 * cols)
     # 2bit: bit 0 the sign, bit 1 "large mover" (above the mean |survivor|); a mean per (size, sign) group
     large = mag > _mean(mag)
     code = positive.long() + 2 * large.long()
-    sums = torch.zeros(4, device=kept.device).index_add_(0, code, mag)
-    counts = torch.zeros(4, device=kept.device).index_add_(0, code, torch.ones_like(mag))
-    return code, torch.where(counts > 0, sums / counts.clamp(min=1), 0.0)
+    return code, group_means(code, mag, 4)
 
 
 def encode_layer(

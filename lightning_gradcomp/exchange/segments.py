@@ -20,6 +20,25 @@ import torch
 from torch import Tensor
 
 
+#: a float reduction splits a segment longer than this into chunks of this many elements, reduces the chunks, then
+#: each segment's chunk results: CUDA's ``segment_reduce`` gives each segment one thread block, so a 38.6M-element
+#: embedding reduced as one segment runs on one of the device's SMs
+SPLIT = 1 << 16
+
+
+def _split_lengths(numels: Sequence[int], split: int) -> tuple[list[int], list[int]]:
+    """(every chunk's length, chunks per segment) of segments of ``numels`` cut into chunks of ``split`` elements (an
+    empty segment: one empty chunk, so each segment keeps a result)."""
+    chunks: list[int] = []
+    per_segment: list[int] = []
+    for n in numels:
+        full, rest = divmod(n, split)
+        parts = [split] * full + ([rest] if rest or not n else [])
+        chunks += parts
+        per_segment.append(len(parts))
+    return chunks, per_segment
+
+
 @dataclass(frozen=True)
 class Padding:
     """The segments laid out with each one padded to a multiple of ``multiple`` elements.
@@ -88,6 +107,7 @@ class Segments:
         self._bounds: dict[torch.device, Tensor] = {}
         self._paddings: dict[int, Padding] = {}
         self._firsts: dict[tuple[object, ...], Tensor] = {}
+        self._split: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.names)
@@ -123,6 +143,18 @@ class Segments:
             cached = self._lengths[device] = torch.tensor(self.numels, dtype=torch.int64, device=device)
         return cached
 
+    def split(self, device: torch.device) -> "tuple[Tensor, Tensor] | None":
+        """int64 (every chunk's length, chunks per segment) of :meth:`reduce`'s two stages, or ``None`` where every
+        segment fits in one chunk of :data:`SPLIT` elements (one stage)."""
+        if max(self.numels, default=0) <= SPLIT:
+            return None
+        cached = self._split.get(device)
+        if cached is None:
+            chunks, per_segment = _split_lengths(self.numels, SPLIT)
+            cached = self._split[device] = (torch.tensor(chunks, dtype=torch.int64, device=device),
+                                            torch.tensor(per_segment, dtype=torch.int64, device=device))
+        return cached
+
     def bounds(self, device: torch.device) -> Tensor:
         """int64 ``[len + 1]``: every segment's first position, then the total (:attr:`offsets`)."""
         cached = self._bounds.get(device)
@@ -137,11 +169,22 @@ class Segments:
         Floating values go through ``torch.segment_reduce`` (CUB's segmented reduction on CUDA), integer sums through
         an exact int64 prefix sum: ``scatter_reduce`` over segment ids, the obvious op, serialises on CUDA's atomics
         when a few segments receive millions of elements (82 % of a TernGrad step's GPU time on a 12-layer GPT,
-        ``benchmarks/gpu_followup.sh``). On the CPU both sum each segment in element order: the same bits."""
+        ``benchmarks/gpu_followup.sh``). On the CPU both sum each segment in element order: the same bits.
+
+        A layout with a segment longer than :data:`SPLIT` elements reduces in two stages, chunks of ``SPLIT``
+        elements and then each segment's chunks, so a large layer spreads over many of CUDA's thread blocks (two
+        ops instead of one, for every device's max and min, whose result no order changes: the same bits). A
+        floating sum splits only off the CPU: on the CPU a segment's sum stays in element order (its bits kept);
+        on CUDA both orders are fixed trees, the two-stage one's rounding within a few ulps of the one-stage."""
         if values.is_floating_point():
             kind = {"amax": "max", "amin": "min", "sum": "sum"}[how]
             lengths = self.lengths(values.device)
-            out = torch.segment_reduce(values, kind, lengths=lengths, unsafe=True)
+            split = self.split(values.device) if kind != "sum" or values.device.type != "cpu" else None
+            if split is None:
+                out = torch.segment_reduce(values, kind, lengths=lengths, unsafe=True)
+            else:
+                chunks = torch.segment_reduce(values, kind, lengths=split[0], unsafe=True)
+                out = torch.segment_reduce(chunks, kind, lengths=split[1], unsafe=True)
             if kind != "sum" and 0 in self.numels:  # an empty segment's max is the reduction's identity (-inf)
                 out = torch.where(lengths == 0, torch.zeros((), dtype=out.dtype, device=out.device), out)
             return out

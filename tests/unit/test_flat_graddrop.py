@@ -270,6 +270,27 @@ def _ops_per_step(make: Callable[[], Compressor], layers: int) -> tuple[int, int
     return counted.total, counted.host_reads, counted.data_dependent
 
 
+#: aten ops that CUDA runs with float atomics in no fixed order (torch lists them as nondeterministic on CUDA)
+_UNORDERED_FLOAT_SUMS = ("index_add", "scatter_add", "scatter_reduce", "index_reduce", "put")
+
+
+@pytest.mark.parametrize("case", ["2bit-delta16-global", "column_mean"])
+def test_quantized_means_are_summed_in_a_fixed_order(case: str) -> None:
+    # the quantizer's float means go on the wire: summed with atomics, two runs (or the Triton and torch paths on
+    # CUDA) would send different bytes for the same survivors; the ops are the same on every device, so CPU shows it
+    from gradcomp_lab.opcount import count_ops
+
+    seg = _layout()
+    comp = GradientDropping(backend="torch", seed=3, **LAYER_CASES[case])
+    comp.setup(0, RANKS, torch.device("cpu"))
+    x = _gradient(seg, 0)
+    comp.compress_flat(x, seg)  # the first step fills the global pool
+    with count_ops() as counted:
+        comp.compress_flat(x, seg)
+    unordered = {op: n for op, n in counted.ops.items() if op.split(".")[0].rstrip("_") in _UNORDERED_FLOAT_SUMS}
+    assert not unordered, unordered
+
+
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 def test_batched_resumes_from_its_state_exactly(backend: Backend) -> None:
     # random samples and the global pool: a run restored from a checkpoint repeats the uninterrupted one

@@ -25,6 +25,42 @@ def _segments() -> Segments:
     return Segments(NAMES, SHAPES)
 
 
+def test_a_segment_larger_than_a_chunk_reduces_in_two_stages_with_the_same_bits() -> None:
+    # a layer of SPLIT + 5 elements (an embedding, scaled down): its max over many chunks (CUDA: many thread blocks),
+    # bit for bit the per-layer reduction's; an empty layer still gives 0
+    from lightning_gradcomp.exchange import segments as segments_module
+
+    big = segments_module.SPLIT + 5
+    seg = Segments(["emb", "empty", "bias", "w"], [torch.Size([big]), torch.Size([0]), torch.Size([3]),
+                                                   torch.Size([2 * segments_module.SPLIT])])
+    x = torch.randn(seg.total, generator=torch.Generator().manual_seed(1))
+    x[7] = -9.0  # the first chunk's extreme
+    x[big - 1] = 11.0  # the big layer's last chunk holds its max
+    with count_ops() as counted:
+        amax, amin = seg.reduce(x.abs(), "amax"), seg.reduce(x, "amin")
+    assert counted.ops["segment_reduce"] == 4  # two stages each
+    views = seg.views(x)
+    assert amax.tolist() == [float(v.abs().max()) if v.numel() else 0.0 for v in views]
+    assert amin.tolist() == [float(v.min()) if v.numel() else 0.0 for v in views]
+    x[big + 1] = float("nan")
+    assert seg.reduce(x, "amax").isnan().tolist() == [False, False, True, False]
+    with count_ops() as counted:  # a sum on the CPU stays one stage in element order: its bits kept
+        total = seg.reduce(x, "sum")
+    assert counted.ops["segment_reduce"] == 1
+    in_order = [torch.zeros(1).index_add_(0, torch.zeros(v.numel(), dtype=torch.int64), v)[0] for v in views]
+    assert torch.equal(total[[0, 1, 3]], torch.stack([in_order[0], in_order[1], in_order[3]]))
+    # the two-stage sum (the one off the CPU): within float32 rounding of the exact sum
+    split = seg.split(x.device)
+    assert split is not None
+    chunks, per = split
+    assert chunks.tolist() == [segments_module.SPLIT, 5, 0, 3, segments_module.SPLIT, segments_module.SPLIT]
+    assert per.tolist() == [2, 1, 1, 2]
+    y = x.nan_to_num()
+    two = torch.segment_reduce(torch.segment_reduce(y, "sum", lengths=chunks), "sum", lengths=per)
+    assert torch.allclose(two, torch.stack([v.double().sum() for v in seg.views(y)]).float(), rtol=1e-5, atol=1e-4)
+    assert _segments().split(x.device) is None  # every layer fits one chunk: one stage, as before
+
+
 def test_segment_reduce_expand_sort_and_firsts_match_per_layer_ops() -> None:
     seg = _segments()
     x = torch.randn(seg.total, generator=torch.Generator().manual_seed(0))

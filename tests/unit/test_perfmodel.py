@@ -1,6 +1,7 @@
 """The performance model: the paper models' parameter tables, exact bytes from the compressor, the step formula."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from gradcomp_lab.perfmodel import (
     comm_seconds,
     ddp_bucket_fractions,
     fp32_codec,
+    gpt_shapes,
     main,
     measure_cast_codec,
     paper_curve,
@@ -222,6 +224,68 @@ def test_transformer_projection_scales_with_the_link_and_the_given_step() -> Non
         transformer_projection(256, 4, 128, 4, 6, ["1gbit"], gpus_per_node=4)
 
 
+_H100_KERNELS = Path(__file__).resolve().parents[2] / "benchmarks/results/gpu_h100/kernels.json"
+
+
+def _kernel_run(rows: dict[str, float], sizes: tuple[int, ...] = (2**20, 16 * 2**20)) -> dict[str, object]:
+    """A stored kernel run's JSON: each row at each size, at the given fused GB/s."""
+    return {"command": "python benchmarks/kernels.py --device cuda", "machine": "host, 16 cores, torch x, Some GPU",
+            "rows": [{"kernel": name, "size": n, "torch": None, "fused": {"gbps": gbps}}
+                     for n in sizes for name, gbps in rows.items()]}
+
+
+def test_stored_kernels_give_each_compressor_its_measured_codec_cost(tmp_path: Path) -> None:
+    import json
+
+    from gradcomp_lab.perfmodel import load_kernels
+
+    h100 = load_kernels(_H100_KERNELS)
+    assert h100.device == "NVIDIA H100 80GB HBM3" and h100.size == 16 * 2**20  # the stored size nearest a 25 MB bucket
+    assert sorted(h100.seconds) == ["adacomp", "dgc", "graddrop", "terngrad", "topk"]
+    stored = json.loads(_H100_KERNELS.read_text())
+    gbps = {r["kernel"]: r["fused"]["gbps"] for r in stored["rows"] if r["size"] == h100.size}
+    assert h100.seconds["terngrad"] == pytest.approx((4 / (gbps["group compress packed"] * 1e9),
+                                                      4 / (gbps["group decode packed"] * 1e9)))
+    # a compressor the run has no rows for keeps the assumed cost, and says so
+    assert h100.per_element("qsgd", 1e-12) == (1e-12, 1e-12) and h100.assumed(["qsgd", "topk"]) == ["qsgd"]
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(_kernel_run({"group compress packed": 10.0})))  # compress without its decode row
+    assert load_kernels(path).seconds == {}
+    with pytest.raises(FileNotFoundError, match=r"Expected `--kernels` .* but got '.*missing.json'.* Fix:"):
+        load_kernels(tmp_path / "missing.json")
+    path.write_text(json.dumps({"machine": "x"}))
+    with pytest.raises(ValueError, match=r"Expected `--kernels` .* with `rows`, but got .* Fix:"):
+        load_kernels(path)
+    path.write_text(json.dumps(_kernel_run({"terngrad statistic": 5.0})))
+    with pytest.raises(ValueError, match=r"group rows .* but got none of them. Fix:"):
+        load_kernels(path)
+
+
+def test_projection_with_slow_measured_kernels_is_slower(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from gradcomp_lab.perfmodel import load_kernels, transformer_projection
+
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(_kernel_run({"group compress packed": 1.0, "group decode packed": 2.0})))
+    slow = load_kernels(path)
+    args = (256, 4, 128, 4, 8, ["1gbit"])
+    assumed = {r.method: r.prediction for r in transformer_projection(*args, step_s=0.05, sync_every=(10,))}
+    measured = {r.method: r.prediction for r in transformer_projection(*args, step_s=0.05, sync_every=(10,),
+                                                                        kernels=slow)}
+    numel = sum(math.prod(s) for _, s in gpt_shapes(256, 4, context=128))
+    # TernGrad at 1 GB/s to compress and 2 GB/s to decode, of 4-byte elements
+    assert measured["terngrad"].codec_s == pytest.approx(numel * (4 / 1e9 + 4 / 2e9))
+    assert measured["terngrad"].step_s > assumed["terngrad"].step_s + 0.9 * measured["terngrad"].codec_s
+    for method in ("ddp", "bf16", "qsgd", "topk"):  # no rows for them in this run: the assumption, unchanged
+        assert measured[method] == assumed[method]
+    main(["transformer", "--width", "256", "--depth", "4", "--seq-len", "128", "--nproc", "8", "--link", "1gbit",
+          "--diloco-h", "10", "--kernels", str(path)])
+    out = capsys.readouterr().out
+    assert f"measured group compress and decode of terngrad on Some GPU ({path}" in out
+    assert "memory-bound kernels at h100's 3,350 GB/s (an assumption) for int8, qsgd, graddrop" in out
+
+
 def test_hierarchical_rows_compress_only_between_nodes() -> None:
     from gradcomp_lab.perfmodel import transformer_projection
 
@@ -274,7 +338,9 @@ def test_the_stored_projections_of_the_guide_are_what_the_model_computes() -> No
     projections = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(projections)
     stored = json.loads((root / "benchmarks/results/projections/choosing.json").read_text())
-    computed = projections.transformer_rows()
+    kernels = stored["transformer"]["kernels"]  # the device kernels the stored projection used, named in the page
+    assert root / kernels["file"] == projections.KERNELS
+    computed = projections.transformer_rows(projections.load_kernels(root / kernels["file"]))
     assert [r["method"] for r in computed] == [r["method"] for r in stored["transformer"]["rows"]]
     for now, then in zip(computed, stored["transformer"]["rows"]):
         assert {k: v for k, v in now.items() if isinstance(v, float)} == pytest.approx(

@@ -281,17 +281,10 @@ test_triton_kernels_match_the_torch_ops_in_the_interpreter = interpreter_test(__
 
 
 # -- on a GPU, when there is one ---------------------------------------------------------------------------------
-#: measured on an H100 (benchmarks/results/gpu_h100/cuda_tests.log): the same thresholds, sizes and statistics on both
-#: paths, but 3-7 bytes of each payload differ, in the 2-bit quantizer's float means. Both paths sum them with
-#: ``index_add_`` (graddrop_flat's per-layer levels), which CUDA adds with atomics in no fixed order (torch lists it
-#: among the nondeterministic CUDA ops): the suspected cause, open
-_CUDA_MEANS_DIFFER = pytest.mark.xfail(reason="2-bit means summed by CUDA's index_add_ (atomics, no fixed order)")
-
-
 @needs_triton
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run on a GPU: the CUDA torch ops' rounding)")
 @pytest.mark.parametrize(
-    "case", [*sorted(GRADDROP_CASES), pytest.param("2bit-delta16-global", marks=_CUDA_MEANS_DIFFER), "delta16-fp16"]
+    "case", [*sorted(GRADDROP_CASES), "2bit-delta16-global", "delta16-fp16"]
 )
 def test_triton_kernels_match_the_torch_ops_on_cuda(case: str) -> None:
     kwargs = GRADDROP_CASES.get(case) or LAYER_CASES[case]
