@@ -63,6 +63,8 @@ def train(rank: int, world_size: int, config: dict[str, Any], steps: int = 3) ->
     full, local, grads, lan, wan = [], [], [], [], []
     for step in range(steps):
         x, y = _batch(rank, step, exact)
+        if step == config.get("nan_at") and rank == 1:
+            x[0, 0] = float("nan")
         loss = ((model(x) - y) ** 2).sum() * 2.0**-4
         loss.backward()
         grads.append(_flat(p.grad for p in model.parameters()))
@@ -74,7 +76,9 @@ def train(rank: int, world_size: int, config: dict[str, Any], steps: int = 3) ->
             wan.append(comm.bytes_per_step())
             lan.append(comm.ledger.take_channel("lan"))
     return {"full": full, "local": local, "grads": grads, "wan": wan, "lan": lan,
-            "units": None if comm is None else [c.residual is not None for c in comm.comms]}
+            "units": None if comm is None else [c.residual is not None for c in comm.comms],
+            "residuals_finite": None if comm is None else all(
+                bool(torch.isfinite(c.residual).all()) for c in comm.comms if c.residual is not None)}
 
 
 def run_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -25,8 +25,10 @@ CONFIGS: list[dict[str, Any]] = [
     {"node_size": 2, "compressor": "topk"},
     {"node_size": 3, "compressor": "int8"},
     {"node_size": 2, "compressor": "int8", "hsdp": True},
+    # a NaN in rank 1's input at step 2 (the last)
+    {"node_size": 2, "compressor": "int8", "nan_at": 2},
 ]
-STOCK_EXACT, FP32_EXACT, STOCK, FP32_4x1, FP32_2x2, INT8_2x2, INT8_4x1, TOPK, BAD_NODES, HSDP = range(len(CONFIGS))
+STOCK_EXACT, FP32_EXACT, STOCK, FP32_4x1, FP32_2x2, INT8_2x2, INT8_4x1, TOPK, BAD_NODES, HSDP, NAN = range(len(CONFIGS))
 #: the model's parameters: 8*16+16 + 16*12+12 + 12*4+4
 NUMEL = 400
 
@@ -103,3 +105,15 @@ def test_bad_input_is_refused_before_the_first_step(results: list[list[dict[str,
         assert "Expected `node_size` to divide the world size (4 ranks), but got 3" in error
         error = results[rank][HSDP]["error"]
         assert "Expected every unit sharded over all 4 ranks" in error and "sharded over 2" in error
+
+
+def test_a_nonfinite_gradient_reaches_every_rank_non_finite_and_spares_the_residuals(
+    results: list[list[dict[str, Any]]],
+) -> None:
+    """As under stock FSDP2, a NaN in one rank's gradients is not hidden by the int8 codes (its block's scale travels
+    NaN); the residual of that step is dropped, not kept NaN."""
+    for rank in range(4):
+        run = results[rank][NAN]
+        assert all(torch.isfinite(g).all() for g in run["grads"][:2]), rank
+        assert not torch.isfinite(run["grads"][2]).all(), rank
+        assert run["residuals_finite"], rank
