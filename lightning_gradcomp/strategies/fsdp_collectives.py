@@ -126,6 +126,11 @@ class HierarchicalReduceScatter(ReduceScatter):
                 f"Expected FSDP2 to reduce-scatter over the {nodes * local} ranks of the node layout, but got a "
                 f"group of {group.size()}. Fix: shard the model with `fully_shard` over every rank (a 1-D mesh)."
             )
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise RuntimeError(
+                f"Expected FSDP2 to reduce with SUM or AVG, but got {op}. Fix: leave `gradient_divide_factor` unset "
+                f"under the compressed reduce-scatter."
+            )
         piece = output_tensor.numel()
         # [node, local, piece] -> [local, node, piece]: local rank l's row holds the pieces of its peers
         by_local = input_tensor.view(nodes, local, piece).transpose(0, 1).contiguous()
@@ -145,11 +150,6 @@ class HierarchicalReduceScatter(ReduceScatter):
         self.ledger.record(self.name, LayerRecord(nbytes, (nodes - 1) * piece, Aggregation.SUM, {}))
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(nodes * local)
-        elif op != dist.ReduceOp.SUM:
-            raise RuntimeError(
-                f"Expected FSDP2 to reduce with SUM or AVG, but got {op}. Fix: leave `gradient_divide_factor` unset "
-                f"under the compressed reduce-scatter."
-            )
         return None
 
     def _int8_blocks(self, output: Tensor, pieces: Tensor, block: int) -> int:
@@ -225,6 +225,13 @@ class CompressedReduceScatter:
                     f"Expected every unit sharded over all {world} ranks (a 1-D mesh) for the reduce-scatter across "
                     f"nodes, but got {type(unit).__name__} sharded over {size}. Fix: pass a 1-D mesh of every rank "
                     f"to `fully_shard` (or use `ShardedGradCompStrategy` for HSDP with a node per replica)."
+                )
+            order = group.mesh_info.mesh.mesh.reshape(-1).tolist()
+            if order != list(range(world)):
+                # FSDP2 gives piece i to the mesh's i-th rank: the nodes' pieces are found by global rank
+                raise ValueError(
+                    f"Expected the mesh of `fully_shard` to list the ranks in order (0 .. {world - 1}), so that the "
+                    f"pieces of a node are its ranks', but got {order}. Fix: `init_device_mesh(device, ({world},))`."
                 )
         self.ledger = Ledger()
         node_group = peer_group = None

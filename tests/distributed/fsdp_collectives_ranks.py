@@ -42,13 +42,15 @@ def _flat(tensors: Iterable[Optional[torch.Tensor]], gather: bool = False) -> to
 
 def train(rank: int, world_size: int, config: dict[str, Any], steps: int = 3) -> dict[str, Any]:
     """``steps`` SGD steps; each step's full parameters (all-gathered), this rank's shard and the bytes recorded."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     exact = config.get("exact", False)
     model = _model(exact)
     if config.get("hsdp"):
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    elif config.get("permuted"):  # every rank of the world, pairs swapped
+        mesh = DeviceMesh("cpu", torch.tensor([1, 0, 3, 2]))
     else:
         mesh = init_device_mesh("cpu", (world_size,))
     for layer in (model[0], model[2], model[4]):

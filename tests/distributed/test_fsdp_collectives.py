@@ -25,10 +25,11 @@ CONFIGS: list[dict[str, Any]] = [
     {"node_size": 2, "compressor": "topk"},
     {"node_size": 3, "compressor": "int8"},
     {"node_size": 2, "compressor": "int8", "hsdp": True},
+    {"node_size": 2, "compressor": "int8", "permuted": True},
     # a NaN in rank 1's input at step 2 (the last)
     {"node_size": 2, "compressor": "int8", "nan_at": 2},
 ]
-STOCK_EXACT, FP32_EXACT, STOCK, FP32_4x1, FP32_2x2, INT8_2x2, INT8_4x1, TOPK, BAD_NODES, HSDP, NAN = range(len(CONFIGS))
+STOCK_EXACT, FP32_EXACT, STOCK, FP32_4x1, FP32_2x2, INT8_2x2, INT8_4x1, TOPK, BAD_NODES, HSDP, PERMUTED, NAN = range(len(CONFIGS))
 #: the model's parameters: 8*16+16 + 16*12+12 + 12*4+4
 NUMEL = 400
 
@@ -105,6 +106,9 @@ def test_bad_input_is_refused_before_the_first_step(results: list[list[dict[str,
         assert "Expected `node_size` to divide the world size (4 ranks), but got 3" in error
         error = results[rank][HSDP]["error"]
         assert "Expected every unit sharded over all 4 ranks" in error and "sharded over 2" in error
+        error = results[rank][PERMUTED]["error"]
+        assert "Expected the mesh of `fully_shard` to list the ranks in order (0 .. 3)" in error
+        assert "[1, 0, 3, 2]" in error
 
 
 def test_a_nonfinite_gradient_reaches_every_rank_non_finite_and_spares_the_residuals(
