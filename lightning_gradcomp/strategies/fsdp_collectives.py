@@ -146,7 +146,7 @@ class HierarchicalReduceScatter(ReduceScatter):
             nbytes = tensor_bytes(mine, (nodes - 1) * piece)
         else:
             nbytes = self._int8_blocks(output_tensor, mine.view(nodes, piece), self.blocks)
-        # numel: what stock FSDP2 sends between nodes for this unit (its fp32 bytes are the ledger's dense reference)
+        # numel: the elements sent between nodes (their fp32 bytes are the ledger's dense reference)
         self.ledger.record(self.name, LayerRecord(nbytes, (nodes - 1) * piece, Aggregation.SUM, {}))
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(nodes * local)

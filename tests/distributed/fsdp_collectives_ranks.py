@@ -62,7 +62,7 @@ def train(rank: int, world_size: int, config: dict[str, Any], steps: int = 3) ->
                                        timeout=timedelta(seconds=60))
     # exact runs: sign steps of 1/4 keep every weight on a grid of 1/4, so every gradient stays exact in fp32
     optimizer = SignSGD(model.parameters(), lr=0.25) if exact else torch.optim.SGD(model.parameters(), lr=0.05)
-    full, local, grads, lan, wan = [], [], [], [], []
+    full, local, grads, lan, wan, dense = [], [], [], [], [], []
     for step in range(steps):
         x, y = _batch(rank, step, exact)
         if step == config.get("nan_at") and rank == 1:
@@ -76,8 +76,9 @@ def train(rank: int, world_size: int, config: dict[str, Any], steps: int = 3) ->
         local.append(_flat(model.parameters()))
         if comm is not None:
             wan.append(comm.bytes_per_step())
+            dense.append(comm.ledger.dense_bytes_per_step())
             lan.append(comm.ledger.take_channel("lan"))
-    return {"full": full, "local": local, "grads": grads, "wan": wan, "lan": lan,
+    return {"full": full, "local": local, "grads": grads, "wan": wan, "dense": dense, "lan": lan,
             "units": None if comm is None else [c.residual is not None for c in comm.comms],
             "residuals_finite": None if comm is None else all(
                 bool(torch.isfinite(c.residual).all()) for c in comm.comms if c.residual is not None)}

@@ -94,6 +94,9 @@ def test_bytes_between_and_inside_nodes_are_recorded_exactly(results: list[list[
         assert runs[FP32_2x2]["lan"] == [4 * 2 * 100] * 3
         assert runs[INT8_2x2]["wan"] == [int8] * 3 == [112] * 3
         assert runs[INT8_2x2]["lan"] == [4 * 2 * 100] * 3
+        # the fp32 reference of the same exchange
+        assert runs[INT8_2x2]["dense"] == runs[FP32_2x2]["dense"] == runs[FP32_2x2]["wan"]
+        assert runs[INT8_4x1]["dense"] == [4 * 3 * 100] * 3
         assert runs[INT8_4x1]["wan"] == [3 * int8] * 3
         assert runs[INT8_4x1]["lan"] == [0] * 3
 
