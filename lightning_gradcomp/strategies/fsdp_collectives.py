@@ -18,7 +18,9 @@ Every byte sent is recorded in a :class:`~lightning_gradcomp.exchange.ledger.Led
 record (what :meth:`Ledger.bytes_per_step` reports), inside a node on the ``"lan"`` channel.
 """
 
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -60,7 +62,8 @@ def check_compressor(compressor: Union[Compressor, str]) -> Compressor:
     """The compressor of the stage between nodes, if it can serve a reduce-scatter.
 
     A reduce-scatter sums each piece over the ranks: the compressor's packets must be summable (``Aggregation.SUM``).
-    ``Identity`` sends the pieces densely, ``Int8`` as blockwise int8.
+    ``Identity`` sends the pieces densely, ``Int8`` as blockwise int8 rounded to nearest (its shared scale and its
+    stochastic rounding, made for an all-reduce, play no part here).
 
     Raises:
         ValueError: a compressor whose packets are gathered, or one this reduce-scatter does not run yet.
@@ -77,7 +80,7 @@ def check_compressor(compressor: Union[Compressor, str]) -> Compressor:
             f"gathered and decoded one by one, which a reduce-scatter cannot do. Fix: use `compressor='int8'` "
             f"(blockwise int8) or `'fp32'` (dense)."
         )
-    if not isinstance(compressor, (Identity, Int8)):
+    if type(compressor) not in (Identity, Int8):  # a subclass may travel otherwise
         raise ValueError(
             f"Expected `compressor` to be 'int8' or 'fp32' for the compressed reduce-scatter, but got {name}. Fix: "
             f"use `compressor='int8'` (blockwise int8 between nodes) or `'fp32'` (dense, as stock FSDP2)."
@@ -205,7 +208,7 @@ class CompressedReduceScatter:
     """
 
     def __init__(self, model: nn.Module, node_size: int, compressor: Union[Compressor, str] = "int8",
-                 block_size: int = 256, error_feedback: bool = True, timeout: Optional[object] = None) -> None:
+                 block_size: int = 256, error_feedback: bool = True, timeout: Optional[timedelta] = None) -> None:
         check_int("block_size", block_size, minimum=1, fix="use e.g. 256 elements per int8 scale")
         self.compressor = check_compressor(compressor)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -236,11 +239,11 @@ class CompressedReduceScatter:
         self.ledger = Ledger()
         node_group = peer_group = None
         for node in range(self.layout.num_sites):
-            group = new_group(self.layout.ranks(node), timeout)  # type: ignore[arg-type]
+            group = new_group(self.layout.ranks(node), timeout)
             if node == self.layout.site_of(rank):
                 node_group = group
         for local in range(node_size):
-            group = new_group([start + local for start in self.layout.starts], timeout)  # type: ignore[arg-type]
+            group = new_group([start + local for start in self.layout.starts], timeout)
             if local == rank - self.layout.starts[self.layout.site_of(rank)]:
                 peer_group = group
         blocks = block_size if isinstance(self.compressor, Int8) else None

@@ -23,13 +23,14 @@ CONFIGS: list[dict[str, Any]] = [
     {"node_size": 1, "compressor": "int8"},
     # bad input, refused before step 0
     {"node_size": 2, "compressor": "topk"},
+    {"node_size": 2, "compressor": "terngrad"},
     {"node_size": 3, "compressor": "int8"},
     {"node_size": 2, "compressor": "int8", "hsdp": True},
     {"node_size": 2, "compressor": "int8", "permuted": True},
     # a NaN in rank 1's input at step 2 (the last)
     {"node_size": 2, "compressor": "int8", "nan_at": 2},
 ]
-STOCK_EXACT, FP32_EXACT, STOCK, FP32_4x1, FP32_2x2, INT8_2x2, INT8_4x1, TOPK, BAD_NODES, HSDP, PERMUTED, NAN = range(len(CONFIGS))
+STOCK_EXACT, FP32_EXACT, STOCK, FP32_4x1, FP32_2x2, INT8_2x2, INT8_4x1, TOPK, TERNGRAD, BAD_NODES, HSDP, PERMUTED, NAN = range(len(CONFIGS))
 #: the model's parameters: 8*16+16 + 16*12+12 + 12*4+4
 NUMEL = 400
 
@@ -105,6 +106,8 @@ def test_bad_input_is_refused_before_the_first_step(results: list[list[dict[str,
     for rank in range(4):
         error = results[rank][TOPK]["error"]
         assert "Expected a compressor whose packets can be summed" in error and "TopK" in error and "Fix:" in error
+        error = results[rank][TERNGRAD]["error"]
+        assert "Expected `compressor` to be 'int8' or 'fp32' for the compressed reduce-scatter, but got TernGrad" in error
         error = results[rank][BAD_NODES]["error"]
         assert "Expected `node_size` to divide the world size (4 ranks), but got 3" in error
         error = results[rank][HSDP]["error"]
