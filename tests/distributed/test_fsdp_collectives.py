@@ -1,0 +1,129 @@
+"""The compressed reduce-scatter across nodes on 4 real Gloo ranks: 2 nodes of 2 (ranks 0-1, 2-3), and 4 nodes of 1.
+
+One spawned world runs every configuration (spawns are expensive).
+"""
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.fsdp_collectives_ranks import run_configs
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+CONFIGS: list[dict[str, Any]] = [
+    {"exact": True},  # stock FSDP2
+    {"exact": True, "node_size": 2, "compressor": "fp32"},
+    {},  # stock FSDP2, random data
+    {"node_size": 1, "compressor": "fp32"},
+    {"node_size": 2, "compressor": "fp32"},
+    {"node_size": 2, "compressor": "int8"},
+    {"node_size": 1, "compressor": "int8"},
+    # bad input, refused before step 0
+    {"node_size": 2, "compressor": "topk"},
+    {"node_size": 2, "compressor": "terngrad"},
+    {"node_size": 3, "compressor": "int8"},
+    {"node_size": 2, "compressor": "int8", "hsdp": True},
+    {"node_size": 2, "compressor": "int8", "permuted": True},
+    # a NaN in rank 1's input at step 2 (the last)
+    {"node_size": 2, "compressor": "int8", "nan_at": 2},
+]
+STOCK_EXACT, FP32_EXACT, STOCK, FP32_4x1, FP32_2x2, INT8_2x2, INT8_4x1, TOPK, TERNGRAD, BAD_NODES, HSDP, PERMUTED, NAN = range(len(CONFIGS))
+#: the model's parameters: 8*16+16 + 16*12+12 + 12*4+4
+NUMEL = 400
+
+
+@pytest.fixture(scope="module")
+def results() -> list[list[dict[str, Any]]]:
+    return run_ranks(run_configs, 4, CONFIGS, timeout=300.0)
+
+
+def _run(results: list[list[dict[str, Any]]], i: int) -> list[dict[str, Any]]:
+    return [results[r][i] for r in range(4)]
+
+
+def test_identity_equals_stock_fsdp2_bit_for_bit(results: list[list[dict[str, Any]]]) -> None:
+    """2 nodes of 2 on exact data (every order of summation gives the same bits: Gloo's ring sums rank 0's piece
+    as ((x2 + x3) + x1) + x0, the hierarchy as (x0 + x1) + (x2 + x3)), and 4 nodes of 1 on random data (the peers'
+    reduce-scatter is the same ring as stock's)."""
+    for stock, ours in ((STOCK_EXACT, FP32_EXACT), (STOCK, FP32_4x1)):
+        for rank in range(4):
+            a, b = results[rank][stock], results[rank][ours]
+            assert len(b["local"]) == 3
+            for step in range(3):
+                assert torch.equal(a["grads"][step], b["grads"][step]), (ours, rank, step)
+                assert torch.equal(a["local"][step], b["local"][step]), (ours, rank, step)
+    # the exact run trains (its gradients are not all zero)
+    assert not torch.equal(results[0][FP32_EXACT]["full"][0], results[0][FP32_EXACT]["full"][-1])
+
+
+def test_identity_on_two_nodes_matches_stock_to_rounding(results: list[list[dict[str, Any]]]) -> None:
+    for rank in range(4):
+        for a, b in zip(results[rank][STOCK]["full"], results[rank][FP32_2x2]["full"]):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("run", [FP32_2x2, INT8_2x2, INT8_4x1])
+def test_every_rank_holds_the_same_model(results: list[list[dict[str, Any]]], run: int) -> None:
+    runs = _run(results, run)
+    for step in range(3):
+        assert all(torch.equal(runs[0]["full"][step], r["full"][step]) for r in runs), step
+    assert not torch.equal(runs[0]["full"][0], runs[0]["full"][-1])
+
+
+def test_int8_is_close_to_stock_and_keeps_its_error(results: list[list[dict[str, Any]]]) -> None:
+    stock, int8 = results[0][STOCK]["full"][-1], results[0][INT8_2x2]["full"][-1]
+    start = results[0][STOCK]["full"][0]
+    assert not torch.equal(stock, int8)  # quantized
+    assert (int8 - stock).abs().max() < 0.05 * (stock - start).abs().max() + 1e-6
+    assert all(results[0][INT8_2x2]["units"])  # a residual per unit
+
+
+def test_bytes_between_and_inside_nodes_are_recorded_exactly(results: list[list[dict[str, Any]]]) -> None:
+    """Per rank and step, the sum over units of what leaves the rank. Each unit's gradients are split into 4 pieces
+    (FSDP2's dim-0 shards: 36, 51 and 13 elements per piece for the three Linear units, 100 in all). Between 2 nodes,
+    one piece to the other peer: fp32 4 bytes an element, int8 1 byte plus one fp32 scale per started block of 256;
+    between 4 nodes of 1, three pieces. Inside a node of 2, the two pieces of the other local rank (one per node)."""
+    pieces = [36, 51, 13]
+    assert 4 * sum(pieces) == NUMEL
+    int8 = sum(p + 4 * -(-p // 256) for p in pieces)
+    for rank in range(4):
+        runs = results[rank]
+        assert runs[FP32_2x2]["wan"] == [4 * 100] * 3
+        assert runs[FP32_2x2]["lan"] == [4 * 2 * 100] * 3
+        assert runs[INT8_2x2]["wan"] == [int8] * 3 == [112] * 3
+        assert runs[INT8_2x2]["lan"] == [4 * 2 * 100] * 3
+        # the fp32 reference of the same exchange
+        assert runs[INT8_2x2]["dense"] == runs[FP32_2x2]["dense"] == runs[FP32_2x2]["wan"]
+        assert runs[INT8_4x1]["dense"] == [4 * 3 * 100] * 3
+        assert runs[INT8_4x1]["wan"] == [3 * int8] * 3
+        assert runs[INT8_4x1]["lan"] == [0] * 3
+
+
+def test_bad_input_is_refused_before_the_first_step(results: list[list[dict[str, Any]]]) -> None:
+    for rank in range(4):
+        error = results[rank][TOPK]["error"]
+        assert "Expected a compressor whose packets can be summed" in error and "TopK" in error and "Fix:" in error
+        error = results[rank][TERNGRAD]["error"]
+        assert "Expected `compressor` to be 'int8' or 'fp32' for the compressed reduce-scatter, but got TernGrad" in error
+        error = results[rank][BAD_NODES]["error"]
+        assert "Expected `node_size` to divide the world size (4 ranks), but got 3" in error
+        error = results[rank][HSDP]["error"]
+        assert "Expected every unit sharded over all 4 ranks" in error and "sharded over 2" in error
+        error = results[rank][PERMUTED]["error"]
+        assert "Expected the mesh of `fully_shard` to list the ranks in order (0 .. 3)" in error
+        assert "[1, 0, 3, 2]" in error
+
+
+def test_a_nonfinite_gradient_reaches_every_rank_non_finite_and_spares_the_residuals(
+    results: list[list[dict[str, Any]]],
+) -> None:
+    """As under stock FSDP2, a NaN in one rank's gradients is not hidden by the int8 codes (its block's scale travels
+    NaN); the residual of that step is dropped, not kept NaN."""
+    for rank in range(4):
+        run = results[rank][NAN]
+        assert all(torch.isfinite(g).all() for g in run["grads"][:2]), rank
+        assert not torch.isfinite(run["grads"][2]).all(), rank
+        assert run["residuals_finite"], rank
