@@ -86,6 +86,17 @@ def _perturb_anchor(strategy: Any, module: pl.LightningModule) -> None:
     strategy.outer.anchor[name].add_(1e-3)
 
 
+class StopAfter(Callback):
+    """Stops ``fit`` after the optimizer step ``step`` (1-based), as early stopping does: not its last step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
 def _nan_weight(strategy: Any, module: pl.LightningModule) -> None:
     next(module.parameters()).fill_(float("nan"))
 
@@ -152,6 +163,8 @@ def runtime_scenarios(rank: int, world_size: int, tmpdir: str) -> dict[str, dict
         world_size, DiLoCoStrategy(sync_every=4, fragments=3, sync_delay=1, mixing=0.5),
         ModelCheckpoint(dirpath=os.path.join(tmpdir, "last_streaming"), every_n_train_steps=5, save_last=True),
         steps=5)
+    # a fit stopped before max_steps, between two rounds (at 2 and 4): the final round runs at on_train_end
+    out["stopped"] = _fit(world_size, DiLoCoStrategy(sync_every=2), 6, callbacks=[StopAfter(3)])
     # last: a NaN weight on rank 1 before the round at step 2 (its pseudo-gradient is NaN)
     out["nan"] = _fit(world_size, DiLoCoStrategy(sync_every=2), 4, callbacks=[AtStep(1, 1, _nan_weight)])
     out["progress_bar_key"] = {"key": PROGRESS_BAR_KEY}

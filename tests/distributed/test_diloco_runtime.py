@@ -64,6 +64,12 @@ def test_the_last_checkpoint_holds_the_weights_every_rank_leaves_fit_with(runs: 
             assert torch.equal(weights, final), f"the last checkpoint holds other weights for rank {site}'s site"
 
 
+def test_a_fit_stopped_between_rounds_ends_with_identical_replicas(runs: list[dict[str, dict[str, Any]]]) -> None:
+    stopped = _ok(runs, "stopped")
+    assert torch.equal(stopped[0]["params"], stopped[1]["params"]), "replicas differ when fit returned"
+    assert stopped[0]["rounds"] == 2  # the round at step 2, and the final one after step 3
+
+
 def test_setup_line_describes_the_outer_exchange(runs: list[dict[str, dict[str, Any]]]) -> None:
     logs = runs[0]["short"]["logs"]
     assert any("no exchange inside a site" in line for line in logs), logs
