@@ -16,7 +16,6 @@ from typing import Any, Callable, Optional, Union
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -30,6 +29,7 @@ from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.exchange.ledger import GroupRecord
 from lightning_gradcomp.onebit_adam.exchange import CompressedAllReduce
 from lightning_gradcomp.optimizers.frozen_adam import FrozenVarianceAdam, OneBitAdam, ZeroOneAdam
+from lightning_gradcomp.strategies.final_sync import FinalSynchronisation
 from lightning_gradcomp.strategies.replicas import check_replicas
 from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.strategies.strategy import GradCompStrategy
@@ -306,8 +306,9 @@ class ZeroOneAdamStrategy(OneBitAdamStrategy):
     the other steps before the variance freezes; after it, local steps and a 1-bit averaged update every
     ``local_interval`` steps. Between synchronisations the ranks' weights and optimizer states differ, so each
     rank's are checkpointed. A ``fit`` that ends between two synchronisations synchronises once more after its last
-    step (:class:`FinalSynchronisation`), so every rank leaves ``fit`` with the same weights, and the checkpoints
-    written at its end hold them.
+    step (:meth:`final_synchronisation`, run by
+    :class:`~lightning_gradcomp.strategies.final_sync.FinalSynchronisation`), so every rank leaves ``fit`` with the
+    same weights, and the checkpoints written at its end hold them.
 
     Args:
         **kwargs: :class:`OneBitAdamStrategy`'s ``scale_block`` and :class:`~lightning_gradcomp.GradCompStrategy`'s
@@ -369,42 +370,8 @@ class ZeroOneAdamStrategy(OneBitAdamStrategy):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        # first among the callbacks: the others (checkpoints, validation, `on_train_end`) see the synchronised weights
-        if not any(isinstance(c, FinalSynchronisation) for c in trainer.callbacks):  # type: ignore[attr-defined]
-            trainer.callbacks.insert(0, FinalSynchronisation())  # type: ignore[attr-defined]
+        FinalSynchronisation.attach(trainer)  # runs `final_synchronisation` after the last step
         super().setup(trainer)
-
-
-class FinalSynchronisation(Callback):
-    """Runs :meth:`ZeroOneAdamStrategy.final_synchronisation` after the last training step of ``fit`` (first among
-    the callbacks, before the validation and the checkpoints that follow it), and again at ``on_train_end`` for a
-    ``fit`` stopped otherwise (early stopping, ``max_time``; a no-op when already in sync)."""
-
-    @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
-        strategy = trainer.strategy
-        if isinstance(strategy, ZeroOneAdamStrategy) and _ends_fit(trainer):
-            strategy.final_synchronisation()
-
-    @override
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        strategy = trainer.strategy
-        if isinstance(strategy, ZeroOneAdamStrategy):
-            strategy.final_synchronisation()
-
-
-def _ends_fit(trainer: "pl.Trainer") -> bool:
-    """Whether ``fit`` stops after the current batch: ``max_steps`` reached, or the last batch of the last epoch
-    (the same on every rank: the step count and the number of batches are)."""
-    if 0 <= trainer.max_steps <= trainer.global_step:
-        return True
-    max_epochs = trainer.max_epochs
-    if max_epochs is None or max_epochs < 0 or trainer.current_epoch + 1 < max_epochs:
-        return False
-    # the epoch loop's own end-of-epoch test (its `_num_ready_batches_reached`)
-    progress = trainer.fit_loop.epoch_loop.batch_progress
-    return progress.is_last_batch or progress.current.ready == trainer.num_training_batches
 
 
 def register(strategy_registry: Any = None) -> None:

@@ -15,8 +15,9 @@ Where the outer round runs: in :meth:`OuterRounds.optimizer_step`, right after t
 then DDP's backward (and every hook collective) has finished on all ranks, so the outer collectives, issued from
 the main thread in a fixed order on every rank, cannot interleave with the inner ones on the same group.
 
-When training ends, :class:`FinalOuterRound` (the first callback) runs one last round for every fragment not synced
-at the last step, so every rank holds the global weights when ``fit`` returns (``docs/diloco.md``).
+When training ends, :meth:`OuterRounds.final_synchronisation` runs one last round for every fragment not synced at
+the last step, right after that step (:class:`~lightning_gradcomp.strategies.final_sync.FinalSynchronisation`), so
+the checkpoints written at the end of ``fit`` and every rank hold the global weights (``docs/diloco.md``).
 """
 
 import copy
@@ -28,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -41,6 +41,7 @@ from lightning_gradcomp.exchange.memory import ResidualMemory
 from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.exchange import LeaderExchange
 from lightning_gradcomp.outer.fragments import strided_fragments
+from lightning_gradcomp.strategies.final_sync import FinalSynchronisation
 from lightning_gradcomp.strategies.resilience import ResilienceMixin
 from lightning_gradcomp.strategies.strategy import _SiteStrategy
 from lightning_gradcomp.validation import check_bool, check_int, check_number, UnknownOptionError
@@ -208,6 +209,8 @@ class OuterRounds(_OuterBase):
             ) from exc
         self.outer = None
         self._batch_tokens = 0
+        #: the inner step at which the final round ran (it runs once)
+        self._final_at: Optional[int] = None
 
     def _outer_optimizer(self, anchors: list[Tensor]) -> Optimizer:
         kwargs: dict[str, Any] = {"lr": self.outer_lr}
@@ -250,6 +253,7 @@ class OuterRounds(_OuterBase):
             mixing=self.mixing,
             state_device=state_device,
         )
+        self._final_at = None
         # anchor, outer momentum, outer error feedback and the site's weights: checkpointed per rank
         self.comm_state.attach("outer", self.outer)
         log.info(
@@ -291,12 +295,17 @@ class OuterRounds(_OuterBase):
             f"Fix: to resume a DiLoCo run, pass a checkpoint that run wrote."
         )
 
-    def final_round(self) -> None:
+    def final_synchronisation(self) -> None:
         """At the end of ``fit``: one last round for every fragment not synced at the last step, so every rank
-        holds the global weights when ``fit`` returns (:meth:`~lightning_gradcomp.outer.engine.OuterSync.final_round`).
+        holds the global weights (:meth:`~lightning_gradcomp.outer.engine.OuterSync.final_round`).
+
+        Run right after the last training step, before the checkpoints that follow it, and again at
+        ``on_train_end`` for a ``fit`` stopped otherwise: at most once per inner step, since with ``mixing > 0`` a
+        second final round would step the outer optimizer again. Every rank calls it at the same point.
         """
-        if self.outer is None:
+        if self.outer is None or self._final_at == self.outer.inner_steps:
             return
+        self._final_at = self.outer.inner_steps
         final = self.outer.final_round()
         self.outer.take_landed()
         module = self.lightning_module
@@ -313,9 +322,7 @@ class OuterRounds(_OuterBase):
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        # first among the callbacks: theirs (and the module's) `on_train_end` already see the global weights
-        if not any(isinstance(c, FinalOuterRound) for c in trainer.callbacks):  # type: ignore[attr-defined]
-            trainer.callbacks.insert(0, FinalOuterRound())  # type: ignore[attr-defined]
+        FinalSynchronisation.attach(trainer)  # runs `final_synchronisation` after the last step
         super().setup(trainer)
 
     # -- the step -------------------------------------------------------------------------------------------
@@ -473,16 +480,6 @@ def warn_one_site(where: str, outer_optimizer: type, sync_every: int, fix: str) 
         f"nodes (every rank is a site by default), or {fix}.",
         category=UserWarning,
     )
-
-
-class FinalOuterRound(Callback):
-    """Runs :meth:`OuterRounds.final_round` when training ends normally (first among the callbacks)."""
-
-    @override
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        strategy = trainer.strategy
-        if isinstance(strategy, OuterRounds):
-            strategy.final_round()
 
 
 #: what ``"streaming_diloco"`` (and ``"sharded_streaming_diloco"``) set: the paper's defaults

@@ -36,8 +36,9 @@ class _Logs(logging.Handler):
 
 
 def _fit(world_size: int, strategy: Any, steps: int, model: Any = None, ckpt_path: Any = None,
-         callbacks: Any = (), checkpointing: bool = False) -> dict[str, Any]:
-    """One fit; returns the weights when it returned, what it warned and logged, or the error it raised."""
+         callbacks: Any = (), checkpointing: bool = False, **trainer_kwargs: Any) -> dict[str, Any]:
+    """One fit; returns the weights when it returned, what it warned and logged, or the error it raised
+    (``trainer_kwargs``: further Trainer arguments, e.g. ``max_epochs``)."""
     model = model or AdamClassifier()
     handler = _Logs()
     logger = logging.getLogger("lightning_gradcomp")
@@ -50,7 +51,7 @@ def _fit(world_size: int, strategy: Any, steps: int, model: Any = None, ckpt_pat
             warnings.simplefilter("always")
             trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=world_size, max_steps=steps, logger=False,
                                  enable_progress_bar=False, enable_model_summary=False,
-                                 enable_checkpointing=checkpointing, callbacks=list(callbacks))
+                                 enable_checkpointing=checkpointing, callbacks=list(callbacks), **trainer_kwargs)
             try:
                 trainer.fit(model, random_loader(), ckpt_path=ckpt_path)
                 out["progress_bar"] = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
@@ -85,8 +86,37 @@ def _perturb_anchor(strategy: Any, module: pl.LightningModule) -> None:
     strategy.outer.anchor[name].add_(1e-3)
 
 
+class StopAfter(Callback):
+    """Stops ``fit`` after the optimizer step ``step`` (1-based), as early stopping does: not its last step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
 def _nan_weight(strategy: Any, module: pl.LightningModule) -> None:
     next(module.parameters()).fill_(float("nan"))
+
+
+def _last_checkpoint(world_size: int, strategy: DiLoCoStrategy, saver: ModelCheckpoint,
+                     **trainer_kwargs: Any) -> dict[str, Any]:
+    """A fit whose end falls between two rounds, saved by ``saver`` (``save_last``); the weights it returned, and
+    what its last checkpoint holds as read on this rank: the model's weights and every rank's site weights."""
+    model = AdamClassifier()
+    out = _fit(world_size, strategy, trainer_kwargs.pop("steps", -1), model=model, callbacks=[saver],
+               checkpointing=True, **trainer_kwargs)
+    if out["error"] is None:
+        # written by rank 0 before the barrier that ends its save: every rank reads the same file
+        checkpoint = torch.load(saver.last_model_path, map_location="cpu", weights_only=False)
+        names = [n for n, _ in model.named_parameters()]
+        out["checkpoint_params"] = torch.cat([checkpoint["state_dict"][n].reshape(-1) for n in names])
+        out["checkpoint_sites"] = [torch.cat([entry["extra"]["outer"]["params"][n].reshape(-1) for n in names])
+                                   for entry in checkpoint["gradcomp"]["ranks"]]
+        out["checkpoint_step"] = checkpoint["global_step"]
+    return out
 
 
 def runtime_scenarios(rank: int, world_size: int, tmpdir: str) -> dict[str, dict[str, Any]]:
@@ -123,6 +153,18 @@ def runtime_scenarios(rank: int, world_size: int, tmpdir: str) -> dict[str, dict
     out["from_gradcomp"] = _fit(world_size, DiLoCoStrategy(sync_every=2), 4, ckpt_path=path)
     out["from_gradcomp_reset"] = _fit(world_size, DiLoCoStrategy(sync_every=2, resume_compression="reset"), 4,
                                       ckpt_path=path)
+    # fits that end between two rounds, with a last checkpoint: written at the end of the epoch (DiLoCo, 8 steps,
+    # rounds at 3 and 6) and at the last step (Streaming DiLoCo, 5 steps, fragments launched at 1, 2, 4 and landing
+    # a step later, mixing 0.5)
+    out["last_checkpoint"] = _last_checkpoint(
+        world_size, DiLoCoStrategy(sync_every=3),
+        ModelCheckpoint(dirpath=os.path.join(tmpdir, "last"), save_last=True), max_epochs=1)
+    out["last_checkpoint_streaming"] = _last_checkpoint(
+        world_size, DiLoCoStrategy(sync_every=4, fragments=3, sync_delay=1, mixing=0.5),
+        ModelCheckpoint(dirpath=os.path.join(tmpdir, "last_streaming"), every_n_train_steps=5, save_last=True),
+        steps=5)
+    # a fit stopped before max_steps, between two rounds (at 2 and 4): the final round runs at on_train_end
+    out["stopped"] = _fit(world_size, DiLoCoStrategy(sync_every=2), 6, callbacks=[StopAfter(3)])
     # last: a NaN weight on rank 1 before the round at step 2 (its pseudo-gradient is NaN)
     out["nan"] = _fit(world_size, DiLoCoStrategy(sync_every=2), 4, callbacks=[AtStep(1, 1, _nan_weight)])
     out["progress_bar_key"] = {"key": PROGRESS_BAR_KEY}

@@ -200,7 +200,7 @@ class EngineRecorder(pl.Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # after FinalOuterRound (the first callback): the parameters every rank leaves fit with
+        # after the final synchronisation (right after the last step): the parameters every rank leaves fit with
         for restore in self._restore:
             restore()
         for p in pl_module.parameters():

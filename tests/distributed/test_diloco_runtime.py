@@ -33,8 +33,9 @@ def test_a_run_shorter_than_sync_every_ends_with_identical_replicas(runs: list[d
     # the one round that ran (the final one) is what was sent: dense fp32, over the 3 steps
     assert short[0]["rounds"] == 1
     assert short[0]["bytes_per_step"] == 4 * NUMEL // 3
-    # no round ran during the steps: the progress bar shows no ratio (not the in-site hook's 1.0x of nothing sent)
-    assert "comp_ratio" not in short[0]["progress_bar"]
+    # no round ran on schedule; the final one runs right after the last step, and the progress bar shows it as
+    # bytes_per_step() counts it: 3.0x less than DDP over the 3 steps (not the in-site hook's 1.0x of nothing sent)
+    assert short[0]["progress_bar"]["comp_ratio"] == pytest.approx(3.0, rel=1e-3)
 
 
 def test_progress_bar_shows_ddp_bytes_over_the_outer_rounds(runs: list[dict[str, dict[str, Any]]]) -> None:
@@ -47,6 +48,26 @@ def test_progress_bar_shows_ddp_bytes_over_the_outer_rounds(runs: list[dict[str,
 def test_streaming_lands_in_flight_fragments_and_drops_mixing_at_the_end(runs: list[dict[str, dict[str, Any]]]) -> None:
     streaming = _ok(runs, "streaming")
     assert torch.equal(streaming[0]["params"], streaming[1]["params"])
+
+
+@pytest.mark.parametrize("name", ["last_checkpoint", "last_checkpoint_streaming"])
+def test_the_last_checkpoint_holds_the_weights_every_rank_leaves_fit_with(runs: list[dict[str, dict[str, Any]]],
+                                                                          name: str) -> None:
+    ranks = _ok(runs, name)
+    final = ranks[0]["params"]
+    for rank, r in enumerate(ranks):
+        assert torch.equal(r["params"], final), f"rank {rank} left fit with other weights than rank 0"
+        assert torch.equal(r["checkpoint_params"], final), (
+            f"the last checkpoint (step {r['checkpoint_step']}) holds weights other than those fit returned"
+        )
+        for site, weights in enumerate(r["checkpoint_sites"]):
+            assert torch.equal(weights, final), f"the last checkpoint holds other weights for rank {site}'s site"
+
+
+def test_a_fit_stopped_between_rounds_ends_with_identical_replicas(runs: list[dict[str, dict[str, Any]]]) -> None:
+    stopped = _ok(runs, "stopped")
+    assert torch.equal(stopped[0]["params"], stopped[1]["params"]), "replicas differ when fit returned"
+    assert stopped[0]["rounds"] == 2  # the round at step 2, and the final one after step 3
 
 
 def test_setup_line_describes_the_outer_exchange(runs: list[dict[str, dict[str, Any]]]) -> None:
