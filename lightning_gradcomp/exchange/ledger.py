@@ -16,8 +16,8 @@ from typing import Optional, Protocol, Union, runtime_checkable
 
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.compressors.base import Aggregation
+from lightning_gradcomp.flat import FlatPacket, Segments
 
 
 #: bytes per element of the reference every ratio is taken against: fp32 DDP
