@@ -124,7 +124,7 @@ class Ledger:
             (bucket index, chunk index); not in :meth:`bytes_per_step` (see :meth:`bytes_of`).
         channels: bytes this rank put on each named link of a transport that spans two, since
             :meth:`take_channel` last read it (``"lan"``: the fan-out inside a site of
-            :class:`~lightning_gradcomp.exchange.transport.SiteLeadersTransport`).
+            :class:`~lightning_gradcomp.sites.transport.SiteLeadersTransport`).
         collectives: how many collectives of each kind ran.
         hook_calls: bucket hook calls since construction.
         per_rank: with ``keep_per_rank``, the per-rank decoded gradients of the latest exchange, by name.
