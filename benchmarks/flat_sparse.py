@@ -18,7 +18,7 @@ import torch
 
 from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DGC, TopK
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 RANKS = 3
 COMPRESSORS: dict[str, Callable[[], TopK]] = {"topk(0.01)": lambda: TopK(0.01), "dgc(0.001)": lambda: DGC(0.001)}

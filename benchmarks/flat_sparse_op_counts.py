@@ -18,7 +18,7 @@ import torch
 from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DGC, AdaComp, GradientDropping, TopK
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 from tests.oracles.adacomp import LayerAdaComp
 from tests.oracles.graddrop import LayerGradientDropping
 from tests.oracles.topk import LayerDGC, LayerTopK

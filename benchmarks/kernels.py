@@ -246,8 +246,7 @@ def group_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Cal
     """
     from lightning_gradcomp import kernels
     from lightning_gradcomp.compressors import TernGrad
-    from lightning_gradcomp.compressors.base import FlatPacket
-    from lightning_gradcomp.exchange.segments import Segments
+    from lightning_gradcomp.flat import FlatPacket, Segments
 
     shapes = group_shapes(n)
     seg = Segments([f"layer{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes])
@@ -304,7 +303,7 @@ def graddrop_cases(n: int, world: int, device: torch.device) -> list[tuple[str, 
     the mean of ``world`` payloads from the rows of one gathered buffer into a preallocated ``out``. The group
     kernels are the device's: the compiled C++ on the CPU, Triton on CUDA (``kernels/triton_graddrop.py``)."""
     from lightning_gradcomp.compressors import GradientDropping
-    from lightning_gradcomp.exchange.segments import Segments
+    from lightning_gradcomp.flat import Segments
 
     shapes = group_shapes(n)
     seg = Segments([f"layer{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes])
@@ -342,7 +341,7 @@ def adacomp_cases(n: int, world: int, device: torch.device) -> list[tuple[str, C
     """
     from lightning_gradcomp import kernels
     from lightning_gradcomp.compressors import AdaComp
-    from lightning_gradcomp.exchange.segments import Segments
+    from lightning_gradcomp.flat import Segments
 
     shapes = [(size // 9, 1, 3, 3) if i % 2 else (size,) for i, (size,) in enumerate(group_shapes(n))]
     seg = Segments([f"layer{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes])
@@ -394,7 +393,7 @@ def topk_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Call
     """
     from lightning_gradcomp.compressors import DGC, TopK
     from lightning_gradcomp.kernels import triton_launch, triton_topk
-    from lightning_gradcomp.exchange.segments import Segments
+    from lightning_gradcomp.flat import Segments
 
     shapes = group_shapes(n)
     seg = Segments([f"layer{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes])

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
 from lightning_gradcomp.compressors.backends import Backend
-from lightning_gradcomp.compressors.base import Compressor, Packet
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.flat import Packet
 
 CONFIGS: dict[str, Callable[[Backend], Compressor]] = {
     "graddrop": lambda b: GradientDropping(backend=b),  # the paper: 0.1% random sample, R = 0.99, coo32 fp32

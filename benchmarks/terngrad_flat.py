@@ -24,7 +24,7 @@ from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 GROUPS: dict[str, list[tuple[int, ...]]] = {
     "160 tensors, 0.17M elements (mlp width 32)": [(32, 32), (32,)] * 80,

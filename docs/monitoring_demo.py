@@ -25,7 +25,8 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.flat import Packet
 
 
 class TopKWithFeedback(Compressor):

@@ -53,9 +53,9 @@ def moved_names(module: str, moves: Mapping[str, str], stacklevel: int = 2) -> C
 MOVED_MODULES: dict[str, str] = {
     f"lightning_gradcomp.{old}": f"lightning_gradcomp.{new}"
     for old, new in {
-        **{m: f"exchange.{m}" for m in ("hook", "groups", "segments", "router", "ledger", "guard", "memory",
+        **{m: f"exchange.{m}" for m in ("hook", "groups", "router", "ledger", "guard", "memory",
                                         "pipeline", "planner", "costmodel", "codec", "transport", "comm", "stats")},
-        "bits": "wire.bits", "sparse": "wire.sparse", "hierarchy": "sites.hierarchy",
+        "segments": "flat", "bits": "wire.bits", "sparse": "wire.sparse", "hierarchy": "sites.hierarchy",
         **{m: f"strategies.{m}" for m in ("strategy", "fabric", "wiring", "resilience", "checkpoint", "replicas",
                                           "sharded", "shards", "towers", "presets")},
     }.items()

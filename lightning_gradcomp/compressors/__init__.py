@@ -1,7 +1,8 @@
 """Gradient compressors: pure tensor code, usable without a process group."""
 
 from lightning_gradcomp.compressors.adacomp import AdaComp
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.graddrop import GradientDropping
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.int8 import Int8

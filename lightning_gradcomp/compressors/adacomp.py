@@ -53,10 +53,10 @@ from lightning_gradcomp.compressors.adacomp_flat import (
     select_bins,
 )
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic, _one
+from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, _one
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp
 from lightning_gradcomp.kernels import triton_adacomp
-from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.wire.sparse import bin_word_bits, pack_codes, packed_codes_nbytes, unpack_codes
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 

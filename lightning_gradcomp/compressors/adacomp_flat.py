@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.kernels import triton_adacomp, triton_compact
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.wire.sparse import CODE_ADVANCE, bin_word_bits
 
 _BIG = 2**62

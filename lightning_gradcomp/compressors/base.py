@@ -19,7 +19,7 @@ import enum
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Optional
 
 import torch
@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradcomp.kernels import triton_launch
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import FlatPacket, Packet, Segments
 from lightning_gradcomp.validation import check_options
 
 
@@ -57,88 +57,6 @@ class CollectiveVariant:
     aggregation: Aggregation
 
 
-@dataclass
-class Packet:
-    """One compressed tensor.
-
-    Attributes:
-        payload: a 1-D tensor, exactly the bytes that cross the wire for this tensor.
-        shape: shape of the original tensor (local decode context).
-        dtype: dtype of the original tensor (local decode context).
-        ctx: any further local decode context, e.g. a scaler every rank already agreed on.
-        stats: per-tensor statistics as 0-d tensors on the payload's device (no host sync).
-    """
-
-    payload: Tensor
-    shape: torch.Size
-    dtype: torch.dtype
-    ctx: dict[str, Any] = field(default_factory=dict)
-    stats: dict[str, Tensor] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        """Exact number of bytes this packet puts on the wire."""
-        return self.payload.numel() * self.payload.element_size()
-
-    @property
-    def numel(self) -> int:
-        """Number of elements of the original tensor."""
-        return self.shape.numel()
-
-    def with_payload(self, payload: Tensor) -> "Packet":
-        """A packet with another rank's (or a summed) payload and this rank's local decode context."""
-        return replace(self, payload=payload, stats={})
-
-
-@dataclass
-class FlatPacket:
-    """The compressed form of a group of layers laid out in one flat tensor (:class:`~lightning_gradcomp.exchange.segments.Segments`).
-
-    A batched compressor makes one from the whole group in a fixed number of ops; the default, built from
-    :class:`Packet` s one layer at a time, keeps them in ``layers``.
-
-    Attributes:
-        payload: a 1-D tensor, exactly what crosses the wire for the group.
-        segments: the group's layout (names, shapes).
-        dtype: dtype of the original gradients.
-        layer_nbytes: bytes each layer put in ``payload``: Python ints when they depend on shapes only, else an
-            int64 device tensor (read on the host only when someone asks: a logging step, a size exchange).
-        ctx: further local decode context, e.g. per-layer scalers every rank agreed on.
-        stats: per-layer statistics, each a ``[layers]`` tensor on the payload's device.
-        layers: the per-layer packets the default (looping) path made, else ``None``.
-        self_describing: whether the payload carries its own per-layer layout (a header, as WeightGrad's WAN message
-            does): a variable-size gather then sends only the payload's total length ahead of it, and the decoder
-            reads the layers' sizes from the payload (a received packet keeps the receiver's ``layer_nbytes``).
-    """
-
-    payload: Tensor
-    segments: Segments
-    dtype: torch.dtype
-    layer_nbytes: "tuple[int, ...] | Tensor"
-    ctx: dict[str, Any] = field(default_factory=dict)
-    stats: dict[str, Tensor] = field(default_factory=dict)
-    layers: Optional[list[Packet]] = None
-    self_describing: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this packet puts on the wire."""
-        return self.payload.numel() * self.payload.element_size()
-
-    def with_payload(self, payload: Tensor, layer_nbytes: "tuple[int, ...] | Tensor | None" = None) -> "FlatPacket":
-        """Another rank's (or a summed) payload with this rank's local decode context; ``layer_nbytes``: that
-        rank's per-layer sizes when they differ from this rank's (variable-size payloads)."""
-        sizes = self.layer_nbytes if layer_nbytes is None else layer_nbytes
-        layers = None
-        if self.layers is not None:
-            assert isinstance(sizes, tuple), "the looping path's per-layer sizes are host integers"
-            layers, offset = [], 0
-            for packet, n in zip(self.layers, sizes):
-                layers.append(packet.with_payload(_slice_payload(payload, offset, n, packet.payload.dtype)))
-                offset += n
-        return replace(self, payload=payload, layer_nbytes=sizes, stats={}, layers=layers)
-
-
 def _one(compressor: "Compressor", name: str, shape: torch.Size) -> Segments:
     """The group of one layer: how the per-layer methods call the group methods. Kept per (name, shape), so the
     group code's layouts and index tensors, cached per group layout, are built once per layer as in the hook."""
@@ -159,16 +77,6 @@ def _layer_packet(group: FlatPacket) -> Packet:
 def _group_packet(compressor: "Compressor", packet: Packet) -> FlatPacket:
     """A per-layer packet as the group of one it came from (the layer's name plays no part in decoding)."""
     return FlatPacket(packet.payload, _one(compressor, "", packet.shape), packet.dtype, (packet.nbytes,), dict(packet.ctx))
-
-
-def _slice_payload(raw: Tensor, offset: int, nbytes: int, dtype: torch.dtype) -> Tensor:
-    """The ``nbytes`` at byte ``offset`` of a group payload, as a 1-D tensor of ``dtype``: a slice when the group
-    payload has that dtype, else bytes reinterpreted (copied first: a byte slice may be misaligned for a wider dtype)."""
-    if raw.dtype == dtype:
-        width = raw.element_size()
-        return raw[offset // width : (offset + nbytes) // width]
-    part = raw.view(torch.uint8)[offset : offset + nbytes]
-    return part if dtype == torch.uint8 else part.clone().view(dtype)
 
 
 @dataclass
@@ -406,7 +314,7 @@ class Compressor:
     # -- a group of layers in one flat tensor (the hook's batched pipeline) -------------------------------------
     # The defaults below loop over the layers with the per-layer methods above, so every compressor travels through
     # the hook's one pipeline; a batched compressor overrides them with a fixed number of ops per group (see
-    # :mod:`lightning_gradcomp.exchange.segments`) and sets :attr:`batched`, and its per-layer methods are then these
+    # :mod:`lightning_gradcomp.flat`) and sets :attr:`batched`, and its per-layer methods are then these
     # methods on a group of one. Where a compressor keeps both, overrides must give what the loop gives: the same
     # values bit for bit where the compressor is deterministic, the same statistics where it draws.
 

@@ -51,8 +51,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 IndexDtype = Literal["uint8", "int16", "int64"]

@@ -26,7 +26,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors import topk_flat
 from lightning_gradcomp.compressors.topk_flat import SparseLayout
 from lightning_gradcomp.kernels import segmented, triton_topk
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 
 @dataclass

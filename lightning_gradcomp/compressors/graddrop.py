@@ -40,7 +40,8 @@ from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic, _one
+from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, _one
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.graddrop_flat import (
     GroupKernels,
     Quantize,
@@ -55,7 +56,6 @@ from lightning_gradcomp.compressors.graddrop_flat import (
     survivors_mask,
 )
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
-from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.kernels import triton_graddrop
 from lightning_gradcomp.wire.sparse import (
     INDEX_ENCODINGS,

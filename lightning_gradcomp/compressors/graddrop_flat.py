@@ -7,7 +7,7 @@ the layers (the global scope's pool is the compressor's, :meth:`GradientDropping
 * each layer's threshold sample is the whole layer, Marian's stride, or positions drawn from the counter-based
   streams of :class:`~lightning_gradcomp.compressors.streams.CounterStreams` (hash(i) mod n, keyed by seed, rank,
   name and a per-name counter, so the whole group draws in a fixed number of ops); the samples, back to back, are
-  sorted per layer at once (:meth:`Segments.sort <lightning_gradcomp.exchange.segments.Segments.sort>`) and each
+  sorted per layer at once (:meth:`Segments.sort <lightning_gradcomp.flat.Segments.sort>`) and each
   layer's floor(R * m)-th value is read at a cached position (``torch.kthvalue`` and a stable sort agree on every
   value, NaN ranked last);
 * the drop rule, the tie rule (a layer with nothing above its threshold sends its ties) and the fp16 overflow
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.wire.sparse import (
     IndexEncoding,
     ValueFormat,

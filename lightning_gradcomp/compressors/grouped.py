@@ -4,7 +4,7 @@ Both send, per layer, fixed-width codes bit-packed to whole bytes followed by fl
 1-bit's reconstruction values). A group's payload is those per-layer payloads back to back, byte for byte what the
 per-layer packets would put on the wire, built and split in a fixed number of ops (:class:`PackedPayload`).
 Everything derived from a group's layout (bit paddings, byte permutations, bucket and row layouts) is built on
-first use and kept as long as the group's :class:`~lightning_gradcomp.exchange.segments.Segments` lives (:func:`derived`):
+first use and kept as long as the group's :class:`~lightning_gradcomp.flat.Segments` lives (:func:`derived`):
 the hook makes one per group and reuses it every step.
 """
 
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_gradcomp.wire.bits import bit_padding, pack_bits_segments, unpack_bits_segments
 
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 T = TypeVar("T")
 

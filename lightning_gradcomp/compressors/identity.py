@@ -5,8 +5,8 @@ from typing import Optional
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
+from lightning_gradcomp.flat import FlatPacket, Segments
 
 
 class Identity(Compressor):

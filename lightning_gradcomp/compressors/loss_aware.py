@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.validation import check_int, check_number
 from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary
 

@@ -1,7 +1,7 @@
 """A small extension of the compressor contract for compressors that need several rounds of communication.
 
 PowerSGD (Vogels et al., NeurIPS 2019) must all-reduce the left factors P before it can compute the right
-factors Q, which it then all-reduces too. A one-shot :class:`~lightning_gradcomp.compressors.base.Packet`
+factors Q, which it then all-reduces too. A one-shot :class:`~lightning_gradcomp.flat.Packet`
 cannot express that. torch's own PowerSGD hook issues the second all-reduce from a ``Future.then`` callback;
 on Gloo with two or more buckets the callbacks of different buckets interleave differently on each rank and
 the collectives mismatch (hang or abort).
@@ -21,7 +21,7 @@ Contract for :meth:`MultiRoundCompressor.exchange`:
   error feedback: ``residual = input - sent``), and the exact bytes this rank put on the wire for it.
 
 The hook calls :meth:`MultiRoundCompressor.exchange_flat`: the same exchange on a group of layers laid out back to
-back in one flat tensor (:class:`~lightning_gradcomp.exchange.segments.Segments`), with flat results, so the hook's own work
+back in one flat tensor (:class:`~lightning_gradcomp.flat.Segments`), with flat results, so the hook's own work
 (error feedback, writing the bucket, the ledger) is one op per group whatever the number of layers. Its default
 runs :meth:`~MultiRoundCompressor.exchange` on the layers' views (ops per layer); a compressor that overrides it
 (PowerSGD) gathers and scatters its shape classes in a fixed number of ops each.
@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 AllReduce = Callable[[Tensor], Tensor]
 """Sums a tensor over ranks in place, waits for it, and returns it."""

@@ -32,9 +32,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.wire.bits import packed_bits_nbytes
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.grouped import PackedPayload, derived
-from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_choice
 
 Granularity = Literal["tensor", "row"]

@@ -37,9 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Packet
+from lightning_gradcomp.flat import Packet, Segments
 from lightning_gradcomp.compressors.multiround import AllReduce, Exchanged, FlatExchanged, MultiRoundCompressor
-from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_int, check_number
 
 
@@ -193,7 +192,7 @@ class PowerSGD(MultiRoundCompressor):
 
     def _flat_plan(self, segments: Segments) -> _FlatPlan:
         """The shape classes of a group and their elements' positions in its flat tensor (built once per layout:
-        a :class:`~lightning_gradcomp.exchange.segments.Segments` is made once per group and reused every step)."""
+        a :class:`~lightning_gradcomp.flat.Segments` is made once per group and reused every step)."""
         plan = self._flat_plans.get(segments)
         if plan is None:
             classes = self._classes(segments.shapes, segments.shapes)

@@ -34,16 +34,14 @@ from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBac
 from lightning_gradcomp.compressors.base import (
     Aggregation,
     CollectiveVariant,
-    FlatPacket,
-    Packet,
     SharedStatistic,
     _group_packet,
     _one,
 )
+from lightning_gradcomp.flat import FlatPacket, Packet, Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
 from lightning_gradcomp.compressors.terngrad_flat import FlatTernGrad
 from lightning_gradcomp.kernels._build import extension_for
-from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.wire.ternary import PACKINGS, Packing, packed_nbytes
 

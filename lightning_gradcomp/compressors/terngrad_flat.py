@@ -1,5 +1,5 @@
 """TernGrad over a group of layers laid out in one flat tensor: a fixed number of ops per group, whatever the number
-of layers (the hook's batched pipeline, :mod:`lightning_gradcomp.exchange.segments`). This is TernGrad's one
+of layers (the hook's batched pipeline, :mod:`lightning_gradcomp.flat`). This is TernGrad's one
 implementation: a single tensor (``TernGrad.compress(tensor, name)``) is a group of one.
 
 The result equals TernGrad's per-layer oracle (``tests/oracles/terngrad.py`` with the per-layer kernels) layer by
@@ -23,7 +23,7 @@ compiler) torch ops, the same bits again.
 
 Chunks: each layer is cut into chunks of ``bucket_size`` elements (the last one shorter), one scaler each; with
 ``bucket_size=None`` one chunk per layer; an empty layer has no chunk (no scaler, no byte on the wire). The
-chunks of a group are themselves :class:`~lightning_gradcomp.exchange.segments.Segments`, so per-chunk reductions are one
+chunks of a group are themselves :class:`~lightning_gradcomp.flat.Segments`, so per-chunk reductions are one
 ``scatter_reduce`` each.
 """
 
@@ -38,10 +38,10 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.kernels import triton_terngrad
-from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.wire.ternary import Packing
 
 _PER_BYTE = {"2bit": 4, "base3": 5}

@@ -37,10 +37,10 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors import dgc_flat, topk_flat
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
 from lightning_gradcomp.compressors.topk_flat import SparseLayout
-from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 ValueDtype = Literal["fp32", "fp16", "int2"]

@@ -1,5 +1,5 @@
 """The wire of :class:`~lightning_gradcomp.compressors.TopK` and ``DGC``: a whole group of layers
-(:class:`~lightning_gradcomp.exchange.segments.Segments`) encoded and decoded in a fixed number of ops, and top-k's
+(:class:`~lightning_gradcomp.flat.Segments`) encoded and decoded in a fixed number of ops, and top-k's
 selection (:func:`top_k_segment` for one layer, looped by :func:`select_top_k`; :func:`select_top_k_batched` for
 the whole group at once).
 
@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_gradcomp.wire.bits import pack_bits, unpack_bits
 from lightning_gradcomp.kernels import triton_compact, triton_topk
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 #: int2 codes 0..3 stand for (code - 1.5) * s
 INT2_HALF_RANGE = 1.5

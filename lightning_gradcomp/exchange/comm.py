@@ -125,7 +125,7 @@ def completed(value: Tensor) -> Future:
 # A site's ranks share a LAN (``site_group``); one leader per site talks over the WAN (``leader_group``, None
 # on ranks that are not leaders). Every function is called by every rank of the world, in the same order, and
 # waits: these run between training steps, not inside a DDP hook. The exchange's collectives over the sites are
-# :class:`~lightning_gradcomp.exchange.transport.SiteLeadersTransport`'s (the leaders' collective, then
+# :class:`~lightning_gradcomp.sites.transport.SiteLeadersTransport`'s (the leaders' collective, then
 # :func:`broadcast_` inside each site).
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 
 class HookBucket(Protocol):

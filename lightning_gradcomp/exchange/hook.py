@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.exchange import comm
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
+from lightning_gradcomp.flat import FlatPacket
 from lightning_gradcomp.compressors.multiround import AllReduce, FlatExchanged, MultiRoundCompressor
 from lightning_gradcomp.exchange.guard import (
     NonFinite,

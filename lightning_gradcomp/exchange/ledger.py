@@ -17,8 +17,8 @@ from typing import Optional, Protocol, Union, runtime_checkable
 
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation, FlatPacket
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.compressors.base import Aggregation
+from lightning_gradcomp.flat import FlatPacket, Segments
 
 
 #: bytes per element of the reference every ratio is taken against: fp32 DDP
@@ -177,7 +177,7 @@ class Ledger:
             (bucket index, chunk index); not in :meth:`last_step_bytes` (see :meth:`bytes_of`).
         channels: bytes this rank put on each named link of a transport that spans two, since
             :meth:`take_channel` last read it (``"lan"``: the fan-out inside a site of
-            :class:`~lightning_gradcomp.exchange.transport.SiteLeadersTransport`).
+            :class:`~lightning_gradcomp.sites.transport.SiteLeadersTransport`).
         collectives: how many collectives of each kind ran.
         hook_calls: bucket hook calls since construction.
         per_rank: with ``keep_per_rank``, the per-rank decoded gradients of the latest exchange, by name.

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 
 class ResidualMemory:

@@ -168,7 +168,7 @@ class HookObserver:
 
     def observe_group(self, segments: Any, compressor: Any, compressed_input: Tensor, packet: Any,
                       sent: Optional[Tensor]) -> None:
-        """A group's packet (:class:`~lightning_gradcomp.compressors.base.FlatPacket`), flat input and local decode."""
+        """A group's packet (:class:`~lightning_gradcomp.flat.FlatPacket`), flat input and local decode."""
 
     def observe_averaged(self, name: str, averaged: Tensor) -> None:
         """One layer's decoded, averaged gradient."""

@@ -10,7 +10,7 @@ its owner, rank ``r`` (:meth:`Transport.scatter_to_owners`), and every owner's s
 
 * :class:`ProcessGroupTransport`: torch.distributed over a process group (:mod:`lightning_gradcomp.exchange.comm`) — DDP's
   buckets, the hierarchical exchange's groups, the outer rounds' leaders;
-* :class:`SiteLeadersTransport`: the sites as the exchange's ranks, every rank of a site holding the same data — the
+* :class:`~lightning_gradcomp.sites.transport.SiteLeadersTransport`: the sites as the exchange's ranks, every rank of a site holding the same data — the
   leaders' collective over the WAN, then each leader's broadcast inside its site (WeightGrad's WAN round);
 * :class:`WorkerTransport`: ``N`` workers emulated in one process (:class:`~lightning_gradcomp.strategies.towers.TowerStrategy`),
   each running the same exchange in its own thread; the workers meet at a barrier per collective and every worker
@@ -31,8 +31,6 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_gradcomp.exchange import comm
-from lightning_gradcomp.exchange.ledger import Ledger, tensor_bytes
-from lightning_gradcomp.sites.layout import SiteGroups
 
 
 class Transport(Protocol):
@@ -105,79 +103,6 @@ class ProcessGroupTransport:
 
     def gather_from_owners(self, out: Tensor, mine: Tensor, splits: Sequence[int], repeated: Tensor) -> Future:
         return comm.gather_from_owners(out, mine, list(splits), self.process_group, repeated)
-
-
-class SiteLeadersTransport:
-    """The sites as the ranks of an exchange: ``world_size`` is the number of sites, ``rank`` this rank's site.
-
-    Every rank of a site holds the same data (the site's replicas), so one copy per site crosses the WAN: each
-    collective runs among the site leaders (``groups.leader_group``), then each leader broadcasts the result inside
-    its site (``groups.site_group``), and every rank of every site ends with the same bits. What a rank that is not
-    a leader contributes is not read. Every call blocks (the futures returned are complete): the round runs between
-    training steps, not inside DDP's backward.
-
-    Args:
-        groups: this rank's sites and groups.
-        ledger: where the bytes a leader broadcasts inside its site are recorded (channel ``"lan"``); ``None``: not
-            recorded. The bytes between sites are the exchange's own records.
-    """
-
-    def __init__(self, groups: SiteGroups, ledger: Optional[Ledger] = None) -> None:
-        self.groups = groups
-        self.ledger = ledger
-
-    @property
-    def world_size(self) -> int:
-        return self.groups.layout.num_sites
-
-    @property
-    def rank(self) -> int:
-        return self.groups.site
-
-    def _fan_out(self, tensor: Tensor) -> None:
-        """The leader's ``tensor`` to every rank of its site."""
-        g = self.groups
-        if g.site_size > 1:
-            comm.broadcast_(tensor, g.leader, g.site_group)
-            if g.is_leader and self.ledger is not None:
-                self.ledger.record_channel("lan", tensor_bytes(tensor))
-
-    def max_(self, tensor: Tensor) -> None:
-        if self.groups.leader_group is not None:
-            comm.all_reduce_max_(tensor, self.groups.leader_group)
-        self._fan_out(tensor)
-
-    def sum(self, tensor: Tensor) -> Future:
-        if self.groups.leader_group is not None:
-            comm.all_reduce_sum(tensor, self.groups.leader_group).wait()
-        self._fan_out(tensor)
-        return comm.completed(tensor)
-
-    def gather_sizes(self, sizes: Tensor) -> Tensor:
-        leaders = self.groups.leader_group
-        if leaders is not None:
-            table = comm.all_gather_sizes(sizes, leaders, self.world_size)
-        else:
-            table = sizes.new_zeros((self.world_size, sizes.numel()))
-        self._fan_out(table)
-        return table
-
-    def gather(self, tensor: Tensor, out: Tensor) -> tuple[Future, Tensor]:
-        if self.groups.leader_group is not None:
-            comm.all_gather(tensor, self.groups.leader_group, self.world_size, out=out)[0].wait()
-        self._fan_out(out)
-        return comm.completed(out), out.view(self.world_size, -1)
-
-    def scatter_to_owners(self, out: Tensor, tensor: Tensor, splits: Sequence[int]) -> None:
-        if self.groups.leader_group is not None:
-            comm.scatter_to_owners(out, tensor, list(splits), self.groups.leader_group)
-        self._fan_out(out)
-
-    def gather_from_owners(self, out: Tensor, mine: Tensor, splits: Sequence[int], repeated: Tensor) -> Future:
-        if self.groups.leader_group is not None:
-            comm.gather_from_owners(out, mine, list(splits), self.groups.leader_group, repeated).wait()
-        self._fan_out(out)
-        return comm.completed(out)
 
 
 class LoopbackTransport:

@@ -1,4 +1,4 @@
-"""Segment-wise helpers over a flat group of layers (:class:`~lightning_gradcomp.exchange.segments.Segments`), each a fixed
+"""Segment-wise helpers over a flat group of layers (:class:`~lightning_gradcomp.flat.Segments`), each a fixed
 number of ops whatever the number of segments, with no host read and no op whose output size depends on the data.
 
 For the batched sparse compressors (top-k, DGC; reusable by Gradient Dropping and AdaComp):
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 _RADIX_BITS = 8
 _BINS = 1 << _RADIX_BITS

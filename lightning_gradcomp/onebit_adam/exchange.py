@@ -33,12 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import FlatPacket
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.onebit import OneBit
 from lightning_gradcomp.exchange.groups import LayerGroup
 from lightning_gradcomp.exchange.hook import GroupState, group_step
 from lightning_gradcomp.exchange.memory import ResidualMemory
-from lightning_gradcomp.exchange.segments import Segments
 from lightning_gradcomp.exchange.transport import ProcessGroupTransport, Transport
 from lightning_gradcomp.validation import check_int
 

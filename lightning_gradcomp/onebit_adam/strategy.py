@@ -31,7 +31,7 @@ from lightning_gradcomp.onebit_adam.exchange import CompressedAllReduce
 from lightning_gradcomp.optimizers.frozen_adam import FrozenVarianceAdam, OneBitAdam, ZeroOneAdam
 from lightning_gradcomp.strategies.final_sync import FinalSynchronisation
 from lightning_gradcomp.strategies.replicas import check_replicas
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.strategies.strategy import GradCompStrategy
 from lightning_gradcomp.validation import check_int
 

@@ -32,7 +32,7 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.exchange.groups import TensorBucket
 from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.exchange.ledger import LayerRecord, Ledger
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.exchange.transport import Workers
 from lightning_gradcomp.strategies.wiring import select_float_names
 from lightning_gradcomp.validation import UnknownOptionError, check_int, check_options

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary
 
 EMPTY, DENSE_TERNARY, SPARSE_TERNARY, DENSE_FP32, SPARSE_FP32 = 0, 1, 2, 3, 4

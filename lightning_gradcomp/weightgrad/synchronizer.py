@@ -17,7 +17,7 @@ A WAN round (all sites together):
    :class:`~lightning_gradcomp.compressors.TernGrad`'s stochastic rounding at scale ``max|x|``, or fp32 values, in one
    variable-size message); the site keeps what it did not send (``g_u - sent``: insignificant parts and rounding
    error keep accumulating, as in Gaia);
-2. the exchange's transport is the sites (:class:`~lightning_gradcomp.exchange.transport.SiteLeadersTransport`): the
+2. the exchange's transport is the sites (:class:`~lightning_gradcomp.sites.transport.SiteLeadersTransport`): the
    leaders all-gather the messages over the WAN, then each leader broadcasts them inside its site over the LAN; the
    weights travel down as ternary weight updates with a per-layer scale;
 3. every rank decodes all sites' messages in site order and moves ``anchor`` by their average (the Global
@@ -52,7 +52,7 @@ from lightning_gradcomp.compressors.terngrad import TernGrad
 from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.exchange.ledger import tensor_bytes
 from lightning_gradcomp.exchange.pipeline import LayerTransform
-from lightning_gradcomp.exchange.transport import SiteLeadersTransport
+from lightning_gradcomp.sites.transport import SiteLeadersTransport
 from lightning_gradcomp.outer.engine import OuterSync
 from lightning_gradcomp.outer.exchange import FlatBucket, InFlight, sync_buffers
 from lightning_gradcomp.weightgrad.quantize import Ternarizer, WanMessage

@@ -9,7 +9,7 @@ packs in a fixed number of ops with :func:`pack_bits_segments`, each layer's bit
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.exchange.segments import Padding, Segments
+from lightning_gradcomp.flat import Padding, Segments
 
 
 def packed_bits_nbytes(numel: int, width: int) -> int:

@@ -5,7 +5,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.flat import Packet
 
 
 class MemoryProbe(Compressor):

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import CompressionMonitor
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.flat import Packet
 from tests.distributed.lightning_ranks import TinyClassifier, random_loader
 
 

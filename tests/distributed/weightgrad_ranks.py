@@ -67,7 +67,7 @@ def site_transport(rank: int, world_size: int) -> dict[str, Any]:
 
     from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
     from lightning_gradcomp.exchange.ledger import Ledger
-    from lightning_gradcomp.exchange.transport import SiteLeadersTransport
+    from lightning_gradcomp.sites.transport import SiteLeadersTransport
     from lightning_gradcomp.outer.exchange import FlatBucket
     from lightning_gradcomp.sites.layout import new_site_groups, site_layout
     from lightning_gradcomp.weightgrad import WanMessage

@@ -19,8 +19,8 @@ from torch import Tensor
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.adacomp import AdaComp, layer_kind
 from lightning_gradcomp.compressors.adacomp_flat import bin_mean
-from lightning_gradcomp.compressors.base import Compressor, Packet
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.flat import Packet, Segments
 from lightning_gradcomp.wire.sparse import (
     decode_bin_relative,
     encode_bin_relative,

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Packet, max_or_zero
+from lightning_gradcomp.compressors.base import max_or_zero
+from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.cast import Cast
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.int8 import Int8

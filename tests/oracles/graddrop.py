@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.base import Compressor, Packet
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.graddrop import GradientDropping, drop_count, select_threshold
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.kernels import rng

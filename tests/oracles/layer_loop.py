@@ -9,8 +9,8 @@ from typing import Optional
 
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, FlatPacket, Packet, SharedStatistic
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.compressors.base import Compressor, SharedStatistic
+from lightning_gradcomp.flat import FlatPacket, Packet, Segments
 
 
 class LayerLoop(Compressor):

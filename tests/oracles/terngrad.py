@@ -17,9 +17,9 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import (
     Aggregation,
     Compressor,
-    Packet,
     max_or_zero,
 )
+from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.compressors.terngrad import _SIGMA_NOISE, TernGrad
 from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary

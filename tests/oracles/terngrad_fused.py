@@ -22,7 +22,8 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation, Packet
+from lightning_gradcomp.compressors.base import Aggregation
+from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.compressors.terngrad_flat import TernGradSettings
 from tests.oracles import terngrad_kernels as kernels

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors import topk_flat
-from lightning_gradcomp.compressors.base import Compressor, Packet
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.topk import DGC, TopK
 from lightning_gradcomp.wire.bits import pack_bits, packed_bits_nbytes, unpack_bits
 from tests.oracles.layer_loop import LayerLoop

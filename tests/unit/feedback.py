@@ -8,7 +8,8 @@ from typing import Optional
 
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, Packet
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.exchange.memory import ResidualMemory
 
 

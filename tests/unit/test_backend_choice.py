@@ -8,7 +8,7 @@ import torch
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping, TernGrad
 from lightning_gradcomp.compressors.backends import Backend, KernelBacked
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 MAKERS: dict[str, Callable[[Backend], KernelBacked]] = {
     "terngrad": lambda backend: TernGrad(backend=backend),

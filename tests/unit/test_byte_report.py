@@ -17,7 +17,7 @@ from lightning_gradcomp import (
 from lightning_gradcomp.compressors import DeMo
 from lightning_gradcomp.compressors.base import Aggregation
 from lightning_gradcomp.exchange.ledger import ByteReport, GroupRecord, Ledger, RunBytes
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.optimizers import SignSGD
 
 STRATEGIES: dict[str, Callable[[], Any]] = {

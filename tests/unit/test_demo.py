@@ -7,7 +7,7 @@ from lightning_gradcomp import registry
 from lightning_gradcomp.compressors import DeMo
 from lightning_gradcomp.compressors.demo import ChunkedDCT, dct_matrix, largest_divisor
 from lightning_gradcomp.exchange.memory import ResidualMemory
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 
 @pytest.mark.parametrize("shape", [(128, 64), (130, 70), (97,), (256, 128), (8, 3, 3, 3), (), (1,)])

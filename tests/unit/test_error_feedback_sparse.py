@@ -15,7 +15,8 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
 from lightning_gradcomp.compressors.backends import Backend
-from lightning_gradcomp.compressors.base import Compressor, Packet
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.exchange.memory import ResidualMemory
 from tests.unit.feedback import feedback_step
 

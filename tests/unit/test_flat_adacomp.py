@@ -12,8 +12,8 @@ from torch import Tensor
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp
 from lightning_gradcomp.compressors.backends import Backend
-from lightning_gradcomp.compressors.base import Compressor, FlatPacket
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.flat import FlatPacket, Segments
 from tests.oracles.adacomp import LayerAdaComp
 from tests.unit.test_flat_graddrop_adacomp import RANKS, _assert_same_stats, _gradient, _layout
 

@@ -20,7 +20,7 @@ from lightning_gradcomp.compressors.multiround import AllReduce, FlatExchanged, 
 from lightning_gradcomp.exchange.groups import layer_offsets
 from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.compressors.powersgd import orthogonalize_
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 
 T = TypeVar("T")
 CPU = torch.device("cpu")

@@ -19,10 +19,10 @@ from torch import Tensor
 from gradcomp_lab.opcount import OpCount, count_ops
 from lightning_gradcomp.wire.bits import pack_bits
 from lightning_gradcomp.compressors import BF16, FP16, QSGD, Identity, OneBit
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.int8 import Int8
 from lightning_gradcomp.compressors.streams import CounterStreams
-from lightning_gradcomp.exchange.segments import Segments
 from tests.oracles.dense import LayerCast, LayerIdentity, LayerInt8, LayerQSGD
 
 RANKS = 3

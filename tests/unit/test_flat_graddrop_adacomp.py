@@ -14,9 +14,9 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
 from lightning_gradcomp.compressors.adacomp import Quantizer
 from lightning_gradcomp.compressors.backends import Backend
-from lightning_gradcomp.compressors.base import Compressor, FlatPacket
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.kernels import torch_ops
-from lightning_gradcomp.exchange.segments import Segments
 from tests.oracles.adacomp import LayerAdaComp
 
 RANKS = 3

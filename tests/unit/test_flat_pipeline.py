@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from lightning_gradcomp import registry
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.compressors.topk import TopK
 from lightning_gradcomp.exchange.groups import Layouts
 from lightning_gradcomp.exchange.ledger import GroupRecord, LayerRecord, Ledger
 from lightning_gradcomp.exchange.memory import ResidualMemory
-from lightning_gradcomp.exchange.segments import Segments
 from gradcomp_lab.opcount import count_ops
 
 SHAPES = [torch.Size([3, 4]), torch.Size([1]), torch.Size([0]), torch.Size([7]), torch.Size([2, 2, 2])]

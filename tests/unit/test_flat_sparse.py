@@ -11,9 +11,8 @@ import torch
 
 from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DGC, TopK
-from lightning_gradcomp.compressors.base import FlatPacket
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.kernels import segmented
-from lightning_gradcomp.exchange.segments import Segments
 from tests.oracles.topk import LayerDGC, LayerTopK
 
 CPU = torch.device("cpu")

@@ -18,8 +18,8 @@ from gradcomp_lab.opcount import count_ops
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, FlatPacket, SharedStatistic
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
+from lightning_gradcomp.flat import FlatPacket, Segments
 from tests.oracles.terngrad import LayerTernGrad
 
 RANKS = 3

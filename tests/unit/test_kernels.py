@@ -424,7 +424,7 @@ def test_compiled_group_uniforms_equal_the_torch_ops_draws(compiled: bool) -> No
     """The compiled draw of a group's uniforms gives the torch ops' bits for every layer (empty ones draw nothing),
     and moves the same counters."""
     from lightning_gradcomp.compressors.streams import CounterStreams
-    from lightning_gradcomp.exchange.segments import Segments
+    from lightning_gradcomp.flat import Segments
 
     shapes = [(5, 3), (0,), (1,), (70001,), (0, 2), (77,)]
     segments = Segments([f"l{i}" for i in range(len(shapes))], [torch.Size(s) for s in shapes])

@@ -34,7 +34,7 @@ def test_loopback_exchange_records_its_packets_bytes(world: int, rank: int) -> N
 def test_group_step_refuses_a_multi_round_compressor() -> None:
     from lightning_gradcomp.compressors import PowerSGD
     from lightning_gradcomp.exchange.groups import LayerGroup
-    from lightning_gradcomp.exchange.segments import Segments
+    from lightning_gradcomp.flat import Segments
 
     segments = Segments(["w"], [torch.Size([4, 4])])
     group = LayerGroup(PowerSGD(), segments, (0,), 0, (0,))

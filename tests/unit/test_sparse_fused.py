@@ -14,7 +14,8 @@ import torch
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping
-from lightning_gradcomp.compressors.base import Compressor, Packet
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.graddrop import select_threshold
 from lightning_gradcomp.compressors.backends import fused_enabled
 

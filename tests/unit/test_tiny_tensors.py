@@ -10,7 +10,8 @@ from typing import cast
 import pytest
 import torch
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, Packet
+from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.registry import compressor_names, make_compressor
 

@@ -17,8 +17,7 @@ from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp
-from lightning_gradcomp.compressors.base import FlatPacket
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import FlatPacket, Segments
 from tests.triton_interpreter import compile_for_hopper, hopper_job, interpreter_test, needs_triton
 from tests.unit.test_flat_graddrop_adacomp import ADACOMP_CASES, SHAPES
 

@@ -16,8 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors import GradientDropping
-from lightning_gradcomp.compressors.base import FlatPacket
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import FlatPacket, Segments
 from tests.triton_interpreter import compile_for_hopper, hopper_job, interpreter_test, needs_triton
 from tests.unit.test_flat_graddrop import GRADDROP_CASES, LAYER_CASES, _gradient, _layout, _ops_per_step
 

@@ -16,7 +16,8 @@ import torch
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
-from lightning_gradcomp.compressors.base import Compressor, FlatPacket
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.flat import FlatPacket
 from lightning_gradcomp.kernels import rng
 from tests.triton_interpreter import compile_for_hopper, hopper_job, interpreter_test, needs_triton, run_subprocess
 from tests.unit.test_flat_terngrad import (

@@ -15,8 +15,7 @@ import torch
 
 from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DGC, TopK
-from lightning_gradcomp.compressors.base import FlatPacket
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import FlatPacket, Segments
 from tests.triton_interpreter import compile_for_hopper, hopper_job, interpreter_test, needs_triton
 
 CPU = torch.device("cpu")

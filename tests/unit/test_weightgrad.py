@@ -17,7 +17,7 @@ from lightning_gradcomp.weightgrad import (
 )
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.loss_aware import LossAwareTernary
-from lightning_gradcomp.exchange.segments import Segments
+from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.sites.layout import new_site_groups, site_layout
 from lightning_gradcomp.wire.ternary import pack_ternary
 from lightning_gradcomp.weightgrad.synchronizer import SiteView, WanQuantization

@@ -1,11 +1,16 @@
-"""The layout of several layers in one flat tensor, and the segment-aware ops a batched compressor runs over it.
+"""The flat layout and the packets of the compressed exchange: the library's bottom module.
 
 A DDP bucket holds its parameters' gradients back to back in one 1-D buffer. A batched compressor treats the
-layers of a group as *segments* of such a flat tensor: per-layer scalers become one segmented reduction
-(:meth:`Segments.reduce`), per-element use of them one ``index_select``, per-layer padding (to a packing word or a bin) one
-``scatter_``. The number of dispatched ops (kernel launches on a GPU) is then fixed per group, whatever the
-number of layers. Index tensors are built once per layout and device and kept here; a layout is made once per
-group of names (see :class:`SegmentsCache`).
+layers of a group as *segments* of such a flat tensor (:class:`Segments`): per-layer scalers become one segmented
+reduction (:meth:`Segments.reduce`), per-element use of them one ``index_select``, per-layer padding (to a packing
+word or a bin) one ``scatter_``. The number of dispatched ops (kernel launches on a GPU) is then fixed per group,
+whatever the number of layers. Index tensors are built once per layout and device and kept here; a layout is made
+once per group of names (see :class:`SegmentsCache`). A compressor encodes one tensor into a :class:`Packet` and a
+group into a :class:`FlatPacket`.
+
+Compressors, kernels, the wire formats and the exchange all speak these types, so this module imports nothing of
+``lightning_gradcomp`` (torch and the standard library only): every folder of the package can import it without an
+import cycle (``tests/unit/test_import_graph.py``).
 
 Writes to 1-D positions use ``scatter_``/``scatter_add_``, not ``index_copy_``/``index_add_``: the same values for
 distinct positions, but on CPU torch's ``index_copy_`` is 1.7-3.6x slower than ``scatter_`` on a bucket of millions
@@ -13,8 +18,8 @@ distinct positions, but on CPU torch's ``index_copy_`` is 1.7-3.6x slower than `
 """
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -254,4 +259,96 @@ class SegmentsCache:
         return layout
 
 
-__all__ = ["Padding", "Segments", "SegmentsCache"]
+@dataclass
+class Packet:
+    """One compressed tensor.
+
+    Attributes:
+        payload: a 1-D tensor, exactly the bytes that cross the wire for this tensor.
+        shape: shape of the original tensor (local decode context).
+        dtype: dtype of the original tensor (local decode context).
+        ctx: any further local decode context, e.g. a scaler every rank already agreed on.
+        stats: per-tensor statistics as 0-d tensors on the payload's device (no host sync).
+    """
+
+    payload: Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    ctx: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Exact number of bytes this packet puts on the wire."""
+        return self.payload.numel() * self.payload.element_size()
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the original tensor."""
+        return self.shape.numel()
+
+    def with_payload(self, payload: Tensor) -> "Packet":
+        """A packet with another rank's (or a summed) payload and this rank's local decode context."""
+        return replace(self, payload=payload, stats={})
+
+
+@dataclass
+class FlatPacket:
+    """The compressed form of a group of layers laid out in one flat tensor (:class:`Segments`).
+
+    A batched compressor makes one from the whole group in a fixed number of ops; the default, built from
+    :class:`Packet` s one layer at a time, keeps them in ``layers``.
+
+    Attributes:
+        payload: a 1-D tensor, exactly what crosses the wire for the group.
+        segments: the group's layout (names, shapes).
+        dtype: dtype of the original gradients.
+        layer_nbytes: bytes each layer put in ``payload``: Python ints when they depend on shapes only, else an
+            int64 device tensor (read on the host only when someone asks: a logging step, a size exchange).
+        ctx: further local decode context, e.g. per-layer scalers every rank agreed on.
+        stats: per-layer statistics, each a ``[layers]`` tensor on the payload's device.
+        layers: the per-layer packets the default (looping) path made, else ``None``.
+        self_describing: whether the payload carries its own per-layer layout (a header, as WeightGrad's WAN message
+            does): a variable-size gather then sends only the payload's total length ahead of it, and the decoder
+            reads the layers' sizes from the payload (a received packet keeps the receiver's ``layer_nbytes``).
+    """
+
+    payload: Tensor
+    segments: Segments
+    dtype: torch.dtype
+    layer_nbytes: "tuple[int, ...] | Tensor"
+    ctx: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Tensor] = field(default_factory=dict)
+    layers: Optional[list[Packet]] = None
+    self_describing: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this packet puts on the wire."""
+        return self.payload.numel() * self.payload.element_size()
+
+    def with_payload(self, payload: Tensor, layer_nbytes: "tuple[int, ...] | Tensor | None" = None) -> "FlatPacket":
+        """Another rank's (or a summed) payload with this rank's local decode context; ``layer_nbytes``: that
+        rank's per-layer sizes when they differ from this rank's (variable-size payloads)."""
+        sizes = self.layer_nbytes if layer_nbytes is None else layer_nbytes
+        layers = None
+        if self.layers is not None:
+            assert isinstance(sizes, tuple), "the looping path's per-layer sizes are host integers"
+            layers, offset = [], 0
+            for packet, n in zip(self.layers, sizes):
+                layers.append(packet.with_payload(_slice_payload(payload, offset, n, packet.payload.dtype)))
+                offset += n
+        return replace(self, payload=payload, layer_nbytes=sizes, stats={}, layers=layers)
+
+
+def _slice_payload(raw: Tensor, offset: int, nbytes: int, dtype: torch.dtype) -> Tensor:
+    """The ``nbytes`` at byte ``offset`` of a group payload, as a 1-D tensor of ``dtype``: a slice when the group
+    payload has that dtype, else bytes reinterpreted (copied first: a byte slice may be misaligned for a wider dtype)."""
+    if raw.dtype == dtype:
+        width = raw.element_size()
+        return raw[offset // width : (offset + nbytes) // width]
+    part = raw.view(torch.uint8)[offset : offset + nbytes]
+    return part if dtype == torch.uint8 else part.clone().view(dtype)
+
+
+__all__ = ["FlatPacket", "Packet", "Padding", "Segments", "SegmentsCache"]
