@@ -28,7 +28,7 @@ def _segments() -> Segments:
 def test_a_segment_larger_than_a_chunk_reduces_in_two_stages_with_the_same_bits() -> None:
     # a layer of SPLIT + 5 elements (an embedding, scaled down): its max over many chunks (CUDA: many thread blocks),
     # bit for bit the per-layer reduction's; an empty layer still gives 0
-    from lightning_gradcomp.exchange import segments as segments_module
+    from lightning_gradcomp import flat as segments_module
 
     big = segments_module.SPLIT + 5
     seg = Segments(["emb", "empty", "bias", "w"], [torch.Size([big]), torch.Size([0]), torch.Size([3]),
