@@ -41,6 +41,7 @@ from typing import Any, Literal, Optional, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.exchange.ledger import Ledger
@@ -269,12 +270,12 @@ def check_recoverable(
     """
     if state.guard.mode == "ignore":
         return
-    bad = _nonfinite_names((n, p.detach()) for n, p in named_parameters)
+    bad = _nonfinite_names((n, _local(p.detach())) for n, p in named_parameters)
     names = {id(p): n for n, p in named_parameters}
     for optimizer in optimizers:
         for p, entry in optimizer.state.items():
             for key, value in entry.items():
-                if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(_local(value)).all()):
                     bad.append(f"{type(optimizer).__name__}'s {key} of {names.get(id(p), 'a parameter')}")
     rank = _rank(state)
     flag = torch.full((1,), float(rank + 1) if bad else 0.0, device=named_parameters[0][1].device
@@ -292,6 +293,12 @@ def check_recoverable(
         f"(Trainer(gradient_clip_val=...)), check the data, and resume from a checkpoint saved before step "
         f"{_step_text(step)}."
     )
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The part of ``tensor`` this rank holds (a sharded model's DTensor): each rank checks its own, with no
+    collective of the DTensor's."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _step_text(step: Optional[int]) -> str:

@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 LINK_KEY = "frozen_adam"
 #: elements per pair of reconstruction values by default (``scale_block="auto"`` outside ``deepspeed_compat``)
 DEFAULT_SCALE_BLOCK = 64
+#: the length taken for a run without end (``max_steps=-1, max_epochs=-1``): every warm-up in steps ends in it
+ENDLESS = 2**62
 
 
 class FrozenAdamLink:
@@ -211,9 +213,10 @@ class OneBitAdamStrategy(GradCompStrategy):
             numel = sum(p.numel() for p in params.values())
             assert self.link.exchange is not None
             compressed = optimizer.compressed_steps(total)
+            steps = "after the warm-up" if total == ENDLESS else f"on {compressed:,} of the run's {total:,} steps"
             then = (
-                f"then the two-stage 1-bit all-reduce with worker and server error compensation on {compressed:,} of "
-                f"the run's {total:,} steps (about {self.link.exchange.expected_nbytes():,} bytes per exchange)"
+                f"then the two-stage 1-bit all-reduce with worker and server error compensation {steps} (about "
+                f"{self.link.exchange.expected_nbytes():,} bytes per exchange)"
                 if compressed else f"and no compressed step in the run's {total:,} steps"
             )
             log.info("gradcomp: %s on %d ranks, phase %s: fp32 gradient all-reduce on dense steps (%s bytes), %s",
@@ -232,7 +235,7 @@ class OneBitAdamStrategy(GradCompStrategy):
                     f"(max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}). Fix: set max_steps, or give "
                     f"{name} in steps (e.g. {name}=300)."
                 )
-            return 2**62  # no end: a warm-up in steps always ends within the run
+            return ENDLESS
         return int(total)
 
     def _check_optimizer(self, optimizers: list[Optimizer]) -> FrozenVarianceAdam:

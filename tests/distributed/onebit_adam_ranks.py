@@ -303,4 +303,42 @@ def mlp_runs(rank: int, world_size: int, cases: dict[str, tuple[str, dict[str, A
             loss = float(nn.functional.cross_entropy(model.net(x_all), y_all))
         out[label] = {"loss": loss, "compressed": model.compressed, "raised": raised,
                       "global_step": model.trainer.global_step}
+    # the setup-time checks in the same world (one process group fewer)
+    out["__setup__"] = warmup_setup_runs(rank, world_size)
     return out
+
+
+def warmup_setup_runs(rank: int, world_size: int) -> dict[str, Any]:
+    """Setup-time warm-up checks under the Trainer: a ``freeze_step`` past a 3-step run (the warnings and the setup
+    line, per rank), then the default fraction in a run without end (the error, and the steps taken)."""
+    import logging
+    import warnings
+
+    pl, AdamVariant = _lightning()
+    from tests.distributed.reliability_ranks import fit, step_loader
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Lines()
+    logging.getLogger("lightning_gradcomp.onebit_adam.strategy").addHandler(handler)
+    logging.getLogger("lightning_gradcomp.onebit_adam.strategy").setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, trainer = fit(world_size, "onebit_adam", 3, AdamVariant("onebit", {"freeze_step": 100000}),
+                             loader=step_loader(3))
+        model = AdamVariant("zero_one", {})
+        try:
+            fit(world_size, "zero_one_adam", -1, model, loader=step_loader(3), max_epochs=-1)
+            endless = None
+        except ValueError as exc:
+            endless = str(exc)
+    finally:
+        logging.getLogger("lightning_gradcomp.onebit_adam.strategy").removeHandler(handler)
+    return {"warnings": [str(w.message) for w in caught if "freeze_step" in str(w.message)], "lines": lines,
+            "compressed": trainer.optimizers[0].compressed_steps(3), "endless": endless,
+            "endless_step": model.trainer.global_step}

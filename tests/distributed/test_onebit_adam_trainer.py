@@ -6,7 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.onebit_adam_ranks import MLP_STEPS, fit_wrong_optimizer, mlp_runs, nonfinite_run, resume_run
+from tests.distributed.onebit_adam_ranks import (
+    MLP_STEPS,
+    fit_wrong_optimizer,
+    mlp_runs,
+    nonfinite_run,
+    resume_run,
+)
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -139,3 +145,21 @@ def test_ten_skipped_steps_in_a_row_stop_the_run(mlp: list[dict]) -> None:
         assert "up to step 39" in message and "Fix:" in message
         # each rank names the parameter whose gradient it found non-finite (rank 1's), or says it was another rank's
         assert ("` on this rank" in message) if rank == 1 else ("a parameter on another rank" in message)
+
+
+def test_a_warmup_past_the_run_warns_at_setup_and_a_fraction_needs_an_end(mlp: list[dict]) -> None:
+    """``freeze_step=100000`` on a 3-step run: rank 0 warns before step 0 with the value to use, and the setup line
+    says no compressed step runs instead of promising an exchange's bytes; the default warm-up (a fraction) in a
+    run without end is refused before step 0 (in the MLP tests' world: :func:`warmup_setup_runs`)."""
+    ranks = [r["__setup__"] for r in mlp]
+    [warning] = ranks[0]["warnings"]
+    assert "OneBitAdam's freeze_step=100000 is at or past the run's 3 steps: no step is compressed" in warning
+    assert "Fix: freeze_step=1 (freeze_step=0.15" in warning
+    [line] = [line for line in ranks[0]["lines"] if "fp32 gradient all-reduce" in line]
+    assert "no compressed step in the run's 3 steps" in line and "bytes per exchange" not in line
+    for rank, r in enumerate(ranks):
+        assert r["compressed"] == 0
+        assert r["warnings"] == [] or rank == 0
+        assert r["endless_step"] == 0 and r["endless"] is not None
+        assert "Expected Trainer(max_steps=...) or max_epochs for ZeroOneAdam's var_freeze_step=0.15" in r["endless"]
+        assert "Fix: set max_steps" in r["endless"]
