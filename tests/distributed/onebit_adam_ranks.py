@@ -339,6 +339,8 @@ def warmup_setup_runs(rank: int, world_size: int) -> dict[str, Any]:
             endless = str(exc)
     finally:
         logging.getLogger("lightning_gradcomp.onebit_adam.strategy").removeHandler(handler)
+    optimizer = trainer.optimizers[0]
+    assert isinstance(optimizer, FrozenVarianceAdam)
     return {"warnings": [str(w.message) for w in caught if "freeze_step" in str(w.message)], "lines": lines,
-            "compressed": trainer.optimizers[0].compressed_steps(3), "endless": endless,
+            "compressed": optimizer.compressed_steps(3), "endless": endless,
             "endless_step": model.trainer.global_step}
