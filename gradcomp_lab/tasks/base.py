@@ -19,9 +19,9 @@ _OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad", "adamw", "signsgd", "onebit
 #: the optimizers that take ``optimizer_options`` (the method's own options)
 _FROZEN_ADAM = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam}
 _FROZEN_ADAM_OPTIONS = {
-    "onebit_adam": ("freeze_step", "bias_correction"),
+    "onebit_adam": ("freeze_step", "bias_correction", "deepspeed_compat"),
     "zero_one_adam": ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper",
-                      "bias_correction"),
+                      "bias_correction", "deepspeed_compat"),
 }
 
 
@@ -75,9 +75,9 @@ class TrainingTask(LightningModule):
         init_weights: a Lightning checkpoint (or a saved ``state_dict``) whose ``model.*`` weights start this run;
             the optimizer, schedule and strategy start afresh (DiLoCo's dense warm start: its runs begin from a
             model pretrained with synchronous training). Loaded on every rank, before the strategy sees the model.
-        optimizer_options: the method's own options of ``"onebit_adam"`` (``freeze_step``, ``bias_correction``) or
-            ``"zero_one_adam"`` (``var_freeze_step``, ``var_update_scaler``, ``local_step_scaler``,
-            ``local_step_clipper``, ``bias_correction``).
+        optimizer_options: the method's own options of ``"onebit_adam"`` (``freeze_step``, ``bias_correction``,
+            ``deepspeed_compat``) or ``"zero_one_adam"`` (``var_freeze_step``, ``var_update_scaler``,
+            ``local_step_scaler``, ``local_step_clipper``, ``bias_correction``, ``deepspeed_compat``).
     """
 
     def __init__(

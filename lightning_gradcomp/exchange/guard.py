@@ -21,9 +21,15 @@ Steps are delimited by DDP itself: it launches buckets in index order, so bucket
 A compressor can also turn finite input into non-finite output (fp16 beyond 65504 x world size, a norm that
 overflows float32). So each decoded bucket's cheap flag is kept too (:func:`observe_decoded`: no collective,
 since every rank decodes the same bits, and no host sync), and at the end of backward :func:`end_backward` skips
-or raises for such a step exactly as for a non-finite input. It also counts consecutive skipped steps: a run whose
-every step is skipped is not training, so after :data:`WARN_AFTER_SKIPS` of them it warns, and after
-:data:`RAISE_AFTER_SKIPS` every rank raises :class:`NonFiniteGradientError`.
+or raises for such a step exactly as for a non-finite input.
+
+A run that cannot recover stops, in every mode but ``"ignore"``. A skipped step is the only moment a run can have
+gone non-finite unseen (non-finite parameters or optimizer state give non-finite gradients), so on a skipped step,
+and only then, :func:`drop_skipped_gradients` checks the parameters and the optimizers' state and the ranks agree
+(one 4-byte all-reduce): a non-finite one stops every rank with :class:`NonFiniteGradientError` naming the step
+and the tensor. :func:`end_backward` counts consecutive skipped steps: after :data:`WARN_AFTER_SKIPS` of them it
+warns, and after :data:`RAISE_AFTER_SKIPS` every rank raises, naming the step and the parameter whose gradient
+was non-finite. An isolated overflow (a GradScaler's back-off) is skipped and training goes on.
 """
 
 import logging
@@ -35,6 +41,7 @@ from typing import Any, Literal, Optional, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.exchange.ledger import Ledger
@@ -66,6 +73,8 @@ class NonFiniteGuard:
     decoded_flags: list[Tensor] = field(default_factory=list)
     #: the ledger's ``hook_calls`` when :func:`end_backward` last counted a step
     counted_hook_calls: int = 0
+    #: this rank's parameters whose gradient was non-finite in the latest skipped step (empty: another rank's)
+    last_bad: list[str] = field(default_factory=list)
 
     def set_mode(self, mode: NonFinite) -> None:
         self.mode = mode
@@ -96,9 +105,10 @@ class GuardedState(Protocol):
     def transport(self) -> Transport: ...
 
 #: consecutive skipped steps after which a warning says the run is not training
-WARN_AFTER_SKIPS = 10
-#: consecutive skipped steps after which every rank raises :class:`NonFiniteGradientError`
-RAISE_AFTER_SKIPS = 100
+WARN_AFTER_SKIPS = 5
+#: consecutive skipped steps after which every rank raises :class:`NonFiniteGradientError` (a GradScaler's start-up
+#: back-off skips a few steps; ten in a row is a run that does not recover)
+RAISE_AFTER_SKIPS = 10
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -196,6 +206,7 @@ def bucket_is_nonfinite(
             f"check the data, or pass `GradCompStrategy(nonfinite='skip')` to skip such steps on every rank."
         )
     _skip_step(state)
+    state.guard.last_bad = _nonfinite_names(zip(names, grads))
     return True
 
 
@@ -217,25 +228,81 @@ def _skip_step(state: GuardedState) -> None:
 
 
 def drop_skipped_gradients(
-    state: GuardedState, seen: int, named_parameters: Iterable[tuple[str, Tensor]], has_scaler: bool
+    state: GuardedState,
+    seen: int,
+    named_parameters: Iterable[tuple[str, Tensor]],
+    has_scaler: bool,
+    step: Optional[int] = None,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
 ) -> int:
     """After backward: check what was decoded (:func:`end_backward`), then, if the hook skipped a step since ``seen``
-    skips, make the optimizer step a no-op.
+    skips, stop a run that cannot recover (:func:`check_recoverable`) or make the optimizer step a no-op.
 
     Every gradient is dropped (``p.grad = None``: optimizers skip such parameters, so no update, momentum or decay),
     except under a ``GradScaler``, which skips the step itself on the NaN-filled buckets and lowers its scale.
-    Called by the Trainer and the Fabric strategy alike; returns the count to pass as ``seen`` next time.
+    Called by the Trainer and the Fabric strategy alike (``step``: the step for the messages); returns the count
+    to pass as ``seen`` next time.
     """
     named = list(named_parameters)
-    end_backward(state, ((n, p.grad) for n, p in named))
+    end_backward(state, ((n, p.grad) for n, p in named), step=step)
     skipped = state.guard.skipped_steps
     if skipped == seen:
         return seen
+    check_recoverable(state, named, optimizers, step)
     log.warning("gradcomp: non-finite gradient on some rank; step skipped on every rank (%d so far)", skipped)
     if not has_scaler:
         for _, p in named:
             p.grad = None
     return skipped
+
+
+def check_recoverable(
+    state: GuardedState,
+    named_parameters: Sequence[tuple[str, Tensor]],
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    step: Optional[int] = None,
+) -> None:
+    """On a skipped step: raise :class:`NonFiniteGradientError` on every rank when some rank holds a non-finite
+    parameter or optimizer state (no later step can be finite: skipping would skip the rest of the run).
+
+    Every rank calls it at the same skipped step (the skip is agreed); the ranks agree with one 4-byte MAX
+    all-reduce, since 0/1 Adam's ranks hold their own weights between synchronisations. Not in ``"ignore"`` mode.
+    """
+    if state.guard.mode == "ignore":
+        return
+    bad = _nonfinite_names((n, _local(p.detach())) for n, p in named_parameters)
+    names = {id(p): n for n, p in named_parameters}
+    for optimizer in optimizers:
+        for p, entry in optimizer.state.items():
+            for key, value in entry.items():
+                if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(_local(value)).all()):
+                    bad.append(f"{type(optimizer).__name__}'s {key} of {names.get(id(p), 'a parameter')}")
+    rank = _rank(state)
+    flag = torch.full((1,), float(rank + 1) if bad else 0.0, device=named_parameters[0][1].device
+                      if named_parameters else None)
+    if state.world_size > 1:
+        state.transport.max_(flag)
+        state.ledger.count("allreduce_nonfinite")
+    worst = int(flag.item())
+    if worst == 0:
+        return
+    where = f"`{bad[0]}` on rank {rank}" + (f" (also {bad[1:4]})" if bad[1:] else "") if bad else f"rank {worst - 1}"
+    raise NonFiniteGradientError(
+        f"Non-finite parameters or optimizer state at step {_step_text(step)}: {where}. The run cannot recover (every "
+        f"later step would be skipped), so every rank stops here. Fix: lower the learning rate, clip gradients "
+        f"(Trainer(gradient_clip_val=...)), check the data, and resume from a checkpoint saved before step "
+        f"{_step_text(step)}."
+    )
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The part of ``tensor`` this rank holds (a sharded model's DTensor): each rank checks its own, with no
+    collective of the DTensor's."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _step_text(step: Optional[int]) -> str:
+    return "?" if step is None else str(step)
 
 
 def agree_across_sites(
@@ -244,6 +311,7 @@ def agree_across_sites(
     rank: int,
     device: torch.device,
     raise_agreed: bool,
+    step: Optional[int] = None,
 ) -> None:
     """After backward, under a strategy whose hook runs inside a site: make the step's decision the same on every
     rank of every site. Call before :func:`drop_skipped_gradients` (it runs :func:`end_backward` with the agreement).
@@ -267,7 +335,7 @@ def agree_across_sites(
         worst = int(flag.item())
         return worst != 0
 
-    if end_backward(state, named_grads, agree) and raise_agreed:
+    if end_backward(state, named_grads, agree, step) and raise_agreed:
         raise NonFiniteGradientError(
             f"Non-finite gradient (NaN or Inf) in the site of rank {worst - 1}; every rank of every site stops here. "
             f"Fix: lower the learning rate, check the data, or pass `nonfinite='skip'` to skip such steps on every rank."
@@ -288,6 +356,7 @@ def end_backward(
     state: GuardedState,
     named_grads: Iterable[tuple[str, Optional[Tensor]]],
     agree: Optional[Callable[[bool], bool]] = None,
+    step: Optional[int] = None,
 ) -> bool:
     """At the end of a backward pass: skip (or raise for) a step whose decoded gradients are non-finite although
     every rank's input was finite, and count consecutive skipped steps. Returns whether the step is skipped.
@@ -317,6 +386,7 @@ def end_backward(
             )
         if bad:
             _skip_step(state)
+            state.guard.last_bad = bad
     if agree is not None and agree(guard.step_nonfinite) and not guard.step_nonfinite:
         _skip_step(state)
         for _, grad in named_grads:
@@ -333,9 +403,11 @@ def end_backward(
             stacklevel=2,
         )
     if guard.consecutive_skips >= RAISE_AFTER_SKIPS:
+        where = f"`{guard.last_bad[0]}` on this rank" if guard.last_bad else "a parameter on another rank"
         raise NonFiniteGradientError(
             f"The last {guard.consecutive_skips} steps were all skipped for non-finite gradients (on some rank, or "
-            f"after compression); training made no progress, so every rank stops here. Fix: lower the learning rate, "
-            f"check the data, clip gradients before compression, or use 'bf16'/'fp32' instead of 'fp16'."
+            f"after compression), up to step {_step_text(step)} (the latest: {where}); training made no progress, "
+            f"so every rank stops here. Fix: lower the learning rate, check the data, clip gradients before "
+            f"compression, or use 'bf16'/'fp32' instead of 'fp16'."
         )
     return guard.step_nonfinite

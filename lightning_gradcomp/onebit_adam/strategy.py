@@ -11,7 +11,9 @@ its step. The optimizer's phase counters are identical on every rank, so every r
 
 import inspect
 import logging
-from typing import Any, Callable, Optional, Union
+import math
+import warnings
+from typing import Any, Callable, Literal, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -41,6 +43,10 @@ log = logging.getLogger(__name__)
 LINK_KEY = "frozen_adam"
 #: the step after which the variance freezes, under each optimizer's name for it
 _FREEZE_EQUIVALENT = {"freeze_step": "var_freeze_step", "var_freeze_step": "freeze_step"}
+#: elements per pair of reconstruction values by default (``scale_block="auto"`` outside ``deepspeed_compat``)
+DEFAULT_SCALE_BLOCK = 64
+#: the length taken for a run without end (``max_steps=-1, max_epochs=-1``): every warm-up in steps ends in it
+ENDLESS = 2**62
 
 
 class FrozenAdamLink:
@@ -133,11 +139,17 @@ class OneBitAdamStrategy(GradCompStrategy):
     optimizer's, as in DeepSpeed. Every option of :class:`~lightning_gradcomp.GradCompStrategy` applies except
     ``compressor`` (fp32 during warm-up; the exchange is 1-bit) and the hierarchical exchange.
 
+    At setup (before step 0) a warm-up given as a fraction of the run is resolved from the Trainer's
+    ``max_steps`` (or ``max_epochs``), and rank 0 warns when the warm-up leaves no compressed step or freezes an
+    uncorrected variance below half its scale
+    (:meth:`~lightning_gradcomp.optimizers.frozen_adam.FrozenVarianceAdam.warmup_warnings`).
+
     Args:
         scale_block: elements per pair of reconstruction values in the 1-bit exchange (``block_size`` of
-            :class:`~lightning_gradcomp.onebit_adam.CompressedAllReduce`; 64: 2 bits per element). ``None``
-            (default): one pair per tensor piece, as DeepSpeed's one scale per tensor; on a model with a fused
-            query-key-value bias that diverges (``docs/onebit_adam.md``).
+            :class:`~lightning_gradcomp.onebit_adam.CompressedAllReduce`). ``"auto"`` (default): 64 (2 bits per
+            element), or one pair per tensor piece (``None``, DeepSpeed's one scale per tensor) when the optimizer
+            has ``deepspeed_compat=True``. One pair per piece diverges on a model whose tensors mix coordinates
+            with and without gradient (a fused query-key-value bias, a bias of dead units: ``docs/onebit_adam.md``).
         **kwargs: :class:`~lightning_gradcomp.GradCompStrategy`'s options.
     """
 
@@ -145,9 +157,10 @@ class OneBitAdamStrategy(GradCompStrategy):
     #: the optimizer this strategy completes
     optimizer_class: type[FrozenVarianceAdam] = OneBitAdam
 
-    def __init__(self, scale_block: Optional[int] = None, **kwargs: Any) -> None:
-        if scale_block is not None:
-            check_int("scale_block", scale_block, minimum=1, fix="use e.g. 64, or None for one scale per tensor piece")
+    def __init__(self, scale_block: Union[int, None, Literal["auto"]] = "auto", **kwargs: Any) -> None:
+        if scale_block is not None and scale_block != "auto":
+            check_int("scale_block", scale_block, minimum=1,
+                      fix="use e.g. 64, None for one scale per tensor piece, or 'auto'")
         self.scale_block = scale_block
         for option in ("compressor", "hierarchy", "site_size", "site_sizes"):
             if kwargs.get(option) is not None:
@@ -199,7 +212,7 @@ class OneBitAdamStrategy(GradCompStrategy):
     def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
         assert self.comm_state is not None
         self.link = FrozenAdamLink(self.global_rank, self.comm_state.world_size, self.comm_state.process_group,
-                                   self.root_device, self.scale_block)
+                                   self.root_device, None if self.scale_block == "auto" else self.scale_block)
         self.comm_state.attach(LINK_KEY, self.link)
 
     @override
@@ -219,17 +232,42 @@ class OneBitAdamStrategy(GradCompStrategy):
                         f"`self.parameters()` (or groups of them) to the optimizer in configure_optimizers."
                     )
                 params[by_id[id(p)]] = p
+        if self.scale_block == "auto":
+            self.link.block_size = None if optimizer.deepspeed_compat else DEFAULT_SCALE_BLOCK
+        total = self._total_steps(trainer, optimizer)
+        optimizer.resolve_warmup(total)
         self.link.bind(optimizer, params)
         if self.global_rank == 0:
+            for message in optimizer.warmup_warnings(total):
+                warnings.warn(f"gradcomp: {message}", UserWarning, stacklevel=2)
             numel = sum(p.numel() for p in params.values())
             assert self.link.exchange is not None
-            log.info(
-                "gradcomp: %s on %d ranks, phase %s: fp32 gradient all-reduce on dense steps (%s bytes), then the "
-                "two-stage 1-bit all-reduce with worker and server error compensation (about %s bytes per exchange); "
-                "bytes_per_step() averages both phases over the run",
-                type(optimizer).__name__, self.comm_state.world_size, optimizer.phase, f"{4 * numel:,}",
-                f"{self.link.exchange.expected_nbytes():,}",
+            compressed = optimizer.compressed_steps(total)
+            steps = "after the warm-up" if total == ENDLESS else f"on {compressed:,} of the run's {total:,} steps"
+            then = (
+                f"then the two-stage 1-bit all-reduce with worker and server error compensation {steps} (about "
+                f"{self.link.exchange.expected_nbytes():,} bytes per exchange)"
+                if compressed else f"and no compressed step in the run's {total:,} steps"
             )
+            log.info("gradcomp: %s on %d ranks, phase %s: fp32 gradient all-reduce on dense steps (%s bytes), %s; "
+                     "bytes_per_step() averages both phases over the run",
+                     type(optimizer).__name__, self.comm_state.world_size, optimizer.phase, f"{4 * numel:,}", then)
+
+    def _total_steps(self, trainer: "pl.Trainer", optimizer: FrozenVarianceAdam) -> int:
+        """The run's optimizer steps (``max_steps``, else the epochs' steps); a clear error where a fraction of the
+        run must be resolved and the run has no end."""
+        total = trainer.max_steps if trainer.max_steps >= 0 else trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            name = optimizer.warmup_option
+            if optimizer.warmup_fraction is not None:
+                raise ValueError(
+                    f"Expected Trainer(max_steps=...) or max_epochs for {type(optimizer).__name__}'s "
+                    f"{name}={optimizer.warmup_fraction} (a fraction of the run) but got a run without end "
+                    f"(max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}). Fix: set max_steps, or give "
+                    f"{name} in steps (e.g. {name}=300)."
+                )
+            return ENDLESS
+        return int(total)
 
     def _check_optimizer(self, optimizers: list[Optimizer]) -> FrozenVarianceAdam:
         """The one optimizer, of :attr:`optimizer_class`; a clear error before the first step otherwise."""

@@ -10,10 +10,17 @@ injected (:meth:`FrozenVarianceAdam.bind`): under ``Trainer(strategy="onebit_ada
 :meth:`FrozenVarianceAdam.dense_gradients` asks for. Unbound in one process (no process group), the exchange is
 the identity; unbound in a distributed run (any other strategy), the first step is refused.
 
-Like the papers' Algorithm 1 and DeepSpeed's implementation, neither optimizer applies Adam's bias correction by
-default (``bias_correction=True`` does), and weight decay is added to the update
+By default both optimizers apply Adam's bias correction, so the variance frozen after a short warm-up has Adam's
+scale; where the 1-bit values divide by the frozen variance, a coordinate whose variance is below
+:data:`VARIANCE_FLOOR` of its tensor's mean is raised to it (a bias that gets no gradient would otherwise turn the
+reconstruction error into steps of thousands of learning rates); and the warm-up is a fraction of the run
+(:data:`DEFAULT_WARMUP`, resolved at setup from the Trainer's steps). ``deepspeed_compat=True`` gives the papers'
+Algorithm 1 and DeepSpeed's arithmetic instead: no bias correction, no floor (and, under the strategy, one
+reconstruction scale per tensor piece). Weight decay is added to the update
 (``p -= lr * (m / (sqrt(v) + eps) + weight_decay * p)``, decoupled as AdamW's).
 """
+
+import math
 
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Protocol, Union, overload
@@ -27,6 +34,39 @@ from lightning_gradcomp.validation import check_bool, check_int, check_number
 
 #: the optimizer ``state_dict`` key of the method's counters (phase, intervals)
 COUNTERS_KEY = "frozen_adam"
+#: the default warm-up (``freeze_step`` / ``var_freeze_step``): this fraction of the run's optimizer steps (the 1-bit
+#: Adam paper warms up for 15-25 % of BERT's steps)
+DEFAULT_WARMUP = 0.15
+#: outside ``deepspeed_compat``, the frozen variance of a coordinate is at least this fraction of its tensor's mean
+#: (a coordinate without gradient then steps at most about ``lr / sqrt(VARIANCE_FLOOR)`` = 10 ``lr`` per 1-bit value)
+VARIANCE_FLOOR = 1e-2
+#: the share of its scale the uncorrected variance must hold when it freezes (``1 - beta2 ** updates``)
+HALF_SCALE = 0.5
+
+#: a warm-up: a number of optimizer steps (``int``, at least 1) or a fraction of the run (``float`` in (0, 1))
+Warmup = Union[int, float]
+
+
+def check_warmup(name: str, value: Any) -> None:
+    """Refuse a warm-up that is neither a number of steps (int >= 1) nor a fraction of the run (float in (0, 1))."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"Expected `{name}` to be a number of steps (int) or a fraction of the run (float in (0, 1)) but got "
+            f"{value!r}. Fix: e.g. {name}={DEFAULT_WARMUP} (15 % of Trainer(max_steps=...)) or {name}=300."
+        )
+    if isinstance(value, float) and not 0.0 < value < 1.0 or isinstance(value, int) and value < 1:
+        raise ValueError(
+            f"Expected `{name}` to be a number of steps (int >= 1) or a fraction of the run (float in (0, 1)) but got "
+            f"{value!r}. Fix: e.g. {name}={DEFAULT_WARMUP} (15 % of the run) or {name}=300 (300 dense steps: the "
+            f"variance must see a gradient before it is frozen)."
+        )
+
+
+def half_scale_updates(beta2: float) -> int:
+    """The fewest variance updates after which the uncorrected variance holds :data:`HALF_SCALE` of its scale."""
+    if beta2 == 0.0:
+        return 1
+    return max(1, math.ceil(math.log(1 - HALF_SCALE) / math.log(beta2)))
 
 
 class MomentumExchange(Protocol):
@@ -80,10 +120,13 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
         betas: tuple[float, float],
         eps: float,
         weight_decay: float,
-        bias_correction: bool = False,
+        bias_correction: Optional[bool] = None,
+        deepspeed_compat: bool = False,
     ) -> None:
         check_number("lr", lr, minimum=0.0, min_open=True)
-        check_bool("bias_correction", bias_correction)
+        check_bool("deepspeed_compat", deepspeed_compat)
+        if bias_correction is not None:
+            check_bool("bias_correction", bias_correction)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
             raise ValueError(f"Expected `betas` to be a pair (beta1, beta2) but got {betas!r}. Fix: e.g. betas=(0.9, 0.999).")
         for index, beta in enumerate(betas):
@@ -93,7 +136,9 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
         check_number("eps", eps, minimum=0.0, min_open=True)
         check_number("weight_decay", weight_decay, minimum=0.0)
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
-        self.bias_correction = bias_correction
+        #: DeepSpeed's arithmetic: no bias correction by default, no variance floor (the strategy: one scale per piece)
+        self.deepspeed_compat = deepspeed_compat
+        self.bias_correction = not deepspeed_compat if bias_correction is None else bias_correction
         self.exchange: MomentumExchange = _Alone()
         self._bound = False
         self.counters: dict[str, Any] = self._initial_counters()
@@ -130,6 +175,80 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
     def phase(self) -> str:
         """The method's phase at the next step (for logs and the monitor)."""
         raise NotImplementedError
+
+    # -- the warm-up -----------------------------------------------------------------------------------------
+    #: the name of the option that sets the warm-up (``freeze_step`` / ``var_freeze_step``)
+    warmup_option = ""
+
+    def _set_warmup(self, value: Warmup) -> None:
+        check_warmup(self.warmup_option, value)
+        #: the warm-up as given: a fraction of the run is kept here until :meth:`resolve_warmup`
+        self.warmup_fraction: Optional[float] = value if isinstance(value, float) else None
+        self._warmup: Optional[int] = value if isinstance(value, int) else None
+
+    @property
+    def warmup(self) -> int:
+        """The warm-up in optimizer steps (``freeze_step`` / ``var_freeze_step``), once resolved."""
+        if self._warmup is None:
+            raise ValueError(
+                f"Expected `{self.warmup_option}` in steps but got the fraction {self.warmup_fraction} of a run whose "
+                f"length is not known. Fix: train under Trainer(strategy=...) with max_steps (or max_epochs), which "
+                f"resolves it at setup, call `resolve_warmup(total_steps)`, or give `{self.warmup_option}` in steps."
+            )
+        return self._warmup
+
+    def resolve_warmup(self, total_steps: int) -> int:
+        """Turn a warm-up given as a fraction into steps of a run of ``total_steps`` optimizer steps (at least 1);
+        a warm-up given in steps stays. Returns it."""
+        if self.warmup_fraction is not None:
+            self._warmup = max(1, round(self.warmup_fraction * total_steps))
+        return self.warmup
+
+    def variance_updates(self, total_steps: int) -> int:
+        """The variance updates before the variance freezes in a run of ``total_steps`` steps."""
+        raise NotImplementedError
+
+    def compressed_steps(self, total_steps: int) -> int:
+        """Steps of a run of ``total_steps`` that exchange through the 1-bit all-reduce."""
+        raise NotImplementedError
+
+    def warmup_warnings(self, total_steps: int) -> list[str]:
+        """What is wrong with the (resolved) warm-up for a run of ``total_steps`` steps, with the value to use: a
+        warm-up that never ends within the run, and without bias correction one that freezes the variance at less
+        than :data:`HALF_SCALE` of its scale (with bias correction the frozen variance has Adam's scale whatever
+        the warm-up's length, so there is nothing to warn about)."""
+        name, value = self.warmup_option, self.warmup
+        given = f"{name}={self.warmup_fraction} ({value} steps)" if self.warmup_fraction is not None else f"{name}={value}"
+        suggested = max(1, round(DEFAULT_WARMUP * total_steps))
+        out = []
+        if self.compressed_steps(total_steps) == 0:
+            out.append(
+                f"{type(self).__name__}'s {given} is at or past the run's {total_steps} steps: no step is compressed "
+                f"(every step sends fp32 gradients, as DDP). Fix: {name}={suggested} ({name}={DEFAULT_WARMUP}, "
+                f"{DEFAULT_WARMUP:.0%} of the run)."
+            )
+        beta2 = max(group["betas"][1] for group in self.param_groups)
+        updates, needed = self.variance_updates(total_steps), half_scale_updates(beta2)
+        if not self.bias_correction and updates < needed and self.compressed_steps(total_steps):
+            out.append(
+                f"{type(self).__name__}'s {given} freezes the variance after {updates} updates: without bias "
+                f"correction it then holds {1 - beta2 ** updates:.0%} of its scale (1 - {beta2} ** {updates}), and "
+                f"every later step is {(1 - beta2 ** updates) ** -0.5:.1f}x Adam's. Fix: bias_correction=True (the "
+                f"default), or {self._half_scale_fix(needed)}."
+            )
+        return out
+
+    def _half_scale_fix(self, needed: int) -> str:
+        return f"{self.warmup_option}={needed}"
+
+    def _floor_variance(self) -> None:
+        """Where the 1-bit values will divide by the frozen variance: raise each coordinate's to at least
+        :data:`VARIANCE_FLOOR` of its tensor's mean (not under ``deepspeed_compat``)."""
+        if self.deepspeed_compat:
+            return
+        for _, p in self._params():
+            v = self.state[p]["exp_avg_sq"]
+            torch.maximum(v, v.mean() * VARIANCE_FLOOR, out=v)
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _state_of(self, p: Tensor) -> dict[str, Any]:
@@ -239,15 +358,21 @@ class OneBitAdam(FrozenVarianceAdam):
         betas: ``(b1, b2)``, Adam's momentum and variance decay.
         eps: added to ``sqrt(v)``.
         weight_decay: added to the update times the parameter (as DeepSpeed's ``OnebitAdam``).
-        freeze_step: dense warm-up steps before the variance freezes (DeepSpeed's default 100000; the paper
-            warms up for 15-25 % of BERT's steps: set it to that share of your run).
+        freeze_step: dense warm-up steps before the variance freezes: a number of steps (int), or a fraction of
+            the run's optimizer steps (float in (0, 1), resolved at setup from ``Trainer(max_steps=...)`` or
+            ``max_epochs``). Default :data:`DEFAULT_WARMUP` (15 %; the paper warms up for 15-25 % of BERT's steps).
         bias_correction: divide ``m`` by ``1 - b1 ** step`` and ``v`` by ``1 - b2 ** (variance updates)`` in the
-            update, as Adam does (``False``, the paper's Algorithm 1 and DeepSpeed: none). A short warm-up freezes a
-            ``v`` that is still far below its scale (``1 - 0.999 ** 300 = 26 %``); corrected, the frozen
-            preconditioner has Adam's scale.
+            update, as Adam does. Default ``True`` (``False`` under ``deepspeed_compat``: the paper's Algorithm 1
+            and DeepSpeed had none). Uncorrected, a short warm-up freezes a ``v`` that is still far below its scale
+            (``1 - 0.999 ** 300 = 26 %``) and every later step is ``1 / sqrt`` of that larger than Adam's.
+        deepspeed_compat: DeepSpeed's arithmetic, for migrating a DeepSpeed run: ``bias_correction`` defaults to
+            ``False``, no variance floor, and under ``strategy="onebit_adam"`` one pair of reconstruction values
+            per tensor piece (``scale_block=None``). Diverges on a parameter that gets no gradient (a bias of a
+            dead unit, a fused query-key-value bias).
     """
 
     paired_strategy = "onebit_adam"
+    warmup_option = "freeze_step"
 
     def __init__(
         self,
@@ -256,13 +381,25 @@ class OneBitAdam(FrozenVarianceAdam):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int = 100000,
-        bias_correction: bool = False,
+        freeze_step: Warmup = DEFAULT_WARMUP,
+        bias_correction: Optional[bool] = None,
+        deepspeed_compat: bool = False,
     ) -> None:
-        check_int("freeze_step", freeze_step, minimum=1, fix="use the number of dense warm-up steps (at least 1: "
-                  "the variance must see a gradient before it is frozen)")
-        super().__init__(params, lr, betas, eps, weight_decay, bias_correction)
-        self.freeze_step = freeze_step
+        super().__init__(params, lr, betas, eps, weight_decay, bias_correction, deepspeed_compat)
+        self._set_warmup(freeze_step)
+
+    @property
+    def freeze_step(self) -> int:
+        """The dense warm-up in steps (a fraction given is resolved at setup)."""
+        return self.warmup
+
+    @override
+    def variance_updates(self, total_steps: int) -> int:
+        return min(total_steps, self.warmup)
+
+    @override
+    def compressed_steps(self, total_steps: int) -> int:
+        return max(0, total_steps - self.warmup)
 
     @override
     def _initial_counters(self) -> dict[str, Any]:
@@ -298,6 +435,7 @@ class OneBitAdam(FrozenVarianceAdam):
             self._apply(group, p, self.state[p])
         if not frozen and self.counters["step"] >= self.freeze_step:
             self.counters["frozen"] = True
+            self._floor_variance()
 
 
 class ZeroOneAdam(FrozenVarianceAdam):
@@ -320,14 +458,17 @@ class ZeroOneAdam(FrozenVarianceAdam):
         betas: ``(b1, b2)``.
         eps: added to ``sqrt(v)``.
         weight_decay: added to the update times the parameter.
-        var_freeze_step: the step after which the variance is frozen (DeepSpeed's default 100000).
+        var_freeze_step: the step after which the variance is frozen: steps (int) or a fraction of the run (float
+            in (0, 1), resolved at setup as :class:`OneBitAdam`'s ``freeze_step``). Default :data:`DEFAULT_WARMUP`.
         var_update_scaler: variance updates per interval before the interval doubles (16).
         local_step_scaler: steps per local-step interval before the interval doubles (DeepSpeed's 32678).
         local_step_clipper: the longest local-step interval (16).
         bias_correction: as :class:`OneBitAdam`'s (the variance's count is its updates).
+        deepspeed_compat: as :class:`OneBitAdam`'s.
     """
 
     paired_strategy = "zero_one_adam"
+    warmup_option = "var_freeze_step"
 
     def __init__(
         self,
@@ -336,21 +477,53 @@ class ZeroOneAdam(FrozenVarianceAdam):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        var_freeze_step: int = 100000,
+        var_freeze_step: Warmup = DEFAULT_WARMUP,
         var_update_scaler: int = 16,
         local_step_scaler: int = 32678,
         local_step_clipper: int = 16,
-        bias_correction: bool = False,
+        bias_correction: Optional[bool] = None,
+        deepspeed_compat: bool = False,
     ) -> None:
-        check_int("var_freeze_step", var_freeze_step, minimum=1, fix="use the step after which the variance freezes")
+        check_warmup("var_freeze_step", var_freeze_step)
         check_int("var_update_scaler", var_update_scaler, minimum=1, fix="use the variance updates per interval (16)")
         check_int("local_step_scaler", local_step_scaler, minimum=1, fix="use the steps per local-step interval")
         check_int("local_step_clipper", local_step_clipper, minimum=1, fix="use the longest local-step interval (16)")
-        super().__init__(params, lr, betas, eps, weight_decay, bias_correction)
-        self.var_freeze_step = var_freeze_step
+        super().__init__(params, lr, betas, eps, weight_decay, bias_correction, deepspeed_compat)
+        self._set_warmup(var_freeze_step)
         self.var_update_scaler = var_update_scaler
         self.local_step_scaler = local_step_scaler
         self.local_step_clipper = local_step_clipper
+
+    @property
+    def var_freeze_step(self) -> int:
+        """The step after which the variance freezes (a fraction given is resolved at setup)."""
+        return self.warmup
+
+    def _variance_phase(self, steps: int) -> int:
+        """The variance updates among the first ``steps`` steps (every step until ``var_update_scaler`` updates,
+        then every 2nd, 4th, ... step, as :meth:`_step` counts them)."""
+        updates, interval, last = 0, 1, 0
+        while True:
+            first = (last // interval + 1) * interval
+            end = first + (self.var_update_scaler - 1) * interval
+            if end >= steps:
+                return updates + (max(0, steps - first) // interval + 1 if steps >= first else 0)
+            updates, last, interval = updates + self.var_update_scaler, end, interval * 2
+
+    @override
+    def variance_updates(self, total_steps: int) -> int:
+        # the variance phase ends with step var_freeze_step + 1
+        return self._variance_phase(min(total_steps, self.warmup + 1))
+
+    @override
+    def compressed_steps(self, total_steps: int) -> int:
+        # every step of the variance phase without variance update averages 1-bit gradients; every local step is
+        # synchronised at first (local_interval 1)
+        return total_steps - self.variance_updates(total_steps)
+
+    @override
+    def _half_scale_fix(self, needed: int) -> str:
+        return f"var_update_scaler={needed} with var_freeze_step={needed}"
 
     @override
     def _initial_counters(self) -> dict[str, Any]:
@@ -399,6 +572,7 @@ class ZeroOneAdam(FrozenVarianceAdam):
             if t > self.var_freeze_step:
                 # the replicas are identical here (every update so far was averaged): the first synchronised point
                 c["var_frozen"] = True
+                self._floor_variance()
                 self.exchange.reset_errors()
                 for _, p in params:
                     self.state[p]["anchor"] = p.detach().clone()

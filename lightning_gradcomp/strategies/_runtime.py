@@ -128,16 +128,20 @@ class Runtime:
 
     # -- after backward and after an optimizer step ---------------------------------------------------------------
     def end_backward(self, state: "GradCompState", named_parameters: Iterable[tuple[str, Tensor]], rank: int,
-                     device: torch.device, has_scaler: bool) -> bool:
+                     device: torch.device, has_scaler: bool, step: Optional[int] = None,
+                     optimizers: Sequence[torch.optim.Optimizer] = ()) -> bool:
         """After a backward that ran the hook: agree on the step over every site where needed, then drop a skipped
-        step's gradients (:func:`~lightning_gradcomp.exchange.guard.drop_skipped_gradients`). Returns whether this
-        backward's step was skipped."""
+        step's gradients, or stop a run that cannot recover
+        (:func:`~lightning_gradcomp.exchange.guard.drop_skipped_gradients`; ``step``, for its messages, defaults to
+        the optimizer steps counted here). Returns whether this backward's step was skipped."""
         named = list(named_parameters)
+        step = self.optimizer_steps if step is None else step
         if self.sites_agree:
             agree_across_sites(state, ((n, p.grad) for n, p in named), rank, device,
-                               raise_agreed=self.nonfinite == "raise")
+                               raise_agreed=self.nonfinite == "raise", step=step)
         seen = self.nonfinite_seen
-        self.nonfinite_seen = drop_skipped_gradients(state, seen, named, has_scaler=has_scaler)
+        self.nonfinite_seen = drop_skipped_gradients(state, seen, named, has_scaler=has_scaler, step=step,
+                                                     optimizers=optimizers)
         return self.nonfinite_seen != seen
 
     def after_optimizer_step(self, named_parameters: Iterable[tuple[str, Tensor]], world_size: int, step: int,

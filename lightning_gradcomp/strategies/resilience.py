@@ -281,7 +281,8 @@ class ResilienceMixin(RuntimeOptions, _StrategyBase):
         assert module is not None  # a backward runs only with a module attached
         self._check_every_bucket_arrived(state, module)
         has_scaler = getattr(self.precision_plugin, "scaler", None) is not None
-        if self._runtime.end_backward(state, module.named_parameters(), self.global_rank, self.root_device, has_scaler):
+        if self._runtime.end_backward(state, module.named_parameters(), self.global_rank, self.root_device, has_scaler,
+                                      module.trainer.global_step, self.optimizers):
             # the forward of the skipped step already moved running statistics (BatchNorm) with the bad batch, and
             # DDP broadcasts rank 0's buffers at the next forward: put every rank's back as they were before the step
             for buffer, saved in buffers_before or ():

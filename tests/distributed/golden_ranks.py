@@ -313,10 +313,11 @@ def tower_digests(names: list[str], lr: float = 0.05) -> dict[str, dict[str, Any
 #: dense warm-up for 2 steps, then 3 compressed exchanges of the momentum (one scale per piece); 0/1 Adam: variance
 #: updates at steps 1, 2, 4, 1-bit gradient averaging at step 3, then local steps synchronised by the compressed
 #: exchange (blocks of 16 elements, several per piece)
+#: Both with ``deepspeed_compat=True``: the digests pin DeepSpeed's arithmetic, which that option keeps.
 FROZEN_ADAMS: dict[str, tuple[str, dict[str, Any], Any, int]] = {
-    "onebit_adam": ("onebit", {"lr": 1e-2, "freeze_step": 2}, None, 5),
+    "onebit_adam": ("onebit", {"lr": 1e-2, "freeze_step": 2, "deepspeed_compat": True}, None, 5),
     "zero_one_adam": ("zero_one", {"lr": 1e-2, "var_freeze_step": 4, "var_update_scaler": 1, "local_step_scaler": 2,
-                                   "local_step_clipper": 2}, 16, 8),
+                                   "local_step_clipper": 2, "deepspeed_compat": True}, 16, 8),
 }
 
 

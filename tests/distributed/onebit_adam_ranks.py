@@ -285,3 +285,118 @@ def final_sync_run(rank: int, world_size: int, tmpdir: str, cases: list[tuple[in
             "entry": saved["gradcomp"]["ranks"][rank]["extra"][LINK_KEY],
         })
     return out
+
+
+# -- the paired optimizers at their defaults on a model nobody tuned them on ------------------------------------
+#: the MLP's widths (3 layers, 8 classes) and the run
+MLP_WIDTHS, MLP_LR = (32, 256, 256, 8), 2e-3
+MLP_STEPS = int(os.environ.get("MLP_STEPS", 120))
+
+
+def _mlp_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed classification task (the same on every rank): labels of a random teacher network."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2048, MLP_WIDTHS[0], generator=gen)
+    teacher = torch.randn(MLP_WIDTHS[0], MLP_WIDTHS[-1], generator=gen)
+    return x, (torch.tanh(x) @ teacher).argmax(dim=1)
+
+
+def mlp_runs(rank: int, world_size: int, cases: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Per case ``label: (strategy, optimizer options)``, a Trainer fit of the 3-layer MLP on ``world_size`` ranks
+    (strategy ``"ddp"``: AdamW at the same lr) for :data:`MLP_STEPS` steps: this rank's loss on the whole task at
+    the end, the steps whose gradients were not averaged densely, and the error raised, if any. Two options are not
+    the optimizer's: ``nan_at`` puts a NaN into ``net.2.bias`` on every rank at that step, ``nan_loss_from`` makes
+    rank 1's loss NaN from that step on (the parameters stay finite: every step is skipped)."""
+    import lightning.pytorch as pl
+
+    from lightning_gradcomp.onebit_adam import OneBitAdamStrategy
+    from tests.distributed.reliability_ranks import fit, step_loader
+
+    x_all, y_all = _mlp_data()
+
+    class MLP(pl.LightningModule):
+        def __init__(self, strategy: str, options: dict[str, Any]) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            a, b, c, d = MLP_WIDTHS
+            self.net = nn.Sequential(nn.Linear(a, b), nn.ReLU(), nn.Linear(b, c), nn.ReLU(), nn.Linear(c, d))
+            self.nan_at = options.pop("nan_at", None)
+            self.nan_loss_from = options.pop("nan_loss_from", None)
+            self.strategy_name, self.options = strategy, options
+            self.compressed = 0
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            gen = torch.Generator().manual_seed(1000 * self.global_rank + self.trainer.global_step)
+            index = torch.randint(0, len(x_all), (64,), generator=gen)
+            if self.trainer.global_step == self.nan_at:
+                layer = self.net[2]
+                assert isinstance(layer, nn.Linear)
+                with torch.no_grad():
+                    layer.bias[0] = float("nan")
+            strategy = self.trainer.strategy
+            if isinstance(strategy, OneBitAdamStrategy):
+                self.compressed += not strategy.link.dense_gradients()  # type: ignore[union-attr]
+            loss = nn.functional.cross_entropy(self.net(x_all[index]), y_all[index])
+            if self.nan_loss_from is not None and self.global_rank == 1 and self.trainer.global_step >= self.nan_loss_from:
+                loss = loss * float("nan")
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            if self.strategy_name == "ddp":
+                return torch.optim.AdamW(self.parameters(), lr=MLP_LR, weight_decay=0.0)
+            method = "onebit" if self.strategy_name == "onebit_adam" else "zero_one"
+            return make_optimizer(method, self.parameters(), {"lr": MLP_LR, **self.options})
+
+    out: dict[str, Any] = {}
+    for label, (strategy, options) in cases.items():
+        model = MLP(strategy, dict(options))
+        try:
+            fit(world_size, strategy, MLP_STEPS, model, loader=step_loader(MLP_STEPS))
+            raised = None
+        except Exception as exc:  # the test asserts what came out
+            raised = (type(exc).__name__, str(exc))
+        with torch.no_grad():
+            loss = float(nn.functional.cross_entropy(model.net(x_all), y_all))
+        out[label] = {"loss": loss, "compressed": model.compressed, "raised": raised,
+                      "global_step": model.trainer.global_step}
+    # the setup-time checks in the same world (one process group fewer)
+    out["__setup__"] = warmup_setup_runs(rank, world_size)
+    return out
+
+
+def warmup_setup_runs(rank: int, world_size: int) -> dict[str, Any]:
+    """Setup-time warm-up checks under the Trainer: a ``freeze_step`` past a 3-step run (the warnings and the setup
+    line, per rank), then the default fraction in a run without end (the error, and the steps taken)."""
+    import logging
+    import warnings
+
+    pl, AdamVariant = _lightning()
+    from tests.distributed.reliability_ranks import fit, step_loader
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Lines()
+    logging.getLogger("lightning_gradcomp.onebit_adam.strategy").addHandler(handler)
+    logging.getLogger("lightning_gradcomp.onebit_adam.strategy").setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, trainer = fit(world_size, "onebit_adam", 3, AdamVariant("onebit", {"freeze_step": 100000}),
+                             loader=step_loader(3))
+        model = AdamVariant("zero_one", {})
+        try:
+            fit(world_size, "zero_one_adam", -1, model, loader=step_loader(3), max_epochs=-1)
+            endless = None
+        except ValueError as exc:
+            endless = str(exc)
+    finally:
+        logging.getLogger("lightning_gradcomp.onebit_adam.strategy").removeHandler(handler)
+    optimizer = trainer.optimizers[0]
+    assert isinstance(optimizer, FrozenVarianceAdam)
+    return {"warnings": [str(w.message) for w in caught if "freeze_step" in str(w.message)], "lines": lines,
+            "compressed": optimizer.compressed_steps(3), "endless": endless,
+            "endless_step": model.trainer.global_step}

@@ -6,7 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.onebit_adam_ranks import final_sync_run, fit_unpaired, nonfinite_run, resume_run
+from tests.distributed.onebit_adam_ranks import (
+    MLP_STEPS,
+    final_sync_run,
+    fit_unpaired,
+    mlp_runs,
+    nonfinite_run,
+    resume_run,
+)
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -75,7 +82,9 @@ def test_bytes_per_step_in_the_compressed_phase(tmp_path: Path) -> None:
     # TinyClassifier: 20x64 + 64, 64x64 + 64, 64x5 + 5 = 5829 elements; chunks of 2915 / 2914: the second weight
     # (elements 1344..5439) is cut in two pieces, 1571 and 2525 elements
     pieces = [[1280, 64, 1571], [2525, 64, 320, 5]]
-    packets = [sum((n + 7) // 8 + 8 for n in chunk) for chunk in pieces]
+    # and each piece in blocks of 64 elements (the strategy's default scale_block), each with its two float32
+    blocks = [[min(64, n - i) for n in chunk for i in range(0, n, 64)] for chunk in pieces]
+    packets = [sum((n + 7) // 8 + 8 for n in chunk) for chunk in blocks]
     assert ranks[0]["dense_bytes"] == 4 * 5829
     for rank, r in enumerate(ranks):
         compressed = sum(packets) + packets[rank]
@@ -128,3 +137,69 @@ def test_zero_one_adam_fit_ending_between_synchronisations_leaves_every_rank_ide
             assert torch.equal(case["params"], first["params"]), f"case {cases[index]}: rank {rank} differs"
             assert torch.equal(case["checkpoint"], case["params"]), f"case {cases[index]}: the checkpoint is elsewhere"
             assert "params" not in case["entry"]
+
+
+# -- at their defaults, on a model nobody tuned them on; a run that cannot recover stops -------------------------
+#: the 3-layer MLP (32-256-256-8) at lr 2e-3 for 120 steps on 2 ranks: AdamW DDP, both methods at their defaults
+#: and with a short warm-up, a NaN put into a parameter, and a rank whose loss is NaN at every step from step 30
+MLP_CASES = {
+    "adamw": ("ddp", {}),
+    "onebit_default": ("onebit_adam", {}),
+    "zero_one_default": ("zero_one_adam", {}),
+    "onebit_freeze15": ("onebit_adam", {"freeze_step": 15}),
+    "zero_one_freeze15": ("zero_one_adam", {"var_freeze_step": 15}),
+    "nan_parameter": ("onebit_adam", {"nan_at": 30}),
+    "nan_every_step": ("zero_one_adam", {"nan_loss_from": 30}),
+}
+
+
+@pytest.fixture(scope="module")
+def mlp() -> list[dict]:
+    return run_ranks(mlp_runs, 2, MLP_CASES, timeout=600)
+
+
+@pytest.mark.parametrize("case", ["onebit_default", "zero_one_default", "onebit_freeze15", "zero_one_freeze15"])
+def test_at_their_defaults_both_train_as_adamw_ddp(mlp: list[dict], case: str) -> None:
+    """Within 10 % of AdamW DDP's final loss, on every rank, having compressed most steps (the default warm-up is
+    15 % of the run: 18 of 120 steps)."""
+    target = mlp[0]["adamw"]["loss"]
+    for r in mlp:
+        assert r[case]["raised"] is None
+        assert r[case]["loss"] <= 1.1 * target, f"{case}: {r[case]['loss']:.4f} against AdamW DDP's {target:.4f}"
+        assert r[case]["compressed"] >= 0.8 * MLP_STEPS
+
+
+def test_non_finite_parameters_stop_the_run_naming_step_and_parameter(mlp: list[dict]) -> None:
+    for r in mlp:
+        kind, message = r["nan_parameter"]["raised"]
+        assert kind == "NonFiniteGradientError" and r["nan_parameter"]["global_step"] == 30
+        assert "Non-finite parameters or optimizer state at step 30" in message and "`net.2.bias`" in message
+        assert "Fix:" in message
+
+
+def test_ten_skipped_steps_in_a_row_stop_the_run(mlp: list[dict]) -> None:
+    """Rank 1's loss is NaN from step 30 on: steps 30..39 are skipped on both ranks, and the 10th stops both."""
+    for rank, r in enumerate(mlp):
+        kind, message = r["nan_every_step"]["raised"]
+        assert kind == "NonFiniteGradientError" and "The last 10 steps were all skipped" in message
+        assert "up to step 39" in message and "Fix:" in message
+        # each rank names the parameter whose gradient it found non-finite (rank 1's), or says it was another rank's
+        assert ("` on this rank" in message) if rank == 1 else ("a parameter on another rank" in message)
+
+
+def test_a_warmup_past_the_run_warns_at_setup_and_a_fraction_needs_an_end(mlp: list[dict]) -> None:
+    """``freeze_step=100000`` on a 3-step run: rank 0 warns before step 0 with the value to use, and the setup line
+    says no compressed step runs instead of promising an exchange's bytes; the default warm-up (a fraction) in a
+    run without end is refused before step 0 (in the MLP tests' world: :func:`warmup_setup_runs`)."""
+    ranks = [r["__setup__"] for r in mlp]
+    [warning] = ranks[0]["warnings"]
+    assert "OneBitAdam's freeze_step=100000 is at or past the run's 3 steps: no step is compressed" in warning
+    assert "Fix: freeze_step=1 (freeze_step=0.15" in warning
+    [line] = [line for line in ranks[0]["lines"] if "fp32 gradient all-reduce" in line]
+    assert "no compressed step in the run's 3 steps" in line and "bytes per exchange" not in line
+    for rank, r in enumerate(ranks):
+        assert r["compressed"] == 0
+        assert r["warnings"] == [] or rank == 0
+        assert r["endless_step"] == 0 and r["endless"] is not None
+        assert "Expected Trainer(max_steps=...) or max_epochs for ZeroOneAdam's var_freeze_step=0.15" in r["endless"]
+        assert "Fix: set max_steps" in r["endless"]

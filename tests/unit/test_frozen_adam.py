@@ -13,6 +13,7 @@ from gradcomp_lab.tasks import CharLanguageModel, ImageClassifier
 from lightning_gradcomp.optimizers import OneBitAdam, SignSGD, ZeroOneAdam
 from lightning_gradcomp.optimizers.frozen_adam import _Alone
 from tests.harness import free_port
+from lightning_gradcomp.optimizers.frozen_adam import VARIANCE_FLOOR
 
 
 @pytest.mark.parametrize(
@@ -51,7 +52,7 @@ def test_task_builds_the_optimizer_with_its_options() -> None:
 
 
 def test_task_refuses_unknown_or_misplaced_optimizer_options() -> None:
-    with pytest.raises(ValueError, match=r"among \['freeze_step', 'bias_correction'\], but got \['freeze_steps'\].*did you mean 'freeze_step'"):
+    with pytest.raises(ValueError, match=r"among \['freeze_step', 'bias_correction', 'deepspeed_compat'\], but got \['freeze_steps'\].*did you mean 'freeze_step'"):
         ImageClassifier(MLP(4, 3, 1, 2), optimizer="onebit_adam", optimizer_options={"freeze_steps": 3})
     with pytest.raises(ValueError, match=r"`optimizer_options` only with optimizer.*Fix:"):
         ImageClassifier(MLP(4, 3, 1, 2), optimizer="adamw", optimizer_options={"freeze_step": 3})
@@ -85,11 +86,16 @@ def test_state_dict_carries_the_phase_counters(cls: type) -> None:
     assert all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
 
 
-def test_one_process_onebit_adam_is_adam_without_bias_correction_then_frozen_variance() -> None:
+@pytest.mark.parametrize("deepspeed_compat", [True, False])
+def test_one_process_onebit_adam_is_adam_then_frozen_variance(deepspeed_compat: bool) -> None:
+    """``deepspeed_compat``: DeepSpeed's arithmetic (no bias correction, no floor); by default, Adam's bias
+    correction and the frozen variance floored at :data:`VARIANCE_FLOOR` of its tensor's mean."""
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     p0 = [p.detach().clone() for p in model.parameters()]
-    optimizer = OneBitAdam(model.parameters(), lr=0.01, weight_decay=0.1, freeze_step=2)
+    optimizer = OneBitAdam(model.parameters(), lr=0.01, weight_decay=0.1, freeze_step=2,
+                           deepspeed_compat=deepspeed_compat)
+    assert optimizer.bias_correction is not deepspeed_compat
     _steps(optimizer, model, 4)
     # written out: m, v from the gradients at the current weights; v frozen after step 2
     ref = nn.Linear(3, 2)
@@ -107,7 +113,13 @@ def test_one_process_onebit_adam_is_adam_without_bias_correction_then_frozen_var
                 m[i] = 0.9 * m[i] + 0.1 * q.grad
                 if step < 2:
                     v[i] = 0.999 * v[i] + 0.001 * q.grad * q.grad
-                q.sub_(0.01 * (m[i] / (v[i].sqrt() + 1e-8) + 0.1 * q))
+                if step == 1 and not deepspeed_compat:
+                    v[i] = torch.maximum(v[i], VARIANCE_FLOOR * v[i].mean())
+                if deepspeed_compat:
+                    q.sub_(0.01 * (m[i] / (v[i].sqrt() + 1e-8) + 0.1 * q))
+                else:
+                    corrected = v[i] / (1 - 0.999 ** min(step + 1, 2))
+                    q.sub_(0.01 * (m[i] / (1 - 0.9 ** (step + 1)) / (corrected.sqrt() + 1e-8) + 0.1 * q))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
@@ -145,6 +157,7 @@ def test_unbound_in_a_distributed_run_refuses_its_first_step_before_anything_run
     model = nn.Linear(3, 2)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = cls(model.parameters())
+    optimizer.resolve_warmup(100)  # what the paired strategy does at setup with the default fraction
     closure_ran = []
 
     def closure() -> float:
@@ -188,3 +201,62 @@ def test_an_optimizer_option_given_to_the_strategy_names_the_optimizer(strategy:
     assert message.startswith(f"Expected `{option}` to be given to the optimizer, but got {strategy}({option}=10)")
     assert f"Fix: drop it here and return {fix}" in message
     assert "compressor" not in message  # not the generic unknown-option fix
+
+
+def test_default_warmup_is_a_fraction_of_the_run_resolved_at_setup() -> None:
+    optimizer = OneBitAdam(nn.Linear(2, 2).parameters())
+    assert optimizer.bias_correction and not optimizer.deepspeed_compat and optimizer.warmup_fraction == 0.15
+    model = nn.Linear(3, 2)
+    optimizer = OneBitAdam(model.parameters())
+    with pytest.raises(ValueError, match=r"Expected `freeze_step` in steps but got the fraction 0.15.*Fix:.*resolve_warmup"):
+        _steps(optimizer, model, 1)
+    assert optimizer.resolve_warmup(120) == optimizer.freeze_step == 18
+    assert ZeroOneAdam(model.parameters(), var_freeze_step=0.5).resolve_warmup(7) == 4
+    assert OneBitAdam(model.parameters(), freeze_step=0.01).resolve_warmup(10) == 1  # at least one dense step
+    assert OneBitAdam(model.parameters(), freeze_step=40).resolve_warmup(120) == 40  # steps stay steps
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, 1.5, -3, True, "10"])
+def test_a_warmup_neither_steps_nor_a_fraction_is_refused(bad: object) -> None:
+    with pytest.raises((ValueError, TypeError), match=r"Expected `var_freeze_step` to be a number of steps.*Fix:"):
+        ZeroOneAdam(nn.Linear(2, 2).parameters(), var_freeze_step=bad)  # type: ignore[arg-type]
+
+
+def test_warmup_warnings_name_the_value_to_use() -> None:
+    params = list(nn.Linear(2, 2).parameters())
+    never = OneBitAdam(params, freeze_step=100000)
+    [message] = never.warmup_warnings(120)
+    assert "freeze_step=100000 is at or past the run's 120 steps: no step is compressed" in message
+    assert "Fix: freeze_step=18" in message
+    assert OneBitAdam(params, freeze_step=120).warmup_warnings(120) and not OneBitAdam(params, freeze_step=119).warmup_warnings(120)
+    # uncorrected, 15 updates of beta2 0.999 hold 1.5 % of the variance's scale: 693 updates hold half
+    short = OneBitAdam(params, freeze_step=15, deepspeed_compat=True)
+    [message] = short.warmup_warnings(120)
+    assert "after 15 updates" in message and "Fix: bias_correction=True (the default), or freeze_step=693" in message
+    assert OneBitAdam(params, freeze_step=15).warmup_warnings(120) == []  # corrected: Adam's scale at any length
+    assert OneBitAdam(params, freeze_step=693, bias_correction=False).warmup_warnings(1000) == []
+    [message] = ZeroOneAdam(params, var_freeze_step=40, deepspeed_compat=True).warmup_warnings(120)
+    assert "var_update_scaler=693 with var_freeze_step=693" in message
+    # 0/1 Adam compresses its variance phase's other steps: only a run of variance updates alone never compresses
+    assert ZeroOneAdam(params).resolve_warmup(120) == 18 and ZeroOneAdam(params, var_freeze_step=500).warmup_warnings(120) == []
+    assert "no step is compressed" in ZeroOneAdam(params, var_freeze_step=500).warmup_warnings(16)[0]
+
+
+@pytest.mark.parametrize("steps", [1, 16, 17, 40, 49, 50, 51, 130])
+def test_zero_one_adam_counts_its_variance_updates_as_it_steps(steps: int) -> None:
+    model = nn.Linear(3, 2)
+    optimizer = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=45, var_update_scaler=4)
+    _steps(optimizer, model, steps)
+    assert optimizer.variance_updates(steps) == optimizer.counters["var_updates"]
+
+
+@pytest.mark.parametrize("deepspeed_compat", [True, False])
+def test_the_frozen_variance_has_a_floor_unless_deepspeed_compat(deepspeed_compat: bool) -> None:
+    model = nn.Linear(3, 2)
+    optimizer = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=1, deepspeed_compat=deepspeed_compat)
+    model.bias.register_hook(lambda g: g * torch.tensor([1.0, 0.0]))  # the second bias gets no gradient
+    _steps(optimizer, model, 2)
+    v = optimizer.state[model.bias]["exp_avg_sq"]
+    assert optimizer.counters["var_frozen"]
+    # the floor: a hundredth of the tensor's mean variance before the floor, (v[0] + 0) / 2
+    assert (v[1] == 0) if deepspeed_compat else torch.isclose(v[1], VARIANCE_FLOOR * v[0] / 2)
