@@ -53,7 +53,7 @@ from lightning_gradcomp.compressors.adacomp_flat import (
     select_bins,
 )
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, _one
+from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, layer_segments
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp
 from lightning_gradcomp.kernels import triton_adacomp
@@ -270,7 +270,7 @@ class AdaComp(KernelBacked[FusedAdaComp]):
 
     def observe_gradient(self, grad: Tensor, name: str) -> None:
         """:meth:`observe_gradient_flat` of the group of one (the base class observes per layer only)."""
-        self.observe_gradient_flat(grad.reshape(-1), _one(self, name, grad.shape))
+        self.observe_gradient_flat(grad.reshape(-1), layer_segments(self, name, grad.shape))
 
     def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
         self._flat_gradients[segments.names] = flat

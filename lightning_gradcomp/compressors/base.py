@@ -57,7 +57,7 @@ class CollectiveVariant:
     aggregation: Aggregation
 
 
-def _one(compressor: "Compressor", name: str, shape: torch.Size) -> Segments:
+def layer_segments(compressor: "Compressor", name: str, shape: torch.Size) -> Segments:
     """The group of one layer: how the per-layer methods call the group methods. Kept per (name, shape), so the
     group code's layouts and index tensors, cached per group layout, are built once per layer as in the hook."""
     groups: dict[tuple[str, torch.Size], Segments] = compressor.__dict__.setdefault("_groups_of_one", {})
@@ -74,9 +74,9 @@ def _layer_packet(group: FlatPacket) -> Packet:
                   {k: v.reshape(()) for k, v in group.stats.items()})
 
 
-def _group_packet(compressor: "Compressor", packet: Packet) -> FlatPacket:
+def layer_group_packet(compressor: "Compressor", packet: Packet) -> FlatPacket:
     """A per-layer packet as the group of one it came from (the layer's name plays no part in decoding)."""
-    return FlatPacket(packet.payload, _one(compressor, "", packet.shape), packet.dtype, (packet.nbytes,), dict(packet.ctx))
+    return FlatPacket(packet.payload, layer_segments(compressor, "", packet.shape), packet.dtype, (packet.nbytes,), dict(packet.ctx))
 
 
 @dataclass
@@ -226,7 +226,7 @@ class Compressor:
         """
         if not self._has_group_methods():
             return None
-        shared = self.flat_statistic(tensor.reshape(-1), _one(self, name, tensor.shape))
+        shared = self.flat_statistic(tensor.reshape(-1), layer_segments(self, name, tensor.shape))
         return None if shared is None else shared.values
 
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
@@ -242,7 +242,7 @@ class Compressor:
         """
         self._require_group_methods("compress")
         statistic = None if shared is None else SharedStatistic(shared.reshape(-1).float(), (shared.numel(),))
-        return _layer_packet(self.compress_flat(tensor.reshape(-1), _one(self, name, tensor.shape), statistic))
+        return _layer_packet(self.compress_flat(tensor.reshape(-1), layer_segments(self, name, tensor.shape), statistic))
 
     def decompress(self, packet: Packet) -> Tensor:
         """Decode one packet to a dense tensor of ``packet.shape`` and ``packet.dtype``.
@@ -251,7 +251,7 @@ class Compressor:
         :meth:`decompress_flat` of the group of one.
         """
         self._require_group_methods("decompress")
-        return self.decompress_flat(_group_packet(self, packet)).view(packet.shape)
+        return self.decompress_flat(layer_group_packet(self, packet)).view(packet.shape)
 
     def _has_group_methods(self) -> bool:
         """Whether this compressor is written at group level: it implements the group methods and not the per-layer
@@ -297,7 +297,7 @@ class Compressor:
         """
         if self._has_group_methods():
             flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
-            self.decompress_flat_mean_into([_group_packet(self, p) for p in packets], flat)
+            self.decompress_flat_mean_into([layer_group_packet(self, p) for p in packets], flat)
             return out if flat.data_ptr() == out.data_ptr() else out.copy_(flat.view(out.shape))
         return self.decompress_sum_into(packets, out).div_(len(packets))
 
@@ -309,7 +309,7 @@ class Compressor:
         """
         if not self._has_group_methods():
             return self.decompress(packet)
-        return self.sent_flat(tensor.reshape(-1), _group_packet(self, packet)).view(packet.shape)
+        return self.sent_flat(tensor.reshape(-1), layer_group_packet(self, packet)).view(packet.shape)
 
     # -- a group of layers in one flat tensor (the hook's batched pipeline) -------------------------------------
     # The defaults below loop over the layers with the per-layer methods above, so every compressor travels through

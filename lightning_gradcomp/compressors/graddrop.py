@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, _one
+from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, layer_segments
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.graddrop_flat import (
     GroupKernels,
@@ -266,7 +266,7 @@ class GradientDropping(KernelBacked[GroupKernels]):
         """The sampled |x| of one tensor and how many elements each sampled value stands for: the group code's sample
         of a group of one (a random sample draws from ``name``'s stream, whose counter moves on)."""
         flat = magnitudes if magnitudes.dim() == 1 else magnitudes.reshape(-1)
-        plan = self._sample_plan(_one(self, name, magnitudes.shape), flat.device)
+        plan = self._sample_plan(layer_segments(self, name, magnitudes.shape), flat.device)
         bits = self._keys.bits_flat(plan.draws, flat.device) if plan.draws.total else None
         return gather_samples(flat, plan, bits), plan.weights[0]
 
@@ -274,7 +274,7 @@ class GradientDropping(KernelBacked[GroupKernels]):
         """The drop threshold of one tensor of |x| (0-d): the group code's threshold of a group of one (in global
         scope its sample joins the pool, as a layer of a group does)."""
         samples, _ = self.threshold_sample(magnitudes.abs(), name)  # a tensor of its own: the pool keeps views of it
-        group = _one(self, name, magnitudes.shape)
+        group = layer_segments(self, name, magnitudes.shape)
         plan = self._sample_plan(group, samples.device)
         return self._group_thresholds(group, samples, plan, lambda: segment_thresholds(samples, plan)).reshape(())
 

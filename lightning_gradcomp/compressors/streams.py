@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.kernels._build import cpu_extension
+from lightning_gradcomp.kernels import cpu_extension
 from lightning_gradcomp.kernels.rng import MASK32, hash_index, stream_id, stream_key, to_uniform, uniform
 from lightning_gradcomp.flat import Segments
 

@@ -35,13 +35,13 @@ from lightning_gradcomp.compressors.base import (
     Aggregation,
     CollectiveVariant,
     SharedStatistic,
-    _group_packet,
-    _one,
+    layer_group_packet,
+    layer_segments,
 )
 from lightning_gradcomp.flat import FlatPacket, Packet, Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
 from lightning_gradcomp.compressors.terngrad_flat import FlatTernGrad
-from lightning_gradcomp.kernels._build import extension_for
+from lightning_gradcomp.kernels import extension_for
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.wire.ternary import PACKINGS, Packing, packed_nbytes
 
@@ -211,7 +211,7 @@ class TernGrad(KernelBacked[FlatTernGrad]):
         x = tensor.detach().reshape(-1)
         if x.numel() == 0:
             return x.new_zeros(0, dtype=torch.int8), x.new_zeros(0, dtype=torch.float32)
-        group = _one(self, name, tensor.shape)
+        group = layer_segments(self, name, tensor.shape)
         local, clip = self._flat.scale_clip(x, group)
         s = local if scaler is None else scaler.reshape(-1).to(local.device, torch.float32)
         return self._flat.encode(x, group, s, clip), s
@@ -220,7 +220,7 @@ class TernGrad(KernelBacked[FlatTernGrad]):
         """The sum of the decoded packets in rank order; with a shared scaler the integer sum scaled once (exact),
         as the group's mean rounds it before dividing."""
         first = packets[0]
-        return self._flat.decompress_sum([_group_packet(self, p) for p in packets]).view(first.shape)
+        return self._flat.decompress_sum([layer_group_packet(self, p) for p in packets]).view(first.shape)
 
     def clipped(self, tensor: Tensor) -> Tensor:
         """``tensor`` after this rank's own c*sigma clipping, as float32 (for monitoring; draws no randomness).
@@ -231,7 +231,7 @@ class TernGrad(KernelBacked[FlatTernGrad]):
         x = tensor.detach().reshape(-1).float()
         if self.clip_factor == 0.0 or x.numel() == 0:
             return x.view(tensor.shape)
-        group = _one(self, "", tensor.shape)
+        group = layer_segments(self, "", tensor.shape)
         scale, clip = self._flat.scale_clip(x, group)
         threshold = self._flat.chunk_layout(group).chunks.expand(scale if clip is None else clip)
         return torch.maximum(torch.minimum(x, threshold), -threshold).view(tensor.shape)

@@ -104,7 +104,7 @@ def measure_exchange(compressor: Compressor, names: list[str], tensors: list[Ten
         buffer.copy_(flat)  # the hook writes the mean over the gradients
         transport.launched = 0.0
         start = time.perf_counter()
-        gradcomp_hook(state, bucket).wait()  # type: ignore[arg-type]  # a stand-in GradBucket
+        gradcomp_hook(state, bucket).wait()
         end = time.perf_counter()
         if attempt:
             launched = end if multiround or not transport.launched else transport.launched

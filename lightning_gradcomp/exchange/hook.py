@@ -360,16 +360,26 @@ def _from_bytes(raw: Tensor, dtype: torch.dtype) -> Tensor:
     return raw if dtype == torch.uint8 else raw.clone().view(dtype)
 
 
-def gradcomp_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def gradcomp_hook(state: GradCompState, bucket: HookBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook that compresses each parameter of ``bucket`` and exchanges the packets.
 
     Register with ``ddp_model.register_comm_hook(state, gradcomp_hook)``. Every rank ends with the same
     averaged, decoded gradient in ``bucket.buffer()``.
+
+    Args:
+        state: the hook state (compressors, process group or transport, residuals, ledger).
+        bucket: DDP's ``dist.GradBucket``, or any :class:`~lightning_gradcomp.exchange.groups.HookBucket` (an
+            outer round's pseudo-gradients, a gradient shard, a worker's flat gradients outside DDP).
     """
     # backward can run under the user's autocast (manual optimization); compression maths must keep the dtypes
     # it chose (autocast's type promotion rejects e.g. torch.cat of fp16 payloads under CPU bf16 autocast)
     with torch.autocast(bucket.buffer().device.type, enabled=False):
         return _exchange_bucket(state, bucket)
+
+
+# DDP's register_comm_hook reads the hook's `bucket` annotation at run time and refuses any but dist.GradBucket
+# (which satisfies HookBucket); the type checker reads the source's
+gradcomp_hook.__annotations__["bucket"] = dist.GradBucket
 
 
 def _exchange_bucket(state: GradCompState, bucket: HookBucket) -> torch.futures.Future[torch.Tensor]:

@@ -6,7 +6,7 @@ results, after one logged warning. On CUDA tensors the torch-ops path runs (unme
 group path, which runs Triton kernels when Triton imports (:mod:`lightning_gradcomp.kernels.triton_terngrad`).
 """
 
-from lightning_gradcomp.kernels._build import cpu_extension, torch_ops
+from lightning_gradcomp.kernels._build import cpu_extension, extension_for, torch_ops
 from lightning_gradcomp.kernels.binwords import (
     adacomp_group_decode_sum,
     adacomp_group_encode,
@@ -45,6 +45,7 @@ __all__ = [
     "bin_words_decode_sum",
     "bin_words_encode",
     "cpu_extension",
+    "extension_for",
     "fused_available",
     "graddrop_group_kth",
     "graddrop_group_sample",

@@ -11,7 +11,7 @@ the offset of its sample (see ``triton_graddrop.GroupTables``).
 import triton
 import triton.language as tl
 
-from lightning_gradcomp.kernels._triton_terngrad_jit import _lowbias32
+from lightning_gradcomp.kernels._triton_terngrad_jit import lowbias32_uint32
 
 #: columns of the per-layer table: offset, numel, sample size, sample mode, sample offset
 META = tl.constexpr(5)
@@ -42,7 +42,7 @@ def sample_kernel(x_ptr, meta_ptr, tiles_ptr, keys_ptr, out_ptr, BLOCK: tl.const
     valid = j < size
     k0 = tl.load(keys_ptr + 2 * layer).to(tl.uint32)
     k1 = tl.load(keys_ptr + 2 * layer + 1).to(tl.uint32)
-    drawn = _lowbias32(_lowbias32(j.to(tl.uint32) + k0) ^ k1).to(tl.int64) % numel  # zero-extended: unsigned
+    drawn = lowbias32_uint32(lowbias32_uint32(j.to(tl.uint32) + k0) ^ k1).to(tl.int64) % numel  # zero-extended: unsigned
     position = tl.where(mode == 1, drawn, j * (numel // size))
     v = tl.load(x_ptr + offset + position, mask=valid, other=0.0)
     tl.store(out_ptr + at + j, tl.abs(v), mask=valid)

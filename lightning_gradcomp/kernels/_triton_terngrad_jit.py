@@ -22,7 +22,7 @@ TWO_POW_MINUS_24 = tl.constexpr(2.0**-24)
 
 
 @triton.jit
-def _lowbias32(x):
+def lowbias32_uint32(x):
     # Wellons' lowbias32 on uint32 (multiplications wrap mod 2**32), as rng.lowbias32 on int64 holding uint32
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
@@ -56,7 +56,7 @@ def _ternary(x_ptr, offset, w, valid, layer, keys_ptr, scale_ptr, clip_ptr, firs
     g = tl.load(x_ptr + offset + w, mask=valid, other=0.0).to(tl.float32)
     k0 = tl.load(keys_ptr + 2 * layer).to(tl.uint32)
     k1 = tl.load(keys_ptr + 2 * layer + 1).to(tl.uint32)
-    h = _lowbias32(_lowbias32(w.to(tl.uint32) + k0) ^ k1)
+    h = lowbias32_uint32(lowbias32_uint32(w.to(tl.uint32) + k0) ^ k1)
     u = (h >> 8).to(tl.float32) * TWO_POW_MINUS_24
     s = _chunk_values(scale_ptr, first_chunk, w, valid, bucket, CHUNKED)
     a = tl.abs(g)

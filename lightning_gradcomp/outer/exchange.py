@@ -163,7 +163,7 @@ class LeaderExchange:
         if self.sends and g.layout.num_sites > 1:
             names = self.fragments[fragment]
             try:
-                future = gradcomp_hook(self.state, bucket)  # type: ignore[arg-type]  # duck-typed GradBucket
+                future = gradcomp_hook(self.state, bucket)
             except NonFiniteGradientError as exc:
                 raise nonfinite_pseudo_gradient(names, pseudo_gradients, g.site, step) from exc
             wan = self.state.ledger.bytes_of(names, fragment)

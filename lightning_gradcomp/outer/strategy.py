@@ -43,7 +43,7 @@ from lightning_gradcomp.outer.exchange import LeaderExchange
 from lightning_gradcomp.outer.fragments import strided_fragments
 from lightning_gradcomp.strategies.final_sync import FinalSynchronisation
 from lightning_gradcomp.strategies.resilience import ResilienceMixin
-from lightning_gradcomp.strategies.strategy import _SiteStrategy
+from lightning_gradcomp.strategies.strategy import SiteStrategy
 from lightning_gradcomp.validation import check_bool, check_int, check_number, UnknownOptionError
 from lightning_gradcomp.exchange.ledger import dense_bytes
 from lightning_gradcomp.sites.layout import SiteGroups, SiteLayout, site_layout, start_sites_from_rank0
@@ -365,7 +365,7 @@ class OuterRounds(_OuterBase):
         return 0 if self.outer is None else self.outer.last_step_bytes()
 
 
-class DiLoCoStrategy(OuterRounds, _SiteStrategy):
+class DiLoCoStrategy(OuterRounds, SiteStrategy):
     """DiLoCo and Streaming DiLoCo with any compressor on the pseudo-gradients (see :mod:`lightning_gradcomp.outer`).
 
     Args:

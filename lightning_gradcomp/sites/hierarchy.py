@@ -8,7 +8,7 @@ Per DDP bucket, identically on every rank:
    site (the LAN: :func:`lightning_gradcomp.exchange.comm.reduce_to_owners_`, each share's segment to its owner, summed
    there) leaves local rank ``j`` with the site's sum of share ``j`` of the bucket, divided by the site size: the
    site's mean gradient of that share;
-2. local rank ``j`` runs the flat hook (:func:`lightning_gradcomp.exchange.hook._exchange_bucket`: transforms, error
+2. local rank ``j`` runs the flat hook (:func:`lightning_gradcomp.exchange.hook.gradcomp_hook`: transforms, error
    feedback, shared statistics, compression, collectives, decode) on its share, with the *cross-site* group of
    the ranks with local index ``j`` in every site. So each local rank puts about ``1/k`` of a step's inter-site
    bytes on the link, and the compressor averages over sites;
@@ -44,7 +44,7 @@ from torch import Tensor
 from lightning_gradcomp.exchange import comm
 from lightning_gradcomp.exchange.guard import observe_decoded
 from lightning_gradcomp.exchange.groups import layer_offsets
-from lightning_gradcomp.exchange.hook import GradCompState, _exchange_bucket
+from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.sites.layout import SiteLayout, new_group, new_site_groups, site_layout
 from lightning_gradcomp.validation import check_choice, check_int
 from lightning_gradcomp.exchange.ledger import tensor_bytes
@@ -362,7 +362,7 @@ def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch
         # decided on every rank alike: no collective; the flat hook (which counts the call) fills the bucket
         site.lan_bytes[index] = 0
         positions = layer_offsets(bucket)
-        _exchange_bucket(state, _ShareBucket(bucket, buffer, plan.params[j], [positions[i] for i in plan.params[j]]))
+        gradcomp_hook(state, _ShareBucket(bucket, buffer, plan.params[j], [positions[i] for i in plan.params[j]]))
         return comm.completed(buffer)
 
     splits, size = plan.splits, plan.lengths[j] + 1
@@ -377,7 +377,7 @@ def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch
     sent = tensor_bytes(buffer, sum(splits) - size)
     # the flat hook on this rank's share, with the cross-site group; its collectives are waited for here so the
     # exchange of the decoded shares is issued from the hook body (never from a `.then`, see comm)
-    _exchange_bucket(state, _ShareBucket(bucket, mine, plan.params[j], plan.offsets[j])).wait()
+    gradcomp_hook(state, _ShareBucket(bucket, mine, plan.params[j], plan.offsets[j])).wait()
     if state.step_nonfinite:  # every cross-site group saw the flag slots: the same decision on every rank
         site.lan_bytes[index] = sent
         return comm.completed(buffer.fill_(float("nan")))

@@ -164,7 +164,7 @@ class ShardExchange:
                 guard_shard(self.state, bucket)
                 return
             # FSDP2 reads the shard right after the hook returns: the replicas' mean must be in place by then
-            gradcomp_hook(self.state, bucket).wait()  # type: ignore[arg-type]  # duck-typed GradBucket
+            gradcomp_hook(self.state, bucket).wait()
 
         return hook
 

@@ -216,7 +216,7 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
         registry.register_strategies(cls, strategy_registry)
 
 
-class _SiteStrategy(GradCompStrategy):
+class SiteStrategy(GradCompStrategy):
     """A :class:`GradCompStrategy` whose DDP runs inside sites that step apart between rounds (DiLoCo, WeightGrad):
     the site options, the layout and the site groups (:func:`~lightning_gradcomp.sites.layout.new_site_groups`, made in
     ``setup_environment``; the site's group becomes DDP's), the hook inside the site, and the replica check per

@@ -163,7 +163,7 @@ class TowerStrategy(SingleDeviceStrategy):
 
         def work(rank: int) -> None:
             try:
-                gradcomp_hook(self._states[rank], TensorBucket(buffers[rank], params)).wait()  # type: ignore[arg-type]
+                gradcomp_hook(self._states[rank], TensorBucket(buffers[rank], params)).wait()
             except BaseException as error:  # noqa: B036 - re-raised below; the other workers must not wait for it
                 errors.append(error)
                 self._workers.abort()

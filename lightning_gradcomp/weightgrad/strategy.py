@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.compressors.identity import Identity
-from lightning_gradcomp.strategies.strategy import _SiteStrategy
+from lightning_gradcomp.strategies.strategy import SiteStrategy
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 from lightning_gradcomp.weightgrad.significance import Rule, Scope, SignificanceFilter
 from lightning_gradcomp.sites.layout import SiteLayout, site_layout, start_sites_from_rank0
@@ -42,7 +42,7 @@ class GatheredFP32(Identity):
     aggregation = Aggregation.GATHER
 
 
-class WeightGradStrategy(_SiteStrategy):
+class WeightGradStrategy(SiteStrategy):
     """WeightGrad (Akter & Adnan, KDD 2020): two-level LAN/WAN training with ternary gradients and weights.
 
     Args:

@@ -245,7 +245,7 @@ class GradientSynchronizer(OuterSync):
             mask = torch.ones_like(pending, dtype=torch.bool) if self._flush else self._mask(name)
             self.stats[f"fraction_significant/{name}"] = mask.float().mean()
             view.copy_(pending).masked_fill_(~mask, 0.0)
-        gradcomp_hook(self.state, self.bucket).wait()  # type: ignore[arg-type]  # duck-typed GradBucket
+        gradcomp_hook(self.state, self.bucket).wait()
         ledger = self.state.ledger
         means, sent = [], []
         for name, mean in zip(self.names, self.bucket.gradients()):

@@ -103,7 +103,7 @@ def site_transport(rank: int, world_size: int) -> dict[str, Any]:
     own = torch.cat([torch.linspace(-1.0, 1.0, 6), torch.tensor([0.0, 0.0, 0.0, 0.0, 5.0, 0.0]) if site else
                      torch.arange(6.0)])
     bucket.buffer().copy_(own)
-    gradcomp_hook(state, bucket).wait()  # type: ignore[arg-type]  # duck-typed GradBucket
+    gradcomp_hook(state, bucket).wait()
     out["mean"] = bucket.buffer().clone()
     out["own"] = own
     out["message_bytes"] = state.ledger.bytes_of(["p0", "p1"], 0)
