@@ -2,6 +2,7 @@
 Streaming DiLoCo, WeightGrad, the hierarchical exchange, TowerStrategy) through its strategy, on fixed gradients."""
 
 import hashlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,37 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_gradcomp.exchange.ledger import ByteReport
+
+#: the environment every golden rank computes in, so that the digests do not depend on the CPU's vector width: torch's
+#: vectorised kernels at AVX2 (``ATEN_CPU_CAPABILITY``; on an AVX-512 CPU they would otherwise reduce in other lanes),
+#: MKL's BLAS, LAPACK and vector math (PowerSGD's and DeMo's products, QR, Adam's square roots) on its ``COMPATIBLE``
+#: code branch (``MKL_CBWR``: SSE2, the same bits on every x86-64 CPU, Intel or AMD), and oneDNN's kernels capped at
+#: AVX2. The library's own CPU kernels need none: their AVX-512 and AVX2 clones (``kernels/csrc/common.h``) compute the
+#: same bits (fixed 8-lane vectors, no -ffast-math; every kernel-backed compressor's digest recorded on an AVX2 CPU
+#: reproduced on an AVX-512 one). torch and MKL read these variables once per process, at the first kernel call,
+#: which the fork server's imports never make: a rank sets them first (``run_ranks(..., env=...)``), and
+#: :func:`pinned` checks that torch took them.
+PINNED_CPU = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+#: what ``torch.backends.cpu.get_cpu_capability()`` reports under :data:`PINNED_CPU`
+PINNED_CAPABILITY = "AVX2"
+
+
+def cpu_environment(rank: int, world_size: int) -> tuple[str, dict[str, str | None]]:
+    """The CPU capability torch's kernels run at in this process, and the pinning variables as this process sees them."""
+    return torch.backends.cpu.get_cpu_capability(), {k: os.environ.get(k) for k in PINNED_CPU}
+
+
+def pinned(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(rank, world_size, *args)`` once this rank computes at :data:`PINNED_CAPABILITY` (run it with
+    ``env=PINNED_CPU``); fails, saying why, where torch had already chosen its kernels before the rank pinned them."""
+    capability, environment = cpu_environment(rank, world_size)
+    if capability != PINNED_CAPABILITY or environment != PINNED_CPU:
+        raise AssertionError(
+            f"Expected golden ranks to compute at {PINNED_CAPABILITY} with {PINNED_CPU} but got {capability} with "
+            f"{environment}. Fix: start them with run_ranks(..., env=PINNED_CPU), before anything in the fork server "
+            "calls a torch kernel (torch reads ATEN_CPU_CAPABILITY once per process)."
+        )
+    return fn(rank, world_size, *args)
 
 #: a matrix, a bias, a conv kernel (PowerSGD's 4-D case), a small vector, a larger matrix (several chunks and bins)
 SHAPES = ((64, 32), (32,), (16, 16, 3, 3), (10,), (128, 64))
@@ -294,8 +326,9 @@ def engine_digests(rank: int, world_size: int, names: list[str], lr: float = 0.0
     return {name: _fit(engines[name][0](), world_size, engines[name][1], engines[name][2], lr=lr) for name in names}
 
 
-def tower_digests(names: list[str], lr: float = 0.05) -> dict[str, dict[str, Any]]:
-    """Per :data:`TOWERS` configuration, the digests of one fit in this process (single-threaded, as the ranks)."""
+def tower_digests(rank: int, world_size: int, names: list[str], lr: float = 0.05) -> dict[str, dict[str, Any]]:
+    """Per :data:`TOWERS` configuration, the digests of one fit in this process (single-threaded, as the ranks): a
+    rank of one, so that it computes in :data:`PINNED_CPU` as the others."""
     from lightning_gradcomp.strategies.towers import TowerStrategy
 
     threads = torch.get_num_threads()

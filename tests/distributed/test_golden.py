@@ -5,15 +5,18 @@ stays what it was.
 1-bit Adam and 0/1 Adam are pinned through their compressed all-reduce on 2 and 3 ranks (uneven chunks).
 
 A refactor of the exchange (compressor contract, kernels, group step, transports) must leave every decoded mean,
-exchanged pseudo-gradient and WAN payload, parameter and residual unchanged; these tests pin them. The digests are
-of the machine and torch that recorded them (float reductions vectorise by the CPU's instruction set), so elsewhere
-the tests skip and say why. After an intended change, record anew and say why in the commit:
+exchanged pseudo-gradient and WAN payload, parameter and residual unchanged; these tests pin them. Float reductions
+vectorise by the CPU's instruction set, so every golden rank computes with torch's kernels at AVX2 and MKL on one
+code branch (``golden_ranks.PINNED_CPU``), whatever the CPU's vector width: the digests hold on every x86-64 CPU with
+AVX2 and the torch version that recorded them (elsewhere the tests skip and say why). After an intended change,
+record anew and say why in the commit:
 
     GRADCOMP_UPDATE_GOLDEN=1 python -m pytest -q tests/distributed/test_golden.py
 """
 
 import json
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +26,15 @@ import torch
 from lightning_gradcomp import registry
 from tests.distributed.golden_ranks import (
     FROZEN_ADAMS,
+    PINNED_CAPABILITY,
+    PINNED_CPU,
     TOWERS,
     compressor_digests,
+    cpu_environment,
     engine_configs,
     engine_digests,
     frozen_adam_digests,
+    pinned,
     tower_digests,
 )
 from tests.harness import rank_environment, run_ranks
@@ -56,8 +63,35 @@ def test_ranks_do_not_inherit_a_seed_set_in_the_test_process(monkeypatch: pytest
     assert run_ranks(_rank_seed, 2, timeout=60.0) == [None, None]
 
 
-def _machine() -> dict[str, str]:
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+def _run_pinned(fn: Any, world_size: int, *args: Any, timeout: float) -> list[Any]:
+    """``run_ranks`` of ``fn`` on ranks that compute in :data:`PINNED_CPU` (and check that they do); skips, saying
+    why, on a machine that cannot."""
+    if (why := _unpinnable()) is not None:
+        pytest.skip(why)
+    return run_ranks(pinned, world_size, fn, *args, timeout=timeout, env=PINNED_CPU)
+
+
+@pytest.mark.distributed
+def test_golden_ranks_compute_at_the_pinned_cpu_capability() -> None:
+    """What the digests depend on is the pin, not this CPU: a golden rank sees :data:`PINNED_CPU` and torch's kernels
+    run at :data:`PINNED_CAPABILITY` there (on an AVX-512 CPU, unpinned, they run at AVX512)."""
+    assert _run_pinned(cpu_environment, 1, timeout=60.0) == [(PINNED_CAPABILITY, PINNED_CPU)]
+
+
+def _machine() -> dict[str, Any]:
+    """What the digests depend on: torch's version and the pinned CPU environment, not the CPU that recorded them."""
+    return {"torch": torch.__version__, "cpu_capability": PINNED_CAPABILITY, "cpu_environment": PINNED_CPU}
+
+
+def _unpinnable() -> str | None:
+    """Why this machine cannot compute in :data:`PINNED_CPU` (None when it can)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the digests are of x86-64 kernels (AVX2, MKL), this is {platform.machine()}"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the digests are of AVX2 kernels, this CPU runs {torch.backends.cpu.get_cpu_capability()}"
+    if not torch.backends.mkl.is_available():
+        return "the digests are of MKL's kernels, this torch is built without MKL"
+    return None
 
 
 def _updating() -> bool:
@@ -65,24 +99,26 @@ def _updating() -> bool:
 
 
 def _recorded(path: Path) -> dict[str, Any]:
-    """The stored digests; skips (saying why) where this machine or torch is not the one that recorded them."""
+    """The stored digests; skips (saying why) under another torch version than the one that recorded them."""
     recorded = json.loads(path.read_text())
-    if {k: recorded[k] for k in _machine()} != _machine():
-        pytest.skip(f"digests recorded with {({k: recorded[k] for k in _machine()})}, this is {_machine()}")
+    if recorded.get("torch") != torch.__version__:
+        pytest.skip(f"digests recorded with torch {recorded.get('torch')}, this is {torch.__version__}")
+    stored = {k: recorded.get(k) for k in _machine()}
+    assert stored == _machine(), f"digests recorded in {stored}, the ranks now compute in {_machine()}: record anew"
     return recorded
 
 
 def test_every_compressor_computes_what_it_computed() -> None:
     names = registry.compressor_names()
     if _updating():
-        digests = run_ranks(compressor_digests, WORLD, names, STEPS, timeout=300.0)
+        digests = _run_pinned(compressor_digests, WORLD, names, STEPS, timeout=300.0)
         COMPRESSORS.write_text(json.dumps({**_machine(), "steps": STEPS, "world_size": WORLD, "digests": digests},
                                           indent=1, sort_keys=True) + "\n")
         return
     recorded = _recorded(COMPRESSORS)
     missing = sorted(set(names) - set(recorded["digests"][0]))
     assert not missing, f"no digest recorded for {missing}: record them (see the module docstring)"
-    digests = run_ranks(compressor_digests, WORLD, names, STEPS, timeout=300.0)
+    digests = _run_pinned(compressor_digests, WORLD, names, STEPS, timeout=300.0)
     # per rank: the decoded means and parameters agree between ranks, the residuals are each rank's own
     changed = sorted({n for rank in range(WORLD) for n in names if digests[rank][n] != recorded["digests"][rank][n]})
     assert not changed, f"these compressors now compute other bits: {changed}"
@@ -116,14 +152,15 @@ def test_every_engine_computes_what_it_computed() -> None:
     gradients, the exchanged pseudo-gradients and means, WeightGrad's WAN messages, the parameters, the error
     feedback and outer state, and the bytes per step are those recorded."""
     names = list(engine_configs())
-    digests = run_ranks(engine_digests, ENGINE_WORLD, names, timeout=300.0)
+    digests = _run_pinned(engine_digests, ENGINE_WORLD, names, timeout=300.0)
     _check_engines({name: [digests[rank][name] for rank in range(ENGINE_WORLD)] for name in names})
 
 
+@pytest.mark.distributed
 def test_towers_compute_what_they_computed() -> None:
-    """TowerStrategy's emulated workers (one process): the averaged gradients, parameters, each worker's residuals
-    and the bytes per step are those recorded."""
-    digests = tower_digests(list(TOWERS))
+    """TowerStrategy's emulated workers (one process, a rank of one in the pinned environment): the averaged
+    gradients, parameters, each worker's residuals and the bytes per step are those recorded."""
+    digests = _run_pinned(tower_digests, 1, list(TOWERS), timeout=120.0)[0]
     _check_engines({name: [value] for name, value in digests.items()})
 
 
@@ -134,5 +171,5 @@ def test_frozen_adams_compute_what_they_computed(world: int) -> None:
     chunks at 3): per rank, every exchange's input and average, the parameters after every step, the worker and
     server errors and the optimizer's moments, and the exchange's bytes are those recorded."""
     names = list(FROZEN_ADAMS)
-    digests = run_ranks(frozen_adam_digests, world, names, timeout=120.0)
+    digests = _run_pinned(frozen_adam_digests, world, names, timeout=120.0)
     _check_engines({f"{name}_w{world}": [digests[rank][name] for rank in range(world)] for name in names})

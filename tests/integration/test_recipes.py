@@ -21,6 +21,9 @@ What runs (the datasets are tiny files in each dataset's real format, written by
     (2 sites of 4) run as 2 sites of 2 (``site_size=2``): 8 processes would cost far more than 4 on 2 cores
     (WEIGHTGRAD_RANKS says how much).
 
+  The language-model and DiLoCo smoke fits (``SMOKE``) join the launch on as many processes (4: the sharded GPT
+  recipes; 1: the DeMo GPT recipe), so that each launch starts its processes once.
+
   WeightGradStrategy fits run ``staleness_bound`` (T = 4) steps, so that their last step is a WAN round. The
   only other overrides are ``MODEL_OVERRIDES`` (the MLP, the NMT model, and VGG-A's and AlexNet's fc layers are
   narrowed through their constructors) and ``DATA_OVERRIDES`` (batch sizes the tiny datasets hold; ImageNet
@@ -37,6 +40,7 @@ Recipes whose compressor or strategy class is not on this branch yet are skipped
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -207,21 +211,80 @@ LAUNCHES = (1, WEIGHTGRAD_RANKS)
 #: the one-process recipes are split over this many subprocesses running at once (one thread each; CI has 2 cores)
 SHARDS = 2
 
+#: the benchmark's GPT narrowed for the smoke fits below
+NARROW_GPT = ["--model.init_args.model.init_args.width=32", "--data.init_args.batch_size=2",
+              "--data.init_args.max_bytes=null"]
+#: the smoke fits of the language-model and DiLoCo recipes, by test: (processes, specs). Each joins the launch of the
+#: recipes on as many processes (one start of its processes, each importing torch and Lightning, per launch)
+SMOKE: dict[str, tuple[int, list[str]]] = {
+    "lm": (1, ["::".join(["recipes/lm/gpt_stdlib_demo.yaml", *NARROW_GPT,
+                          "--model.init_args.model.init_args.depth=1"])]),
+    "sharded_lm": (4, [
+        "::".join(["recipes/lm/gpt_stdlib_sharded_terngrad.yaml", *NARROW_GPT,
+                   "--model.init_args.model.init_args.depth=2", "--model.init_args.warmup_steps=1"]),
+        "::".join(["recipes/diloco/gpt_stdlib_sharded_diloco.yaml", *NARROW_GPT,
+                   "--model.init_args.model.init_args.depth=2", "--model.init_args.warmup_steps=1",
+                   "--trainer.strategy.init_args.sync_every=2"]),
+    ]),
+    "diloco": (2, [
+        "::".join(["recipes/diloco/gpt_stdlib_diloco_sparseloco.yaml", *NARROW_GPT,
+                   "--model.init_args.model.init_args.depth=1", "--model.init_args.warmup_steps=1",
+                   "--trainer.strategy.init_args.sync_every=2"]),
+        "::".join(["recipes/diloco/gpt_stdlib_diloco_streaming.yaml", *NARROW_GPT,
+                   "--model.init_args.model.init_args.depth=1", "--model.init_args.warmup_steps=1",
+                   "--trainer.strategy.init_args.sync_every=2", "--trainer.strategy.init_args.sync_delay=0",
+                   "--trainer.strategy.init_args.mixing=0.0", "--trainer.strategy.init_args.fragments=2"]),
+    ]),
+}  # fmt: skip
 
-@pytest.mark.parametrize("processes", LAUNCHES, ids=lambda n: f"{n}proc")
-def test_every_recipe_fits(processes: int, data_root: Path, tmp_path: Path) -> None:
+
+def _recipe_specs(processes: int) -> list[str]:
+    """The recipes (not the smoke fits) that ``fit_plan`` launches on ``processes`` processes, as specs."""
     specs = []
     for recipe in RECIPES:
         ranks, overrides = fit_plan(recipe)
         if ranks == processes and not _missing_class(recipe):
             specs.append("::".join([str(recipe.relative_to(ROOT)), *overrides]))
+    return specs
+
+
+#: a launch's outcome per shard: (its specs, exit code, output, the recipes it reported fitted)
+Launch = list[tuple[list[str], int, str, list[str]]]
+
+
+@pytest.fixture(scope="module")
+def launched(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Launch]:
+    """``launched(processes)``: every recipe and smoke fit on ``processes`` processes, fitted in one launch (the first
+    test that asks starts it; the others read its outcome)."""
+    done: dict[int, Launch] = {}
+
+    def launch(processes: int) -> Launch:
+        if processes not in done:
+            specs = _recipe_specs(processes) + [s for n, spec in SMOKE.values() if n == processes for s in spec]
+            done[processes] = _fit_in_subprocesses(specs, processes, data_root, tmp_path_factory.mktemp("fits"))
+        return done[processes]
+
+    return launch
+
+
+def _assert_fitted(launch: Launch, specs: list[str]) -> None:
+    """Each of ``specs`` fitted (recipe_fit.py's checks passed), and its launch ended cleanly."""
+    for spec in specs:
+        shard, code, text, fitted = next(run for run in launch if spec in run[0])
+        assert code == 0, text[-8000:]
+        assert spec.split("::")[0] in fitted, text[-8000:]
+
+
+@pytest.mark.parametrize("processes", LAUNCHES, ids=lambda n: f"{n}proc")
+def test_every_recipe_fits(processes: int, launched: Callable[[int], Launch]) -> None:
+    specs = _recipe_specs(processes)
     if not specs:
         pytest.skip(f"no recipe on this branch runs on {processes} processes")
-    _fit_in_subprocesses(specs, processes, data_root, tmp_path)
+    _assert_fitted(launched(processes), specs)
     assert lightning_gradcomp.__version__
 
 
-def _fit_in_subprocesses(specs: list[str], processes: int, data_root: Path, tmp_path: Path) -> None:
+def _fit_in_subprocesses(specs: list[str], processes: int, data_root: Path, tmp_path: Path) -> Launch:
     """Fit ``RECIPE::OVERRIDE...`` specs through ``recipe_fit.py`` on ``processes`` ranks (one process: in shards)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -233,48 +296,37 @@ def _fit_in_subprocesses(specs: list[str], processes: int, data_root: Path, tmp_
             command = [sys.executable, *launcher, "-m", "tests.integration.recipe_fit", str(data_root), *shard]
             proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
         runs.append((shard, log, proc))
+    outcome: Launch = []
     try:
         for shard, log, proc in runs:
             code = proc.wait(timeout=600)
             text = log.read_text()
-            assert code == 0, text[-8000:]
             fitted = [line.split()[1] for line in text.splitlines() if line.startswith("FIT-OK")]
-            assert fitted == [s.split("::")[0] for s in shard]
+            outcome.append((shard, code, text, fitted))
     finally:
         for _, _, proc in runs:
             if proc.poll() is None:
                 proc.kill()
+    return outcome
 
 
-def test_lm_recipe_smoke_fit(data_root: Path, tmp_path: Path) -> None:
+def test_lm_recipe_smoke_fit(launched: Callable[[int], Launch]) -> None:
     """One language-model recipe (DeMo with SignSGD, the benchmark's GPT narrowed to width 32 and one block) trains
     2 steps on generated sources; recipe_fit.py checks the step count, finite weights and that DeMo compressed."""
-    recipe = ROOT / "recipes/lm/gpt_stdlib_demo.yaml"
-    overrides = ["--model.init_args.model.init_args.width=32", "--model.init_args.model.init_args.depth=1",
-                 "--data.init_args.batch_size=2", "--data.init_args.max_bytes=null"]
-    _fit_in_subprocesses(["::".join([str(recipe.relative_to(ROOT)), *overrides])], 1, data_root, tmp_path)
+    processes, specs = SMOKE["lm"]
+    _assert_fitted(launched(processes), specs)
 
 
-def test_sharded_lm_recipe_smoke_fit(data_root: Path, tmp_path: Path) -> None:
+def test_sharded_lm_recipe_smoke_fit(launched: Callable[[int], Launch]) -> None:
     """The sharded recipes (FSDP2 shards of the GPT, the task's configure_model) on 4 real ranks as 2 replicas of 2:
     TernGrad between the replicas every step, and DiLoCo between the sites at H = 2. recipe_fit.py checks the steps,
     that TernGrad compressed or an outer round ran, and that every shard is identical in both replicas."""
-    narrow = ["--model.init_args.model.init_args.width=32", "--model.init_args.model.init_args.depth=2",
-              "--data.init_args.batch_size=2", "--data.init_args.max_bytes=null", "--model.init_args.warmup_steps=1"]
-    specs = ["::".join(["recipes/lm/gpt_stdlib_sharded_terngrad.yaml", *narrow]),
-             "::".join(["recipes/diloco/gpt_stdlib_sharded_diloco.yaml", *narrow,
-                        "--trainer.strategy.init_args.sync_every=2"])]
-    _fit_in_subprocesses(specs, 4, data_root, tmp_path)
+    processes, specs = SMOKE["sharded_lm"]
+    _assert_fitted(launched(processes), specs)
 
 
-def test_diloco_recipe_smoke_fit(data_root: Path, tmp_path: Path) -> None:
+def test_diloco_recipe_smoke_fit(launched: Callable[[int], Launch]) -> None:
     """Two DiLoCo recipes (SparseLoCo-style and Streaming DiLoCo, the GPT narrowed) on 2 real ranks, H = 2:
     recipe_fit.py checks that a round ran and that every rank holds the same weights right after it."""
-    narrow = ["--model.init_args.model.init_args.width=32", "--model.init_args.model.init_args.depth=1",
-              "--data.init_args.batch_size=2", "--data.init_args.max_bytes=null", "--model.init_args.warmup_steps=1",
-              "--trainer.strategy.init_args.sync_every=2"]
-    specs = ["::".join(["recipes/diloco/gpt_stdlib_diloco_sparseloco.yaml", *narrow]),
-             "::".join(["recipes/diloco/gpt_stdlib_diloco_streaming.yaml", *narrow,
-                        "--trainer.strategy.init_args.sync_delay=0", "--trainer.strategy.init_args.mixing=0.0",
-                        "--trainer.strategy.init_args.fragments=2"])]
-    _fit_in_subprocesses(specs, 2, data_root, tmp_path)
+    processes, specs = SMOKE["diloco"]
+    _assert_fitted(launched(processes), specs)
