@@ -66,3 +66,29 @@ def test_ci_builds_the_site_strictly_after_the_lint_step() -> None:
     assert ci.index("mkdocs build --strict") > ci.index("mypy") > ci.index('pip install -e ".[lint,docs]"')
     assert _mkdocs_config()["strict"] is True
     assert "mkdocs build --strict" in (ROOT / "README.md").read_text()  # the one local command is documented
+
+
+def _css_rules(text: str) -> dict[str, dict[str, str]]:
+    """selector -> {property: value} of a flat stylesheet (comments dropped; no nesting, as extra.css is)."""
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    rules: dict[str, dict[str, str]] = {}
+    for selectors, body in re.findall(r"([^{}]+)\{([^{}]*)\}", text):
+        declarations = dict(
+            (name.strip(), value.strip()) for name, _, value in (d.partition(":") for d in body.split(";")) if value
+        )
+        for selector in selectors.split(","):
+            rules.setdefault(" ".join(selector.split()), {}).update(declarations)
+    return rules
+
+
+def test_api_parameter_tables_wrap_their_code_cells_instead_of_overflowing() -> None:
+    """mkdocstrings' parameter tables (Name, Type, Description, Default) hold code, which Material keeps on one line:
+    without these rules a long type pushed the table past the content column at 1280 px and cut the Default column
+    (``'terngra``). The site's own stylesheet must let type and default cells wrap, and a table still too wide scroll.
+    (A browser's view of it is not in CI; this pins the rules that make it.)"""
+    assert "stylesheets/extra.css" in _mkdocs_config()["extra_css"]
+    rules = _css_rules((DOCS / "stylesheets" / "extra.css").read_text())
+    cells = rules.get(".md-typeset .doc-contents td code", {})
+    assert cells.get("overflow-wrap") == "anywhere", f"code in parameter-table cells does not wrap: {cells}"
+    tables = rules.get(".md-typeset .doc-contents table:not([class])", {})
+    assert tables.get("overflow-x") == "auto" and tables.get("max-width") == "100%", f"wide tables are cut: {tables}"
