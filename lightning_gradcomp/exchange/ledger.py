@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Optional, Protocol, Union, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Aggregation
@@ -71,36 +72,69 @@ class ByteReport(Protocol):
 class RunBytes:
     """Bytes one rank put on a link over a run, step by step: the one implementation of :class:`ByteReport`'s mean.
 
+    A step's bytes may be an int or a device tensor of sizes (a variable-size group's per-layer bytes): tensors are
+    kept as they are and summed on the host only when a total is read (a report), so counting a step never reads
+    the device in the hook.
+
     Args:
         total: bytes so far (a resumed run's).
         steps: optimizer steps so far (a resumed run's).
 
     Attributes:
-        total: every byte counted so far.
         steps: the steps closed so far (:meth:`end_step`).
-        last: the bytes of the latest closed step (and of what :meth:`add` counted into it afterwards).
     """
 
-    def __init__(self, total: int = 0, steps: int = 0) -> None:
-        self.total = int(total)
-        self.steps = int(steps)
-        self.last = 0
-        self._current = 0
+    #: device parts kept before they are folded into one (on the device, without a host read): bounds what a run
+    #: that never reads its bytes holds
+    FOLD_AFTER = 256
 
-    def add(self, nbytes: int) -> None:
-        """``nbytes`` more put on the link in the step under way."""
-        self.total += int(nbytes)
-        self._current += int(nbytes)
+    def __init__(self, total: int = 0, steps: int = 0) -> None:
+        self._total = int(total)
+        self._pending: list[Tensor] = []
+        self.steps = int(steps)
+        self._last: list[Union[int, Tensor]] = []
+        self._current: list[Union[int, Tensor]] = []
+
+    def add(self, nbytes: Union[int, Tensor]) -> None:
+        """``nbytes`` more put on the link in the step under way (a tensor: the sum of its elements)."""
+        self._current.append(nbytes if isinstance(nbytes, Tensor) else int(nbytes))
 
     def end_step(self) -> None:
         """The step under way is over: its bytes become :attr:`last`."""
-        self.last, self._current = self._current, 0
+        self._count(self._current)
+        self._last, self._current = self._current, []
         self.steps += 1
 
     def fold_into_last(self) -> None:
         """What :meth:`add` counted since the last step closed belongs to that step (a round run after the last
         step, such as DiLoCo's final round at the end of ``fit``): no step of its own."""
-        self.last, self._current = self.last + self._current, 0
+        self._count(self._current)
+        self._last, self._current = self._last + self._current, []
+
+    def _count(self, parts: list[Union[int, Tensor]]) -> None:
+        for part in parts:
+            if isinstance(part, Tensor):
+                self._pending.append(part)
+            else:
+                self._total += part
+        if len(self._pending) > self.FOLD_AFTER:
+            folded = torch.zeros((), dtype=torch.int64, device=self._pending[0].device)
+            for part in self._pending:
+                folded += part.sum().to(folded.device)
+            self._pending = [folded]
+
+    @property
+    def total(self) -> int:
+        """Every byte counted in closed steps (reads the device once per kept tensor)."""
+        if self._pending:
+            self._total += sum(int(part.sum()) for part in self._pending)
+            self._pending = []
+        return self._total
+
+    @property
+    def last(self) -> int:
+        """The bytes of the latest closed step (and of what :meth:`fold_into_last` counted into it)."""
+        return _resolve(self._last)
 
     def mean(self, open_step: Optional[int] = None) -> int:
         """Bytes per step over the run so far, floored to an int (0 before the first step).
@@ -111,6 +145,11 @@ class RunBytes:
         """
         steps = self.steps + (open_step is not None)
         return (self.total + (open_step or 0)) // steps if steps else 0
+
+
+def _resolve(parts: Iterable[Union[int, Tensor]]) -> int:
+    """The bytes of a step's parts (a host read per tensor)."""
+    return sum(int(part.sum()) if isinstance(part, Tensor) else part for part in parts)
 
 
 @dataclass
@@ -209,7 +248,8 @@ class Ledger:
         complete by now, go into :attr:`run`)."""
         if first:
             if self._step_open:
-                self.run.add(self.last_step_bytes())
+                for part in self._step_parts():
+                    self.run.add(part)
                 self.run.end_step()
             self._step_open = True
         self.hook_calls += 1
@@ -290,6 +330,15 @@ class Ledger:
         """Bytes this rank contributed to the collectives of the latest full backward (payloads + shared statistics),
         from the latest record of every parameter."""
         return self.payload_bytes_per_step() + self.shared_bytes_per_step()
+
+    def _step_parts(self) -> list[Union[int, Tensor]]:
+        """:meth:`last_step_bytes` as parts, without reading the device: a variable-size group's sizes stay a
+        tensor (summed when a report reads :attr:`run`)."""
+        parts: list[Union[int, Tensor]] = [r.nbytes for r in self._singles.values()]
+        for group in self._groups.values():
+            sizes = group.layer_nbytes
+            parts.append(sum(sizes) if isinstance(sizes, tuple) else sizes)
+        return parts + list(self.shared_stat_bytes.values())
 
     def payload_bytes_per_step(self) -> int:
         """The payloads' share of :meth:`last_step_bytes`."""

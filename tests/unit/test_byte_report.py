@@ -67,6 +67,24 @@ def test_a_round_after_the_last_step_counts_in_that_step() -> None:
     assert RunBytes(17, 2).mean() == 8 and RunBytes().mean() == 0
 
 
+def test_a_variable_size_steps_bytes_stay_on_the_device_until_a_report_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hook closes a step at the next step's first bucket: a variable-size group's sizes (a device tensor) are
+    kept, not read, so counting never syncs the host; a report sums them; a run that never reads folds them on the
+    device instead of holding one tensor per step."""
+    monkeypatch.setattr(RunBytes, "FOLD_AFTER", 4)
+    run = RunBytes()
+    reads = []
+    for step in range(10):
+        sizes = torch.tensor([step, 1])
+        run.add(sizes)
+        run.add(3)
+        run.end_step()
+        reads.append(len(run._pending))
+    assert max(reads) <= 5 and reads[-1] < 5, f"kept parts not folded: {reads}"
+    assert (run.total, run.steps, run.last) == (sum(range(10)) + 10 * 4, 10, 9 + 4)
+    assert run.mean() == (45 + 40) // 10
+
+
 def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.ones(4, 4))]
 
