@@ -12,8 +12,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_gradcomp.exchange.host import HookHost
 from lightning_gradcomp.exchange.pipeline import LayerTransform
-from lightning_gradcomp.strategies.wiring import HookWiring
 
 
 class PipelineCallback(Callback, ABC):
@@ -23,11 +23,11 @@ class PipelineCallback(Callback, ABC):
         self.transform: LayerTransform | None = None
 
     @abstractmethod
-    def make_transform(self, strategy: HookWiring) -> LayerTransform:
+    def make_transform(self, strategy: HookHost) -> LayerTransform:
         """Build the transform (validating it against the strategy's configuration).
 
         Args:
-            strategy: the hook wiring the transform attaches to: a ``GradCompStrategy`` or, under Fabric, a
+            strategy: the strategy whose hook runs the transform: a ``GradCompStrategy`` or, under Fabric, a
                 ``GradCompFabricStrategy``.
         """
 
@@ -36,9 +36,9 @@ class PipelineCallback(Callback, ABC):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        # a Trainer's strategy with the hook wiring is a GradCompStrategy (or a subclass): the Fabric one never
-        # reaches a Trainer. Checking the wiring keeps this module free of an import of the strategy.
-        if not isinstance(strategy, HookWiring):
+        # a Trainer's strategy that hosts the hook is a GradCompStrategy (or a subclass): the Fabric one never
+        # reaches a Trainer. The protocol keeps the callbacks free of an import of the strategies, which import them.
+        if not isinstance(strategy, HookHost):
             raise ValueError(
                 f"Expected the Trainer's strategy to be a GradCompStrategy for {type(self).__name__}, but got "
                 f"{type(strategy).__name__}. Fix: use e.g. `strategy='terngrad'` or `strategy='fp32'` (fp32 "

@@ -22,9 +22,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradcomp.callbacks.base import PipelineCallback
+from lightning_gradcomp.exchange.host import HookHost
 from lightning_gradcomp.exchange.pipeline import LayerTransform
 from lightning_gradcomp.validation import check_number
-from lightning_gradcomp.strategies.wiring import HookWiring
 
 
 class Clip(LayerTransform):
@@ -93,11 +93,11 @@ class ClippingCallback(PipelineCallback):
     """Base of callbacks that attach a :class:`Clip`; checks it runs before any accumulating transform."""
 
     @abstractmethod
-    def make_clip(self, strategy: HookWiring) -> Clip:
+    def make_clip(self, strategy: HookHost) -> Clip:
         """Build the clip rule (validating it against the strategy's configuration)."""
 
     @override
-    def make_transform(self, strategy: HookWiring) -> LayerTransform:
+    def make_transform(self, strategy: HookHost) -> LayerTransform:
         from lightning_gradcomp.callbacks.momentum import MomentumCorrect
 
         if any(isinstance(t, MomentumCorrect) for t in strategy.transforms):
@@ -125,7 +125,7 @@ class SigmaClipping(ClippingCallback):
         self.clip_factor = float(clip_factor)
 
     @override
-    def make_clip(self, strategy: HookWiring) -> Clip:
+    def make_clip(self, strategy: HookHost) -> Clip:
         own = getattr(strategy.compressor, "clip_factor", 0.0)
         if own:
             raise ValueError(
@@ -150,5 +150,5 @@ class LocalGradientClipping(ClippingCallback):
         self.max_norm = float(max_norm)
 
     @override
-    def make_clip(self, strategy: HookWiring) -> Clip:
+    def make_clip(self, strategy: HookHost) -> Clip:
         return NormClip(self.max_norm, exponent=-0.5)

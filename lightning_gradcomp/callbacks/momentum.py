@@ -28,9 +28,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradcomp.callbacks.base import PipelineCallback
+from lightning_gradcomp.exchange.host import HookHost
 from lightning_gradcomp.exchange.pipeline import LayerTransform
 from lightning_gradcomp.validation import check_number
-from lightning_gradcomp.strategies.wiring import HookWiring
 
 
 class MomentumCorrect(LayerTransform):
@@ -111,7 +111,7 @@ class MomentumCorrection(PipelineCallback):
         self._pending: dict[str, Tensor] = {}
 
     @override
-    def make_transform(self, strategy: HookWiring) -> LayerTransform:
+    def make_transform(self, strategy: HookHost) -> LayerTransform:
         return MomentumCorrect(self.momentum, self.nesterov, self.masking)
 
     @staticmethod

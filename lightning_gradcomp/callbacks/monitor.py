@@ -22,7 +22,7 @@ steps only.
 
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import lightning.pytorch as pl
 import torch
@@ -35,9 +35,9 @@ from lightning_gradcomp.callbacks.clipping import SigmaClip
 from lightning_gradcomp.callbacks.progress import PROGRESS_BAR_KEY, show_compression_ratio  # noqa: F401  (re-export)
 from lightning_gradcomp.extras import require
 from lightning_gradcomp.exchange.hook import GradCompState
+from lightning_gradcomp.exchange.host import HookHost
 from lightning_gradcomp.exchange.ledger import ByteReport, dense_bytes
 from lightning_gradcomp.exchange.stats import HookStats
-from lightning_gradcomp.strategies.wiring import HookWiring
 from lightning_gradcomp.validation import check_int
 
 PREFIX = "gradcomp"
@@ -157,7 +157,7 @@ class CompressionMonitor(Callback):
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         if stage != "fit":
             return
-        if not isinstance(trainer.strategy, HookWiring):
+        if not isinstance(trainer.strategy, HookHost):
             raise ValueError(
                 f"Expected the Trainer's strategy to be a GradCompStrategy for CompressionMonitor, but got "
                 f"{type(trainer.strategy).__name__}. Fix: use e.g. `strategy='terngrad'`, or `strategy='fp32'` to "
@@ -208,7 +208,7 @@ class CompressionMonitor(Callback):
     @staticmethod
     def _config(trainer: "pl.Trainer") -> dict[str, Any]:
         strategy = trainer.strategy
-        assert isinstance(strategy, HookWiring)  # checked in setup
+        assert isinstance(strategy, HookHost)  # checked in setup
         state = strategy.comm_state
         assert state is not None
         return {
@@ -263,8 +263,8 @@ class CompressionMonitor(Callback):
             return  # not rank 0, or an accumulation micro-batch: the hook did not run
         self._seen_calls = state.hook_calls
         self._steps += 1
-        strategy = trainer.strategy
-        assert isinstance(strategy, HookWiring)  # checked in setup
+        # checked in setup; a cast, not an isinstance: a protocol check reads every member, on every step
+        strategy = cast(HookHost, trainer.strategy)
         logging_step = self._armed_at is not None and state.hook_calls != self._armed_at
         if self.progress_bar:
             self._shown_ratio = show_compression_ratio(strategy, pl_module, self._shown_ratio,

@@ -10,14 +10,14 @@ identically, so every rank compresses the same step the same way (nothing to agr
 """
 
 from collections.abc import Sequence
-from typing import Literal, Optional
+from typing import Literal, Optional, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.topk import DGC_PAPER_WARMUP
-from lightning_gradcomp.strategies.wiring import HookWiring
+from lightning_gradcomp.exchange.host import HookHost
 from lightning_gradcomp.validation import check_choice, check_int
 
 Unit = Literal["epoch", "step"]
@@ -83,7 +83,7 @@ class CompressionSchedule(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if not isinstance(strategy, HookWiring):
+        if not isinstance(strategy, HookHost):
             raise ValueError(
                 f"Expected the Trainer's strategy to be a GradCompStrategy for CompressionSchedule, but got "
                 f"{type(strategy).__name__}. Fix: use a registered compressor name, e.g. `strategy='dgc'`."
@@ -104,12 +104,12 @@ class CompressionSchedule(Callback):
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: object,
                              batch_idx: int) -> None:
-        strategy = trainer.strategy
-        assert isinstance(strategy, HookWiring)  # checked in setup
+        # checked in setup; a cast, not an isinstance: a protocol check reads every member, on every batch
+        strategy = cast(HookHost, trainer.strategy)
         step, epoch = trainer.global_step, trainer.current_epoch
         self.current = self.value_at(epoch, step)
         if self.attribute is not None:
             setattr(strategy.compressor, self.attribute, self.current)
-        state = getattr(strategy, "comm_state", None)
+        state = strategy.comm_state
         if state is not None:
             state.router.set_dense(step < self.dense_steps)

@@ -1,8 +1,11 @@
-"""One way to read bytes on every strategy of the library (``ByteReport``), and DeMo's optimizer check."""
+"""One way to read bytes on every strategy of the library (``ByteReport``), what the callbacks take a strategy as
+(``HookHost``), and DeMo's optimizer check."""
 
 import warnings
-from typing import Any, Callable
+from types import SimpleNamespace
+from typing import Any, Callable, cast
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -14,8 +17,10 @@ from lightning_gradcomp import (
     TowerStrategy,
     WeightGradStrategy,
 )
+from lightning_gradcomp.callbacks import CompressionMonitor, CompressionSchedule, SigmaClipping
 from lightning_gradcomp.compressors import DeMo
 from lightning_gradcomp.compressors.base import Aggregation
+from lightning_gradcomp.exchange.host import HookHost
 from lightning_gradcomp.exchange.ledger import ByteReport, GroupRecord, Ledger, RunBytes
 from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.optimizers import SignSGD
@@ -38,6 +43,20 @@ def test_every_strategy_reports_its_bytes_through_the_same_two_methods(name: str
     # nothing exchanged before the first step: 0, not an error (the progress bar reads it from step 1 on)
     assert strategy.bytes_per_step() == 0 and strategy.dense_bytes_per_step() == 0
     assert strategy.last_step_bytes() == 0 and isinstance(strategy.bytes_per_step(), int)
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_the_callbacks_take_every_strategy_that_runs_the_hook_and_only_those(name: str) -> None:
+    """The callbacks check ``HookHost`` (a protocol: they import no strategy); ``TowerStrategy`` attaches no
+    transform and has no hook state, so a callback refuses it at setup rather than failing inside training."""
+    strategy = STRATEGIES[name]()
+    assert isinstance(strategy, HookHost) is (name != "towers")
+    if name != "towers":
+        return
+    trainer = cast(pl.Trainer, SimpleNamespace(strategy=strategy))
+    for callback in (SigmaClipping(), CompressionSchedule(dense_steps=1), CompressionMonitor()):
+        with pytest.raises(ValueError, match="to be a GradCompStrategy for .*, but got TowerStrategy"):
+            callback.setup(trainer, cast(pl.LightningModule, None), "fit")
 
 
 def test_the_ledger_averages_its_exchanges_over_the_run_and_keeps_the_latest_apart() -> None:
