@@ -14,22 +14,23 @@ RUN_BYTES_WRITERS = {"add", "end_step", "fold_into_last"}
 BROADCASTS = {"broadcast", "broadcast_"}
 
 
-def _calls() -> list[tuple[str, ast.Call]]:
+def _calls() -> list[tuple[str, str, ast.expr, ast.Call]]:
+    """Every method call of the library: (module, method name, receiver, call)."""
     found = []
     for path in sorted(LIBRARY.rglob("*.py")):
         relative = str(path.relative_to(LIBRARY))
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                found.append((relative, node))
+                found.append((relative, node.func.attr, node.func.value, node))
     return found
 
 
 def test_the_outer_engine_alone_writes_its_bytes_between_sites() -> None:
     # `self.wan` is the engine's RunBytes; anything else recording bytes between sites goes through the ledger
     writers = {
-        (where, node.func.attr)
-        for where, node in _calls()
-        if node.func.attr in RUN_BYTES_WRITERS and ast.unparse(node.func.value).endswith(".wan")
+        (where, method)
+        for where, method, receiver, _ in _calls()
+        if method in RUN_BYTES_WRITERS and ast.unparse(receiver).endswith(".wan")
     }
     assert {where for where, _ in writers} == {"outer/engine.py"}, writers
 
@@ -41,11 +42,7 @@ def test_a_site_keeps_no_byte_count_of_its_own() -> None:
 
 
 def test_one_function_broadcasts_inside_a_site() -> None:
-    fan_outs = {
-        where
-        for where, node in _calls()
-        if node.func.attr in BROADCASTS and "site_group" in ast.unparse(node)
-    }
+    fan_outs = {where for where, method, _, node in _calls() if method in BROADCASTS and "site_group" in ast.unparse(node)}
     assert fan_outs == {"sites/transport.py"}, fan_outs
 
 
