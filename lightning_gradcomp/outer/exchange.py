@@ -71,7 +71,8 @@ class InFlight:
         means: the all-site mean of the pseudo-gradients, per parameter of the fragment (valid once ``done``).
         future: the pending collectives (``None``: nothing pending on this rank).
         wan_bytes: what this rank put on the link between sites for this exchange.
-        lan_bytes: what this rank put on the in-site link for it.
+        lan_bytes: what this rank put on the in-site link for it (read from the ledger once the mean has been
+            fanned out inside the site).
         dense_bytes: the fragment's fp32 size (what a dense exchange would carry).
         launch_step: the inner step at which the pseudo-gradients were taken.
         done: whether ``means`` already holds the all-site mean on this rank.

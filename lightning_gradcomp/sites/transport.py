@@ -26,8 +26,9 @@ class SiteLeadersTransport:
 
     Args:
         groups: this rank's sites and groups.
-        ledger: where the bytes a leader broadcasts inside its site are recorded (channel ``"lan"``); ``None``: not
-            recorded. The bytes between sites are the exchange's own records.
+        ledger: where the bytes a leader broadcasts inside its site are recorded (channel ``"lan"``), and those of
+            :meth:`broadcast_from_first_site` between sites (channel ``"wan"``); ``None``: not recorded. The bytes of
+            the exchange's collectives between sites are the exchange's own records.
     """
 
     def __init__(self, groups: SiteGroups, ledger: Optional[Ledger] = None) -> None:

@@ -182,7 +182,7 @@ class GradientSynchronizer(OuterSync):
                 self.significance.observe(name, p.grad, self.learning_rate(name))
         self.steps_since_round += 1
         self.inner_steps += 1  # the engine's step count: ``bytes_per_step`` averages over it
-        lan_bytes = 0
+        lan_bytes = flag_bytes = 0
 
         at_bound = self.steps_since_round >= self.staleness_bound
         late = significant = False
@@ -195,8 +195,8 @@ class GradientSynchronizer(OuterSync):
             g = self.groups
             self.transport.max_(flags)
             late, significant = bool(flags[0]), bool(flags[1])
-            if g.is_leader and g.layout.num_sites > 1:  # the flags crossed between sites: counted in this step
-                self.state.ledger.record_channel("wan", tensor_bytes(flags))
+            if g.is_leader and g.layout.num_sites > 1:  # the flags crossed between sites
+                flag_bytes = tensor_bytes(flags)
             lan_bytes += self.state.ledger.take_channel("lan")
 
         ran = at_bound or late or significant
@@ -209,6 +209,8 @@ class GradientSynchronizer(OuterSync):
             self.steps_since_round = 0
             self._round_started = time.monotonic()
             lan_bytes += int(self.stats["lan_bytes_per_round"])
+        # recorded after the round, whose buffers' bytes between sites are taken from the same channel
+        self.state.ledger.record_channel("wan", flag_bytes)
         self.close_step()
         self.stats.update(
             wan_bytes=torch.tensor(self.wan.last),
