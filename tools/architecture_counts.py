@@ -19,6 +19,10 @@ Prints, for one checkout of the library package (default: this repository's ``li
   fp32's width by hand (``4 * x.numel()``); the packets' own ``nbytes`` and the sparse formats' size formulas
   included. Sizes handed to the ledger's formulas (``dense_bytes``, ``tensor_bytes``) are counted in the ledger. A compressor's ``sent``/``sent_flat`` (the decoded contribution, a tensor) and sizes used for layout
   (offsets, byte-balanced shares, chunks: :data:`LAYOUT_SIZES`) are not bytes on the wire;
+* the functions that keep a byte count outside the ledger (the target: the outer engine's run bytes alone, fed from
+  its exchange's ledger): outside ``ledger.py``, every function that stores into a byte-named attribute's entries
+  (``site.lan_bytes[i] = ...``), adds to a byte-named attribute (``self.wan_total += n``) or steps one
+  (``self.wan.add(n)``, ``end_step()``, ``fold_into_last()``: a ``RunBytes``);
 * the compressor contract: public methods and class attributes of ``Compressor`` (the flags among them: those
   typed ``bool`` or ``Optional[bool]``), and the attributes the runtime reads off a compressor by name
   (``getattr(compressor, "...", default)``, ``hasattr``) that the contract does not declare;
@@ -67,6 +71,8 @@ BYTE_NAME = re.compile(r"(^|_)(n?bytes|wan|lan)(_|$)")
 LEDGER_CALLS = re.compile(r"^record")
 #: the ledger's formulas (``lightning_gradcomp/exchange/ledger.py``): a size handed to one is counted there, not by the caller
 LEDGER_FORMULAS = frozenset({"dense_bytes", "tensor_bytes"})
+#: the methods that change a ``RunBytes`` (``exchange/ledger.py``)
+RUN_BYTES_WRITERS = frozenset({"add", "end_step", "fold_into_last"})
 #: functions whose byte sizes are of layout, not of the wire (syntactically alike), with the reason
 LAYOUT_SIZES = {
     "groups.py::Layouts.groups": "input bytes per pipeline chunk",
@@ -82,6 +88,7 @@ class Counts:
     shared_lines: tuple[int, list[str]] = (0, [])
     group_step_functions: list[str] = field(default_factory=list)
     byte_places: list[str] = field(default_factory=list)
+    byte_counters: list[str] = field(default_factory=list)
     contract_methods: list[str] = field(default_factory=list)
     contract_flags: list[str] = field(default_factory=list)
     contract_attributes: list[str] = field(default_factory=list)
@@ -213,6 +220,22 @@ def _computes_bytes(name: str, function: ast.AST) -> bool:
     return False
 
 
+def _keeps_byte_count(function: ast.AST) -> bool:
+    """Whether a function writes a byte count kept on an object (see the module docstring)."""
+    for node in _own_nodes(function):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = [t.value for t in node.targets if isinstance(t, ast.Subscript)]
+        elif isinstance(node, ast.AugAssign):
+            targets = [node.target.value if isinstance(node.target, ast.Subscript) else node.target]
+        if any(isinstance(t, ast.Attribute) and _is_byte_name(t.attr) for t in targets):
+            return True
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in RUN_BYTES_WRITERS
+                and isinstance(node.func.value, ast.Attribute) and _is_byte_name(node.func.value.attr)):
+            return True
+    return False
+
+
 def _quantizers(library: Path, files: list[Path]) -> set[str]:
     """Public module-level quantizers defined outside the compressors and kernels (written beside the contract)."""
     found: set[str] = set()
@@ -289,6 +312,8 @@ def count(library: Path = LIBRARY) -> Counts:
                 counts.group_step_functions.append(where)
             if _computes_bytes(name, function) and where not in LAYOUT_SIZES:
                 counts.byte_places.append(where)
+            if relative.name != "ledger.py" and _keeps_byte_count(function):
+                counts.byte_counters.append(where)
     counts.undeclared_attributes = sorted(undeclared)
     entries = sorted(p for p in library.iterdir() if p.name != "__pycache__")
     counts.root_entries = [p.name for p in entries]
@@ -319,6 +344,8 @@ def main() -> None:
     runtime = [p for p in counts.byte_places if p.partition("/")[0] not in COMPRESSOR_DIRS]
     print(f"| functions that compute bytes on the wire (in modules; of them outside compressors/, kernels/) | "
           f"{len(counts.byte_places)} ({_modules(counts.byte_places)}; {len(runtime)}) |")
+    print(f"| functions that keep a byte count outside the ledger (in modules) | "
+          f"{len(counts.byte_counters)} ({_modules(counts.byte_counters)}) |")
     print(f"| Compressor's public methods | {len(counts.contract_methods)} |")
     print(f"| Compressor's public class attributes (flags among them) | "
           f"{len(counts.contract_attributes)} ({len(counts.contract_flags)}) |")
@@ -333,6 +360,7 @@ def main() -> None:
         for title, names in (
             ("group step", counts.group_step_functions),
             ("bytes on the wire", counts.byte_places),
+            ("byte counts outside the ledger", counts.byte_counters),
             ("contract methods", counts.contract_methods),
             ("contract attributes", counts.contract_attributes),
             ("contract flags", counts.contract_flags),

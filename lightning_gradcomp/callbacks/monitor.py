@@ -328,7 +328,7 @@ class CompressionMonitor(Callback):
         # outer rounds' under DiLoCo (its hook runs inside a site)
         metrics[layer_key("wan_bytes", "total")] = float(sent)
         if state.hierarchy is not None:  # and the dense bytes inside the site
-            metrics[layer_key("lan_bytes", "total")] = float(state.hierarchy.lan_bytes_per_step())
+            metrics[layer_key("lan_bytes", "total")] = float(state.ledger.lan_bytes_per_step())
         if total_numel:
             metrics[layer_key("bits_per_element", "total")] = 8.0 * sent / total_numel
         if sent:

@@ -134,16 +134,3 @@ def broadcast_(tensor: Tensor, src: int, group: ProcessGroup) -> None:
     dist.broadcast(tensor, src=src, group=group)
 
 
-def hierarchical_broadcast_(
-    tensor: Tensor,
-    src_leader: int,
-    leader_group: ProcessGroup,
-    site_group: ProcessGroup,
-    site_leader: int,
-    site_size: int,
-) -> None:
-    """In place: broadcast from leader ``src_leader`` to all leaders (WAN), then from each leader to its site."""
-    if leader_group is not None:
-        broadcast_(tensor, src_leader, leader_group)
-    if site_size > 1:
-        broadcast_(tensor, site_leader, site_group)

@@ -214,9 +214,13 @@ class Ledger:
         shared_stat_bytes: bytes of the statistic all-reduce in the latest round, per bucket index.
         size_bytes: bytes of the sizes a variable-size gather sent ahead of its payloads in the latest round, per
             (bucket index, chunk index); not in :meth:`last_step_bytes` (see :meth:`bytes_of`).
+        lan_bytes: bytes this rank sent inside its site in the latest round of the hierarchical exchange, per
+            bucket index (the site's reduce to the share owners and gather back; not in :meth:`last_step_bytes`,
+            which counts the link between sites).
         channels: bytes this rank put on each named link of a transport that spans two, since
             :meth:`take_channel` last read it (``"lan"``: the fan-out inside a site of
-            :class:`~lightning_gradcomp.sites.transport.SiteLeadersTransport`).
+            :class:`~lightning_gradcomp.sites.transport.SiteLeadersTransport`; ``"wan"``: what crosses between
+            sites outside the exchange's records, such as buffers and WeightGrad's trigger flags).
         collectives: how many collectives of each kind ran.
         hook_calls: bucket hook calls since construction.
         per_rank: with ``keep_per_rank``, the per-rank decoded gradients of the latest exchange, by name.
@@ -231,6 +235,7 @@ class Ledger:
         self._records: Optional[dict[str, LayerRecord]] = None
         self.shared_stat_bytes: dict[int, int] = {}
         self.size_bytes: dict[tuple[int, int], int] = {}
+        self.lan_bytes: dict[int, int] = {}
         self.channels: Counter = Counter()
         self.collectives: Counter = Counter()
         self.hook_calls = 0
@@ -308,6 +313,15 @@ class Ledger:
         """Bytes of the sizes chunk ``key`` (bucket index, chunk index) sent ahead of its gathered payloads this round
         (0: none: fixed sizes, or nothing gathered)."""
         self.size_bytes[key] = nbytes
+
+    def record_lan(self, bucket_index: int, nbytes: int) -> None:
+        """Bytes this rank sent inside its site for a bucket this round (the hierarchical exchange's fast link)."""
+        self.lan_bytes[bucket_index] = nbytes
+
+    def lan_bytes_per_step(self) -> int:
+        """Bytes this rank sent inside its site in the latest step of the hierarchical exchange (the monitor's
+        ``lan_bytes``)."""
+        return sum(self.lan_bytes.values())
 
     def record_channel(self, channel: str, nbytes: int) -> None:
         """``nbytes`` more put on the link ``channel`` (a transport's second link, e.g. ``"lan"``)."""

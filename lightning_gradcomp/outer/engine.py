@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from lightning_gradcomp.outer.exchange import InFlight
 from lightning_gradcomp.outer.fragments import due, sync_offset
 from lightning_gradcomp.sites.layout import SiteGroups
-from lightning_gradcomp.exchange.ledger import RunBytes, dense_bytes
+from lightning_gradcomp.exchange.ledger import Ledger, RunBytes, dense_bytes
 from lightning_gradcomp.exchange.memory import ResidualMemory
 
 
@@ -53,6 +53,11 @@ class OuterExchange(Protocol):
     def exchange_state(self) -> dict[str, Any]: ...
 
     def load_exchange_state(self, state: dict[str, Any]) -> None: ...
+
+    @property
+    def ledger(self) -> Ledger:
+        """Where the exchange records the bytes it puts on each link."""
+        ...
 
 
 class OuterSync:
@@ -145,9 +150,15 @@ class OuterSync:
                     self.finish(f)
         self.stats["inner_steps_since_sync"] = torch.tensor(step - max(self._last_sync))
         self.stats["rounds"] = torch.tensor(self.rounds)
-        self.wan.end_step()
+        self.close_step()
         if self.tokens:
             self.stats["bytes_per_token"] = torch.tensor(self.wan_bytes_total / self.tokens)
+
+    def close_step(self) -> None:
+        """The inner step is over: what the exchange recorded on its ledger's ``"wan"`` channel outside the rounds
+        (WeightGrad's trigger flags) joins the step's rounds in :attr:`wan`, the step's bytes between sites."""
+        self.wan.add(self.exchange.ledger.take_channel("wan"))
+        self.wan.end_step()
 
     @property
     def wan_bytes_total(self) -> int:

@@ -28,15 +28,14 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gradcomp.strategies import checkpoint as ckpt
-from lightning_gradcomp.exchange import comm
 from lightning_gradcomp.exchange.guard import NonFiniteGradientError
 from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.sites.layout import SiteGroups
-from lightning_gradcomp.exchange.ledger import dense_bytes, tensor_bytes
+from lightning_gradcomp.exchange.ledger import Ledger, dense_bytes
+from lightning_gradcomp.sites.transport import SiteLeadersTransport
 from lightning_gradcomp.exchange.groups import TensorBucket
 
 
@@ -72,7 +71,8 @@ class InFlight:
         means: the all-site mean of the pseudo-gradients, per parameter of the fragment (valid once ``done``).
         future: the pending collectives (``None``: nothing pending on this rank).
         wan_bytes: what this rank put on the link between sites for this exchange.
-        lan_bytes: what this rank put on the in-site link for it.
+        lan_bytes: what this rank put on the in-site link for it (read from the ledger once the mean has been
+            fanned out inside the site).
         dense_bytes: the fragment's fp32 size (what a dense exchange would carry).
         launch_step: the inner step at which the pseudo-gradients were taken.
         done: whether ``means`` already holds the all-site mean on this rank.
@@ -150,6 +150,13 @@ class LeaderExchange:
         self.sends = sharded or groups.is_leader
         #: whether the decoded mean is then broadcast inside the site (the site's ranks hold one copy)
         self.fans_out = not sharded and groups.site_size > 1
+        #: the sites' in-site broadcast (and buffers' way down), recording on the outer state's ledger
+        self.transport = SiteLeadersTransport(groups, state.ledger)
+
+    @property
+    def ledger(self) -> Ledger:
+        """Where this exchange's bytes are recorded: the outer hook state's ledger."""
+        return self.state.ledger
 
     def launch(self, fragment: int, pseudo_gradients: Sequence[Tensor], step: int) -> InFlight:
         """Start averaging a fragment's pseudo-gradients over all sites; returns at once where the collectives
@@ -167,18 +174,18 @@ class LeaderExchange:
             except NonFiniteGradientError as exc:
                 raise nonfinite_pseudo_gradient(names, pseudo_gradients, g.site, step) from exc
             wan = self.state.ledger.bytes_of(names, fragment)
-        lan = dense_bytes(bucket.buffer().numel()) if self.fans_out and g.is_leader else 0  # the decoded mean, broadcast
-        return InFlight(bucket.gradients(), future, wan, lan, dense_bytes(bucket.buffer().numel()), step, flat=bucket.buffer())
+        # the in-site bytes (the decoded mean's broadcast) are the ledger's once :meth:`wait` has fanned it out
+        return InFlight(bucket.gradients(), future, wan, 0, dense_bytes(bucket.buffer().numel()), step, flat=bucket.buffer())
 
     def wait(self, flight: InFlight) -> list[Tensor]:
         """The all-site mean of the fragment's pseudo-gradients, bit-identical on every rank of every site."""
         if not flight.done:
             if flight.future is not None:
                 flight.future.wait()
-            g = self.groups
             if self.fans_out:
                 assert flight.flat is not None
-                dist.broadcast(flight.flat, src=g.leader, group=g.site_group)
+                self.transport.fan_out(flight.flat)
+                flight.lan_bytes = self.state.ledger.take_channel("lan")
             flight.done = True
         return flight.means
 
@@ -191,26 +198,26 @@ class LeaderExchange:
 
     def sync_buffers(self, buffers: Sequence[Tensor]) -> tuple[int, int]:
         """Copy global rank 0's floating-point buffers (batch-norm statistics) to every rank, through the
-        leaders; returns this rank's (WAN, LAN) bytes."""
-        return sync_buffers(buffers, self.groups)
+        leaders; returns this rank's (WAN, LAN) bytes, as the ledger recorded them."""
+        return sync_buffers(buffers, self.transport)
 
 
-def sync_buffers(buffers: Sequence[Tensor], groups: SiteGroups) -> tuple[int, int]:
-    """Global rank 0's floating-point buffers to every rank: over the leaders, then inside each site.
+def sync_buffers(buffers: Sequence[Tensor], transport: SiteLeadersTransport) -> tuple[int, int]:
+    """Global rank 0's floating-point buffers to every rank: over the leaders, then inside each site
+    (:meth:`~lightning_gradcomp.sites.transport.SiteLeadersTransport.broadcast_from_first_site`).
 
     Returns:
-        This rank's (WAN, LAN) bytes: the buffers leave site 0's leader over the WAN and every leader over the LAN.
+        This rank's (WAN, LAN) bytes, taken from the transport's ledger: the buffers leave site 0's leader over the
+        WAN and every leader over the LAN.
     """
     if not buffers:
         return 0, 0
-    g = groups
+    ledger = transport.ledger
+    assert ledger is not None, "sync_buffers counts its bytes on the transport's ledger"
     flat = torch.cat([b.detach().reshape(-1).float() for b in buffers])
-    comm.hierarchical_broadcast_(flat, g.layout.leaders[0], g.leader_group, g.site_group, g.leader, g.site_size)
+    transport.broadcast_from_first_site(flat)
     offset = 0
     for b in buffers:
         b.copy_(flat[offset : offset + b.numel()].view_as(b).to(b.dtype))
         offset += b.numel()
-    nbytes = tensor_bytes(flat)
-    wan = nbytes if g.is_leader and g.site == 0 and g.layout.num_sites > 1 else 0
-    lan = nbytes if g.is_leader and g.site_size > 1 else 0
-    return wan, lan
+    return ledger.take_channel("wan"), ledger.take_channel("lan")

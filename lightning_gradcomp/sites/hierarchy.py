@@ -244,8 +244,6 @@ class SiteExchange:
         site_group: the ranks of this site (the fast link).
         cross_group: the ranks with this local index in every site (the slow link); the hook state's group.
         shares: every parameter's share (:func:`share_index`), by name.
-        lan_bytes: per bucket index, the bytes this rank sent over the fast link in the latest step (the other
-            shares' segments to their owners, then its own segment to the ``k - 1`` others).
         plans: the :class:`SharePlan` of each bucket, by bucket index and parameter names.
     """
 
@@ -255,7 +253,6 @@ class SiteExchange:
     site_group: Optional[dist.ProcessGroup]
     cross_group: Optional[dist.ProcessGroup]
     shares: dict[str, int]
-    lan_bytes: dict[int, int] = field(default_factory=dict)
     plans: dict[tuple[int, tuple[str, ...]], SharePlan] = field(default_factory=dict)
 
     @property
@@ -266,9 +263,6 @@ class SiteExchange:
     def owned(self) -> frozenset[str]:
         """The names of the parameters whose share this rank compresses and exchanges between sites."""
         return frozenset(name for name, j in self.shares.items() if j == self.local_rank)
-
-    def lan_bytes_per_step(self) -> int:
-        return sum(self.lan_bytes.values())
 
     def plan(self, bucket: dist.GradBucket, names: Sequence[str]) -> SharePlan:
         """The bucket's plan, made the first time its parameters are seen (DDP rebuilds buckets once)."""
@@ -360,7 +354,7 @@ def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch
     plan = site.plan(bucket, [state.names[id(p)] for p in bucket.parameters()])
     if state.step_nonfinite and index != 0:
         # decided on every rank alike: no collective; the flat hook (which counts the call) fills the bucket
-        site.lan_bytes[index] = 0
+        state.ledger.record_lan(index, 0)
         positions = layer_offsets(bucket)
         gradcomp_hook(state, _ShareBucket(bucket, buffer, plan.params[j], [positions[i] for i in plan.params[j]]))
         return comm.completed(buffer)
@@ -379,11 +373,12 @@ def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch
     # exchange of the decoded shares is issued from the hook body (never from a `.then`, see comm)
     gradcomp_hook(state, _ShareBucket(bucket, mine, plan.params[j], plan.offsets[j])).wait()
     if state.step_nonfinite:  # every cross-site group saw the flag slots: the same decision on every rank
-        site.lan_bytes[index] = sent
+        state.ledger.record_lan(index, sent)
         return comm.completed(buffer.fill_(float("nan")))
     future = comm.gather_from_owners(segments, mine, splits, site.site_group, copies)
     state.ledger.count("site_gather")
-    site.lan_bytes[index] = sent + tensor_bytes(buffer, (k - 1) * size)
+    # over the fast link: the other shares' segments to their owners, then this rank's segment to the k - 1 others
+    state.ledger.record_lan(index, sent + tensor_bytes(buffer, (k - 1) * size))
 
     def done(_: object) -> Tensor:
         plan.unpack(segments, buffer)

@@ -26,8 +26,9 @@ class SiteLeadersTransport:
 
     Args:
         groups: this rank's sites and groups.
-        ledger: where the bytes a leader broadcasts inside its site are recorded (channel ``"lan"``); ``None``: not
-            recorded. The bytes between sites are the exchange's own records.
+        ledger: where the bytes a leader broadcasts inside its site are recorded (channel ``"lan"``), and those of
+            :meth:`broadcast_from_first_site` between sites (channel ``"wan"``); ``None``: not recorded. The bytes of
+            the exchange's collectives between sites are the exchange's own records.
     """
 
     def __init__(self, groups: SiteGroups, ledger: Optional[Ledger] = None) -> None:
@@ -42,23 +43,35 @@ class SiteLeadersTransport:
     def rank(self) -> int:
         return self.groups.site
 
-    def _fan_out(self, tensor: Tensor) -> None:
-        """The leader's ``tensor`` to every rank of its site."""
+    def fan_out(self, tensor: Tensor) -> None:
+        """The leader's ``tensor`` to every rank of its site, in place (the one in-site broadcast of the sites: the
+        outer rounds' decoded mean and buffers go through it too); the leader's bytes are recorded on the ledger's
+        ``"lan"`` channel."""
         g = self.groups
         if g.site_size > 1:
             comm.broadcast_(tensor, g.leader, g.site_group)
             if g.is_leader and self.ledger is not None:
                 self.ledger.record_channel("lan", tensor_bytes(tensor))
 
+    def broadcast_from_first_site(self, tensor: Tensor) -> None:
+        """Site 0's ``tensor`` to every rank, in place: over the leaders, then :meth:`fan_out`; site 0's leader's
+        bytes between sites are recorded on the ledger's ``"wan"`` channel."""
+        g = self.groups
+        if g.leader_group is not None:
+            comm.broadcast_(tensor, g.layout.leaders[0], g.leader_group)
+            if g.site == 0 and g.layout.num_sites > 1 and self.ledger is not None:
+                self.ledger.record_channel("wan", tensor_bytes(tensor))
+        self.fan_out(tensor)
+
     def max_(self, tensor: Tensor) -> None:
         if self.groups.leader_group is not None:
             comm.all_reduce_max_(tensor, self.groups.leader_group)
-        self._fan_out(tensor)
+        self.fan_out(tensor)
 
     def sum(self, tensor: Tensor) -> Future:
         if self.groups.leader_group is not None:
             comm.all_reduce_sum(tensor, self.groups.leader_group).wait()
-        self._fan_out(tensor)
+        self.fan_out(tensor)
         return comm.completed(tensor)
 
     def gather_sizes(self, sizes: Tensor) -> Tensor:
@@ -67,22 +80,22 @@ class SiteLeadersTransport:
             table = comm.all_gather_sizes(sizes, leaders, self.world_size)
         else:
             table = sizes.new_zeros((self.world_size, sizes.numel()))
-        self._fan_out(table)
+        self.fan_out(table)
         return table
 
     def gather(self, tensor: Tensor, out: Tensor) -> tuple[Future, Tensor]:
         if self.groups.leader_group is not None:
             comm.all_gather(tensor, self.groups.leader_group, self.world_size, out=out)[0].wait()
-        self._fan_out(out)
+        self.fan_out(out)
         return comm.completed(out), out.view(self.world_size, -1)
 
     def scatter_to_owners(self, out: Tensor, tensor: Tensor, splits: Sequence[int]) -> None:
         if self.groups.leader_group is not None:
             comm.scatter_to_owners(out, tensor, list(splits), self.groups.leader_group)
-        self._fan_out(out)
+        self.fan_out(out)
 
     def gather_from_owners(self, out: Tensor, mine: Tensor, splits: Sequence[int], repeated: Tensor) -> Future:
         if self.groups.leader_group is not None:
             comm.gather_from_owners(out, mine, list(splits), self.groups.leader_group, repeated).wait()
-        self._fan_out(out)
+        self.fan_out(out)
         return comm.completed(out)

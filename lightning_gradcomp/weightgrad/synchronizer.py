@@ -50,7 +50,7 @@ from typing_extensions import override
 from lightning_gradcomp.compressors.loss_aware import LossAwareTernary
 from lightning_gradcomp.compressors.terngrad import TernGrad
 from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
-from lightning_gradcomp.exchange.ledger import tensor_bytes
+from lightning_gradcomp.exchange.ledger import Ledger, tensor_bytes
 from lightning_gradcomp.exchange.pipeline import LayerTransform
 from lightning_gradcomp.sites.transport import SiteLeadersTransport
 from lightning_gradcomp.outer.engine import OuterSync
@@ -182,7 +182,7 @@ class GradientSynchronizer(OuterSync):
                 self.significance.observe(name, p.grad, self.learning_rate(name))
         self.steps_since_round += 1
         self.inner_steps += 1  # the engine's step count: ``bytes_per_step`` averages over it
-        wan_bytes = lan_bytes = 0
+        lan_bytes = flag_bytes = 0
 
         at_bound = self.steps_since_round >= self.staleness_bound
         late = significant = False
@@ -195,9 +195,8 @@ class GradientSynchronizer(OuterSync):
             g = self.groups
             self.transport.max_(flags)
             late, significant = bool(flags[0]), bool(flags[1])
-            flag_wan = tensor_bytes(flags) if g.is_leader and g.layout.num_sites > 1 else 0
-            wan_bytes += flag_wan
-            self.wan.add(flag_wan)
+            if g.is_leader and g.layout.num_sites > 1:  # the flags crossed between sites
+                flag_bytes = tensor_bytes(flags)
             lan_bytes += self.state.ledger.take_channel("lan")
 
         ran = at_bound or late or significant
@@ -209,11 +208,12 @@ class GradientSynchronizer(OuterSync):
                 self.last[name].copy_(self.params[name].detach())
             self.steps_since_round = 0
             self._round_started = time.monotonic()
-            wan_bytes += int(self.stats["bytes_per_round"])
             lan_bytes += int(self.stats["lan_bytes_per_round"])
-        self.wan.end_step()
+        # recorded after the round, whose buffers' bytes between sites are taken from the same channel
+        self.state.ledger.record_channel("wan", flag_bytes)
+        self.close_step()
         self.stats.update(
-            wan_bytes=torch.tensor(wan_bytes),
+            wan_bytes=torch.tensor(self.wan.last),
             round_lan_bytes=torch.tensor(lan_bytes),
             wan_rounds=torch.tensor(self.rounds),
             staleness=torch.tensor(self.steps_since_round),
@@ -263,7 +263,12 @@ class GradientSynchronizer(OuterSync):
         return flight.means
 
     def sync_buffers(self, buffers: Sequence[Tensor]) -> tuple[int, int]:
-        return sync_buffers(buffers, self.groups)
+        return sync_buffers(buffers, self.transport)
+
+    @property
+    def ledger(self) -> Ledger:
+        """Where the WAN rounds' and flags' bytes are recorded: the exchange's hook state's ledger."""
+        return self.state.ledger
 
     def exchange_state(self) -> dict[str, Any]:
         return {"significance": self.significance.state_dict(), "quantizer": self.message.state_dict()}

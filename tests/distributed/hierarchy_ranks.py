@@ -54,7 +54,7 @@ def _run(world_size: int, strategy: Any, steps: int, callbacks: Sequence[pl.Call
     state = getattr(trainer.strategy, "comm_state", None)
     if state is not None:
         out["wan_bytes"] = state.bytes_per_step()
-        out["lan_bytes"] = state.hierarchy.lan_bytes_per_step() if state.hierarchy is not None else 0
+        out["lan_bytes"] = state.ledger.lan_bytes_per_step()
         out["collectives"] = dict(state.collectives)
         out["dense_bytes"] = sum(4 * p.numel() for p in module_parameters(trainer))
         numels = [p.numel() for p in module_parameters(trainer)]

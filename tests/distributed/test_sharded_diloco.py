@@ -94,6 +94,8 @@ def test_the_outer_round_sends_each_ranks_shard_only(results: list[list[dict[str
         assert sharded[rank]["anchor_numel"] == sharded[rank]["momentum_numel"] == shard
     # a site's two ranks together send what a DDP site's leader sends
     assert int(ddp[0]["stats"][1]["bytes_per_round"]) == 4 * NUMEL and int(ddp[1]["stats"][1]["bytes_per_round"]) == 0
+    # and then fans the decoded mean out inside its site (fp32, the site transport's broadcast, counted by the ledger)
+    assert [int(ddp[r]["stats"][1]["lan_bytes_per_round"]) for r in range(4)] == [4 * NUMEL, 0, 4 * NUMEL, 0]
     assert ddp[0]["anchor_numel"] == NUMEL
 
 

@@ -90,6 +90,12 @@ def test_serial_terngrad_with_significance_trigger(results: list[list[dict[str, 
     runs = [results[r][5] for r in range(4)]
     rounds = _check_sites(runs, bound=4)
     assert rounds >= STEPS // 4
+    # a step's bytes between sites: the trigger's two flag bytes from each leader every step, plus the round's
+    for r in range(4):
+        for step, s in enumerate(runs[r]["stats"]):
+            flags = 2 if r % 2 == 0 else 0
+            round_bytes = int(s.get("bytes_per_round", 0)) if int(s["staleness"]) == 0 else 0
+            assert int(s["wan_bytes"]) == flags + round_bytes, f"rank {r} step {step}"
 
 
 def test_registered_name_defaults_to_one_site_per_node(results: list[list[dict[str, Any]]]) -> None:

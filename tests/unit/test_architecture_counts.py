@@ -73,6 +73,12 @@ class Sync:
         packed = quantize.pack_ternary(message)  # bit packing: the wire format, not a quantizer
         wan = message.numel() + 8
         return packed, wan
+
+    def after_step(self, flags, site):
+        self.wan.add(8)  # a RunBytes written beside the engine's
+        site.lan_bytes[0] = 0  # a per-bucket byte table kept on a site
+        self.wan_total += 8
+        self.stats["bytes"] = 8  # a statistic's entry, read from elsewhere: not a count kept here
 ''',
     "callbacks/clip.py": '''
 def own_clip(strategy):
@@ -82,6 +88,9 @@ def own_clip(strategy):
 class Ledger:
     def bytes_per_step(self):
         return sum(r.nbytes for r in self.records.values())
+
+    def record_lan(self, index, nbytes):
+        self.lan_bytes[index] = nbytes  # the ledger's own table
 ''',
     "py.typed": "",
 }
@@ -123,6 +132,9 @@ def test_the_counts_follow_their_rules(tmp_path: Path) -> None:
         "towers.py::Towers._exchange",
         "weightgrad/sync.py::Sync.launch",
     ]
+    # byte counts kept outside the ledger: a RunBytes stepped, a byte table's entry, a byte total added to; not the
+    # ledger's own, not a statistic's entry
+    assert counts.byte_counters == ["weightgrad/sync.py::Sync.after_step"]
     assert counts.contract_methods == ["compress", "sent"]
     assert counts.contract_attributes == ["aggregation", "uses_memory", "triton"]
     assert counts.contract_flags == ["uses_memory", "triton"]  # `Optional[bool]` is a (three-state) flag
