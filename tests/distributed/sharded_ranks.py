@@ -119,6 +119,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _gathered(model: pl.LightningModule) -> torch.Tensor:
+    """The whole parameters, flat (every rank of the shard group must call this)."""
+    return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])  # type: ignore[attr-defined]
+
+
 def _nbytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -163,7 +168,7 @@ def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 
         "across_residuals": record.across_residuals,
         "dense_bytes": trainer.strategy.dense_bytes_per_step(),  # type: ignore[attr-defined]
         # ``gather``: the whole parameters (a collective over the shard group: every rank of the world here)
-        "full": torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()]) if gather else None,  # type: ignore[attr-defined]
+        "full": _gathered(model) if gather else None,
     }
 
 
