@@ -361,18 +361,14 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         if not compress_across_nodes:
             return
         self.compressor = check_compressor(self.compressor)
-        if self.error_feedback_across_nodes and self.resume_compression == "exact":
+        # fp32 keeps no residuals: an exact resume is exact there
+        if not isinstance(self.compressor, Identity) and self.resume_compression == "exact":
             raise ValueError(
                 f"Expected `resume_compression='reset'` with `compress_across_nodes=True` and "
                 f"{type(self.compressor).__name__}, but got 'exact': the int8 error-feedback residuals of the "
                 f"reduce-scatter across nodes are not checkpointed, so a resume cannot restore them. Fix: pass "
                 f"`resume_compression='reset'` (a resume starts the residuals at zero), or `compressor='fp32'`."
             )
-
-    @property
-    def error_feedback_across_nodes(self) -> bool:
-        """Whether the reduce-scatter across nodes keeps residuals (int8; fp32 sends exactly what it has)."""
-        return self._across_nodes and not isinstance(self.compressor, Identity)
 
     def _mesh_shape(self) -> tuple[int, int]:
         """``(replicas, shard_size)`` of this run (a ``shard_size`` that does not divide the world fails here).
@@ -391,17 +387,18 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
                 f"{self.shard_size}. Fix: drop `shard_size`, or drop `compress_across_nodes` to compress between "
                 f"replicas of {self.shard_size} ranks (HSDP)."
             )
-        node = self.num_processes if self.node_size is None else self.node_size
-        layout = node_layout(world, node)
-        if layout.num_sites < 2:
+        node = self._node_size()
+        if node_layout(world, node).num_sites < 2:
             raise ValueError(
-                f"Expected at least 2 nodes for the compressed reduce-scatter across nodes, but got one: `node_size` "
-                f"{node} on world_size={world}, so nothing crosses a link between nodes. Fix: pass `node_size` the "
-                f"ranks of one node (a divisor of {world} below it), or drop `compress_across_nodes` on one node."
+                f"Expected at least 2 nodes for the compressed reduce-scatter across nodes, but got one: "
+                f"`node_size={node}` on world_size={world} (devices x num_nodes), so nothing crosses a link between "
+                f"nodes. Fix: pass `node_size` the ranks of one node (a divisor of {world} below it), or drop "
+                f"`compress_across_nodes` on one node."
             )
         return 1, world
 
     def _node_size(self) -> int:
+        """Ranks per node of the reduce-scatter across nodes: ``node_size``, else the Trainer's ``devices``."""
         return self.num_processes if self.node_size is None else self.node_size
 
     @override
