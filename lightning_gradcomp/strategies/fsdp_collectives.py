@@ -18,7 +18,7 @@ Every byte sent is recorded in a :class:`~lightning_gradcomp.exchange.ledger.Led
 record (what :meth:`Ledger.bytes_per_step` reports), inside a node on the ``"lan"`` channel.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Optional, Union
 
@@ -100,11 +100,12 @@ class HierarchicalReduceScatter(ReduceScatter):
         ledger: where the bytes go.
         blocks: ``None``: dense between nodes; else the int8 block size.
         error_feedback: with ``blocks``, keep what quantization dropped and add it back next step.
+        on_call: called first at every call (the ledger's step count: see :class:`CompressedReduceScatter`).
     """
 
     def __init__(self, name: str, layout: SiteLayout, rank: int, node_group: Optional[dist.ProcessGroup],
                  peer_group: Optional[dist.ProcessGroup], ledger: Ledger, blocks: Optional[int] = None,
-                 error_feedback: bool = True) -> None:
+                 error_feedback: bool = True, on_call: Optional[Callable[[], None]] = None) -> None:
         self.name = name
         self.layout = layout
         self.rank = rank
@@ -113,7 +114,15 @@ class HierarchicalReduceScatter(ReduceScatter):
         self.ledger = ledger
         self.blocks = blocks
         self.error_feedback = error_feedback
+        self.on_call = on_call
         self.residual: Optional[Tensor] = None
+        # the residual the latest call replaced, for :meth:`rollback` (a step skipped after the exchange)
+        self._previous: Optional[Tensor] = None
+
+    def rollback(self) -> None:
+        """Restore the residual from before the latest call: that step was skipped, so its gradient (and what the
+        residual added to it) never reached the optimizer, and is carried to the next step as if never sent."""
+        self.residual = self._previous
 
     @override
     def allocate(self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype,
@@ -134,6 +143,8 @@ class HierarchicalReduceScatter(ReduceScatter):
                 f"Expected FSDP2 to reduce with SUM or AVG, but got {op}. Fix: leave `gradient_divide_factor` unset "
                 f"under the compressed reduce-scatter."
             )
+        if self.on_call is not None:
+            self.on_call()
         piece = output_tensor.numel()
         # [node, local, piece] -> [local, node, piece]: local rank l's row holds the pieces of its peers
         by_local = input_tensor.view(nodes, local, piece).transpose(0, 1).contiguous()
@@ -176,6 +187,7 @@ class HierarchicalReduceScatter(ReduceScatter):
             sent = codes.float() * (scales / _INT8_MAX).unsqueeze(2)
             # a non-finite block travels as NaN (its scale), as stock FSDP2 would pass it on; its error is dropped
             # so that one bad step does not poison the residual for good
+            self._previous = self.residual
             self.residual = torch.nan_to_num(blocks - sent, nan=0.0, posinf=0.0, neginf=0.0).view(nodes, padded)
         got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
         dist.all_to_all_single(got_codes, codes, group=self.peer_group)
@@ -237,6 +249,7 @@ class CompressedReduceScatter:
                     f"pieces of a node are its ranks', but got {order}. Fix: `init_device_mesh(device, ({world},))`."
                 )
         self.ledger = Ledger()
+        self._calls = 0
         node_group = peer_group = None
         for node in range(self.layout.num_sites):
             group = new_group(self.layout.ranks(node), timeout)
@@ -251,10 +264,27 @@ class CompressedReduceScatter:
         self.comms = []
         for unit in self.units:
             comm = HierarchicalReduceScatter(names[id(unit)], self.layout, rank, node_group, peer_group, self.ledger,
-                                             blocks, error_feedback)
+                                             blocks, error_feedback, self._unit_called)
             unit.set_custom_reduce_scatter(comm)  # type: ignore[operator]
             self.comms.append(comm)
 
+    def _unit_called(self) -> None:
+        # every backward reduce-scatters every unit once: the first of a backward opens a step in the ledger (the
+        # previous step's bytes, complete by then, join the run's total)
+        first = self._calls == 0
+        self._calls = (self._calls + 1) % len(self.comms)
+        self.ledger.bucket_called(self._calls == 0, first=first)
+
+    def rollback(self) -> None:
+        """The latest step was skipped (a non-finite gradient): every unit's residual as before that step."""
+        for comm in self.comms:
+            comm.rollback()
+
     def bytes_per_step(self) -> int:
-        """Bytes this rank sent to the other nodes in the latest step."""
+        """Bytes this rank sent to the other nodes per step, averaged over the steps so far (the ledger's
+        :meth:`~lightning_gradcomp.exchange.ledger.Ledger.bytes_per_step`)."""
         return self.ledger.bytes_per_step()
+
+    def last_step_bytes(self) -> int:
+        """Bytes this rank sent to the other nodes in the latest step."""
+        return self.ledger.last_step_bytes()

@@ -31,7 +31,9 @@ from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.exchange.guard import NonFinite
+from lightning_gradcomp.strategies.fsdp_collectives import CompressedReduceScatter, check_compressor, node_layout
 from lightning_gradcomp.strategies.resilience import ResilienceMixin, ResumeCompression
 from lightning_gradcomp.strategies.shards import ShardExchange, agree_on_skip, fsdp_units
 from lightning_gradcomp.sites.layout import new_group
@@ -161,6 +163,8 @@ class ShardedWiring(HookWiring):
         self.shard_size = shard_size
         self.exchange = None
         self._agreed_hook_calls = 0
+        # the compressed reduce-scatter across nodes (set by a strategy that installs it, one replica only)
+        self._across_nodes = False
 
     def _install_exchange(self, module: Module, mesh: "DeviceMesh", rank: int, device: torch.device, where: str,
                           mesh_name: str) -> "GradCompState":
@@ -178,7 +182,10 @@ class ShardedWiring(HookWiring):
         self.comm_state = state
         self.exchange = ShardExchange(state, module)
         self._agreed_hook_calls = state.hook_calls
-        if rank == 0 and replicate.size() == 1:
+        if rank == 0 and replicate.size() == 1 and self._across_nodes:
+            log.info("gradcomp: FSDP2 over %d ranks, its gradient reduce-scatter dense inside a node and %s between "
+                     "nodes", mesh["shard"].size(), type(self.compressor).__name__)
+        elif rank == 0 and replicate.size() == 1:
             log.info("gradcomp: FSDP2 over %d ranks in one replica: nothing is exchanged between replicas, %s is not "
                      "used (plain FSDP2, 0 bytes per rank per step)", mesh["shard"].size(),
                      type(self.compressor).__name__)
@@ -215,6 +222,8 @@ class ShardedWiring(HookWiring):
                 f"Fix: {fix}, or drop the callbacks that add them (without compression, MomentumCorrection(m) with "
                 f"SGD(momentum=0) is SGD(momentum=m))."
             )
+        if self._across_nodes:  # the compressor runs in the reduce-scatter between nodes
+            return
         rank_zero_warn(
             f"Expected at least 2 replicas for {type(self).__name__} to exchange compressed gradient shards, but got "
             f"1: `shard_size={world}` ranks per replica on world_size={world} (devices x num_nodes), so nothing "
@@ -287,6 +296,14 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         save_distributed_checkpoint: as in ``ModelParallelStrategy`` (each rank writes its shards).
         process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
         timeout: collective timeout (a positive ``timedelta``).
+        compress_across_nodes: shard the model over every rank (one replica: ``shard_size`` ``None`` or the world
+            size) and compress FSDP2's gradient reduce-scatter between nodes with ``compressor`` (``"int8"``:
+            blockwise int8 with error feedback; ``"fp32"``: dense), dense inside a node
+            (:class:`~lightning_gradcomp.strategies.fsdp_collectives.CompressedReduceScatter`). The weights'
+            all-gather stays FSDP2's (dense). Its residuals are not checkpointed: with ``"int8"`` pass
+            ``resume_compression="reset"``.
+        node_size: with ``compress_across_nodes``, the ranks of one node (consecutive ranks); ``None``: the
+            Trainer's ``devices``. Must divide the world size into 2 nodes or more.
         **kwargs: refused with the option named (a misspelt option, or the DDP engine's ``site_size``), as a
             ``ValueError``.
     """
@@ -306,20 +323,83 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        compress_across_nodes: bool = False,
+        node_size: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         self._init_sharding(shard_size, kwargs, keyword_options(ShardedGradCompStrategy))
         self._init_resilience(check_replicas_every, nonfinite, resume_compression, timeout)
         self._init_wiring(compressor, exclude, min_numel, pipeline_mb, None, None, {}, {}, None, process_group_backend)
+        self._init_across_nodes(compress_across_nodes, node_size)
+        self.reduce_scatter: Optional[CompressedReduceScatter] = None
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
 
+    def _init_across_nodes(self, compress_across_nodes: bool, node_size: Optional[int]) -> None:
+        """Check the options of the compressed reduce-scatter across nodes that need no process group.
+
+        Raises:
+            ValueError: ``node_size`` without ``compress_across_nodes``; a compressor that cannot serve the
+                reduce-scatter; ``resume_compression="exact"`` with residuals that are not checkpointed.
+        """
+        if not isinstance(compress_across_nodes, bool):
+            raise ValueError(f"Expected `compress_across_nodes` to be True or False, but got "
+                             f"{compress_across_nodes!r}. Fix: pass `compress_across_nodes=True` or leave it unset.")
+        if node_size is not None:
+            check_int("node_size", node_size, minimum=1, fix="pass the ranks of one node, e.g. 8")
+            if not compress_across_nodes:
+                raise ValueError(
+                    f"Expected `node_size` only with `compress_across_nodes=True` (it places the nodes of the "
+                    f"compressed reduce-scatter), but got `node_size={node_size}` without it. Fix: add "
+                    f"`compress_across_nodes=True`, or drop `node_size` (replicas are set with `shard_size`)."
+                )
+        self._across_nodes = compress_across_nodes
+        self.node_size = node_size
+        if not compress_across_nodes:
+            return
+        self.compressor = check_compressor(self.compressor)
+        # fp32 keeps no residuals: an exact resume is exact there
+        if not isinstance(self.compressor, Identity) and self.resume_compression == "exact":
+            raise ValueError(
+                f"Expected `resume_compression='reset'` with `compress_across_nodes=True` and "
+                f"{type(self.compressor).__name__}, but got 'exact': the int8 error-feedback residuals of the "
+                f"reduce-scatter across nodes are not checkpointed, so a resume cannot restore them. Fix: pass "
+                f"`resume_compression='reset'` (a resume starts the residuals at zero), or `compressor='fp32'`."
+            )
+
     def _mesh_shape(self) -> tuple[int, int]:
-        """``(replicas, shard_size)`` of this run (a ``shard_size`` that does not divide the world fails here)."""
-        return mesh_shape(self.num_nodes * self.num_processes, self.shard_size, self.num_processes)
+        """``(replicas, shard_size)`` of this run (a ``shard_size`` that does not divide the world fails here).
+
+        Raises:
+            ValueError: with ``compress_across_nodes``, a shard size other than the world or nodes that do not
+                divide it into 2 or more.
+        """
+        world = self.num_nodes * self.num_processes
+        if not self._across_nodes:
+            return mesh_shape(world, self.shard_size, self.num_processes)
+        if self.shard_size not in (None, world):
+            raise ValueError(
+                f"Expected `shard_size` to be the world size ({world} ranks) or None with "
+                f"`compress_across_nodes=True` (the model is sharded over every rank of every node), but got "
+                f"{self.shard_size}. Fix: drop `shard_size`, or drop `compress_across_nodes` to compress between "
+                f"replicas of {self.shard_size} ranks (HSDP)."
+            )
+        node = self._node_size()
+        if node_layout(world, node).num_sites < 2:
+            raise ValueError(
+                f"Expected at least 2 nodes for the compressed reduce-scatter across nodes, but got one: "
+                f"`node_size={node}` on world_size={world} (devices x num_nodes), so nothing crosses a link between "
+                f"nodes. Fix: pass `node_size` the ranks of one node (a divisor of {world} below it), or drop "
+                f"`compress_across_nodes` on one node."
+            )
+        return 1, world
+
+    def _node_size(self) -> int:
+        """Ranks per node of the reduce-scatter across nodes: ``node_size``, else the Trainer's ``devices``."""
+        return self.num_processes if self.node_size is None else self.node_size
 
     @override
     def setup_environment(self) -> None:
@@ -353,6 +433,11 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         assert module is not None
         state = self._install_exchange(module, self.device_mesh, self.global_rank, self.root_device,
                                        "configure_model", "self.device_mesh")
+        if self._across_nodes:
+            # after the replica exchange, whose hook (the non-finite guard alone, one replica) then checks what
+            # this reduce-scatter delivered to each rank's shard
+            self.reduce_scatter = CompressedReduceScatter(module, self._node_size(), self.compressor,
+                                                          timeout=self._timeout)
         self._attach_resilience(state)
 
     @override
@@ -363,7 +448,29 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         self._agree_on_skip(self.device_mesh, self.root_device)
+        state = self.comm_state
+        if self.reduce_scatter is not None and state is not None and state.guard.step_nonfinite:
+            # the step is skipped on every rank: the residuals carry its gradient on as if it were never sent
+            self.reduce_scatter.rollback()
         super().post_backward(closure_loss)
+
+    @override
+    def bytes_per_step(self) -> int:
+        if self.reduce_scatter is not None:  # between nodes (the replica exchange sends nothing with one replica)
+            return self.reduce_scatter.bytes_per_step()
+        return super().bytes_per_step()
+
+    @override
+    def last_step_bytes(self) -> int:
+        if self.reduce_scatter is not None:
+            return self.reduce_scatter.last_step_bytes()
+        return super().last_step_bytes()
+
+    @override
+    def dense_bytes_per_step(self) -> float:
+        if self.reduce_scatter is not None:  # the same exchange between nodes in fp32
+            return self.reduce_scatter.ledger.dense_bytes_per_step()
+        return super().dense_bytes_per_step()
 
     @classmethod
     @override

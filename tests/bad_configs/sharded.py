@@ -13,4 +13,14 @@ BAD_CONFIGS = [
     BadConfig("fabric-sharded-site-size", lambda: ShardedGradCompFabricStrategy(site_size=2), "site_size", "2"),
     BadConfig("fabric-sharded-misspelt-option", lambda: ShardedGradCompFabricStrategy(compresor="terngrad"),
               "compresor", "'terngrad'"),
+    # the compressed reduce-scatter across nodes
+    BadConfig("sharded-node-size-alone", lambda: ShardedGradCompStrategy("int8", node_size=2), "node_size", "`node_size=2` without it"),
+    BadConfig("sharded-node-size-zero", lambda: ShardedGradCompStrategy("int8", compress_across_nodes=True,
+                                                                         node_size=0), "node_size", "got 0"),
+    BadConfig("sharded-across-nodes-not-bool", lambda: ShardedGradCompStrategy("int8", compress_across_nodes=1),  # type: ignore[arg-type]
+              "compress_across_nodes", "True or False, but got 1"),
+    BadConfig("sharded-across-nodes-gathered", lambda: ShardedGradCompStrategy("topk", compress_across_nodes=True),
+              "compressor", "TopK (aggregation `gather`)"),
+    BadConfig("sharded-across-nodes-exact-resume",
+              lambda: ShardedGradCompStrategy("int8", compress_across_nodes=True), "resume_compression", "Int8, but got 'exact'"),
 ]

@@ -97,6 +97,8 @@ class Shards(Callback):
         self.shards: list[torch.Tensor] = []
         self.bytes: list[int] = []
         self.skipped: list[int] = []
+        self.strategy_bytes: list[int] = []
+        self.across_residuals: list[torch.Tensor] = []
         self.batches: list[float] = []
 
     @override
@@ -107,10 +109,19 @@ class Shards(Callback):
         state = trainer.strategy.comm_state  # type: ignore[attr-defined]
         self.bytes.append(0 if state is None else state.last_step_bytes())
         self.skipped.append(0 if state is None else state.skipped_steps)
+        self.strategy_bytes.append(trainer.strategy.last_step_bytes())  # type: ignore[attr-defined]
+        across = getattr(trainer.strategy, "reduce_scatter", None)  # the compressed reduce-scatter across nodes
+        if across is not None and across.comms[0].residual is not None:
+            self.across_residuals.append(torch.cat([c.residual.reshape(-1).clone() for c in across.comms]))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _gathered(model: pl.LightningModule) -> torch.Tensor:
+    """The whole parameters, flat (every rank of the shard group must call this)."""
+    return torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])  # type: ignore[attr-defined]
 
 
 def _nbytes(tensors: Any) -> int:
@@ -125,7 +136,8 @@ def _loader(n: int = 64, batch_size: int = 4) -> DataLoader:
 
 
 def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 4, save: str = "",
-        resume: str = "", record: Optional[Shards] = None, extra: Sequence[Callback] = ()) -> dict[str, Any]:
+        resume: str = "", record: Optional[Shards] = None, extra: Sequence[Callback] = (),
+        gather: bool = False) -> dict[str, Any]:
     record = record or Shards()
     # a checkpoint at each epoch's end (4 batches per rank), as a user's ModelCheckpoint writes it
     callbacks: list[Callback] = [record, *extra] + (
@@ -152,6 +164,11 @@ def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 
         "collectives": None if state is None else dict(state.collectives),
         "units": None if exchange is None else len(exchange.units),
         "strategy_bytes": trainer.strategy.bytes_per_step(),  # type: ignore[attr-defined]
+        "strategy_last": record.strategy_bytes,
+        "across_residuals": record.across_residuals,
+        "dense_bytes": trainer.strategy.dense_bytes_per_step(),  # type: ignore[attr-defined]
+        # ``gather``: the whole parameters (a collective over the shard group: every rank of the world here)
+        "full": _gathered(model) if gather else None,
     }
 
 
@@ -172,7 +189,8 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> li
             try:
                 extra = [MomentumCorrection(config["momentum_correction"])] if "momentum_correction" in config else []
                 out.append(fit(world_size, cls(**config.get("strategy", {})), model, config.get("steps", 4),
-                               config.get("save", ""), config.get("resume", ""), record, extra))
+                               config.get("save", ""), config.get("resume", ""), record, extra,
+                               config.get("gather", False)))
             except (ValueError, RuntimeError) as error:  # bad input (before step 0), a divergence: every rank alike
                 out.append({"error": str(error), "steps_done": len(record.shards)})
         out[-1]["warnings"] = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
