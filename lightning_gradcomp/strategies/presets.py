@@ -23,11 +23,12 @@ measured with its own SignSGD, not AdamW; the suffix names where the numbers com
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from lightning_gradcomp.callbacks.schedule import check_dense_steps, resolve_dense_steps
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.demo import DeMo
 from lightning_gradcomp.compressors.graddrop import GradientDropping
@@ -83,7 +84,9 @@ class Preset:
         compressor_class: the compressor built with ``options``.
         options: the compressor's arguments.
         float_embeddings: send the parameters of every ``nn.Embedding`` in fp32 (uncompressed).
-        dense_steps: plain fp32 all-reduce for the first steps
+        dense_steps: plain fp32 all-reduce for the first steps: a fraction of the run (``float`` in (0, 1), resolved
+            from the Trainer's ``max_steps`` when training starts, so the warm-up keeps the share of the run it was
+            measured with) or a number of steps (``int``)
             (:class:`~lightning_gradcomp.callbacks.CompressionSchedule`'s ``dense_steps``; Trainer only).
         measured: what it measured.
         recipe: the recipe that runs the same setting on the benchmark's model.
@@ -96,7 +99,10 @@ class Preset:
     measured: Measurement
     recipe: str
     float_embeddings: bool = False
-    dense_steps: int = 0
+    dense_steps: Union[int, float] = 0
+
+    def __post_init__(self) -> None:
+        check_dense_steps("dense_steps", self.dense_steps)
 
     def make_compressor(self) -> Compressor:
         """A fresh compressor with this preset's options."""
@@ -108,7 +114,9 @@ class Preset:
         parts = [f"{self.compressor_class.__name__}({args})"]
         if self.float_embeddings:
             parts.append("embeddings in fp32")
-        if self.dense_steps:
+        if isinstance(self.dense_steps, float):
+            parts.append(f"the first {100 * self.dense_steps:g} % of the steps dense")
+        elif self.dense_steps:
             parts.append(f"{self.dense_steps} dense steps")
         return ", ".join(parts)
 
@@ -141,7 +149,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("qsgd_lm", "qsgd", QSGD, {"levels": 31}, recipe="recipes/lm/gpt_small_qsgd31.yaml",
            measured=Measurement((("qsgd_s31", _DDP[0]), ("qsgd_s31_seed1", _DDP[1]), ("qsgd_lm_seed2", _DDP[2])),
                                 -0.0, 5.3, "31 levels")),
-    Preset("graddrop_lm", "graddrop", GradientDropping, {"drop_ratio": 0.8, "scope": "global"}, dense_steps=100,
+    # 0.05: the stored runs' 100 dense steps of 2000, as a share of the run (200 steps: 10)
+    Preset("graddrop_lm", "graddrop", GradientDropping, {"drop_ratio": 0.8, "scope": "global"}, dense_steps=0.05,
            recipe="recipes/lm/gpt_small_graddrop08.yaml",
            measured=Measurement((("graddrop_0.8_global_dense100", _DDP[0]), ("graddrop_0.8_global_dense100_seed1", _DDP[1]),
                                  ("graddrop_lm_seed2", _DDP[2])), 1.2, 2.3,
@@ -200,17 +209,18 @@ def get_preset(name: str) -> Preset:
 
 
 # -- the measurements, recomputed from stored runs (the test and the docs' table; no file I/O here) ----------------
-def total_bytes(run: Mapping[str, Any], dense_steps: int = 0) -> float:
+def total_bytes(run: Mapping[str, Any], dense_steps: Union[int, float] = 0) -> float:
     """A stored run's bytes over the whole run: its ``total_bytes``, or, for runs stored before it was recorded,
-    ``dense_steps`` steps at fp32 and the rest at its ``bytes_per_step``."""
+    ``dense_steps`` (steps, or a fraction of the run's) at fp32 and the rest at its ``bytes_per_step``."""
     if "total_bytes" in run:
         return float(run["total_bytes"])
     steps = run["steps"]
-    return dense_steps * run["fp32_bytes_per_step"] + (steps - dense_steps) * run["bytes_per_step"]
+    dense = resolve_dense_steps(dense_steps, steps)
+    return dense * run["fp32_bytes_per_step"] + (steps - dense) * run["bytes_per_step"]
 
 
 def measure(runs: Mapping[str, Mapping[str, Any]], pairs: Sequence[tuple[str, str]],
-            dense_steps: int = 0) -> tuple[float, float]:
+            dense_steps: Union[int, float] = 0) -> tuple[float, float]:
     """``(gap, bytes_ratio)`` of :class:`Measurement` from the stored runs (label -> the run's JSON), unrounded."""
     gaps = [runs[run]["final_val_loss"] / runs[ddp]["final_val_loss"] - 1 for run, ddp in pairs]
     first = runs[pairs[0][0]]

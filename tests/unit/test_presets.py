@@ -13,6 +13,7 @@ import torch
 
 from lightning_gradcomp import PresetStrategy
 from lightning_gradcomp.compressors import TernGrad
+from lightning_gradcomp.callbacks.schedule import resolve_dense_steps
 from lightning_gradcomp.strategies.presets import (PAPER_DEFAULTS, PRESETS, Measurement, embedding_names, measure,
                                         paper_default_warning)
 from lightning_gradcomp.registry import compressor_names, make_compressor, strategy_names
@@ -56,7 +57,8 @@ def test_preset_numbers_are_the_stored_runs(name: str) -> None:
         assert _same_settings(runs[run]["compressor"], preset.make_compressor()), run
         command = runs[run]["command"]
         if f"--trainer.strategy={name}" not in command:  # an earlier run with the same options spelt out
-            assert (f"dense_steps={preset.dense_steps}" in command) == bool(preset.dense_steps), command
+            dense = resolve_dense_steps(preset.dense_steps, runs[run]["steps"])  # a fraction: of the stored run's steps
+            assert (f"dense_steps={dense}" in command) == bool(dense), command
             assert ("exclude=[model.token_embedding.weight,model.position_embedding.weight]" in command
                     or "gpt_small_terngrad_b64" in command) == preset.float_embeddings, command
     assert preset.measured.gap <= 2.0  # a preset is within 2 % of DDP, on the mean of its seeds
