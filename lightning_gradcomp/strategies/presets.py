@@ -35,14 +35,39 @@ from lightning_gradcomp.compressors.graddrop import GradientDropping
 from lightning_gradcomp.compressors.qsgd import QSGD
 from lightning_gradcomp.compressors.terngrad import TernGrad
 
-__all__ = ["PAPER_DEFAULTS", "PRESETS", "Measurement", "PaperDefault", "Preset", "embedding_names", "get_preset",
+__all__ = ["PAPER_DEFAULTS", "PRESETS", "WORKLOAD", "Measurement", "PaperDefault", "Preset", "Workload",
+           "embedding_names", "get_preset",
            "measure", "paper_default_name", "paper_default_warning", "preset_compressor", "preset_names", "register",
            "total_bytes"]
 
 #: suffix of every preset's strategy name
 SUFFIX = "_lm"
-#: where the measurements are described, for messages
-WHERE = "the LM benchmark (docs/transformers.md: a GPT on 4 ranks)"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The run every measurement here comes from (the stored runs' model, world and length; checked against them by
+    ``tests/unit/test_presets.py``), named in the warning so that a user on another model knows what was measured.
+
+    Attributes:
+        model: the model in words, with where it is described.
+        parameters: its parameter count.
+        ranks: the world size.
+        steps: the run's optimizer steps.
+    """
+
+    model: str
+    parameters: int
+    ranks: int
+    steps: int
+
+    def describe(self) -> str:
+        """``"the byte-level GPT of docs/transformers.md (120,576 parameters, 4 ranks, 2000 steps)"``."""
+        return f"{self.model} ({self.parameters:,} parameters, {self.ranks} ranks, {self.steps} steps)"
+
+
+#: the LM benchmark's 2000-step grid (``benchmarks/lm.py --long``; ``recipes/diloco/gpt_stdlib_ddp.yaml``)
+WORKLOAD = Workload("the byte-level GPT of docs/transformers.md", parameters=120_576, ranks=4, steps=2000)
 
 
 @dataclass(frozen=True)
@@ -267,7 +292,7 @@ def paper_default_warning(compressor: Compressor, optimizers: Sequence[torch.opt
     with_what = f" (with {paper.measured_with})" if paper.measured_with else ""
     head = (f"Expected a compressor setting measured to reach DDP's loss with {' and '.join(adams)}, but got "
             f"strategy={name!r}: {type(compressor).__name__} at the paper's defaults{with_what}, which ended "
-            f"{paper.describe()} above AdamW DDP's validation loss after 2000 steps on {WHERE}.")
+            f"{paper.describe()} above AdamW DDP's validation loss, measured on {WORKLOAD.describe()}.")
     if entry.preset is not None:
         preset = PRESETS[entry.preset]
         with_what = f" with {preset.measured.measured_with}" if preset.measured.measured_with else ""

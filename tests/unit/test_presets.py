@@ -14,8 +14,8 @@ import torch
 from lightning_gradcomp import PresetStrategy
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.callbacks.schedule import resolve_dense_steps
-from lightning_gradcomp.strategies.presets import (PAPER_DEFAULTS, PRESETS, Measurement, embedding_names, measure,
-                                        paper_default_warning)
+from lightning_gradcomp.strategies.presets import (PAPER_DEFAULTS, PRESETS, WORKLOAD, Measurement, embedding_names,
+                                                   measure, paper_default_warning)
 from lightning_gradcomp.registry import compressor_names, make_compressor, strategy_names
 
 LONG = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "lm_long"
@@ -119,6 +119,22 @@ def test_warning_names_the_gap_and_the_preset_for_adam_and_adamw_only() -> None:
     assert paper_default_warning(TernGrad(bucket_size=64), [adamw]) is None
     for preset in PRESETS.values():
         assert paper_default_warning(preset.make_compressor(), [adamw]) is None
+
+
+def test_warning_names_the_workload_of_the_stored_runs() -> None:
+    """The warning says which model, world and run length its numbers come from, and those are the stored runs'."""
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    for name, entry in PAPER_DEFAULTS.items():
+        runs = _runs(entry.measured)
+        for run, ddp in entry.measured.runs:
+            for label in (run, ddp):
+                stored = runs[label]
+                assert (stored["parameters"], stored["world_size"], stored["steps"]) == \
+                    (WORKLOAD.parameters, WORKLOAD.ranks, WORKLOAD.steps), label
+        message = paper_default_warning(make_compressor(name), [adamw])
+        assert message is not None
+        assert "measured on the byte-level GPT of docs/transformers.md (120,576 parameters, 4 ranks, 2000 steps)" \
+            in message, message
 
 
 def test_embeddings_are_the_stored_runs_fp32_names() -> None:
