@@ -9,7 +9,6 @@ Both decisions depend only on ``trainer.global_step`` / ``trainer.current_epoch`
 identically, so every rank compresses the same step the same way (nothing to agree over the network).
 """
 
-import math
 from collections.abc import Sequence
 from typing import Literal, Optional, Union
 
@@ -19,51 +18,9 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.topk import DGC_PAPER_WARMUP
 from lightning_gradcomp.strategies.wiring import HookWiring
-from lightning_gradcomp.validation import check_choice, check_int
+from lightning_gradcomp.validation import check_choice, check_dense_steps, check_int, resolve_dense_steps
 
 Unit = Literal["epoch", "step"]
-
-#: what fixes a bad ``dense_steps``, in every message about it
-_DENSE_FIX = ("pass a number of steps (an int >= 0; 0 compresses from the first step) or a fraction of the run "
-              "strictly between 0 and 1, e.g. 0.05")
-
-
-def check_dense_steps(name: str, value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is a number of steps (an ``int`` >= 0) or a fraction of the run (a
-    ``float`` strictly between 0 and 1).
-
-    A float of 1 or more is refused rather than read as steps: ``100.0`` is more likely a typo for ``100`` than a
-    fraction, and guessing would be a silent change of meaning.
-    """
-    if isinstance(value, float) and math.isfinite(value) and 0 < value < 1:
-        return
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return
-    raise ValueError(f"Expected `{name}` to be an int >= 0 (steps) or a float in (0, 1) (a fraction of the run), "
-                     f"but got {value!r}. Fix: {_DENSE_FIX}.")
-
-
-def resolve_dense_steps(dense_steps: Union[int, float], total_steps: Union[int, float],
-                        name: str = "dense_steps") -> int:
-    """The number of dense first steps: ``dense_steps`` itself when it is an int, else that fraction of
-    ``total_steps`` (the run's optimizer steps, ``Trainer.estimated_stepping_batches``), rounded up to a whole step so
-    that a positive fraction never resolves to no warm-up (0.05 of 200 steps: 10; of 2000: 100).
-
-    Raises:
-        ValueError: ``dense_steps`` is neither, or a fraction is given for a run without an end.
-    """
-    check_dense_steps(name, dense_steps)
-    if isinstance(dense_steps, int):
-        return dense_steps
-    if isinstance(total_steps, bool) or not math.isfinite(total_steps) or total_steps < 1:
-        raise ValueError(
-            f"Expected a run with a known number of steps for `{name}={dense_steps!r}` (a fraction of the run), but "
-            f"got {total_steps!r} steps (no `max_steps` nor `max_epochs`). Fix: set `Trainer(max_steps=...)`, or "
-            f"pass the dense steps as a number of steps, e.g. `CompressionSchedule(dense_steps=100)` among the "
-            f"Trainer's callbacks (a preset then uses it)."
-        )
-    # the product of a decimal fraction and a round step count can land a hair above the integer (0.07 * 100)
-    return math.ceil(round(dense_steps * total_steps, 9))
 
 
 class CompressionSchedule(Callback):
@@ -80,7 +37,7 @@ class CompressionSchedule(Callback):
         dense_steps: the first optimizer steps that are plain fp32 all-reduce: a number of steps (``int``), or a
             fraction of the run (``float`` in (0, 1)) resolved when training starts from
             ``Trainer.estimated_stepping_batches`` (``max_steps``, or the steps of ``max_epochs``), rounded up
-            (:func:`resolve_dense_steps`). A fraction needs a run with an end.
+            (:func:`~lightning_gradcomp.validation.resolve_dense_steps`). A fraction needs a run with an end.
 
     Attributes:
         steps_dense: ``dense_steps`` resolved to steps (``None`` until training starts with a fraction).

@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from lightning_gradcomp.callbacks.schedule import check_dense_steps, resolve_dense_steps
+from lightning_gradcomp.validation import check_dense_steps, resolve_dense_steps
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.demo import DeMo
 from lightning_gradcomp.compressors.graddrop import GradientDropping

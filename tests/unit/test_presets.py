@@ -13,7 +13,7 @@ import torch
 
 from lightning_gradcomp import PresetStrategy
 from lightning_gradcomp.compressors import TernGrad
-from lightning_gradcomp.callbacks.schedule import resolve_dense_steps
+from lightning_gradcomp.validation import resolve_dense_steps
 from lightning_gradcomp.strategies.presets import (PAPER_DEFAULTS, PRESETS, WORKLOAD, Measurement, embedding_names,
                                                    measure, paper_default_warning)
 from lightning_gradcomp.registry import compressor_names, make_compressor, strategy_names
@@ -172,3 +172,52 @@ def test_the_readmes_preset_with_hierarchy_node_builds_the_preset_between_nodes(
     assert strategy.hierarchy is not None and strategy.hierarchy.layout(16, 2).sizes == (8, 8)
     fabric = PresetFabricStrategy("terngrad_lm", hierarchy="node")
     assert fabric.hierarchy is not None and fabric.hierarchy.layout(16, 2).sizes == (8, 8)
+
+
+@pytest.mark.parametrize(("max_steps", "dense"), [(200, 10), (2000, 100), (1, 1)])
+def test_graddrop_lm_warms_up_dense_for_a_share_of_the_run(max_steps: int, dense: int) -> None:
+    """The stored runs sent 100 of 2000 steps dense: the preset keeps that share at any length (200 steps: 10, not
+    half the run), resolved when training starts from the Trainer's run length; a positive share is at least a step."""
+    from types import SimpleNamespace
+
+    from lightning_gradcomp.callbacks import CompressionSchedule
+
+    preset = PRESETS["graddrop_lm"]
+    assert preset.dense_steps == 0.05 and "the first 5 % of the steps dense" in preset.describe()
+    schedule = CompressionSchedule(dense_steps=preset.dense_steps)
+    assert schedule.steps_dense is None  # unknown until the run's length is
+    trainer = SimpleNamespace(estimated_stepping_batches=max_steps)
+    schedule.on_train_start(trainer, None)  # type: ignore[arg-type]  # only the run's length is read
+    assert schedule.steps_dense == dense == resolve_dense_steps(preset.dense_steps, max_steps)
+    # explicit steps stay steps, whatever the run's length
+    explicit = CompressionSchedule(dense_steps=100)
+    assert explicit.steps_dense == 100
+    explicit.on_train_start(trainer, None)  # type: ignore[arg-type]
+    assert explicit.steps_dense == 100
+
+
+@pytest.mark.parametrize("bad", [1.0, 100.0, 1.5, -0.1, 0.0, -3, float("nan"), float("inf"), True, "0.05", None])
+def test_bad_dense_steps_are_refused_naming_the_value(bad: Any) -> None:
+    from lightning_gradcomp.callbacks import CompressionSchedule
+    from lightning_gradcomp.strategies.presets import Preset
+
+    pattern = (r"Expected `dense_steps` to be an int >= 0 \(steps\) or a float in \(0, 1\) \(a fraction of the run\), "
+               rf"but got {re.escape(repr(bad))}\. Fix: pass a number of steps")
+    with pytest.raises(ValueError, match=pattern):
+        CompressionSchedule(dense_steps=bad)
+    with pytest.raises(ValueError, match=pattern):
+        Preset("x_lm", "x", TernGrad, {}, PRESETS["qsgd_lm"].measured, "", dense_steps=bad)
+
+
+def test_a_share_of_a_run_without_an_end_is_refused_before_the_first_step() -> None:
+    from types import SimpleNamespace
+
+    from lightning_gradcomp.callbacks import CompressionSchedule
+
+    schedule = CompressionSchedule(dense_steps=0.05)
+    trainer = SimpleNamespace(estimated_stepping_batches=float("inf"))  # Trainer(max_steps=-1, max_epochs=-1)
+    with pytest.raises(ValueError, match=r"Expected a run with a known number of steps for `dense_steps=0.05` .*"
+                                         r"but got inf steps .* Fix: set `Trainer\(max_steps=...\)`, or pass the dense "
+                                         r"steps as a number of steps"):
+        schedule.on_train_start(trainer, None)  # type: ignore[arg-type]
+    assert resolve_dense_steps(7, float("inf")) == 7  # steps need no end
