@@ -139,11 +139,15 @@ class Preset:
         parts = [f"{self.compressor_class.__name__}({args})"]
         if self.float_embeddings:
             parts.append("embeddings in fp32")
-        if isinstance(self.dense_steps, float):
-            parts.append(f"the first {100 * self.dense_steps:g} % of the steps dense")
-        elif self.dense_steps:
-            parts.append(f"{self.dense_steps} dense steps")
+        if self.dense_steps:
+            parts.append(self.describe_dense())
         return ", ".join(parts)
+
+    def describe_dense(self) -> str:
+        """The dense warm-up in words: ``"the first 5 % of the steps dense"``, ``"100 dense steps"`` or ``""``."""
+        if isinstance(self.dense_steps, float):
+            return f"the first {100 * self.dense_steps:g} % of the steps dense"
+        return f"{self.dense_steps} dense steps" if self.dense_steps else ""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ JSON under benchmarks/results/lm_long/, so the warning cannot drift from the dat
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import pytest
 import torch
@@ -36,7 +36,7 @@ def _same_settings(stored: dict[str, Any], compressor: Any) -> bool:
     return all(now.get(k) == v for k, v in stored.items())
 
 
-def _check(measured: Measurement, dense_steps: int = 0) -> dict[str, Any]:
+def _check(measured: Measurement, dense_steps: Union[int, float] = 0) -> dict[str, Any]:
     runs = _runs(measured)
     gap, ratio = measure(runs, measured.runs, dense_steps)
     assert (round(gap, 1), round(ratio, 1)) == (measured.gap, measured.bytes_ratio), measured
@@ -192,7 +192,7 @@ def test_graddrop_lm_warms_up_dense_for_a_share_of_the_run(max_steps: int, dense
     # explicit steps stay steps, whatever the run's length
     explicit = CompressionSchedule(dense_steps=100)
     assert explicit.steps_dense == 100
-    explicit.on_train_start(trainer, None)  # type: ignore[arg-type]
+    explicit.on_train_start(trainer, None)
     assert explicit.steps_dense == 100
 
 
@@ -221,3 +221,42 @@ def test_a_share_of_a_run_without_an_end_is_refused_before_the_first_step() -> N
                                          r"steps as a number of steps"):
         schedule.on_train_start(trainer, None)  # type: ignore[arg-type]
     assert resolve_dense_steps(7, float("inf")) == 7  # steps need no end
+
+
+def _benchmark_gpt() -> torch.nn.Module:
+    """The stored runs' model, built from their recipe's arguments (``recipes/diloco/gpt_stdlib_ddp.yaml``)."""
+    import yaml
+    from gradcomp_lab.models import GPT
+
+    recipe = yaml.safe_load((LONG.parents[2] / "recipes" / "diloco" / "gpt_stdlib_ddp.yaml").read_text())
+    return GPT(**recipe["model"]["init_args"]["model"]["init_args"])
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_presets_bytes_are_the_ratio_it_states(name: str) -> None:
+    """Each preset's compressor, fp32 names and dense warm-up through the hook's exchange (one process, 4 ranks'
+    loopback) on the model its statement is about: fp32 DDP's bytes over the preset's over a run of the stated length,
+    dense steps included, round to the ``bytes_ratio`` it states (and the docs' tables and the warning print)."""
+    from lightning_gradcomp.exchange.codec import measure_exchange
+    from lightning_gradcomp.strategies.presets import total_bytes
+
+    preset = PRESETS[name]
+    torch.manual_seed(0)
+    model = _benchmark_gpt()
+    named = dict(model.named_parameters())
+    assert sum(p.numel() for p in named.values()) == WORKLOAD.parameters
+    tokens = torch.randint(0, 256, (8, 65))  # one batch of the benchmark's shape: 8 sequences of 64 bytes
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+    names = list(named)[::-1]  # DDP's bucket order: the last layers' gradients first
+    compressor = preset.make_compressor()
+    compressor.setup(0, WORKLOAD.ranks, torch.device("cpu"))
+    floats = embedding_names(model, named) if preset.float_embeddings else frozenset()
+    codec = measure_exchange(compressor, names, [named[n].grad.detach() for n in names],  # type: ignore[union-attr]
+                             WORKLOAD.ranks, repeats=0, float_names=floats)
+    fp32 = 4 * WORKLOAD.parameters
+    step = codec.nbytes + codec.shared_nbytes  # the shared scalers travel too, as the stored runs count them
+    run = {"steps": WORKLOAD.steps, "fp32_bytes_per_step": fp32, "bytes_per_step": step}
+    ratio = fp32 * WORKLOAD.steps / total_bytes(run, preset.dense_steps)
+    assert round(ratio, 1) == preset.measured.bytes_ratio, (name, ratio, step)
+    assert f"{preset.measured.bytes_ratio:.1f}x fewer bytes" in preset.measured.describe()
