@@ -66,11 +66,22 @@ def check_dense_steps(name: str, value: object) -> None:
                      f"but got {value!r}. Fix: {_DENSE_FIX}.")
 
 
-def resolve_dense_steps(dense_steps: Union[int, float], total_steps: Union[int, float],
-                        name: str = "dense_steps") -> int:
+def run_steps(trainer: Any) -> float:
+    """A Trainer's run length in optimizer steps: ``max_steps`` when set, else the steps of ``max_epochs``
+    (``estimated_stepping_batches``; ``inf`` for a run without end). What a warm-up given as a fraction of the run
+    is a fraction of (a preset's dense steps, 1-bit Adam's ``freeze_step``)."""
+    return float(trainer.max_steps if trainer.max_steps >= 0 else trainer.estimated_stepping_batches)
+
+
+def fraction_of_run(fraction: float, total_steps: float) -> int:
+    """``fraction`` of a run of ``total_steps`` optimizer steps, in whole steps and at least one (a warm-up given as
+    a fraction is never none): 0.05 of 200 steps is 10, of 2000 is 100."""
+    return max(1, round(fraction * total_steps))
+
+
+def resolve_dense_steps(dense_steps: Union[int, float], total_steps: float, name: str = "dense_steps") -> int:
     """The number of dense first steps: ``dense_steps`` itself when it is an int, else that fraction of
-    ``total_steps`` (the run's optimizer steps, ``Trainer.estimated_stepping_batches``), rounded up to a whole step so
-    that a positive fraction never resolves to no warm-up (0.05 of 200 steps: 10; of 2000: 100).
+    ``total_steps`` (:func:`run_steps`; :func:`fraction_of_run`).
 
     Raises:
         ValueError: ``dense_steps`` is neither, or a fraction is given for a run without an end.
@@ -85,8 +96,7 @@ def resolve_dense_steps(dense_steps: Union[int, float], total_steps: Union[int, 
             f"pass the dense steps as a number of steps, e.g. `CompressionSchedule(dense_steps=100)` among the "
             f"Trainer's callbacks (a preset then uses it)."
         )
-    # the product of a decimal fraction and a round step count can land a hair above the integer (0.07 * 100)
-    return math.ceil(round(dense_steps * total_steps, 9))
+    return fraction_of_run(dense_steps, total_steps)
 
 
 def check_choice(name: str, value: Any, choices: Iterable[str], fix: Optional[str] = None) -> None:

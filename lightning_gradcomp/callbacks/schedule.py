@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.topk import DGC_PAPER_WARMUP
 from lightning_gradcomp.strategies.wiring import HookWiring
-from lightning_gradcomp.validation import check_choice, check_dense_steps, check_int, resolve_dense_steps
+from lightning_gradcomp.validation import check_choice, check_dense_steps, check_int, resolve_dense_steps, run_steps
 
 Unit = Literal["epoch", "step"]
 
@@ -35,8 +35,8 @@ class CompressionSchedule(Callback):
         unit: ``"epoch"`` or ``"step"`` (optimizer steps).
         period: units per value.
         dense_steps: the first optimizer steps that are plain fp32 all-reduce: a number of steps (``int``), or a
-            fraction of the run (``float`` in (0, 1)) resolved when training starts from
-            ``Trainer.estimated_stepping_batches`` (``max_steps``, or the steps of ``max_epochs``), rounded up
+            fraction of the run (``float`` in (0, 1)) resolved when training starts from the Trainer's ``max_steps``
+            (or the steps of ``max_epochs``), to the nearest step and at least one
             (:func:`~lightning_gradcomp.validation.resolve_dense_steps`). A fraction needs a run with an end.
 
     Attributes:
@@ -113,7 +113,7 @@ class CompressionSchedule(Callback):
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         # here and not in setup: a preset adds this callback in the strategy's setup, after the callbacks' setup ran,
         # and the run's length is known once the dataloaders are (estimated_stepping_batches)
-        self.steps_dense = resolve_dense_steps(self.dense_steps, trainer.estimated_stepping_batches)
+        self.steps_dense = resolve_dense_steps(self.dense_steps, run_steps(trainer))
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: object,

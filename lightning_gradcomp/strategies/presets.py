@@ -183,7 +183,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            recipe="recipes/lm/gpt_small_graddrop08.yaml",
            measured=Measurement((("graddrop_0.8_global_dense100", _DDP[0]), ("graddrop_0.8_global_dense100_seed1", _DDP[1]),
                                  ("graddrop_lm_seed2", _DDP[2])), 1.2, 2.3,
-                                "drop ratio 0.8, one global threshold, 100 dense steps")),
+                                "drop ratio 0.8, one global threshold, the first 5 % of the run dense (100 of 2000 steps)")),
     Preset("demo_lm", "demo", DeMo, {"chunk": 16, "topk": 8, "index_dtype": "uint8"},
            recipe="recipes/lm/gpt_small_demo_c16_k8.yaml",
            measured=Measurement((("demo_c16_k8", _DDP300[0]), ("demo_c16_k8_u8_lr7e-3_warm300_seed1", _DDP300[1]),

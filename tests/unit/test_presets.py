@@ -177,7 +177,8 @@ def test_the_readmes_preset_with_hierarchy_node_builds_the_preset_between_nodes(
 @pytest.mark.parametrize(("max_steps", "dense"), [(200, 10), (2000, 100), (1, 1)])
 def test_graddrop_lm_warms_up_dense_for_a_share_of_the_run(max_steps: int, dense: int) -> None:
     """The stored runs sent 100 of 2000 steps dense: the preset keeps that share at any length (200 steps: 10, not
-    half the run), resolved when training starts from the Trainer's run length; a positive share is at least a step."""
+    half the run), resolved when training starts from the Trainer's run length, as 1-bit Adam's warm-up fraction is
+    (one rule: the nearest step, at least one)."""
     from types import SimpleNamespace
 
     from lightning_gradcomp.callbacks import CompressionSchedule
@@ -186,9 +187,13 @@ def test_graddrop_lm_warms_up_dense_for_a_share_of_the_run(max_steps: int, dense
     assert preset.dense_steps == 0.05 and "the first 5 % of the steps dense" in preset.describe()
     schedule = CompressionSchedule(dense_steps=preset.dense_steps)
     assert schedule.steps_dense is None  # unknown until the run's length is
-    trainer = SimpleNamespace(estimated_stepping_batches=max_steps)
+    trainer = SimpleNamespace(max_steps=max_steps, estimated_stepping_batches=max_steps)
     schedule.on_train_start(trainer, None)  # type: ignore[arg-type]  # only the run's length is read
     assert schedule.steps_dense == dense == resolve_dense_steps(preset.dense_steps, max_steps)
+    # a run bounded by epochs: the share of the epochs' steps
+    epochs = CompressionSchedule(dense_steps=preset.dense_steps)
+    epochs.on_train_start(SimpleNamespace(max_steps=-1, estimated_stepping_batches=max_steps), None)  # type: ignore[arg-type]
+    assert epochs.steps_dense == dense
     # explicit steps stay steps, whatever the run's length
     explicit = CompressionSchedule(dense_steps=100)
     assert explicit.steps_dense == 100
@@ -215,7 +220,7 @@ def test_a_share_of_a_run_without_an_end_is_refused_before_the_first_step() -> N
     from lightning_gradcomp.callbacks import CompressionSchedule
 
     schedule = CompressionSchedule(dense_steps=0.05)
-    trainer = SimpleNamespace(estimated_stepping_batches=float("inf"))  # Trainer(max_steps=-1, max_epochs=-1)
+    trainer = SimpleNamespace(max_steps=-1, estimated_stepping_batches=float("inf"))  # Trainer(max_epochs=-1)
     with pytest.raises(ValueError, match=r"Expected a run with a known number of steps for `dense_steps=0.05` .*"
                                          r"but got inf steps .* Fix: set `Trainer\(max_steps=...\)`, or pass the dense "
                                          r"steps as a number of steps"):
