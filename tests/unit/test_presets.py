@@ -192,7 +192,7 @@ def test_graddrop_lm_warms_up_dense_for_a_share_of_the_run(max_steps: int, dense
     assert schedule.steps_dense == dense == resolve_dense_steps(preset.dense_steps, max_steps)
     # a run bounded by epochs: the share of the epochs' steps
     epochs = CompressionSchedule(dense_steps=preset.dense_steps)
-    epochs.on_train_start(SimpleNamespace(max_steps=-1, estimated_stepping_batches=max_steps), None)  # type: ignore[arg-type]
+    epochs.on_train_start(SimpleNamespace(max_steps=-1, estimated_stepping_batches=max_steps), None)
     assert epochs.steps_dense == dense
     # explicit steps stay steps, whatever the run's length
     explicit = CompressionSchedule(dense_steps=100)
