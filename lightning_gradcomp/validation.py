@@ -7,7 +7,7 @@ process group exists and never gets silently clamped.
 import difflib
 import math
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 def _fail(name: str, value: Any, expected: str, fix: Optional[str]) -> ValueError:
@@ -44,6 +44,59 @@ def check_int(name: str, value: Any, *, minimum: Optional[int] = None, fix: Opti
         raise _fail(name, value, expected, fix)
     if minimum is not None and value < minimum:
         raise _fail(name, value, expected, fix)
+
+
+#: what fixes a bad ``dense_steps``, in every message about it
+_DENSE_FIX = ("pass a number of steps (an int >= 0; 0 compresses from the first step) or a fraction of the run "
+              "strictly between 0 and 1, e.g. 0.05")
+
+
+def check_dense_steps(name: str, value: object) -> None:
+    """Raise ``ValueError`` unless ``value`` is a number of steps (an ``int`` >= 0) or a fraction of the run (a
+    ``float`` strictly between 0 and 1).
+
+    A float of 1 or more is refused rather than read as steps: ``100.0`` is more likely a typo for ``100`` than a
+    fraction, and guessing would be a silent change of meaning.
+    """
+    if isinstance(value, float) and math.isfinite(value) and 0 < value < 1:
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return
+    raise ValueError(f"Expected `{name}` to be an int >= 0 (steps) or a float in (0, 1) (a fraction of the run), "
+                     f"but got {value!r}. Fix: {_DENSE_FIX}.")
+
+
+def run_steps(trainer: Any) -> float:
+    """A Trainer's run length in optimizer steps: ``max_steps`` when set, else the steps of ``max_epochs``
+    (``estimated_stepping_batches``; ``inf`` for a run without end). What a warm-up given as a fraction of the run
+    is a fraction of (a preset's dense steps, 1-bit Adam's ``freeze_step``)."""
+    return float(trainer.max_steps if trainer.max_steps >= 0 else trainer.estimated_stepping_batches)
+
+
+def fraction_of_run(fraction: float, total_steps: float) -> int:
+    """``fraction`` of a run of ``total_steps`` optimizer steps, in whole steps and at least one (a warm-up given as
+    a fraction is never none): 0.05 of 200 steps is 10, of 2000 is 100."""
+    return max(1, round(fraction * total_steps))
+
+
+def resolve_dense_steps(dense_steps: Union[int, float], total_steps: float, name: str = "dense_steps") -> int:
+    """The number of dense first steps: ``dense_steps`` itself when it is an int, else that fraction of
+    ``total_steps`` (:func:`run_steps`; :func:`fraction_of_run`).
+
+    Raises:
+        ValueError: ``dense_steps`` is neither, or a fraction is given for a run without an end.
+    """
+    check_dense_steps(name, dense_steps)
+    if isinstance(dense_steps, int):
+        return dense_steps
+    if isinstance(total_steps, bool) or not math.isfinite(total_steps) or total_steps < 1:
+        raise ValueError(
+            f"Expected a run with a known number of steps for `{name}={dense_steps!r}` (a fraction of the run), but "
+            f"got {total_steps!r} steps (no `max_steps` nor `max_epochs`). Fix: set `Trainer(max_steps=...)`, or "
+            f"pass the dense steps as a number of steps, e.g. `CompressionSchedule(dense_steps=100)` among the "
+            f"Trainer's callbacks (a preset then uses it)."
+        )
+    return fraction_of_run(dense_steps, total_steps)
 
 
 def check_choice(name: str, value: Any, choices: Iterable[str], fix: Optional[str] = None) -> None:

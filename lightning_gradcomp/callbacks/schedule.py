@@ -10,7 +10,7 @@ identically, so every rank compresses the same step the same way (nothing to agr
 """
 
 from collections.abc import Sequence
-from typing import Literal, Optional, cast
+from typing import Literal, Optional, Union, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.topk import DGC_PAPER_WARMUP
 from lightning_gradcomp.exchange.host import HookHost
-from lightning_gradcomp.validation import check_choice, check_int
+from lightning_gradcomp.validation import check_choice, check_dense_steps, check_int, resolve_dense_steps, run_steps
 
 Unit = Literal["epoch", "step"]
 
@@ -34,7 +34,13 @@ class CompressionSchedule(Callback):
         values: the scheduled values, e.g. :data:`~lightning_gradcomp.compressors.DGC_PAPER_WARMUP`.
         unit: ``"epoch"`` or ``"step"`` (optimizer steps).
         period: units per value.
-        dense_steps: the first ``dense_steps`` optimizer steps are plain fp32 all-reduce.
+        dense_steps: the first optimizer steps that are plain fp32 all-reduce: a number of steps (``int``), or a
+            fraction of the run (``float`` in (0, 1)) resolved when training starts from the Trainer's ``max_steps``
+            (or the steps of ``max_epochs``), to the nearest step and at least one
+            (:func:`~lightning_gradcomp.validation.resolve_dense_steps`). A fraction needs a run with an end.
+
+    Attributes:
+        steps_dense: ``dense_steps`` resolved to steps (``None`` until training starts with a fraction).
 
     Example (DGC's paper warm-up over the first 4 epochs, then 99.9% sparsity)::
 
@@ -47,11 +53,11 @@ class CompressionSchedule(Callback):
         values: Sequence[float] = (),
         unit: Unit = "epoch",
         period: int = 1,
-        dense_steps: int = 0,
+        dense_steps: Union[int, float] = 0,
     ) -> None:
         check_choice("unit", unit, ("epoch", "step"))
         check_int("period", period, minimum=1)
-        check_int("dense_steps", dense_steps, minimum=0, fix="use 0 to compress from the first step")
+        check_dense_steps("dense_steps", dense_steps)
         if attribute is not None and not list(values):
             raise ValueError(
                 f"Expected `values` to be a non-empty list for `attribute={attribute!r}`, but got {values!r}. "
@@ -64,10 +70,12 @@ class CompressionSchedule(Callback):
         self.unit: Unit = unit
         self.period = period
         self.dense_steps = dense_steps
+        self.steps_dense: Optional[int] = dense_steps if isinstance(dense_steps, int) else None
         self.current: Optional[float] = None
 
     @classmethod
-    def dgc_warmup(cls, values: Sequence[float] = DGC_PAPER_WARMUP, dense_steps: int = 0) -> "CompressionSchedule":
+    def dgc_warmup(cls, values: Sequence[float] = DGC_PAPER_WARMUP,
+                   dense_steps: Union[int, float] = 0) -> "CompressionSchedule":
         """DGC's exponential sparsity warm-up, one value per epoch (default: the paper's schedule)."""
         return cls(attribute="ratio", values=values, unit="epoch", dense_steps=dense_steps)
 
@@ -102,6 +110,12 @@ class CompressionSchedule(Callback):
             setattr(strategy.compressor, self.attribute, self.values[0])
 
     @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # here and not in setup: a preset adds this callback in the strategy's setup, after the callbacks' setup ran,
+        # and the run's length is known once the dataloaders are (estimated_stepping_batches)
+        self.steps_dense = resolve_dense_steps(self.dense_steps, run_steps(trainer))
+
+    @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: object,
                              batch_idx: int) -> None:
         # checked in setup; a cast, not an isinstance: a protocol check reads every member, on every batch
@@ -112,4 +126,5 @@ class CompressionSchedule(Callback):
             setattr(strategy.compressor, self.attribute, self.current)
         state = strategy.comm_state
         if state is not None:
-            state.router.set_dense(step < self.dense_steps)
+            assert self.steps_dense is not None  # resolved at on_train_start
+            state.router.set_dense(step < self.steps_dense)

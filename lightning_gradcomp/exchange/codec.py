@@ -83,16 +83,17 @@ class _TimedLoopback(LoopbackTransport):
 
 
 def measure_exchange(compressor: Compressor, names: list[str], tensors: list[Tensor], world_size: int,
-                     repeats: int = _REPEATS) -> Codec:
+                     repeats: int = _REPEATS, float_names: frozenset[str] = frozenset()) -> Codec:
     """One bucket of ``tensors`` (named ``names``) through the hook's exchange with ``compressor`` (already set up
-    for ``world_size`` ranks), every rank's contribution being this rank's.
+    for ``world_size`` ranks), every rank's contribution being this rank's; the ``float_names`` among them are sent
+    in fp32, as a strategy's ``exclude`` or a preset's embeddings are.
 
     The first exchange warms up and gives the bytes (from the ledger) and the collectives; ``repeats`` more are timed
     (medians): encoding until the last payload collective is launched, decoding after it. A multi-round compressor
     encodes and decodes between its rounds: its whole exchange is reported as encoding.
     """
     transport = _TimedLoopback(world_size, compressor.rank)
-    state = GradCompState(compressor, {id(t): n for t, n in zip(tensors, names)}, world_size=world_size,
+    state = GradCompState(compressor, {id(t): n for t, n in zip(tensors, names)}, float_names, world_size=world_size,
                           nonfinite="ignore", transport=transport)
     flat = torch.cat([t.reshape(-1) for t in tensors])
     buffer = torch.empty_like(flat)

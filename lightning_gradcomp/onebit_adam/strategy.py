@@ -35,7 +35,7 @@ from lightning_gradcomp.strategies.final_sync import FinalSynchronisation
 from lightning_gradcomp.strategies.replicas import check_replicas
 from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.strategies.strategy import GradCompStrategy
-from lightning_gradcomp.validation import check_int
+from lightning_gradcomp.validation import check_int, run_steps
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class OneBitAdamStrategy(GradCompStrategy):
     def _total_steps(self, trainer: "pl.Trainer", optimizer: FrozenVarianceAdam) -> int:
         """The run's optimizer steps (``max_steps``, else the epochs' steps); a clear error where a fraction of the
         run must be resolved and the run has no end."""
-        total = trainer.max_steps if trainer.max_steps >= 0 else trainer.estimated_stepping_batches
+        total = run_steps(trainer)
         if not math.isfinite(total):
             name = optimizer.warmup_option
             if optimizer.warmup_fraction is not None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.validation import check_bool, check_int, check_number
+from lightning_gradcomp.validation import check_bool, check_int, check_number, fraction_of_run
 
 #: the optimizer ``state_dict`` key of the method's counters (phase, intervals)
 COUNTERS_KEY = "frozen_adam"
@@ -201,7 +201,7 @@ class FrozenVarianceAdam(torch.optim.Optimizer):
         """Turn a warm-up given as a fraction into steps of a run of ``total_steps`` optimizer steps (at least 1);
         a warm-up given in steps stays. Returns it."""
         if self.warmup_fraction is not None:
-            self._warmup = max(1, round(self.warmup_fraction * total_steps))
+            self._warmup = fraction_of_run(self.warmup_fraction, total_steps)
         return self.warmup
 
     def variance_updates(self, total_steps: int) -> int:

@@ -472,8 +472,8 @@ class PresetFabricStrategy(GradCompFabricStrategy):
         self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__)
         if self.preset.dense_steps:
             raise ValueError(
-                f"Expected a preset without dense steps under Fabric, but got {preset!r} ({self.preset.dense_steps} "
-                f"dense steps need the Trainer's CompressionSchedule). Fix: use "
+                f"Expected a preset without dense steps under Fabric, but got {preset!r} "
+                f"({self.preset.describe_dense()}: that needs the Trainer's CompressionSchedule). Fix: use "
                 f"`lightning.pytorch.Trainer(strategy={preset!r})`, or one of "
                 f"{[n for n, p in presets.PRESETS.items() if not p.dense_steps]} with Fabric."
             )

@@ -23,25 +23,52 @@ measured with its own SignSGD, not AdamW; the suffix names where the numbers com
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
+from lightning_gradcomp.validation import check_dense_steps, resolve_dense_steps
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.demo import DeMo
 from lightning_gradcomp.compressors.graddrop import GradientDropping
 from lightning_gradcomp.compressors.qsgd import QSGD
 from lightning_gradcomp.compressors.terngrad import TernGrad
 
-__all__ = ["PAPER_DEFAULTS", "PRESETS", "Measurement", "PaperDefault", "Preset", "embedding_names", "get_preset",
+__all__ = ["PAPER_DEFAULTS", "PRESETS", "WORKLOAD", "Measurement", "PaperDefault", "Preset", "Workload",
+           "embedding_names", "get_preset",
            "measure", "paper_default_name", "paper_default_warning", "preset_compressor", "preset_names", "register",
            "total_bytes"]
 
 #: suffix of every preset's strategy name
 SUFFIX = "_lm"
-#: where the measurements are described, for messages
-WHERE = "the LM benchmark (docs/transformers.md: a GPT on 4 ranks)"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The run every measurement here comes from (the stored runs' model, world and length; checked against them by
+    ``tests/unit/test_presets.py``), named in the warning so that a user on another model knows what was measured.
+
+    Attributes:
+        model: the model in words, with where it is described.
+        parameters: its parameter count.
+        ranks: the world size.
+        steps: the run's optimizer steps.
+    """
+
+    model: str
+    parameters: int
+    ranks: int
+    steps: int
+
+    def describe(self) -> str:
+        """``"the byte-level GPT of docs/transformers.md (120,576 parameters, 4 ranks, 2000 steps)"``."""
+        return f"{self.model} ({self.parameters:,} parameters, {self.ranks} ranks, {self.steps} steps)"
+
+
+WORKLOAD = Workload("the byte-level GPT of docs/transformers.md", parameters=120_576, ranks=4, steps=2000)
+"""The run every number here was measured on: the LM benchmark's 2000-step grid (``benchmarks/lm.py --long``,
+``recipes/diloco/gpt_stdlib_ddp.yaml``). A preset's bytes ratio is about this model and run length."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +110,9 @@ class Preset:
         compressor_class: the compressor built with ``options``.
         options: the compressor's arguments.
         float_embeddings: send the parameters of every ``nn.Embedding`` in fp32 (uncompressed).
-        dense_steps: plain fp32 all-reduce for the first steps
+        dense_steps: plain fp32 all-reduce for the first steps: a fraction of the run (``float`` in (0, 1), resolved
+            from the Trainer's ``max_steps`` when training starts, so the warm-up keeps the share of the run it was
+            measured with) or a number of steps (``int``)
             (:class:`~lightning_gradcomp.callbacks.CompressionSchedule`'s ``dense_steps``; Trainer only).
         measured: what it measured.
         recipe: the recipe that runs the same setting on the benchmark's model.
@@ -96,7 +125,10 @@ class Preset:
     measured: Measurement
     recipe: str
     float_embeddings: bool = False
-    dense_steps: int = 0
+    dense_steps: Union[int, float] = 0
+
+    def __post_init__(self) -> None:
+        check_dense_steps("dense_steps", self.dense_steps)
 
     def make_compressor(self) -> Compressor:
         """A fresh compressor with this preset's options."""
@@ -109,8 +141,14 @@ class Preset:
         if self.float_embeddings:
             parts.append("embeddings in fp32")
         if self.dense_steps:
-            parts.append(f"{self.dense_steps} dense steps")
+            parts.append(self.describe_dense())
         return ", ".join(parts)
+
+    def describe_dense(self) -> str:
+        """The dense warm-up in words: ``"the first 5 % of the steps dense"``, ``"100 dense steps"`` or ``""``."""
+        if isinstance(self.dense_steps, float):
+            return f"the first {100 * self.dense_steps:g} % of the steps dense"
+        return f"{self.dense_steps} dense steps" if self.dense_steps else ""
 
 
 @dataclass(frozen=True)
@@ -141,11 +179,12 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     Preset("qsgd_lm", "qsgd", QSGD, {"levels": 31}, recipe="recipes/lm/gpt_small_qsgd31.yaml",
            measured=Measurement((("qsgd_s31", _DDP[0]), ("qsgd_s31_seed1", _DDP[1]), ("qsgd_lm_seed2", _DDP[2])),
                                 -0.0, 5.3, "31 levels")),
-    Preset("graddrop_lm", "graddrop", GradientDropping, {"drop_ratio": 0.8, "scope": "global"}, dense_steps=100,
+    # 0.05: the stored runs' 100 dense steps of 2000, as a share of the run (200 steps: 10)
+    Preset("graddrop_lm", "graddrop", GradientDropping, {"drop_ratio": 0.8, "scope": "global"}, dense_steps=0.05,
            recipe="recipes/lm/gpt_small_graddrop08.yaml",
            measured=Measurement((("graddrop_0.8_global_dense100", _DDP[0]), ("graddrop_0.8_global_dense100_seed1", _DDP[1]),
                                  ("graddrop_lm_seed2", _DDP[2])), 1.2, 2.3,
-                                "drop ratio 0.8, one global threshold, 100 dense steps")),
+                                "drop ratio 0.8, one global threshold, the first 5 % of the run dense (100 of 2000 steps)")),
     Preset("demo_lm", "demo", DeMo, {"chunk": 16, "topk": 8, "index_dtype": "uint8"},
            recipe="recipes/lm/gpt_small_demo_c16_k8.yaml",
            measured=Measurement((("demo_c16_k8", _DDP300[0]), ("demo_c16_k8_u8_lr7e-3_warm300_seed1", _DDP300[1]),
@@ -200,17 +239,18 @@ def get_preset(name: str) -> Preset:
 
 
 # -- the measurements, recomputed from stored runs (the test and the docs' table; no file I/O here) ----------------
-def total_bytes(run: Mapping[str, Any], dense_steps: int = 0) -> float:
+def total_bytes(run: Mapping[str, Any], dense_steps: Union[int, float] = 0) -> float:
     """A stored run's bytes over the whole run: its ``total_bytes``, or, for runs stored before it was recorded,
-    ``dense_steps`` steps at fp32 and the rest at its ``bytes_per_step``."""
+    ``dense_steps`` (steps, or a fraction of the run's) at fp32 and the rest at its ``bytes_per_step``."""
     if "total_bytes" in run:
         return float(run["total_bytes"])
     steps = run["steps"]
-    return dense_steps * run["fp32_bytes_per_step"] + (steps - dense_steps) * run["bytes_per_step"]
+    dense = resolve_dense_steps(dense_steps, steps)
+    return dense * run["fp32_bytes_per_step"] + (steps - dense) * run["bytes_per_step"]
 
 
 def measure(runs: Mapping[str, Mapping[str, Any]], pairs: Sequence[tuple[str, str]],
-            dense_steps: int = 0) -> tuple[float, float]:
+            dense_steps: Union[int, float] = 0) -> tuple[float, float]:
     """``(gap, bytes_ratio)`` of :class:`Measurement` from the stored runs (label -> the run's JSON), unrounded."""
     gaps = [runs[run]["final_val_loss"] / runs[ddp]["final_val_loss"] - 1 for run, ddp in pairs]
     first = runs[pairs[0][0]]
@@ -257,7 +297,7 @@ def paper_default_warning(compressor: Compressor, optimizers: Sequence[torch.opt
     with_what = f" (with {paper.measured_with})" if paper.measured_with else ""
     head = (f"Expected a compressor setting measured to reach DDP's loss with {' and '.join(adams)}, but got "
             f"strategy={name!r}: {type(compressor).__name__} at the paper's defaults{with_what}, which ended "
-            f"{paper.describe()} above AdamW DDP's validation loss after 2000 steps on {WHERE}.")
+            f"{paper.describe()} above AdamW DDP's validation loss, measured on {WORKLOAD.describe()}.")
     if entry.preset is not None:
         preset = PRESETS[entry.preset]
         with_what = f" with {preset.measured.measured_with}" if preset.measured.measured_with else ""

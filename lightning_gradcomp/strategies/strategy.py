@@ -293,7 +293,7 @@ class PresetStrategy(GradCompStrategy):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if self.preset.dense_steps:
             if any(isinstance(c, CompressionSchedule) for c in callbacks):
-                log.info("gradcomp: %s: the Trainer's CompressionSchedule decides the dense steps (the preset's: %d)",
+                log.info("gradcomp: %s: the Trainer's CompressionSchedule decides the dense steps (the preset's: %s)",
                          self.preset.name, self.preset.dense_steps)
             else:
                 callbacks.append(CompressionSchedule(dense_steps=self.preset.dense_steps))

@@ -1,5 +1,6 @@
 """Rank bodies for the presets (``strategy="terngrad_lm"``) and the paper-default warning, under the Trainer and
-Fabric: what each setup warned, which parameters went in fp32, and the hook's bytes of the first step."""
+Fabric: what each setup warned, which parameters went in fp32, the hook's bytes of the first step and the dense
+steps a preset's warm-up resolved to."""
 
 import warnings
 from typing import Any
@@ -10,6 +11,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+from lightning_gradcomp.callbacks import CompressionSchedule
 from tests.distributed.lightning_ranks import comm_state, random_loader
 
 
@@ -57,6 +59,8 @@ def _run(rank: int, world_size: int, api: str, strategy: Any, optimizer: str) ->
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
             trainer.fit(_Module(optimizer), random_loader())
             used: object = trainer.strategy
+            schedules = [c for c in trainer.callbacks if isinstance(c, CompressionSchedule)]  # type: ignore[attr-defined]
+            dense = schedules[0].steps_dense if schedules else None
         else:
             fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
             fabric.launch()
@@ -66,10 +70,11 @@ def _run(rank: int, world_size: int, api: str, strategy: Any, optimizer: str) ->
             fabric.backward(nn.functional.cross_entropy(model(x), y))
             opt.step()
             used = fabric.strategy
+            dense = None
     state = comm_state(used)
     return {"warnings": [str(w.message) for w in caught], "strategy": type(used).__name__,
             "float_names": sorted(state.float_names), "bytes": state.bytes_per_step(),
-            "dense_bytes": state.dense_bytes_per_step()}
+            "dense_bytes": state.dense_bytes_per_step(), "dense_steps": dense}
 
 
 def setups(rank: int, world_size: int, cases: list[tuple[str, Any, str]]) -> list[dict[str, Any]]:

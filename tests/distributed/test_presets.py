@@ -47,4 +47,6 @@ def test_paper_default_with_adamw_warns_once_on_rank_0_and_presets_do_not() -> N
     assert preset["float_names"] == ["model.embedding.weight"] and fabric_preset["float_names"] == ["embedding.weight"]
     assert paper["float_names"] == [] and graddrop["float_names"] == []
     assert graddrop["bytes"] == graddrop["dense_bytes"] > 0
+    # its warm-up is 5 % of the run, resolved from the Trainer's max_steps=1: at least one step
+    assert graddrop["dense_steps"] == 1 and preset["dense_steps"] is None
     assert 0 < preset["bytes"] < preset["dense_bytes"]

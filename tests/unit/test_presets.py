@@ -6,15 +6,16 @@ JSON under benchmarks/results/lm_long/, so the warning cannot drift from the dat
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import pytest
 import torch
 
 from lightning_gradcomp import PresetStrategy
 from lightning_gradcomp.compressors import TernGrad
-from lightning_gradcomp.strategies.presets import (PAPER_DEFAULTS, PRESETS, Measurement, embedding_names, measure,
-                                        paper_default_warning)
+from lightning_gradcomp.validation import resolve_dense_steps
+from lightning_gradcomp.strategies.presets import (PAPER_DEFAULTS, PRESETS, WORKLOAD, Measurement, embedding_names,
+                                                   measure, paper_default_warning)
 from lightning_gradcomp.registry import compressor_names, make_compressor, strategy_names
 
 LONG = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "lm_long"
@@ -35,7 +36,7 @@ def _same_settings(stored: dict[str, Any], compressor: Any) -> bool:
     return all(now.get(k) == v for k, v in stored.items())
 
 
-def _check(measured: Measurement, dense_steps: int = 0) -> dict[str, Any]:
+def _check(measured: Measurement, dense_steps: Union[int, float] = 0) -> dict[str, Any]:
     runs = _runs(measured)
     gap, ratio = measure(runs, measured.runs, dense_steps)
     assert (round(gap, 1), round(ratio, 1)) == (measured.gap, measured.bytes_ratio), measured
@@ -56,7 +57,8 @@ def test_preset_numbers_are_the_stored_runs(name: str) -> None:
         assert _same_settings(runs[run]["compressor"], preset.make_compressor()), run
         command = runs[run]["command"]
         if f"--trainer.strategy={name}" not in command:  # an earlier run with the same options spelt out
-            assert (f"dense_steps={preset.dense_steps}" in command) == bool(preset.dense_steps), command
+            dense = resolve_dense_steps(preset.dense_steps, runs[run]["steps"])  # a fraction: of the stored run's steps
+            assert (f"dense_steps={dense}" in command) == bool(dense), command
             assert ("exclude=[model.token_embedding.weight,model.position_embedding.weight]" in command
                     or "gpt_small_terngrad_b64" in command) == preset.float_embeddings, command
     assert preset.measured.gap <= 2.0  # a preset is within 2 % of DDP, on the mean of its seeds
@@ -119,6 +121,22 @@ def test_warning_names_the_gap_and_the_preset_for_adam_and_adamw_only() -> None:
         assert paper_default_warning(preset.make_compressor(), [adamw]) is None
 
 
+def test_warning_names_the_workload_of_the_stored_runs() -> None:
+    """The warning says which model, world and run length its numbers come from, and those are the stored runs'."""
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    for name, entry in PAPER_DEFAULTS.items():
+        runs = _runs(entry.measured)
+        for run, ddp in entry.measured.runs:
+            for label in (run, ddp):
+                stored = runs[label]
+                assert (stored["parameters"], stored["world_size"], stored["steps"]) == \
+                    (WORKLOAD.parameters, WORKLOAD.ranks, WORKLOAD.steps), label
+        message = paper_default_warning(make_compressor(name), [adamw])
+        assert message is not None
+        assert "measured on the byte-level GPT of docs/transformers.md (120,576 parameters, 4 ranks, 2000 steps)" \
+            in message, message
+
+
 def test_embeddings_are_the_stored_runs_fp32_names() -> None:
     from gradcomp_lab.models import GPT
 
@@ -154,3 +172,96 @@ def test_the_readmes_preset_with_hierarchy_node_builds_the_preset_between_nodes(
     assert strategy.hierarchy is not None and strategy.hierarchy.layout(16, 2).sizes == (8, 8)
     fabric = PresetFabricStrategy("terngrad_lm", hierarchy="node")
     assert fabric.hierarchy is not None and fabric.hierarchy.layout(16, 2).sizes == (8, 8)
+
+
+@pytest.mark.parametrize(("max_steps", "dense"), [(200, 10), (2000, 100), (1, 1)])
+def test_graddrop_lm_warms_up_dense_for_a_share_of_the_run(max_steps: int, dense: int) -> None:
+    """The stored runs sent 100 of 2000 steps dense: the preset keeps that share at any length (200 steps: 10, not
+    half the run), resolved when training starts from the Trainer's run length, as 1-bit Adam's warm-up fraction is
+    (one rule: the nearest step, at least one)."""
+    from types import SimpleNamespace
+
+    from lightning_gradcomp.callbacks import CompressionSchedule
+
+    preset = PRESETS["graddrop_lm"]
+    assert preset.dense_steps == 0.05 and "the first 5 % of the steps dense" in preset.describe()
+    schedule = CompressionSchedule(dense_steps=preset.dense_steps)
+    assert schedule.steps_dense is None  # unknown until the run's length is
+    trainer = SimpleNamespace(max_steps=max_steps, estimated_stepping_batches=max_steps)
+    schedule.on_train_start(trainer, None)  # type: ignore[arg-type]  # only the run's length is read
+    assert schedule.steps_dense == dense == resolve_dense_steps(preset.dense_steps, max_steps)
+    # a run bounded by epochs: the share of the epochs' steps
+    epochs = CompressionSchedule(dense_steps=preset.dense_steps)
+    epochs.on_train_start(SimpleNamespace(max_steps=-1, estimated_stepping_batches=max_steps), None)
+    assert epochs.steps_dense == dense
+    # explicit steps stay steps, whatever the run's length
+    explicit = CompressionSchedule(dense_steps=100)
+    assert explicit.steps_dense == 100
+    explicit.on_train_start(trainer, None)
+    assert explicit.steps_dense == 100
+
+
+@pytest.mark.parametrize("bad", [1.0, 100.0, 1.5, -0.1, 0.0, -3, float("nan"), float("inf"), True, "0.05", None])
+def test_bad_dense_steps_are_refused_naming_the_value(bad: Any) -> None:
+    from lightning_gradcomp.callbacks import CompressionSchedule
+    from lightning_gradcomp.strategies.presets import Preset
+
+    pattern = (r"Expected `dense_steps` to be an int >= 0 \(steps\) or a float in \(0, 1\) \(a fraction of the run\), "
+               rf"but got {re.escape(repr(bad))}\. Fix: pass a number of steps")
+    with pytest.raises(ValueError, match=pattern):
+        CompressionSchedule(dense_steps=bad)
+    with pytest.raises(ValueError, match=pattern):
+        Preset("x_lm", "x", TernGrad, {}, PRESETS["qsgd_lm"].measured, "", dense_steps=bad)
+
+
+def test_a_share_of_a_run_without_an_end_is_refused_before_the_first_step() -> None:
+    from types import SimpleNamespace
+
+    from lightning_gradcomp.callbacks import CompressionSchedule
+
+    schedule = CompressionSchedule(dense_steps=0.05)
+    trainer = SimpleNamespace(max_steps=-1, estimated_stepping_batches=float("inf"))  # Trainer(max_epochs=-1)
+    with pytest.raises(ValueError, match=r"Expected a run with a known number of steps for `dense_steps=0.05` .*"
+                                         r"but got inf steps .* Fix: set `Trainer\(max_steps=...\)`, or pass the dense "
+                                         r"steps as a number of steps"):
+        schedule.on_train_start(trainer, None)  # type: ignore[arg-type]
+    assert resolve_dense_steps(7, float("inf")) == 7  # steps need no end
+
+
+def _benchmark_gpt() -> torch.nn.Module:
+    """The stored runs' model, built from their recipe's arguments (``recipes/diloco/gpt_stdlib_ddp.yaml``)."""
+    import yaml
+    from gradcomp_lab.models import GPT
+
+    recipe = yaml.safe_load((LONG.parents[2] / "recipes" / "diloco" / "gpt_stdlib_ddp.yaml").read_text())
+    return GPT(**recipe["model"]["init_args"]["model"]["init_args"])
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_presets_bytes_are_the_ratio_it_states(name: str) -> None:
+    """Each preset's compressor, fp32 names and dense warm-up through the hook's exchange (one process, 4 ranks'
+    loopback) on the model its statement is about: fp32 DDP's bytes over the preset's over a run of the stated length,
+    dense steps included, round to the ``bytes_ratio`` it states (and the docs' tables and the warning print)."""
+    from lightning_gradcomp.exchange.codec import measure_exchange
+    from lightning_gradcomp.strategies.presets import total_bytes
+
+    preset = PRESETS[name]
+    torch.manual_seed(0)
+    model = _benchmark_gpt()
+    named = dict(model.named_parameters())
+    assert sum(p.numel() for p in named.values()) == WORKLOAD.parameters
+    tokens = torch.randint(0, 256, (8, 65))  # one batch of the benchmark's shape: 8 sequences of 64 bytes
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+    names = list(named)[::-1]  # DDP's bucket order: the last layers' gradients first
+    compressor = preset.make_compressor()
+    compressor.setup(0, WORKLOAD.ranks, torch.device("cpu"))
+    floats = embedding_names(model, named) if preset.float_embeddings else frozenset()
+    codec = measure_exchange(compressor, names, [named[n].grad.detach() for n in names],  # type: ignore[union-attr]
+                             WORKLOAD.ranks, repeats=0, float_names=floats)
+    fp32 = 4 * WORKLOAD.parameters
+    step = codec.nbytes + codec.shared_nbytes  # the shared scalers travel too, as the stored runs count them
+    run = {"steps": WORKLOAD.steps, "fp32_bytes_per_step": fp32, "bytes_per_step": step}
+    ratio = fp32 * WORKLOAD.steps / total_bytes(run, preset.dense_steps)
+    assert round(ratio, 1) == preset.measured.bytes_ratio, (name, ratio, step)
+    assert f"{preset.measured.bytes_ratio:.1f}x fewer bytes" in preset.measured.describe()
