@@ -345,6 +345,16 @@ class Ledger:
         from the latest record of every parameter."""
         return self.payload_bytes_per_step() + self.shared_bytes_per_step()
 
+    def run_state(self) -> dict[str, int]:
+        """The run's bytes so far as a checkpoint keeps them: the latest exchange counted as a closed step."""
+        open_bytes = self.last_step_bytes() if self._step_open else 0
+        return {"total": self.run.total + open_bytes, "steps": self.run.steps + int(self._step_open)}
+
+    def load_run_state(self, saved: dict[str, int]) -> None:
+        """Continue a resumed run's bytes (:meth:`run_state`), so that :meth:`bytes_per_step` stays the whole run's."""
+        self.run = RunBytes(saved["total"], saved["steps"])
+        self._step_open = False
+
     def _step_parts(self) -> list[Union[int, Tensor]]:
         """:meth:`last_step_bytes` as parts, without reading the device: a variable-size group's sizes stay a
         tensor (summed when a report reads :attr:`run`)."""

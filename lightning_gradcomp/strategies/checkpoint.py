@@ -55,6 +55,8 @@ def rank_state(state: "GradCompState") -> dict[str, Any]:
         "memory": state.memory.state_dict(),
         "transforms": [(type(t).__qualname__, _to_cpu(t.state_dict())) for t in state.transforms],
         "extra": {name: _to_cpu(obj.state_dict()) for name, obj in state.extra.items()},
+        # the bytes so far, so that a resumed run's bytes_per_step() is still the whole run's mean
+        "bytes": state.ledger.run_state(),
     }
 
 
@@ -208,6 +210,8 @@ def restore(state: "GradCompState", entry: Mapping[str, Any], device: torch.devi
         transform.load_state_dict(saved)
     for name, obj in state.extra.items():
         obj.load_state_dict(entry["extra"][name])
+    if "bytes" in entry:  # a checkpoint written before the run's bytes were kept starts counting afresh
+        state.ledger.load_run_state(entry["bytes"])
 
 
 def complete_epoch_end(checkpoint: dict[str, Any]) -> bool:

@@ -10,7 +10,7 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp import GradCompStrategy, registry
+from lightning_gradcomp.exchange.ledger import ByteReport
 from tests.distributed.lightning_ranks import TinyClassifier, comm_state, random_loader
 from tests.distributed.memory_probe import MemoryProbe
 
@@ -103,13 +104,16 @@ def resume_runs(
             folder = os.path.join(tmpdir, name)
             saver = ModelCheckpoint(dirpath=folder, every_n_train_steps=at, save_top_k=-1)
             run: dict[str, Any] = dict(loader=step_loader(3 * world_size))  # 6 batches per rank per epoch, whatever the world size
-            full, _ = fit(world_size, make_strategy(name, **options), total, StepDataClassifier(momentum=0.9),
-                          enable_checkpointing=True, callbacks=[saver], **run)
+            full, full_trainer = fit(world_size, make_strategy(name, **options), total,
+                                     StepDataClassifier(momentum=0.9), enable_checkpointing=True, callbacks=[saver],
+                                     **run)
             res["full"] = flat_params(full)
+            res["full_bytes"] = cast(ByteReport, full_trainer.strategy).bytes_per_step()
             path = os.path.join(folder, f"epoch=0-step={at}.ckpt")
             resumed, trainer = fit(world_size, make_strategy(name, **options), total, StepDataClassifier(momentum=0.9),
                                    ckpt_path=path, **run)
             res["resumed"] = flat_params(resumed)
+            res["resumed_bytes"] = cast(ByteReport, trainer.strategy).bytes_per_step()
             res["global_step"] = trainer.global_step
             saved = torch.load(path, weights_only=False)["gradcomp"]
             res["saved_ranks"] = len(saved["ranks"])

@@ -62,6 +62,8 @@ def test_resume_is_bit_identical_to_the_uninterrupted_run(resumed: list[dict[str
             f"{(run['full'] - run['resumed']).abs().max().item():.3g}"
         )
     assert torch.equal(runs[0]["resumed"], runs[1]["resumed"])
+    for rank, run in enumerate(runs):  # the run's mean per step, the steps before the checkpoint included
+        assert run["resumed_bytes"] == run["full_bytes"] > 0, f"rank {rank}: {run['resumed_bytes']} != {run['full_bytes']}"
 
 
 @pytest.mark.parametrize("name", COMPRESSORS)
