@@ -32,13 +32,10 @@ hierarchical exchange (``site_size``, ``site_sizes``, ``hierarchy``) work as und
 """
 
 from collections.abc import Callable, Sequence
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins import Precision
 from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
@@ -51,12 +48,9 @@ import lightning_gradcomp.registry as registry
 from lightning_gradcomp.strategies import checkpoint as ckpt
 from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.momentum import MomentumCorrection
-from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.exchange.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp.strategies._runtime import ResumeCompression, Runtime, RuntimeOptions
-from lightning_gradcomp.exchange.guard import NonFinite
-from lightning_gradcomp.sites.hierarchy import Hierarchy
+from lightning_gradcomp.strategies._runtime import Runtime, RuntimeOptions
 from lightning_gradcomp.exchange.pipeline import LayerTransform
+from lightning_gradcomp.strategies.options import DDPOptions, ExchangeOptions, ShardedOptions, with_options
 from lightning_gradcomp.strategies.sharded import ShardedWiring, keyword_options, mesh_shape, new_mesh
 from lightning_gradcomp.strategies.wiring import HookWiring, check_backend
 
@@ -82,9 +76,9 @@ class FabricRecovery(RuntimeOptions, _FabricBase):
 
     comm_state: Optional["GradCompState"]
 
-    def _init_recovery(self, nonfinite: NonFinite, resume_compression: ResumeCompression, timeout: Any,
-                       check_replicas_every: int = 0) -> None:
-        self._runtime = Runtime(nonfinite, resume_compression, timeout, check_replicas_every)
+    def _init_recovery(self, options: ExchangeOptions) -> None:
+        self._runtime = Runtime(options.nonfinite, options.resume_compression, options.timeout,
+                                options.check_replicas_every)
         self._module: Optional[Module] = None
 
     def _attach_recovery(self, state: "GradCompState", module: Module) -> None:
@@ -153,105 +147,33 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
     """Fabric's DDP with compressed gradient exchange inside DDP's communication hook.
 
     Args:
-        compressor: a :class:`~lightning_gradcomp.compressors.Compressor` instance, or a registered name.
-        exclude: parameter-name patterns (``fnmatch`` globs) sent uncompressed in fp32.
-        min_numel: parameters with fewer elements are sent uncompressed.
+        options: every option of :class:`~lightning_gradcomp.strategies.options.DDPOptions` (as
+            :class:`~lightning_gradcomp.GradCompStrategy` takes them), each a named parameter.
         transforms: per-layer transforms run inside the hook before compression, in order: pipeline callbacks
             (``SigmaClipping``, ``LocalGradientClipping``, ``MomentumCorrection`` without ``weight_decay``), which
             validate themselves against this strategy as under the Trainer, or
             :class:`~lightning_gradcomp.exchange.pipeline.LayerTransform` instances.
-        find_unused_parameters: as in ``DistributedDataParallel``.
-        static_graph: as in ``DistributedDataParallel``.
-        gradient_as_bucket_view: as in ``DistributedDataParallel``.
-        bucket_cap_mb: DDP bucket size in MiB (``None``: DDP's default).
-        broadcast_buffers: as in ``DistributedDataParallel`` (``None``: DDP's default, without torch's deprecation
-            warning for passing it).
-        accelerator: see :class:`lightning.fabric.strategies.DDPStrategy`.
-        parallel_devices: see Fabric's ``DDPStrategy``.
-        cluster_environment: see Fabric's ``DDPStrategy``.
-        checkpoint_io: see Fabric's ``DDPStrategy``.
         precision: see Fabric's ``DDPStrategy``.
-        process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
-        timeout: collective timeout.
-        start_method: how Fabric launches local processes (``"fork"`` in notebooks).
-        check_replicas_every: every k ``optimizer.step()`` calls, compare a checksum of all parameters across ranks
-            and stop every rank with an error naming the first diverging parameter (0: never), as in
-            :class:`~lightning_gradcomp.GradCompStrategy`. Costs one all-gather of 16 bytes per parameter tensor.
-        nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"``, as in :class:`~lightning_gradcomp.GradCompStrategy`;
-            a skipped step drops every gradient in ``fabric.backward`` so the next ``optimizer.step()`` is a no-op.
-        resume_compression: ``"exact"``: ``fabric.load`` restores every rank's compression state (and refuses a
-            checkpoint of another world size); ``"reset"``: it starts afresh.
-        link: network between ranks for the per-bucket collective planner (``None``: always compress).
-        compression_cost: compress/decode seconds per element for the planner (``None``: measured).
-        pipeline_mb: MiB of gradient per pipelined group inside a bucket (``None``: one group per bucket).
-        hierarchy: ``"node"``: the hierarchical exchange with one site per node, as in
-            :class:`~lightning_gradcomp.GradCompStrategy` (dense inside a site, ``compressor`` between sites).
-            At most one of ``hierarchy``, ``site_size`` and ``site_sizes``; none: flat.
-        site_size: the hierarchical exchange with sites of this many consecutive ranks (at least 2).
-        site_sizes: the hierarchical exchange with these sites (consecutive ranks, equal sizes >= 2).
         **kwargs: further ``DistributedDataParallel`` options.
     """
 
     #: also registered as a name in Fabric's registry (`Fabric(strategy="gradcomp")`), as the Trainer's class is
     strategy_name = "gradcomp"
 
+    @with_options(DDPOptions)
     def __init__(
         self,
-        compressor: Union[Compressor, str] = "terngrad",
-        exclude: Optional[Sequence[str]] = None,
-        min_numel: int = 1,
+        options: DDPOptions,
         transforms: Sequence[Union[PipelineCallback, LayerTransform]] = (),
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
-        gradient_as_bucket_view: bool = False,
-        bucket_cap_mb: Optional[float] = None,
-        broadcast_buffers: Optional[bool] = None,
-        accelerator: Optional[Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        check_replicas_every: int = 0,
-        nonfinite: NonFinite = "skip",
-        resume_compression: ResumeCompression = "exact",
-        link: Optional[Union[str, Link, Network]] = None,
-        compression_cost: Optional[CompressionCost] = None,
-        pipeline_mb: Optional[float] = 8.0,
-        hierarchy: Optional[Hierarchy] = None,
-        site_size: Optional[int] = None,
-        site_sizes: Optional[list[int]] = None,
         **kwargs: Any,
     ) -> None:
-        self._init_recovery(nonfinite, resume_compression, timeout, check_replicas_every)
-        flags = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-                     gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers)
-        kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs,
-                                   flags, bucket_cap_mb, process_group_backend)
-        self._init_hierarchy(hierarchy, site_size, site_sizes)
+        self._init_recovery(options)
+        kwargs = self._init_wiring(options, kwargs)
         self._momentum: Optional[float] = None
         for entry in transforms:
             self._attach(entry)
-        if bucket_cap_mb is not None:
-            kwargs["bucket_cap_mb"] = bucket_cap_mb
-        if broadcast_buffers is not None:
-            kwargs["broadcast_buffers"] = broadcast_buffers
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            **kwargs,
-        )
+        super().__init__(precision=precision, **options.lightning_kwargs(), **kwargs)
 
     @override
     def setup_environment(self) -> None:
@@ -345,23 +267,8 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         parallelize_fn: ``parallelize_fn(model, device_mesh) -> model``, as in Fabric's ``ModelParallelStrategy``.
             ``None``: ``fully_shard`` over ``device_mesh["shard"]`` on every entry of each ``nn.ModuleList`` (a
             transformer's blocks), then on the root.
-        compressor: a :class:`~lightning_gradcomp.compressors.Compressor` or a registered name; it compresses each
-            parameter's shard (see ``docs/sharded.md``).
-        shard_size: ranks that shard one replica (consecutive ranks, normally one node's devices); ``None``: the
-            ranks of one node. Must divide the world size.
-        exclude: parameter-name patterns sent uncompressed in fp32.
-        min_numel: parameters with fewer elements (whole tensor) are sent uncompressed.
-        pipeline_mb: MiB per pipelined group inside one unit's shard (``None``: one group per unit).
-        check_replicas_every: every k ``optimizer.step()`` calls, compare every rank's shard with the ranks holding
-            the same shard in the other replicas (0: never), as in :class:`~lightning_gradcomp.ShardedGradCompStrategy`.
-        nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` a NaN/Inf gradient; a skip on one shard skips the step on
-            every rank (``fabric.backward`` drops the gradients, so the next ``optimizer.step()`` is a no-op).
-        resume_compression: ``"exact"``: ``fabric.load`` restores every rank's compression state (and refuses a
-            checkpoint of another world size); ``"reset"``: it starts afresh.
-        save_distributed_checkpoint: as in Fabric's ``ModelParallelStrategy``: ``torch.distributed.checkpoint``
-            shards (``True``) or one full file.
-        process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
-        timeout: collective timeout (a positive ``timedelta``), also of the mesh's groups.
+        options: every option of :class:`~lightning_gradcomp.strategies.options.ShardedOptions` (as
+            :class:`~lightning_gradcomp.ShardedGradCompStrategy` takes them), each a named parameter.
         **kwargs: refused with the option named (a misspelt option, or the DDP engine's ``site_size``), as a
             ``ValueError``.
     """
@@ -369,20 +276,12 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
     #: also registered as a name in Fabric's registry (`Fabric(strategy="sharded_gradcomp")`)
     strategy_name = "sharded_gradcomp"
 
+    @with_options(ShardedOptions)
     def __init__(
         self,
         parallelize_fn: Optional[Callable[[Any, "DeviceMesh"], Any]] = None,
-        compressor: Union[Compressor, str] = "terngrad",
-        shard_size: Optional[int] = None,
-        exclude: Optional[Sequence[str]] = None,
-        min_numel: int = 1,
-        pipeline_mb: Optional[float] = 8.0,
-        check_replicas_every: int = 0,
-        nonfinite: NonFinite = "skip",
-        resume_compression: ResumeCompression = "exact",
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        *,
+        options: ShardedOptions,
         **kwargs: Any,
     ) -> None:
         if parallelize_fn is not None and not callable(parallelize_fn):
@@ -392,14 +291,14 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
                 f"`ShardedGradCompFabricStrategy(compressor='terngrad')`, and a function that calls "
                 f"`fully_shard(block, mesh=device_mesh['shard'])` as `parallelize_fn`."
             )
-        self._init_sharding(shard_size, kwargs, keyword_options(ShardedGradCompFabricStrategy))
-        self._init_recovery(nonfinite, resume_compression, timeout, check_replicas_every)
-        self._init_wiring(compressor, exclude, min_numel, pipeline_mb, None, None, {}, {}, None, process_group_backend)
+        self._init_sharding(options.shard_size, kwargs, keyword_options(ShardedGradCompFabricStrategy))
+        self._init_recovery(options)
+        self._init_wiring(options)
         super().__init__(
             parallelize_fn=parallelize_fn or _shard_blocks,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
+            save_distributed_checkpoint=options.save_distributed_checkpoint,
+            process_group_backend=options.process_group_backend,
+            timeout=options.timeout,
         )
 
     @override

@@ -27,7 +27,8 @@ from lightning_gradcomp.strategies._runtime import (  # noqa: F401  (check_recov
     RuntimeOptions,
     check_recovery_options,
 )
-from lightning_gradcomp.exchange.guard import NonFinite, NonFiniteGradientError
+from lightning_gradcomp.exchange.guard import NonFiniteGradientError
+from lightning_gradcomp.strategies.options import ExchangeOptions
 from lightning_gradcomp.strategies.replicas import ReplicaDivergenceError, check_replicas
 from lightning_gradcomp.strategies.wiring import HookWiring
 
@@ -151,15 +152,9 @@ class ResilienceMixin(RuntimeOptions, _StrategyBase):
     #: state (DiLoCo over FSDP2: the inner steps are FSDP2's own, with no hook), so no bucket is expected after backward
     hook_every_step: bool = True
 
-    def _init_resilience(
-        self,
-        check_replicas_every: int,
-        nonfinite: NonFinite,
-        resume_compression: ResumeCompression,
-        timeout: Any,
-    ) -> None:
-        self._runtime = Runtime(nonfinite, resume_compression, timeout, check_replicas_every,
-                                self.nonfinite_across_sites)
+    def _init_resilience(self, options: ExchangeOptions) -> None:
+        self._runtime = Runtime(options.nonfinite, options.resume_compression, options.timeout,
+                                options.check_replicas_every, self.nonfinite_across_sites)
         self._buffers_before: Optional[list[tuple[Tensor, Tensor]]] = None
 
     @property

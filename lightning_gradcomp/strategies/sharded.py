@@ -17,11 +17,10 @@ import inspect
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -30,11 +29,10 @@ from torch.nn import Module
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.identity import Identity
-from lightning_gradcomp.exchange.guard import NonFinite
 from lightning_gradcomp.strategies.fsdp_collectives import CompressedReduceScatter, check_compressor, node_layout
-from lightning_gradcomp.strategies.resilience import ResilienceMixin, ResumeCompression
+from lightning_gradcomp.strategies.options import ShardedOptions, with_options
+from lightning_gradcomp.strategies.resilience import ResilienceMixin
 from lightning_gradcomp.strategies.shards import ShardExchange, agree_on_skip, fsdp_units
 from lightning_gradcomp.sites.layout import new_group
 from lightning_gradcomp.validation import UnknownOptionError, check_int, check_options
@@ -280,22 +278,8 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
     rank's shard travels through ``compressor``, with error feedback on the shard (the residuals are sharded too).
 
     Args:
-        compressor: a :class:`~lightning_gradcomp.compressors.Compressor` or a registered name. It compresses each
-            parameter's shard as a tensor of the shard's shape (see ``docs/sharded.md`` for what that changes).
-        shard_size: ranks that shard one replica of the model (consecutive ranks, normally one node's GPUs);
-            ``None``: the ranks of one node. Must divide the world size.
-        exclude: parameter-name patterns sent uncompressed in fp32 (as in ``GradCompStrategy``).
-        min_numel: parameters with fewer elements (whole tensor) are sent uncompressed.
-        pipeline_mb: MiB per pipelined group inside one unit's shard (``None``: one group per unit).
-        check_replicas_every: every k optimizer steps, compare every rank's shard with the ranks holding the same
-            shard in the other replicas (0: never).
-        nonfinite: ``"skip"``, ``"raise"`` or ``"ignore"`` a NaN/Inf gradient; a skip on one shard skips the step on
-            every rank.
-        resume_compression: ``"exact"`` restores every rank's compression state from the checkpoint, ``"reset"``
-            starts it afresh.
-        save_distributed_checkpoint: as in ``ModelParallelStrategy`` (each rank writes its shards).
-        process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
-        timeout: collective timeout (a positive ``timedelta``).
+        options: every option of :class:`~lightning_gradcomp.strategies.options.ShardedOptions`, each a named
+            parameter (``ShardedGradCompStrategy(compressor="int8", shard_size=8)``).
         compress_across_nodes: shard the model over every rank (one replica: ``shard_size`` ``None`` or the world
             size) and compress FSDP2's gradient reduce-scatter between nodes with ``compressor`` (``"int8"``:
             blockwise int8 with error feedback; ``"fp32"``: dense), dense inside a node
@@ -310,32 +294,18 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
 
     strategy_name = "sharded_gradcomp"
 
-    def __init__(
-        self,
-        compressor: Union[Compressor, str] = "terngrad",
-        shard_size: Optional[int] = None,
-        exclude: Optional[Sequence[str]] = None,
-        min_numel: int = 1,
-        pipeline_mb: Optional[float] = 8.0,
-        check_replicas_every: int = 0,
-        nonfinite: NonFinite = "skip",
-        resume_compression: ResumeCompression = "exact",
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        compress_across_nodes: bool = False,
-        node_size: Optional[int] = None,
-        **kwargs: Any,
-    ) -> None:
-        self._init_sharding(shard_size, kwargs, keyword_options(ShardedGradCompStrategy))
-        self._init_resilience(check_replicas_every, nonfinite, resume_compression, timeout)
-        self._init_wiring(compressor, exclude, min_numel, pipeline_mb, None, None, {}, {}, None, process_group_backend)
+    @with_options(ShardedOptions)
+    def __init__(self, options: ShardedOptions, compress_across_nodes: bool = False, node_size: Optional[int] = None,
+                 **kwargs: Any) -> None:
+        self._init_sharding(options.shard_size, kwargs, keyword_options(ShardedGradCompStrategy))
+        self._init_resilience(options)
+        self._init_wiring(options)
         self._init_across_nodes(compress_across_nodes, node_size)
         self.reduce_scatter: Optional[CompressedReduceScatter] = None
         super().__init__(
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
+            save_distributed_checkpoint=options.save_distributed_checkpoint,
+            process_group_backend=options.process_group_backend,
+            timeout=options.timeout,
         )
 
     def _init_across_nodes(self, compress_across_nodes: bool, node_size: Optional[int]) -> None:

@@ -2,13 +2,10 @@
 
 import logging
 from collections.abc import Sequence
-from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
@@ -17,11 +14,8 @@ from typing_extensions import override
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.strategies import presets
 from lightning_gradcomp.callbacks import CompressionMonitor, CompressionProgressBar, CompressionSchedule
-from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.exchange.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp.sites.hierarchy import Hierarchy
-from lightning_gradcomp.exchange.guard import NonFinite
-from lightning_gradcomp.strategies.resilience import ResilienceMixin, ResumeCompression
+from lightning_gradcomp.strategies.options import DDPOptions, with_options
+from lightning_gradcomp.strategies.resilience import ResilienceMixin
 from lightning_gradcomp.sites.layout import SiteGroups, SiteLayout, check_site_options, new_site_groups
 from lightning_gradcomp.strategies.wiring import HookWiring, check_backend, select_float_names  # noqa: F401  (select_float_names: public here)
 
@@ -32,114 +26,22 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     """Data-parallel training with compressed gradient exchange inside DDP's communication hook.
 
     Args:
-        compressor: a :class:`~lightning_gradcomp.compressors.Compressor` instance, or a registered name
-            (``"terngrad"``, ``"fp32"``, ...).
-        exclude: parameter-name patterns (``fnmatch`` globs, e.g. ``"classifier.*"``) sent uncompressed in
-            fp32; every pattern must match at least one parameter.
-        min_numel: parameters with fewer elements are sent uncompressed (the TernGrad AlexNet script's
-            ``size_to_binarize``; 1 compresses everything).
-        find_unused_parameters: as in ``DistributedDataParallel``.
-        static_graph: as in ``DistributedDataParallel``.
-        gradient_as_bucket_view: as in ``DistributedDataParallel``.
-        bucket_cap_mb: DDP bucket size in MiB (``None``: DDP's default).
-        broadcast_buffers: as in ``DistributedDataParallel``; ``None`` (default) leaves it to DDP (buffers synced),
-            without torch's deprecation warning for passing it, as stock ``strategy="ddp"`` does.
-        accelerator: see :class:`~lightning.pytorch.strategies.DDPStrategy`.
-        parallel_devices: see ``DDPStrategy``.
-        cluster_environment: see ``DDPStrategy``.
-        checkpoint_io: see ``DDPStrategy``.
-        precision_plugin: see ``DDPStrategy``.
-        process_group_backend: ``"gloo"``, ``"nccl"``, or ``None`` for the device's default.
-        timeout: collective timeout (a positive ``timedelta``): how long a rank waits for a peer that stopped
-            answering before it fails. A peer that dies is usually detected at once (Gloo: connection closed).
-        start_method: how Lightning launches local processes (``"popen"``, ``"spawn"``, ...).
-        check_replicas_every: every k optimizer steps, compare a checksum of all parameters across ranks and
-            stop with an error naming the first diverging parameter (0: never). Costs one all-gather of
-            16 bytes per parameter tensor.
-        nonfinite: a NaN/Inf gradient on any rank: ``"skip"`` the step on every rank (residuals untouched),
-            ``"raise"`` on every rank naming the parameter, or ``"ignore"`` (no check). See
-            :mod:`lightning_gradcomp.exchange.guard`.
-        resume_compression: ``"exact"`` restores every rank's compression state from the checkpoint (and refuses
-            a checkpoint written by another world size); ``"reset"`` starts it afresh.
-        link: the network between ranks (``"1gbit"``, ``"100mbit@2ms"``, a
-            :class:`~lightning_gradcomp.exchange.costmodel.Link` or ``Network``); when given, a cost model picks per
-            bucket between plain fp32 all-reduce and the compressor's collectives (logged at INFO, counted in
-            ``comm_state.collectives``). ``None`` (default): always compress.
-        compression_cost: compress/decode seconds per element for that choice; ``None`` measures them on the
-            first step (max over ranks).
-        pipeline_mb: MiB of gradient per pipelined group inside a bucket: the hook compresses a group and
-            launches its collectives before compressing the next, so compression overlaps the transfer of the
-            previous group (a parameter is never split). ``None``: one group per bucket. Results are identical
-            either way; each extra group costs one collective's latency.
-        hierarchy: ``"node"``: the hierarchical exchange with one site per node (see :mod:`lightning_gradcomp.sites.hierarchy`):
-            dense inside a site, ``compressor`` between sites. ``None`` (default): flat, unless one of the next two
-            is given. At most one of ``hierarchy``, ``site_size`` and ``site_sizes``.
-        site_size: the hierarchical exchange with sites of this many consecutive ranks (at least 2).
-        site_sizes: the hierarchical exchange with these sites (consecutive ranks, equal sizes >= 2), e.g. ``[2, 2]``.
+        options: every option of :class:`~lightning_gradcomp.strategies.options.DDPOptions`, each a named parameter
+            (``GradCompStrategy(compressor="fp32", min_numel=1024)``).
+        precision_plugin: see Lightning's ``DDPStrategy``.
         **kwargs: further ``DistributedDataParallel`` options.
     """
 
     strategy_name = "gradcomp"
 
-    def __init__(
-        self,
-        compressor: Union[Compressor, str] = "terngrad",
-        exclude: Optional[Sequence[str]] = None,
-        min_numel: int = 1,
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
-        gradient_as_bucket_view: bool = False,
-        bucket_cap_mb: Optional[float] = None,
-        broadcast_buffers: Optional[bool] = None,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        check_replicas_every: int = 0,
-        nonfinite: NonFinite = "skip",
-        resume_compression: ResumeCompression = "exact",
-        link: Optional[Union[str, Link, Network]] = None,
-        compression_cost: Optional[CompressionCost] = None,
-        pipeline_mb: Optional[float] = 8.0,
-        hierarchy: Optional[Hierarchy] = None,
-        site_size: Optional[int] = None,
-        site_sizes: Optional[list[int]] = None,
-        **kwargs: Any,
-    ) -> None:
+    @with_options(DDPOptions)
+    def __init__(self, options: DDPOptions, precision_plugin: Optional[Precision] = None, **kwargs: Any) -> None:
         # reliability options (lightning_gradcomp.strategies.resilience), validated before anything else is built
-        self._init_resilience(check_replicas_every, nonfinite, resume_compression, timeout)
-        flags = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph,
-                     gradient_as_bucket_view=gradient_as_bucket_view, broadcast_buffers=broadcast_buffers)
-        kwargs = self._init_wiring(compressor, exclude, min_numel, pipeline_mb, link, compression_cost, kwargs,
-                                   flags, bucket_cap_mb, process_group_backend)
-        self._init_hierarchy(hierarchy, site_size, site_sizes)
+        self._init_resilience(options)
+        kwargs = self._init_wiring(options, kwargs)
         if self.hierarchy is not None:
             self._check_hierarchy()
-        ddp_kwargs: dict[str, Any] = dict(
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            **kwargs,
-        )
-        if broadcast_buffers is not None:  # torch >= 2.13 warns whenever it is passed, even with the default value
-            ddp_kwargs["broadcast_buffers"] = broadcast_buffers
-        if bucket_cap_mb is not None:
-            ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            **ddp_kwargs,
-        )
+        super().__init__(precision_plugin=precision_plugin, **options.lightning_kwargs(), **kwargs)
 
     @override
     def setup_environment(self) -> None:

@@ -14,7 +14,7 @@ import inspect
 import logging
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.strategies._runtime import Runtime
+from lightning_gradcomp.strategies.options import DDPOptions, ExchangeOptions
 from lightning_gradcomp.compressors.base import Aggregation, Compressor
-from lightning_gradcomp.exchange.costmodel import CompressionCost, Link, Network
-from lightning_gradcomp.sites.hierarchy import Hierarchy, HierarchySpec, hierarchical_hook, hierarchy_spec, new_site_exchange
+from lightning_gradcomp.sites.hierarchy import HierarchySpec, hierarchical_hook, hierarchy_spec, new_site_exchange
 from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.exchange.pipeline import LayerTransform
 from lightning_gradcomp.exchange.planner import CollectivePlanner
@@ -110,27 +110,17 @@ class HookWiring:
     pipeline_mb: Optional[float]
     planner: Optional[CollectivePlanner]
     comm_state: Optional[GradCompState]
-    #: the hierarchical exchange's sites (``None``: flat), see :meth:`_init_hierarchy`
+    #: the hierarchical exchange's sites (``None``: flat), set by :meth:`_init_wiring`
     hierarchy: Optional[HierarchySpec]
     #: the per-rank runtime, made by the front-end's mixin (ResilienceMixin, FabricRecovery) in its constructor
     _runtime: Runtime
 
-    def _init_wiring(
-        self,
-        compressor: Union[Compressor, str],
-        exclude: Optional[Sequence[str]],
-        min_numel: int,
-        pipeline_mb: Optional[float],
-        link: Optional[Union[str, Link, Network]],
-        compression_cost: Optional[CompressionCost],
-        ddp_kwargs: dict[str, Any],
-        ddp_flags: dict[str, Any],
-        bucket_cap_mb: Any,
-        process_group_backend: Any,
-    ) -> dict[str, Any]:
-        """Validate the compression and DDP options (``ddp_flags``: the strategy's own DDP arguments, e.g.
-        ``static_graph``); returns ``ddp_kwargs`` without the hook arguments set to ``None``."""
-        ddp_kwargs = dict(ddp_kwargs)
+    def _init_wiring(self, options: ExchangeOptions, ddp_kwargs: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        """Validate and keep the compression options and, with :class:`DDPOptions`, DDP's (``ddp_kwargs``: the
+        further ``DistributedDataParallel`` options), the collective planner's and the hierarchical exchange's;
+        returns ``ddp_kwargs`` without the hook arguments set to ``None``."""
+        ddp = options if isinstance(options, DDPOptions) else None
+        ddp_kwargs = dict(ddp_kwargs or {})
         for key in _HOOK_ARGUMENTS:
             value = ddp_kwargs.pop(key, None)
             if value is not None:
@@ -146,8 +136,11 @@ class HookWiring:
                 f"e.g. `GradCompStrategy(compressor=TernGrad(clip_factor=2.5))`; DDP options are "
                 f"{sorted(_DDP_OPTIONS)}."
             )
-        check_ddp_options({**ddp_flags, **ddp_kwargs}, bucket_cap_mb, process_group_backend)
-        self.compressor = registry.resolve_compressor(compressor)
+        flags = {} if ddp is None else ddp.ddp_flags()
+        check_ddp_options({**flags, **ddp_kwargs}, None if ddp is None else ddp.bucket_cap_mb,
+                          options.process_group_backend)
+        self.compressor = registry.resolve_compressor(options.compressor)
+        exclude, min_numel, pipeline_mb = options.exclude, options.min_numel, options.pipeline_mb
         if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude or ()):
             raise ValueError(
                 f"Expected `exclude` to be a list of parameter-name patterns, but got {exclude!r}. "
@@ -161,18 +154,14 @@ class HookWiring:
                          fix="pass a positive size in MiB, or None for one group per bucket")
         self.pipeline_mb = pipeline_mb
         # parsed now so a bad spec fails before any process group exists
-        self.planner = None if link is None else CollectivePlanner(link, compression_cost)
+        self.planner = None if ddp is None or ddp.link is None else CollectivePlanner(ddp.link, ddp.compression_cost)
         self._transforms: list[LayerTransform] = []
         self.comm_state = None
-        self.hierarchy = None
+        # at most one of the hierarchical exchange's options; none: flat
+        self.hierarchy = None if ddp is None else hierarchy_spec(ddp.hierarchy, ddp.site_size, ddp.site_sizes)
         self._first_step_reported = False
         self._warm_up_reported = False
         return ddp_kwargs
-
-    def _init_hierarchy(self, hierarchy: Optional[Hierarchy], site_size: Optional[int],
-                        site_sizes: Optional[Sequence[int]]) -> None:
-        """Validate and keep the hierarchical exchange's options (at most one of them; none: flat)."""
-        self.hierarchy = hierarchy_spec(hierarchy, site_size, site_sizes)
 
     # -- the exchange's layout: what a checkpoint and the replica check must agree with ----------------------------
     def _checkpoint_sites(self, world_size: int, num_nodes: int) -> tuple[Optional[list[int]], Optional[str]]:
