@@ -169,11 +169,12 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         self._init_recovery(options)
-        kwargs = self._init_wiring(options, kwargs)
+        # DDP's further options, checked (and the ones that would replace the hook refused) before DDP sees them
+        ddp_kwargs = self._init_wiring(options, kwargs)
         self._momentum: Optional[float] = None
         for entry in transforms:
             self._attach(entry)
-        super().__init__(precision=precision, **options.lightning_kwargs(), **kwargs)
+        super().__init__(precision=precision, **options.lightning_kwargs(), **ddp_kwargs)
 
     @override
     def setup_environment(self) -> None:

@@ -38,10 +38,11 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     def __init__(self, options: DDPOptions, precision_plugin: Optional[Precision] = None, **kwargs: Any) -> None:
         # reliability options (lightning_gradcomp.strategies.resilience), validated before anything else is built
         self._init_resilience(options)
-        kwargs = self._init_wiring(options, kwargs)
+        # DDP's further options, checked (and the ones that would replace the hook refused) before DDP sees them
+        ddp_kwargs = self._init_wiring(options, kwargs)
         if self.hierarchy is not None:
             self._check_hierarchy()
-        super().__init__(precision_plugin=precision_plugin, **options.lightning_kwargs(), **kwargs)
+        super().__init__(precision_plugin=precision_plugin, **options.lightning_kwargs(), **ddp_kwargs)
 
     @override
     def setup_environment(self) -> None:
