@@ -226,6 +226,8 @@ class Ledger:
         per_rank: with ``keep_per_rank``, the per-rank decoded gradients of the latest exchange, by name.
         run: the bytes of the exchanges before the latest one (:class:`RunBytes`; one step per exchange that
             began at bucket 0, see :meth:`bucket_called`).
+        link_runs: the run's bytes on each named link whose steps an engine closes itself (``"wan"``: the outer
+            engine's bytes between sites, step by inner step; see :meth:`record_link`).
     """
 
     def __init__(self, keep_per_rank: bool = False) -> None:
@@ -244,6 +246,7 @@ class Ledger:
         # holds a parameter this rank computed no gradient for
         self._last_bucket_seen = False
         self.run = RunBytes()
+        self.link_runs: dict[str, RunBytes] = {}
         # whether an exchange began (bucket 0) whose bytes are not in ``run`` yet: the latest step, read live from
         # the records until the next exchange begins (1-bit Adam records its step's exchange after the hook ran)
         self._step_open = False
@@ -330,6 +333,33 @@ class Ledger:
     def take_channel(self, channel: str) -> int:
         """Bytes put on ``channel`` since the last call (then forgotten)."""
         return self.channels.pop(channel, 0)
+
+    def record_link(self, channel: str, nbytes: int) -> None:
+        """``nbytes`` this rank put on the link ``channel`` in the step under way, read off this ledger (an outer
+        round's records and buffers), into the link's run bytes (:meth:`link_run`). Unlike :meth:`record_channel`,
+        no later :meth:`take_channel` sees them."""
+        self.link_run(channel).add(nbytes)
+
+    def close_link_step(self, channel: str) -> None:
+        """The step under way is over on ``channel``: what :meth:`record_channel` put on it since
+        :meth:`take_channel` last read it (WeightGrad's trigger flags) joins the step's :meth:`record_link` bytes,
+        and the step closes."""
+        run = self.link_run(channel)
+        run.add(self.take_channel(channel))
+        run.end_step()
+
+    def fold_link_step(self, channel: str) -> None:
+        """What :meth:`record_link` put on ``channel`` since its last step closed belongs to that step (rounds run
+        after the last step, such as DiLoCo's final round at the end of ``fit``)."""
+        self.link_run(channel).fold_into_last()
+
+    def link_run(self, channel: str) -> RunBytes:
+        """The run's bytes on the link ``channel``, step by step (empty until something is recorded on it)."""
+        return self.link_runs.setdefault(channel, RunBytes())
+
+    def restore_link_run(self, channel: str, total: int, steps: int) -> None:
+        """Continue a resumed run's bytes on ``channel`` (``total`` over ``steps`` closed steps)."""
+        self.link_runs[channel] = RunBytes(total, steps)
 
     def keep_per_rank(self, name: str, decoded: list[Tensor]) -> None:
         if self.per_rank is not None:

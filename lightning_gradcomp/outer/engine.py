@@ -118,8 +118,6 @@ class OuterSync:
         self.inner_steps = 0
         self.rounds = 0
         self.tokens = 0
-        #: what this rank put on the link between sites, inner step by inner step (``bytes_per_step``)
-        self.wan = RunBytes()
         self._in_flight: dict[int, InFlight] = {}
         self._launched_at: dict[int, float] = {}
         self._last_sync = [0] * len(self.fragments)
@@ -156,9 +154,15 @@ class OuterSync:
 
     def close_step(self) -> None:
         """The inner step is over: what the exchange recorded on its ledger's ``"wan"`` channel outside the rounds
-        (WeightGrad's trigger flags) joins the step's rounds in :attr:`wan`, the step's bytes between sites."""
-        self.wan.add(self.exchange.ledger.take_channel("wan"))
-        self.wan.end_step()
+        (WeightGrad's trigger flags) joins the step's rounds there, the step's bytes between sites
+        (:meth:`~lightning_gradcomp.exchange.ledger.Ledger.close_link_step`)."""
+        self.exchange.ledger.close_link_step("wan")
+
+    @property
+    def wan(self) -> RunBytes:
+        """What this rank put on the link between sites, inner step by inner step: the exchange's ledger keeps it
+        (read-only here)."""
+        return self.exchange.ledger.link_run("wan")
 
     @property
     def wan_bytes_total(self) -> int:
@@ -221,7 +225,7 @@ class OuterSync:
         self.rounds += 1
         self._last_sync[f] = self.inner_steps
         self.landed.append(f)
-        self.wan.add(wan)
+        self.exchange.ledger.record_link("wan", wan)
         self.stats["bytes_per_round"] = torch.tensor(wan)
         self.stats["lan_bytes_per_round"] = torch.tensor(lan)
         self.stats["compression_ratio"] = torch.tensor(flight.dense_bytes / max(1, flight.wan_bytes))
@@ -246,7 +250,7 @@ class OuterSync:
         for f in final:
             self.start(f)
             self.finish(f, mixing=0.0)
-        self.wan.fold_into_last()  # after the last inner step: its rounds count in that step
+        self.exchange.ledger.fold_link_step("wan")  # after the last inner step: its rounds count in that step
         self.stats["inner_steps_since_sync"] = torch.tensor(0)
         self.stats["rounds"] = torch.tensor(self.rounds)
         return final
@@ -343,7 +347,7 @@ class OuterSync:
         self.inner_steps = state["inner_steps"]
         self.rounds = state["rounds"]
         self.tokens = state["tokens"]
-        self.wan = RunBytes(state["wan_bytes_total"], state["inner_steps"])
+        self.exchange.ledger.restore_link_run("wan", state["wan_bytes_total"], state["inner_steps"])
         self._last_sync = list(state["last_sync"])
         self._in_flight = {}
         for f, saved in state["in_flight"].items():

@@ -213,7 +213,7 @@ class GradientSynchronizer(OuterSync):
         self.state.ledger.record_channel("wan", flag_bytes)
         self.close_step()
         self.stats.update(
-            wan_bytes=torch.tensor(self.wan.last),
+            wan_bytes=torch.tensor(self.last_step_bytes()),
             round_lan_bytes=torch.tensor(lan_bytes),
             wan_rounds=torch.tensor(self.rounds),
             staleness=torch.tensor(self.steps_since_round),
