@@ -1,5 +1,6 @@
 """Where bytes are recorded and where a site fans out, read off the library's source (``ast``): the ledger keeps every
-byte count of a link, the engine alone moves them into its run's bytes, and one function broadcasts inside a site."""
+byte count of a link and every run of them (the outer engine's bytes between sites included), and one function
+broadcasts inside a site."""
 
 import ast
 import dataclasses
@@ -25,14 +26,24 @@ def _calls() -> list[tuple[str, str, ast.expr, ast.Call]]:
     return found
 
 
-def test_the_outer_engine_alone_writes_its_bytes_between_sites() -> None:
-    # `self.wan` is the engine's RunBytes; anything else recording bytes between sites goes through the ledger
+def test_only_the_ledger_steps_a_run_of_bytes() -> None:
+    # the outer engine's bytes between sites are the ledger's too (`ledger.record_link`, `close_link_step`): no
+    # module outside ledger.py adds to, closes or folds a RunBytes (a receiver named for bytes or a run)
     writers = {
-        (where, method)
+        (where, ast.unparse(receiver), method)
         for where, method, receiver, _ in _calls()
-        if method in RUN_BYTES_WRITERS and ast.unparse(receiver).endswith(".wan")
+        if method in RUN_BYTES_WRITERS and where != "exchange/ledger.py"
+        and any(word in ast.unparse(receiver).lower() for word in ("wan", "lan", "run", "bytes"))
     }
-    assert {where for where, _ in writers} == {"outer/engine.py"}, writers
+    assert writers == set(), writers
+
+
+def test_the_outer_engine_records_its_rounds_on_its_exchange_ledger() -> None:
+    # every method of the engine that counts bytes between sites hands them to the exchange's ledger
+    callers = {where for where, method, receiver, _ in _calls()
+               if method in {"record_link", "close_link_step", "fold_link_step", "restore_link_run"}
+               and ast.unparse(receiver).endswith("exchange.ledger")}
+    assert callers == {"outer/engine.py"}, callers
 
 
 def test_a_site_keeps_no_byte_count_of_its_own() -> None:
