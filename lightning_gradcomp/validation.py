@@ -51,19 +51,20 @@ _DENSE_FIX = ("pass a number of steps (an int >= 0; 0 compresses from the first 
               "strictly between 0 and 1, e.g. 0.05")
 
 
-def check_dense_steps(name: str, value: object) -> None:
-    """Raise ``ValueError`` unless ``value`` is a number of steps (an ``int`` >= 0) or a fraction of the run (a
-    ``float`` strictly between 0 and 1).
+def check_dense_steps(name: str, value: object, minimum: int = 0, fix: str = _DENSE_FIX) -> None:
+    """Raise ``ValueError`` unless ``value`` is a number of steps (an ``int`` >= ``minimum``) or a fraction of the
+    run (a ``float`` strictly between 0 and 1): a preset's or a schedule's dense steps, 1-bit Adam's warm-up
+    (``minimum`` 1: the variance must see a gradient before it is frozen). ``fix`` says what to pass instead.
 
     A float of 1 or more is refused rather than read as steps: ``100.0`` is more likely a typo for ``100`` than a
     fraction, and guessing would be a silent change of meaning.
     """
     if isinstance(value, float) and math.isfinite(value) and 0 < value < 1:
         return
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= minimum:
         return
-    raise ValueError(f"Expected `{name}` to be an int >= 0 (steps) or a float in (0, 1) (a fraction of the run), "
-                     f"but got {value!r}. Fix: {_DENSE_FIX}.")
+    raise ValueError(f"Expected `{name}` to be an int >= {minimum} (steps) or a float in (0, 1) (a fraction of the "
+                     f"run), but got {value!r}. Fix: {fix}.")
 
 
 def run_steps(trainer: Any) -> float:
@@ -79,22 +80,26 @@ def fraction_of_run(fraction: float, total_steps: float) -> int:
     return max(1, round(fraction * total_steps))
 
 
-def resolve_dense_steps(dense_steps: Union[int, float], total_steps: float, name: str = "dense_steps") -> int:
+def resolve_dense_steps(dense_steps: Union[int, float], total_steps: float, name: str = "dense_steps",
+                        minimum: int = 0, in_steps: Optional[str] = None) -> int:
     """The number of dense first steps: ``dense_steps`` itself when it is an int, else that fraction of
-    ``total_steps`` (:func:`run_steps`; :func:`fraction_of_run`).
+    ``total_steps`` (:func:`run_steps`; :func:`fraction_of_run`). ``minimum`` as in :func:`check_dense_steps`;
+    ``in_steps``: how to give ``name`` in steps, for the error of a run without an end (default: a
+    ``CompressionSchedule``'s).
 
     Raises:
         ValueError: ``dense_steps`` is neither, or a fraction is given for a run without an end.
     """
-    check_dense_steps(name, dense_steps)
+    check_dense_steps(name, dense_steps, minimum)
     if isinstance(dense_steps, int):
         return dense_steps
     if isinstance(total_steps, bool) or not math.isfinite(total_steps) or total_steps < 1:
+        in_steps = in_steps or ("pass the dense steps as a number of steps, e.g. `CompressionSchedule(dense_steps=100)` "
+                                "among the Trainer's callbacks (a preset then uses it)")
         raise ValueError(
             f"Expected a run with a known number of steps for `{name}={dense_steps!r}` (a fraction of the run), but "
             f"got {total_steps!r} steps (no `max_steps` nor `max_epochs`). Fix: set `Trainer(max_steps=...)`, or "
-            f"pass the dense steps as a number of steps, e.g. `CompressionSchedule(dense_steps=100)` among the "
-            f"Trainer's callbacks (a preset then uses it)."
+            f"{in_steps}."
         )
     return fraction_of_run(dense_steps, total_steps)
 

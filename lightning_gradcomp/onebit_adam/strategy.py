@@ -35,7 +35,7 @@ from lightning_gradcomp.strategies.final_sync import FinalSynchronisation
 from lightning_gradcomp.strategies.replicas import check_replicas
 from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.strategies.strategy import GradCompStrategy
-from lightning_gradcomp.validation import check_int, run_steps
+from lightning_gradcomp.validation import check_int, resolve_dense_steps, run_steps
 
 log = logging.getLogger(__name__)
 
@@ -257,17 +257,11 @@ class OneBitAdamStrategy(GradCompStrategy):
         """The run's optimizer steps (``max_steps``, else the epochs' steps); a clear error where a fraction of the
         run must be resolved and the run has no end."""
         total = run_steps(trainer)
-        if not math.isfinite(total):
+        if optimizer.warmup_fraction is not None:  # a fraction of a run without end is refused as dense steps are
             name = optimizer.warmup_option
-            if optimizer.warmup_fraction is not None:
-                raise ValueError(
-                    f"Expected Trainer(max_steps=...) or max_epochs for {type(optimizer).__name__}'s "
-                    f"{name}={optimizer.warmup_fraction} (a fraction of the run) but got a run without end "
-                    f"(max_steps={trainer.max_steps}, max_epochs={trainer.max_epochs}). Fix: set max_steps, or give "
-                    f"{name} in steps (e.g. {name}=300)."
-                )
-            return ENDLESS
-        return int(total)
+            resolve_dense_steps(optimizer.warmup_fraction, total, name, minimum=1,
+                                in_steps=f"give {type(optimizer).__name__}'s {name} in steps (e.g. {name}=300)")
+        return int(total) if math.isfinite(total) else ENDLESS
 
     def _check_optimizer(self, optimizers: list[Optimizer]) -> FrozenVarianceAdam:
         """The one optimizer, of :attr:`optimizer_class`; a clear error before the first step otherwise."""

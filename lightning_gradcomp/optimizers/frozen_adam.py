@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.validation import check_bool, check_int, check_number, fraction_of_run
+from lightning_gradcomp.validation import check_bool, check_dense_steps, check_int, check_number, fraction_of_run
 
 #: the optimizer ``state_dict`` key of the method's counters (phase, intervals)
 COUNTERS_KEY = "frozen_adam"
@@ -48,18 +48,10 @@ Warmup = Union[int, float]
 
 
 def check_warmup(name: str, value: Any) -> None:
-    """Refuse a warm-up that is neither a number of steps (int >= 1) nor a fraction of the run (float in (0, 1))."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"Expected `{name}` to be a number of steps (int) or a fraction of the run (float in (0, 1)) but got "
-            f"{value!r}. Fix: e.g. {name}={DEFAULT_WARMUP} (15 % of Trainer(max_steps=...)) or {name}=300."
-        )
-    if isinstance(value, float) and not 0.0 < value < 1.0 or isinstance(value, int) and value < 1:
-        raise ValueError(
-            f"Expected `{name}` to be a number of steps (int >= 1) or a fraction of the run (float in (0, 1)) but got "
-            f"{value!r}. Fix: e.g. {name}={DEFAULT_WARMUP} (15 % of the run) or {name}=300 (300 dense steps: the "
-            f"variance must see a gradient before it is frozen)."
-        )
+    """Refuse a warm-up that is neither a number of steps (int >= 1) nor a fraction of the run (float in (0, 1)):
+    :func:`~lightning_gradcomp.validation.check_dense_steps`, the warm-up's steps being dense ones."""
+    check_dense_steps(name, value, minimum=1, fix=f"e.g. {name}={DEFAULT_WARMUP} (15 % of the run) or {name}=300 (300 "
+                      f"dense steps: the variance must see a gradient before it is frozen)")
 
 
 def half_scale_updates(beta2: float) -> int:

@@ -201,5 +201,5 @@ def test_a_warmup_past_the_run_warns_at_setup_and_a_fraction_needs_an_end(mlp: l
         assert r["compressed"] == 0
         assert r["warnings"] == [] or rank == 0
         assert r["endless_step"] == 0 and r["endless"] is not None
-        assert "Expected Trainer(max_steps=...) or max_epochs for ZeroOneAdam's var_freeze_step=0.15" in r["endless"]
-        assert "Fix: set max_steps" in r["endless"]
+        assert "Expected a run with a known number of steps for `var_freeze_step=0.15`" in r["endless"]
+        assert "Fix: set `Trainer(max_steps=...)`, or give ZeroOneAdam's var_freeze_step in steps" in r["endless"]

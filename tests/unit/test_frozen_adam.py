@@ -218,7 +218,7 @@ def test_default_warmup_is_a_fraction_of_the_run_resolved_at_setup() -> None:
 
 @pytest.mark.parametrize("bad", [0.0, 1.0, 1.5, -3, True, "10"])
 def test_a_warmup_neither_steps_nor_a_fraction_is_refused(bad: object) -> None:
-    with pytest.raises((ValueError, TypeError), match=r"Expected `var_freeze_step` to be a number of steps.*Fix:"):
+    with pytest.raises((ValueError, TypeError), match=r"Expected `var_freeze_step` to be an int >= 1 \(steps\) or a float in \(0, 1\).*Fix:"):
         ZeroOneAdam(nn.Linear(2, 2).parameters(), var_freeze_step=bad)  # type: ignore[arg-type]
 
 
