@@ -91,7 +91,7 @@ def run(model_name: str, strategy: str, args: argparse.Namespace) -> dict[str, A
     numel = sum(p.numel() for p in model.parameters())
     out = {"model": model_name, "strategy": strategy, "params": numel, "median_s": statistics.median(step.tolist()),
            "wan_bytes": 4 * numel if state is None else state.bytes_per_step(),
-           "lan_bytes": state.hierarchy.lan_bytes_per_step() if state is not None and state.hierarchy is not None else 0}
+           "lan_bytes": state.peers.hierarchy.lan_bytes_per_step() if state is not None and state.peers.hierarchy is not None else 0}
     if base == "ddp":  # the model's compute: the same steps without communication
         ctimes = []
         for _ in range(args.warmup + args.steps):

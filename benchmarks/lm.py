@@ -140,7 +140,7 @@ def bytes_per_step(strategy: Any, module: Any) -> int:
     if callable(getattr(strategy, "last_step_bytes", None)):
         return int(strategy.last_step_bytes())
     state = getattr(strategy, "comm_state", None)
-    if state is not None and state.records:
+    if state is not None and state.ledger.records:
         return int(state.last_step_bytes())
     return 4 * sum(p.numel() for p in module.parameters() if p.requires_grad)
 

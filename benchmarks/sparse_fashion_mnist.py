@@ -69,7 +69,7 @@ def _run(rank: int, world: int, config: str, args: argparse.Namespace) -> dict[s
             nn.functional.cross_entropy(ddp(images[batch]), labels[batch]).backward()
             opt.step()
             if state is not None:
-                for name, record in state.records.items():
+                for name, record in state.ledger.records.items():
                     sent[name] += record.nbytes
                     dense[name] += 4 * record.numel
                     if "sent_per_bin" in record.stats:

@@ -183,10 +183,10 @@ def _run_one(model_name: str, strategy: str, args: argparse.Namespace, link: dic
     if base == "ddp_bf16":
         out["bytes_per_step"] = 2 * numel
     if state is not None:
-        out["collectives"] = {k: v for k, v in state.collectives.items()}
-        if state.planner is not None:
-            assert isinstance(state.planner, CollectivePlanner)  # the planner this function built
-            out["plans"] = sorted({p.choice for p in state.planner.plans.values()})
+        out["collectives"] = {k: v for k, v in state.ledger.collectives.items()}
+        if state.router.planner is not None:
+            assert isinstance(state.router.planner, CollectivePlanner)  # the planner this function built
+            out["plans"] = sorted({p.choice for p in state.router.planner.plans.values()})
     if args.profile_compute and base == "ddp":
         # the same steps without communication, on this rank's share of the machine: the perf model's compute
         ctimes = []

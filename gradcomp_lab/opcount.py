@@ -205,7 +205,7 @@ def step_ops(
                 opt.step()
             counts.append(count)
         del ddp, opt
-    if compressor is not None and (state.skipped_steps or not all(torch.isfinite(p).all() for p in model.parameters())):
+    if compressor is not None and (state.guard.skipped_steps or not all(torch.isfinite(p).all() for p in model.parameters())):
         raise RuntimeError("the counted step was skipped or left non-finite parameters: its ops are not a step's")
     return counts[-1]
 

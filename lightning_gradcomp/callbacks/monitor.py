@@ -182,7 +182,7 @@ class CompressionMonitor(Callback):
         if state is None:
             raise RuntimeError("CompressionMonitor found no communication hook state: the model was not wrapped in DDP.")
         self._state = state
-        self._seen_calls = state.hook_calls
+        self._seen_calls = state.ledger.hook_calls
         self._steps = 0
         self._logging_steps = 0
         self._shown_ratio = None
@@ -253,19 +253,19 @@ class CompressionMonitor(Callback):
             self.stats.capture = True
             self.stats.capture_histograms = self._logging_steps % self.histogram_every == 0
             self._logging_steps += 1
-            self._armed_at = self._state.hook_calls
+            self._armed_at = self._state.ledger.hook_calls
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         state = self._state
-        if self.stats is None or state is None or state.hook_calls == self._seen_calls:
+        if self.stats is None or state is None or state.ledger.hook_calls == self._seen_calls:
             return  # not rank 0, or an accumulation micro-batch: the hook did not run
-        self._seen_calls = state.hook_calls
+        self._seen_calls = state.ledger.hook_calls
         self._steps += 1
         # checked in setup; a cast, not an isinstance: a protocol check reads every member, on every step
         strategy = cast(HookHost, trainer.strategy)
-        logging_step = self._armed_at is not None and state.hook_calls != self._armed_at
+        logging_step = self._armed_at is not None and state.ledger.hook_calls != self._armed_at
         if self.progress_bar:
             self._shown_ratio = show_compression_ratio(strategy, pl_module, self._shown_ratio,
                                                        force=logging_step or batch_idx == 0)
@@ -294,8 +294,8 @@ class CompressionMonitor(Callback):
         tensors: list[Tensor] = []
         clip = next((t for t in state.transforms if isinstance(t, SigmaClip)), None)
         total_numel = 0
-        for name in sorted(state.records):
-            record = state.records[name]
+        for name in sorted(state.ledger.records):
+            record = state.ledger.records[name]
             layer = {**record.stats, **stats.layer_stats.get(name, {})}
             if "sparsity" in layer and "density" not in layer:
                 layer["density"] = 1.0 - layer["sparsity"]
@@ -327,7 +327,7 @@ class CompressionMonitor(Callback):
         # what this rank put on the link between sites: all of it when flat, its share's when hierarchical, the
         # outer rounds' under DiLoCo (its hook runs inside a site)
         metrics[layer_key("wan_bytes", "total")] = float(sent)
-        if state.hierarchy is not None:  # and the dense bytes inside the site
+        if state.peers.hierarchy is not None:  # and the dense bytes inside the site
             metrics[layer_key("lan_bytes", "total")] = float(state.ledger.lan_bytes_per_step())
         if total_numel:
             metrics[layer_key("bits_per_element", "total")] = 8.0 * sent / total_numel

@@ -51,15 +51,15 @@ class CompressionProgressBar(Callback):
     @override
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._state = getattr(trainer.strategy, "comm_state", None)
-        self._seen_calls = 0 if self._state is None else self._state.hook_calls
+        self._seen_calls = 0 if self._state is None else self._state.ledger.hook_calls
         self._shown = None
 
     @override
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         state = self._state
-        if state is None or state.hook_calls == self._seen_calls:
+        if state is None or state.ledger.hook_calls == self._seen_calls:
             return  # an accumulation micro-batch: the hook did not run
-        self._seen_calls = state.hook_calls
+        self._seen_calls = state.ledger.hook_calls
         if isinstance(trainer.strategy, ByteReport):  # each strategy's own answer (DiLoCo: bytes between sites)
             self._shown = show_compression_ratio(trainer.strategy, pl_module, self._shown, force=batch_idx == 0)

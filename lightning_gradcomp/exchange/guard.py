@@ -99,9 +99,6 @@ class GuardedState(Protocol):
     def world_size(self) -> int: ...
 
     @property
-    def process_group(self) -> Optional[dist.ProcessGroup]: ...
-
-    @property
     def transport(self) -> Transport: ...
 
 #: consecutive skipped steps after which a warning says the run is not training

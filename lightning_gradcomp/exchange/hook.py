@@ -23,7 +23,6 @@ measurement run this one exchange and differ only in the bucket they hand it and
 "One exchange").
 """
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union, cast
@@ -46,7 +45,7 @@ from lightning_gradcomp.exchange.guard import (
     observe_decoded,
 )
 from lightning_gradcomp.exchange.groups import HookBucket, LayerGroup, LayerViews, Layouts, layer_offsets, layer_shapes
-from lightning_gradcomp.exchange.ledger import GroupRecord, LayerRecord, Ledger, tensor_bytes
+from lightning_gradcomp.exchange.ledger import GroupRecord, Ledger, tensor_bytes
 from lightning_gradcomp.exchange.memory import ResidualMemory
 from lightning_gradcomp.exchange.pipeline import LayerTransform
 from lightning_gradcomp.exchange.router import Planner, Router
@@ -207,62 +206,19 @@ class GradCompState:
         """Save ``obj`` (with ``state_dict`` / ``load_state_dict``) in every rank's checkpoint state under ``key``."""
         self.extra[key] = obj
 
-    # -- read-only views of the owners, for callers that read one value ----------------------------------------
-    @property
-    def compressor(self) -> Compressor:
-        return self.router.compressor
-
+    # -- what the group step reads of any state (:class:`GroupStepState`; :class:`GroupState` holds them itself) --
     @property
     def float_names(self) -> frozenset[str]:
         return self.router.float_names
-
-    @property
-    def planner(self) -> Optional[Planner]:
-        return self.router.planner
-
-    @property
-    def process_group(self) -> Optional[dist.ProcessGroup]:
-        return self.peers.process_group
 
     @property
     def world_size(self) -> int:
         return self.peers.world_size
 
     @property
-    def hierarchy(self) -> Optional[Any]:
-        return self.peers.hierarchy
-
-    @property
     def stats(self) -> Optional[HookStats]:
+        """The monitor's statistics, or ``None`` when no monitor observes the hook (the observer narrowed)."""
         return self.observer if isinstance(self.observer, HookStats) else None
-
-    @property
-    def records(self) -> dict[str, LayerRecord]:
-        return self.ledger.records
-
-    @property
-    def collectives(self) -> Counter:
-        return self.ledger.collectives
-
-    @property
-    def hook_calls(self) -> int:
-        return self.ledger.hook_calls
-
-    @property
-    def per_rank(self) -> Optional[dict[str, list[Tensor]]]:
-        return self.ledger.per_rank
-
-    @property
-    def nonfinite(self) -> NonFinite:
-        return self.guard.mode
-
-    @property
-    def step_nonfinite(self) -> bool:
-        return self.guard.step_nonfinite
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.guard.skipped_steps
 
     def bytes_per_step(self) -> int:
         """Bytes this rank contributed to the collectives per backward, averaged over the run so far
@@ -397,7 +353,7 @@ def _exchange_bucket(state: GradCompState, bucket: HookBucket) -> torch.futures.
     # non-finite guard: decided identically on every rank before transforms and residuals see the gradient
     if bucket.index() == 0:
         begin_step(state)
-    multiround = isinstance(state.compressor, MultiRoundCompressor) and not state.router.dense
+    multiround = isinstance(state.router.compressor, MultiRoundCompressor) and not state.router.dense
     # with nothing stateful before the statistics, the guard's flag rides in their all-reduce: one blocking
     # round trip per bucket instead of two (each one a point where every rank waits for the slowest)
     shared_flag = not multiround and can_share_collective(state, route)
@@ -655,7 +611,7 @@ def _multiround_exchange(
     feedback; then the fp32 group in one all-reduce, then the compressor's rounds on its group
     (:meth:`~lightning_gradcomp.compressors.multiround.MultiRoundCompressor.exchange_flat`). No per-layer view is
     made: each group is taken from the bucket, and its mean written back, in one op."""
-    compressor = state.compressor
+    compressor = state.router.compressor
     assert isinstance(compressor, MultiRoundCompressor)
     world = state.world_size
     buffer = bucket.buffer()

@@ -15,7 +15,7 @@ The planner returns its choice as a :class:`BucketPlan`; the hook sends the buck
 :meth:`BucketPlan.compressor_for` (plain fp32, or the compressor travelling as the chosen variant). The planner
 changes neither the compressor nor the hook's state.
 
-The choice is cached per bucket, logged once at INFO and counted in ``GradCompState.collectives`` as
+The choice is cached per bucket, logged once at INFO and counted in ``GradCompState.ledger.collectives`` as
 ``plan_<choice>`` on every call. Every rank sees the same agreed numbers, so ranks given the same link make the
 same choice; the choices are then agreed too (a second small all-reduce: a vote, where a split vote takes the
 earliest chosen candidate in the shared order, plain fp32 whenever a rank chose it), so even ranks given
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.exchange.codec import measure_exchange
@@ -42,21 +41,26 @@ from lightning_gradcomp.exchange.costmodel import ALLREDUCE_FP32, Candidate, Col
 log = logging.getLogger(__name__)
 
 
+class PlannedRouter(Protocol):
+    """What the planner reads of the hook's router (:class:`~lightning_gradcomp.exchange.router.Router`): the
+    compressor it probes."""
+
+    @property
+    def compressor(self) -> Compressor: ...
+
+
 class PlannerContext(Protocol):
     """What the planner reads of the hook's state (:class:`~lightning_gradcomp.exchange.hook.GradCompState` is one), and
     the ledger it counts its own collectives in."""
 
     @property
-    def compressor(self) -> Compressor: ...
+    def router(self) -> PlannedRouter: ...
 
     @property
     def float_names(self) -> AbstractSet[str]: ...
 
     @property
     def world_size(self) -> int: ...
-
-    @property
-    def process_group(self) -> Optional[dist.ProcessGroup]: ...
 
     @property
     def ledger(self) -> Ledger: ...
@@ -133,10 +137,10 @@ class CollectivePlanner:
         """One variant on a copy of the compressor, through the hook's own exchange
         (:func:`~lightning_gradcomp.exchange.codec.measure_exchange`): (name, collective, bytes, encode s, decode s, rounds)."""
         try:
-            probe = copy.deepcopy(state.compressor)
+            probe = copy.deepcopy(state.router.compressor)
         except Exception:  # a compressor holding something uncopyable: a fresh set-up copy is equivalent
-            probe = copy.copy(state.compressor)
-        probe.setup(state.compressor.rank, state.world_size, inputs[0].device)
+            probe = copy.copy(state.router.compressor)
+        probe.setup(state.router.compressor.rank, state.world_size, inputs[0].device)
         if variant is not None:
             probe = probe.for_collective(variant.name)
         codec = measure_exchange(probe, list(names), [x.detach() for x in inputs], state.world_size, repeats=1)
@@ -153,7 +157,7 @@ class CollectivePlanner:
         sub_names = [names[i] for i in idx]
         numel = sum(x.numel() for x in inputs)
         # the declared variants, or the compressor as it is
-        variants: list[Optional[CollectiveVariant]] = list(state.compressor.collectives(state.world_size)) or [None]
+        variants: list[Optional[CollectiveVariant]] = list(state.router.compressor.collectives(state.world_size)) or [None]
         probes = [self._probe(state, v, inputs, sub_names) for v in variants]
         numbers = []
         for _label, collective, nbytes, encode, decode, _ in probes:

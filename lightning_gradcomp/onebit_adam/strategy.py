@@ -211,7 +211,7 @@ class OneBitAdamStrategy(GradCompStrategy):
     @override
     def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
         assert self.comm_state is not None
-        self.link = FrozenAdamLink(self.global_rank, self.comm_state.world_size, self.comm_state.process_group,
+        self.link = FrozenAdamLink(self.global_rank, self.comm_state.world_size, self.comm_state.peers.process_group,
                                    self.root_device, None if self.scale_block == "auto" else self.scale_block)
         self.comm_state.attach(LINK_KEY, self.link)
 

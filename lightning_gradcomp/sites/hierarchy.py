@@ -329,7 +329,7 @@ class _ShareBucket:
 
 
 def hierarchical_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    """DDP communication hook of the hierarchical exchange (``state.hierarchy`` set, ``state.process_group`` the
+    """DDP communication hook of the hierarchical exchange (``state.peers.hierarchy`` set, ``state.peers.process_group`` the
     cross-site group). Register with ``ddp_model.register_comm_hook(state, hierarchical_hook)``."""
     with torch.autocast(bucket.buffer().device.type, enabled=False):
         return _hierarchical_bucket(state, bucket)
@@ -347,12 +347,12 @@ def _flag_slot(state: GradCompState, buffer: Tensor) -> Tensor:
 
 
 def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
-    site = state.hierarchy
+    site = state.peers.hierarchy
     assert isinstance(site, SiteExchange), "hierarchical_hook needs a hook state built with `hierarchy=`"
     buffer = bucket.buffer()
     k, j, index = site.site_size, site.local_rank, bucket.index()
     plan = site.plan(bucket, [state.names[id(p)] for p in bucket.parameters()])
-    if state.step_nonfinite and index != 0:
+    if state.guard.step_nonfinite and index != 0:
         # decided on every rank alike: no collective; the flat hook (which counts the call) fills the bucket
         state.ledger.record_lan(index, 0)
         positions = layer_offsets(bucket)
@@ -372,7 +372,7 @@ def _hierarchical_bucket(state: GradCompState, bucket: dist.GradBucket) -> torch
     # the flat hook on this rank's share, with the cross-site group; its collectives are waited for here so the
     # exchange of the decoded shares is issued from the hook body (never from a `.then`, see comm)
     gradcomp_hook(state, _ShareBucket(bucket, mine, plan.params[j], plan.offsets[j])).wait()
-    if state.step_nonfinite:  # every cross-site group saw the flag slots: the same decision on every rank
+    if state.guard.step_nonfinite:  # every cross-site group saw the flag slots: the same decision on every rank
         state.ledger.record_lan(index, sent)
         return comm.completed(buffer.fill_(float("nan")))
     future = comm.gather_from_owners(segments, mine, splits, site.site_group, copies)

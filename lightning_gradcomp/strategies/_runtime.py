@@ -94,7 +94,7 @@ class Runtime:
 
     def attach(self, state: "GradCompState", device: torch.device) -> None:
         """The hook state exists: start the counters from it and restore a checkpoint loaded before it existed."""
-        self.nonfinite_seen = state.skipped_steps
+        self.nonfinite_seen = state.guard.skipped_steps
         self.optimizer_steps = 0
         self.restore_pending(state, device)
 

@@ -50,8 +50,8 @@ def _is_empty(value: Any) -> bool:
 def rank_state(state: "GradCompState") -> dict[str, Any]:
     """This rank's compression state, on the CPU: compressor, residuals and every transform, by class name."""
     return {
-        "compressor_class": type(state.compressor).__qualname__,
-        "compressor": _to_cpu(state.compressor.state_dict()),
+        "compressor_class": type(state.router.compressor).__qualname__,
+        "compressor": _to_cpu(state.router.compressor.state_dict()),
         "memory": state.memory.state_dict(),
         "transforms": [(type(t).__qualname__, _to_cpu(t.state_dict())) for t in state.transforms],
         "extra": {name: _to_cpu(obj.state_dict()) for name, obj in state.extra.items()},
@@ -86,7 +86,7 @@ def gather_into(checkpoint: dict[str, Any], state: "GradCompState", rank: int, w
         gathered = [own]
     if rank == 0:
         assert gathered is not None
-        sites = None if state.hierarchy is None else list(state.hierarchy.layout.sizes)
+        sites = None if state.peers.hierarchy is None else list(state.peers.hierarchy.layout.sizes)
         checkpoint[CHECKPOINT_KEY] = {"version": FORMAT_VERSION, "world_size": world_size, "sites": sites,
                                       "shard_size": shard_size, "ranks": gathered}
 
@@ -179,7 +179,7 @@ def restore(state: "GradCompState", entry: Mapping[str, Any], device: torch.devi
         ValueError: the compressor class, the transforms or the parameter names differ from the checkpoint's.
     """
     fix = "resume with the same compressor, callbacks and model, or pass `GradCompStrategy(resume_compression='reset')`"
-    compressor = type(state.compressor).__qualname__
+    compressor = type(state.router.compressor).__qualname__
     if entry["compressor_class"] != compressor:
         raise ValueError(
             f"Expected the compressor to be {entry['compressor_class']} as in the checkpoint, but got {compressor}. "
@@ -204,7 +204,7 @@ def restore(state: "GradCompState", entry: Mapping[str, Any], device: torch.devi
             f"Expected the further compression state {saved_extra} as in the checkpoint, but got {sorted(state.extra)}. "
             f"Fix: {fix}."
         )
-    state.compressor.load_state_dict(entry["compressor"])
+    state.router.compressor.load_state_dict(entry["compressor"])
     state.memory.load_state_dict(entry["memory"], device)
     for transform, (_, saved) in zip(state.transforms, entry["transforms"]):
         transform.load_state_dict(saved)

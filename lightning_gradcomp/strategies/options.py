@@ -96,7 +96,7 @@ class DDPOptions(ExchangeOptions):
         link: the network between ranks (``"1gbit"``, ``"100mbit@2ms"``, a
             :class:`~lightning_gradcomp.exchange.costmodel.Link` or ``Network``); when given, a cost model picks per
             bucket between plain fp32 all-reduce and the compressor's collectives (logged at INFO, counted in
-            ``comm_state.collectives``). ``None`` (default): always compress.
+            ``comm_state.ledger.collectives``). ``None`` (default): always compress.
         compression_cost: compress/decode seconds per element for that choice; ``None`` measures them on the
             first step (max over ranks).
         hierarchy: ``"node"``: the hierarchical exchange with one site per node (see

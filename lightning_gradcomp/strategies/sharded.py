@@ -179,7 +179,7 @@ class ShardedWiring(HookWiring):
         )
         self.comm_state = state
         self.exchange = ShardExchange(state, module)
-        self._agreed_hook_calls = state.hook_calls
+        self._agreed_hook_calls = state.ledger.hook_calls
         if rank == 0 and replicate.size() == 1 and self._across_nodes:
             log.info("gradcomp: FSDP2 over %d ranks, its gradient reduce-scatter dense inside a node and %s between "
                      "nodes", mesh["shard"].size(), type(self.compressor).__name__)
@@ -263,9 +263,9 @@ class ShardedWiring(HookWiring):
         (:func:`~lightning_gradcomp.strategies.shards.agree_on_skip`); a backward without it (gradient accumulation) issues
         nothing. Every rank runs the same backwards, so every rank issues the same collectives."""
         state = self.comm_state
-        if state is None or state.hook_calls == self._agreed_hook_calls:
+        if state is None or state.ledger.hook_calls == self._agreed_hook_calls:
             return
-        self._agreed_hook_calls = state.hook_calls
+        self._agreed_hook_calls = state.ledger.hook_calls
         agree_on_skip(state, mesh.get_group("shard"), device)
 
 

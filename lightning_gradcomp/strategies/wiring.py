@@ -303,9 +303,9 @@ class HookWiring:
         state = self.comm_state
         assert state is not None
         self._announce(named, state.float_names, state.world_size, in_sites=in_sites,
-                       between_sites=state.hierarchy is not None)
-        if state.hierarchy is not None:
-            site = state.hierarchy
+                       between_sites=state.peers.hierarchy is not None)
+        if state.peers.hierarchy is not None:
+            site = state.peers.hierarchy
             log.info(
                 "gradcomp: hierarchical exchange, %d sites of %d ranks: each share reduced to its owner and gathered "
                 "back inside a site, %s between sites on each local rank's share (rank 0: %d of %d tensors)",
@@ -416,7 +416,7 @@ class HookWiring:
         ledger, where the setup line could not state them (:meth:`_announce`), or after a dense warm-up (which the
         first exchange's line announces: its steps send fp32, as DDP, and count in ``bytes_per_step``'s mean)."""
         state = self.comm_state
-        if self._first_step_reported or state is None or not state.hook_calls:
+        if self._first_step_reported or state is None or not state.ledger.hook_calls:
             return  # no exchange yet (an accumulation micro-batch runs no hook)
         ledger = state.ledger
         # the exchange under way is the ledger's open step: its number counts every exchange so far

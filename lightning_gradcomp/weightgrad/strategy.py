@@ -281,8 +281,8 @@ class WeightGradStrategy(SiteStrategy):
 
     def _serial_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any], **kwargs: Any) -> Any:
         """Algorithm 4: the site applies each worker's gradient in turn (one optimizer step each)."""
-        assert self.comm_state is not None and self.comm_state.per_rank is not None and self.synchronizer is not None
-        per_rank = self.comm_state.per_rank
+        assert self.comm_state is not None and self.comm_state.ledger.per_rank is not None and self.synchronizer is not None
+        per_rank = self.comm_state.ledger.per_rank
         params = self.synchronizer.params
         averages: dict[str, Tensor] = {}
 

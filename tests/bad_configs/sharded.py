@@ -17,7 +17,7 @@ BAD_CONFIGS = [
     BadConfig("sharded-node-size-alone", lambda: ShardedGradCompStrategy("int8", node_size=2), "node_size", "`node_size=2` without it"),
     BadConfig("sharded-node-size-zero", lambda: ShardedGradCompStrategy("int8", compress_across_nodes=True,
                                                                          node_size=0), "node_size", "got 0"),
-    BadConfig("sharded-across-nodes-not-bool", lambda: ShardedGradCompStrategy("int8", compress_across_nodes=1),  # type: ignore[arg-type]
+    BadConfig("sharded-across-nodes-not-bool", lambda: ShardedGradCompStrategy("int8", compress_across_nodes=1),
               "compress_across_nodes", "True or False, but got 1"),
     BadConfig("sharded-across-nodes-gathered", lambda: ShardedGradCompStrategy("topk", compress_across_nodes=True),
               "compressor", "TopK (aggregation `gather`)"),

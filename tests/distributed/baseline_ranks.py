@@ -43,7 +43,7 @@ def _ddp_run(model: nn.Module, rank: int, steps: int, state: Optional[GradCompSt
     result: dict[str, Any] = {"params": history}
     if state is not None:
         result.update(bytes=bytes_per_step, dense_bytes=state.dense_bytes_per_step(),
-                      collectives=dict(state.collectives), hook_calls=state.hook_calls)
+                      collectives=dict(state.ledger.collectives), hook_calls=state.ledger.hook_calls)
     del ddp, opt
     return result
 

@@ -32,7 +32,7 @@ class Recorder(Callback):
         strategy = trainer.strategy
         self.stats.append({k: v.clone() for k, v in getattr(strategy, "stats", {}).items()})
         outer = getattr(strategy, "outer", None)
-        self.outer_collectives.append(0 if outer is None else sum(outer.exchange.state.collectives.values()))
+        self.outer_collectives.append(0 if outer is None else sum(outer.exchange.state.ledger.collectives.values()))
         state = getattr(strategy, "comm_state", None)
         self.inner_world.append(state.world_size if state else 0)
 

@@ -51,7 +51,7 @@ def fit_fabric(
         "compressor": type(getattr(fabric.strategy, "compressor", None)).__name__,
         "bytes_per_step": state.bytes_per_step() if state else None,
         "dense_bytes": state.dense_bytes_per_step() if state else None,
-        "skipped_steps": state.skipped_steps if state else None,
+        "skipped_steps": state.guard.skipped_steps if state else None,
         "transforms": [type(t).__name__ for t in getattr(fabric.strategy, "transforms", ())],
     }
 
@@ -78,7 +78,7 @@ def resume_fabric(rank: int, world_size: int, name: str, path: str,
         from lightning_gradcomp import GradCompFabricStrategy
 
         fabric = Fabric(accelerator="cpu", devices=world_size,
-                        strategy=GradCompFabricStrategy(name, resume_compression=resume))  # type: ignore[arg-type]
+                        strategy=GradCompFabricStrategy(name, resume_compression=resume))
         fabric.launch()
         model = make_model()
         model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))

@@ -120,7 +120,7 @@ def _train(fabric: Fabric, model: Any, optimizer: Any, batches: list, steps: ran
             state = getattr(fabric.strategy, "comm_state", None)
             record["shards"].append(_local(model))
             record["bytes"].append(0 if state is None else state.last_step_bytes())
-            record["skipped"].append(0 if state is None else state.skipped_steps)
+            record["skipped"].append(0 if state is None else state.guard.skipped_steps)
 
 
 def fit(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:

@@ -31,12 +31,12 @@ def shared_flag_run(rank: int, world_size: int, compressor: str) -> dict[str, An
             y = torch.randint(0, 5, (16,), generator=gen)
             opt.zero_grad()
             nn.functional.cross_entropy(ddp(x), y).backward()
-            if state.step_nonfinite:  # what GradCompStrategy does on a skipped step: no update anywhere
+            if state.guard.step_nonfinite:  # what GradCompStrategy does on a skipped step: no update anywhere
                 opt.zero_grad(set_to_none=True)
             opt.step()
             params.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
-            counters.append(dict(state.collectives))
-        skipped = state.skipped_steps
+            counters.append(dict(state.ledger.collectives))
+        skipped = state.guard.skipped_steps
         del ddp, opt  # DDP's reducer goes while the group still exists (a teardown after it can hang)
         dist.barrier()
         return {"params": params, "collectives": counters, "skipped": skipped}

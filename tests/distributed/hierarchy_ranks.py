@@ -55,7 +55,7 @@ def _run(world_size: int, strategy: Any, steps: int, callbacks: Sequence[pl.Call
     if state is not None:
         out["wan_bytes"] = state.bytes_per_step()
         out["lan_bytes"] = state.ledger.lan_bytes_per_step()
-        out["collectives"] = dict(state.collectives)
+        out["collectives"] = dict(state.ledger.collectives)
         out["dense_bytes"] = sum(4 * p.numel() for p in module_parameters(trainer))
         numels = [p.numel() for p in module_parameters(trainer)]
         out["share_numels"] = [sum(numels[a:b]) for a, b in share_bounds([4 * n for n in numels], SITES[0])]
@@ -109,7 +109,7 @@ def guarded_run(world_size: int, name: str) -> dict[str, Any]:
     except Exception:
         return {"error": traceback.format_exc()}
     state = comm_state(trainer.strategy)
-    out: dict[str, Any] = {"history": model.history, "skipped": state.skipped_steps,
+    out: dict[str, Any] = {"history": model.history, "skipped": state.guard.skipped_steps,
            "residuals_finite": all(bool(torch.isfinite(r).all()) for r in state.memory.residuals.values())}
     try:
         fit(world_size, _strategy(name, site_sizes=SITES, nonfinite="raise"), 5, FirstTensorNaN(3, 2),

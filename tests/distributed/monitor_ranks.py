@@ -62,7 +62,7 @@ def monitored_runs(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out["progress_bar"] = {k: float(v) for k, v in monitored.progress_bar_metrics.items()}
     state = monitored.strategy.comm_state  # type: ignore[attr-defined]
     out["ratio"] = state.dense_bytes_per_step() / state.bytes_per_step()
-    out["numel"] = {n: r.numel for n, r in state.records.items()}
+    out["numel"] = {n: r.numel for n, r in state.ledger.records.items()}
     out["csv_dir"] = csv_logger.log_dir
     if rank == 0:
         import wandb

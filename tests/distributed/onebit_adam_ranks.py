@@ -255,7 +255,7 @@ def nonfinite_run(rank: int, world_size: int, method: str, options: dict[str, An
         return {"raised": (type(exc).__name__, str(exc))}
     optimizer = trainer.optimizers[0]
     assert isinstance(optimizer, FrozenVarianceAdam)
-    return {"raised": None, "params": flat_params(model), "skipped": comm_state(trainer.strategy).skipped_steps,
+    return {"raised": None, "params": flat_params(model), "skipped": comm_state(trainer.strategy).guard.skipped_steps,
             "counters": dict(optimizer.counters), "finite": bool(torch.isfinite(flat_params(model)).all())}
 
 

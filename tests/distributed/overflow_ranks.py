@@ -48,7 +48,7 @@ def overflow_runs(rank: int, world_size: int, cases: list[tuple[str, float]]) ->
             model, trainer = fit(world_size, make_strategy(name), 4, ScaledClassifier(scale, {1}), loader=step_loader())
             raised = _raised(lambda: fit(world_size, make_strategy(name, nonfinite="raise"), 4,
                                          ScaledClassifier(scale, {1}), loader=step_loader()))
-            return {"history": model.history, "skipped": comm_state(trainer.strategy).skipped_steps, "raised": raised}
+            return {"history": model.history, "skipped": comm_state(trainer.strategy).guard.skipped_steps, "raised": raised}
 
         out[name] = _guarded(one)
 

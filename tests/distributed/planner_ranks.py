@@ -32,7 +32,7 @@ def _train(rank: int, world_size: int, compressor: str, planner: Optional[Collec
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         history.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
-    out = {"params": history, "collectives": dict(state.collectives), "described": comp.describe()}
+    out = {"params": history, "collectives": dict(state.ledger.collectives), "described": comp.describe()}
     if planner is not None:
         out["plans"] = sorted({p.choice for p in planner.plans.values()})
     del ddp, opt

@@ -64,8 +64,8 @@ def train_raw_ddp(
         if state is not None:
             out["bytes_per_step"] = state.bytes_per_step()
             out["dense_bytes"] = state.dense_bytes_per_step()
-            out["collectives"] = dict(state.collectives)
-            out["hook_calls"] = state.hook_calls
+            out["collectives"] = dict(state.ledger.collectives)
+            out["hook_calls"] = state.ledger.hook_calls
             out["grads"] = torch.cat([cast(torch.Tensor, p.grad).reshape(-1) for p in model.parameters()])  # all set by backward
             out["local_grads"] = local_grads
         # release DDP (its reducer holds the group) on every rank before tearing the group down together

@@ -205,11 +205,11 @@ def guard_runs(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
             model, trainer = fit(world_size, make_strategy(name), 5, InjectingClassifier(1, 2), loader=step_loader())
             state = comm_state(trainer.strategy)
             res["history"] = model.history
-            res["skipped"] = state.skipped_steps
+            res["skipped"] = state.guard.skipped_steps
             res["residuals_finite"] = all(bool(torch.isfinite(r).all()) for r in state.memory.residuals.values())
             res["residual_names"] = sorted(state.memory.residuals)
             norm, trainer = fit(world_size, make_strategy(name), 5, NormInjectingClassifier(0, 2), loader=step_loader())
-            res["norm_skipped"] = comm_state(trainer.strategy).skipped_steps
+            res["norm_skipped"] = comm_state(trainer.strategy).guard.skipped_steps
             res["norm_buffers"] = norm.buffer_history
             with torch.no_grad():
                 res["norm_eval_finite"] = bool(torch.isfinite(norm.eval()(torch.randn(4, 20))).all())
@@ -308,7 +308,7 @@ def _mode_result(model: pl.LightningModule, trainer: pl.Trainer, initial: torch.
         "params": params,
         "moved": not torch.equal(params, initial.float()),
         "finite": bool(torch.isfinite(params).all()),
-        "hook_calls": state.hook_calls,
+        "hook_calls": state.ledger.hook_calls,
         "steps": trainer.global_step,
         "residuals": {n: r.detach().float().clone() for n, r in state.memory.residuals.items()},
         "names": sorted(state.names.values()),

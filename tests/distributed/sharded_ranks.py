@@ -108,7 +108,7 @@ class Shards(Callback):
         self.shards.append(torch.cat([_local(p).detach().reshape(-1).clone() for p in pl_module.parameters()]))
         state = trainer.strategy.comm_state  # type: ignore[attr-defined]
         self.bytes.append(0 if state is None else state.last_step_bytes())
-        self.skipped.append(0 if state is None else state.skipped_steps)
+        self.skipped.append(0 if state is None else state.guard.skipped_steps)
         self.strategy_bytes.append(trainer.strategy.last_step_bytes())  # type: ignore[attr-defined]
         across = getattr(trainer.strategy, "reduce_scatter", None)  # the compressed reduce-scatter across nodes
         if across is not None and across.comms[0].residual is not None:
@@ -161,7 +161,7 @@ def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 
                                  if isinstance(v, torch.Tensor) and v.dim() > 0),
             "residuals": 0 if state is None else _nbytes(state.memory.residuals.values()),
         },
-        "collectives": None if state is None else dict(state.collectives),
+        "collectives": None if state is None else dict(state.ledger.collectives),
         "units": None if exchange is None else len(exchange.units),
         "strategy_bytes": trainer.strategy.bytes_per_step(),  # type: ignore[attr-defined]
         "strategy_last": record.strategy_bytes,

@@ -44,7 +44,7 @@ def _train(rank: int, world_size: int, compressor: Optional[Compressor], steps: 
             nbytes.append(state.last_step_bytes())
     out: dict[str, Any] = {"params": params, "grads": grads, "local_grads": local, "bytes": nbytes}
     if state is not None:
-        out["collectives"] = dict(state.collectives)
+        out["collectives"] = dict(state.ledger.collectives)
         out["dense_bytes"] = state.dense_bytes_per_step()
     del ddp, opt
     dist.barrier()

@@ -98,7 +98,7 @@ def site_transport(rank: int, world_size: int) -> dict[str, Any]:
     state = GradCompState(WanMessage(), {id(p): f"p{i}" for i, p in enumerate(params)}, world_size=2,
                           nonfinite="ignore", transport=transport)
     transport.ledger = state.ledger
-    state.compressor.setup(site, 2, torch.device("cpu"))
+    state.router.compressor.setup(site, 2, torch.device("cpu"))
     bucket = FlatBucket(0, params, torch.device("cpu"))
     own = torch.cat([torch.linspace(-1.0, 1.0, 6), torch.tensor([0.0, 0.0, 0.0, 0.0, 5.0, 0.0]) if site else
                      torch.arange(6.0)])

@@ -57,15 +57,15 @@ def test_fabric_accepts_a_configured_strategy_instance() -> None:
     ("build", "match"),
     [
         # wrong types on purpose (ignored for mypy): the checks under test run at construction
-        (lambda: GradCompFabricStrategy("terngrad", transforms=[object()]), "Expected every entry of `transforms`"),  # type: ignore[list-item]
+        (lambda: GradCompFabricStrategy("terngrad", transforms=[object()]), "Expected every entry of `transforms`"),
         (lambda: GradCompFabricStrategy("terngrad", transforms=[SigmaClipping(2.5)]), "Expected one sigma clipping"),
         (lambda: GradCompFabricStrategy("dgc", transforms=[MomentumCorrection(0.9, weight_decay=1e-4)]), "weight_decay"),
-        (lambda: GradCompFabricStrategy("terngrad", nonfinite="drop"), "Expected `nonfinite`"),  # type: ignore[arg-type]
+        (lambda: GradCompFabricStrategy("terngrad", nonfinite="drop"), "Expected `nonfinite`"),
         (lambda: GradCompFabricStrategy("terngrad", ddp_comm_hook=print), "Expected `ddp_comm_hook` to be None"),
         (lambda: GradCompFabricStrategy("terngrad", clip_factor=2.5), "Unknown option"),
         (lambda: GradCompFabricStrategy("ternary"), "Expected `compressor`"),
         (lambda: GradCompFabricStrategy("terngrad", timeout=timedelta(0)), "Expected `timeout`"),
-        (lambda: GradCompFabricStrategy("terngrad", static_graph="no"), "Expected `static_graph`"),  # type: ignore[arg-type]
+        (lambda: GradCompFabricStrategy("terngrad", static_graph="no"), "Expected `static_graph`"),
         (lambda: GradCompFabricStrategy("terngrad", bucket_cap_mb=-25), "Expected `bucket_cap_mb`"),
     ],
 )
@@ -159,10 +159,10 @@ def test_every_sharded_name_constructs_the_sharded_fabric_strategy() -> None:
     ("build", "match"),
     [
         # wrong types on purpose (ignored for mypy): the checks under test run at construction
-        (lambda: ShardedGradCompFabricStrategy("terngrad"), "Expected `parallelize_fn` to be a function"),  # type: ignore[arg-type]
+        (lambda: ShardedGradCompFabricStrategy("terngrad"), "Expected `parallelize_fn` to be a function"),
         (lambda: ShardedGradCompFabricStrategy(compressor="terngrad", shard_size=0), "Expected `shard_size`"),
         (lambda: ShardedGradCompFabricStrategy(compressor="ternary"), "Expected `compressor`"),
-        (lambda: ShardedGradCompFabricStrategy(nonfinite="drop"), "Expected `nonfinite`"),  # type: ignore[arg-type]
+        (lambda: ShardedGradCompFabricStrategy(nonfinite="drop"), "Expected `nonfinite`"),
         (lambda: ShardedGradCompFabricStrategy(timeout=timedelta(0)), "Expected `timeout`"),
     ],
 )

@@ -391,7 +391,7 @@ def _hook_setup(shapes: Sequence[tuple[int, ...]], excluded: Sequence[int]) -> t
     names = {id(p): f"layer{i}" for i, p in enumerate(params)}
     state = GradCompState(PowerSGD(rank=2), names, float_names=frozenset(f"layer{i}" for i in excluded),
                           nonfinite="ignore")
-    state.compressor.setup(0, 1, CPU)
+    state.router.compressor.setup(0, 1, CPU)
     return state, params
 
 
@@ -420,7 +420,7 @@ def test_hook_runs_powersgd_on_the_buckets_groups() -> None:
             assert torch.equal(got, want), f"step {step}, layer {i}"
         for i in compressed:
             assert torch.equal(state.memory.residuals[seg.names[i]], residuals[i])
-        records = state.records
+        records = state.ledger.records
         for i, result in zip(compressed, results):
             assert records[seg.names[i]].nbytes == result.nbytes
         for i in excluded:

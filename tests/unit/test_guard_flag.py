@@ -46,8 +46,8 @@ def test_an_overflowing_but_finite_bucket_does_not_skip_the_step() -> None:
     state = GradCompState(compressor=Identity(), names={})
     huge = torch.full((10,), torch.finfo(torch.float32).max)
     assert not bucket_is_nonfinite(state, huge, [huge], ["w"])
-    assert not state.step_nonfinite and state.skipped_steps == 0
+    assert not state.guard.step_nonfinite and state.guard.skipped_steps == 0
     bad = huge.clone()
     bad[3] = float("nan")
     assert bucket_is_nonfinite(state, bad, [bad], ["w"])
-    assert state.step_nonfinite and state.skipped_steps == 1
+    assert state.guard.step_nonfinite and state.guard.skipped_steps == 1

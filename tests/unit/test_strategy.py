@@ -91,7 +91,7 @@ def test_custom_hook_arguments_are_refused_but_explicit_none_is_fine() -> None:
 @pytest.mark.parametrize("bad", [0, -3, 1.5, True])
 def test_min_numel_must_be_a_positive_integer(bad: object) -> None:
     with pytest.raises(ValueError, match="min_numel"):
-        GradCompStrategy("terngrad", min_numel=bad)  # type: ignore[arg-type]
+        GradCompStrategy("terngrad", min_numel=bad)
 
 
 def test_exclusion_patterns_and_min_numel_select_float_tensors() -> None:
