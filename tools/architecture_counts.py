@@ -26,7 +26,10 @@ Prints, for one checkout of the library package (default: this repository's ``li
 * the compressor contract: public methods and class attributes of ``Compressor`` (the flags among them: those
   typed ``bool`` or ``Optional[bool]``), and the attributes the runtime reads off a compressor by name
   (``getattr(compressor, "...", default)``, ``hasattr``) that the contract does not declare;
-* the entries at the library's root (modules, packages, other files).
+* the entries at the library's root (modules, packages, other files);
+* the strategy options written in both front ends of an engine (:data:`FRONT_END_PAIRS`: the parameter names both
+  constructors spell out, of the larger one's), and the hook state's pass-through properties (a ``GradCompState``
+  property whose body is ``return self.<owner>.<value>``).
 
 Usage: ``python tools/architecture_counts.py [--list] [LIBRARY]`` (``--list`` names every place counted); for the
 counts of an older commit, ``git worktree add /tmp/before <commit>`` and pass ``/tmp/before/lightning_gradcomp``.
@@ -82,6 +85,14 @@ LAYOUT_SIZES = {
 COMPRESSOR_EXPRESSION = re.compile(r"(^|\.)compressor$")
 
 
+#: the Trainer and Fabric front ends of each engine: (label, module, class), twice
+FRONT_END_PAIRS = (
+    ("DDP", ("strategies/strategy.py", "GradCompStrategy"), ("strategies/fabric.py", "GradCompFabricStrategy")),
+    ("sharded", ("strategies/sharded.py", "ShardedGradCompStrategy"),
+     ("strategies/fabric.py", "ShardedGradCompFabricStrategy")),
+)
+
+
 @dataclass
 class Counts:
     compressor_lines: dict[str, tuple[int, list[str]]] = field(default_factory=dict)
@@ -96,6 +107,9 @@ class Counts:
     root_entries: list[str] = field(default_factory=list)
     root_modules: list[str] = field(default_factory=list)
     root_packages: list[str] = field(default_factory=list)
+    #: per engine: the options both front ends write out, and the larger constructor's parameter count
+    mirrored_options: dict[str, tuple[list[str], int]] = field(default_factory=dict)
+    pass_through_properties: list[str] = field(default_factory=list)
 
 
 def _library_files(library: Path) -> list[Path]:
@@ -319,7 +333,38 @@ def count(library: Path = LIBRARY) -> Counts:
     counts.root_entries = [p.name for p in entries]
     counts.root_modules = [p.name for p in entries if p.suffix == ".py" and not p.name.startswith("_")]
     counts.root_packages = [p.name for p in entries if p.is_dir() and (p / "__init__.py").exists()]
+    for label, trainer, fabric in FRONT_END_PAIRS:
+        a, b = (_constructor_parameters(library, *side) for side in (trainer, fabric))
+        counts.mirrored_options[label] = ([n for n in a if n in b], max(len(a), len(b)))
+    counts.pass_through_properties = _pass_through_properties(library)
     return counts
+
+
+def _constructor_parameters(library: Path, module: str, cls: str) -> list[str]:
+    """The parameter names ``cls.__init__`` writes out (``self``, ``*args``, ``**kwargs`` and a ``with_options``
+    constructor's ``options`` aside: the options object's fields are declared in its dataclass)."""
+    for node in ast.walk(ast.parse((library / module).read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    args = item.args.posonlyargs + item.args.args + item.args.kwonlyargs
+                    return [a.arg for a in args if a.arg not in ("self", "options")]
+    return []
+
+
+def _pass_through_properties(library: Path) -> list[str]:
+    """``GradCompState``'s properties whose body is ``return self.<owner>.<value>``."""
+    found = []
+    for node in ast.walk(ast.parse((library / "exchange/hook.py").read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == "GradCompState":
+            for item in node.body:
+                body = [b for b in getattr(item, "body", []) if not (isinstance(b, ast.Expr)
+                                                                     and isinstance(b.value, ast.Constant))]
+                if (isinstance(item, ast.FunctionDef) and any(ast.unparse(d) == "property" for d in item.decorator_list)
+                        and len(body) == 1 and isinstance(body[0], ast.Return) and body[0].value is not None
+                        and re.fullmatch(r"self\.\w+\.\w+", ast.unparse(body[0].value))):
+                    found.append(item.name)
+    return found
 
 
 def _modules(places: list[str]) -> int:
@@ -353,7 +398,14 @@ def main() -> None:
           f"{len(counts.undeclared_attributes)} |")
     print(f"| entries at the library's root (public modules, packages) | {len(counts.root_entries)} "
           f"({len(counts.root_modules)}, {len(counts.root_packages)}) |")
+    for label, (names, total) in counts.mirrored_options.items():
+        print(f"| {label} strategy options written in both the Trainer's and the Fabric front end (of the larger's "
+              f"parameters) | {len(names)} ({total}) |")
+    print(f"| GradCompState's pass-through properties | {len(counts.pass_through_properties)} |")
     if args.list:
+        for label, (names, _) in counts.mirrored_options.items():
+            print(f"\n{label} options in both front ends: " + ", ".join(names))
+        print("\npass-through properties: " + ", ".join(counts.pass_through_properties))
         for label, (_, paths) in counts.compressor_lines.items():
             print(f"\n{label}: " + ", ".join(paths))
         print("\nno single compressor: " + ", ".join(counts.shared_lines[1]))
