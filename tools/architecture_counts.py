@@ -343,7 +343,8 @@ def count(library: Path = LIBRARY) -> Counts:
 def _constructor_parameters(library: Path, module: str, cls: str) -> list[str]:
     """The parameter names ``cls.__init__`` writes out (``self``, ``*args``, ``**kwargs`` and a ``with_options``
     constructor's ``options`` aside: the options object's fields are declared in its dataclass)."""
-    for node in ast.walk(ast.parse((library / module).read_text())):
+    path = library / module
+    for node in ast.walk(ast.parse(path.read_text())) if path.exists() else ():
         if isinstance(node, ast.ClassDef) and node.name == cls:
             for item in node.body:
                 if isinstance(item, ast.FunctionDef) and item.name == "__init__":
@@ -354,8 +355,9 @@ def _constructor_parameters(library: Path, module: str, cls: str) -> list[str]:
 
 def _pass_through_properties(library: Path) -> list[str]:
     """``GradCompState``'s properties whose body is ``return self.<owner>.<value>``."""
-    found = []
-    for node in ast.walk(ast.parse((library / "exchange/hook.py").read_text())):
+    found: list[str] = []
+    path = library / "exchange/hook.py"
+    for node in ast.walk(ast.parse(path.read_text())) if path.exists() else ():
         if isinstance(node, ast.ClassDef) and node.name == "GradCompState":
             for item in node.body:
                 body = [b for b in getattr(item, "body", []) if not (isinstance(b, ast.Expr)

@@ -142,3 +142,49 @@ def test_the_counts_follow_their_rules(tmp_path: Path) -> None:
     assert counts.root_modules == ["hook.py", "ledger.py", "towers.py"]
     assert counts.root_packages == ["callbacks", "compressors", "kernels", "weightgrad"]
     assert len(counts.root_entries) == 9  # the modules, the packages, __init__.py, py.typed
+
+
+FRONT_ENDS = {
+    "compressors/base.py": "class Compressor: ...\n",
+    "strategies/sharded.py": """
+class ShardedGradCompStrategy:
+    def __init__(self, compressor="terngrad", shard_size=None, node_size=None, **kwargs): ...
+""",
+    "strategies/strategy.py": """
+class GradCompStrategy:
+    @with_options(DDPOptions)
+    def __init__(self, options, precision_plugin=None, **kwargs): ...
+""",
+    "strategies/fabric.py": """
+class GradCompFabricStrategy:
+    def __init__(self, compressor="terngrad", exclude=None, transforms=(), precision=None, **kwargs): ...
+
+class ShardedGradCompFabricStrategy:
+    def __init__(self, parallelize_fn=None, compressor="terngrad", shard_size=None): ...
+""",
+    "exchange/hook.py": """
+class GradCompState:
+    @property
+    def world_size(self):
+        \"\"\"Ranks in the group.\"\"\"
+        return self.peers.world_size
+
+    @property
+    def stats(self):
+        return self.observer if isinstance(self.observer, HookStats) else None
+
+    def bytes_per_step(self):
+        return self.ledger.bytes_per_step()
+""",
+}
+
+
+def test_mirrored_options_and_pass_through_properties_are_counted(tmp_path: Path) -> None:
+    for relative, text in FRONT_ENDS.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    counts = count(tmp_path)
+    # the names both constructors write out; the options object's fields are not written in the constructor
+    assert counts.mirrored_options == {"DDP": ([], 4), "sharded": (["compressor", "shard_size"], 3)}
+    # a property returning another owner's value; not a computed view, not a method
+    assert counts.pass_through_properties == ["world_size"]
