@@ -181,7 +181,7 @@ def _args_section(options: type[ExchangeOptions]) -> str:
         doc = cls.__dict__.get("__doc__") if dataclasses.is_dataclass(cls) else None
         if doc and "Args:" in doc:
             entries.append(inspect.cleandoc(doc.split("Args:", 1)[1]).rstrip())
-    return "Args:\n" + "\n".join("    " + line if line else line for block in entries for line in block.splitlines())
+    return f"Takes every option of :class:`{options.__name__}` by name.\n\nArgs:\n" + "\n".join("    " + line if line else line for block in entries for line in block.splitlines())
 
 
 def with_options(options: type[OptionsT]) -> Callable[[Callable[..., None]], Callable[..., None]]:

@@ -61,3 +61,5 @@ def test_the_cli_parser_sees_every_option_with_its_default(front_end: type) -> N
     assert defaults.min_numel == 1 and defaults.compressor == "terngrad" and defaults.pipeline_mb == 8.0
     # DDP's own hook arguments stay hidden: the strategy installs its hook and refuses them
     assert "ddp_comm_hook" not in defaults
+    # each option's help is its description in the dataclass
+    assert "parameters with fewer elements (whole tensor) are sent" in " ".join(parser.format_help().split())
