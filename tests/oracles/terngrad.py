@@ -49,7 +49,7 @@ class LayerTernGrad(LayerLoop, TernGrad):
         self._fused.forget()
 
     def _layer_kernels(self, device: torch.device) -> Optional[FusedTernGrad]:
-        return self._fused if self._kernels(device) is not None else None
+        return self._fused if self.kernels(device).name == "fused" else None
 
     def _chunked(self, tensor: Tensor) -> Tensor:
         """The flat float32 tensor as [chunks, chunk_len]; a partial last chunk is padded with zeros."""
