@@ -62,7 +62,10 @@ class AdaCompSettings(Protocol):
 class AdaCompKernels(Protocol):
     """The operations of AdaComp's group step that a kernel set runs; each gives the torch ops' bits."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The kernel set: ``"torch"``, ``"fused"`` or ``"triton"``."""
+        ...
 
     def encode_adaptive(
         self, g: Tensor, dw: Tensor, segments: Segments, sizes: tuple[int, ...]

@@ -30,8 +30,10 @@ Kernels = Literal["torch", "fused", "triton"]
 class Provider(Protocol):
     """What every family's provider declares: the kernel set it runs."""
 
-    #: ``"torch"``, ``"fused"`` or ``"triton"``
-    name: Kernels
+    @property
+    def name(self) -> str:
+        """``"torch"``, ``"fused"`` or ``"triton"``."""
+        ...
 
 
 P = TypeVar("P", bound=Provider)

@@ -137,7 +137,7 @@ class Survivors(NamedTuple):
     """A group's survivors."""
 
     #: positions from the group's start, ascending (int64, or int32 from the compiled kernels)
-    index: Tensor
+    positions: Tensor
     #: float32 values
     values: Tensor
     #: int64 ``[layers]`` survivors per layer
@@ -162,7 +162,10 @@ class GradDropKernels(Protocol):
     """The operations of Gradient Dropping's group step that a kernel set runs (:mod:`~.graddrop_kernels`: torch
     ops, the compiled CPU kernels, Triton's); each gives the torch ops' bits."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The kernel set: ``"torch"``, ``"fused"`` or ``"triton"``."""
+        ...
 
     def select(
         self, x: Tensor, segments: Segments, plan: SamplePlan, thresholds: Thresholds, fp16: bool

@@ -69,7 +69,10 @@ class TernGradKernels(Protocol):
     """The operations of TernGrad's group step that a kernel set runs (:mod:`~.terngrad_kernels`: torch ops, the
     compiled CPU kernels, Triton's); each gives the torch ops' bits."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The kernel set: ``"torch"``, ``"fused"`` or ``"triton"``."""
+        ...
 
     def scale_clip(self, x: Tensor, segments: Segments) -> tuple[Tensor, Optional[Tensor]]:
         """This rank's scaler per chunk and the clip threshold per chunk of float32 ``x`` (``None``: no clipping)."""
