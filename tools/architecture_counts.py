@@ -298,7 +298,7 @@ def _backend_branches(tree: ast.AST) -> list[int]:
         if test is None or id(node) in inside:
             continue
         if _asks_backend(test):
-            lines.append(node.lineno)
+            lines.append(test.lineno)
             inside.update(id(n) for n in ast.walk(test))
     return sorted(lines)
 
