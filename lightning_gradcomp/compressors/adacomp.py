@@ -30,7 +30,7 @@ bit per entry. A layer that sends nothing sends 0 bytes.
 The code is written once, for a group of layers in one flat tensor: the hook's group methods (``compress_flat``,
 ``decompress_flat_mean_into``, ...) run every setting, and the per-layer methods (``compress(tensor, name)``,
 ``decompress(packet)``, ...) run them on a group of one. The adaptive selection with the paper's wire runs a fixed
-number of ops per group (:mod:`~lightning_gradcomp.compressors.adacomp_flat`, the compiled group kernels on CPU, Triton
+number of ops per group (:mod:`~lightning_gradcomp.compressors.adacomp_group`, the compiled group kernels on CPU, Triton
 on CUDA); the local selection picks per layer (:func:`local_send`, then the group's wire at once) and the index32 wire
 writes and reads each layer's bytes in turn (:func:`encode_index32`, :func:`decode_index32`). A gradient of any float
 dtype is selected in float32, and the ranks' decoded values are summed in the gradients' dtype.
@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.adacomp_flat import (
+from lightning_gradcomp.compressors.adacomp_group import (
     BinLayout,
     bin_mean,
     encode_words,
@@ -80,7 +80,7 @@ def local_send(g: Tensor, size: int, count: int) -> tuple[Tensor, Tensor]:
 
     Per bin of ``size`` elements of the flat float32 G (the last bin may be shorter), the ``count`` largest |G| as
     ``torch.topk`` picks them (ties by its order), never a G = 0; the scale is the mean of the bins' max |G|
-    (:func:`~lightning_gradcomp.compressors.adacomp_flat.bin_mean`, as the adaptive selection's).
+    (:func:`~lightning_gradcomp.compressors.adacomp_group.bin_mean`, as the adaptive selection's).
     """
     n = g.numel()
     if n == 0:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.adacomp_flat import (
+from lightning_gradcomp.compressors.adacomp_group import (
     BinLayout,
     bin_mean,
     decode_group_words,

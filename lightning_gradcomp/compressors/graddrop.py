@@ -27,7 +27,7 @@ Earlier versions drew the torch backend's positions from a ``torch.Generator`` p
 distribution); the state is the per-name counters, and a checkpoint holding such generator states is refused at
 :meth:`~GradientDropping.load_state_dict` (resume it with ``resume_compression='reset'``).
 
-The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.graddrop_flat`);
+The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.graddrop_group`);
 the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ...) run it on a group of one.
 """
 
@@ -42,7 +42,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
 from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, layer_segments
 from lightning_gradcomp.flat import FlatPacket, Segments
-from lightning_gradcomp.compressors.graddrop_flat import (
+from lightning_gradcomp.compressors.graddrop_group import (
     INT32_POSITIONS,
     GradDropKernels,
     counted_statistics,
@@ -335,7 +335,7 @@ class GradientDropping(KernelBacked[GradDropKernels]):
 
     def _group_coo32(self, segments: Segments) -> bool:
         """Whether a group's payload is the group's coo32 (unquantized ``coo32`` survivors of a group whose positions
-        fit int32), else each layer's own encoding back to back (:func:`~.graddrop_flat.encode_layer`)."""
+        fit int32), else each layer's own encoding back to back (:func:`~.graddrop_group.encode_layer`)."""
         return self._flat_settings() and segments.total < INT32_POSITIONS
 
     def _plan_key(self, segments: Segments, device: torch.device) -> tuple[object, ...]:
@@ -389,7 +389,7 @@ class GradientDropping(KernelBacked[GradDropKernels]):
         self, index: Tensor, values: Tensor, counts: Tensor, overflow: Optional[Tensor], thresholds: Tensor,
         segments: Segments, dtype: torch.dtype, plan: SamplePlan,
     ) -> FlatPacket:
-        """The group's packet in each layer's own encoding, back to back (:func:`~.graddrop_flat.encode_layer`; the
+        """The group's packet in each layer's own encoding, back to back (:func:`~.graddrop_group.encode_layer`; the
         survivors of the group split by layer, one host read of their counts)."""
         per_layer = counts.tolist()
         parts = []

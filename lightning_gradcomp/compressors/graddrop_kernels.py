@@ -1,4 +1,4 @@
-"""Gradient Dropping's kernel providers: the operations of its group step (:class:`~.graddrop_flat.GradDropKernels`)
+"""Gradient Dropping's kernel providers: the operations of its group step (:class:`~.graddrop_group.GradDropKernels`)
 on torch ops, on the compiled CPU kernels (:mod:`lightning_gradcomp.kernels`' group calls, their torch-ops forms
 elsewhere: sample, k-th smallest, selection, decode-and-sum) and on Triton's
 (:mod:`lightning_gradcomp.kernels.triton_graddrop`: sample, selection with the ``coo32`` encode and its statistics,
@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.backends import Kernels
-from lightning_gradcomp.compressors.graddrop_flat import (
+from lightning_gradcomp.compressors.graddrop_group import (
     INT32_POSITIONS,
     Coo32Group,
     SamplePlan,
@@ -85,7 +85,7 @@ class TorchGradientDropping:
 
 class CompiledGradientDropping(TorchGradientDropping):
     """Gradient Dropping's group step in the compiled kernels' group calls, each one call per group with the layers'
-    tables of a :class:`~.graddrop_flat.SamplePlan`; random samples keyed per layer."""
+    tables of a :class:`~.graddrop_group.SamplePlan`; random samples keyed per layer."""
 
     name: Kernels = "fused"
 

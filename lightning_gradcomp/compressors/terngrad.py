@@ -18,7 +18,7 @@ so an int8 all-reduce of the ternary values (n bytes, summable) is an alternativ
 payloads; ``collective`` picks one, ``"auto"`` by the ring traffic of each (see :meth:`TernGrad.aggregation_for`),
 and a planner may pick either per bucket (:meth:`TernGrad.collectives`).
 
-The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.terngrad_flat`);
+The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.terngrad_group`);
 the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ...) run it on a group of one.
 """
 
@@ -39,7 +39,7 @@ from lightning_gradcomp.compressors.base import (
 )
 from lightning_gradcomp.flat import FlatPacket, Packet, Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
-from lightning_gradcomp.compressors.terngrad_flat import FlatTernGrad, TernGradKernels
+from lightning_gradcomp.compressors.terngrad_group import FlatTernGrad, TernGradKernels
 from lightning_gradcomp.compressors.terngrad_kernels import TERNGRAD_KERNELS
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.wire.ternary import PACKINGS, Packing, packed_nbytes

@@ -1,4 +1,4 @@
-"""TernGrad's kernel providers: the operations of its group step (:class:`~.terngrad_flat.TernGradKernels`) on torch
+"""TernGrad's kernel providers: the operations of its group step (:class:`~.terngrad_group.TernGradKernels`) on torch
 ops, on the compiled CPU kernels (one call per group, looping over its layers inside: ``terngrad_scale_clip_flat``,
 ``terngrad_ternarize_flat``, ``terngrad_decode_sum_flat``, ``terngrad_scale_int8_flat``) and on Triton's
 (:mod:`lightning_gradcomp.kernels.triton_terngrad`). All three give the same bits; a form a kernel set has no kernel
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.backends import Kernels
-from lightning_gradcomp.compressors.terngrad_flat import ZERO_CODE, FlatTernGrad, PackLayout
+from lightning_gradcomp.compressors.terngrad_group import ZERO_CODE, FlatTernGrad, PackLayout
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.kernels import extension_for, terngrad_scaler, triton_terngrad
 
@@ -67,7 +67,7 @@ class TorchTernGrad:
 
     def mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
         """The ranks' mean of packed payloads into ``out``: the ranks' sum divided by their number, bit for bit
-        (:meth:`~.terngrad_flat.FlatTernGrad.decompress_sum`)."""
+        (:meth:`~.terngrad_group.FlatTernGrad.decompress_sum`)."""
         g, first, ranks = self.group, packets[0], len(packets)
         if "scale" not in first.ctx:  # per-worker scalers: decode each rank, sum the decoded in rank order
             total = g.decompress(first)

@@ -21,10 +21,10 @@ value plus one float32 scale per tensor; the rounding error stays in the residua
 
 The code is written once, for a group of layers in one flat tensor (the hook's pipeline, :meth:`TopK.compress_flat`);
 the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ``sent``) run it on a group of one. The
-group payload's layout is :mod:`~lightning_gradcomp.compressors.topk_flat`'s; the selection, what differs by device
-(:attr:`TopK.selection`), is stated for one layer once (:func:`~lightning_gradcomp.compressors.topk_flat.top_k_segment`,
-:func:`~lightning_gradcomp.compressors.dgc_flat.select_segment`) and looped over the layers on a CPU, batched for all
-layers at once elsewhere (:mod:`~lightning_gradcomp.compressors.dgc_flat`, or Triton's kernels on CUDA): the same
+group payload's layout is :mod:`~lightning_gradcomp.compressors.topk_group`'s; the selection, what differs by device
+(:attr:`TopK.selection`), is stated for one layer once (:func:`~lightning_gradcomp.compressors.topk_group.top_k_segment`,
+:func:`~lightning_gradcomp.compressors.dgc_group.select_segment`) and looped over the layers on a CPU, batched for all
+layers at once elsewhere (:mod:`~lightning_gradcomp.compressors.dgc_group`, or Triton's kernels on CUDA): the same
 elements either way. DGC's sample offsets come from per-name counter streams computed on the host, so every
 selection draws the same ones.
 """
@@ -36,12 +36,12 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors import dgc_flat, topk_flat
+from lightning_gradcomp.compressors import dgc_group, topk_group
 from lightning_gradcomp.compressors.backends import KernelBacked
 from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
-from lightning_gradcomp.compressors.topk_flat import SparseLayout
+from lightning_gradcomp.compressors.topk_group import SparseLayout
 from lightning_gradcomp.compressors.topk_kernels import TOPK_KERNELS, TopKKernels
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
@@ -138,11 +138,11 @@ class TopK(KernelBacked[TopKKernels]):
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         """Every sparse layer's ``k`` largest ``|x|`` (NaN above +inf; of the values equal to the k-th largest, the
         lowest positions), sent in position order, in the group payload of
-        :mod:`~lightning_gradcomp.compressors.topk_flat`. The selection by device (:attr:`selection`): one partial
+        :mod:`~lightning_gradcomp.compressors.topk_group`. The selection by device (:attr:`selection`): one partial
         selection per layer, a segmented sort, or with Triton a radix select and a compaction."""
         layout = self._layout(segments, flat.device)
         payload = self.kernels(flat.device).encode_top_k(flat.detach(), layout)
-        stats = {"density": layout.constant("density", lambda: topk_flat.density(layout, layout.counts))}
+        stats = {"density": layout.constant("density", lambda: topk_group.density(layout, layout.counts))}
         return FlatPacket(payload, segments, flat.dtype, layout.fixed_nbytes(), ctx={"layout": layout}, stats=stats)
 
     def _decoding(self, packet: FlatPacket) -> tuple[SparseLayout, Optional[Segments]]:
@@ -214,7 +214,7 @@ class DGC(TopK):
         self.max_adaptation_iters = max_adaptation_iters
         self.seed = seed
         self._streams = CounterStreams(seed)
-        self._plans: dict[tuple[Any, ...], dgc_flat.DGCPlan] = {}
+        self._plans: dict[tuple[Any, ...], dgc_group.DGCPlan] = {}
 
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
@@ -247,7 +247,7 @@ class DGC(TopK):
                 samples = numel // stride
         return stride, samples, max(1, math.ceil(samples * self._ratio))
 
-    def _plan(self, segments: Segments, device: torch.device) -> dgc_flat.DGCPlan:
+    def _plan(self, segments: Segments, device: torch.device) -> dgc_group.DGCPlan:
         key = (segments, self._ratio, self.value_dtype, self.dense_1d, self.sample_ratio, self.upper_bound,
                self.lower_bound, self.max_adaptation_iters, device)
         plan = self._plans.get(key)
@@ -256,16 +256,16 @@ class DGC(TopK):
                 self._plans.clear()
             layout = self._layout(segments, device)
             sampled = [self.sampling(n) if k else (0, 0, 0) for n, k in zip(segments.numels, layout.counts)]
-            plan = self._plans[key] = dgc_flat.DGCPlan(
+            plan = self._plans[key] = dgc_group.DGCPlan(
                 layout, tuple(s[0] for s in sampled), tuple(s[2] for s in sampled), self.lower_bound,
                 self.upper_bound, self.max_adaptation_iters)
         return plan
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        """DGC's selection of every layer (:func:`~lightning_gradcomp.compressors.dgc_flat.select_segment` states it
-        for one layer), sent in position order in :mod:`~lightning_gradcomp.compressors.topk_flat`'s group payload.
-        The selection by device (:attr:`~TopK.selection`): one :func:`~lightning_gradcomp.compressors.dgc_flat
-        .select_segment` per layer (host counts), :func:`~lightning_gradcomp.compressors.dgc_flat.select`'s fixed
+        """DGC's selection of every layer (:func:`~lightning_gradcomp.compressors.dgc_group.select_segment` states it
+        for one layer), sent in position order in :mod:`~lightning_gradcomp.compressors.topk_group`'s group payload.
+        The selection by device (:attr:`~TopK.selection`): one :func:`~lightning_gradcomp.compressors.dgc_group
+        .select_segment` per layer (host counts), :func:`~lightning_gradcomp.compressors.dgc_group.select`'s fixed
         number of ops with one ``nonzero`` per group, or with Triton kernels and one read of the
         selected count; the batched forms keep the per-layer sizes on the device (``layer_nbytes`` an int64 tensor).
         int2 values are coded with the counts on the host (a read of them after a batched selection)."""
@@ -279,22 +279,22 @@ class DGC(TopK):
             return self._packet(payload, segments, flat.dtype, layout, sent)
         x, indices, sent = ops.dgc_indices(plan, flat.detach(), starts)
         counts = sent if isinstance(sent, tuple) else tuple(sent.tolist())
-        payload = topk_flat.encode(x, layout, indices, layout.selection_of(counts))
+        payload = topk_group.encode(x, layout, indices, layout.selection_of(counts))
         return self._packet(payload, segments, flat.dtype, layout, counts)
 
     @staticmethod
     def _packet(payload: Tensor, segments: Segments, dtype: torch.dtype, layout: SparseLayout,
                 sent: "tuple[int, ...] | Tensor") -> FlatPacket:
         """The group packet of ``payload`` sending ``sent`` elements per layer (host counts or a device tensor)."""
-        return FlatPacket(payload, segments, dtype, topk_flat.sent_nbytes(layout, sent), ctx={"layout": layout},
-                          stats={"density": topk_flat.density(layout, sent)})
+        return FlatPacket(payload, segments, dtype, topk_group.sent_nbytes(layout, sent), ctx={"layout": layout},
+                          stats={"density": topk_group.density(layout, sent)})
 
     def _decoding(self, packet: FlatPacket) -> tuple[SparseLayout, Optional[Segments]]:
         layout, _ = super()._decoding(packet)
         if self.value_dtype != _INT2:
             return layout, None
         # int2 codes are padded per layer: the layers' counts, from this packet's (this rank's) sizes
-        return layout, layout.selection_of(topk_flat.int2_counts(layout, packet.layer_nbytes))
+        return layout, layout.selection_of(topk_group.int2_counts(layout, packet.layer_nbytes))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "sample_ratio": self.sample_ratio, "upper_bound": self.upper_bound,

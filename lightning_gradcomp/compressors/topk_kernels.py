@@ -12,13 +12,13 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors import dgc_flat, topk_flat
+from lightning_gradcomp.compressors import dgc_group, topk_group
 from lightning_gradcomp.compressors.backends import Kernels
-from lightning_gradcomp.compressors.topk_flat import SparseLayout
+from lightning_gradcomp.compressors.topk_group import SparseLayout
 from lightning_gradcomp.flat import Segments
 
 #: the selections by torch ops: every sparse layer's top-k of the magnitudes, int64 flat positions ascending
-TOP_K = {"loop": topk_flat.select_top_k, "batched": topk_flat.select_top_k_batched}
+TOP_K = {"loop": topk_group.select_top_k, "batched": topk_group.select_top_k_batched}
 _INT2 = "int2"
 
 
@@ -41,12 +41,12 @@ class TopKKernels(Protocol):
         """The group payload of every sparse layer's top-k of ``x``."""
         ...
 
-    def dgc_encode(self, plan: dgc_flat.DGCPlan, x: Tensor, starts: Sequence[int]) -> "tuple[Tensor, tuple[int, ...] | Tensor]":
+    def dgc_encode(self, plan: dgc_group.DGCPlan, x: Tensor, starts: Sequence[int]) -> "tuple[Tensor, tuple[int, ...] | Tensor]":
         """DGC's selection of fp32 / fp16 values in the group payload, and the elements sent per layer."""
         ...
 
     def dgc_indices(
-        self, plan: dgc_flat.DGCPlan, x: Tensor, starts: Sequence[int]
+        self, plan: dgc_group.DGCPlan, x: Tensor, starts: Sequence[int]
     ) -> "tuple[Tensor, Tensor, tuple[int, ...] | Tensor]":
         """DGC's selection: (the values to encode, their flat positions ascending, the elements sent per layer)."""
         ...
@@ -87,28 +87,28 @@ class TorchTopK:
         return selection
 
     def encode_top_k(self, x: Tensor, layout: SparseLayout) -> Tensor:
-        return topk_flat.encode(x, layout, TOP_K[self.selecting(x)](x.abs(), layout))
+        return topk_group.encode(x, layout, TOP_K[self.selecting(x)](x.abs(), layout))
 
     def dgc_indices(
-        self, plan: dgc_flat.DGCPlan, x: Tensor, starts: Sequence[int]
+        self, plan: dgc_group.DGCPlan, x: Tensor, starts: Sequence[int]
     ) -> "tuple[Tensor, Tensor, tuple[int, ...] | Tensor]":
-        select = dgc_flat.select_loop if self.selecting(x) == "loop" else dgc_flat.select
+        select = dgc_group.select_loop if self.selecting(x) == "loop" else dgc_group.select
         indices, sent = select(plan, x.abs(), starts)
         return x, indices, sent
 
-    def dgc_encode(self, plan: dgc_flat.DGCPlan, x: Tensor, starts: Sequence[int]) -> "tuple[Tensor, tuple[int, ...] | Tensor]":
+    def dgc_encode(self, plan: dgc_group.DGCPlan, x: Tensor, starts: Sequence[int]) -> "tuple[Tensor, tuple[int, ...] | Tensor]":
         x, indices, sent = self.dgc_indices(plan, x, starts)
-        return topk_flat.encode(x, plan.layout, indices), sent
+        return topk_group.encode(x, plan.layout, indices), sent
 
     def decode_sent(self, payload: Tensor, layout: SparseLayout, dtype: torch.dtype, selection: Optional[Segments]) -> Tensor:
-        return topk_flat.decode_sent(payload, layout, dtype, selection)
+        return topk_group.decode_sent(payload, layout, dtype, selection)
 
     def decode_mean_into(
         self, payloads: Sequence[Tensor], layout: SparseLayout, dtype: torch.dtype, out: Tensor,
         selections: Sequence[Optional[Segments]],
     ) -> Tensor:
-        return topk_flat.decode_mean_into(payloads, layout, dtype, out,
-                                          lambda p, s, total: topk_flat.add_decoded(p, layout, s, total), selections)
+        return topk_group.decode_mean_into(payloads, layout, dtype, out,
+                                          lambda p, s, total: topk_group.add_decoded(p, layout, s, total), selections)
 
 
 class TritonTopK(TorchTopK):
@@ -118,24 +118,24 @@ class TritonTopK(TorchTopK):
     name: Kernels = "triton"
 
     def encode_top_k(self, x: Tensor, layout: SparseLayout) -> Tensor:
-        return topk_flat.encode_top_k(x, layout)
+        return topk_group.encode_top_k(x, layout)
 
     def dgc_indices(
-        self, plan: dgc_flat.DGCPlan, x: Tensor, starts: Sequence[int]
+        self, plan: dgc_group.DGCPlan, x: Tensor, starts: Sequence[int]
     ) -> "tuple[Tensor, Tensor, tuple[int, ...] | Tensor]":
         x = x.float().contiguous()
-        mask, sent = dgc_flat.select_mask(plan, x, starts)
+        mask, sent = dgc_group.select_mask(plan, x, starts)
         return x, torch.nonzero(mask).reshape(-1), sent
 
-    def dgc_encode(self, plan: dgc_flat.DGCPlan, x: Tensor, starts: Sequence[int]) -> "tuple[Tensor, tuple[int, ...] | Tensor]":
+    def dgc_encode(self, plan: dgc_group.DGCPlan, x: Tensor, starts: Sequence[int]) -> "tuple[Tensor, tuple[int, ...] | Tensor]":
         x = x.float().contiguous()
-        mask, sent = dgc_flat.select_mask(plan, x, starts)
-        return topk_flat.encode_mask(x, plan.layout, mask), sent
+        mask, sent = dgc_group.select_mask(plan, x, starts)
+        return topk_group.encode_mask(x, plan.layout, mask), sent
 
     def decode_sent(self, payload: Tensor, layout: SparseLayout, dtype: torch.dtype, selection: Optional[Segments]) -> Tensor:
         if layout.value_dtype == _INT2:
             return super().decode_sent(payload, layout, dtype, selection)
-        return topk_flat.scatter_sent(payload, layout, dtype)
+        return topk_group.scatter_sent(payload, layout, dtype)
 
     def decode_mean_into(
         self, payloads: Sequence[Tensor], layout: SparseLayout, dtype: torch.dtype, out: Tensor,
@@ -143,8 +143,8 @@ class TritonTopK(TorchTopK):
     ) -> Tensor:
         if layout.value_dtype == _INT2:
             return super().decode_mean_into(payloads, layout, dtype, out, selections)
-        return topk_flat.decode_mean_into(payloads, layout, dtype, out,
-                                          lambda p, s, total: topk_flat.add_sections(p, layout, total), selections)
+        return topk_group.decode_mean_into(payloads, layout, dtype, out,
+                                          lambda p, s, total: topk_group.add_sections(p, layout, total), selections)
 
 
 #: top-k's and DGC's provider of each kernel set (no compiled CPU kernels)

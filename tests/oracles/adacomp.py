@@ -1,5 +1,5 @@
 """Test oracle: AdaComp one layer at a time, as it was written before its group code
-(:mod:`lightning_gradcomp.compressors.adacomp_flat` and the group methods of
+(:mod:`lightning_gradcomp.compressors.adacomp_group` and the group methods of
 :class:`~lightning_gradcomp.compressors.AdaComp`) became the one implementation.
 
 :class:`LayerAdaComp` is :class:`~lightning_gradcomp.compressors.AdaComp` with its per-layer methods written per layer:
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.adacomp import AdaComp, layer_kind
-from lightning_gradcomp.compressors.adacomp_flat import bin_mean
+from lightning_gradcomp.compressors.adacomp_group import bin_mean
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.flat import Packet, Segments
 from lightning_gradcomp.wire.sparse import (

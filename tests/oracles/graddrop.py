@@ -1,5 +1,5 @@
 """Test oracle: Gradient Dropping one layer at a time, as it was written before its group code
-(:mod:`lightning_gradcomp.compressors.graddrop_flat`) became the one implementation.
+(:mod:`lightning_gradcomp.compressors.graddrop_group`) became the one implementation.
 
 :class:`LayerGradientDropping` is :class:`~lightning_gradcomp.compressors.GradientDropping` with its per-layer methods
 written per layer: ``backend="torch"`` selects with torch ops (``torch.kthvalue``, a mask, ``nonzero``),

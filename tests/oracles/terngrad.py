@@ -1,5 +1,5 @@
 """Test oracle: TernGrad one layer at a time, as it was written before its group code
-(:mod:`lightning_gradcomp.compressors.terngrad_flat`) became the one implementation.
+(:mod:`lightning_gradcomp.compressors.terngrad_group`) became the one implementation.
 
 :class:`LayerTernGrad` is :class:`~lightning_gradcomp.compressors.TernGrad` with its per-layer methods written per
 layer: ``backend="fused"`` runs the per-layer kernels (:class:`~tests.oracles.terngrad_fused.FusedTernGrad`: the

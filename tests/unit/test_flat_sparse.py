@@ -253,7 +253,7 @@ def test_both_selections_send_the_same_bits_on_ties_and_non_finite_values(settin
 
 
 def test_top_k_of_a_layer_is_a_stable_sorts_first_k() -> None:
-    from lightning_gradcomp.compressors.topk_flat import top_k_segment
+    from lightning_gradcomp.compressors.topk_group import top_k_segment
 
     x = _ties(3000, 1).abs()
     for k in (1, 7, 60, 2999, 3000):

@@ -173,7 +173,7 @@ def _tile_edges() -> None:
 def _sample_positions() -> None:
     """The sample kernel against ``gather_samples`` on |x| = each element's position: the drawn positions
     themselves, for keys whose index + k0 wraps modulo 2**32."""
-    from lightning_gradcomp.compressors.graddrop_flat import gather_samples
+    from lightning_gradcomp.compressors.graddrop_group import gather_samples
     from lightning_gradcomp.compressors.graddrop_kernels import triton_tables
     from lightning_gradcomp.kernels import rng, triton_graddrop
 
