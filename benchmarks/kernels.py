@@ -276,11 +276,15 @@ def group_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Cal
         scale, clip = pair[True]._flat.scale_clip(g, seg)
         packed = collective == "allgather"
 
+        def ternarize(comp: Any, packed: bool) -> Callable[..., Any]:  # the kernel provider's encode, packed or not
+            ops = comp.kernels(g.device)
+            return ops.encode_payload if packed else ops.encode
+
         def compress(r: bool) -> Any:  # what the hook runs: the statistics pass (torch ops on CUDA), then compress
             return pair[r].compress_flat(g, seg, pair[r].flat_statistic(g, seg))
 
         rows: list[tuple[str, Callable[[bool], Any]]] = [
-            ("ternarize", lambda r: pair[r]._flat._encode(g, seg, scale, clip, packed)), ("compress", compress),
+            ("ternarize", lambda r: ternarize(pair[r], packed)(g, seg, scale, clip)), ("compress", compress),
         ]
         if collective == "allreduce_int8":
             summed = {r: p.with_payload(p.payload * 2) for r, p in packets.items()}  # a sum over ranks

@@ -26,10 +26,15 @@ Prints, for one checkout of the library package (default: this repository's ``li
 * the compressor contract: public methods and class attributes of ``Compressor`` (the flags among them: those
   typed ``bool`` or ``Optional[bool]``), and the attributes the runtime reads off a compressor by name
   (``getattr(compressor, "...", default)``, ``hasattr``) that the contract does not declare;
-* the entries at the library's root (modules, packages, other files);
 * the strategy options written in both front ends of an engine (:data:`FRONT_END_PAIRS`: the parameter names both
   constructors spell out, of the larger one's), and the hook state's pass-through properties (a ``GradCompState``
-  property whose body is ``return self.<owner>.<value>``).
+  property whose body is ``return self.<owner>.<value>``);
+* the backend branches at call sites (the target is none: the kernels come from one provider object, chosen
+  once): in ``compressors/`` outside the providers (``backends.py``, ``*_kernels.py``), every ``if``, conditional
+  expression or ``and``/``or`` whose condition asks which kernels run (calls ``uses_triton``, ``_kernels``,
+  ``native``, ``_native_decode``, ``_triton_wire``, ``_selecting``, ``_torch_ops_form``; reads a variable named
+  ``fused``, ``ext``, ``triton``, ``selecting``, ``in_place``; or compares with ``"fused"`` or ``"triton"``);
+* the entries at the library's root (modules, packages, other files).
 
 Usage: ``python tools/architecture_counts.py [--list] [LIBRARY]`` (``--list`` names every place counted); for the
 counts of an older commit, ``git worktree add /tmp/before <commit>`` and pass ``/tmp/before/lightning_gradcomp``.
@@ -81,6 +86,13 @@ LAYOUT_SIZES = {
     "groups.py::Layouts.groups": "input bytes per pipeline chunk",
     "exchange/groups.py::Layouts.groups": "input bytes per pipeline chunk",
 }
+#: what asks which kernels run (see the module docstring): calls, variable names, and the kernel sets' names
+BACKEND_CALLS = frozenset({"uses_triton", "_kernels", "native", "_native_decode", "_triton_wire", "_selecting",
+                           "_torch_ops_form"})
+BACKEND_NAMES = frozenset({"fused", "ext", "triton", "selecting", "in_place"})
+BACKEND_STRINGS = frozenset({"fused", "triton"})
+#: the provider modules, where choosing among kernels is the job
+PROVIDER_FILE = re.compile(r"^(backends|.*_kernels)\.py$")
 #: an expression that is a compressor (``compressor``, ``state.compressor``)
 COMPRESSOR_EXPRESSION = re.compile(r"(^|\.)compressor$")
 
@@ -110,6 +122,7 @@ class Counts:
     #: per engine: the options both front ends write out, and the larger constructor's parameter count
     mirrored_options: dict[str, tuple[list[str], int]] = field(default_factory=dict)
     pass_through_properties: list[str] = field(default_factory=list)
+    backend_branches: list[str] = field(default_factory=list)
 
 
 def _library_files(library: Path) -> list[Path]:
@@ -275,6 +288,35 @@ def _undeclared_attributes(tree: ast.AST, declared: set[str]) -> set[str]:
     return found
 
 
+def _asks_backend(test: ast.AST) -> bool:
+    """Whether a condition asks which kernels run (see :data:`BACKEND_CALLS`)."""
+    for node in ast.walk(test):
+        if _called_name(node) in BACKEND_CALLS and isinstance(node, ast.Call):
+            return True
+        if isinstance(node, ast.Name) and node.id in BACKEND_NAMES:
+            return True
+        if isinstance(node, ast.Compare) and any(
+            isinstance(c, ast.Constant) and c.value in BACKEND_STRINGS for c in [node.left, *node.comparators]
+        ):
+            return True
+    return False
+
+
+def _backend_branches(tree: ast.AST) -> list[int]:
+    """Lines of the conditions in ``tree`` that ask which kernels run (an ``and``/``or`` inside a counted condition
+    is that condition's)."""
+    lines: list[int] = []
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, (ast.If, ast.IfExp, ast.While)) else node if isinstance(node, ast.BoolOp) else None
+        if test is None or id(node) in inside:
+            continue
+        if _asks_backend(test):
+            lines.append(test.lineno)
+            inside.update(id(n) for n in ast.walk(test))
+    return sorted(lines)
+
+
 def _is_flag(annotation: ast.AST | None) -> bool:
     """``bool`` or ``Optional[bool]`` (a tri-state: ``None`` lets the runtime choose)."""
     return annotation is not None and ast.unparse(annotation).replace(" ", "") in ("bool", "Optional[bool]", "bool|None")
@@ -310,6 +352,10 @@ def count(library: Path = LIBRARY) -> Counts:
                     counts.contract_attributes.append(attr)
                     if _is_flag(annotation):
                         counts.contract_flags.append(attr)
+    for path in files:
+        if path.suffix == ".py" and path.parent == library / "compressors" and not PROVIDER_FILE.match(path.name):
+            where = str(path.relative_to(library))
+            counts.backend_branches += [f"{where}::{line}" for line in _backend_branches(ast.parse(path.read_text()))]
     declared = set(counts.contract_methods) | set(counts.contract_attributes)
     undeclared: set[str] = set()
     for path in files:
@@ -404,6 +450,8 @@ def main() -> None:
         print(f"| {label} strategy options written in both the Trainer's and the Fabric front end (of the larger's "
               f"parameters) | {len(names)} ({total}) |")
     print(f"| GradCompState's pass-through properties | {len(counts.pass_through_properties)} |")
+    print(f"| backend branches at call sites (compressors/ outside the providers; in modules) | "
+          f"{len(counts.backend_branches)} ({_modules(counts.backend_branches)}) |")
     if args.list:
         for label, (names, _) in counts.mirrored_options.items():
             print(f"\n{label} options in both front ends: " + ", ".join(names))
@@ -420,6 +468,7 @@ def main() -> None:
             ("contract flags", counts.contract_flags),
             ("undeclared attributes", counts.undeclared_attributes),
             ("root entries", counts.root_entries),
+            ("backend branches", counts.backend_branches),
         ):
             print(f"\n{title}:")
             for name in names:

@@ -30,7 +30,7 @@ bit per entry. A layer that sends nothing sends 0 bytes.
 The code is written once, for a group of layers in one flat tensor: the hook's group methods (``compress_flat``,
 ``decompress_flat_mean_into``, ...) run every setting, and the per-layer methods (``compress(tensor, name)``,
 ``decompress(packet)``, ...) run them on a group of one. The adaptive selection with the paper's wire runs a fixed
-number of ops per group (:mod:`~lightning_gradcomp.compressors.adacomp_flat`, the compiled group kernels on CPU, Triton
+number of ops per group (:mod:`~lightning_gradcomp.compressors.adacomp_group`, the compiled group kernels on CPU, Triton
 on CUDA); the local selection picks per layer (:func:`local_send`, then the group's wire at once) and the index32 wire
 writes and reads each layer's bytes in turn (:func:`encode_index32`, :func:`decode_index32`). A gradient of any float
 dtype is selected in float32, and the ranks' decoded values are summed in the gradients' dtype.
@@ -44,19 +44,16 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.adacomp_flat import (
+from lightning_gradcomp.compressors.adacomp_group import (
     BinLayout,
     bin_mean,
-    decode_group_words,
-    encode_group_kernels,
-    encode_group_words,
+    encode_words,
     select_bins,
 )
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
 from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, layer_segments
 from lightning_gradcomp.flat import FlatPacket, Segments
-from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp
-from lightning_gradcomp.kernels import triton_adacomp
+from lightning_gradcomp.compressors.adacomp_kernels import ADACOMP_KERNELS, AdaCompKernels
 from lightning_gradcomp.wire.sparse import bin_word_bits, pack_codes, packed_codes_nbytes, unpack_codes
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
@@ -83,7 +80,7 @@ def local_send(g: Tensor, size: int, count: int) -> tuple[Tensor, Tensor]:
 
     Per bin of ``size`` elements of the flat float32 G (the last bin may be shorter), the ``count`` largest |G| as
     ``torch.topk`` picks them (ties by its order), never a G = 0; the scale is the mean of the bins' max |G|
-    (:func:`~lightning_gradcomp.compressors.adacomp_flat.bin_mean`, as the adaptive selection's).
+    (:func:`~lightning_gradcomp.compressors.adacomp_group.bin_mean`, as the adaptive selection's).
     """
     n = g.numel()
     if n == 0:
@@ -117,7 +114,7 @@ def decode_index32(payload: Tensor) -> tuple[Tensor, Tensor]:
     return idx, torch.where(signs == 1, 1.0, -1.0) * scale
 
 
-class AdaComp(KernelBacked[FusedAdaComp]):
+class AdaComp(KernelBacked[AdaCompKernels]):
     """AdaComp: per-bin local selection with a soft threshold, sign x layer-scale values, residual feedback.
 
     Args:
@@ -182,13 +179,10 @@ class AdaComp(KernelBacked[FusedAdaComp]):
         self.local_count = local_count
         self.wire = wire
         self.backend = backend
-        self._offer_kernels(FusedAdaComp(self))
-        # each group's fresh gradient (by its names), bin layout (by names, shapes, device, L_T) and kernel tables
+        # each group's fresh gradient (by its names), bin layout and counts (by names, shapes, device, L_T)
         self._flat_gradients: dict[tuple[str, ...], Tensor] = {}
         self._layouts: dict[tuple[object, ...], BinLayout] = {}
         self._counts: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
-        self._kernel_tables: dict[tuple[object, ...], tuple[Tensor, Tensor]] = {}
-        self._triton_tables: dict[tuple[object, ...], triton_adacomp.Tables] = {}
         #: per parameter name: layer type and L_T, filled at first compression
         self.layer_kinds: dict[str, LayerKind] = {}
         self.layer_bin_sizes: dict[str, int] = {}
@@ -215,6 +209,9 @@ class AdaComp(KernelBacked[FusedAdaComp]):
         return self.bin_size_conv if layer_kind(name, shape) == "conv" else self.bin_size_fc
 
     # -- the group code (a single tensor is a group of one) ---------------------------------------------
+    #: the kernel sets that run the groups (:mod:`~lightning_gradcomp.compressors.adacomp_kernels`)
+    providers = ADACOMP_KERNELS
+
     def _flat_settings(self) -> bool:
         """Whether the settings have a batched form: the adaptive selection and the paper's wire."""
         return self.selection == "adaptive" and self.wire == "paper"
@@ -242,28 +239,13 @@ class AdaComp(KernelBacked[FusedAdaComp]):
             counts = self._counts[key] = (bin_sizes, -(-segments.lengths(device) // bin_sizes))
         return counts
 
-    def _layout(self, segments: Segments, device: torch.device, sizes: tuple[int, ...]) -> BinLayout:
+    def bin_layout(self, segments: Segments, device: torch.device, sizes: tuple[int, ...]) -> BinLayout:
+        """The group's bins (built once per group, device and L_T)."""
         key = (segments.names, segments.shapes, device, sizes)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = BinLayout.build(segments, sizes, device)
         return layout
-
-    def _kernel_args(self, segments: Segments, sizes: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-        """The group's offsets and bin lengths as int64 CPU tensors, for the group kernels."""
-        key = (segments.names, segments.shapes, "kernel", sizes)
-        args = self._kernel_tables.get(key)
-        if args is None:
-            args = self._kernel_tables[key] = (torch.tensor(segments.offsets), torch.tensor(sizes, dtype=torch.int64))
-        return args
-
-    def _tables(self, segments: Segments, device: torch.device, sizes: tuple[int, ...]) -> triton_adacomp.Tables:
-        key = (segments.names, segments.shapes, device, sizes)
-        tables = self._triton_tables.get(key)
-        if tables is None:
-            word_bytes = [bin_word_bits(size) // 8 for size in sizes]
-            tables = self._triton_tables[key] = triton_adacomp.Tables(segments.numels, sizes, word_bytes, device)
-        return tables
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return None  # no statistic is shared (and the default would visit every layer to learn it)
@@ -292,11 +274,11 @@ class AdaComp(KernelBacked[FusedAdaComp]):
         bin_sizes, bins = self._bin_counts(segments, device, sizes)
         if self.wire == "index32":
             payload, nbytes, scale, counts = self._encode_index32(g, dw, segments, sizes)
-        elif self.selection == "adaptive":
-            payload, nbytes, scale, counts = self._encode_adaptive(g, dw, segments, sizes)
+        elif self.selection == "adaptive":  # in a fixed number of ops, by the kernels
+            payload, nbytes, scale, counts = self.kernels(device).encode_adaptive(g, dw, segments, sizes)
         else:
             send, scale = self._select(g, dw, segments, sizes)
-            payload, nbytes = self._encode_words(g, send, scale, segments, sizes, bins)
+            payload, nbytes = encode_words(g, send, scale, segments, bins, lambda: self.bin_layout(segments, device, sizes))
             counts = segments.reduce(send.to(torch.int64), "sum")
         numels_f = numels.double()
         # in float64 then rounded once, as Python floats would compute them per layer
@@ -316,7 +298,7 @@ class AdaComp(KernelBacked[FusedAdaComp]):
         adaptive selection over the whole group at once, the local one layer after layer."""
         ternary = self.quantizer == "ternary"
         if self.selection == "adaptive":
-            layout = self._layout(segments, g.device, sizes)
+            layout = self.bin_layout(segments, g.device, sizes)
             return select_bins(g, g + (self.scale_factor - 1.0) * dw, layout, segments, ternary)
         layers = [g[offset : offset + n] for offset, n in zip(segments.offsets, segments.numels)]
         picks = [local_send(x, size, self.local_count) for x, size in zip(layers, sizes)]
@@ -326,61 +308,18 @@ class AdaComp(KernelBacked[FusedAdaComp]):
             send &= 2 * g.abs() >= segments.expand(scale)  # nearest of {-s, 0, s} is not 0
         return send, scale
 
-    def _encode_adaptive(
-        self, g: Tensor, dw: Tensor, segments: Segments, sizes: tuple[int, ...]
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The adaptive selection in the paper's wire, in a fixed number of ops: (payload, bytes, scale, sent count
-        per layer)."""
-        device = g.device
-        fused = self._kernels(device)
-        ternary = self.quantizer == "ternary"
-        if fused is not None:  # one kernel call
-            return kernels.adacomp_group_encode(g, fused.look_ahead(g, dw), *self._kernel_args(segments, sizes), ternary)
-        if segments.total and self.uses_triton(g):  # four launches (bin maxima, selection, compaction)
-            return encode_group_kernels(
-                g.contiguous(), dw.contiguous(), self.scale_factor - 1.0, self._layout(segments, device, sizes),
-                self._tables(segments, device, sizes), ternary,
-            )
-        send, scale = self._select(g, dw, segments, sizes)
-        bins = self._layout(segments, device, sizes).bins
-        payload, nbytes = self._encode_words(g, send, scale, segments, sizes, bins)
-        return payload, nbytes, scale, segments.reduce(send.to(torch.int64), "sum")
-
-    def _encode_words(
-        self, g: Tensor, send: Tensor, scale: Tensor, segments: Segments, sizes: tuple[int, ...], bins: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """The paper's wire of a selection: (payload, bytes per layer)."""
-        if not segments.total:
-            return g.new_zeros(0, dtype=torch.uint8), torch.zeros_like(bins)
-        return encode_group_words(g, send, scale, self._layout(segments, g.device, sizes), segments)
-
     def _encode_index32(
         self, g: Tensor, dw: Tensor, segments: Segments, sizes: tuple[int, ...]
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The index32 wire, layer after layer: (payload, bytes, scale, sent count per layer). The fused backend's
-        adaptive selection runs the per-layer kernel, torch ops select over the group first."""
-        fused = self._kernels(g.device) if self.selection == "adaptive" else None
-        send, scale = (None, None) if fused is not None else self._select(g, dw, segments, sizes)
-        parts, scales, counts = [], [], []
-        for s, (offset, n, size) in enumerate(zip(segments.offsets, segments.numels, sizes)):
-            if fused is not None:
-                if n:
-                    idx, signs, layer_scale = fused.select(g[offset : offset + n], dw[offset : offset + n], size)
-                else:
-                    idx, signs, layer_scale = g.new_zeros(0, dtype=torch.int64), g.new_zeros(0), g.new_zeros(())
-                scales.append(layer_scale)
-            else:
-                assert send is not None and scale is not None
-                idx = torch.nonzero(send[offset : offset + n]).reshape(-1)
-                signs = torch.sign(g[offset : offset + n][idx])
-                layer_scale = scale[s]
-            parts.append(encode_index32(idx, signs, layer_scale))
-            counts.append(idx.numel())
-        if scale is None:
-            scale = torch.stack(scales) if scales else g.new_zeros(0)
+        """The index32 wire, layer after layer: (payload, bytes, scale, sent count per layer). The compiled kernels'
+        adaptive selection runs per layer, the torch ops select over the group first."""
+        picks, scale = self.kernels(g.device).select_layers(
+            g, dw, segments, sizes, lambda: self._select(g, dw, segments, sizes)
+        )
+        parts = [encode_index32(idx, signs, layer_scale) for idx, signs, layer_scale in picks]
         payload = torch.cat(parts) if parts else g.new_zeros(0, dtype=torch.uint8)
         nbytes = torch.tensor([p.numel() for p in parts], dtype=torch.int64, device=g.device)
-        return payload, nbytes, scale, torch.tensor(counts, dtype=torch.int64, device=g.device)
+        return payload, nbytes, scale, torch.tensor([p[0].numel() for p in picks], dtype=torch.int64, device=g.device)
 
     # -- decoding ---------------------------------------------------------------------------------------
     def _packet_sizes(self, packet: FlatPacket) -> tuple[int, ...]:
@@ -407,23 +346,7 @@ class AdaComp(KernelBacked[FusedAdaComp]):
                 if packet.payload.numel():
                     out.index_add_(0, *self._decode_index32(packet))
             return out
-        if self._kernels(out.device) is not None and out.is_contiguous():
-            layer_nbytes = [torch.as_tensor(p.layer_nbytes, dtype=torch.int64) for p in packets]
-            args = self._kernel_args(segments, sizes)
-            return kernels.adacomp_group_decode_sum([p.payload for p in packets], layer_nbytes, *args, out=out)
-        out.zero_()
-        if self.uses_triton(out) and out.is_contiguous():  # two launches per rank, in rank order
-            tables = self._tables(segments, out.device, sizes)
-            for packet in packets:
-                nbytes = torch.as_tensor(packet.layer_nbytes, dtype=torch.int64, device=out.device)
-                triton_adacomp.decode_add(packet.payload.reshape(-1).contiguous(), nbytes, tables, out)
-            return out
-        layout = self._layout(segments, out.device, sizes)
-        for packet in packets:
-            if packet.payload.numel():
-                nbytes = torch.as_tensor(packet.layer_nbytes, dtype=torch.int64, device=out.device)
-                out.index_add_(0, *decode_group_words(packet.payload, nbytes, layout))
-        return out
+        return self.kernels(out.device).sum_words_into(packets, out, segments, sizes)
 
     def _decode_index32(self, packet: FlatPacket) -> tuple[Tensor, Tensor]:
         """(group indices, float32 values) of an index32 packet, layer after layer (its sizes read on the host)."""

@@ -1,24 +1,42 @@
-"""The ``backend=`` option of the compressors with fused kernels (TernGrad, Gradient Dropping, AdaComp).
+"""The kernel provider: which kernels run a compressor's group code, chosen once per device.
 
-Such a compressor runs its own torch ops (the reference), a fused implementation built on
-:mod:`lightning_gradcomp.kernels` (compiled on a CPU), or Triton's kernels (CUDA). It decides once which, in one
-place (:meth:`~lightning_gradcomp.compressors.base.Compressor.kernels`), when it learns the device its gradients live
-on: in :meth:`~lightning_gradcomp.compressors.base.Compressor.setup`, or at its first call when it is used without
-``setup``. A fused implementation takes the tensors and settings it needs, never the compressor itself, so each
-compressor module imports its fused module and not the other way round.
+A compressor with kernels of its own (TernGrad, Gradient Dropping, AdaComp, top-k and DGC) declares, per family, one
+small protocol with the operations its group step needs (encode, decode-and-average, ...) and one class per kernel
+set that implements it: its torch ops, the compiled CPU kernels (``"fused"``, :mod:`lightning_gradcomp.kernels`), or
+Triton's (CUDA). :func:`choose_kernels` is the one rule that picks the set for a device; the compressor makes its
+provider once (:meth:`KernelBacked.kernels`: in ``setup``, or at the first call without ``setup``) and its call
+sites call the provider's operations with no test of which set runs. A new kernel set is a new provider class.
+
+A provider takes the tensors and settings it needs, never reaching into the compressor's private state beyond what
+its family's group code hands it, so a compressor module imports its provider module and not the other way round.
 """
 
-from typing import Generic, Literal, Optional, TypeVar
+from collections.abc import Mapping
+from typing import Any, Generic, Literal, Optional, Protocol, TypeVar
 
 import torch
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.base import Compressor, Kernels
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.kernels import triton_launch
 
 Backend = Literal["auto", "torch", "fused"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "fused")
 
-F = TypeVar("F")
+#: the kernel sets that run a compressor's group code: its torch ops, the compiled CPU kernels, or Triton's
+Kernels = Literal["torch", "fused", "triton"]
+
+
+class Provider(Protocol):
+    """What every family's provider declares: the kernel set it runs."""
+
+    @property
+    def name(self) -> str:
+        """``"torch"``, ``"fused"`` or ``"triton"``."""
+        ...
+
+
+P = TypeVar("P", bound=Provider)
 
 
 def fused_enabled(backend: str, device: torch.device) -> bool:
@@ -32,42 +50,66 @@ def fused_enabled(backend: str, device: torch.device) -> bool:
     return device.type == "cpu" and kernels.fused_available()
 
 
-class KernelBacked(Compressor, Generic[F]):
-    """A compressor with a ``backend=`` option: a fused implementation of type ``F`` or its own torch ops.
+def choose_kernels(backend: str, triton: Optional[bool], device: torch.device) -> Kernels:
+    """The kernels that run a group on ``device``: Triton's where ``triton`` says so (``None``: CUDA with Triton
+    importable), else the compiled ones where ``backend`` enables them (:func:`fused_enabled`), else the torch ops."""
+    if triton_launch.usable(device) if triton is None else triton:
+        return "triton"
+    return "fused" if fused_enabled(backend, device) else "torch"
 
-    Subclasses set :attr:`backend` and call :meth:`_offer_kernels` in ``__init__`` with their fused implementation;
-    their methods then ask :meth:`_kernels` for it, which answers ``None`` when the torch ops or Triton's kernels run.
+
+class KernelBacked(Compressor, Generic[P]):
+    """A compressor whose group code runs on a provider of type ``P`` (see the module docstring).
+
+    Subclasses set :attr:`providers` (one provider class per kernel set) and, with a ``backend=`` option,
+    :attr:`backend`; their group methods call ``self.kernels(device).<operation>(...)``.
     """
 
-    #: ``"auto"``, ``"torch"`` or ``"fused"`` (see :func:`fused_enabled`); read when the kernels are chosen
-    backend: str
+    #: the provider class of each kernel set, made with the compressor as its one argument
+    providers: Mapping[Kernels, Any]
+    #: ``"auto"``, ``"torch"`` or ``"fused"`` (see :func:`fused_enabled`); read when the kernels are chosen. A
+    #: compressor without compiled kernels keeps ``"torch"``
+    backend: str = "torch"
+    #: whether the Triton kernels run: ``None`` chooses by device (CUDA with Triton importable,
+    #: :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True`` forces them (on CPU tensors they need
+    #: ``TRITON_INTERPRET=1``: the tests); ``False`` never. Read when the kernels are chosen
+    triton: Optional[bool] = None
+    _provider: Optional[P] = None
 
-    def _offer_kernels(self, fused: F) -> None:
-        self._fused_impl = fused
+    def setup(self, rank: int, world_size: int, device: torch.device) -> None:
+        super().setup(rank, world_size, device)
+        self._choose(device)
 
-    def _choose_kernels(self, device: torch.device) -> Kernels:
-        """Triton's kernels where they run (:attr:`triton`), else the fused implementation where :attr:`backend`
-        enables it on ``device``, else the torch ops."""
-        chosen = super()._choose_kernels(device)
-        return "fused" if chosen == "torch" and fused_enabled(self.backend, device) else chosen
+    def _choose(self, device: torch.device) -> P:
+        name = choose_kernels(self.backend, self.triton, device)
+        provider: P = self.providers[name](self._provider_input())
+        self._provider = provider
+        return provider
+
+    def _provider_input(self) -> Any:
+        """What a provider is made with: the compressor (a family may hand its group code instead)."""
+        return self
+
+    def kernels(self, device: torch.device) -> P:
+        """The provider that runs the groups: chosen once in :meth:`setup` for its device, or at the first group call
+        for ``device`` when this compressor is used without ``setup`` (then kept until ``setup``)."""
+        provider = self._provider
+        return self._choose(device) if provider is None else provider
 
     def _torch_ops_form(self) -> bool:
         """Whether the groups run in a form without the compiled kernels (torch ops or Triton): as chosen, or, before
         the choice, as the ``backend=`` option says."""
-        chosen = self._kernels_chosen
-        return self.backend == "torch" if chosen is None else chosen != "fused"
-
-    def _kernels(self, device: torch.device) -> Optional[F]:
-        """The fused implementation when it runs the groups (:meth:`kernels`), else ``None``."""
-        return self._fused_impl if self.kernels(device) == "fused" else None
+        provider = self._provider
+        return self.backend == "torch" if provider is None else provider.name != "fused"
 
     @property
     def chosen_backend(self) -> Optional[Literal["torch", "fused"]]:
-        """The ``backend=`` path chosen (``None`` until ``setup`` or the first call): ``"fused"`` when the fused
-        implementation runs, else ``"torch"`` (torch ops or Triton's kernels)."""
-        if self._kernels_chosen is None:
+        """The ``backend=`` path chosen (``None`` until ``setup`` or the first call): ``"fused"`` when the compiled
+        kernels run, else ``"torch"`` (torch ops or Triton's kernels)."""
+        provider = self._provider
+        if provider is None:
             return None
-        return "fused" if self._kernels_chosen == "fused" else "torch"
+        return "fused" if provider.name == "fused" else "torch"
 
 
-__all__ = ["BACKENDS", "Backend", "KernelBacked", "fused_enabled"]
+__all__ = ["BACKENDS", "Backend", "KernelBacked", "Kernels", "Provider", "choose_kernels", "fused_enabled"]

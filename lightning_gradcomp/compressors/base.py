@@ -20,20 +20,14 @@ import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.kernels import triton_launch
 from lightning_gradcomp.flat import FlatPacket, Packet, Segments
 from lightning_gradcomp.validation import check_options
-
-
-#: the kernels that run a compressor's group code on a device (:meth:`Compressor.kernels`): its torch ops, the compiled
-#: CPU kernels (``"fused"``: compressors with a ``backend=`` option), or Triton's
-Kernels = Literal["torch", "fused", "triton"]
 
 
 class Aggregation(str, enum.Enum):
@@ -175,7 +169,6 @@ class Compressor:
         """
         self.rank = rank
         self.world_size = world_size
-        self._kernels_chosen = self._choose_kernels(device)
 
     def aggregation_for(self, world_size: int) -> Aggregation:
         """How this compressor travels in a group of ``world_size`` ranks (default: :attr:`aggregation`)."""
@@ -320,31 +313,6 @@ class Compressor:
 
     #: whether the ``*_flat`` methods run a fixed number of ops per group rather than the default loop over layers
     batched: bool = False
-
-    #: whether a compressor with Triton group kernels runs them: ``None`` chooses by device (CUDA with Triton
-    #: importable, :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True`` forces them (on CPU tensors
-    #: they need ``TRITON_INTERPRET=1``: the tests); ``False`` never
-    triton: Optional[bool] = None
-    _kernels_chosen: Optional[Kernels] = None
-
-    def _choose_kernels(self, device: torch.device) -> Kernels:
-        """The kernels that run this compressor's groups on ``device``: Triton's where :attr:`triton` says so, else
-        the torch ops (a compressor with compiled kernels adds its own rule:
-        :class:`~lightning_gradcomp.compressors.backends.KernelBacked`)."""
-        use_triton = triton_launch.usable(device) if self.triton is None else self.triton
-        return "triton" if use_triton else "torch"
-
-    def kernels(self, device: torch.device) -> Kernels:
-        """The kernels that run the groups: chosen once in :meth:`setup` for its device, or at the first group call
-        for ``device`` when this compressor is used without ``setup`` (then kept until ``setup``)."""
-        if self._kernels_chosen is None:
-            self._kernels_chosen = self._choose_kernels(device)
-        return self._kernels_chosen
-
-    def uses_triton(self, tensor: Tensor) -> bool:
-        """Whether Triton's kernels run the groups on ``tensor``'s device (:meth:`kernels`). Meaningful for
-        compressors that have such kernels."""
-        return self.kernels(tensor.device) == "triton"
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         """The group's local statistics (:meth:`local_statistic` of every layer) as one vector, or ``None``."""

@@ -27,7 +27,7 @@ Earlier versions drew the torch backend's positions from a ``torch.Generator`` p
 distribution); the state is the per-name counters, and a checkpoint holding such generator states is refused at
 :meth:`~GradientDropping.load_state_dict` (resume it with ``resume_compression='reset'``).
 
-The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.graddrop_flat`);
+The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.graddrop_group`);
 the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ...) run it on a group of one.
 """
 
@@ -42,28 +42,25 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
 from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, layer_segments
 from lightning_gradcomp.flat import FlatPacket, Segments
-from lightning_gradcomp.compressors.graddrop_flat import (
-    GroupKernels,
+from lightning_gradcomp.compressors.graddrop_group import (
+    INT32_POSITIONS,
+    GradDropKernels,
+    counted_statistics,
     Quantize,
     SamplePlan,
-    decode_group_coo32,
     decode_layer,
-    encode_group_coo32,
     encode_layer,
     gather_samples,
     plan_samples,
     segment_thresholds,
-    survivors_mask,
 )
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
-from lightning_gradcomp.kernels import triton_graddrop
+from lightning_gradcomp.compressors.graddrop_kernels import GRADDROP_KERNELS
 from lightning_gradcomp.wire.sparse import (
     INDEX_ENCODINGS,
     VALUE_FORMATS,
     IndexEncoding,
     ValueFormat,
-    value_dtype,
-    value_nbytes,
 )
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
@@ -73,8 +70,6 @@ QUANTIZERS: tuple[str, ...] = ("none", "threshold", "column_mean", "global_mean"
 
 # guards floor(R * m) against R's binary rounding (0.29 * 100 = 28.999999999999996)
 _FLOOR_EPS = 1e-9
-# a group's coo32 payload counts positions from the group's start in int32
-_INT32_POSITIONS = 2**31
 
 
 def drop_count(ratio: float, m: int) -> int:
@@ -115,7 +110,7 @@ def select_weighted_threshold(
     return values[order][pos].reshape(())
 
 
-class GradientDropping(KernelBacked[GroupKernels]):
+class GradientDropping(KernelBacked[GradDropKernels]):
     """Gradient Dropping: the R% smallest |x| stay in the residual, the rest travel as a sparse vector.
 
     Args:
@@ -207,7 +202,6 @@ class GradientDropping(KernelBacked[GroupKernels]):
         self.backend = backend
         # the random sample's streams, one counter per name; both backends draw the same positions from them
         self._keys = CounterStreams(seed)
-        self._offer_kernels(GroupKernels())
         self._device = torch.device("cpu")
         # global scope: the latest sample (and the elements each value stands for) per parameter name, the
         # names seen in the current step, and the threshold selected on the previous step's pool
@@ -218,8 +212,6 @@ class GradientDropping(KernelBacked[GroupKernels]):
         self._plans: dict[tuple[object, ...], SamplePlan] = {}
         # the global pool's per-value weights and the layout they were built for
         self._pool_weights: tuple[tuple[object, ...], Tensor] = ((), torch.zeros(0))
-        # the Triton kernels' tables, per sample plan key (as _plans)
-        self._tables: dict[tuple[object, ...], triton_graddrop.GroupTables] = {}
 
     # -- setup and state --------------------------------------------------------------------------------
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
@@ -324,6 +316,12 @@ class GradientDropping(KernelBacked[GroupKernels]):
         return torch.where(torch.arange(len(names), device=device) < restart, first, after)
 
     # -- a group of layers in one flat tensor (a single tensor is a group of one) -----------------------------
+    #: the kernel sets that run the groups (:mod:`~lightning_gradcomp.compressors.graddrop_kernels`)
+    providers = GRADDROP_KERNELS
+
+    def _provider_input(self) -> CounterStreams:
+        return self._keys  # the streams the samples draw from
+
     def _flat_settings(self) -> bool:
         """Whether the settings have a fixed number of ops per group: unquantized survivors in coo32 (either scope)."""
         return self.quantize == "none" and self.index_encoding == "coo32"
@@ -337,23 +335,12 @@ class GradientDropping(KernelBacked[GroupKernels]):
 
     def _group_coo32(self, segments: Segments) -> bool:
         """Whether a group's payload is the group's coo32 (unquantized ``coo32`` survivors of a group whose positions
-        fit int32), else each layer's own encoding back to back (:func:`~.graddrop_flat.encode_layer`)."""
-        return self._flat_settings() and segments.total < _INT32_POSITIONS
+        fit int32), else each layer's own encoding back to back (:func:`~.graddrop_group.encode_layer`)."""
+        return self._flat_settings() and segments.total < INT32_POSITIONS
 
     def _plan_key(self, segments: Segments, device: torch.device) -> tuple[object, ...]:
         return (segments.names, segments.shapes, device, self.sample, self.sample_fraction, self.min_sample,
                 self.max_sample, self.drop_ratio)
-
-    def _triton_tables(self, segments: Segments, plan: SamplePlan, device: torch.device) -> triton_graddrop.GroupTables:
-        """The Triton kernels' tables of this group and sample plan on ``device`` (built once)."""
-        key = self._plan_key(segments, device)
-        tables = self._tables.get(key)
-        if tables is None:
-            _, sizes, modes, _, _ = plan.kernel_args
-            tables = self._tables[key] = triton_graddrop.GroupTables(
-                segments.numels, sizes.tolist(), modes.tolist(), device
-            )
-        return tables
 
     def _sample_plan(self, segments: Segments, device: torch.device) -> SamplePlan:
         key = self._plan_key(segments, device)
@@ -384,71 +371,25 @@ class GradientDropping(KernelBacked[GroupKernels]):
         x = flat.detach()
         if x.dtype != torch.float32:  # selected and sent from the float32 values, as a float32 gradient
             x = x.float()
-        device = x.device
-        plan = self._sample_plan(segments, device)
+        plan = self._sample_plan(segments, x.device)
         fp16 = self.quantize == "none" and self.values == "fp16"
-        small = segments.total < _INT32_POSITIONS  # the kernels count positions in int32
-        overflow: Optional[Tensor] = None
-        if small and self.uses_triton(x):  # the torch path's ops below, in Triton kernels (the samples' sort excepted)
-            x = x.contiguous()
-            tables = self._triton_tables(segments, plan, device)
-            keys = triton_graddrop.keys_on(self._keys.keys(plan.draws), device) if plan.draws.total else None
-            samples = x.abs() if plan.whole else triton_graddrop.sample(x, tables, keys)
-            thresholds = self._group_thresholds(segments, samples, plan, lambda: segment_thresholds(samples, plan))
-            if self._group_coo32(segments):
-                payload, counts, overflow_count = triton_graddrop.select_encode(
-                    x, tables, thresholds, value_dtype(self.values), fp16
-                )
-                nbytes, (sparsity, sent, rate, overflow) = triton_graddrop.statistics(
-                    counts, overflow_count, plan.numels, value_nbytes(self.values)
-                )
-                return self._flat_packet(payload, segments, flat.dtype, nbytes, thresholds, sparsity, sent, rate,
-                                         overflow)
-            index, values, counts, overflow = self._survivors(x, x.abs(), thresholds, segments, fp16)
-        elif small and (fused := self._kernels(device)) is not None:  # kernel calls, random samples keyed per layer
-            samples = fused.sample(x, plan, torch.tensor(self._keys.keys(plan.draws)))
-            thresholds = self._group_thresholds(segments, samples, plan, lambda: fused.thresholds(samples, plan))
-            index, values, counts, overflow = fused.select(x, plan, thresholds, fp16)
-        else:
-            magnitudes = x.abs()
-            # every drawing layer's positions from its own counter, as the kernels draw them
-            bits = self._keys.bits_flat(plan.draws, device) if plan.draws.total else None
-            samples = gather_samples(magnitudes, plan, bits)
-            thresholds = self._group_thresholds(segments, samples, plan, lambda: segment_thresholds(samples, plan))
-            index, values, counts, overflow = self._survivors(x, magnitudes, thresholds, segments, fp16)
+        ops = self.kernels(x.device)
+
+        def thresholds(samples: Tensor, per_layer: Callable[[], Tensor]) -> Tensor:
+            return self._group_thresholds(segments, samples, plan, per_layer)
+
         if self._group_coo32(segments):
-            payload = encode_group_coo32(index, values, self.values)
-            nbytes = counts * (4 + value_nbytes(self.values))
-            return self._counted_packet(payload, segments, flat.dtype, plan, counts, nbytes, nbytes, thresholds, overflow)
-        return self._layers_packet(index, values, counts, overflow, thresholds, segments, flat.dtype, plan)
-
-    @staticmethod
-    def _fits_fp16(keep: Tensor, magnitudes: Tensor, segments: Segments) -> tuple[Tensor, Tensor]:
-        """``keep`` without the survivors beyond fp16's range (fp16 would turn them into inf on every rank; they wait
-        in the residual instead), and their count per layer."""
-        fits = ~(magnitudes > torch.finfo(torch.float16).max)
-        overflow = segments.reduce((keep & ~fits).to(torch.float32), "sum")
-        return keep & fits, overflow
-
-    def _survivors(
-        self, x: Tensor, magnitudes: Tensor, thresholds: Tensor, segments: Segments, fp16: bool
-    ) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
-        """(int64 positions from the group's start, float32 values, int64 counts per layer, fp16 overflow per layer
-        or ``None``) of the survivors, with torch ops (one ``nonzero``)."""
-        keep = survivors_mask(magnitudes, thresholds, segments)
-        overflow = None
-        if fp16:
-            keep, overflow = self._fits_fp16(keep, magnitudes, segments)
-        index = torch.nonzero(keep).reshape(-1)
-        # each layer's count from where its bounds fall among the sorted positions (not a sum over the whole group)
-        counts = torch.searchsorted(index, segments.bounds(index.device)).diff()
-        return index, x.index_select(0, index), counts, overflow
+            chosen, group = ops.select_coo32(x, segments, plan, thresholds, fp16, self.values)
+            return self._flat_packet(group.payload, segments, flat.dtype, group.nbytes, chosen, group.sparsity,
+                                     group.sent, group.compression_rate, group.overflow)
+        chosen, (index, values, counts, overflow) = ops.select(x, segments, plan, thresholds, fp16)
+        return self._layers_packet(index, values, counts, overflow, chosen, segments, flat.dtype, plan)
 
     def _layers_packet(
         self, index: Tensor, values: Tensor, counts: Tensor, overflow: Optional[Tensor], thresholds: Tensor,
         segments: Segments, dtype: torch.dtype, plan: SamplePlan,
     ) -> FlatPacket:
-        """The group's packet in each layer's own encoding, back to back (:func:`~.graddrop_flat.encode_layer`; the
+        """The group's packet in each layer's own encoding, back to back (:func:`~.graddrop_group.encode_layer`; the
         survivors of the group split by layer, one host read of their counts)."""
         per_layer = counts.tolist()
         parts = []
@@ -459,20 +400,8 @@ class GradientDropping(KernelBacked[GroupKernels]):
         payload = torch.cat(parts) if parts else values.new_zeros(0, dtype=torch.uint8)
         sizes = tuple(p.numel() for p in parts)
         nbytes = torch.tensor(sizes, dtype=torch.int64, device=values.device)
-        return self._counted_packet(payload, segments, dtype, plan, counts, nbytes, sizes, thresholds, overflow)
-
-    def _counted_packet(
-        self, payload: Tensor, segments: Segments, dtype: torch.dtype, plan: SamplePlan, counts: Tensor,
-        nbytes: Tensor, layer_nbytes: "tuple[int, ...] | Tensor", thresholds: Tensor, overflow: Optional[Tensor],
-    ) -> FlatPacket:
-        """The group's packet, its statistics from the survivors' ``counts`` and each layer's bytes ``nbytes``."""
-        numels = plan.numels
-        # in float64 then rounded once, as a layer's statistics in Python floats would be
-        sparsity = (1.0 - counts / numels.clamp(min=1)).float()
-        # bytes fp32 would take over bytes sent (an empty payload counts as 1 byte, to stay finite)
-        rate = (4.0 * numels / nbytes.clamp(min=1)).float()
-        return self._flat_packet(payload, segments, dtype, layer_nbytes, thresholds, sparsity, counts.float(), rate,
-                                 overflow)
+        sparsity, sent, rate = counted_statistics(plan, counts, nbytes)
+        return self._flat_packet(payload, segments, dtype, sizes, thresholds, sparsity, sent, rate, overflow)
 
     def _flat_packet(
         self, payload: Tensor, segments: Segments, dtype: torch.dtype, layer_nbytes: "tuple[int, ...] | Tensor",
@@ -485,10 +414,8 @@ class GradientDropping(KernelBacked[GroupKernels]):
         return FlatPacket(payload, segments, dtype, layer_nbytes, stats=stats)
 
     def _decoded(self, packet: FlatPacket) -> tuple[Tensor, Tensor]:
-        """(int64 positions from the group's start, float32 values) of a group packet."""
+        """(int64 positions from the group's start, float32 values) of a group packet in each layer's own encoding."""
         segments = packet.segments
-        if self._group_coo32(segments):
-            return decode_group_coo32(packet.payload, self.values)
         sizes = packet.layer_nbytes
         nbytes = sizes if isinstance(sizes, tuple) else tuple(int(n) for n in sizes.tolist())
         raw = packet.payload.reshape(-1).view(torch.uint8)
@@ -502,11 +429,11 @@ class GradientDropping(KernelBacked[GroupKernels]):
         return torch.cat(indices), torch.cat(values)
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
-        if self.uses_triton(packet.payload) and self._group_coo32(packet.segments):
-            decoded = triton_graddrop.decode(packet.payload, value_dtype(self.values), packet.segments.total)
-            return decoded.to(packet.dtype)
+        segments, ops = packet.segments, self.kernels(packet.payload.device)
+        if self._group_coo32(segments):
+            return ops.decode_coo32(packet.payload, self.values, segments.total).to(packet.dtype)
         index, values = self._decoded(packet)
-        out = torch.zeros(packet.segments.total, dtype=torch.float32, device=packet.payload.device)
+        out = torch.zeros(segments.total, dtype=torch.float32, device=packet.payload.device)
         return out.index_put_((index,), values).to(packet.dtype)
 
     def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
@@ -516,18 +443,10 @@ class GradientDropping(KernelBacked[GroupKernels]):
             for packet in packets[1:]:
                 total.add_(self.decompress_flat(packet))
             return out.copy_(total).div_(len(packets))
-        if self.uses_triton(out) and out.is_contiguous() and self._group_coo32(packets[0].segments):
-            # each rank's survivors added in rank order, then div_
-            return triton_graddrop.decode_mean_into([p.payload for p in packets], value_dtype(self.values), out)
-        decoded = [self._decoded(packet) for packet in packets]
-        fused = self._kernels(out.device)
-        if fused is not None and out.is_contiguous():  # one kernel call for all ranks
-            return fused.decode_sum(out, decoded).div_(len(packets))
-        # each rank's survivors are distinct positions: added rank after rank, the sums of the dense loop
-        out.zero_()
-        for index, values in decoded:
-            out.index_add_(0, index, values)
-        return out.div_(len(packets))
+        ops = self.kernels(out.device)
+        if self._group_coo32(packets[0].segments):
+            return ops.mean_coo32_into([p.payload for p in packets], self.values, out)
+        return ops.sum_into([self._decoded(packet) for packet in packets], out).div_(len(packets))
 
     def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
         return self.decompress_flat(packet)

@@ -18,13 +18,12 @@ so an int8 all-reduce of the ternary values (n bytes, summable) is an alternativ
 payloads; ``collective`` picks one, ``"auto"`` by the ring traffic of each (see :meth:`TernGrad.aggregation_for`),
 and a planner may pick either per bucket (:meth:`TernGrad.collectives`).
 
-The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.terngrad_flat`);
+The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.terngrad_group`);
 the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ...) run it on a group of one.
 """
 
 import copy
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any, Literal, Optional, cast
 
 import torch
@@ -40,8 +39,8 @@ from lightning_gradcomp.compressors.base import (
 )
 from lightning_gradcomp.flat import FlatPacket, Packet, Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
-from lightning_gradcomp.compressors.terngrad_flat import FlatTernGrad
-from lightning_gradcomp.kernels import extension_for
+from lightning_gradcomp.compressors.terngrad_group import FlatTernGrad, TernGradKernels
+from lightning_gradcomp.compressors.terngrad_kernels import TERNGRAD_KERNELS
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 from lightning_gradcomp.wire.ternary import PACKINGS, Packing, packed_nbytes
 
@@ -55,7 +54,7 @@ _INT8_MAX_RANKS = 127
 _SIGMA_NOISE = 16 * torch.finfo(torch.float32).eps
 
 
-class TernGrad(KernelBacked[FlatTernGrad]):
+class TernGrad(KernelBacked[TernGradKernels]):
     """Stochastic ternarization with layer-wise scalers, scaler sharing and sigma clipping.
 
     Args:
@@ -111,8 +110,7 @@ class TernGrad(KernelBacked[FlatTernGrad]):
         self.backend = backend
         self._keys = CounterStreams(seed)
         #: the one implementation: a group of layers in one flat tensor per call (a single tensor: a group of one)
-        self._flat = FlatTernGrad(self, sigma_noise=_SIGMA_NOISE, streams=self._keys, native=self._native)
-        self._offer_kernels(self._flat)
+        self._flat = FlatTernGrad(self, sigma_noise=_SIGMA_NOISE, streams=self._keys, kernels=self.kernels)
         #: this compressor travelling as each of its variants, made on first use (see `for_collective`)
         self._views: dict[str, TernGrad] = {}
 
@@ -237,13 +235,15 @@ class TernGrad(KernelBacked[FlatTernGrad]):
         return torch.maximum(torch.minimum(x, threshold), -threshold).view(tensor.shape)
 
     # -- a group of layers in one flat tensor (the hook's batched pipeline) -----------------------------------
+    #: the kernel sets that run the groups (:mod:`~lightning_gradcomp.compressors.terngrad_kernels`)
+    providers = TERNGRAD_KERNELS
+
     #: a fixed number of ops per group on every device and backend (torch ops, Triton, or one call of the compiled
     #: kernels per group)
     batched = True
 
-    def _native(self, flat: Tensor) -> Optional[ModuleType]:
-        """The compiled CPU kernels when the fused backend runs ``flat``'s group with them, else ``None`` (torch ops)."""
-        return extension_for(flat) if self._kernels(flat.device) is not None else None
+    def _provider_input(self) -> FlatTernGrad:
+        return self._flat
 
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return self._flat.statistic(flat, segments)

@@ -21,10 +21,10 @@ value plus one float32 scale per tensor; the rounding error stays in the residua
 
 The code is written once, for a group of layers in one flat tensor (the hook's pipeline, :meth:`TopK.compress_flat`);
 the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ``sent``) run it on a group of one. The
-group payload's layout is :mod:`~lightning_gradcomp.compressors.topk_flat`'s; the selection, what differs by device
-(:attr:`TopK.selection`), is stated for one layer once (:func:`~lightning_gradcomp.compressors.topk_flat.top_k_segment`,
-:func:`~lightning_gradcomp.compressors.dgc_flat.select_segment`) and looped over the layers on a CPU, batched for all
-layers at once elsewhere (:mod:`~lightning_gradcomp.compressors.dgc_flat`, or Triton's kernels on CUDA): the same
+group payload's layout is :mod:`~lightning_gradcomp.compressors.topk_group`'s; the selection, what differs by device
+(:attr:`TopK.selection`), is stated for one layer once (:func:`~lightning_gradcomp.compressors.topk_group.top_k_segment`,
+:func:`~lightning_gradcomp.compressors.dgc_group.select_segment`) and looped over the layers on a CPU, batched for all
+layers at once elsewhere (:mod:`~lightning_gradcomp.compressors.dgc_group`, or Triton's kernels on CUDA): the same
 elements either way. DGC's sample offsets come from per-name counter streams computed on the host, so every
 selection draws the same ones.
 """
@@ -36,20 +36,19 @@ from typing import Any, Literal, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors import dgc_flat, topk_flat
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
+from lightning_gradcomp.compressors import dgc_group, topk_group
+from lightning_gradcomp.compressors.backends import KernelBacked
+from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
-from lightning_gradcomp.compressors.topk_flat import SparseLayout
+from lightning_gradcomp.compressors.topk_group import SparseLayout
+from lightning_gradcomp.compressors.topk_kernels import TOPK_KERNELS, TopKKernels
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 ValueDtype = Literal["fp32", "fp16", "int2"]
 _VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _INT2 = "int2"
 Selection = Literal["loop", "batched"]
-#: the selections by torch ops: every sparse layer's top-k of the magnitudes, int64 flat positions ascending
-_TOP_K = {"loop": topk_flat.select_top_k, "batched": topk_flat.select_top_k_batched}
-_SELECTIONS = tuple(_TOP_K)
 
 DGC_PAPER_WARMUP: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.00390625, 0.001)
 """The DGC paper's sparsity warm-up as kept fractions: 75%, 93.75%, 98.4375%, 99.6%, 99.9% sparsity.
@@ -69,7 +68,7 @@ def dgc_code_warmup(ratio: float, warmup_epochs: int) -> list[float]:
     return [max(coeff ** (e + 1), ratio) for e in range(warmup_epochs)] + [ratio]
 
 
-class TopK(Compressor):
+class TopK(KernelBacked[TopKKernels]):
     """Send the ``ceil(ratio * n)`` largest-magnitude elements of each tensor, keep the rest as residual.
 
     Args:
@@ -112,23 +111,15 @@ class TopK(Compressor):
     # -- the group code: a group of layers at once (the hook's pipeline; a single tensor is a group of one) ---------
     batched = True
 
-    #: how a group's elements are selected where the Triton kernels do not run (:meth:`uses_triton`): ``"loop"``,
-    #: one partial selection (``torch.topk``) per layer, or ``"batched"``, a fixed number of ops per group (sorts of
-    #: the whole group); ``None`` (default) chooses by device: the loop on a CPU, where an op costs well under a
-    #: microsecond and a group's sort 10-20x the partial selections (``python benchmarks/flat_sparse.py``), the
-    #: batched ops elsewhere, where every op is a kernel launch. Both select the same elements.
-    selection: Optional[Selection] = None
+    #: the kernel sets that run the groups (:mod:`~lightning_gradcomp.compressors.topk_kernels`): torch ops or Triton's
+    providers = TOPK_KERNELS
 
-    def _selecting(self, x: Tensor) -> str:
-        """The selection that runs on ``x``: ``"triton"``, ``"loop"`` or ``"batched"`` (see :attr:`selection`)."""
-        if self.uses_triton(x):
-            return "triton"
-        if self.selection is None:
-            return "loop" if x.device.type == "cpu" else "batched"
-        if self.selection not in _SELECTIONS:
-            raise ValueError(f"Expected `selection` to be one of {list(_SELECTIONS)} or None but got "
-                             f"{self.selection!r}. Fix: use None to choose by device.")
-        return self.selection
+    #: how a group's elements are selected where the Triton kernels do not run: ``"loop"``, one partial selection
+    #: (``torch.topk``) per layer, or ``"batched"``, a fixed number of ops per group (sorts of the whole group);
+    #: ``None`` (default) chooses by device: the loop on a CPU, where an op costs well under a microsecond and a
+    #: group's sort 10-20x the partial selections (``python benchmarks/flat_sparse.py``), the batched ops elsewhere,
+    #: where every op is a kernel launch. Both select the same elements.
+    selection: Optional[Selection] = None
 
     def _layout(self, segments: Segments, device: torch.device) -> SparseLayout:
         key = (segments, self._ratio, self.value_dtype, self.dense_1d, device)
@@ -141,25 +132,17 @@ class TopK(Compressor):
             layout = self._layouts[key] = SparseLayout(segments, self.value_dtype, dense, counts, device)
         return layout
 
-    def _triton_wire(self, tensor: Tensor) -> bool:
-        return self.uses_triton(tensor) and self.value_dtype != _INT2
-
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return None
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         """Every sparse layer's ``k`` largest ``|x|`` (NaN above +inf; of the values equal to the k-th largest, the
         lowest positions), sent in position order, in the group payload of
-        :mod:`~lightning_gradcomp.compressors.topk_flat`. The selection by device (:attr:`selection`): one partial
-        selection per layer, a segmented sort, or with Triton (:meth:`uses_triton`) a radix select and a compaction."""
+        :mod:`~lightning_gradcomp.compressors.topk_group`. The selection by device (:attr:`selection`): one partial
+        selection per layer, a segmented sort, or with Triton a radix select and a compaction."""
         layout = self._layout(segments, flat.device)
-        x = flat.detach()
-        selecting = self._selecting(x)
-        if selecting == "triton":
-            payload = topk_flat.encode_top_k(x, layout)
-        else:
-            payload = topk_flat.encode(x, layout, _TOP_K[selecting](x.abs(), layout))
-        stats = {"density": layout.constant("density", lambda: topk_flat.density(layout, layout.counts))}
+        payload = self.kernels(flat.device).encode_top_k(flat.detach(), layout)
+        stats = {"density": layout.constant("density", lambda: topk_group.density(layout, layout.counts))}
         return FlatPacket(payload, segments, flat.dtype, layout.fixed_nbytes(), ctx={"layout": layout}, stats=stats)
 
     def _decoding(self, packet: FlatPacket) -> tuple[SparseLayout, Optional[Segments]]:
@@ -172,7 +155,7 @@ class TopK(Compressor):
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
         layout, selection = self._decoding(packet)
-        return topk_flat.decode_sent(packet.payload, layout, packet.dtype, self._triton_wire(packet.payload), selection)
+        return self.kernels(packet.payload.device).decode_sent(packet.payload, layout, packet.dtype, selection)
 
     def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
         return self.decompress_flat(packet)
@@ -180,8 +163,8 @@ class TopK(Compressor):
     def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
         layout = self._decoding(packets[0])[0]
         selections = [self._decoding(p)[1] for p in packets]
-        return topk_flat.decode_mean_into([p.payload for p in packets], layout, packets[0].dtype, out,
-                                          self._triton_wire(packets[0].payload), selections)
+        return self.kernels(out.device).decode_mean_into([p.payload for p in packets], layout, packets[0].dtype, out,
+                                                         selections)
 
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
@@ -231,7 +214,7 @@ class DGC(TopK):
         self.max_adaptation_iters = max_adaptation_iters
         self.seed = seed
         self._streams = CounterStreams(seed)
-        self._plans: dict[tuple[Any, ...], dgc_flat.DGCPlan] = {}
+        self._plans: dict[tuple[Any, ...], dgc_group.DGCPlan] = {}
 
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
         super().setup(rank, world_size, device)
@@ -264,7 +247,7 @@ class DGC(TopK):
                 samples = numel // stride
         return stride, samples, max(1, math.ceil(samples * self._ratio))
 
-    def _plan(self, segments: Segments, device: torch.device) -> dgc_flat.DGCPlan:
+    def _plan(self, segments: Segments, device: torch.device) -> dgc_group.DGCPlan:
         key = (segments, self._ratio, self.value_dtype, self.dense_1d, self.sample_ratio, self.upper_bound,
                self.lower_bound, self.max_adaptation_iters, device)
         plan = self._plans.get(key)
@@ -273,56 +256,45 @@ class DGC(TopK):
                 self._plans.clear()
             layout = self._layout(segments, device)
             sampled = [self.sampling(n) if k else (0, 0, 0) for n, k in zip(segments.numels, layout.counts)]
-            plan = self._plans[key] = dgc_flat.DGCPlan(
+            plan = self._plans[key] = dgc_group.DGCPlan(
                 layout, tuple(s[0] for s in sampled), tuple(s[2] for s in sampled), self.lower_bound,
                 self.upper_bound, self.max_adaptation_iters)
         return plan
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        """DGC's selection of every layer (:func:`~lightning_gradcomp.compressors.dgc_flat.select_segment` states it
-        for one layer), sent in position order in :mod:`~lightning_gradcomp.compressors.topk_flat`'s group payload.
-        The selection by device (:attr:`~TopK.selection`): one :func:`~lightning_gradcomp.compressors.dgc_flat
-        .select_segment` per layer (host counts), :func:`~lightning_gradcomp.compressors.dgc_flat.select`'s fixed
-        number of ops with one ``nonzero`` per group, or with Triton (:meth:`uses_triton`) kernels and one read of the
+        """DGC's selection of every layer (:func:`~lightning_gradcomp.compressors.dgc_group.select_segment` states it
+        for one layer), sent in position order in :mod:`~lightning_gradcomp.compressors.topk_group`'s group payload.
+        The selection by device (:attr:`~TopK.selection`): one :func:`~lightning_gradcomp.compressors.dgc_group
+        .select_segment` per layer (host counts), :func:`~lightning_gradcomp.compressors.dgc_group.select`'s fixed
+        number of ops with one ``nonzero`` per group, or with Triton kernels and one read of the
         selected count; the batched forms keep the per-layer sizes on the device (``layer_nbytes`` an int64 tensor).
         int2 values are coded with the counts on the host (a read of them after a batched selection)."""
         plan = self._plan(segments, flat.device)
         starts = [0] * len(segments)
         for i in plan.drawn:
             starts[i] = self._start(segments.names[i], plan.strides[i])
-        x = flat.detach()
-        layout = plan.layout
-        selecting = self._selecting(x)
-        sent: "tuple[int, ...] | Tensor"
-        if selecting == "triton":
-            x = x.float().contiguous()
-            mask, sent = dgc_flat.select_mask(plan, x, starts)
-            if self.value_dtype != _INT2:
-                return self._packet(topk_flat.encode_mask(x, layout, mask), segments, flat.dtype, layout, sent)
-            indices = torch.nonzero(mask).reshape(-1)
-        elif selecting == "loop":
-            indices, sent = dgc_flat.select_loop(plan, x.abs(), starts)
-        else:
-            indices, sent = dgc_flat.select(plan, x.abs(), starts)
+        layout, ops = plan.layout, self.kernels(flat.device)
         if self.value_dtype != _INT2:
-            return self._packet(topk_flat.encode(x, layout, indices), segments, flat.dtype, layout, sent)
+            payload, sent = ops.dgc_encode(plan, flat.detach(), starts)
+            return self._packet(payload, segments, flat.dtype, layout, sent)
+        x, indices, sent = ops.dgc_indices(plan, flat.detach(), starts)
         counts = sent if isinstance(sent, tuple) else tuple(sent.tolist())
-        payload = topk_flat.encode(x, layout, indices, layout.selection_of(counts))
+        payload = topk_group.encode(x, layout, indices, layout.selection_of(counts))
         return self._packet(payload, segments, flat.dtype, layout, counts)
 
     @staticmethod
     def _packet(payload: Tensor, segments: Segments, dtype: torch.dtype, layout: SparseLayout,
                 sent: "tuple[int, ...] | Tensor") -> FlatPacket:
         """The group packet of ``payload`` sending ``sent`` elements per layer (host counts or a device tensor)."""
-        return FlatPacket(payload, segments, dtype, topk_flat.sent_nbytes(layout, sent), ctx={"layout": layout},
-                          stats={"density": topk_flat.density(layout, sent)})
+        return FlatPacket(payload, segments, dtype, topk_group.sent_nbytes(layout, sent), ctx={"layout": layout},
+                          stats={"density": topk_group.density(layout, sent)})
 
     def _decoding(self, packet: FlatPacket) -> tuple[SparseLayout, Optional[Segments]]:
         layout, _ = super()._decoding(packet)
         if self.value_dtype != _INT2:
             return layout, None
         # int2 codes are padded per layer: the layers' counts, from this packet's (this rank's) sizes
-        return layout, layout.selection_of(topk_flat.int2_counts(layout, packet.layer_nbytes))
+        return layout, layout.selection_of(topk_group.int2_counts(layout, packet.layer_nbytes))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "sample_ratio": self.sample_ratio, "upper_bound": self.upper_bound,

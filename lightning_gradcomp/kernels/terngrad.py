@@ -1,4 +1,4 @@
-"""TernGrad's scaler rule, shared by the group code (:mod:`lightning_gradcomp.compressors.terngrad_flat`) and the
+"""TernGrad's scaler rule, shared by the group code (:mod:`lightning_gradcomp.compressors.terngrad_group`) and the
 compiled kernels (which apply the same rule in C++, bit for bit).
 
 The compiled group kernels (``terngrad_*_flat`` in ``csrc/terngrad.cpp``) are called by the group code directly; the

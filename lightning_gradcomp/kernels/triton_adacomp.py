@@ -1,6 +1,6 @@
 """AdaComp's group kernels for CUDA in Triton: bin maxima, selection and the wire's element words, and the decode.
 
-They compute what :mod:`~lightning_gradcomp.compressors.adacomp_flat`'s torch ops compute (the CUDA path of a group
+They compute what :mod:`~lightning_gradcomp.compressors.adacomp_group`'s torch ops compute (the CUDA path of a group
 before these kernels, still its path without Triton), bit for bit:
 
 * :func:`bin_maxima`: each bin's max |G| (``scatter_reduce`` amax over bin ids, NaN propagated);
@@ -15,7 +15,7 @@ before these kernels, still its path without Triton), bit for bit:
 
 A program holds ``BINS`` whole bins of one layer (a ``[BINS, LPAD]`` block, ``LPAD`` the group's longest L_T
 rounded up to a power of two), so a bin's maximum and selection are one program's reductions and the grid covers
-a group of any layer sizes in one launch. The layer scale stays :func:`~lightning_gradcomp.compressors.adacomp_flat.bin_mean`
+a group of any layer sizes in one launch. The layer scale stays :func:`~lightning_gradcomp.compressors.adacomp_group.bin_mean`
 (a sequential sum per layer; the kernels take its result).
 """
 

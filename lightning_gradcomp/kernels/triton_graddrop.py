@@ -1,7 +1,7 @@
 """Gradient Dropping's group kernels for CUDA in Triton: threshold sample, selection and ``coo32`` encode, decode.
 
 They compute what :meth:`GradientDropping.compress_flat <lightning_gradcomp.compressors.GradientDropping.compress_flat>`
-and its decoders compute with torch ops (``compressors/graddrop_flat.py``: its CUDA path before these kernels, still
+and its decoders compute with torch ops (``compressors/graddrop_group.py``: its CUDA path before these kernels, still
 its path without Triton), bit for bit, in a number of launches that does not depend on the number of layers:
 
 * :func:`sample`: every layer's threshold sample of |x| in one launch (the positions of ``gather_samples``: a
@@ -42,7 +42,7 @@ from lightning_gradcomp.kernels.triton_launch import bodies, launch, programs, t
 SAMPLE_BLOCK = 1024
 #: layers per program of the statistics kernel
 STATISTICS_BLOCK = 128
-#: the sample modes of GroupTables (graddrop_flat.plan_samples's, as the compiled kernels read them)
+#: the sample modes of GroupTables (graddrop_group.plan_samples's, as the compiled kernels read them)
 STRIDED, RANDOM, WHOLE = 0, 1, 2
 
 

@@ -1,6 +1,6 @@
 """TernGrad's group kernels for CUDA in Triton: ternarize (and pack), decode-and-average, one launch per group.
 
-They compute what :class:`~lightning_gradcomp.compressors.terngrad_flat.FlatTernGrad`'s torch ops compute (its
+They compute what :class:`~lightning_gradcomp.compressors.terngrad_group.FlatTernGrad`'s torch ops compute (its
 CUDA path before these kernels, still its path without Triton), bit for bit:
 
 * :func:`ternarize`: per element the counter-based uniform of :mod:`lightning_gradcomp.kernels.rng` (keys per

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from lightning_gradcomp._deprecated import moved_names as _moved_names
 from lightning_gradcomp.compressors.loss_aware import LossAwareTernary
-from lightning_gradcomp.compressors.terngrad_flat import ternary_from_uniforms
+from lightning_gradcomp.compressors.terngrad_group import ternary_from_uniforms
 from lightning_gradcomp.weightgrad.quantize import WanMessage, decode, encode
 from lightning_gradcomp.weightgrad.significance import SignificanceFilter
 from lightning_gradcomp.weightgrad.strategy import GatheredFP32, WeightGradStrategy

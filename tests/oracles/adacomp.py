@@ -1,5 +1,5 @@
 """Test oracle: AdaComp one layer at a time, as it was written before its group code
-(:mod:`lightning_gradcomp.compressors.adacomp_flat` and the group methods of
+(:mod:`lightning_gradcomp.compressors.adacomp_group` and the group methods of
 :class:`~lightning_gradcomp.compressors.AdaComp`) became the one implementation.
 
 :class:`LayerAdaComp` is :class:`~lightning_gradcomp.compressors.AdaComp` with its per-layer methods written per layer:
@@ -14,11 +14,13 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
+
+from lightning_gradcomp.compressors.adacomp_kernels import CompiledAdaComp
 from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.adacomp import AdaComp, layer_kind
-from lightning_gradcomp.compressors.adacomp_flat import bin_mean
+from lightning_gradcomp.compressors.adacomp_group import bin_mean
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.flat import Packet, Segments
 from lightning_gradcomp.wire.sparse import (
@@ -64,9 +66,9 @@ class LayerAdaComp(LayerLoop, AdaComp):
         n = g.numel()
         if n == 0:
             return g.new_zeros(0, dtype=torch.long), g.new_zeros(0, dtype=torch.long), g.new_zeros(())
-        fused = self._kernels(g.device)
-        if self.selection == "adaptive" and fused is not None:
-            return fused.select(g, dw, size)
+        ops = self.kernels(g.device)
+        if self.selection == "adaptive" and isinstance(ops, CompiledAdaComp):
+            return ops.select_layer(g, dw, size)
         bins = self._bins(g, size)
         mag = bins.abs()
         gmax = mag.amax(dim=1)
@@ -114,7 +116,7 @@ class LayerAdaComp(LayerLoop, AdaComp):
             return torch.zeros(0, dtype=torch.uint8, device=scale.device)
         head = scale.float().reshape(1).view(torch.uint8)
         if self.wire == "paper":
-            if self._kernels(idx.device) is not None:
+            if self.kernels(idx.device).name == "fused":
                 return torch.cat((head, kernels.bin_words_encode(idx, values + 1, size)))
             return torch.cat((head, encode_bin_relative(idx, values + 1, size)))
         count = torch.tensor([idx.numel()], dtype=torch.int32, device=idx.device).view(torch.uint8)
@@ -132,7 +134,7 @@ class LayerAdaComp(LayerLoop, AdaComp):
         return idx, torch.where(signs == 1, 1.0, -1.0) * scale
 
     def decompress(self, packet: Packet) -> Tensor:
-        if self.wire == "paper" and packet.payload.numel() > 0 and self._kernels(packet.payload.device) is not None:
+        if self.wire == "paper" and packet.payload.numel() > 0 and self.kernels(packet.payload.device).name == "fused":
             decoded = kernels.bin_words_decode_sum(packet.numel, [packet.payload], packet.ctx["bin_size"])
             return decoded.to(packet.dtype).view(packet.shape)
         out = torch.zeros(packet.numel, dtype=torch.float32, device=packet.payload.device)
@@ -155,7 +157,7 @@ class LayerAdaComp(LayerLoop, AdaComp):
 
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         first = packets[0]
-        if first.dtype != torch.float32 or self._kernels(first.payload.device) is None:
+        if first.dtype != torch.float32 or self.kernels(first.payload.device).name != "fused":
             return Compressor.decompress_sum(self, packets)
         return self._fused_sum(packets, torch.empty(first.numel, dtype=torch.float32, device=first.payload.device))
 
@@ -163,7 +165,7 @@ class LayerAdaComp(LayerLoop, AdaComp):
         first = packets[0]
         writes_into = (first.dtype == torch.float32 and out.dtype == torch.float32 and out.is_contiguous()
                        and out.numel() == first.numel)
-        if not writes_into or self._kernels(first.payload.device) is None:
+        if not writes_into or self.kernels(first.payload.device).name != "fused":
             return Compressor.decompress_sum_into(self, packets, out)
         self._fused_sum(packets, out)
         return out

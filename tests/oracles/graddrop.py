@@ -1,5 +1,5 @@
 """Test oracle: Gradient Dropping one layer at a time, as it was written before its group code
-(:mod:`lightning_gradcomp.compressors.graddrop_flat`) became the one implementation.
+(:mod:`lightning_gradcomp.compressors.graddrop_group`) became the one implementation.
 
 :class:`LayerGradientDropping` is :class:`~lightning_gradcomp.compressors.GradientDropping` with its per-layer methods
 written per layer: ``backend="torch"`` selects with torch ops (``torch.kthvalue``, a mask, ``nonzero``),
@@ -126,7 +126,7 @@ class LayerGradientDropping(LayerLoop, GradientDropping):
         self._fused = FusedGradientDropping(self, streams=self._keys)
 
     def _layer_kernels(self, device: torch.device) -> Optional[FusedGradientDropping]:
-        return self._fused if self._kernels(device) is not None else None
+        return self._fused if self.kernels(device).name == "fused" else None
 
     # a loop over layers is not a fixed number of ops per group (the group methods: LayerLoop's)
     @property
@@ -301,7 +301,7 @@ class LayerGradientDropping(LayerLoop, GradientDropping):
     # the sums the fused backend decoded with the kernels (float32 gradients), the base class's otherwise
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         first = packets[0]
-        if first.dtype != torch.float32 or self._kernels(first.payload.device) is None:
+        if first.dtype != torch.float32 or self.kernels(first.payload.device).name != "fused":
             return Compressor.decompress_sum(self, packets)
         out = torch.empty(first.numel, dtype=torch.float32, device=first.payload.device)
         return self._fused_sum(packets, out).view(first.shape)
@@ -310,7 +310,7 @@ class LayerGradientDropping(LayerLoop, GradientDropping):
         first = packets[0]
         writes_into = (first.dtype == torch.float32 and out.dtype == torch.float32 and out.is_contiguous()
                        and out.numel() == first.numel)
-        if not writes_into or self._kernels(first.payload.device) is None:
+        if not writes_into or self.kernels(first.payload.device).name != "fused":
             return Compressor.decompress_sum_into(self, packets, out)
         self._fused_sum(packets, out)
         return out

@@ -1,5 +1,5 @@
 """Test oracle: TernGrad one layer at a time, as it was written before its group code
-(:mod:`lightning_gradcomp.compressors.terngrad_flat`) became the one implementation.
+(:mod:`lightning_gradcomp.compressors.terngrad_group`) became the one implementation.
 
 :class:`LayerTernGrad` is :class:`~lightning_gradcomp.compressors.TernGrad` with its per-layer methods written per
 layer: ``backend="fused"`` runs the per-layer kernels (:class:`~tests.oracles.terngrad_fused.FusedTernGrad`: the
@@ -49,7 +49,7 @@ class LayerTernGrad(LayerLoop, TernGrad):
         self._fused.forget()
 
     def _layer_kernels(self, device: torch.device) -> Optional[FusedTernGrad]:
-        return self._fused if self._kernels(device) is not None else None
+        return self._fused if self.kernels(device).name == "fused" else None
 
     def _chunked(self, tensor: Tensor) -> Tensor:
         """The flat float32 tensor as [chunks, chunk_len]; a partial last chunk is padded with zeros."""

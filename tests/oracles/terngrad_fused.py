@@ -1,6 +1,6 @@
 """Test oracle: TernGrad's per-layer fused code (one layer per call of the per-layer kernels of
 :mod:`tests.oracles.terngrad_kernels`), the bit-for-bit reference the group code
-(:mod:`lightning_gradcomp.compressors.terngrad_flat`) is checked against.
+(:mod:`lightning_gradcomp.compressors.terngrad_group`) is checked against.
 
 Differences from the torch backend, and why they are safe:
 
@@ -25,7 +25,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import Aggregation
 from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.streams import CounterStreams
-from lightning_gradcomp.compressors.terngrad_flat import TernGradSettings
+from lightning_gradcomp.compressors.terngrad_group import TernGradSettings
 from tests.oracles import terngrad_kernels as kernels
 from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes
 

@@ -1,6 +1,6 @@
 """Test oracle: TernGrad's per-layer kernels (one tensor per call): statistics, ternarize + pack, decode,
 decode-and-sum, the bit-for-bit reference of the group kernels the library runs
-(:mod:`lightning_gradcomp.compressors.terngrad_flat`, ``terngrad_*_flat`` in ``csrc/terngrad.cpp``).
+(:mod:`lightning_gradcomp.compressors.terngrad_group`, ``terngrad_*_flat`` in ``csrc/terngrad.cpp``).
 
 Each function runs the compiled CPU kernel for CPU tensors when it is available and otherwise the same
 maths with torch ops. Both give bit-identical ternaries for the same key (the random stream is

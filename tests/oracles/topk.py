@@ -1,5 +1,5 @@
 """Test oracle: top-k and DGC one layer at a time, as they were written before their group code
-(:mod:`lightning_gradcomp.compressors.topk_flat`, :mod:`lightning_gradcomp.compressors.dgc_flat`) became the one
+(:mod:`lightning_gradcomp.compressors.topk_group`, :mod:`lightning_gradcomp.compressors.dgc_group`) became the one
 implementation.
 
 :class:`LayerTopK` and :class:`LayerDGC` are :class:`~lightning_gradcomp.compressors.TopK` and
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors import topk_flat
+from lightning_gradcomp.compressors import topk_group
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.topk import DGC, TopK
@@ -47,8 +47,8 @@ class LayerTopK(LayerLoop, TopK):
         index_bytes = indices.to(torch.int32).view(torch.uint8)
         if self.value_dtype == "int2":
             values = flat[indices].float()
-            scale = values.abs().amax().reshape(1) / topk_flat.INT2_HALF_RANGE if values.numel() else values.new_zeros(1)
-            codes = topk_flat.int2_codes(values, scale)
+            scale = values.abs().amax().reshape(1) / topk_group.INT2_HALF_RANGE if values.numel() else values.new_zeros(1)
+            codes = topk_group.int2_codes(values, scale)
             payload = torch.cat((scale.view(torch.uint8), index_bytes, pack_bits(codes, 2)))
         else:
             values = flat[indices].to(_VALUE_DTYPES[self.value_dtype])
@@ -95,7 +95,7 @@ def _int2_values_indices(payload: Tensor) -> tuple[Tensor, Tensor]:
     scale = payload[:4].clone().view(torch.float32)
     indices = payload[4 : 4 + 4 * k].clone().view(torch.int32).long()
     codes = unpack_bits(payload[4 + 4 * k :], k, 2).float()
-    return topk_flat.int2_values(codes, scale), indices
+    return topk_group.int2_values(codes, scale), indices
 
 
 class LayerDGC(LayerTopK, DGC):

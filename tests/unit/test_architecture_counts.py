@@ -23,7 +23,7 @@ class Packet:
         return self.payload.numel() * self.payload.element_size()
 ''',
     "compressors/terngrad.py": "def compress(x):\n    return x.compress()\n",
-    "compressors/terngrad_flat.py": "x = 1\ny = 2\n",
+    "compressors/terngrad_group.py": "x = 1\ny = 2\n",
     "kernels/csrc/terngrad.cpp": "int f();\n",
     "kernels/selection.py": "a = 1\n",
     "hook.py": '''

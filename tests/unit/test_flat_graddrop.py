@@ -22,7 +22,7 @@ from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.flat import FlatPacket, Packet, Segments
 from lightning_gradcomp.compressors.graddrop import Sample, Scope
-from lightning_gradcomp.compressors.graddrop_flat import gather_samples
+from lightning_gradcomp.compressors.graddrop_group import gather_samples
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.kernels import torch_ops
 from tests.oracles.graddrop import LayerGradientDropping

@@ -11,6 +11,7 @@ import torch
 
 from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DGC, TopK
+from lightning_gradcomp.compressors.topk_kernels import TorchTopK
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.kernels import segmented
 from tests.oracles.topk import LayerDGC, LayerTopK
@@ -252,7 +253,7 @@ def test_both_selections_send_the_same_bits_on_ties_and_non_finite_values(settin
 
 
 def test_top_k_of_a_layer_is_a_stable_sorts_first_k() -> None:
-    from lightning_gradcomp.compressors.topk_flat import top_k_segment
+    from lightning_gradcomp.compressors.topk_group import top_k_segment
 
     x = _ties(3000, 1).abs()
     for k in (1, 7, 60, 2999, 3000):
@@ -344,9 +345,10 @@ def test_the_selection_is_chosen_by_device_and_checked() -> None:
     topk = TopK(0.05)
     topk.setup(0, 1, CPU)
     x = torch.randn(100)
-    assert topk._selecting(x) == "loop"  # a CPU's partial selections
+    torch_ops = TorchTopK(topk)
+    assert torch_ops.selecting(x) == "loop"  # a CPU's partial selections
     topk.selection = "batched"
-    assert topk._selecting(x) == "batched"
+    assert torch_ops.selecting(x) == "batched"
     topk.selection = "sorted"  # type: ignore[assignment]
     with pytest.raises(ValueError, match=r"Expected `selection` to be one of \['loop', 'batched'\] or None but got "
                                          r"'sorted'\. Fix:"):

@@ -96,8 +96,8 @@ def _case_group(
             assert a.stats.keys() == b.stats.keys() and all(torch.equal(a.stats[k], b.stats[k]) for k in a.stats)
         assert all(torch.equal(a, b) for a, b in zip(want[1], got[1]))
         assert torch.equal(want[2], got[2])
-    assert all(c._kernels_chosen == "triton" for c in kernels)
-    assert not any(c._kernels_chosen == "triton" for c in reference)
+    assert all(c.kernels(CPU).name == "triton" for c in kernels)
+    assert not any(c.kernels(CPU).name == "triton" for c in reference)
 
 
 def _case_fp16_out() -> None:
@@ -176,11 +176,11 @@ def _case_choice() -> None:
     """Without forcing, the kernels run on CUDA only; the choice lasts until setup."""
     comp = TopK(0.1)
     comp.setup(0, 1, CPU)
-    assert not comp.uses_triton(torch.zeros(1))
+    assert comp.kernels(torch.device("cpu")).name != "triton"
     comp.triton = True
-    assert not comp.uses_triton(torch.zeros(1))  # chosen once
+    assert comp.kernels(torch.device("cpu")).name != "triton"  # chosen once
     comp.setup(0, 1, CPU)
-    assert comp.uses_triton(torch.zeros(1))
+    assert comp.kernels(torch.device("cpu")).name == "triton"
 
 
 #: (compressor, ranks) of the group cases (the interpreter is slow: 3 ranks where the mean's rank order matters)

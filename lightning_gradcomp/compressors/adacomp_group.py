@@ -19,6 +19,7 @@ Bit-identical to the per-layer oracle (``tests/oracles/adacomp.py``): the same s
 and decoded sums.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -199,6 +200,16 @@ def encode_group_words(
     return payload, nbytes
 
 
+def encode_words(
+    g: Tensor, send: Tensor, scale: Tensor, segments: Segments, bins: Tensor, layout: Callable[[], BinLayout]
+) -> tuple[Tensor, Tensor]:
+    """The paper's wire of a selection: (payload, bytes per layer); an empty group sends nothing (``bins``: its bins
+    per layer; ``layout``: its :class:`BinLayout`, asked for only when it has elements)."""
+    if not segments.total:
+        return g.new_zeros(0, dtype=torch.uint8), torch.zeros_like(bins)
+    return encode_group_words(g, send, scale, layout(), segments)
+
+
 def encode_group_kernels(
     g: Tensor, dw: Tensor, factor: float, layout: BinLayout, tables: triton_adacomp.Tables, ternary: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -258,6 +269,6 @@ def decode_group_words(payload: Tensor, nbytes: Tensor, layout: BinLayout) -> tu
 
 
 __all__ = [
-    "BinLayout", "bin_markers", "bin_mean", "decode_group_words", "encode_group_kernels", "encode_group_words",
+    "BinLayout", "bin_markers", "bin_mean", "decode_group_words", "encode_group_kernels", "encode_group_words", "encode_words",
     "header_words", "select_bins", "slot_bytes",
 ]

@@ -25,14 +25,13 @@ The fused backend's compiled kernels draw the same positions and select the same
 decoders in kernels, bit-identical to these ops (the samples' sort stays here).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, NamedTuple, Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp import kernels
 from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.wire.sparse import (
     IndexEncoding,
@@ -126,28 +125,101 @@ def plan_samples(
     )
 
 
-class GroupKernels:
-    """The fused backend of a group: :mod:`lightning_gradcomp.kernels`' group calls (compiled on CPU, their torch-ops
-    forms elsewhere), each one call per group with the layers' tables of a :class:`SamplePlan`."""
+#: positions in a group's coo32 payload (and in the compiled and Triton kernels) count from the group's start in int32
+INT32_POSITIONS = 2**31
 
-    def sample(self, x: Tensor, plan: SamplePlan, keys: Tensor) -> Tensor:
-        """:func:`gather_samples`' values: every layer's sample of |x| back to back (``keys``: int64 ``[layers, 2]``)."""
-        offsets, sizes, modes, _, _ = plan.kernel_args
-        return kernels.graddrop_group_sample(x, offsets, sizes, modes, keys)
+#: the thresholds of a group's layers from its samples: ``(samples, per_layer)`` where ``per_layer()`` selects each
+#: layer's threshold on its own sample (the compressor adds the global scope's pool)
+Thresholds = Callable[[Tensor, Callable[[], Tensor]], Tensor]
 
-    def thresholds(self, samples: Tensor, plan: SamplePlan) -> Tensor:
-        """:func:`segment_thresholds`' values: each layer's k-th smallest sampled value (0 where k = 0)."""
-        _, _, _, ranks, sample_offsets = plan.kernel_args
-        return kernels.graddrop_group_kth(samples, sample_offsets, ranks)
 
-    def select(self, x: Tensor, plan: SamplePlan, thresholds: Tensor, fp16: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """:func:`survivors_mask`'s survivors: (int32 positions from the group's start, float32 values, int64 counts
-        ``[layers]``, float32 fp16 overflow counts ``[layers]``)."""
-        return kernels.graddrop_group_select(x, plan.kernel_args[0], thresholds, fp16)
+class Survivors(NamedTuple):
+    """A group's survivors."""
 
-    def decode_sum(self, out: Tensor, decoded: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
-        """Every rank's (positions, values) scatter-added into ``out`` (contiguous float32) in rank order."""
-        return kernels.sparse_decode_sum(out.numel(), [i for i, _ in decoded], [v for _, v in decoded], out=out)
+    #: positions from the group's start, ascending (int64, or int32 from the compiled kernels)
+    positions: Tensor
+    #: float32 values
+    values: Tensor
+    #: int64 ``[layers]`` survivors per layer
+    counts: Tensor
+    #: float32 ``[layers]`` survivors held back beyond fp16's range, or ``None`` without fp16 values
+    overflow: Optional[Tensor]
+
+
+class Coo32Group(NamedTuple):
+    """A group's ``coo32`` payload and its per-layer statistics."""
+
+    payload: Tensor
+    #: int64 ``[layers]`` bytes per layer
+    nbytes: Tensor
+    sparsity: Tensor
+    sent: Tensor
+    compression_rate: Tensor
+    overflow: Optional[Tensor]
+
+
+class GradDropKernels(Protocol):
+    """The operations of Gradient Dropping's group step that a kernel set runs (:mod:`~.graddrop_kernels`: torch
+    ops, the compiled CPU kernels, Triton's); each gives the torch ops' bits."""
+
+    @property
+    def name(self) -> str:
+        """The kernel set: ``"torch"``, ``"fused"`` or ``"triton"``."""
+        ...
+
+    def select(
+        self, x: Tensor, segments: Segments, plan: SamplePlan, thresholds: Thresholds, fp16: bool
+    ) -> tuple[Tensor, Survivors]:
+        """Every layer's threshold and the group's survivors of float32 ``x``."""
+        ...
+
+    def select_coo32(
+        self, x: Tensor, segments: Segments, plan: SamplePlan, thresholds: Thresholds, fp16: bool, fmt: ValueFormat
+    ) -> tuple[Tensor, Coo32Group]:
+        """Every layer's threshold and the survivors in the group's ``coo32`` payload."""
+        ...
+
+    def decode_coo32(self, payload: Tensor, fmt: ValueFormat, total: int) -> Tensor:
+        """float32 ``[total]``: a group's ``coo32`` payload, dense."""
+        ...
+
+    def sum_into(self, decoded: Sequence[tuple[Tensor, Tensor]], out: Tensor) -> Tensor:
+        """Every rank's (positions, values) added into ``out`` in rank order, onto zeros."""
+        ...
+
+    def mean_coo32_into(self, payloads: Sequence[Tensor], fmt: ValueFormat, out: Tensor) -> Tensor:
+        """The ranks' mean of ``coo32`` payloads into ``out`` (float32)."""
+        ...
+
+
+def fits_fp16(keep: Tensor, magnitudes: Tensor, segments: Segments) -> tuple[Tensor, Tensor]:
+    """``keep`` without the survivors beyond fp16's range (fp16 would turn them into inf on every rank; they wait
+    in the residual instead), and their count per layer."""
+    fits = ~(magnitudes > torch.finfo(torch.float16).max)
+    overflow = segments.reduce((keep & ~fits).to(torch.float32), "sum")
+    return keep & fits, overflow
+
+
+def survivors(x: Tensor, magnitudes: Tensor, thresholds: Tensor, segments: Segments, fp16: bool) -> Survivors:
+    """The survivors of ``x`` (|x| ``magnitudes``) under each layer's threshold, with torch ops (one ``nonzero``)."""
+    keep = survivors_mask(magnitudes, thresholds, segments)
+    overflow = None
+    if fp16:
+        keep, overflow = fits_fp16(keep, magnitudes, segments)
+    index = torch.nonzero(keep).reshape(-1)
+    # each layer's count from where its bounds fall among the sorted positions (not a sum over the whole group)
+    counts = torch.searchsorted(index, segments.bounds(index.device)).diff()
+    return Survivors(index, x.index_select(0, index), counts, overflow)
+
+
+def counted_statistics(plan: SamplePlan, counts: Tensor, nbytes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(sparsity, sent, compression rate) per layer from the survivors' ``counts`` and each layer's bytes."""
+    numels = plan.numels
+    # in float64 then rounded once, as a layer's statistics in Python floats would be
+    sparsity = (1.0 - counts / numels.clamp(min=1)).float()
+    # bytes fp32 would take over bytes sent (an empty payload counts as 1 byte, to stay finite)
+    rate = (4.0 * numels / nbytes.clamp(min=1)).float()
+    return sparsity, counts.float(), rate
 
 
 def gather_samples(magnitudes: Tensor, plan: SamplePlan, bits: Optional[Tensor]) -> Tensor:
@@ -325,7 +397,14 @@ def decode_layer(
 
 
 __all__ = [
-    "GroupKernels",
+    "Coo32Group",
+    "GradDropKernels",
+    "INT32_POSITIONS",
+    "Survivors",
+    "Thresholds",
+    "counted_statistics",
+    "fits_fp16",
+    "survivors",
     "Quantize",
     "SamplePlan",
     "decode_group_coo32",

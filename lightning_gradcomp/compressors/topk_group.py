@@ -293,40 +293,53 @@ def decode(payload: Tensor, layout: SparseLayout, selection: Optional[Segments] 
     return dense, indices, int2_values(codes, sel.expand(scale))
 
 
-def decode_sent(
-    payload: Tensor, layout: SparseLayout, dtype: torch.dtype, triton: bool = False, selection: Optional[Segments] = None
-) -> Tensor:
-    """The flat tensor a payload stands for (each value copied into zeros); with ``triton`` (fp32 / fp16 values) the
-    copies are :func:`~lightning_gradcomp.kernels.triton_compact.scatter`'s. ``selection``: as :func:`decode`'s."""
+def decode_sent(payload: Tensor, layout: SparseLayout, dtype: torch.dtype, selection: Optional[Segments] = None) -> Tensor:
+    """The flat tensor a payload stands for (each value copied into zeros). ``selection``: as :func:`decode`'s."""
     out = torch.zeros(layout.segments.total, dtype=dtype, device=payload.device)
-    if triton:
-        dense, index, values = sections(payload, layout)
-        triton_compact.scatter(layout.dense_index, dense, out)
-        return triton_compact.scatter(index, values, out)
     dense, indices, values = decode(payload, layout, selection)
     out.scatter_(0, layout.dense_index, dense.to(dtype))
     return out.scatter_(0, indices, values.to(dtype))
 
 
+def scatter_sent(payload: Tensor, layout: SparseLayout, dtype: torch.dtype) -> Tensor:
+    """:func:`decode_sent` of fp32 / fp16 values by :func:`~lightning_gradcomp.kernels.triton_compact.scatter`."""
+    out = torch.zeros(layout.segments.total, dtype=dtype, device=payload.device)
+    dense, index, values = sections(payload, layout)
+    triton_compact.scatter(layout.dense_index, dense, out)
+    return triton_compact.scatter(index, values, out)
+
+
+#: one rank's payload added into the ranks' sum: ``(payload, its selection as decode's, the sum)``
+AddRank = Callable[[Tensor, Optional[Segments], Tensor], None]
+
+
+def add_decoded(payload: Tensor, layout: SparseLayout, selection: Optional[Segments], total: Tensor) -> None:
+    """One rank's payload decoded and added into ``total`` by torch ops."""
+    dense, indices, values = decode(payload, layout, selection)
+    total.scatter_add_(0, layout.dense_index, dense.to(total.dtype))
+    total.scatter_add_(0, indices, values.to(total.dtype))
+
+
+def add_sections(payload: Tensor, layout: SparseLayout, total: Tensor) -> None:
+    """One rank's fp32 / fp16 values added into ``total`` by :func:`~lightning_gradcomp.kernels.triton_compact
+    .scatter_add`."""
+    dense, index, values = sections(payload, layout)
+    triton_compact.scatter_add(layout.dense_index, dense, total)
+    triton_compact.scatter_add(index, values, total)
+
+
 def decode_mean_into(
-    payloads: Sequence[Tensor], layout: SparseLayout, dtype: torch.dtype, out: Tensor, triton: bool = False,
+    payloads: Sequence[Tensor], layout: SparseLayout, dtype: torch.dtype, out: Tensor, add: AddRank,
     selections: Optional[Sequence[Optional[Segments]]] = None,
 ) -> Tensor:
     """The ranks' mean of gathered payloads (in rank order) in ``out``, bit for bit the per-layer sum then division;
-    with ``triton`` (fp32 / fp16 values) each rank's adds are :func:`~lightning_gradcomp.kernels.triton_compact
-    .scatter_add`'s. ``selections``: each payload's, as :func:`decode`'s."""
+    ``add`` adds each rank's payload (:func:`add_decoded`, or :func:`add_sections` for the Triton kernels).
+    ``selections``: each payload's, as :func:`decode`'s."""
     total = out if out.dtype == dtype and out.is_contiguous() else torch.empty(
         layout.segments.total, dtype=dtype, device=out.device)
     total.copy_(layout.sum_template(dtype))
     for r, payload in enumerate(payloads):
-        if triton:
-            dense, index, values = sections(payload, layout)
-            triton_compact.scatter_add(layout.dense_index, dense, total)
-            triton_compact.scatter_add(index, values, total)
-            continue
-        dense, indices, values = decode(payload, layout, None if selections is None else selections[r])
-        total.scatter_add_(0, layout.dense_index, dense.to(dtype))
-        total.scatter_add_(0, indices, values.to(dtype))
+        add(payload, None if selections is None else selections[r], total)
     if total is not out:
         out.copy_(total)
     return out.div_(len(payloads))
@@ -353,6 +366,7 @@ def sent_nbytes(layout: SparseLayout, sent: "Sequence[int] | Tensor") -> "tuple[
         [4 * n if d else 0 for n, d in zip(layout.segments.numels, layout.dense)], dtype=torch.int64))
     return sent * (4 + layout.value_nbytes) + dense
 
-__all__ = ["INT2_HALF_RANGE", "int2_codes", "int2_values", "SparseLayout", "decode", "decode_mean_into", "decode_sent",
+__all__ = ["INT2_HALF_RANGE", "int2_codes", "int2_values", "SparseLayout", "AddRank", "add_decoded", "add_sections", "decode", "decode_mean_into",
+           "decode_sent", "scatter_sent",
            "density", "encode", "encode_mask", "encode_top_k", "int2_counts", "sections", "select_top_k",
            "select_top_k_batched", "sent_nbytes", "sparse_count", "top_k_segment"]

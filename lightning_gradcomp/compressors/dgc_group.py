@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors import topk_flat
-from lightning_gradcomp.compressors.topk_flat import SparseLayout
+from lightning_gradcomp.compressors import topk_group
+from lightning_gradcomp.compressors.topk_group import SparseLayout
 from lightning_gradcomp.kernels import segmented, triton_topk
 from lightning_gradcomp.flat import Segments
 
@@ -88,7 +88,7 @@ def select_segment(magnitudes: Tensor, k: int, stride: int, start: int, top: int
 
     The ``top``-th largest of the sample ``magnitudes[start::stride]`` is the threshold (NaN when a NaN is among
     the top: nothing is sent); with a sample (``stride > 1``) it is adapted up to ``plan.iters`` times: more than
-    ``k`` survivors stop it (an exact top-k of them, :func:`~lightning_gradcomp.compressors.topk_flat.top_k_segment`,
+    ``k`` survivors stop it (an exact top-k of them, :func:`~lightning_gradcomp.compressors.topk_group.top_k_segment`,
     when more than ``upper_bound * k``), at least ``lower_bound * k`` too, else the threshold is multiplied by
     ``lower_bound``. The first ``k`` survivors by position are sent.
 
@@ -108,7 +108,7 @@ def select_segment(magnitudes: Tensor, k: int, stride: int, start: int, top: int
             count = survivors.numel()
             if count > k:
                 if count > plan.upper_bound * k:
-                    survivors = survivors[topk_flat.top_k_segment(magnitudes.index_select(0, survivors), k)]
+                    survivors = survivors[topk_group.top_k_segment(magnitudes.index_select(0, survivors), k)]
                 break
             if count >= plan.lower_bound * k:
                 break
