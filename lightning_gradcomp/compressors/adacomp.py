@@ -53,7 +53,7 @@ from lightning_gradcomp.compressors.adacomp_flat import (
     select_bins,
 )
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, layer_segments
+from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp
 from lightning_gradcomp.kernels import triton_adacomp
@@ -220,7 +220,7 @@ class AdaComp(KernelBacked[FusedAdaComp]):
         return self.selection == "adaptive" and self.wire == "paper"
 
     @property
-    def batched(self) -> bool:  # type: ignore[override]
+    def batched(self) -> bool:
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
         backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group). The
         other settings loop over the group's layers inside the group methods."""
@@ -268,10 +268,6 @@ class AdaComp(KernelBacked[FusedAdaComp]):
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return None  # no statistic is shared (and the default would visit every layer to learn it)
 
-    def observe_gradient(self, grad: Tensor, name: str) -> None:
-        """:meth:`observe_gradient_flat` of the group of one (the base class observes per layer only)."""
-        self.observe_gradient_flat(grad.reshape(-1), layer_segments(self, name, grad.shape))
-
     def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
         self._flat_gradients[segments.names] = flat
 
@@ -280,8 +276,8 @@ class AdaComp(KernelBacked[FusedAdaComp]):
         if dw is None:
             raise RuntimeError(
                 f"Expected this step's gradient of {list(segments.names)} apart from its residue (H = residue + 2 dW) "
-                "but got none. Fix: call `observe_gradient_flat(grad, segments)` before `compress_flat`, or "
-                "`observe_gradient(grad, name)` before `compress` (the gradcomp hook does)."
+                "but got none. Fix: call `observe_gradient_flat(grad, segments)` before `compress_flat` (the gradcomp hook "
+                "does), or `per_tensor(compressor).observe_gradient(grad, name)` before its `compress`."
             )
         # selected in float32 whatever the gradients' dtype (widening bf16 or fp16 is exact)
         g = flat.detach().float()

@@ -468,7 +468,7 @@ def _compress_group(
         packet = compressor.compress_flat(x, group.segments, shared)
         if compressor.uses_memory or state.transforms:
             sent = compressor.sent_flat(x, packet)
-        record = GroupRecord.of(packet, compressor.aggregation_for(state.world_size))
+        record = GroupRecord.of(packet, compressor.aggregation)
     if sent is not None:
         if compressor.uses_memory:
             state.memory.update_flat(group.segments, x, sent)
@@ -551,7 +551,7 @@ def _launch(
     sum_groups: dict[torch.dtype, list[int]] = {}
     gather_idx: list[int] = []
     for k, (group, packet) in enumerate(zip(groups, packets)):
-        if group.compressor.aggregation_for(world) is Aggregation.SUM:
+        if group.compressor.aggregation is Aggregation.SUM:
             sum_groups.setdefault(packet.payload.dtype, []).append(k)
         else:
             gather_idx.append(k)

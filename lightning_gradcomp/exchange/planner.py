@@ -90,7 +90,10 @@ class BucketPlan:
         ``compressor`` travelling as the chosen variant."""
         if self.plain:
             return plain
-        return compressor if self.collective is None else compressor.for_collective(self.collective)
+        if self.collective is None:
+            return compressor
+        variants = {v.name: v.compressor for v in compressor.collectives(compressor.world_size)}
+        return variants[self.collective]
 
 
 class CollectivePlanner:
@@ -138,7 +141,7 @@ class CollectivePlanner:
             probe = copy.copy(state.compressor)
         probe.setup(state.compressor.rank, state.world_size, inputs[0].device)
         if variant is not None:
-            probe = probe.for_collective(variant.name)
+            probe = next(v.compressor for v in probe.collectives(state.world_size) if v.name == variant.name)
         codec = measure_exchange(probe, list(names), [x.detach() for x in inputs], state.world_size, repeats=1)
         gather = codec.aggregation is Aggregation.GATHER
         collective = "allgather" if gather else "allreduce"
