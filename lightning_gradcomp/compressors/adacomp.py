@@ -53,7 +53,7 @@ from lightning_gradcomp.compressors.adacomp_flat import (
     select_bins,
 )
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, GradientObserver, SharedStatistic
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.sparse_fused import FusedAdaComp
 from lightning_gradcomp.kernels import triton_adacomp
@@ -117,7 +117,7 @@ def decode_index32(payload: Tensor) -> tuple[Tensor, Tensor]:
     return idx, torch.where(signs == 1, 1.0, -1.0) * scale
 
 
-class AdaComp(KernelBacked[FusedAdaComp]):
+class AdaComp(KernelBacked[FusedAdaComp], GradientObserver):
     """AdaComp: per-bin local selection with a soft threshold, sign x layer-scale values, residual feedback.
 
     Args:

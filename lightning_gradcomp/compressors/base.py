@@ -123,7 +123,11 @@ class Compressor:
     """Base class of all gradient compressors: the group contract.
 
     A subclass sets :attr:`aggregation` and implements :meth:`compress_flat` and :meth:`decompress_flat` for a group
-    of layers; the rest have defaults. A compressor whose decode needs a value agreed by all ranks (TernGrad's shared
+    of layers; the rest have defaults. What only some compressors do is a class of its own they also derive from,
+    which the runtime tests with ``isinstance``: :class:`CollectiveChoice` (more than one way to travel),
+    :class:`GradientObserver` (looks at the fresh gradient apart from its residual), :class:`OptimizerCheck` (warns
+    about optimizer settings), and :class:`~lightning_gradcomp.compressors.multiround.MultiRoundCompressor`
+    (several dependent rounds). A compressor whose decode needs a value agreed by all ranks (TernGrad's shared
     scaler) returns it from :meth:`flat_statistic`; the hook reduces it with ``MAX`` over ranks before compressing.
 
     Compressors may hold per-rank state (random streams, thresholds); :meth:`setup` is called once with this rank's
@@ -162,12 +166,6 @@ class Compressor:
         self.world_size = world_size
         self._kernels_chosen = self._choose_kernels(device)
 
-    def collectives(self, world_size: int) -> tuple[CollectiveVariant, ...]:
-        """The variants a planner may choose between per bucket in a group of ``world_size`` ranks, in a fixed
-        order (the same on every rank), each with the compressor that travels that way; empty (the default) when
-        this compressor travels one way only, as :attr:`aggregation` says."""
-        return ()
-
     #: whether a compressor with Triton group kernels runs them: ``None`` chooses by device (CUDA with Triton
     #: importable, :func:`~lightning_gradcomp.kernels.triton_launch.usable`); ``True`` forces them (on CPU tensors
     #: they need ``TRITON_INTERPRET=1``: the tests); ``False`` never
@@ -203,14 +201,6 @@ class Compressor:
             segments: the group's layers.
         """
         return None
-
-    def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
-        """Called by the hook, for compressors with :attr:`uses_memory`, with this rank's gradients of the group (after
-        transforms, before the residual is added) just before the compensated group is compressed.
-
-        Compressors whose selection looks at the fresh gradient apart from the residual (AdaComp's
-        ``H = residue + 2 dW``) keep a reference here; the default ignores it.
-        """
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
         """Compress the group ``flat`` (laid out as ``segments``; not modified).
@@ -250,11 +240,7 @@ class Compressor:
         ``residual = flat - sent``. The default is :meth:`decompress_flat`; override where an exact form is cheaper."""
         return self.decompress_flat(packet)
 
-    # -- around the step --------------------------------------------------------------------------------------
-    def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        """Called by the strategy once the optimizers exist, before the first step: warn or raise about an
-        optimizer setting this compressor is known to train badly with (default: nothing)."""
-
+    # -- its state and settings -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state to checkpoint (random generator state, adaptive thresholds)."""
         return {}
@@ -265,3 +251,32 @@ class Compressor:
     def describe(self) -> dict[str, Any]:
         """The compressor's settings, for logs and the run config."""
         return {"compressor": type(self).__name__}
+
+
+class CollectiveChoice(Compressor):
+    """A compressor that can travel more than one way (TernGrad: packed payloads gathered, or int8 values summed):
+    a planner chooses between its variants per bucket."""
+
+    def collectives(self, world_size: int) -> tuple[CollectiveVariant, ...]:
+        """The variants a planner may choose between per bucket in a group of ``world_size`` ranks, in a fixed
+        order (the same on every rank), each with the compressor that travels that way; empty (the default) when
+        this compressor travels one way only, as :attr:`aggregation` says."""
+        return ()
+
+
+class GradientObserver(Compressor):
+    """A compressor whose selection looks at the fresh gradient apart from its residual (AdaComp's
+    ``H = residue + 2 dW``): the hook hands it each group's gradient before compressing the compensated group."""
+
+    def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
+        """Called by the hook with this rank's gradients of the group (after transforms, before the residual is
+        added) just before the compensated group is compressed; the compressor keeps a reference until then."""
+
+
+class OptimizerCheck(Compressor):
+    """A compressor known to train badly with some optimizer settings (DeMo without its sign step, 1-bit SGD under
+    heavy momentum): the strategy shows it the optimizers before the first step."""
+
+    def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Called by the strategy once the optimizers exist, before the first step: warn or raise about an
+        optimizer setting this compressor is known to train badly with."""

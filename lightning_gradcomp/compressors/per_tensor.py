@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, SharedStatistic
+from lightning_gradcomp.compressors.base import Compressor, GradientObserver, SharedStatistic
 from lightning_gradcomp.flat import FlatPacket, Packet, Segments
 
 
@@ -47,7 +47,7 @@ def layer_group_packet(compressor: Compressor, packet: Packet) -> FlatPacket:
                       dict(packet.ctx))
 
 
-class LayerLoop(Compressor):
+class LayerLoop(GradientObserver):
     """A compressor written per tensor: implement :meth:`compress` and :meth:`decompress` (and, where needed,
     :meth:`local_statistic`, :meth:`observe_gradient`, :meth:`sent`, :meth:`decompress_sum`); the group contract
     loops over a group's layers with them, keeping the per-layer packets in ``FlatPacket.layers``.
@@ -177,7 +177,8 @@ class PerTensor(LayerLoop):
     def observe_gradient(self, grad: Tensor, name: str = "") -> None:
         """The fresh gradient of ``name`` before its residual is added (for a compressor with memory), before
         :meth:`compress`."""
-        self.compressor.observe_gradient_flat(grad.reshape(-1), layer_segments(self.compressor, name, grad.shape))
+        if isinstance(self.compressor, GradientObserver):
+            self.compressor.observe_gradient_flat(grad.reshape(-1), layer_segments(self.compressor, name, grad.shape))
 
     def compress(self, tensor: Tensor, name: str = "", shared: Optional[Tensor] = None) -> Packet:
         """Compress ``tensor`` (the gradient of parameter ``name``; not modified) into a packet.

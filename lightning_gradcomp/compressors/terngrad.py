@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, CollectiveChoice, CollectiveVariant, SharedStatistic
 from lightning_gradcomp.compressors.per_tensor import layer_segments
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
@@ -50,7 +50,7 @@ _INT8_MAX_RANKS = 127
 _SIGMA_NOISE = 16 * torch.finfo(torch.float32).eps
 
 
-class TernGrad(KernelBacked[FlatTernGrad]):
+class TernGrad(KernelBacked[FlatTernGrad], CollectiveChoice):
     """Stochastic ternarization with layer-wise scalers, scaler sharing and sigma clipping.
 
     Args:

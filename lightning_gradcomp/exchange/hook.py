@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.exchange import comm
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, GradientObserver, SharedStatistic
 from lightning_gradcomp.flat import FlatPacket
 from lightning_gradcomp.compressors.multiround import AllReduce, FlatExchanged, MultiRoundCompressor
 from lightning_gradcomp.exchange.guard import (
@@ -299,7 +299,8 @@ def _prepare(state: GroupStepState, group: LayerGroup, buffer: Tensor) -> tuple[
     transformed = _transform_group(state, group, original) if state.transforms else original
     x = transformed
     if group.compressor.uses_memory:
-        group.compressor.observe_gradient_flat(x, group.segments)
+        if isinstance(group.compressor, GradientObserver):
+            group.compressor.observe_gradient_flat(x, group.segments)
         x = state.memory.compensate_flat(x, group.segments)
     return original, transformed, x
 

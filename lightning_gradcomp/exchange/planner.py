@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.exchange.codec import measure_exchange
-from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant, Compressor
+from lightning_gradcomp.compressors.base import Aggregation, CollectiveChoice, CollectiveVariant, Compressor
 from lightning_gradcomp.exchange.ledger import Ledger
 from lightning_gradcomp.exchange.transport import Transport
 from lightning_gradcomp.exchange.costmodel import ALLREDUCE_FP32, Candidate, CollectivePlan, CompressionCost, Link, Network, choose
@@ -92,6 +92,7 @@ class BucketPlan:
             return plain
         if self.collective is None:
             return compressor
+        assert isinstance(compressor, CollectiveChoice), "a variant is chosen only among a compressor's declared ones"
         variants = {v.name: v.compressor for v in compressor.collectives(compressor.world_size)}
         return variants[self.collective]
 
@@ -141,6 +142,7 @@ class CollectivePlanner:
             probe = copy.copy(state.compressor)
         probe.setup(state.compressor.rank, state.world_size, inputs[0].device)
         if variant is not None:
+            assert isinstance(probe, CollectiveChoice)  # the variant was declared by this compressor's class
             probe = next(v.compressor for v in probe.collectives(state.world_size) if v.name == variant.name)
         codec = measure_exchange(probe, list(names), [x.detach() for x in inputs], state.world_size, repeats=1)
         gather = codec.aggregation is Aggregation.GATHER
@@ -156,7 +158,8 @@ class CollectivePlanner:
         sub_names = [names[i] for i in idx]
         numel = sum(x.numel() for x in inputs)
         # the declared variants, or the compressor as it is
-        variants: list[Optional[CollectiveVariant]] = list(state.compressor.collectives(state.world_size)) or [None]
+        declared = state.compressor.collectives(state.world_size) if isinstance(state.compressor, CollectiveChoice) else ()
+        variants: list[Optional[CollectiveVariant]] = list(declared) or [None]
         probes = [self._probe(state, v, inputs, sub_names) for v in variants]
         numbers = []
         for _label, collective, nbytes, encode, decode, _ in probes:

@@ -51,7 +51,7 @@ import lightning_gradcomp.registry as registry
 from lightning_gradcomp.strategies import checkpoint as ckpt
 from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.momentum import MomentumCorrection
-from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.base import Compressor, OptimizerCheck
 from lightning_gradcomp.exchange.costmodel import CompressionCost, Link, Network
 from lightning_gradcomp.strategies._runtime import ResumeCompression, Runtime, RuntimeOptions
 from lightning_gradcomp.exchange.guard import NonFinite
@@ -303,7 +303,8 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self._momentum is not None:
             MomentumCorrection.check_optimizers([optimizer], self._momentum)
-        self.compressor.check_optimizers([optimizer])  # as the Trainer strategy does (e.g. OneBit's momentum warning)
+        if isinstance(self.compressor, OptimizerCheck):  # as the Trainer strategy does (e.g. OneBit's momentum warning)
+            self.compressor.check_optimizers([optimizer])
         self._warn_paper_default([optimizer])
         return super().setup_optimizer(optimizer)
 

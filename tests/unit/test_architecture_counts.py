@@ -3,7 +3,7 @@ holds whatever the real library's counts become)."""
 
 from pathlib import Path
 
-from tools.architecture_counts import count
+from tools.architecture_counts import CONTRACT_LIMIT, KERNEL_CHOICE, LIBRARY, contract_names, count
 
 FILES = {
     "compressors/base.py": '''
@@ -142,3 +142,13 @@ def test_the_counts_follow_their_rules(tmp_path: Path) -> None:
     assert counts.root_modules == ["hook.py", "ledger.py", "towers.py"]
     assert counts.root_packages == ["callbacks", "compressors", "kernels", "weightgrad"]
     assert len(counts.root_entries) == 9  # the modules, the packages, __init__.py, py.typed
+
+
+def test_the_compressor_contract_has_at_most_twelve_names() -> None:
+    """The real library's ``Compressor``: its public methods and class attributes (flags included), less the kernel
+    choice, are at most :data:`~tools.architecture_counts.CONTRACT_LIMIT`: one small contract for every compressor."""
+    counts = count(LIBRARY)
+    names = contract_names(counts)
+    assert len(names) <= CONTRACT_LIMIT == 12, names
+    assert {"aggregation", "compress_flat", "decompress_flat"} <= set(names)  # what every compressor writes
+    assert not set(names) & set(KERNEL_CHOICE)

@@ -257,7 +257,6 @@ def _ops_per_step(make: Callable[[], Compressor], layers: int) -> tuple[int, int
     grad = _gradient(_layout(SHAPES), 0)[: seg.total]
 
     def step() -> None:
-        comp.observe_gradient_flat(grad, seg)
         assert comp.flat_statistic(grad * 2, seg) is None
         packet = comp.compress_flat(grad * 2, seg)
         comp.sent_flat(grad * 2, packet)
