@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 from benchmarks._sparse_common import fashion_mnist, mnist_cnn
 from lightning_gradcomp.compressors.graddrop import GradientDropping, select_threshold
 from lightning_gradcomp.exchange.memory import ResidualMemory
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 
 def main() -> None:
@@ -76,9 +77,9 @@ def main() -> None:
         # the driver really trains with its (random-sample, previous-step) global threshold
         for n, p in named:
             assert p.grad is not None
-            driver.observe_gradient(p.grad, n)
-            packet = driver.compress(xs[n], n)
-            sent = driver.sent(xs[n], packet)
+            per_tensor(driver).observe_gradient(p.grad, n)
+            packet = per_tensor(driver).compress(xs[n], n)
+            sent = per_tensor(driver).sent(xs[n], packet)
             memory.update(n, xs[n], sent)
             p.grad.copy_(sent)
         opt.step()

@@ -36,6 +36,7 @@ from benchmarks.step_time import build_model
 
 from lightning_gradcomp import GradCompState, gradcomp_hook, registry
 from lightning_gradcomp.exchange.stats import HookStats
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 
 def run(strategy: str, batch: int, steps: int, warmup: int) -> dict[str, object]:
@@ -116,19 +117,19 @@ def alone(batch: int, world: int, repeats: int = 7) -> None:
     compressor.setup(0, world, torch.device("cpu"))
     grads = [p.grad.reshape(-1) for p in model.parameters()]
     buckets = [torch.empty_like(g) for g in grads]
-    stats = [compressor.local_statistic(g, str(i)) for i, g in enumerate(grads)]
-    packets = [compressor.compress(g, str(i), s) for i, (g, s) in enumerate(zip(grads, stats))]
+    stats = [per_tensor(compressor).local_statistic(g, str(i)) for i, g in enumerate(grads)]
+    packets = [per_tensor(compressor).compress(g, str(i), s) for i, (g, s) in enumerate(zip(grads, stats))]
     codec = {
         "guard sum": timed(lambda: [g.sum() for g in grads]),
-        "statistics": timed(lambda: [compressor.local_statistic(g, str(i)) for i, g in enumerate(grads)]),
+        "statistics": timed(lambda: [per_tensor(compressor).local_statistic(g, str(i)) for i, g in enumerate(grads)]),
         # after this step's statistics, as in the hook (the fused path reuses them instead of another pass)
         "compress": timed(
-            lambda: [compressor.compress(g, str(i), s) for i, (g, s) in enumerate(zip(grads, stats))],
-            setup=lambda: [compressor.local_statistic(g, str(i)) for i, g in enumerate(grads)],
+            lambda: [per_tensor(compressor).compress(g, str(i), s) for i, (g, s) in enumerate(zip(grads, stats))],
+            setup=lambda: [per_tensor(compressor).local_statistic(g, str(i)) for i, g in enumerate(grads)],
         ),
         # what the hook runs: decode the ranks' payloads and average them into the bucket (one pass where fused)
         f"decode and average {world} payloads into the bucket": timed(
-            lambda: [compressor.decompress_mean_into([p] * world, b) for p, b in zip(packets, buckets)]
+            lambda: [per_tensor(compressor).decompress_mean_into([p] * world, b) for p, b in zip(packets, buckets)]
         ),
     }
     numel = sum(g.numel() for g in grads)

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -148,15 +149,15 @@ def kernel_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Ca
     ref_tg, fused_tg = TernGrad(backend="torch"), TernGrad(backend="fused")
     for comp in (ref_tg, fused_tg):
         comp.setup(0, 2, device)  # 2 ranks: packed all-gather form
-    shared = ref_tg.local_statistic(g, "w")
+    shared = per_tensor(ref_tg).local_statistic(g, "w")
     assert shared is not None
 
     def compress(comp: TernGrad) -> Any:
-        return comp.compress(g, "w", comp.local_statistic(g, "w"))
+        return per_tensor(comp).compress(g, "w", per_tensor(comp).local_statistic(g, "w"))
 
     ref_packet, fused_packet = compress(ref_tg), compress(fused_tg)
-    ref_packets = [ref_tg.compress(g, "w", shared) for _ in range(world)]
-    fused_packets = [fused_tg.compress(g, "w", shared) for _ in range(world)]
+    ref_packets = [per_tensor(ref_tg).compress(g, "w", shared) for _ in range(world)]
+    fused_packets = [per_tensor(fused_tg).compress(g, "w", shared) for _ in range(world)]
 
     drop = 0.99
     sample_size = max(1, n // 1000)  # Aji & Heafield: a 0.1% sample
@@ -180,13 +181,13 @@ def kernel_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Ca
         return run
 
     return [
-        ("terngrad statistic", lambda: ref_tg.local_statistic(g, "w"), lambda: fused_tg.local_statistic(g, "w")),
+        ("terngrad statistic", lambda: per_tensor(ref_tg).local_statistic(g, "w"), lambda: per_tensor(fused_tg).local_statistic(g, "w")),
         ("terngrad compress", lambda: compress(ref_tg), lambda: compress(fused_tg)),
-        ("terngrad decode", lambda: ref_tg.decompress(ref_packet), lambda: fused_tg.decompress(fused_packet)),
+        ("terngrad decode", lambda: per_tensor(ref_tg).decompress(ref_packet), lambda: per_tensor(fused_tg).decompress(fused_packet)),
         (
             f"terngrad decode_sum x{world}",
-            lambda: ref_tg.decompress_sum(ref_packets),
-            lambda: fused_tg.decompress_sum(fused_packets),
+            lambda: per_tensor(ref_tg).decompress_sum(ref_packets),
+            lambda: per_tensor(fused_tg).decompress_sum(fused_packets),
         ),
         ("graddrop threshold", as_torch(lambda: kernels.sample_threshold(kernels.sample_abs(g, sample_size, "random", key), drop)),
          lambda: kernels.sample_threshold(kernels.sample_abs(g, sample_size, "random", key), drop)),
@@ -196,14 +197,14 @@ def kernel_cases(n: int, world: int, device: torch.device) -> list[tuple[str, Ca
         ("adacomp select", as_torch(lambda: kernels.adacomp_select(g, H, bin_len)), lambda: kernels.adacomp_select(g, H, bin_len)),
         (
             "terngrad decode into out",
-            lambda: ref_tg.decompress(ref_packet),
-            lambda: fused_tg.decompress_mean_into([fused_packet], out),  # one payload: decoded into out
+            lambda: per_tensor(ref_tg).decompress(ref_packet),
+            lambda: per_tensor(fused_tg).decompress_mean_into([fused_packet], out),  # one payload: decoded into out
         ),
         (
             # what the hook runs for gathered payloads: decode, sum and average into DDP's bucket view
             f"terngrad mean x{world} into out",
-            lambda: ref_tg.decompress_sum(ref_packets).div_(world),
-            lambda: fused_tg.decompress_mean_into(fused_packets, out),
+            lambda: per_tensor(ref_tg).decompress_sum(ref_packets).div_(world),
+            lambda: per_tensor(fused_tg).decompress_mean_into(fused_packets, out),
         ),
         (
             f"sparse decode_sum x{world} out",

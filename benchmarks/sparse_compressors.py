@@ -35,6 +35,7 @@ from lightning_gradcomp.compressors import AdaComp, GradientDropping
 from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.flat import Packet
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 CONFIGS: dict[str, Callable[[Backend], Compressor]] = {
     "graddrop": lambda b: GradientDropping(backend=b),  # the paper: 0.1% random sample, R = 0.99, coo32 fp32
@@ -85,13 +86,13 @@ class Case:
 
     def _compress(self, rank: int, name: str) -> Packet:
         comp = self.ranks[rank]
-        comp.observe_gradient(self.fresh[rank][name], name)  # AdaComp's dW; ignored by Gradient Dropping
-        return comp.compress(self.grads[rank][name], name)
+        per_tensor(comp).observe_gradient(self.fresh[rank][name], name)  # AdaComp's dW; ignored by Gradient Dropping
+        return per_tensor(comp).compress(self.grads[rank][name], name)
 
     def step(self, names: list[str]) -> None:
         for name in names:
             self._compress(0, name)
-            self.ranks[0].decompress_sum(self.packets[name])
+            per_tensor(self.ranks[0]).decompress_sum(self.packets[name])
 
 
 def measure(ref: Case, fused: Case, names: list[str], repeats: int) -> dict[str, float]:

@@ -42,7 +42,7 @@ def _step(comp: TernGrad, x: torch.Tensor, seg: Segments, looping: bool) -> None
     shared = owner.flat_statistic(comp, x, seg)
     packet = owner.compress_flat(comp, x, seg, shared)
     owner.sent_flat(comp, x, packet)
-    if comp.aggregation_for(comp.world_size) is Aggregation.SUM:
+    if comp.aggregation is Aggregation.SUM:
         owner.decompress_flat(comp, packet.with_payload(packet.payload * 2))
     else:
         peer = packet.with_payload(packet.payload.clone())
@@ -56,7 +56,7 @@ def measure(shapes: Sequence[tuple[int, ...]], variant: str, looping: bool,
     x = torch.randn(seg.total, generator=torch.Generator().manual_seed(0))
     comp = TernGrad(backend="fused")
     comp.setup(0, 8, torch.device("cpu"))
-    view = comp.for_collective(variant)
+    view = next(v.compressor for v in comp.collectives(comp.world_size) if v.name == variant)
     assert isinstance(view, TernGrad)
     with context():
         _step(view, x, seg, looping)

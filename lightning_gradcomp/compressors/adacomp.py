@@ -51,7 +51,7 @@ from lightning_gradcomp.compressors.adacomp_group import (
     select_bins,
 )
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, layer_segments
+from lightning_gradcomp.compressors.base import Aggregation, GradientObserver, SharedStatistic
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.adacomp_kernels import ADACOMP_KERNELS, AdaCompKernels
 from lightning_gradcomp.wire.sparse import bin_word_bits, pack_codes, packed_codes_nbytes, unpack_codes
@@ -114,7 +114,7 @@ def decode_index32(payload: Tensor) -> tuple[Tensor, Tensor]:
     return idx, torch.where(signs == 1, 1.0, -1.0) * scale
 
 
-class AdaComp(KernelBacked[AdaCompKernels]):
+class AdaComp(KernelBacked[AdaCompKernels], GradientObserver):
     """AdaComp: per-bin local selection with a soft threshold, sign x layer-scale values, residual feedback.
 
     Args:
@@ -217,7 +217,7 @@ class AdaComp(KernelBacked[AdaCompKernels]):
         return self.selection == "adaptive" and self.wire == "paper"
 
     @property
-    def batched(self) -> bool:  # type: ignore[override]
+    def batched(self) -> bool:
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
         backend (the path CUDA runs), or on the fused backend with the compiled kernels (one call per group). The
         other settings loop over the group's layers inside the group methods."""
@@ -250,10 +250,6 @@ class AdaComp(KernelBacked[AdaCompKernels]):
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
         return None  # no statistic is shared (and the default would visit every layer to learn it)
 
-    def observe_gradient(self, grad: Tensor, name: str) -> None:
-        """:meth:`observe_gradient_flat` of the group of one (the base class observes per layer only)."""
-        self.observe_gradient_flat(grad.reshape(-1), layer_segments(self, name, grad.shape))
-
     def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
         self._flat_gradients[segments.names] = flat
 
@@ -262,8 +258,8 @@ class AdaComp(KernelBacked[AdaCompKernels]):
         if dw is None:
             raise RuntimeError(
                 f"Expected this step's gradient of {list(segments.names)} apart from its residue (H = residue + 2 dW) "
-                "but got none. Fix: call `observe_gradient_flat(grad, segments)` before `compress_flat`, or "
-                "`observe_gradient(grad, name)` before `compress` (the gradcomp hook does)."
+                "but got none. Fix: call `observe_gradient_flat(grad, segments)` before `compress_flat` (the gradcomp hook "
+                "does), or `per_tensor(compressor).observe_gradient(grad, name)` before its `compress`."
             )
         # selected in float32 whatever the gradients' dtype (widening bf16 or fp16 is exact)
         g = flat.detach().float()

@@ -1,32 +1,36 @@
 """The compressor contract: pure tensor code, no process group, no Lightning.
 
-A compressor turns one parameter's gradient into a :class:`Packet`. Only ``Packet.payload`` crosses the
-wire; everything a receiver needs to decode it either travels inside the payload or is known identically
-on every rank (the shape, a shared scaler agreed through ``local_statistic``), so a rank decodes a remote
-payload with its own local context (:meth:`Packet.with_payload`).
+A compressor turns a *group* of layers, laid out back to back in one flat tensor (:class:`~lightning_gradcomp.flat.Segments`),
+into a :class:`~lightning_gradcomp.flat.FlatPacket`. Only ``FlatPacket.payload`` crosses the wire; everything a receiver
+needs to decode it either travels inside the payload or is known identically on every rank (the layout, a shared
+scaler agreed through :meth:`Compressor.flat_statistic`), so a rank decodes a remote payload with its own local
+context (:meth:`FlatPacket.with_payload`).
 
 Two ways to travel:
 
 * ``Aggregation.SUM``: payloads of all ranks can be added element-wise (all-reduce); the compressor's
-  ``decompress`` is linear in the payload, so decoding the sum gives the sum of the decoded tensors.
+  ``decompress_flat`` is linear in the payload, so decoding the sum gives the sum of the decoded tensors.
 * ``Aggregation.GATHER``: payloads must be all-gathered and each decoded separately.
 
-A compressor that can travel either way declares its variants (:meth:`Compressor.collectives`); a planner picks
-one per bucket and uses :meth:`Compressor.for_collective` for that bucket, leaving the compressor itself as it is.
+A compressor that can travel either way declares its variants (:meth:`Compressor.collectives`), each with the
+compressor that travels that way; a planner picks one per bucket, leaving the compressor itself as it is.
+
+This is the one contract. One tensor at a time (``compress(tensor)``, ``decompress(packet)``) and compressors written
+per tensor are served by :mod:`lightning_gradcomp.compressors.per_tensor`.
 """
 
 import enum
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.flat import FlatPacket, Packet, Segments
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.validation import check_options
 
 
@@ -45,32 +49,16 @@ class CollectiveVariant:
         name: the compressor's name for it (a value of its ``collective=`` option), e.g. ``"allgather"`` or
             ``"allreduce_int8"``; a planner reports its choice under this name.
         aggregation: how the ranks' payloads are combined when the compressor travels this way.
+        compressor: the compressor travelling this way, for one bucket: it shares the declaring compressor's per-rank
+            state (random streams, counters, thresholds), so a run draws the same streams whichever variant each bucket
+            takes; it is neither set up nor checkpointed on its own, and a later ``setup`` of the declaring
+            compressor makes new ones.
     """
 
     name: str
     aggregation: Aggregation
-
-
-def layer_segments(compressor: "Compressor", name: str, shape: torch.Size) -> Segments:
-    """The group of one layer: how the per-layer methods call the group methods. Kept per (name, shape), so the
-    group code's layouts and index tensors, cached per group layout, are built once per layer as in the hook."""
-    groups: dict[tuple[str, torch.Size], Segments] = compressor.__dict__.setdefault("_groups_of_one", {})
-    key = (name, torch.Size(shape))
-    group = groups.get(key)
-    if group is None:
-        group = groups[key] = Segments([name], [shape])
-    return group
-
-
-def _layer_packet(group: FlatPacket) -> Packet:
-    """The packet of a group of one, as the per-layer methods return it (its statistics as 0-d tensors)."""
-    return Packet(group.payload, group.segments.shapes[0], group.dtype, dict(group.ctx),
-                  {k: v.reshape(()) for k, v in group.stats.items()})
-
-
-def layer_group_packet(compressor: "Compressor", packet: Packet) -> FlatPacket:
-    """A per-layer packet as the group of one it came from (the layer's name plays no part in decoding)."""
-    return FlatPacket(packet.payload, layer_segments(compressor, "", packet.shape), packet.dtype, (packet.nbytes,), dict(packet.ctx))
+    #: the compressor travelling this way (sharing the declaring compressor's per-rank state)
+    compressor: "Compressor" = field(compare=False, repr=False, default=None)  # type: ignore[assignment]
 
 
 @dataclass
@@ -126,25 +114,26 @@ def _refusing_unknown_options(init: Callable[..., None]) -> Callable[..., None]:
 
 
 class Compressor:
-    """Base class of all gradient compressors.
+    """Base class of all gradient compressors: the group contract.
 
-    Subclasses set :attr:`aggregation` and implement either the group methods (:meth:`compress_flat`,
-    :meth:`decompress_flat`, and :meth:`flat_statistic` where ranks agree on a value), which the hook calls, or
-    the per-layer ones (:meth:`compress`, :meth:`decompress`, :meth:`local_statistic`). Each side defaults to the
-    other: a single tensor is a group of one (:meth:`compress` of a compressor with group methods is
-    :meth:`compress_flat` of a one-layer group), and the default group methods loop over the layers with the
-    per-layer ones. A compressor whose decode needs a value agreed by all ranks (TernGrad's shared scaler) returns
-    it from its statistic; the hook reduces it with ``MAX`` over ranks before compressing.
+    A subclass sets :attr:`aggregation` and implements :meth:`compress_flat` and :meth:`decompress_flat` for a group
+    of layers; the rest have defaults. What only some compressors do is a class of its own they also derive from,
+    which the runtime tests with ``isinstance``: :class:`CollectiveChoice` (more than one way to travel),
+    :class:`GradientObserver` (looks at the fresh gradient apart from its residual), :class:`OptimizerCheck` (warns
+    about optimizer settings), and :class:`~lightning_gradcomp.compressors.multiround.MultiRoundCompressor`
+    (several dependent rounds). A compressor whose decode needs a value agreed by all ranks (TernGrad's shared
+    scaler) returns it from :meth:`flat_statistic`; the hook reduces it with ``MAX`` over ranks before compressing.
 
-    Compressors may hold per-rank state (a random generator, thresholds); :meth:`setup` is called once with
-    this rank's place in the group, and :meth:`state_dict` / :meth:`load_state_dict` round-trip that state.
+    Compressors may hold per-rank state (random streams, thresholds); :meth:`setup` is called once with this rank's
+    place in the group, and :meth:`state_dict` / :meth:`load_state_dict` round-trip that state.
     """
 
-    #: how payloads of different ranks are combined
+    #: how payloads of different ranks are combined (in this compressor's group, once :meth:`setup` has run: a
+    #: compressor whose choice depends on the number of ranks makes it a property of ``world_size``)
     aggregation: Aggregation = Aggregation.GATHER
     #: whether what was not sent is kept as a residual and added to the next gradient (error feedback)
     uses_memory: bool = False
-    #: whether the payload size depends only on the tensor's shape; sparse encodings set False, and the hook
+    #: whether the payload size depends only on the layers' shapes; sparse encodings set False, and the hook
     #: then exchanges sizes first (a rank may send an empty payload)
     fixed_size: bool = True
 
@@ -170,211 +159,56 @@ class Compressor:
         self.rank = rank
         self.world_size = world_size
 
-    def aggregation_for(self, world_size: int) -> Aggregation:
-        """How this compressor travels in a group of ``world_size`` ranks (default: :attr:`aggregation`)."""
-        return self.aggregation
-
-    def collectives(self, world_size: int) -> tuple[CollectiveVariant, ...]:
-        """The variants a planner may choose between per bucket in a group of ``world_size`` ranks, in a fixed
-        order (the same on every rank); empty (the default) when this compressor travels one way only, as
-        :meth:`aggregation_for` says."""
-        return ()
-
-    def for_collective(self, name: str) -> "Compressor":
-        """This compressor travelling as its variant ``name`` (one of :meth:`collectives`), for one bucket.
-
-        The result shares this compressor's per-rank state (random streams, counters, thresholds), so a run
-        draws the same streams whichever variant each bucket takes; it is neither set up nor checkpointed on its
-        own, and a later :meth:`setup` of this compressor makes new ones.
-        """
-        names = [v.name for v in self.collectives(self.world_size)]
-        if name not in names:
-            raise ValueError(
-                f"Expected `collective` to be one of {type(self).__name__}'s variants {names} but got {name!r}. "
-                f"Fix: choose among `collectives({self.world_size})`."
-            )
-        return self._variant(name)
-
-    def _variant(self, name: str) -> "Compressor":
-        """The compressor behind :meth:`for_collective` for a declared variant ``name``; a compressor that
-        declares :meth:`collectives` overrides it."""
-        raise NotImplementedError(f"{type(self).__name__} declares collective variants but makes none")
-
-    def observe_gradient(self, grad: Tensor, name: str) -> None:
-        """Called by the hook, for compressors with :attr:`uses_memory`, with this rank's gradient of ``name``
-        (after transforms, before the residual is added) just before the compensated tensor is compressed.
-
-        Compressors whose selection looks at the fresh gradient apart from the residual (AdaComp's
-        ``H = residue + 2 dW``) keep a reference here; the default ignores it.
-        """
-
-    def local_statistic(self, tensor: Tensor, name: str) -> Optional[Tensor]:
-        """A small float32 tensor to be max-reduced over ranks before :meth:`compress`, or ``None``.
-
-        The default is :meth:`flat_statistic` of the group of one when the compressor has group methods, else ``None``.
-
-        Args:
-            tensor: the gradient (after transforms and residual) of parameter ``name``.
-            name: the parameter's name.
-        """
-        if not self._has_group_methods():
-            return None
-        shared = self.flat_statistic(tensor.reshape(-1), layer_segments(self, name, tensor.shape))
-        return None if shared is None else shared.values
-
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        """Compress ``tensor`` (the gradient of parameter ``name``) into a packet.
-
-        The default is :meth:`compress_flat` of the group of one (a compressor without group methods overrides it).
-
-        Args:
-            tensor: the gradient to compress; not modified.
-            name: the parameter's name, for per-layer settings and state.
-            shared: the max over ranks of :meth:`local_statistic`; ``None`` when used standalone, in which case
-                the local statistic is used.
-        """
-        self._require_group_methods("compress")
-        statistic = None if shared is None else SharedStatistic(shared.reshape(-1).float(), (shared.numel(),))
-        return _layer_packet(self.compress_flat(tensor.reshape(-1), layer_segments(self, name, tensor.shape), statistic))
-
-    def decompress(self, packet: Packet) -> Tensor:
-        """Decode one packet to a dense tensor of ``packet.shape`` and ``packet.dtype``.
-
-        For ``Aggregation.SUM`` compressors this must be linear in ``packet.payload``. The default is
-        :meth:`decompress_flat` of the group of one.
-        """
-        self._require_group_methods("decompress")
-        return self.decompress_flat(layer_group_packet(self, packet)).view(packet.shape)
-
-    def _has_group_methods(self) -> bool:
-        """Whether this compressor is written at group level: it implements the group methods and not the per-layer
-        ones (then a single tensor is a group of one). A compressor with both keeps its own per-layer code."""
-        cls = type(self)
-        return cls.compress is Compressor.compress and cls.compress_flat is not Compressor.compress_flat
-
-    def _require_group_methods(self, method: str) -> None:
-        # the per-layer defaults call the group methods, whose defaults call the per-layer ones: one side must exist
-        if not self._has_group_methods():
-            raise NotImplementedError(
-                f"Expected {type(self).__name__} to implement `{method}` or the group methods (`compress_flat`, "
-                f"`decompress_flat`) but got neither. Fix: override one of them."
-            )
-
-    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
-        """The sum of the decoded packets, in the given (rank) order.
-
-        Every rank calls this with the same packets in the same order, so the result is bit-identical
-        everywhere. Subclasses may override it with a cheaper exact equivalent.
-        """
-        total = self.decompress(packets[0]).clone()
-        for packet in packets[1:]:
-            total.add_(self.decompress(packet))
-        return total
-
-    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        """:meth:`decompress_sum` written into ``out`` (a tensor of the packets' shape and dtype); returns ``out``.
-
-        The hook decodes straight into DDP's bucket view with this, so a compressor that can decode in place
-        saves a full-size allocation and copy per parameter. The result must equal :meth:`decompress_sum`
-        bit for bit; the default copies it.
-        """
-        return out.copy_(self.decompress_sum(packets))
-
-    def decompress_mean_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        """The ranks' mean of gathered packets, in ``out``; returns ``out``.
-
-        For a compressor written at group level, this is :meth:`decompress_flat_mean_into` of the group of one, as
-        the hook averages (DeMo's mean over the ranks that selected a coefficient included). Otherwise the result
-        must equal ``decompress_sum_into(packets, out).div_(len(packets))`` bit for bit (what the default does), so
-        a compressor may fold the division into its decoder's pass over ``out`` but never change the rounding.
-        """
-        if self._has_group_methods():
-            flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
-            self.decompress_flat_mean_into([layer_group_packet(self, p) for p in packets], flat)
-            return out if flat.data_ptr() == out.data_ptr() else out.copy_(flat.view(out.shape))
-        return self.decompress_sum_into(packets, out).div_(len(packets))
-
-    def sent(self, tensor: Tensor, packet: Packet) -> Tensor:
-        """What this rank effectively contributed for ``tensor`` (its own packet decoded).
-
-        Used for error feedback: ``residual = tensor - sent``. Override where an exact form is cheaper. The
-        default is :meth:`sent_flat` of the group of one when the compressor has group methods.
-        """
-        if not self._has_group_methods():
-            return self.decompress(packet)
-        return self.sent_flat(tensor.reshape(-1), layer_group_packet(self, packet)).view(packet.shape)
-
-    # -- a group of layers in one flat tensor (the hook's batched pipeline) -------------------------------------
-    # The defaults below loop over the layers with the per-layer methods above, so every compressor travels through
-    # the hook's one pipeline; a batched compressor overrides them with a fixed number of ops per group (see
-    # :mod:`lightning_gradcomp.flat`) and sets :attr:`batched`, and its per-layer methods are then these
-    # methods on a group of one. Where a compressor keeps both, overrides must give what the loop gives: the same
-    # values bit for bit where the compressor is deterministic, the same statistics where it draws.
-
-    #: whether the ``*_flat`` methods run a fixed number of ops per group rather than the default loop over layers
-    batched: bool = False
-
+    # -- the group step ----------------------------------------------------------------------------------------
     def flat_statistic(self, flat: Tensor, segments: Segments) -> Optional[SharedStatistic]:
-        """The group's local statistics (:meth:`local_statistic` of every layer) as one vector, or ``None``."""
-        if type(self).local_statistic is Compressor.local_statistic:
-            return None
-        local = [self.local_statistic(x, name) for name, x in segments.items(flat)]
-        if all(s is None for s in local):
-            return None
-        present = [s.reshape(-1).float() for s in local if s is not None]
-        return SharedStatistic(torch.cat(present), tuple(-1 if s is None else s.numel() for s in local))
+        """The group's local statistics, to be max-reduced over ranks before :meth:`compress_flat`, or ``None``
+        (the default: nothing is shared).
 
-    def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
-        """:meth:`observe_gradient` for every layer of the group (nothing when the compressor does not override it)."""
-        if type(self).observe_gradient is not Compressor.observe_gradient:
-            for name, x in segments.items(flat):
-                self.observe_gradient(x, name)
+        Args:
+            flat: the group's gradients (after transforms and error feedback), laid out as ``segments``.
+            segments: the group's layers.
+        """
+        return None
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        """Compress the group ``flat`` (laid out as ``segments``); ``shared``: its reduced :meth:`flat_statistic`."""
-        per_layer = shared.per_layer() if shared is not None else [None] * len(segments)
-        packets = [self.compress(x, name, s) for (name, x), s in zip(segments.items(flat), per_layer)]
-        dtypes = {p.payload.dtype for p in packets}
-        parts = [p.payload.reshape(-1) if len(dtypes) == 1 else p.payload.reshape(-1).view(torch.uint8) for p in packets]
-        payload = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return FlatPacket(payload, segments, flat.dtype, tuple(p.nbytes for p in packets), layers=packets)
+        """Compress the group ``flat`` (laid out as ``segments``; not modified).
+
+        Args:
+            flat: the group's gradients (after transforms and error feedback).
+            segments: the group's layers (names, shapes, offsets).
+            shared: the max over ranks of :meth:`flat_statistic`; ``None`` when used standalone, in which case the
+                local statistic is used.
+        """
+        raise NotImplementedError(
+            f"Expected {type(self).__name__} to implement `compress_flat` and `decompress_flat` (the group contract) "
+            f"but got neither. Fix: implement them, or write it per tensor with "
+            f"`lightning_gradcomp.compressors.per_tensor.LayerLoop`."
+        )
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
         """Decode a group packet to the flat ``[segments.total]`` tensor of ``packet.dtype`` (linear in the payload
         for ``Aggregation.SUM``)."""
-        assert packet.layers is not None, f"{type(self).__name__} makes batched packets but decodes them by layer"
-        parts = [self.decompress(p).reshape(-1) for p in packet.layers]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        raise NotImplementedError(f"Expected {type(self).__name__} to implement `decompress_flat` but got none. "
+                                  f"Fix: implement it beside `compress_flat`.")
 
     def decompress_flat_mean_into(self, packets: Sequence[FlatPacket], out: Tensor) -> Tensor:
         """The ranks' mean of a gathered group, written into ``out`` (flat ``[segments.total]``); returns ``out``.
 
-        Must equal :meth:`decompress_mean_into` of every layer bit for bit (the ranks summed in the given order).
-        The default decodes looping packets layer by layer, and batched ones with :meth:`decompress_flat`, summed in
-        rank order in the packets' dtype and divided by their number, as the per-layer default does.
+        The default decodes each packet with :meth:`decompress_flat`, sums in rank order in the packets' dtype and
+        divides by their number. An override may fold the division into its decoder's pass over ``out`` but must
+        round exactly as the default does (every rank gets the same bits).
         """
-        if packets[0].layers is None:
-            total = self.decompress_flat(packets[0]).clone()  # a packet's decode may be a view of its payload
-            for packet in packets[1:]:
-                total.add_(self.decompress_flat(packet))
-            return out.copy_(total).div_(len(packets))
-        segments = packets[0].segments
-        for i, view in enumerate(segments.views(out)):
-            layers = [p.layers[i] for p in packets if p.layers is not None]
-            self.decompress_mean_into(layers, view)
-        return out
+        total = self.decompress_flat(packets[0]).clone()  # a packet's decode may be a view of its payload
+        for packet in packets[1:]:
+            total.add_(self.decompress_flat(packet))
+        return out.copy_(total).div_(len(packets))
 
     def sent_flat(self, flat: Tensor, packet: FlatPacket) -> Tensor:
-        """What this rank effectively contributed for the group (flat), for error feedback."""
-        if packet.layers is None:
-            return self.decompress_flat(packet)
-        parts = [self.sent(x, p).reshape(-1) for x, p in zip(packet.segments.views(flat), packet.layers)]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        """What this rank effectively contributed for the group (flat, its own packet decoded), for error feedback:
+        ``residual = flat - sent``. The default is :meth:`decompress_flat`; override where an exact form is cheaper."""
+        return self.decompress_flat(packet)
 
-    def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        """Called by the strategy once the optimizers exist, before the first step: warn or raise about an
-        optimizer setting this compressor is known to train badly with (default: nothing)."""
-
+    # -- its state and settings -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state to checkpoint (random generator state, adaptive thresholds)."""
         return {}
@@ -385,3 +219,32 @@ class Compressor:
     def describe(self) -> dict[str, Any]:
         """The compressor's settings, for logs and the run config."""
         return {"compressor": type(self).__name__}
+
+
+class CollectiveChoice(Compressor):
+    """A compressor that can travel more than one way (TernGrad: packed payloads gathered, or int8 values summed):
+    a planner chooses between its variants per bucket."""
+
+    def collectives(self, world_size: int) -> tuple[CollectiveVariant, ...]:
+        """The variants a planner may choose between per bucket in a group of ``world_size`` ranks, in a fixed
+        order (the same on every rank), each with the compressor that travels that way; empty (the default) when
+        this compressor travels one way only, as :attr:`aggregation` says."""
+        return ()
+
+
+class GradientObserver(Compressor):
+    """A compressor whose selection looks at the fresh gradient apart from its residual (AdaComp's
+    ``H = residue + 2 dW``): the hook hands it each group's gradient before compressing the compensated group."""
+
+    def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
+        """Called by the hook with this rank's gradients of the group (after transforms, before the residual is
+        added) just before the compensated group is compressed; the compressor keeps a reference until then."""
+
+
+class OptimizerCheck(Compressor):
+    """A compressor known to train badly with some optimizer settings (DeMo without its sign step, 1-bit SGD under
+    heavy momentum): the strategy shows it the optimizers before the first step."""
+
+    def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
+        """Called by the strategy once the optimizers exist, before the first step: warn or raise about an
+        optimizer setting this compressor is known to train badly with."""

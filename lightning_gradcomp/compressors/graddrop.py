@@ -40,7 +40,8 @@ from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, layer_segments
+from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic
+from lightning_gradcomp.compressors.per_tensor import layer_segments
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.graddrop_group import (
     INT32_POSITIONS,
@@ -327,7 +328,7 @@ class GradientDropping(KernelBacked[GradDropKernels]):
         return self.quantize == "none" and self.index_encoding == "coo32"
 
     @property
-    def batched(self) -> bool:  # type: ignore[override]
+    def batched(self) -> bool:
         """Whether the ``*_flat`` methods run a fixed number of ops per group: :meth:`_flat_settings` on the torch
         backend (the path CUDA runs), or on the fused backend with the compiled kernels (a few calls per group). The
         other settings select a group at once too, and encode and decode it layer by layer."""

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.compressors.base import Aggregation
+from lightning_gradcomp.compressors.per_tensor import LayerLoop
 from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.validation import check_int, check_number
 from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary
@@ -35,8 +36,11 @@ _LAQ_EPS = 1e-8
 SecondMoment = Callable[[str], Optional[Tensor]]
 
 
-class LossAwareTernary(Compressor):
+class LossAwareTernary(LayerLoop):
     """Loss-aware ternary ``alpha * b`` per tensor under the optimizer's second moment (Hou et al.'s LAT).
+
+    Written per tensor (:class:`~lightning_gradcomp.compressors.per_tensor.LayerLoop`): its iterative solver runs per
+    layer, with host reads that decide when to stop, so a group is its layers one by one.
 
     Args:
         second_moment: parameter name -> the optimizer's second-moment estimate of that parameter (same shape as
@@ -92,7 +96,7 @@ class LossAwareTernary(Compressor):
         return b, alpha
 
     @override
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
+    def compress(self, tensor: Tensor, name: str = "", shared: Optional[Tensor] = None) -> Packet:
         b, alpha = self.ternarize(tensor, name)
         payload = torch.cat((pack_ternary(b, "2bit"), alpha.reshape(1).view(torch.uint8)))
         stats = {"sparsity": (b == 0).float().mean().nan_to_num(0.0), "scaler": alpha}

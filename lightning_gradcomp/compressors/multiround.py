@@ -78,8 +78,8 @@ class FlatExchanged:
 class MultiRoundCompressor(Compressor):
     """Base class of compressors that exchange in several dependent all-reduce rounds (PowerSGD).
 
-    The hook routes a bucket to :meth:`exchange` instead of ``compress`` / collective / ``decompress``.
-    ``compress`` and ``decompress`` remain the single-process form (a world of one), for tests and tools.
+    The hook routes a group to :meth:`exchange_flat` instead of ``compress_flat`` / collective / ``decompress_flat``:
+    the exchange is this compressor's group step (its rounds depend on each other, so there is no packet to send).
     """
 
     aggregation = Aggregation.SUM

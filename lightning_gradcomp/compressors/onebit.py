@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.wire.bits import packed_bits_nbytes
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, OptimizerCheck, SharedStatistic
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.grouped import PackedPayload, derived
 from lightning_gradcomp.validation import check_choice
@@ -44,7 +44,7 @@ Granularity = Literal["tensor", "row"]
 HEAVY_MOMENTUM = 0.8
 
 
-class OneBit(Compressor):
+class OneBit(OptimizerCheck):
     """Sign plus two reconstruction values per group, bit-packed, with error feedback.
 
     Args:

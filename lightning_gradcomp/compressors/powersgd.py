@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.flat import Packet, Segments
+from lightning_gradcomp.compressors.base import SharedStatistic
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.multiround import AllReduce, Exchanged, FlatExchanged, MultiRoundCompressor
 from lightning_gradcomp.validation import check_int, check_number
 
@@ -349,23 +350,37 @@ class PowerSGD(MultiRoundCompressor):
             mean = sent if dense_mean is None else sent.scatter(0, dense_index, dense_mean)
         return FlatExchanged(mean, sent, tuple(u * flat.element_size() for u in plan.layer_units))
 
-    def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
-        """Single-process form: the factors P and Q of this rank alone (a world of one)."""
-        results, factors = self._exchange([tensor], [name], lambda t: t, 1)
-        if name not in factors:
-            return Packet(payload=tensor.detach().reshape(-1).clone(), shape=tensor.shape, dtype=tensor.dtype)
-        p, q = factors[name]
-        return Packet(payload=torch.cat((p.reshape(-1), q.reshape(-1))), shape=tensor.shape, dtype=tensor.dtype,
-                      ctx={"factors": (p.shape, q.shape)})
+    def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
+        """The single-process form, for tools and tests (the hook runs :meth:`exchange_flat`): the factors P and Q
+        of this rank alone (a world of one), layer after layer; a layer kept dense travels as it is."""
+        _, factors = self._exchange(segments.views(flat), segments.names, lambda t: t, 1)
+        parts: list[Tensor] = []
+        layers: list[Optional[tuple[torch.Size, torch.Size]]] = []
+        nbytes: list[int] = []
+        for name, x in segments.items(flat):
+            pieces = [x.detach().reshape(-1)] if name not in factors else [f.reshape(-1) for f in factors[name]]
+            layers.append(None if name not in factors else (factors[name][0].shape, factors[name][1].shape))
+            nbytes.append(sum(piece.numel() * piece.element_size() for piece in pieces))
+            parts += pieces
+        payload = torch.cat(parts) if len(parts) > 1 else parts[0].clone() if parts else flat.new_empty(0)
+        return FlatPacket(payload, segments, flat.dtype, tuple(nbytes), ctx={"factors": tuple(layers)})
 
-    def decompress(self, packet: Packet) -> Tensor:
-        if "factors" not in packet.ctx:
-            return packet.payload.view(packet.shape).to(packet.dtype)
-        p_shape, q_shape = packet.ctx["factors"]
-        n_p = p_shape.numel()
-        p = packet.payload[:n_p].view(p_shape)
-        q = packet.payload[n_p:].view(q_shape)
-        return (p @ q.t()).to(packet.dtype).view(packet.shape)
+    def decompress_flat(self, packet: FlatPacket) -> Tensor:
+        """A single-process packet decoded: each low-rank layer ``P Q^T``, each dense layer as it travelled."""
+        out: list[Tensor] = []
+        at = 0
+        for shape, layer in zip(packet.segments.shapes, packet.ctx["factors"]):
+            if layer is None:
+                out.append(packet.payload[at : at + shape.numel()].to(packet.dtype))
+                at += shape.numel()
+                continue
+            p_shape, q_shape = layer
+            p = packet.payload[at : at + p_shape.numel()].view(p_shape)
+            at += p_shape.numel()
+            q = packet.payload[at : at + q_shape.numel()].view(q_shape)
+            at += q_shape.numel()
+            out.append((p @ q.t()).to(packet.dtype).reshape(-1))
+        return torch.cat(out) if len(out) > 1 else out[0] if out else packet.payload.new_empty(0, dtype=packet.dtype)
 
     def state_dict(self) -> dict[str, Any]:
         # numpy's MT19937 state as tensors and ints: Lightning loads checkpoints with torch.load(weights_only=True)

@@ -15,7 +15,7 @@ Per tensor (or per chunk of ``bucket_size`` elements), worker i:
 On the wire (exact): ``2bit`` packing is ceil(n/4) bytes, ``base3`` ceil(n/5) bytes, plus 4 bytes per
 scaler when scalers are per worker. With a shared scaler the per-rank ternaries sum to integers in [-N, N],
 so an int8 all-reduce of the ternary values (n bytes, summable) is an alternative to an all-gather of packed
-payloads; ``collective`` picks one, ``"auto"`` by the ring traffic of each (see :meth:`TernGrad.aggregation_for`),
+payloads; ``collective`` picks one, ``"auto"`` by the ring traffic of each (see :meth:`TernGrad.travels`),
 and a planner may pick either per bucket (:meth:`TernGrad.collectives`).
 
 The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.terngrad_group`);
@@ -30,14 +30,9 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import (
-    Aggregation,
-    CollectiveVariant,
-    SharedStatistic,
-    layer_group_packet,
-    layer_segments,
-)
-from lightning_gradcomp.flat import FlatPacket, Packet, Segments
+from lightning_gradcomp.compressors.base import Aggregation, CollectiveChoice, CollectiveVariant, SharedStatistic
+from lightning_gradcomp.compressors.per_tensor import layer_segments
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, check_counters
 from lightning_gradcomp.compressors.terngrad_group import FlatTernGrad, TernGradKernels
 from lightning_gradcomp.compressors.terngrad_kernels import TERNGRAD_KERNELS
@@ -54,7 +49,7 @@ _INT8_MAX_RANKS = 127
 _SIGMA_NOISE = 16 * torch.finfo(torch.float32).eps
 
 
-class TernGrad(KernelBacked[TernGradKernels]):
+class TernGrad(KernelBacked[TernGradKernels], CollectiveChoice):
     """Stochastic ternarization with layer-wise scalers, scaler sharing and sigma clipping.
 
     Args:
@@ -111,8 +106,9 @@ class TernGrad(KernelBacked[TernGradKernels]):
         self._keys = CounterStreams(seed)
         #: the one implementation: a group of layers in one flat tensor per call (a single tensor: a group of one)
         self._flat = FlatTernGrad(self, sigma_noise=_SIGMA_NOISE, streams=self._keys, kernels=self.kernels)
-        #: this compressor travelling as each of its variants, made on first use (see `for_collective`)
+        #: this compressor travelling as each of its variants, made on first use (see `collectives`)
         self._views: dict[str, TernGrad] = {}
+        self.aggregation = self.travels(self.world_size)
 
     # -- setup and state --------------------------------------------------------------------------------
     def setup(self, rank: int, world_size: int, device: torch.device) -> None:
@@ -125,6 +121,7 @@ class TernGrad(KernelBacked[TernGradKernels]):
         self._keys.reset(rank)
         self._flat.forget()
         self._views = {}
+        self.aggregation = self.travels(world_size)
 
     def state_dict(self) -> dict[str, Any]:
         return self._keys.state_dict()
@@ -150,8 +147,9 @@ class TernGrad(KernelBacked[TernGradKernels]):
         }
 
     # -- how it travels ---------------------------------------------------------------------------------
-    def aggregation_for(self, world_size: int) -> Aggregation:
-        """All-gather of packed payloads, or an int8 all-reduce of ternary values.
+    def travels(self, world_size: int) -> Aggregation:
+        """How this compressor travels in a group of ``world_size`` ranks (its :attr:`aggregation` once set up for
+        them): all-gather of packed payloads, or an int8 all-reduce of ternary values.
 
         Per rank, a ring all-gather sends (N-1) * n/k bytes (k = 4 or 5 values per byte) and a ring all-reduce
         of int8 values sends 2(N-1)/N * n bytes, so ``"auto"`` all-reduces from N >= 2k ranks (8 with 2-bit,
@@ -171,9 +169,9 @@ class TernGrad(KernelBacked[TernGradKernels]):
         ranks) int8 ternaries all-reduced. An explicit ``collective`` is the user's choice: nothing to choose."""
         if self.collective != "auto":
             return ()
-        variants = [CollectiveVariant("allgather", Aggregation.GATHER)]
+        variants = [CollectiveVariant("allgather", Aggregation.GATHER, self._variant("allgather"))]
         if self.scaler_share == "max" and world_size <= _INT8_MAX_RANKS:
-            variants.append(CollectiveVariant("allreduce_int8", Aggregation.SUM))
+            variants.append(CollectiveVariant("allreduce_int8", Aggregation.SUM, self._variant("allreduce_int8")))
         return tuple(variants)
 
     def _variant(self, name: str) -> "TernGrad":
@@ -182,11 +180,12 @@ class TernGrad(KernelBacked[TernGradKernels]):
             # a shallow copy: the random streams, counters and chosen backend are the same objects
             view = copy.copy(self)
             view.collective = cast(Collective, name)  # a declared variant's name is a `collective=` value
+            view.aggregation = view.travels(self.world_size)
             self._views[name] = view
         return view
 
     def payload_nbytes(self, numel: int) -> int:
-        if self.aggregation_for(self.world_size) is Aggregation.SUM:
+        if self.aggregation is Aggregation.SUM:
             return numel
         extra = 4 * self._num_chunks(numel) if self.scaler_share == "per_worker" else 0
         return packed_nbytes(numel, self.packing) + extra
@@ -213,12 +212,6 @@ class TernGrad(KernelBacked[TernGradKernels]):
         local, clip = self._flat.scale_clip(x, group)
         s = local if scaler is None else scaler.reshape(-1).to(local.device, torch.float32)
         return self._flat.encode(x, group, s, clip), s
-
-    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
-        """The sum of the decoded packets in rank order; with a shared scaler the integer sum scaled once (exact),
-        as the group's mean rounds it before dividing."""
-        first = packets[0]
-        return self._flat.decompress_sum([layer_group_packet(self, p) for p in packets]).view(first.shape)
 
     def clipped(self, tensor: Tensor) -> Tensor:
         """``tensor`` after this rank's own c*sigma clipping, as float32 (for monitoring; draws no randomness).
@@ -249,7 +242,7 @@ class TernGrad(KernelBacked[TernGradKernels]):
         return self._flat.statistic(flat, segments)
 
     def compress_flat(self, flat: Tensor, segments: Segments, shared: Optional[SharedStatistic] = None) -> FlatPacket:
-        return self._flat.compress(flat, segments, shared, self.aggregation_for(self.world_size))
+        return self._flat.compress(flat, segments, shared, self.aggregation)
 
     def decompress_flat(self, packet: FlatPacket) -> Tensor:
         return self._flat.decompress(packet)

@@ -115,7 +115,7 @@ def measure_exchange(compressor: Compressor, names: list[str], tensors: list[Ten
     kinds = [k for k in ledger.collectives if k not in ("allreduce_max", "allgather_sizes")]
     return Codec(
         nbytes=float(ledger.payload_bytes_per_step()),
-        aggregation=compressor.aggregation_for(world_size),
+        aggregation=compressor.aggregation,
         encode_s=statistics.median(encode) if encode else 0.0,
         decode_s=statistics.median(decode) if decode else 0.0,
         rounds=1 if ledger.collectives["allreduce_max"] else 0,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gradcomp.exchange import comm
-from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, GradientObserver, SharedStatistic
 from lightning_gradcomp.flat import FlatPacket
 from lightning_gradcomp.compressors.multiround import AllReduce, FlatExchanged, MultiRoundCompressor
 from lightning_gradcomp.exchange.guard import (
@@ -255,7 +255,8 @@ def _prepare(state: GroupStepState, group: LayerGroup, buffer: Tensor) -> tuple[
     transformed = _transform_group(state, group, original) if state.transforms else original
     x = transformed
     if group.compressor.uses_memory:
-        group.compressor.observe_gradient_flat(x, group.segments)
+        if isinstance(group.compressor, GradientObserver):
+            group.compressor.observe_gradient_flat(x, group.segments)
         x = state.memory.compensate_flat(x, group.segments)
     return original, transformed, x
 
@@ -424,7 +425,7 @@ def _compress_group(
         packet = compressor.compress_flat(x, group.segments, shared)
         if compressor.uses_memory or state.transforms:
             sent = compressor.sent_flat(x, packet)
-        record = GroupRecord.of(packet, compressor.aggregation_for(state.world_size))
+        record = GroupRecord.of(packet, compressor.aggregation)
     if sent is not None:
         if compressor.uses_memory:
             state.memory.update_flat(group.segments, x, sent)
@@ -507,7 +508,7 @@ def _launch(
     sum_groups: dict[torch.dtype, list[int]] = {}
     gather_idx: list[int] = []
     for k, (group, packet) in enumerate(zip(groups, packets)):
-        if group.compressor.aggregation_for(world) is Aggregation.SUM:
+        if group.compressor.aggregation is Aggregation.SUM:
             sum_groups.setdefault(packet.payload.dtype, []).append(k)
         else:
             gather_idx.append(k)

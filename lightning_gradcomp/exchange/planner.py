@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.exchange.codec import measure_exchange
-from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant, Compressor
+from lightning_gradcomp.compressors.base import Aggregation, CollectiveChoice, CollectiveVariant, Compressor
 from lightning_gradcomp.exchange.ledger import Ledger
 from lightning_gradcomp.exchange.transport import Transport
 from lightning_gradcomp.exchange.costmodel import ALLREDUCE_FP32, Candidate, CollectivePlan, CompressionCost, Link, Network, choose
@@ -94,7 +94,11 @@ class BucketPlan:
         ``compressor`` travelling as the chosen variant."""
         if self.plain:
             return plain
-        return compressor if self.collective is None else compressor.for_collective(self.collective)
+        if self.collective is None:
+            return compressor
+        assert isinstance(compressor, CollectiveChoice), "a variant is chosen only among a compressor's declared ones"
+        variants = {v.name: v.compressor for v in compressor.collectives(compressor.world_size)}
+        return variants[self.collective]
 
 
 class CollectivePlanner:
@@ -142,7 +146,8 @@ class CollectivePlanner:
             probe = copy.copy(state.router.compressor)
         probe.setup(state.router.compressor.rank, state.world_size, inputs[0].device)
         if variant is not None:
-            probe = probe.for_collective(variant.name)
+            assert isinstance(probe, CollectiveChoice)  # the variant was declared by this compressor's class
+            probe = next(v.compressor for v in probe.collectives(state.world_size) if v.name == variant.name)
         codec = measure_exchange(probe, list(names), [x.detach() for x in inputs], state.world_size, repeats=1)
         gather = codec.aggregation is Aggregation.GATHER
         collective = "allgather" if gather else "allreduce"
@@ -157,7 +162,8 @@ class CollectivePlanner:
         sub_names = [names[i] for i in idx]
         numel = sum(x.numel() for x in inputs)
         # the declared variants, or the compressor as it is
-        variants: list[Optional[CollectiveVariant]] = list(state.router.compressor.collectives(state.world_size)) or [None]
+        declared = state.router.compressor.collectives(state.world_size) if isinstance(state.router.compressor, CollectiveChoice) else ()
+        variants: list[Optional[CollectiveVariant]] = list(declared) or [None]
         probes = [self._probe(state, v, inputs, sub_names) for v in variants]
         numbers = []
         for _label, collective, nbytes, encode, decode, _ in probes:

@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
+from lightning_gradcomp.compressors.base import OptimizerCheck
 from lightning_gradcomp.strategies import checkpoint as ckpt
 from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.momentum import MomentumCorrection
@@ -226,7 +227,8 @@ class GradCompFabricStrategy(FabricRecovery, HookWiring, DDPStrategy):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         if self._momentum is not None:
             MomentumCorrection.check_optimizers([optimizer], self._momentum)
-        self.compressor.check_optimizers([optimizer])  # as the Trainer strategy does (e.g. OneBit's momentum warning)
+        if isinstance(self.compressor, OptimizerCheck):  # as the Trainer strategy does (e.g. OneBit's momentum warning)
+            self.compressor.check_optimizers([optimizer])
         self._warn_paper_default([optimizer])
         return super().setup_optimizer(optimizer)
 

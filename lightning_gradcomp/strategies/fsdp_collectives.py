@@ -29,7 +29,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.compressors.base import Aggregation, CollectiveChoice, Compressor
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.int8 import Int8
 from lightning_gradcomp.exchange.ledger import LayerRecord, Ledger, tensor_bytes
@@ -71,9 +71,8 @@ def check_compressor(compressor: Union[Compressor, str]) -> Compressor:
     if isinstance(compressor, str):
         compressor = registry.make_compressor(compressor)
     name = type(compressor).__name__
-    if compressor.aggregation != Aggregation.SUM and not any(
-        v.aggregation == Aggregation.SUM for v in compressor.collectives(2)
-    ):
+    variants = compressor.collectives(2) if isinstance(compressor, CollectiveChoice) else ()
+    if compressor.aggregation != Aggregation.SUM and not any(v.aggregation == Aggregation.SUM for v in variants):
         raise ValueError(
             f"Expected a compressor whose packets can be summed (aggregation `sum`) for the compressed "
             f"reduce-scatter, but got {name} (aggregation `{compressor.aggregation.value}`): its packets are "

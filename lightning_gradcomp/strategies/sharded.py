@@ -29,6 +29,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
+from lightning_gradcomp.compressors.base import OptimizerCheck
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.strategies.fsdp_collectives import CompressedReduceScatter, check_compressor, node_layout
 from lightning_gradcomp.strategies.options import ShardedOptions, with_options
@@ -235,7 +236,7 @@ class ShardedWiring(HookWiring):
         """The compressor's check of the optimizers before the first step (e.g. DeMo's sign step, OneBit's
         momentum), as the DDP engine runs it; not with one replica, where no compressor runs."""
         assert self._device_mesh is not None, "the mesh exists from setup_environment on"
-        if self._device_mesh["replicate"].size() > 1:
+        if self._device_mesh["replicate"].size() > 1 and isinstance(self.compressor, OptimizerCheck):
             self.compressor.check_optimizers(optimizers)
 
     def _shard_group_size(self) -> int:

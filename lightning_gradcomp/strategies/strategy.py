@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
+from lightning_gradcomp.compressors.base import OptimizerCheck
 from lightning_gradcomp.strategies import presets
 from lightning_gradcomp.callbacks import CompressionMonitor, CompressionProgressBar, CompressionSchedule
 from lightning_gradcomp.strategies.options import DDPOptions, with_options
@@ -97,7 +98,8 @@ class GradCompStrategy(ResilienceMixin, HookWiring, DDPStrategy):
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         super().setup_optimizers(trainer)
-        self.compressor.check_optimizers(self.optimizers)  # e.g. OneBit warns about heavy momentum
+        if isinstance(self.compressor, OptimizerCheck):  # e.g. OneBit warns about heavy momentum
+            self.compressor.check_optimizers(self.optimizers)
         # the gaps were measured on the flat exchange: strategies with sites or the hierarchical exchange send
         # something else between their sites
         flat = type(self)._hook_group is GradCompStrategy._hook_group and self.hierarchy is None

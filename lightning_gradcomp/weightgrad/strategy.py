@@ -170,12 +170,6 @@ class WeightGradStrategy(SiteStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # the layout, the site groups, DDP inside the site
         assert self.groups is not None
-        if self.aggregation == "serial" and self.compressor.aggregation_for(self.groups.site_size) is not Aggregation.GATHER:
-            raise ValueError(
-                f"Expected a compressor whose packets are gathered for `aggregation='serial'` (each worker's gradient is "
-                f"applied on its own), but {type(self.compressor).__name__} sums them in a site of "
-                f"{self.groups.site_size}. Fix: use `TernGrad(collective='allgather')`, or `aggregation='average'`."
-            )
 
     @override
     def _site_hook_fields(self) -> dict[str, Any]:
@@ -199,6 +193,13 @@ class WeightGradStrategy(SiteStrategy):
     @override
     def _on_hook_state(self, named: dict[str, torch.nn.Parameter]) -> None:
         assert self.groups is not None and self.comm_state is not None
+        # the compressor is set up for its site by now: its aggregation is the one it travels with there
+        if self.aggregation == "serial" and self.compressor.aggregation is not Aggregation.GATHER:
+            raise ValueError(
+                f"Expected a compressor whose packets are gathered for `aggregation='serial'` (each worker's gradient is "
+                f"applied on its own), but {type(self.compressor).__name__} sums them in a site of "
+                f"{self.groups.site_size}. Fix: use `TernGrad(collective='allgather')`, or `aggregation='average'`."
+            )
         module = self.lightning_module
         assert module is not None
         g = self.groups

@@ -5,11 +5,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.compressors.base import Aggregation
+from lightning_gradcomp.compressors.per_tensor import LayerLoop
 from lightning_gradcomp.flat import Packet
 
 
-class MemoryProbe(Compressor):
+class MemoryProbe(LayerLoop):
     """Sends the largest entries (a fraction that shrinks after the first steps) as (int32 index, float32 value).
 
     Deterministic on purpose: with error feedback, a resume that lost the residuals or the per-layer step

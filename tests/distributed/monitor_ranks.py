@@ -10,12 +10,13 @@ from torch import Tensor
 
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.callbacks import CompressionMonitor
-from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.compressors.base import Aggregation
+from lightning_gradcomp.compressors.per_tensor import LayerLoop
 from lightning_gradcomp.flat import Packet
 from tests.distributed.lightning_ranks import TinyClassifier, random_loader
 
 
-class HalfWithFeedback(Compressor):
+class HalfWithFeedback(LayerLoop):
     """fp16 payloads with error feedback: a summable compressor whose residuals are never zero."""
 
     aggregation = Aggregation.SUM

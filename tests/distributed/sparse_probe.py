@@ -5,11 +5,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Aggregation, Compressor
+from lightning_gradcomp.compressors.base import Aggregation
+from lightning_gradcomp.compressors.per_tensor import LayerLoop
 from lightning_gradcomp.flat import Packet
 
 
-class RankSparseProbe(Compressor):
+class RankSparseProbe(LayerLoop):
     """Sends (int32 index, float32 value) pairs of the entries above a rank-dependent threshold."""
 
     aggregation = Aggregation.GATHER

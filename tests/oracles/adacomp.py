@@ -21,7 +21,6 @@ from torch import Tensor
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.adacomp import AdaComp, layer_kind
 from lightning_gradcomp.compressors.adacomp_group import bin_mean
-from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.flat import Packet, Segments
 from lightning_gradcomp.wire.sparse import (
     decode_bin_relative,
@@ -42,11 +41,11 @@ class LayerAdaComp(LayerLoop, AdaComp):
 
     # a loop over layers is not a fixed number of ops per group (the group methods: LayerLoop's)
     @property
-    def batched(self) -> bool:  # type: ignore[override]
+    def batched(self) -> bool:
         return False
 
     def observe_gradient_flat(self, flat: Tensor, segments: Segments) -> None:
-        Compressor.observe_gradient_flat(self, flat, segments)
+        LayerLoop.observe_gradient_flat(self, flat, segments)
 
     # -- the algorithm, per layer -------------------------------------------------------------------------
     @staticmethod
@@ -158,7 +157,7 @@ class LayerAdaComp(LayerLoop, AdaComp):
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         first = packets[0]
         if first.dtype != torch.float32 or self.kernels(first.payload.device).name != "fused":
-            return Compressor.decompress_sum(self, packets)
+            return LayerLoop.decompress_sum(self, packets)
         return self._fused_sum(packets, torch.empty(first.numel, dtype=torch.float32, device=first.payload.device))
 
     def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
@@ -166,7 +165,7 @@ class LayerAdaComp(LayerLoop, AdaComp):
         writes_into = (first.dtype == torch.float32 and out.dtype == torch.float32 and out.is_contiguous()
                        and out.numel() == first.numel)
         if not writes_into or self.kernels(first.payload.device).name != "fused":
-            return Compressor.decompress_sum_into(self, packets, out)
+            return LayerLoop.decompress_sum_into(self, packets, out)
         self._fused_sum(packets, out)
         return out
 

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp import kernels
-from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.graddrop import GradientDropping, drop_count, select_threshold
 from lightning_gradcomp.compressors.streams import CounterStreams
@@ -130,7 +129,7 @@ class LayerGradientDropping(LayerLoop, GradientDropping):
 
     # a loop over layers is not a fixed number of ops per group (the group methods: LayerLoop's)
     @property
-    def batched(self) -> bool:  # type: ignore[override]
+    def batched(self) -> bool:
         return False
 
     # -- threshold --------------------------------------------------------------------------------------
@@ -302,7 +301,7 @@ class LayerGradientDropping(LayerLoop, GradientDropping):
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         first = packets[0]
         if first.dtype != torch.float32 or self.kernels(first.payload.device).name != "fused":
-            return Compressor.decompress_sum(self, packets)
+            return LayerLoop.decompress_sum(self, packets)
         out = torch.empty(first.numel, dtype=torch.float32, device=first.payload.device)
         return self._fused_sum(packets, out).view(first.shape)
 
@@ -311,7 +310,7 @@ class LayerGradientDropping(LayerLoop, GradientDropping):
         writes_into = (first.dtype == torch.float32 and out.dtype == torch.float32 and out.is_contiguous()
                        and out.numel() == first.numel)
         if not writes_into or self.kernels(first.payload.device).name != "fused":
-            return Compressor.decompress_sum_into(self, packets, out)
+            return LayerLoop.decompress_sum_into(self, packets, out)
         self._fused_sum(packets, out)
         return out
 

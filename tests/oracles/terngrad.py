@@ -14,11 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import (
-    Aggregation,
-    Compressor,
-    max_or_zero,
-)
+from lightning_gradcomp.compressors.base import Aggregation, max_or_zero
 from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.streams import RandomStreams
 from lightning_gradcomp.compressors.terngrad import _SIGMA_NOISE, TernGrad
@@ -125,11 +121,11 @@ class LayerTernGrad(LayerLoop, TernGrad):
     def compress(self, tensor: Tensor, name: str, shared: Optional[Tensor] = None) -> Packet:
         fused = self._layer_kernels(tensor.device)
         if fused is not None and tensor.numel() > 0:
-            return fused.compress(tensor, name, shared, self.aggregation_for(self.world_size))
+            return fused.compress(tensor, name, shared, self.aggregation)
         ternary, s = self.ternarize(tensor, shared if self.scaler_share == "max" else None, name)
         stats = {"sparsity": (ternary == 0).float().mean().nan_to_num(0.0), "scaler": max_or_zero(s)}
         ctx: dict[str, Any] = {}
-        if self.aggregation_for(self.world_size) is Aggregation.SUM:
+        if self.aggregation is Aggregation.SUM:
             payload = ternary
             ctx["scale"] = s
         elif self.scaler_share == "max":
@@ -172,7 +168,7 @@ class LayerTernGrad(LayerLoop, TernGrad):
 
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         if "scale" not in packets[0].ctx:
-            return Compressor.decompress_sum(self, packets)
+            return LayerLoop.decompress_sum(self, packets)
         fused = self._decoder(packets)
         if fused is not None:
             return fused.decompress_sum(packets)

@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors import topk_group
-from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.topk import DGC, TopK
 from lightning_gradcomp.wire.bits import pack_bits, packed_bits_nbytes, unpack_bits
@@ -76,7 +75,7 @@ class LayerTopK(LayerLoop, TopK):
 
     def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
         if self.is_dense(packets[0].shape):
-            return Compressor.decompress_sum(self, packets)
+            return LayerLoop.decompress_sum(self, packets)
         first = packets[0]
         out = torch.zeros(first.numel, dtype=first.dtype, device=first.payload.device)
         for packet in packets:  # rank order, identical on every rank

@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.exchange.memory import ResidualMemory
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 
 def feedback_step(
@@ -22,9 +23,9 @@ def feedback_step(
     """
     old = memory.residuals.get(name)
     old = None if old is None else old.clone()
-    compressor.observe_gradient(grad, name)
+    per_tensor(compressor).observe_gradient(grad, name)
     x = memory.compensate(grad, name)
-    packet = compressor.compress(x, name)
-    sent = compressor.sent(x, packet)
+    packet = per_tensor(compressor).compress(x, name)
+    sent = per_tensor(compressor).sent(x, packet)
     memory.update(name, x, sent)
     return old, x, packet, sent

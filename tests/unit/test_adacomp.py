@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from lightning_gradcomp.compressors.adacomp import AdaComp, Quantizer, Selection, layer_kind
 from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.exchange.memory import ResidualMemory
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 from tests.unit.feedback import feedback_step
 
 
@@ -54,16 +55,16 @@ def test_the_largest_entry_is_not_always_sent(backend: Backend) -> None:
     comp = AdaComp(bin_size_fc=4, backend=backend)
     residue = torch.tensor([5.0, 0.1, 0.1, 4.9])
     dw = torch.tensor([-1.0, 0.0, 0.0, 1.0])  # G = [4, .1, .1, 5.9]; H = [3, .1, .1, 6.9]
-    comp.observe_gradient(dw, "w")
-    sent = comp.decompress(comp.compress(residue + dw, "w"))
+    per_tensor(comp).observe_gradient(dw, "w")
+    sent = per_tensor(comp).decompress(per_tensor(comp).compress(residue + dw, "w"))
     assert torch.equal(sent != 0, torch.tensor([False, False, False, True]))
 
 
 def test_local_selection_sends_a_fixed_count_per_bin() -> None:
     comp = AdaComp(bin_size_fc=100, selection="local", local_count=3)
     x = torch.randn(1050)
-    comp.observe_gradient(x, "w")
-    sent = comp.decompress(comp.compress(x, "w"))
+    per_tensor(comp).observe_gradient(x, "w")
+    sent = per_tensor(comp).decompress(per_tensor(comp).compress(x, "w"))
     counts = [(sent[i : i + 100] != 0).sum().item() for i in range(0, 1050, 100)]
     assert counts == [3] * 11
     top = torch.topk(x[:100].abs(), 3).indices
@@ -107,9 +108,9 @@ def test_paper_wire_bytes_and_round_trip(shape: tuple, size: int, width: int, ba
         comp = AdaComp(bin_size_fc=size, wire="index32", backend=backend)
     else:
         comp = AdaComp(backend=backend)
-    comp.observe_gradient(x * 0.5, "w")
-    packet = comp.compress(x, "w")
-    sent = comp.decompress(packet)
+    per_tensor(comp).observe_gradient(x * 0.5, "w")
+    packet = per_tensor(comp).compress(x, "w")
+    sent = per_tensor(comp).decompress(packet)
     idx = torch.nonzero(sent.reshape(-1)).reshape(-1)
     k = idx.numel()
     if width == 0:
@@ -126,14 +127,14 @@ def test_paper_wire_bytes_and_round_trip(shape: tuple, size: int, width: int, ba
 @pytest.mark.parametrize("backend", ["torch", "fused"])
 def test_nothing_to_send_is_zero_bytes(backend: Backend) -> None:
     comp = AdaComp(backend=backend)
-    comp.observe_gradient(torch.zeros(10, 10), "w")
-    packet = comp.compress(torch.zeros(10, 10), "w")
-    assert packet.nbytes == 0 and torch.equal(comp.decompress(packet), torch.zeros(10, 10))
+    per_tensor(comp).observe_gradient(torch.zeros(10, 10), "w")
+    packet = per_tensor(comp).compress(torch.zeros(10, 10), "w")
+    assert packet.nbytes == 0 and torch.equal(per_tensor(comp).decompress(packet), torch.zeros(10, 10))
 
 
 def test_compress_without_the_gradient_explains_the_fix() -> None:
     with pytest.raises(RuntimeError, match="observe_gradient"):
-        AdaComp().compress(torch.randn(10), "w")
+        per_tensor(AdaComp()).compress(torch.randn(10), "w")
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping, TernGrad
 from lightning_gradcomp.compressors.backends import Backend, KernelBacked
 from lightning_gradcomp.flat import Segments
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 MAKERS: dict[str, Callable[[Backend], KernelBacked]] = {
     "terngrad": lambda backend: TernGrad(backend=backend),
@@ -20,12 +21,12 @@ EXPLICIT: tuple[Backend, ...] = ("torch", "fused")
 
 def _round_trip(comp: KernelBacked, x: torch.Tensor) -> None:
     if comp.uses_memory:
-        comp.observe_gradient(x, "w")
-    shared = comp.local_statistic(x, "w")
-    packet = comp.compress(x, "w", shared)
-    comp.decompress(packet)
-    comp.decompress_sum_into([packet, packet], torch.empty_like(x))
-    comp.decompress_mean_into([packet, packet], torch.empty_like(x))
+        per_tensor(comp).observe_gradient(x, "w")
+    shared = per_tensor(comp).local_statistic(x, "w")
+    packet = per_tensor(comp).compress(x, "w", shared)
+    per_tensor(comp).decompress(packet)
+    per_tensor(comp).decompress_sum_into([packet, packet], torch.empty_like(x))
+    per_tensor(comp).decompress_mean_into([packet, packet], torch.empty_like(x))
 
 
 @pytest.mark.parametrize("key", sorted(MAKERS))
@@ -58,10 +59,10 @@ def test_an_explicit_backend_is_what_setup_chooses(key: str) -> None:
 def test_without_setup_the_first_call_chooses_for_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "fused_available", lambda: True)
     comp = TernGrad(backend="auto")
-    comp.compress(torch.randn(100), "w")
+    per_tensor(comp).compress(torch.randn(100), "w")
     assert comp.chosen_backend == "fused"
     monkeypatch.setattr(kernels, "fused_available", lambda: False)
-    comp.compress(torch.randn(100), "w")
+    per_tensor(comp).compress(torch.randn(100), "w")
     assert comp.chosen_backend == "fused"  # kept: the compressor does not switch between calls
 
 
@@ -76,8 +77,8 @@ needs_kernels = pytest.mark.skipif(not kernels.fused_available(), reason="the fu
 
 def _sent(comp: KernelBacked, x: torch.Tensor) -> torch.Tensor:
     if comp.uses_memory:
-        comp.observe_gradient(x, "w")
-    return comp.decompress(comp.compress(x, "w", comp.local_statistic(x, "w")))
+        per_tensor(comp).observe_gradient(x, "w")
+    return per_tensor(comp).decompress(per_tensor(comp).compress(x, "w", per_tensor(comp).local_statistic(x, "w")))
 
 
 @needs_kernels
@@ -104,11 +105,11 @@ def test_gradient_droppings_sample_fraction_changed_between_steps_reaches_the_fu
     for c in (comp, built):
         c.setup(0, 1, torch.device("cpu"))
     assert comp.kernels(x.device).name == "fused"
-    comp.compress(x, "w")
-    built.compress(x, "w")  # the streams move on alike
+    per_tensor(comp).compress(x, "w")
+    per_tensor(built).compress(x, "w")  # the streams move on alike
     comp.sample_fraction = 0.01
     # 1 % of the tensor, not the 0.1 % it was built with: the threshold of a compressor built with 1 %
-    assert torch.equal(comp.compress(x, "w").stats["threshold"], built.compress(x, "w").stats["threshold"])
+    assert torch.equal(per_tensor(comp).compress(x, "w").stats["threshold"], per_tensor(built).compress(x, "w").stats["threshold"])
     assert comp._sample_plan(Segments(["w"], [x.shape]), x.device).segments.numels == (2000,)
 
 

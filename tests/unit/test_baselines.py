@@ -14,6 +14,7 @@ from lightning_gradcomp.compressors.onebit import Granularity
 from lightning_gradcomp.compressors.powersgd import orthogonalize_
 from lightning_gradcomp.exchange.memory import ResidualMemory
 from lightning_gradcomp.registry import compressor_names, make_compressor
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 
 C = TypeVar("C", bound=Compressor)
@@ -40,10 +41,10 @@ def test_pack_bits_round_trips_with_exact_size(width: int) -> None:
 def test_cast_sends_two_bytes_per_element_and_sums_to_the_mean(cls: Callable[[], Compressor], dtype: torch.dtype) -> None:
     a, b = torch.randn(7, 9), torch.randn(7, 9)
     ranks = [_ready(cls(), r, 2) for r in range(2)]
-    packets = [c.compress(x, "w") for c, x in zip(ranks, (a, b))]
+    packets = [per_tensor(c).compress(x, "w") for c, x in zip(ranks, (a, b))]
     assert all(p.payload.dtype == dtype and p.nbytes == 2 * 63 for p in packets)
     summed = packets[0].with_payload(packets[0].payload + packets[1].payload)  # what the all-reduce delivers
-    mean = ranks[0].decompress(summed) / 2
+    mean = per_tensor(ranks[0]).decompress(summed) / 2
     expected = (a / 2).to(dtype) + (b / 2).to(dtype)  # torch's compress hooks: divide, cast, sum in the cast dtype
     torch.testing.assert_close(mean, expected.float(), rtol=0, atol=0)
 
@@ -56,8 +57,8 @@ def test_onebit_error_feedback_invariant_and_exact_size(granularity: Granularity
         grad = torch.randn(12, 10)
         old = memory.residuals.get("w", torch.zeros_like(grad)).clone()
         x = memory.compensate(grad, "w")
-        packet = compressor.compress(x, "w")
-        sent = compressor.sent(x, packet)
+        packet = per_tensor(compressor).compress(x, "w")
+        sent = per_tensor(compressor).sent(x, packet)
         memory.update("w", x, sent)
         torch.testing.assert_close(grad + old, sent + memory.residuals["w"], rtol=0, atol=1e-6)
         groups = 12 if granularity == "row" else 1
@@ -71,8 +72,8 @@ def test_onebit_error_feedback_invariant_and_exact_size(granularity: Granularity
 def test_qsgd_is_unbiased_and_sized_exactly() -> None:
     compressor = _ready(QSGD(levels=3, bucket_size=16))
     x = torch.randn(10, 10)
-    assert compressor.compress(x, "w").nbytes == math.ceil(100 * 3 / 8) + 4 * 7 == compressor.payload_nbytes(100)
-    samples = torch.stack([compressor.decompress(compressor.compress(x, "w")) for _ in range(4000)])
+    assert per_tensor(compressor).compress(x, "w").nbytes == math.ceil(100 * 3 / 8) + 4 * 7 == compressor.payload_nbytes(100)
+    samples = torch.stack([per_tensor(compressor).decompress(per_tensor(compressor).compress(x, "w")) for _ in range(4000)])
     # each element's sample mean is within 5 standard errors of the true value (plus float rounding); the
     # standard error is the exact one of a Bernoulli(frac) step of size norm/s
     norms = torch.nn.functional.pad(x.reshape(-1), (0, 12)).view(-1, 16).norm(dim=1).repeat_interleave(16)[:100]
@@ -100,25 +101,25 @@ def test_topk_sends_the_largest_and_keeps_the_rest() -> None:
     memory = ResidualMemory()
     grad = torch.randn(40, 20)
     x = memory.compensate(grad, "w")
-    packet = compressor.compress(x, "w")
-    sent = compressor.decompress(packet)
+    packet = per_tensor(compressor).compress(x, "w")
+    sent = per_tensor(compressor).decompress(packet)
     memory.update("w", x, sent)
     k = math.ceil(800 * 0.05)
     assert packet.nbytes == 8 * k
     assert torch.equal(sent.reshape(-1).abs().topk(k).values, x.reshape(-1).abs().topk(k).values)
     assert torch.equal(sent + memory.residuals["w"], x)
     # sum over ranks = sum of decodes
-    other = compressor.compress(torch.randn(40, 20), "w")
-    torch.testing.assert_close(compressor.decompress_sum([packet, other]), sent + compressor.decompress(other))
+    other = per_tensor(compressor).compress(torch.randn(40, 20), "w")
+    torch.testing.assert_close(per_tensor(compressor).decompress_sum([packet, other]), sent + per_tensor(compressor).decompress(other))
     # 1-D tensors travel dense, as DGC's code does
     bias = torch.randn(20)
-    assert torch.equal(compressor.decompress(compressor.compress(bias, "b")), bias)
+    assert torch.equal(per_tensor(compressor).decompress(per_tensor(compressor).compress(bias, "b")), bias)
 
 
 def test_dgc_sampled_threshold_selects_about_k_large_elements() -> None:
     compressor = _ready(DGC(ratio=0.001))
     x = torch.randn(400, 500)  # 2-D: 1-D tensors are sent dense
-    sent = compressor.sent(x, compressor.compress(x, "w")).reshape(-1)
+    sent = per_tensor(compressor).sent(x, per_tensor(compressor).compress(x, "w")).reshape(-1)
     x = x.reshape(-1)
     indices = torch.nonzero(sent).reshape(-1)
     k = 200
@@ -146,9 +147,9 @@ def test_orthogonalize_matches_torch(rank: int) -> None:
 def test_powersgd_full_rank_is_exact_and_small_tensors_go_dense() -> None:
     compressor = _ready(PowerSGD(rank=6, min_compression_rate=0.0))
     x = torch.randn(6, 10)
-    packet = compressor.compress(x, "w")
+    packet = per_tensor(compressor).compress(x, "w")
     assert packet.nbytes == 4 * (6 + 10) * 6
-    torch.testing.assert_close(compressor.decompress(packet), x, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(per_tensor(compressor).decompress(packet), x, rtol=1e-4, atol=1e-5)
     assert PowerSGD(rank=1).plan(torch.Size([3, 3])) is None  # (3+3)*1*2 >= 9: not worth compressing
     assert PowerSGD(rank=1).plan(torch.Size([64])) is None
     assert PowerSGD(rank=1).plan(torch.Size([64, 20])) == (64, 20, 1)
@@ -175,4 +176,4 @@ def test_bad_arguments_name_the_argument(name: str) -> None:
 def test_powersgd_survives_a_layer_without_gradient() -> None:
     compressor = _ready(PowerSGD(rank=1))
     zero = torch.zeros(32, 16)
-    assert torch.equal(compressor.decompress(compressor.compress(zero, "w")), zero)  # torch's maths would give NaN
+    assert torch.equal(per_tensor(compressor).decompress(per_tensor(compressor).compress(zero, "w")), zero)  # torch's maths would give NaN

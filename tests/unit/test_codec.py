@@ -7,6 +7,7 @@ from lightning_gradcomp import registry
 from lightning_gradcomp.compressors.base import Aggregation
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.exchange.codec import measure_codec
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 SHAPES = [("a.weight", (64, 32)), ("a.bias", (64,)), ("b.weight", (10, 64)), ("c", (3, 3, 8, 4))]
 
@@ -19,14 +20,14 @@ def _per_layer(name: str, world: int) -> tuple[float, float, Aggregation]:
     gen = torch.Generator().manual_seed(0)
     grads = [(n, torch.randn(*shape, generator=gen) * 1e-3) for n, shape in SHAPES]
     for n, g in grads:
-        compressor.observe_gradient(g, n)
+        per_tensor(compressor).observe_gradient(g, n)
     if isinstance(compressor, MultiRoundCompressor):
         exchanged = compressor.exchange([g for _, g in grads], [n for n, _ in grads], lambda t: t)
-        return float(sum(e.nbytes for e in exchanged)), 0.0, compressor.aggregation_for(world)
-    packets = [compressor.compress(g, n, None) for n, g in grads]
-    stats = [compressor.local_statistic(g, n) for n, g in grads]
+        return float(sum(e.nbytes for e in exchanged)), 0.0, compressor.aggregation
+    packets = [per_tensor(compressor).compress(g, n, None) for n, g in grads]
+    stats = [per_tensor(compressor).local_statistic(g, n) for n, g in grads]
     shared = float(sum(4 * s.numel() for s in stats if s is not None))
-    return float(sum(p.nbytes for p in packets)), shared, compressor.aggregation_for(world)
+    return float(sum(p.nbytes for p in packets)), shared, compressor.aggregation
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -9,9 +9,10 @@ import torch
 
 from lightning_gradcomp.compressors import GradientDropping, Identity, TernGrad
 from lightning_gradcomp.compressors.backends import Backend
-from lightning_gradcomp.compressors.base import Aggregation, CollectiveVariant
+from lightning_gradcomp.compressors.base import Aggregation, CollectiveChoice, CollectiveVariant, Compressor
 from lightning_gradcomp.exchange.router import Router
 from lightning_gradcomp.exchange.planner import BucketPlan
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 GATHER = CollectiveVariant("allgather", Aggregation.GATHER)
 INT8 = CollectiveVariant("allreduce_int8", Aggregation.SUM)
@@ -23,7 +24,7 @@ def test_terngrad_declares_both_variants_only_when_left_on_auto() -> None:
     assert TernGrad().collectives(128) == (GATHER,)  # int8 sums of 128 ternaries overflow
     assert TernGrad(scaler_share="per_worker").collectives(8) == (GATHER,)  # nothing to sum without a shared scaler
     assert TernGrad(collective="allgather").collectives(8) == ()  # the user's choice is kept
-    assert GradientDropping().collectives(8) == () and Identity().collectives(8) == ()
+    assert not isinstance(GradientDropping(), CollectiveChoice) and not isinstance(Identity(), CollectiveChoice)
 
 
 def _set_up(comp: TernGrad, world_size: int = 4) -> TernGrad:
@@ -31,17 +32,21 @@ def _set_up(comp: TernGrad, world_size: int = 4) -> TernGrad:
     return comp
 
 
+def _variant(comp: TernGrad, name: str) -> Compressor:
+    return next(v.compressor for v in comp.collectives(comp.world_size) if v.name == name)
+
+
 def test_a_variant_travels_its_way_and_leaves_the_compressor_as_it_was() -> None:
     comp = _set_up(TernGrad(backend="torch"))
     before = comp.describe()
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
-    int8, packed = comp.for_collective("allreduce_int8"), comp.for_collective("allgather")
-    assert int8.aggregation_for(4) is Aggregation.SUM and int8.compress(x, "w").payload.dtype == torch.int8
-    assert packed.aggregation_for(4) is Aggregation.GATHER and packed.compress(x, "w").nbytes == 250
-    assert comp.describe() == before and comp.aggregation_for(4) is Aggregation.GATHER
-    assert comp.for_collective("allgather") is packed  # made once per setup
+    int8, packed = _variant(comp, "allreduce_int8"), _variant(comp, "allgather")
+    assert int8.aggregation is Aggregation.SUM and per_tensor(int8).compress(x, "w").payload.dtype == torch.int8
+    assert packed.aggregation is Aggregation.GATHER and per_tensor(packed).compress(x, "w").nbytes == 250
+    assert comp.describe() == before and comp.aggregation is Aggregation.GATHER
+    assert _variant(comp, "allgather") is packed  # made once per setup
     comp.setup(1, 4, torch.device("cpu"))
-    assert comp.for_collective("allgather") is not packed  # a view of the old setup is not reused
+    assert _variant(comp, "allgather") is not packed  # a view of the old setup is not reused
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
@@ -51,20 +56,16 @@ def test_views_draw_from_the_compressors_own_streams(backend: Backend) -> None:
     plain = _set_up(TernGrad(backend=backend, seed=3, collective="allgather"))
     x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
     for step in range(3):
-        ours = mixed.for_collective("allgather").compress(x, "w") if step % 2 else mixed.compress(x, "w")
-        theirs = plain.compress(x, "w")
-        assert torch.equal(mixed.decompress(ours), plain.decompress(theirs)), f"step {step}"
+        ours = per_tensor(_variant(mixed, "allgather")).compress(x, "w") if step % 2 else per_tensor(mixed).compress(x, "w")
+        theirs = per_tensor(plain).compress(x, "w")
+        assert torch.equal(per_tensor(mixed).decompress(ours), per_tensor(plain).decompress(theirs)), f"step {step}"
     assert mixed.state_dict().keys() == plain.state_dict().keys()
     assert mixed.state_dict()["counters"] == plain.state_dict()["counters"]
 
 
-def test_an_undeclared_variant_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"Expected `collective` to be one of TernGrad's variants .* Fix"):
-        _set_up(TernGrad(collective="allgather")).for_collective("allreduce_int8")
-    with pytest.raises(ValueError, match=r"variants \[\] but got 'allgather'"):
-        Identity().for_collective("allgather")
-    with pytest.raises(ValueError, match="allreduce_int8"):
-        _set_up(TernGrad(), world_size=200).for_collective("allreduce_int8")
+def test_a_variant_travels_as_it_is_declared() -> None:
+    for variant in _set_up(TernGrad()).collectives(4):
+        assert variant.compressor.aggregation is variant.aggregation, variant.name
 
 
 def test_a_bucket_plan_routes_the_buckets_layers() -> None:
@@ -72,7 +73,7 @@ def test_a_bucket_plan_routes_the_buckets_layers() -> None:
     assert BucketPlan("allreduce_fp32", None, {}).compressor_for(comp, identity) is identity
     assert BucketPlan("allgather", None, {}).compressor_for(comp, identity) is comp
     view = BucketPlan("allreduce_int8", "allreduce_int8", {}).compressor_for(comp, identity)
-    assert view is comp.for_collective("allreduce_int8") and view is not comp
+    assert view is _variant(comp, "allreduce_int8") and view is not comp
 
 
 def test_the_router_sends_a_bucket_as_its_plan_says() -> None:
@@ -80,7 +81,7 @@ def test_the_router_sends_a_bucket_as_its_plan_says() -> None:
     router = Router(comp, float_names={"bias"})
     assert router.route_with(None, ["w", "bias"]) == [comp, router.identity]  # no planner
     w, bias = router.route_with(BucketPlan("allreduce_int8", "allreduce_int8", {}), ["w", "bias"])
-    assert w.aggregation_for(4) is Aggregation.SUM
+    assert w.aggregation is Aggregation.SUM
     assert bias is router.identity  # kept in fp32 whatever the plan
     assert router.route_with(BucketPlan("allreduce_fp32", None, {}), ["w"]) == [router.identity]
     router.set_dense(True)  # a dense warm-up overrides the plan

@@ -8,6 +8,7 @@ from lightning_gradcomp.compressors import DeMo
 from lightning_gradcomp.compressors.demo import ChunkedDCT, dct_matrix, largest_divisor
 from lightning_gradcomp.exchange.memory import ResidualMemory
 from lightning_gradcomp.flat import Segments
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 
 @pytest.mark.parametrize("shape", [(128, 64), (130, 70), (97,), (256, 128), (8, 3, 3, 3), (), (1,)])
@@ -43,9 +44,9 @@ def test_dct_matrix_is_orthonormal_dct_ii() -> None:
 def test_exact_bytes(shape: tuple[int, ...], index_dtype: str, expected: int) -> None:
     demo = DeMo(index_dtype=index_dtype)  # type: ignore[arg-type]
     x = torch.randn(shape)
-    packet = demo.compress(x, "w")
+    packet = per_tensor(demo).compress(x, "w")
     assert packet.nbytes == expected == demo.packet_bytes(torch.Size(shape))
-    decoded = demo.decompress(packet)
+    decoded = per_tensor(demo).decompress(packet)
     assert decoded.shape == x.shape
 
 
@@ -56,8 +57,8 @@ def test_uint8_indices_carry_the_same_coefficients_in_five_bytes_each() -> None:
     decoded, sizes = {}, {}
     for index_dtype in ("int16", "uint8"):
         demo = DeMo(topk=5, chunk=16, index_dtype=index_dtype)
-        packets = [demo.compress(x, "w") for x in xs]
-        decoded[index_dtype] = demo.decompress_mean_into(packets, torch.empty(64, 48))
+        packets = [per_tensor(demo).compress(x, "w") for x in xs]
+        decoded[index_dtype] = per_tensor(demo).decompress_mean_into(packets, torch.empty(64, 48))
         sizes[index_dtype] = packets[0].nbytes
         assert sizes[index_dtype] == demo.packet_bytes(torch.Size((64, 48)))
     assert sizes == {"int16": 12 * 5 * 6, "uint8": 12 * 5 * 5}
@@ -70,20 +71,20 @@ def test_top_k_of_a_sparse_spectrum_is_lossless() -> None:
     coeffs[0, torch.randperm(4096)[:32]] = torch.randn(32)
     x = t.decode(coeffs, torch.Size((64, 64)))
     demo = DeMo()
-    torch.testing.assert_close(demo.decompress(demo.compress(x, "w")), x, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(per_tensor(demo).decompress(per_tensor(demo).compress(x, "w")), x, rtol=1e-5, atol=1e-6)
     # with one more coefficient than kept, the smallest is dropped
     coeffs[0, 0] = 1e-3 if coeffs[0, 0] == 0 else coeffs[0, 0]
-    partial = demo.decompress(demo.compress(t.decode(coeffs, torch.Size((64, 64))), "w"))
+    partial = per_tensor(demo).decompress(per_tensor(demo).compress(t.decode(coeffs, torch.Size((64, 64))), "w"))
     assert torch.count_nonzero(t.encode(partial).abs() > 1e-5) == 32
 
 
 def test_mean_of_packets_is_decoded_in_the_coefficient_domain() -> None:
     demo = DeMo(topk=4)
     xs = [torch.randn(32, 48) for _ in range(3)]
-    packets = [demo.compress(x, "w") for x in xs]
-    expected = sum(demo.decompress(p) for p in packets) / 3
+    packets = [per_tensor(demo).compress(x, "w") for x in xs]
+    expected = sum(per_tensor(demo).decompress(p) for p in packets) / 3
     out = torch.empty(32, 48)
-    torch.testing.assert_close(demo.decompress_mean_into(packets, out), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(per_tensor(demo).decompress_mean_into(packets, out), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_selectors_average_each_coefficient_over_the_ranks_that_sent_it() -> None:
@@ -100,16 +101,16 @@ def test_selectors_average_each_coefficient_over_the_ranks_that_sent_it() -> Non
         count.scatter_add_(1, keep, torch.ones(keep.shape))
     assert int(count.max()) > 1 and int((count == 1).sum()) > 0  # the ranks' selections overlap only in part
     expected = t.decode(total / count.clamp(min=1), torch.Size((16, 24)))
-    packets = [demo.compress(x, "w") for x in xs]
-    torch.testing.assert_close(demo.decompress_mean_into(packets, torch.empty(16, 24)),
+    packets = [per_tensor(demo).compress(x, "w") for x in xs]
+    torch.testing.assert_close(per_tensor(demo).decompress_mean_into(packets, torch.empty(16, 24)),
                                expected, rtol=1e-5, atol=1e-6)
     # the flat path (the hook's) gives the same bits as the per-layer one
     flat = [demo.compress_flat(x.reshape(-1), Segments(("w",), (torch.Size((16, 24)),))) for x in xs]
     assert torch.equal(demo.decompress_flat_mean_into(flat, torch.empty(16 * 24)).view(16, 24),
-                       demo.decompress_mean_into(packets, torch.empty(16, 24)))
+                       per_tensor(demo).decompress_mean_into(packets, torch.empty(16, 24)))
     # where selections differ it is not the plain mean; the bytes and what a rank sent (its residual) are the same
-    assert not torch.allclose(plain.decompress_mean_into(packets, torch.empty(16, 24)), expected)
-    assert all(torch.equal(demo.sent(x, p), plain.sent(x, p)) for x, p in zip(xs, packets))
+    assert not torch.allclose(per_tensor(plain).decompress_mean_into(packets, torch.empty(16, 24)), expected)
+    assert all(torch.equal(per_tensor(demo).sent(x, p), per_tensor(plain).sent(x, p)) for x, p in zip(xs, packets))
     assert demo.packet_bytes(torch.Size((16, 24))) == plain.packet_bytes(torch.Size((16, 24)))
 
 
@@ -122,10 +123,10 @@ def test_hook_residual_is_the_decayed_momentum() -> None:
         x = memory.compensate(g, "w")
         m = 0.9 * m + g if step else g
         torch.testing.assert_close(x, m, rtol=1e-5, atol=1e-6)
-        packet = demo.compress(x, "w")
-        memory.update("w", x, demo.sent(x, packet))
-        m = m - demo.decompress(packet)
-    assert 0.0 < float(demo.compress(x, "w").stats["energy_kept"]) < 1.0
+        packet = per_tensor(demo).compress(x, "w")
+        memory.update("w", x, per_tensor(demo).sent(x, packet))
+        m = m - per_tensor(demo).decompress(packet)
+    assert 0.0 < float(per_tensor(demo).compress(x, "w").stats["energy_kept"]) < 1.0
 
 
 @pytest.mark.parametrize(("kwargs", "arg"), [

@@ -12,8 +12,8 @@ from torch import Tensor
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp
 from lightning_gradcomp.compressors.backends import Backend
-from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.flat import FlatPacket, Segments
+from lightning_gradcomp.compressors.per_tensor import PerTensor, per_tensor
 from tests.oracles.adacomp import LayerAdaComp
 from tests.unit.test_flat_graddrop_adacomp import RANKS, _assert_same_stats, _gradient, _layout
 
@@ -88,13 +88,13 @@ def test_per_layer_api_is_the_group_of_one(setting: str, backend: Backend) -> No
     x, dw = _gradient(seg, 3), _gradient(seg, 4)
     for name, view, fresh in zip(seg.names, seg.views(x), seg.views(dw)):
         for comp in (group, oracle):
-            comp.observe_gradient(fresh, name)
-        a, b = group.compress(view, name), oracle.compress(view, name)
+            per_tensor(comp).observe_gradient(fresh, name)
+        a, b = per_tensor(group).compress(view, name), per_tensor(oracle).compress(view, name)
         assert torch.equal(a.payload, b.payload) and a.shape == b.shape and a.dtype == b.dtype
         assert a.stats.keys() == b.stats.keys() and all(torch.equal(a.stats[k], b.stats[k]) for k in a.stats)
-        assert torch.equal(group.decompress(a), oracle.decompress(b))
-        assert torch.equal(group.sent(view, a), oracle.sent(view, b))
-        assert torch.equal(group.decompress_sum([a, a]), oracle.decompress_sum([b, b]))
+        assert torch.equal(per_tensor(group).decompress(a), per_tensor(oracle).decompress(b))
+        assert torch.equal(per_tensor(group).sent(view, a), per_tensor(oracle).sent(view, b))
+        assert torch.equal(per_tensor(group).decompress_sum([a, a]), per_tensor(oracle).decompress_sum([b, b]))
     assert group.layer_bin_sizes == oracle.layer_bin_sizes
 
 
@@ -124,7 +124,7 @@ def test_nan_is_sent_as_the_oracle_sends_it(setting: str, backend: Backend) -> N
     assert torch.equal(a.payload, b.payload)
     assert torch.as_tensor(a.layer_nbytes).tolist() == list(b.layer_nbytes)
     sent = group.sent_flat(x, a)
-    torch.testing.assert_close(sent, Compressor.sent_flat(oracle, x, b), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(sent, PerTensor(oracle).sent_flat(x, b), rtol=0, atol=0, equal_nan=True)
     assert bool(torch.isnan(sent).any()) == (SETTINGS[setting]["quantizer"] == "binary")
 
 

@@ -14,13 +14,13 @@ from torch import Tensor
 
 from gradcomp_lab.opcount import count_ops
 from lightning_gradcomp.compressors import DeMo, PowerSGD
-from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.demo import ChunkedDCT
 from lightning_gradcomp.compressors.multiround import AllReduce, FlatExchanged, MultiRoundCompressor
 from lightning_gradcomp.exchange.groups import layer_offsets
 from lightning_gradcomp.exchange.hook import GradCompState, gradcomp_hook
 from lightning_gradcomp.compressors.powersgd import orthogonalize_
 from lightning_gradcomp.flat import Segments
+from lightning_gradcomp.compressors.per_tensor import PerTensor, per_tensor
 
 T = TypeVar("T")
 CPU = torch.device("cpu")
@@ -88,7 +88,7 @@ def test_demo_batched_group_matches_the_layer_loop() -> None:
     batched, looping = DeMo(topk=8), DeMo(topk=8)
     xs = [_flat(seg, r) for r in range(RANKS)]
     ours = [batched.compress_flat(x, seg) for x in xs]
-    theirs = [Compressor.compress_flat(looping, x, seg) for x in xs]
+    theirs = [PerTensor(looping).compress_flat(x, seg) for x in xs]
     assert batched.batched and ours[0].layers is None
 
     for x, mine, ref in zip(xs, ours, theirs):
@@ -108,8 +108,8 @@ def test_demo_batched_group_matches_the_layer_loop() -> None:
             torch.testing.assert_close(mine.stats[key], expected, rtol=1e-6, atol=0)
         assert torch.equal(mine.stats["sparsity"], torch.stack([p.stats["sparsity"] for p in ref.layers]))
         # what this rank sent (error feedback), decoded from its own packet
-        torch.testing.assert_close(batched.sent_flat(x, mine), Compressor.sent_flat(looping, x, ref), rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(batched.decompress_flat(mine), Compressor.decompress_flat(looping, ref),
+        torch.testing.assert_close(batched.sent_flat(x, mine), PerTensor(looping).sent_flat(x, ref), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(batched.decompress_flat(mine), PerTensor(looping).decompress_flat(ref),
                                    rtol=1e-6, atol=1e-6)
 
     # GATHER: every rank's payload decoded with rank 0's context, summed in rank order, averaged
@@ -117,7 +117,7 @@ def test_demo_batched_group_matches_the_layer_loop() -> None:
     gathered_ref = [theirs[0].with_payload(p.payload) for p in theirs]
     out = torch.full((seg.total,), float("nan"))
     assert batched.decompress_flat_mean_into(gathered, out) is out
-    expected = Compressor.decompress_flat_mean_into(looping, gathered_ref, torch.empty(seg.total))
+    expected = PerTensor(looping).decompress_flat_mean_into(gathered_ref, torch.empty(seg.total))
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -135,10 +135,10 @@ def test_demo_group_of_one_is_the_layer_api() -> None:
     """``compress`` is the batched path on a group of one layer: its packet is that group's."""
     demo = DeMo(topk=4)
     x = torch.randn(40, 30)
-    packet = demo.compress(x, "w")
+    packet = per_tensor(demo).compress(x, "w")
     group = demo.compress_flat(x.reshape(-1), _group([(40, 30)]))
     assert torch.equal(packet.payload, group.payload) and packet.nbytes == demo.packet_bytes(x.shape)
-    assert torch.equal(demo.decompress(packet).reshape(-1), demo.decompress_flat(group))
+    assert torch.equal(per_tensor(demo).decompress(packet).reshape(-1), demo.decompress_flat(group))
 
 
 def _demo_step(demo: DeMo, seg: Segments, xs: Sequence[Tensor]) -> None:

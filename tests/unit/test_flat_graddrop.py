@@ -25,6 +25,7 @@ from lightning_gradcomp.compressors.graddrop import Sample, Scope
 from lightning_gradcomp.compressors.graddrop_group import gather_samples
 from lightning_gradcomp.compressors.streams import CounterStreams
 from lightning_gradcomp.kernels import torch_ops
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 from tests.oracles.graddrop import LayerGradientDropping
 
 RANKS = 3
@@ -183,14 +184,14 @@ def test_per_layer_api_is_the_group_code_on_a_group_of_one(case: str, backend: B
         x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
         packets: list[Packet] = []
         for c in (ours, oracle):
-            packets.append(c.compress(x, "w"))
+            packets.append(per_tensor(c).compress(x, "w"))
         a, b = packets
         assert torch.equal(a.payload, b.payload) and a.shape == b.shape and a.dtype == b.dtype
         assert a.stats.keys() == b.stats.keys() and all(torch.equal(a.stats[k], b.stats[k]) for k in a.stats)
         assert all(v.dim() == 0 for v in a.stats.values())
-        assert _equal(ours.decompress(a), oracle.decompress(b)) and ours.decompress(a).shape == x.shape
-        assert _equal(ours.sent(x, a), oracle.sent(x, b))
-        assert _equal(ours.decompress_sum([a, a]), oracle.decompress_sum([b, b]))
+        assert _equal(per_tensor(ours).decompress(a), per_tensor(oracle).decompress(b)) and per_tensor(ours).decompress(a).shape == x.shape
+        assert _equal(per_tensor(ours).sent(x, a), per_tensor(oracle).sent(x, b))
+        assert _equal(per_tensor(ours).decompress_sum([a, a]), per_tensor(oracle).decompress_sum([b, b]))
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
@@ -256,7 +257,6 @@ def _ops_per_step(make: Callable[[], Compressor], layers: int) -> tuple[int, int
     grad = _gradient(_layout(SHAPES), 0)[: seg.total]
 
     def step() -> None:
-        comp.observe_gradient_flat(grad, seg)
         assert comp.flat_statistic(grad * 2, seg) is None
         packet = comp.compress_flat(grad * 2, seg)
         comp.sent_flat(grad * 2, packet)
@@ -361,7 +361,7 @@ def test_torch_and_fused_backends_select_the_same_random_samples(scope: Scope) -
         x = _gradient(seg, step)
         a, b = ref.compress_flat(x, seg), fused.compress_flat(x, seg)
         assert torch.equal(a.stats["threshold"], b.stats["threshold"]) and torch.equal(a.payload, b.payload)
-        per_layer = torch.stack([looped.compress(x[o : o + n], name).stats["threshold"]
+        per_layer = torch.stack([per_tensor(looped).compress(x[o : o + n], name).stats["threshold"]
                                  for name, o, n in zip(seg.names, seg.offsets, seg.numels)])
         assert torch.equal(a.stats["threshold"], per_layer)
     assert ref.state_dict()["counters"] == fused.state_dict()["counters"] == looped.state_dict()["counters"]

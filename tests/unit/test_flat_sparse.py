@@ -14,6 +14,7 @@ from lightning_gradcomp.compressors import DGC, TopK
 from lightning_gradcomp.compressors.topk_kernels import TorchTopK
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.kernels import segmented
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 from tests.oracles.topk import LayerDGC, LayerTopK
 
 CPU = torch.device("cpu")
@@ -115,13 +116,13 @@ def test_the_per_layer_api_is_the_group_code_on_a_group_of_one(setting: str) -> 
     group, oracle = _pair(setting)
     for name, shape in [("w", (300, 200)), ("b", (50,)), ("one", (1,)), ("empty", (0, 3))]:
         xs = [_gradient(torch.Size(shape).numel(), step, 0).view(shape) for step in range(3)]
-        packets = [group.compress(x, name) for x in xs]
-        references = [oracle.compress(x, name) for x in xs]
+        packets = [per_tensor(group).compress(x, name) for x in xs]
+        references = [per_tensor(oracle).compress(x, name) for x in xs]
         for x, p, q in zip(xs, packets, references):
             assert p.nbytes == q.nbytes and p.shape == q.shape and torch.equal(p.stats["density"], q.stats["density"])
-            assert torch.equal(_bits(group.decompress(p)), _bits(oracle.decompress(q)))
-            assert torch.equal(_bits(group.sent(x, p)), _bits(oracle.sent(x, q)))
-        assert torch.equal(_bits(group.decompress_sum(packets)), _bits(oracle.decompress_sum(references)))
+            assert torch.equal(_bits(per_tensor(group).decompress(p)), _bits(per_tensor(oracle).decompress(q)))
+            assert torch.equal(_bits(per_tensor(group).sent(x, p)), _bits(per_tensor(oracle).sent(x, q)))
+        assert torch.equal(_bits(per_tensor(group).decompress_sum(packets)), _bits(per_tensor(oracle).decompress_sum(references)))
 
 
 def test_dgc_steps_take_every_branch(monkeypatch: pytest.MonkeyPatch) -> None:

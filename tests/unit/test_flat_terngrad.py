@@ -20,6 +20,7 @@ from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import TernGrad
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, SharedStatistic
 from lightning_gradcomp.flat import FlatPacket, Segments
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 from tests.oracles.terngrad import LayerTernGrad
 
 RANKS = 3
@@ -71,8 +72,8 @@ def _ranks(kwargs: dict[str, Any], variant: str, backend: str = "fused", oracle:
         auto = (LayerTernGrad if oracle else TernGrad)(seed=5, backend=backend, **kwargs)  # type: ignore[arg-type]
         auto.triton = triton
         auto.setup(r, RANKS, torch.device("cpu"))
-        names = [v.name for v in auto.collectives(RANKS)]
-        comps.append(auto.for_collective(variant) if variant in names else auto)
+        variants = {v.name: v.compressor for v in auto.collectives(RANKS)}
+        comps.append(variants.get(variant, auto))
     return comps
 
 
@@ -86,7 +87,7 @@ def _exchange(comps: Sequence[Compressor], seg: Segments, grads: Sequence[torch.
     packets: list[FlatPacket] = [call("compress_flat")(c, g, seg, shared) for c, g in zip(comps, grads)]
     sent = [call("sent_flat")(c, g, p) for c, g, p in zip(comps, grads, packets)]
     own = packets[0]
-    if comps[0].aggregation_for(RANKS) is Aggregation.SUM:
+    if comps[0].aggregation is Aggregation.SUM:
         summed = torch.stack([p.payload for p in packets]).sum(0, dtype=torch.int8)
         decoded = call("decompress_flat")(comps[0], own.with_payload(summed))
     else:
@@ -135,7 +136,7 @@ def test_batched_equals_the_fused_loop_bit_for_bit(
     with path():
         batched = _exchange(batched_comps, seg, grads)
     _assert_same(batched, looped)
-    int8 = batched_comps[0].aggregation_for(RANKS) is Aggregation.SUM
+    int8 = batched_comps[0].aggregation is Aggregation.SUM
     assert batched["payloads"][0].dtype == (torch.int8 if int8 else torch.uint8)
     assert batched["layer_nbytes"][0][SHAPES.index((0,))] == 0  # an empty layer puts nothing on the wire
     # a second step draws again (the per-name counters advanced) and still matches
@@ -179,7 +180,7 @@ def test_torch_ops_path_has_the_torch_backends_scalers_and_is_unbiased() -> None
         assert shared is not None
         for _ in range(trials):
             mean += comp.decompress_flat(comp.compress_flat(g, seg, shared))
-    per_layer = [reference.local_statistic(x, name) for name, x in seg.items(g)]
+    per_layer = [per_tensor(reference).local_statistic(x, name) for name, x in seg.items(g)]
     assert torch.allclose(shared.values, torch.cat([s for s in per_layer if s is not None]), rtol=1e-6, atol=0.0)
     mean /= trials
     s = seg.expand(shared.values.index_select(0, torch.tensor([0, 1, 1, 2, 3])))  # no chunk for the empty layer
@@ -201,7 +202,7 @@ def test_torch_backend_runs_the_group_code_with_the_fused_backends_bits() -> Non
     assert packets[0].layers is None and torch.equal(packets[0].payload, packets[1].payload)
     alone = TernGrad(seed=4, backend="torch")
     alone.setup(0, 2, torch.device("cpu"))
-    per_layer = [alone.compress(v, n, alone.local_statistic(v, n)).payload for n, v in seg.items(x)]
+    per_layer = [per_tensor(alone).compress(v, n, per_tensor(alone).local_statistic(v, n)).payload for n, v in seg.items(x)]
     assert torch.equal(torch.cat(per_layer), packets[0].payload)
 
 
@@ -229,7 +230,7 @@ def _step_ops(comp: Compressor, layers: int) -> tuple[int, int, int]:
         shared = comp.flat_statistic(x, seg)
         packet = comp.compress_flat(x, seg, shared)
         comp.sent_flat(x, packet)
-        if comp.aggregation_for(comp.world_size) is Aggregation.SUM:
+        if comp.aggregation is Aggregation.SUM:
             comp.decompress_flat(packet.with_payload(packet.payload * 2))
         else:
             comp.decompress_flat_mean_into([packet, packet.with_payload(packet.payload.clone())], torch.empty(seg.total))

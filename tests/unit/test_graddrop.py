@@ -9,6 +9,7 @@ from lightning_gradcomp.compressors.backends import Backend
 from lightning_gradcomp.compressors.graddrop import GradientDropping, Quantize, select_threshold, select_weighted_threshold
 from lightning_gradcomp.exchange.memory import ResidualMemory
 from lightning_gradcomp.wire.sparse import IndexEncoding, delta16_nbytes
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 from tests.unit.feedback import feedback_step
 
 
@@ -16,8 +17,8 @@ from tests.unit.feedback import feedback_step
 def test_exact_threshold_drops_the_smallest_ratio_with_marians_rule(backend: Backend) -> None:
     x = torch.arange(1, 1001, dtype=torch.float32) * torch.where(torch.arange(1000) % 2 == 0, 1.0, -1.0)
     comp = GradientDropping(drop_ratio=0.99, sample="exact", backend=backend)
-    packet = comp.compress(x, "w")
-    sent = comp.decompress(packet)
+    packet = per_tensor(comp).compress(x, "w")
+    sent = per_tensor(comp).decompress(packet)
     # k = floor(0.99 * 1000) = 990: the 990th smallest |x| is 990, dropped (|x| <= thr); 991..1000 survive
     assert float(packet.stats["threshold"]) == 990.0
     assert torch.equal(torch.nonzero(sent).reshape(-1), torch.arange(990, 1000))
@@ -53,13 +54,13 @@ def test_random_sample_state_is_counters_and_a_generator_checkpoint_is_refused()
     comp.setup(0, 1, torch.device("cpu"))
     x = torch.randn(5000)
     for _ in range(3):
-        comp.compress(x, "w")
+        per_tensor(comp).compress(x, "w")
     state = comp.state_dict()
     assert state["counters"] == {"w": 3} and "streams" not in state
     resumed = GradientDropping(sample="random", min_sample=10, backend="torch")
     resumed.setup(0, 1, torch.device("cpu"))
     resumed.load_state_dict(state)
-    assert torch.equal(resumed.compress(x, "w").payload, comp.compress(x, "w").payload)
+    assert torch.equal(per_tensor(resumed).compress(x, "w").payload, per_tensor(comp).compress(x, "w").payload)
     # a checkpoint from when the torch backend drew from a torch.Generator per name: those states are no counters
     legacy = {"counters": {}, "streams": {"w": ("cpu", torch.Generator().get_state())}}
     with pytest.raises(ValueError, match=r"Expected `GradientDropping`'s random-stream state to be per-name counters "
@@ -74,7 +75,7 @@ def test_drop_ratio_zero_sends_every_nonzero_value(backend: Backend) -> None:
     x = torch.randn(40, 30)
     x[0, :5] = 0.0
     comp = GradientDropping(drop_ratio=0.0, backend=backend)
-    sent = comp.decompress(comp.compress(x, "w"))
+    sent = per_tensor(comp).decompress(per_tensor(comp).compress(x, "w"))
     assert torch.equal(sent, x)
 
 
@@ -88,16 +89,16 @@ def test_weighted_threshold_matches_exact_on_the_concatenation() -> None:
 def test_global_scope_uses_the_previous_steps_whole_model_threshold(backend: Backend) -> None:
     comp = GradientDropping(drop_ratio=0.9, sample="exact", scope="global", backend=backend)
     small, large = torch.rand(1000), torch.rand(1000) * 100
-    p0a = comp.compress(small, "a")
-    comp.compress(large, "b")
+    p0a = per_tensor(comp).compress(small, "a")
+    per_tensor(comp).compress(large, "b")
     # step 0: per-layer thresholds (no pool yet)
     assert torch.equal(p0a.stats["threshold"], select_threshold(small.abs(), 0.9))
-    p1a = comp.compress(small, "a")  # "a" again: step 1 uses the pool of step 0
+    p1a = per_tensor(comp).compress(small, "a")  # "a" again: step 1 uses the pool of step 0
     expected = select_threshold(torch.cat((small, large)).abs(), 0.9)
     assert torch.equal(p1a.stats["threshold"], expected)
     # a global threshold sends nothing of the small-scale layer and 20% of the large one
     assert int(p1a.stats["sent"]) == 0
-    assert int(comp.compress(large, "b").stats["sent"]) == 200
+    assert int(per_tensor(comp).compress(large, "b").stats["sent"]) == 200
 
 
 @pytest.mark.parametrize("backend", ["torch", "fused"])
@@ -105,13 +106,13 @@ def test_global_state_round_trips(backend: Backend) -> None:
     comp = GradientDropping(scope="global", seed=3, backend=backend)
     comp.setup(0, 1, torch.device("cpu"))
     for name in ("a", "b", "a"):
-        comp.compress(torch.randn(5000), name)
+        per_tensor(comp).compress(torch.randn(5000), name)
     state = comp.state_dict()
     clone = GradientDropping(scope="global", seed=3, backend=backend)
     clone.setup(0, 1, torch.device("cpu"))
     clone.load_state_dict(state)
     x = torch.randn(5000)
-    assert torch.equal(comp.compress(x, "b").payload, clone.compress(x, "b").payload)
+    assert torch.equal(per_tensor(comp).compress(x, "b").payload, per_tensor(clone).compress(x, "b").payload)
 
 
 @pytest.mark.parametrize("quantize", ["threshold", "column_mean", "global_mean", "2bit"])
@@ -120,8 +121,8 @@ def test_global_state_round_trips(backend: Backend) -> None:
 def test_quantized_survivors(quantize: Quantize, index_encoding: IndexEncoding, backend: Backend) -> None:
     x = torch.randn(64, 100) * torch.linspace(0.1, 3.0, 100)  # columns on different scales
     comp = GradientDropping(drop_ratio=0.9, sample="exact", quantize=quantize, index_encoding=index_encoding, backend=backend)
-    packet = comp.compress(x, "w")
-    sent = comp.decompress(packet)
+    packet = per_tensor(comp).compress(x, "w")
+    sent = per_tensor(comp).decompress(packet)
     keep = x.abs() > packet.stats["threshold"]
     assert torch.equal(sent != 0, keep) and torch.equal(torch.sign(sent[keep]), torch.sign(x[keep]))
     k = int(keep.sum())
@@ -154,7 +155,7 @@ def test_narrow_values_and_fp16_overflow_stays_in_residual(backend: Backend) -> 
     keep = (x.abs() > packet.stats["threshold"]) & (x.abs() < 65504)
     assert torch.equal(sent[keep], x[keep].half().float())
     bf = GradientDropping(drop_ratio=0.9, sample="exact", values="bf16", index_encoding="delta16", backend=backend)
-    p = bf.compress(x, "w")
+    p = per_tensor(bf).compress(x, "w")
     assert p.nbytes == 4 + 100 * 2 + 2 * 100  # count, bf16 values, one gap code each (gaps < 65536)
 
 
@@ -245,5 +246,5 @@ def test_ties_at_the_threshold_are_sent_when_nothing_exceeds_it(backend: Backend
         assert torch.equal(sent, bias) and count == 2
     # ties are sent only when nothing exceeds the threshold: here 0.5 does, so the tied 0.25s are dropped
     x = torch.tensor([0.25, -0.25, 0.25, 0.5])
-    packet = GradientDropping(drop_ratio=0.5, sample="exact", backend=backend).compress(x, "w")
+    packet = per_tensor(GradientDropping(drop_ratio=0.5, sample="exact", backend=backend)).compress(x, "w")
     assert float(packet.stats["threshold"]) == 0.25 and float(packet.stats["sent"]) == 1

@@ -21,6 +21,7 @@ from lightning_gradcomp.compressors.terngrad import ClipMode
 from tests.oracles import terngrad_kernels as layer_kernels
 from tests.oracles.terngrad import LayerTernGrad
 from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -163,7 +164,7 @@ def test_fused_scaler_equals_the_torch_backend(clip_mode: ClipMode, clip_factor:
     for bucket in (None, 1200):
         ref = LayerTernGrad(clip_factor=clip_factor, clip_mode=clip_mode, bucket_size=bucket, backend="torch")
         fused = TernGrad(clip_factor=clip_factor, clip_mode=clip_mode, bucket_size=bucket, backend="fused")
-        assert torch.allclose(fused.local_statistic(g, "w"), ref.local_statistic(g, "w"), rtol=1e-5)  # type: ignore[arg-type]
+        assert torch.allclose(per_tensor(fused).local_statistic(g, "w"), per_tensor(ref).local_statistic(g, "w"), rtol=1e-5)  # type: ignore[arg-type]
 
 
 # -- TernGrad: statistical properties ---------------------------------------------------------------------
@@ -201,7 +202,7 @@ def test_fused_compressor_is_unbiased_like_the_reference() -> None:
     trials = 300
     for backend in ("fused", "torch"):
         comp = TernGrad(clip_factor=0.0, backend=backend)
-        mean = sum(comp.decompress(comp.compress(g, "w")) for _ in range(trials)) / trials
+        mean = sum(per_tensor(comp).decompress(per_tensor(comp).compress(g, "w")) for _ in range(trials)) / trials
         s = g.abs().max()
         stderr = (g.abs() * (s - g.abs())).sqrt() / trials**0.5
         assert ((mean - g).abs() <= 5 * stderr + 1e-6).float().mean() > 0.999, backend
@@ -219,53 +220,53 @@ def test_fused_backend_keeps_the_compressor_contract(kwargs: dict) -> None:
     refs = [LayerTernGrad(seed=2, backend="torch", **kwargs), LayerTernGrad(seed=2, backend="torch", **kwargs)]
     for r, comp in enumerate([*ranks, *refs]):
         comp.setup(r % 2, 2, torch.device("cpu"))
-    stats = [c.local_statistic(g, "w") for c, g in zip(ranks, (g0, g1))]
+    stats = [per_tensor(c).local_statistic(g, "w") for c, g in zip(ranks, (g0, g1))]
     shared = None if stats[0] is None else torch.maximum(stats[0], stats[1])  # type: ignore[arg-type]
-    packets = [c.compress(g, "w", shared) for c, g in zip(ranks, (g0, g1))]
+    packets = [per_tensor(c).compress(g, "w", shared) for c, g in zip(ranks, (g0, g1))]
     for comp, ref, packet in zip(ranks, refs, packets):
         assert packet.nbytes == ref.payload_nbytes(1001)  # same wire size as the per-layer oracle
         # decoding is exact and the same as the oracle's per-layer torch ops
-        assert torch.equal(comp.decompress(packet), ref.decompress(packet))
-    total = ranks[0].decompress_sum(packets)
-    assert torch.equal(total, refs[1].decompress_sum(packets))
+        assert torch.equal(per_tensor(comp).decompress(packet), per_tensor(ref).decompress(packet))
+    total = per_tensor(ranks[0]).decompress_sum(packets)
+    assert torch.equal(total, per_tensor(refs[1]).decompress_sum(packets))
     # decoding straight into a (bucket-view-like) destination gives the same bits as the oracle
     for comp in (ranks[0], refs[0]):
         bucket = torch.full((2003,), float("nan"))
-        into = comp.decompress_sum_into(packets, bucket[1:1002])
+        into = per_tensor(comp).decompress_sum_into(packets, bucket[1:1002])
         assert into.data_ptr() == bucket[1:].data_ptr() and torch.equal(into, total)
         assert bucket[0].isnan() and bucket[1002:].isnan().all()  # nothing written outside the view
-    assert torch.equal(total, ranks[0].decompress(packets[0]) + ranks[0].decompress(packets[1]))
+    assert torch.equal(total, per_tensor(ranks[0]).decompress(packets[0]) + per_tensor(ranks[0]).decompress(packets[1]))
     assert 0.0 <= packets[0].stats["sparsity"].item() <= 1.0
-    assert packets[0].stats["sparsity"].item() == pytest.approx((ranks[0].decompress(packets[0]) == 0).float().mean().item())
+    assert packets[0].stats["sparsity"].item() == pytest.approx((per_tensor(ranks[0]).decompress(packets[0]) == 0).float().mean().item())
 
 
 def test_fused_backend_state_is_seed_and_counters_and_round_trips() -> None:
     g = torch.randn(4000)
     a = TernGrad(seed=3, backend="fused")
     a.setup(0, 2, torch.device("cpu"))
-    a.compress(g, "w")
+    per_tensor(a).compress(g, "w")
     state = a.state_dict()
     assert state["counters"] == {"w": 1}
-    first = a.compress(g, "w").payload.clone()
-    assert not torch.equal(a.compress(g, "w").payload, first)  # the counter moved on
+    first = per_tensor(a).compress(g, "w").payload.clone()
+    assert not torch.equal(per_tensor(a).compress(g, "w").payload, first)  # the counter moved on
     a.load_state_dict(state)
-    assert torch.equal(a.compress(g, "w").payload, first)
+    assert torch.equal(per_tensor(a).compress(g, "w").payload, first)
     b = TernGrad(seed=3, backend="fused")
     b.setup(0, 2, torch.device("cpu"))
     b.load_state_dict(state)
-    assert torch.equal(b.compress(g, "w").payload, first)
+    assert torch.equal(per_tensor(b).compress(g, "w").payload, first)
     other_rank = TernGrad(seed=3, backend="fused")
     other_rank.setup(1, 2, torch.device("cpu"))
     other_rank.load_state_dict(state)
-    assert not torch.equal(other_rank.compress(g, "w").payload, first)
+    assert not torch.equal(per_tensor(other_rank).compress(g, "w").payload, first)
 
 
 def test_statistic_reused_only_for_the_same_unmodified_tensor() -> None:
     comp = TernGrad(backend="fused", clip_factor=0.0)
     g = torch.randn(100)
-    comp.local_statistic(g, "w")
+    per_tensor(comp).local_statistic(g, "w")
     g.mul_(100)  # modified after the statistic: compress must not reuse the stale scaler
-    packet = comp.compress(g, "w")
+    packet = per_tensor(comp).compress(g, "w")
     assert packet.ctx["scale"].item() == pytest.approx(g.abs().max().item())
 
 
@@ -359,10 +360,11 @@ def test_without_the_extension_one_warning_and_the_same_results() -> None:
         "import torch\n"
         "from lightning_gradcomp import kernels\n"
         "from lightning_gradcomp.compressors import TernGrad\n"
+        "from lightning_gradcomp.compressors.per_tensor import per_tensor\n"
         "assert not kernels.fused_available()\n"
         "c = TernGrad(backend='auto'); c.setup(0, 1, torch.device('cpu')); assert c.chosen_backend == 'torch'\n"
         "f = TernGrad(backend='fused'); g = torch.randn(999)\n"
-        "p = f.compress(g, 'w'); kernels.select_above(g, 1.0); kernels.fused_available()\n"
+        "p = per_tensor(f).compress(g, 'w'); kernels.select_above(g, 1.0); kernels.fused_available()\n"
         "print(p.payload.sum().item())\n"
     )
     env = {**os.environ, "LIGHTNING_GRADCOMP_NO_EXT": "1", "PYTHONPATH": str(REPO)}

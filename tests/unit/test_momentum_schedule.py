@@ -14,6 +14,7 @@ from lightning_gradcomp.callbacks import (
 )
 from lightning_gradcomp.compressors import DGC_PAPER_WARMUP, Identity, TopK
 from lightning_gradcomp.exchange.memory import ResidualMemory
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -34,7 +35,7 @@ def test_momentum_correction_without_compression_is_sgd_momentum(nesterov: bool)
             ((p - target) ** 2).sum().backward()
         assert ours.grad is not None
         x = transform.before_compress(ours.grad, "w")
-        sent = identity.sent(x, identity.compress(x, "w"))
+        sent = per_tensor(identity).sent(x, per_tensor(identity).compress(x, "w"))
         transform.after_compress("w", x, sent)
         ours.grad.copy_(sent)  # what the hook writes back (one rank: the mean is its own)
         callback.on_before_optimizer_step(None, None, plain)  # type: ignore[arg-type]
@@ -50,7 +51,7 @@ def test_momentum_factor_masking_clears_only_what_a_sparsifier_sent() -> None:
     grad = torch.arange(1.0, 9.0)
     topk.dense_1d = False
     x = memory.compensate(transform.before_compress(grad, "w"), "w")
-    sent = topk.decompress(topk.compress(x, "w"))
+    sent = per_tensor(topk).decompress(per_tensor(topk).compress(x, "w"))
     memory.update("w", x, sent)
     transform.after_compress("w", x, sent)
     sent_mask = sent != 0

@@ -22,6 +22,7 @@ import torch
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors import AdaComp, GradientDropping, TernGrad
 from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 BACKENDS: list[tuple[str, Callable[[], AbstractContextManager[None]]]] = [("torch", nullcontext), ("fused", nullcontext), ("fused", kernels.torch_ops)]
 NAN, INF = float("nan"), float("inf")
@@ -36,8 +37,8 @@ def _decoded(make: Callable[[], Compressor], x: torch.Tensor, shared: "torch.Ten
         comp.setup(0, 1, torch.device("cpu"))
         with context():
             if comp.uses_memory:
-                comp.observe_gradient(x, "w")
-            out.append(comp.decompress(comp.compress(x, "w", shared)))
+                per_tensor(comp).observe_gradient(x, "w")
+            out.append(per_tensor(comp).decompress(per_tensor(comp).compress(x, "w", shared)))
     return out
 
 

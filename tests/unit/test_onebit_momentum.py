@@ -11,15 +11,16 @@ from lightning.pytorch.strategies import DDPStrategy
 from benchmarks.onebit_momentum import final_loss
 from lightning_gradcomp import GradCompStrategy
 from lightning_gradcomp.compressors import OneBit
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 
 @pytest.mark.parametrize("shape", [(1,), (7,), (1_000_003,), (7, 1), (3, 5)], ids=str)
 def test_encoding_is_the_two_means_per_group_on_odd_sizes(shape: tuple[int, ...]) -> None:
     x = torch.randn(shape)
-    packet = OneBit().compress(x, "w")
+    packet = per_tensor(OneBit()).compress(x, "w")
     groups = x.reshape(shape[0], -1) if len(shape) > 1 else x.reshape(1, -1)
     assert packet.nbytes == math.ceil(x.numel() / 8) + 8 * groups.shape[0]
-    decoded = OneBit().decompress(packet.with_payload(packet.payload.clone())).reshape(groups.shape)
+    decoded = per_tensor(OneBit()).decompress(packet.with_payload(packet.payload.clone())).reshape(groups.shape)
     for row, out in zip(groups, decoded):
         pos = row >= 0
         expected = torch.where(pos, row[pos].mean() if pos.any() else 0.0, row[~pos].mean() if (~pos).any() else 0.0)

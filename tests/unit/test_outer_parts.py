@@ -11,6 +11,7 @@ from lightning_gradcomp.compressors import Int8, TopK
 from lightning_gradcomp.exchange.memory import ResidualMemory
 from lightning_gradcomp.outer.fragments import due, layers_of, strided_fragments, sync_offset
 from lightning_gradcomp.outer.strategy import resolve_optimizer, tokens_in
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 
 def _names(model: nn.Module) -> list[str]:
@@ -60,24 +61,24 @@ def test_int8_codes_fit_the_int8_sum_and_are_unbiased(world_size: int) -> None:
     c.setup(0, world_size, torch.device("cpu"))
     assert c.levels == 127 // world_size
     x = torch.randn(4000, generator=torch.Generator().manual_seed(0))
-    local = c.local_statistic(x, "w")
+    local = per_tensor(c).local_statistic(x, "w")
     assert local is not None
     shared = local * 1.5  # another rank's larger max
-    packets = [c.compress(x, "w", shared) for _ in range(400)]
+    packets = [per_tensor(c).compress(x, "w", shared) for _ in range(400)]
     codes = torch.stack([p.payload for p in packets])
     # within -L..L, so the world's codes summed stay inside int8
     assert codes.dtype == torch.int8 and int(codes.abs().max()) <= c.levels
-    estimate = torch.stack([c.decompress(p) for p in packets]).mean(0)
+    estimate = torch.stack([per_tensor(c).decompress(p) for p in packets]).mean(0)
     step = float(shared) / c.levels
     assert (estimate - x).abs().max() < 5 * step / math.sqrt(400) * 2  # unbiased: the mean converges to x
-    assert (c.decompress(packets[0]) - x).abs().max() <= step + 1e-6  # one code step at most
+    assert (per_tensor(c).decompress(packets[0]) - x).abs().max() <= step + 1e-6  # one code step at most
 
 
 def test_int8_all_zero_tensor_sends_zeros() -> None:
     c = Int8()
     c.setup(0, 4, torch.device("cpu"))
-    packet = c.compress(torch.zeros(10), "w", torch.zeros(1))
-    assert torch.equal(c.decompress(packet), torch.zeros(10))
+    packet = per_tensor(c).compress(torch.zeros(10), "w", torch.zeros(1))
+    assert torch.equal(per_tensor(c).decompress(packet), torch.zeros(10))
 
 
 @pytest.mark.parametrize("numel", [0, 1, 3, 100, 5003])
@@ -87,10 +88,10 @@ def test_topk_int2_values_sizes_and_error_feedback(numel: int) -> None:
     memory = ResidualMemory()
     memory.residuals["w"] = torch.randn(numel, generator=torch.Generator().manual_seed(2))
     compensated = memory.compensate(x, "w")
-    packet = c.compress(compensated, "w")
+    packet = per_tensor(c).compress(compensated, "w")
     k = min(c.num_selects(numel), numel)
     assert packet.nbytes == 4 + 4 * k + math.ceil(2 * k / 8)  # scale, int32 indices, 2-bit codes
-    sent = c.sent(compensated, packet)
+    sent = per_tensor(c).sent(compensated, packet)
     if k:
         scale = compensated.abs()[sent != 0].max() / 1.5 if bool((sent != 0).any()) else torch.tensor(1.0)
         levels = set((sent[sent != 0] / scale).tolist())

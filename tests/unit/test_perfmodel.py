@@ -26,6 +26,7 @@ from gradcomp_lab.perfmodel import (
 from lightning_gradcomp.exchange.codec import Codec, measure_codec
 from lightning_gradcomp.compressors import Aggregation, PowerSGD, TernGrad
 from lightning_gradcomp.exchange.costmodel import Link, Network, ring_allreduce_seconds
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 
 @pytest.mark.parametrize(("model", "millions"), [("alexnet", 60.97), ("googlenet", 7.0), ("vgg_a", 132.86)])
@@ -50,7 +51,7 @@ def test_a_multiround_codec_times_the_hooks_flat_exchange_and_keeps_the_packets_
     shapes = [("w1", (64, 48)), ("b1", (64,)), ("w2", (64, 48)), ("w3", (10, 64))]
     per_layer = PowerSGD(rank=2)
     per_layer.setup(0, 4, torch.device("cpu"))
-    packets = sum(per_layer.compress(torch.randn(*s), n, None).nbytes for n, s in shapes)
+    packets = sum(per_tensor(per_layer).compress(torch.randn(*s), n, None).nbytes for n, s in shapes)
     codec = measure_codec(PowerSGD(rank=2), shapes, 4)
     # the flat exchange's bytes: the dense bias, and (n + m) r floats per low-rank matrix
     assert codec.nbytes == packets == 4 * (64 + 2 * (64 + 48) * 2 + (10 + 64) * 2)

@@ -18,6 +18,7 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.graddrop import select_threshold
 from lightning_gradcomp.compressors.backends import fused_enabled
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 SIZES = (1, 2, 7, 50, 51, 999, 16_385, 40_000)
 
@@ -60,7 +61,7 @@ def _assert_same_packets(a: Packet, b: Packet, what: str) -> None:
 
 
 def _assert_same_sums(ref: Compressor, fused: Compressor, packets: list[Packet], what: str) -> None:
-    expected, got = ref.decompress_sum(packets), fused.decompress_sum(packets)
+    expected, got = per_tensor(ref).decompress_sum(packets), per_tensor(fused).decompress_sum(packets)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     assert torch.equal(got, expected), f"{what}: decoded sums differ"
     # straight into a view of a larger buffer (the hook's DDP bucket): the same sum, nothing written outside
@@ -68,7 +69,7 @@ def _assert_same_sums(ref: Compressor, fused: Compressor, packets: list[Packet],
     for comp in (ref, fused):
         bucket = torch.full((n + 3,), float("nan"), dtype=expected.dtype)
         view = bucket[1 : n + 1].view(expected.shape)
-        into = comp.decompress_sum_into(packets, view)
+        into = per_tensor(comp).decompress_sum_into(packets, view)
         assert into.data_ptr() == view.data_ptr() and torch.equal(into, expected), f"{what}: decompress_sum_into"
         assert bucket[0].isnan() and bucket[n + 1 :].isnan().all(), f"{what}: wrote outside the view"
 
@@ -97,9 +98,9 @@ def test_graddrop_fused_sends_the_torch_backends_bytes(compiled: bool, kwargs: d
             x = x.view(-1, 5) if n % 5 == 0 else x  # 2-D: column means per column
             if kwargs.get("values") == "fp16" and j == 0:
                 x = x * 1e4  # some survivors beyond fp16's range: the overflow rule must agree
-            a, b = ref.compress(x, "w"), fused.compress(x, "w")
+            a, b = per_tensor(ref).compress(x, "w"), per_tensor(fused).compress(x, "w")
             _assert_same_packets(a, b, f"n={n} tensor {j}")
-            assert torch.equal(ref.decompress(a), fused.decompress(b))
+            assert torch.equal(per_tensor(ref).decompress(a), per_tensor(fused).decompress(b))
             packets.append(a)
         _assert_same_sums(ref, fused, packets, f"n={n}")
 
@@ -110,7 +111,7 @@ def test_graddrop_global_scope_is_the_same_on_both_backends(compiled: bool) -> N
     for step in range(3):
         for name, n in (("a", 1), ("b", 3000), ("c", 40_000)):
             x = torch.randn(n, generator=gen) * (10.0 if name == "c" else 1.0)
-            _assert_same_packets(ref.compress(x, name), fused.compress(x, name), f"step {step} {name}")
+            _assert_same_packets(per_tensor(ref).compress(x, name), per_tensor(fused).compress(x, name), f"step {step} {name}")
 
 
 def test_graddrop_random_sample_is_statistically_the_papers_and_deterministic(compiled: bool) -> None:
@@ -125,7 +126,7 @@ def test_graddrop_random_sample_is_statistically_the_papers_and_deterministic(co
     comp.setup(1, 4, torch.device("cpu"))  # counters start afresh
     thresholds = []
     for _ in range(20):  # 20 independent samples (the per-name counter moves on)
-        packet = comp.compress(x, "w")
+        packet = per_tensor(comp).compress(x, "w")
         thr = packet.stats["threshold"]
         # the survivors are exactly |x| > threshold, whatever the sample was
         assert int(packet.stats["sent"]) == int((x.abs() > thr).sum())
@@ -140,16 +141,16 @@ def test_graddrop_random_sample_is_statistically_the_papers_and_deterministic(co
     again.setup(1, 4, torch.device("cpu"))
     other = GradientDropping(sample="random", backend="fused")
     other.setup(2, 4, torch.device("cpu"))
-    first = [float(again.compress(x, "w").stats["threshold"]) for _ in range(3)]
+    first = [float(per_tensor(again).compress(x, "w").stats["threshold"]) for _ in range(3)]
     assert first == thresholds[:3]
-    assert [float(other.compress(x, "w").stats["threshold"]) for _ in range(3)] != first
+    assert [float(per_tensor(other).compress(x, "w").stats["threshold"]) for _ in range(3)] != first
     # the counters are the stream's whole state: they round-trip
     state = comp.state_dict()
     assert state["counters"] == {"w": 20}
     restored = GradientDropping(sample="random", backend="fused")
     restored.setup(1, 4, torch.device("cpu"))
     restored.load_state_dict(state)
-    assert torch.equal(restored.compress(x, "w").payload, comp.compress(x, "w").payload)
+    assert torch.equal(per_tensor(restored).compress(x, "w").payload, per_tensor(comp).compress(x, "w").payload)
 
 
 ADACOMP = [
@@ -170,11 +171,11 @@ def test_adacomp_fused_sends_the_torch_backends_bytes(compiled: bool, kwargs: di
         packets = []
         for j, (x, dw) in enumerate(zip(_tensors(n, n), _tensors(n, n + 1))):
             for comp in (ref, fused):
-                comp.observe_gradient(dw, "w")
-            a, b = ref.compress(x, "w"), fused.compress(x, "w")
+                per_tensor(comp).observe_gradient(dw, "w")
+            a, b = per_tensor(ref).compress(x, "w"), per_tensor(fused).compress(x, "w")
             _assert_same_packets(a, b, f"n={n} tensor {j}")
             assert a.ctx == b.ctx
-            assert torch.equal(ref.decompress(a), fused.decompress(b))
+            assert torch.equal(per_tensor(ref).decompress(a), per_tensor(fused).decompress(b))
             packets.append(a)
         _assert_same_sums(ref, fused, packets, f"n={n}")
 
@@ -182,14 +183,14 @@ def test_adacomp_fused_sends_the_torch_backends_bytes(compiled: bool, kwargs: di
 def test_decoded_sums_of_quiet_ranks_and_other_dtypes() -> None:
     ref, fused = _pair(GradientDropping, sample="exact", drop_ratio=0.5)
     x = torch.randn(30, 4)
-    loud, quiet = ref.compress(x, "w"), ref.compress(torch.zeros(30, 4), "w")
+    loud, quiet = per_tensor(ref).compress(x, "w"), per_tensor(ref).compress(torch.zeros(30, 4), "w")
     assert quiet.nbytes == 0
     for packets in ([quiet, quiet], [quiet, loud, quiet, loud], [loud]):
         _assert_same_sums(ref, fused, packets, f"{len(packets)} packets")
     # a bf16 gradient: the torch backend adds decoded bf16 tensors, so the fused backend does the same
-    half = [ref.compress(x.bfloat16(), "w") for _ in range(3)]
+    half = [per_tensor(ref).compress(x.bfloat16(), "w") for _ in range(3)]
     _assert_same_sums(ref, fused, half, "bf16")
-    assert fused.decompress_sum(half).dtype == torch.bfloat16
+    assert per_tensor(fused).decompress_sum(half).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("make", [GradientDropping, AdaComp])

@@ -6,12 +6,13 @@ import torch
 from lightning_gradcomp.compressors import Aggregation, TernGrad
 from lightning_gradcomp.compressors.terngrad import ClipMode
 from lightning_gradcomp.wire.ternary import pack_ternary, packed_nbytes, unpack_ternary
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 
 def _mean_of_decodes(comp: TernGrad, g: torch.Tensor, trials: int) -> torch.Tensor:
     total = torch.zeros_like(g)
     for _ in range(trials):
-        total += comp.decompress(comp.compress(g, "w"))
+        total += per_tensor(comp).decompress(per_tensor(comp).compress(g, "w"))
     return total / trials
 
 
@@ -44,8 +45,8 @@ def test_paper_clipping_is_unbiased_for_the_clipped_gradient() -> None:
 def test_values_are_exactly_minus_s_zero_plus_s() -> None:
     g = torch.randn(64, 33)
     comp = TernGrad()
-    packet = comp.compress(g, "w")
-    out = comp.decompress(packet)
+    packet = per_tensor(comp).compress(g, "w")
+    out = per_tensor(comp).decompress(packet)
     s = packet.ctx["scale"]
     assert set(out.unique().tolist()) <= {-s.item(), 0.0, s.item()}
     assert out.shape == g.shape and out.dtype == g.dtype
@@ -85,45 +86,45 @@ def test_2bit_layout_is_the_original_quarter_split() -> None:
 def test_byte_count_equals_the_payload(kwargs: dict, world: int, nbytes: int) -> None:
     comp = TernGrad(**kwargs)
     comp.setup(0, world, torch.device("cpu"))
-    packet = comp.compress(torch.randn(1000), "w")
+    packet = per_tensor(comp).compress(torch.randn(1000), "w")
     assert packet.nbytes == nbytes == comp.payload_nbytes(1000)
     assert packet.payload.numel() * packet.payload.element_size() == nbytes
 
 
 def test_auto_collective_choice() -> None:
     comp = TernGrad()
-    assert comp.aggregation_for(2) is Aggregation.GATHER
-    assert comp.aggregation_for(7) is Aggregation.GATHER
-    assert comp.aggregation_for(8) is Aggregation.SUM
-    assert TernGrad(scaler_share="per_worker").aggregation_for(64) is Aggregation.GATHER
+    assert comp.travels(2) is Aggregation.GATHER
+    assert comp.travels(7) is Aggregation.GATHER
+    assert comp.travels(8) is Aggregation.SUM
+    assert TernGrad(scaler_share="per_worker").travels(64) is Aggregation.GATHER
 
 
 def test_code_mode_scaler_is_c_sigma_and_clips_implicitly() -> None:
     g = torch.randn(5000)
     g[0] = 50.0
     comp = TernGrad(clip_factor=2.5, clip_mode="code")
-    s = comp.local_statistic(g, "w")
+    s = per_tensor(comp).local_statistic(g, "w")
     assert s is not None
     assert torch.allclose(s, 2.5 * g.std(correction=0).reshape(1))
-    out = comp.decompress(comp.compress(g, "w"))
+    out = per_tensor(comp).decompress(per_tensor(comp).compress(g, "w"))
     assert out[0] == s  # |g| >= s is always sent as +s
 
 
 def test_paper_mode_scaler_is_max_of_clipped() -> None:
     g = torch.randn(5000)
     comp = TernGrad(clip_factor=2.5, clip_mode="paper")
-    s = comp.local_statistic(g, "w")
+    s = per_tensor(comp).local_statistic(g, "w")
     assert s is not None
     assert torch.allclose(s, torch.minimum(g.abs().max(), 2.5 * g.std(correction=0)).reshape(1))
-    assert torch.allclose(TernGrad(clip_factor=0).local_statistic(g, "w"), g.abs().max().reshape(1))  # type: ignore[arg-type]
+    assert torch.allclose(per_tensor(TernGrad(clip_factor=0)).local_statistic(g, "w"), g.abs().max().reshape(1))  # type: ignore[arg-type]
 
 
 def test_bucketed_scalers_one_per_chunk_including_a_partial_tail() -> None:
     g = torch.cat((torch.full((100,), 0.01), torch.full((100,), 10.0), torch.full((50,), 3.0)))
     comp = TernGrad(clip_factor=0.0, bucket_size=100)
-    s = comp.local_statistic(g, "w")
+    s = per_tensor(comp).local_statistic(g, "w")
     assert s is not None and s.tolist() == pytest.approx([0.01, 10.0, 3.0])
-    out = comp.decompress(comp.compress(g, "w"))
+    out = per_tensor(comp).decompress(per_tensor(comp).compress(g, "w"))
     assert set(out[200:].unique().tolist()) <= {0.0, 3.0}
 
 
@@ -132,16 +133,16 @@ def test_shared_scaler_is_used_and_decode_sum_is_exact() -> None:
     a, b = TernGrad(seed=1), TernGrad(seed=1)
     a.setup(0, 2, torch.device("cpu"))
     b.setup(1, 2, torch.device("cpu"))
-    shared = torch.maximum(a.local_statistic(g0, "w"), b.local_statistic(g1, "w"))  # type: ignore[arg-type]
-    p0, p1 = a.compress(g0, "w", shared), b.compress(g1, "w", shared)
+    shared = torch.maximum(per_tensor(a).local_statistic(g0, "w"), per_tensor(b).local_statistic(g1, "w"))  # type: ignore[arg-type]
+    p0, p1 = per_tensor(a).compress(g0, "w", shared), per_tensor(b).compress(g1, "w", shared)
     assert torch.equal(p0.ctx["scale"], shared) and torch.equal(p1.ctx["scale"], shared)
-    fast = a.decompress_sum([p0, p1])
-    slow = a.decompress(p0) + a.decompress(p1)
+    fast = per_tensor(a).decompress_sum([p0, p1])
+    slow = per_tensor(a).decompress(p0) + per_tensor(a).decompress(p1)
     assert torch.equal(fast, slow)
     # ranks draw different random streams from the same seed
     half = torch.rand(1000) + 0.5
     two = torch.full((1,), 2.0)
-    assert not torch.equal(a.compress(half, "v", two).payload, b.compress(half, "v", two).payload)
+    assert not torch.equal(per_tensor(a).compress(half, "v", two).payload, per_tensor(b).compress(half, "v", two).payload)
 
 
 @pytest.mark.parametrize("backend", ["fused", "torch"])
@@ -153,14 +154,14 @@ def test_mean_into_equals_sum_into_then_division(backend: str, world: int, packi
     grads = [torch.randn(3001) * (r + 1) for r in range(world)]
     for r, comp in enumerate(comps):
         comp.setup(r, world, torch.device("cpu"))
-    shared = torch.stack([c.local_statistic(g, "w") for c, g in zip(comps, grads)]).amax(0)  # type: ignore[misc]
-    packets = [c.compress(g, "w", shared) for c, g in zip(comps, grads)]
-    expected = comps[0].decompress_sum_into(packets, torch.empty(3001)).div_(world)
+    shared = torch.stack([per_tensor(c).local_statistic(g, "w") for c, g in zip(comps, grads)]).amax(0)  # type: ignore[misc]
+    packets = [per_tensor(c).compress(g, "w", shared) for c, g in zip(comps, grads)]
+    expected = per_tensor(comps[0]).decompress_sum_into(packets, torch.empty(3001)).div_(world)
     out = torch.full((3001,), float("nan"))
-    assert comps[0].decompress_mean_into(packets, out) is out
+    assert per_tensor(comps[0]).decompress_mean_into(packets, out) is out
     assert torch.equal(out, expected)
     strided = torch.full((3001, 2), float("nan"))[:, 0]  # not contiguous: the fused kernel cannot write it
-    assert torch.equal(comps[0].decompress_mean_into(packets, strided), expected)
+    assert torch.equal(per_tensor(comps[0]).decompress_mean_into(packets, strided), expected)
 
 
 def test_constant_and_one_element_tensors_still_learn() -> None:
@@ -176,24 +177,24 @@ def test_seeded_and_reproducible_and_state_round_trips() -> None:
     a = TernGrad(seed=3)
     a.setup(0, 2, torch.device("cpu"))
     state = a.state_dict()
-    first = a.compress(g, "w").payload.clone()
+    first = per_tensor(a).compress(g, "w").payload.clone()
     a.load_state_dict(state)
-    assert torch.equal(a.compress(g, "w").payload, first)
+    assert torch.equal(per_tensor(a).compress(g, "w").payload, first)
     b = TernGrad(seed=3)
     b.setup(0, 2, torch.device("cpu"))
-    assert torch.equal(b.compress(g, "w").payload, first)
+    assert torch.equal(per_tensor(b).compress(g, "w").payload, first)
 
 
 def test_zero_gradient_sends_zeros() -> None:
     comp = TernGrad()
-    out = comp.decompress(comp.compress(torch.zeros(10), "w"))
+    out = per_tensor(comp).decompress(per_tensor(comp).compress(torch.zeros(10), "w"))
     assert torch.equal(out, torch.zeros(10))
 
 
 def test_low_precision_gradients_decode_to_their_dtype() -> None:
     comp = TernGrad()
     for dtype in (torch.float16, torch.bfloat16):
-        out = comp.decompress(comp.compress(torch.randn(100).to(dtype), "w"))
+        out = per_tensor(comp).decompress(per_tensor(comp).compress(torch.randn(100).to(dtype), "w"))
         assert out.dtype == dtype
 
 

@@ -14,6 +14,7 @@ from lightning_gradcomp.compressors.base import Aggregation, Compressor
 from lightning_gradcomp.flat import Packet
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.registry import compressor_names, make_compressor
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 
 SHAPES = [(0,), (0, 3), (1,), (1, 1)]
 WORLD = 2
@@ -49,25 +50,25 @@ def _over_the_wire(packet: Packet, payload_bytes: torch.Tensor) -> Packet:
 
 def _exchange(ranks: list[Compressor], xs: list[torch.Tensor], name: str) -> tuple[list[Packet], torch.Tensor]:
     """Every rank's packet and rank 0's decoded mean, as the hook computes them."""
-    local = [c.local_statistic(x, name) for c, x in zip(ranks, xs)]
+    local = [per_tensor(c).local_statistic(x, name) for c, x in zip(ranks, xs)]
     # every rank's compressor has a statistic, or none has
     shared = None if local[0] is None else torch.stack(cast(list[torch.Tensor], local)).amax(dim=0)
     packets = []
     for c, x in zip(ranks, xs):
         if c.uses_memory:
-            c.observe_gradient(x, name)
-        packets.append(c.compress(x, name, shared))
+            per_tensor(c).observe_gradient(x, name)
+        packets.append(per_tensor(c).compress(x, name, shared))
     wire = [p.payload.contiguous().reshape(-1).view(torch.uint8) for p in packets]
     assert [p.nbytes for p in packets] == [w.numel() for w in wire]  # Packet.nbytes is what crosses the wire
     receiver, own = ranks[0], packets[0]
     out = torch.full(xs[0].shape, float("nan"))
-    if receiver.aggregation_for(WORLD) is Aggregation.SUM:
+    if receiver.aggregation is Aggregation.SUM:
         total = sum(p.payload for p in packets[1:])
         total = packets[0].payload + total if packets[1:] else packets[0].payload
-        decoded = receiver.decompress(own.with_payload(total))
+        decoded = per_tensor(receiver).decompress(own.with_payload(total))
         out.copy_(decoded / WORLD)
     else:
-        receiver.decompress_mean_into([_over_the_wire(own, w) for w in wire], out)
+        per_tensor(receiver).decompress_mean_into([_over_the_wire(own, w) for w in wire], out)
     return packets, out
 
 
@@ -82,8 +83,8 @@ def test_every_compressor_handles_empty_and_one_element_tensors(name: str, backe
         assert isinstance(ranks[0], MultiRoundCompressor)
         (result,) = ranks[0].exchange(xs, ["w"], lambda t: t)
         nbytes, mean = [result.nbytes], result.mean
-        packet = ranks[0].compress(xs[0], "w2")
-        assert torch.equal(ranks[0].decompress(packet), xs[0])
+        packet = per_tensor(ranks[0]).compress(xs[0], "w2")
+        assert torch.equal(per_tensor(ranks[0]).decompress(packet), xs[0])
     else:
         packets, mean = _exchange(ranks, xs, "w")
         nbytes = [p.nbytes for p in packets]

@@ -21,6 +21,7 @@ from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.sites.layout import new_site_groups, site_layout
 from lightning_gradcomp.wire.ternary import pack_ternary
 from lightning_gradcomp.weightgrad.synchronizer import SiteView, WanQuantization
+from lightning_gradcomp.compressors.per_tensor import per_tensor
 from tests.harness import free_port
 
 
@@ -105,10 +106,10 @@ def test_loss_aware_ternary_fits_the_metric() -> None:
     zero_b, zero_alpha = LossAwareTernary().ternarize(torch.zeros(7))
     assert float(zero_alpha) == 0 and not zero_b.any()
     # as a compressor: the packet (2-bit b, fp32 alpha) decodes to exactly alpha * b, deterministically
-    packet = weighted.compress(x.view(40, 50), "w")
+    packet = per_tensor(weighted).compress(x.view(40, 50), "w")
     assert packet.nbytes == 2000 // 4 + 4
-    assert torch.equal(weighted.decompress(packet), (alpha_d * b_d.float()).view(40, 50))
-    assert torch.equal(weighted.compress(x.view(40, 50), "w").payload, packet.payload)
+    assert torch.equal(per_tensor(weighted).decompress(packet), (alpha_d * b_d.float()).view(40, 50))
+    assert torch.equal(per_tensor(weighted).compress(x.view(40, 50), "w").payload, packet.payload)
 
 
 def test_terngrad_wan_quantizer_is_unbiased_and_agrees_within_a_site() -> None:
@@ -218,9 +219,9 @@ def test_wan_message_is_the_encoding_of_a_group() -> None:
     mean = wan.decompress_flat_mean_into([packet, other], torch.empty(segments.total))
     assert torch.equal(mean, (expected + wan.decompress_flat(other)) / 2)
     # a single tensor is a group of one; without a quantizer every layer travels as fp32 values
-    one = wan.compress(dense.view(2, 4), "d.dense")
+    one = per_tensor(wan).compress(dense.view(2, 4), "d.dense")
     assert one.payload.numpy().tobytes() == _raw([1, 8], torch.int32) + bodies[1]
-    assert torch.equal(wan.decompress(one), (2.0 * torch.sign(dense)).view(2, 4))
+    assert torch.equal(per_tensor(wan).decompress(one), (2.0 * torch.sign(dense)).view(2, 4))
     unquantized = WanMessage()
     assert torch.equal(unquantized.decompress_flat(unquantized.compress_flat(flat, segments)), flat)
 
