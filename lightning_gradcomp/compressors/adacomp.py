@@ -142,6 +142,7 @@ class AdaComp(KernelBacked[FusedAdaComp]):
 
     aggregation = Aggregation.GATHER
     uses_memory = True
+    sparse = True
     fixed_size = False
 
     def __init__(

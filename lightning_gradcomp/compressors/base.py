@@ -153,6 +153,9 @@ class Compressor:
     #: whether the payload size depends only on the tensor's shape; sparse encodings set False, and the hook
     #: then exchanges sizes first (a rank may send an empty payload)
     fixed_size: bool = True
+    #: whether a packet carries a selection of the elements with their positions (top-k, Gradient Dropping, DeMo's
+    #: DCT coefficients) rather than every element encoded; a reduce-scatter across nodes refuses those
+    sparse: bool = False
 
     @_refusing_unknown_options
     def __init__(self) -> None:

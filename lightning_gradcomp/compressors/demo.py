@@ -197,6 +197,7 @@ class DeMo(Compressor):
 
     aggregation = Aggregation.GATHER
     uses_memory = True
+    sparse = True
     fixed_size = True
     batched = True
 

@@ -148,6 +148,7 @@ class GradientDropping(KernelBacked[GroupKernels]):
     """
     aggregation = Aggregation.GATHER
     uses_memory = True
+    sparse = True
     fixed_size = False
 
     def __init__(

@@ -81,6 +81,7 @@ class TopK(Compressor):
 
     aggregation = Aggregation.GATHER
     uses_memory = True
+    sparse = True
 
     def __init__(self, ratio: float = 0.001, value_dtype: ValueDtype = "fp32", dense_1d: bool = True) -> None:
         super().__init__()
