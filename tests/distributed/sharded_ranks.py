@@ -1,6 +1,8 @@
 """Rank bodies for the sharded (FSDP2) strategy: several Trainer fits in one spawned world of 4 Gloo ranks."""
 
 import math
+import os
+import signal
 import time
 import warnings
 from datetime import timedelta
@@ -203,27 +205,29 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> li
 
 
 class StallingRegressor(ShardedRegressor):
-    """Rank ``victim`` sleeps ``stall_s`` at the start of step 2 (alive, connections open); every rank records when
-    that step began."""
+    """Rank ``victim`` sleeps ``stall_s`` at the start of step 2 (alive, connections open), or with ``kill`` dies
+    there (SIGKILL); every rank records when that step began."""
 
-    def __init__(self, victim: int, stall_s: float) -> None:
+    def __init__(self, victim: int, stall_s: float, kill: bool = False) -> None:
         super().__init__()
-        self.victim, self.stall_s = victim, stall_s
+        self.victim, self.stall_s, self.kill = victim, stall_s, kill
         self.stalled_at: Optional[float] = None
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.global_step == 2 and self.stalled_at is None:
             self.stalled_at = time.perf_counter()
+            if self.global_rank == self.victim and self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
             if self.global_rank == self.victim:
                 time.sleep(self.stall_s)
 
 
 def stalled_run(rank: int, world_size: int, victim: int, timeout_s: float, stall_s: float,
-                options: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-    """Train until rank ``victim`` stalls at step 2; how this rank stopped, and how long after that step began.
-    ``options``: the strategy's (default: TernGrad between 2 replicas of 2 shards)."""
-    model = StallingRegressor(victim, stall_s)
+                options: Optional[dict[str, Any]] = None, kill: bool = False) -> dict[str, Any]:
+    """Train until rank ``victim`` stalls (or, with ``kill``, dies) at step 2; how this rank stopped, and how long
+    after that step began. ``options``: the strategy's (default: TernGrad between 2 replicas of 2 shards)."""
+    model = StallingRegressor(victim, stall_s, kill)
     strategy = ShardedGradCompStrategy(**(options or {"compressor": "terngrad", "shard_size": 2}),
                                        timeout=timedelta(seconds=timeout_s))
     try:

@@ -192,3 +192,11 @@ def test_a_stalled_rank_stops_every_other_rank_within_the_timeout() -> None:
     options = dict(ACROSS, compressor="int8")
     reports = collect_reports(stalled_run, 4, (2, 3.0, 40.0, options), 3, context=_context())
     assert_the_others_stopped(reports, {0, 1, 3}, within_s=20.0)
+
+
+def test_a_killed_rank_stops_every_other_rank_within_the_timeout() -> None:
+    """Rank 2 is SIGKILLed at step 2 (TernGrad between 4 nodes of 1, `timeout` 30 s): every other rank stops with
+    the library's message well within the timeout (the dead rank's connections close)."""
+    options = dict(ACROSS_4x1, compressor="terngrad")
+    reports = collect_reports(stalled_run, 4, (2, 30.0, 0.0, options, True), 3, context=_context())
+    assert_the_others_stopped(reports, {0, 1, 3}, within_s=20.0)
