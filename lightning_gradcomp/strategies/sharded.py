@@ -323,9 +323,10 @@ class ShardedWiring(HookWiring):
 
     def _check_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """The compressor's check of the optimizers before the first step (e.g. DeMo's sign step, OneBit's
-        momentum), as the DDP engine runs it; not with one replica, where no compressor runs."""
+        momentum), as the DDP engine runs it; not with one replica, where no compressor runs, unless it runs in the
+        reduce-scatter across nodes."""
         assert self._device_mesh is not None, "the mesh exists from setup_environment on"
-        if self._device_mesh["replicate"].size() > 1:
+        if self._device_mesh["replicate"].size() > 1 or self._across_nodes:
             self.compressor.check_optimizers(optimizers)
 
     def _shard_group_size(self) -> int:
