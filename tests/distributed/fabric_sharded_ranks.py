@@ -222,6 +222,7 @@ def across_nodes(rank: int, world_size: int, path: str) -> dict[str, Any]:
     fabric, model, optimizer = fresh()
     _train(fabric, model, optimizer, batches, range(6), [0])
     out["straight"] = _local(model)
+    out["path"] = path
     fabric, model, optimizer = fresh()
     _train(fabric, model, optimizer, batches, range(3), [0])
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})

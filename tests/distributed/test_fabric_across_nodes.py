@@ -3,6 +3,7 @@ model sharded over every rank, FSDP2's gradient reduce-scatter dense inside a no
 Trainer's tests: ``test_sharded_across_nodes.py``). One spawned world runs every case.
 """
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -59,3 +60,16 @@ def test_fabric_save_and_load_resume_exactly(results: list[dict[str, Any]]) -> N
         assert out["exact_step"] == 3
         assert torch.equal(out["exact"], out["straight"]), f"rank {rank}: the resumed run differs"
         assert not torch.equal(out["reset"], out["straight"]), f"rank {rank}: the residuals made no difference"
+
+
+def test_fabric_checkpoint_keeps_every_ranks_residuals_per_unit_and_piece(results: list[dict[str, Any]]) -> None:
+    """The ``torch.distributed.checkpoint`` directory's metadata holds every rank's state between nodes: its
+    residuals, one per unit and node's piece (``"<unit>/node<m>"``), each a piece of that unit."""
+    ckpt = Path(results[0]["path"])
+    assert (ckpt / ".metadata").is_file() and (ckpt / "meta.pt").is_file()
+    saved = torch.load(ckpt / "meta.pt", weights_only=True)["gradcomp"]
+    assert saved["world_size"] == 4 and len(saved["ranks"]) == 4
+    for entry in saved["ranks"]:
+        memory = entry["extra"]["reduce_scatter"]["memory"]
+        assert {k: v.numel() for k, v in memory.items()} == {
+            f"{unit}/node{m}": piece for unit, piece in zip(("0", "2", "4"), PIECES) for m in range(2)}
