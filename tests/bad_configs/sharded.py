@@ -19,8 +19,13 @@ BAD_CONFIGS = [
                                                                          node_size=0), "node_size", "got 0"),
     BadConfig("sharded-across-nodes-not-bool", lambda: ShardedGradCompStrategy("int8", compress_across_nodes=1),  # type: ignore[arg-type]
               "compress_across_nodes", "True or False, but got 1"),
-    BadConfig("sharded-across-nodes-gathered", lambda: ShardedGradCompStrategy("topk", compress_across_nodes=True),
-              "compressor", "TopK (aggregation `gather`)"),
-    BadConfig("sharded-across-nodes-exact-resume",
-              lambda: ShardedGradCompStrategy("int8", compress_across_nodes=True), "resume_compression", "Int8, but got 'exact'"),
+    BadConfig("sharded-across-nodes-sparse", lambda: ShardedGradCompStrategy("topk", compress_across_nodes=True),
+              "compressor", "TopK (aggregation `gather`, sparse"),
+    BadConfig("sharded-across-nodes-multi-round",
+              lambda: ShardedGradCompStrategy("powersgd", compress_across_nodes=True), "compressor", "got PowerSGD"),
+    BadConfig("fabric-sharded-node-size-alone", lambda: ShardedGradCompFabricStrategy(compressor="int8", node_size=2),
+              "node_size", "`node_size=2` without it"),
+    BadConfig("fabric-sharded-across-nodes-sparse",
+              lambda: ShardedGradCompFabricStrategy(compressor="graddrop", compress_across_nodes=True), "compressor",
+              "GradientDropping (aggregation `gather`, sparse"),
 ]
