@@ -188,10 +188,23 @@ class PieceSteps:
 
     def state_dict(self) -> dict[str, Any]:
         """Every residual (this rank's pieces of every unit), the compressor's state and the bytes so far."""
-        return {"memory": self.state.memory.state_dict(), "compressor": self.compressor.state_dict(),
-                "bytes": self.ledger.run_state()}
+        return {"nodes": list(self.layout.sizes), "memory": self.state.memory.state_dict(),
+                "compressor": self.compressor.state_dict(), "bytes": self.ledger.run_state()}
 
     def load_state_dict(self, saved: dict[str, Any], device: torch.device) -> None:
+        """Restore :meth:`state_dict`'s state.
+
+        Raises:
+            ValueError: it was written with other nodes (each residual is a node's sum of another piece).
+        """
+        nodes = list(self.layout.sizes)
+        if saved["nodes"] != nodes:
+            raise ValueError(
+                f"Expected the checkpoint's reduce-scatter state to come from nodes {nodes} (`node_size="
+                f"{nodes[0]}`) as this run, but got one written with nodes {saved['nodes']}: each residual is a "
+                f"node's sum of the piece another node owns. Fix: resume with `node_size={saved['nodes'][0]}`, or "
+                f"pass `resume_compression='reset'` to start the residuals afresh."
+            )
         self.state.memory.load_state_dict(saved["memory"], device)
         self.compressor.load_state_dict(saved["compressor"])
         self.ledger.load_run_state(saved["bytes"])

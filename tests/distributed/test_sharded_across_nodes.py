@@ -161,7 +161,8 @@ def test_resume_is_exact(tmp_path: Path) -> None:
     directory, every rank's residuals of the reduce-scatter in its compression state), and 4 more: the shards match
     bit for bit at every resumed step on every rank, for blockwise int8 (error feedback) on 2 nodes of 2 and TernGrad
     (its random streams) on 4 nodes of 1, with momentum SGD. The same int8 checkpoint resumed with
-    `resume_compression="reset"` differs (the residuals made a difference)."""
+    `resume_compression="reset"` differs (the residuals made a difference); resumed with `node_size=1` it is refused
+    before the first step, naming both node layouts."""
     configs: list[dict[str, Any]] = []
     for name, strategy in (("int8", dict(ACROSS, compressor="int8")), ("tern", dict(ACROSS_4x1, compressor="terngrad"))):
         path = str(tmp_path / name)
@@ -173,6 +174,9 @@ def test_resume_is_exact(tmp_path: Path) -> None:
         ]
     configs.append({"strategy": dict(configs[0]["strategy"], resume_compression="reset"), "optimizer": "sgd",
                     "steps": 8, "resume": configs[2]["resume"]})
+    # the int8 checkpoint of 2 nodes of 2 on 4 nodes of 1: each residual is another piece's, refused
+    configs.append({"strategy": dict(configs[0]["strategy"], node_size=1), "optimizer": "sgd", "steps": 8,
+                    "resume": configs[2]["resume"]})
     results = run_ranks(fit_configs, 4, configs, timeout=500.0)
     for rank in range(4):
         for first in (0, 3):
@@ -183,6 +187,11 @@ def test_resume_is_exact(tmp_path: Path) -> None:
                 assert torch.equal(straight[4 + step], resumed["shards"][step]), (first, rank, 4 + step)
             assert resumed["strategy_bytes"] == results[rank][first]["strategy_bytes"], rank
         assert not torch.equal(results[rank][0]["shards"][4], results[rank][6]["shards"][0]), "residuals unused"
+        refused = results[rank][7]
+        assert refused.get("steps_done") == 0, (rank, refused)
+        assert ("Expected the checkpoint's reduce-scatter state to come from nodes [1, 1, 1, 1] (`node_size=1`) as "
+                "this run, but got one written with nodes [2, 2]") in refused["error"], refused["error"]
+        assert "Fix: resume with `node_size=2`" in refused["error"]
 
 
 def test_a_stalled_rank_stops_every_other_rank_within_the_timeout() -> None:
