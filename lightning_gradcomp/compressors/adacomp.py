@@ -51,7 +51,7 @@ from lightning_gradcomp.compressors.adacomp_group import (
     select_bins,
 )
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, GradientObserver, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, GradientObserver, SharedStatistic, SelectsElements
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.adacomp_kernels import ADACOMP_KERNELS, AdaCompKernels
 from lightning_gradcomp.wire.sparse import bin_word_bits, pack_codes, packed_codes_nbytes, unpack_codes
@@ -114,7 +114,7 @@ def decode_index32(payload: Tensor) -> tuple[Tensor, Tensor]:
     return idx, torch.where(signs == 1, 1.0, -1.0) * scale
 
 
-class AdaComp(KernelBacked[AdaCompKernels], GradientObserver):
+class AdaComp(KernelBacked[AdaCompKernels], GradientObserver, SelectsElements):
     """AdaComp: per-bin local selection with a soft threshold, sign x layer-scale values, residual feedback.
 
     Args:

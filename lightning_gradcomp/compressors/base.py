@@ -248,3 +248,10 @@ class OptimizerCheck(Compressor):
     def check_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Called by the strategy once the optimizers exist, before the first step: warn or raise about an
         optimizer setting this compressor is known to train badly with."""
+
+
+class SelectsElements(Compressor):
+    """A compressor whose packet carries a selection of the elements with their positions (top-k, Gradient Dropping,
+    AdaComp, DeMo's DCT coefficients) rather than every element encoded: made to be gathered to every rank, so a
+    reduce-scatter across nodes, where the owner of a piece would decode each peer's selection alone, refuses it."""
+

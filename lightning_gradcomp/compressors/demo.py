@@ -51,7 +51,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import Aggregation, OptimizerCheck, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, OptimizerCheck, SharedStatistic, SelectsElements
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
@@ -179,7 +179,7 @@ class _GroupPlan:
     sparsity: Tensor
 
 
-class DeMo(OptimizerCheck):
+class DeMo(OptimizerCheck, SelectsElements):
     """DeMo's momentum extraction: top-k DCT coefficients per chunk of a decayed local momentum.
 
     Use with :class:`~lightning_gradcomp.optimizers.SignSGD` (the method's update; see the module docstring).

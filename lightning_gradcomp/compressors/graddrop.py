@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_gradcomp import kernels
 from lightning_gradcomp.compressors.backends import BACKENDS, Backend, KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, SelectsElements
 from lightning_gradcomp.compressors.per_tensor import layer_segments
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.graddrop_group import (
@@ -111,7 +111,7 @@ def select_weighted_threshold(
     return values[order][pos].reshape(())
 
 
-class GradientDropping(KernelBacked[GradDropKernels]):
+class GradientDropping(KernelBacked[GradDropKernels], SelectsElements):
     """Gradient Dropping: the R% smallest |x| stay in the residual, the rest travel as a sparse vector.
 
     Args:

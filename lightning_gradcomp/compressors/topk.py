@@ -38,7 +38,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors import dgc_group, topk_group
 from lightning_gradcomp.compressors.backends import KernelBacked
-from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic
+from lightning_gradcomp.compressors.base import Aggregation, SharedStatistic, SelectsElements
 from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.compressors.streams import CounterStreams, load_counters
 from lightning_gradcomp.compressors.topk_group import SparseLayout
@@ -68,7 +68,7 @@ def dgc_code_warmup(ratio: float, warmup_epochs: int) -> list[float]:
     return [max(coeff ** (e + 1), ratio) for e in range(warmup_epochs)] + [ratio]
 
 
-class TopK(KernelBacked[TopKKernels]):
+class TopK(KernelBacked[TopKKernels], SelectsElements):
     """Send the ``ceil(ratio * n)`` largest-magnitude elements of each tensor, keep the rest as residual.
 
     Args:

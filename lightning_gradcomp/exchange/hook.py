@@ -452,16 +452,28 @@ def group_step(state: GroupStepState, group: LayerGroup, flat: Tensor, key: int 
     Returns:
         The packet to exchange (its bytes are recorded in ``state.ledger``).
     """
-    if isinstance(group.compressor, MultiRoundCompressor):
-        raise ValueError(
-            f"Expected a one-round compressor for group_step, but got {type(group.compressor).__name__} (multi-round: "
-            f"it exchanges as it encodes). Fix: exchange it through gradcomp_hook, whose rounds run on the transport."
-        )
-    _, _, x = _prepare(state, group, flat)
-    shared, _ = _shared_statistics(state, key, [group], [x])
-    packet = _compress_group(state, group, x, shared[0])
-    assert isinstance(packet, FlatPacket)  # without ``all_reduce`` the group step returns a packet
-    return packet
+    return group_steps(state, [group], flat, key)[0]
+
+
+def group_steps(state: GroupStepState, groups: Sequence[LayerGroup], flat: Tensor, key: int = 0) -> list[FlatPacket]:
+    """:func:`group_step` for several groups laid out over one vector, their shared statistics in one max (a
+    compressed reduce-scatter's pieces, one group per owner: each piece's packet is decoded with its own context).
+
+    Returns:
+        One packet per group, in order (their bytes are recorded in ``state.ledger``).
+    """
+    for group in groups:
+        if isinstance(group.compressor, MultiRoundCompressor):
+            raise ValueError(
+                f"Expected a one-round compressor for group_step, but got {type(group.compressor).__name__} "
+                f"(multi-round: it exchanges as it encodes). Fix: exchange it through gradcomp_hook, whose rounds run "
+                f"on the transport."
+            )
+    inputs = [_prepare(state, group, flat)[2] for group in groups]
+    shared, _ = _shared_statistics(state, key, groups, inputs)
+    packets = [_compress_group(state, g, x, s) for g, x, s in zip(groups, inputs, shared)]
+    # without ``all_reduce`` the group step returns packets
+    return [p for p in packets if isinstance(p, FlatPacket)]
 
 
 def _after_transforms(state: GroupStepState, name: str, x: Tensor, sent: Tensor) -> None:

@@ -300,6 +300,14 @@ class Ledger:
         self._groups[key] = group
         self._records = None
 
+    def drop_group(self, names: tuple[str, ...]) -> None:
+        """Forget the records of ``names``: compressed, but kept on this rank (a reduce-scatter's own piece), so
+        neither its bytes nor its fp32 reference count."""
+        for name in names:
+            self._release(name)
+            self._singles.pop(name, None)
+        self._records = None
+
     def _release(self, name: str) -> None:
         key = self._owner.get(name)
         if key is not None:

@@ -6,7 +6,10 @@ agreement), a sum it waits for later (summable payloads), a blocking gather of s
 payload bytes it waits for later. 1-bit Adam's compressed all-reduce
 (:class:`~lightning_gradcomp.onebit_adam.CompressedAllReduce`) adds the owners' pair: each rank's segment ``r`` to
 its owner, rank ``r`` (:meth:`Transport.scatter_to_owners`), and every owner's segment to every rank
-(:meth:`Transport.gather_from_owners`). A :class:`Transport` carries them:
+(:meth:`Transport.gather_from_owners`); the compressed reduce-scatter across nodes
+(:class:`~lightning_gradcomp.strategies.fsdp_collectives.CompressedReduceScatter`) sends each piece to its owner,
+summed on the way where the packets are summable (:meth:`Transport.sum_to_owners`), else as
+:meth:`Transport.scatter_to_owners`. A :class:`Transport` carries them:
 
 * :class:`ProcessGroupTransport`: torch.distributed over a process group (:mod:`lightning_gradcomp.exchange.comm`) — DDP's
   buckets, the hierarchical exchange's groups, the outer rounds' leaders;
@@ -59,6 +62,11 @@ class Transport(Protocol):
         and ``out`` as ``[world_size, n]``."""
         ...
 
+    def sum_to_owners(self, out: Tensor, tensor: Tensor) -> None:
+        """Segment ``j`` of the sum over ranks of ``tensor`` (``world_size`` equal segments) to rank ``j``, waited
+        for: ``out`` (one segment) holds this rank's (a reduce-scatter of summable payloads)."""
+        ...
+
     def scatter_to_owners(self, out: Tensor, tensor: Tensor, splits: Sequence[int]) -> None:
         """Segment ``j`` of ``tensor`` (``splits``: the segments' lengths, in rank order, the same on every rank) to
         rank ``j``, waited for: ``out`` (``world_size`` times this rank's segment) holds this rank's segment of every
@@ -98,6 +106,9 @@ class ProcessGroupTransport:
     def gather(self, tensor: Tensor, out: Tensor) -> tuple[Future, Tensor]:
         return comm.all_gather(tensor, self.process_group, self.world_size, out=out)
 
+    def sum_to_owners(self, out: Tensor, tensor: Tensor) -> None:
+        comm.sum_to_owners(out, tensor, self.process_group)
+
     def scatter_to_owners(self, out: Tensor, tensor: Tensor, splits: Sequence[int]) -> None:
         comm.scatter_to_owners(out, tensor, list(splits), self.process_group)
 
@@ -126,6 +137,10 @@ class LoopbackTransport:
         rows = out.view(self.world_size, -1)
         rows.copy_(tensor.reshape(1, -1).expand_as(rows))
         return comm.completed(out), rows
+
+    def sum_to_owners(self, out: Tensor, tensor: Tensor) -> None:
+        # as :meth:`sum`, the value is this rank's own segment
+        out.copy_(tensor.reshape(self.world_size, -1)[self.rank])
 
     def scatter_to_owners(self, out: Tensor, tensor: Tensor, splits: Sequence[int]) -> None:
         start = sum(splits[: self.rank])
@@ -220,6 +235,14 @@ class WorkerTransport:
             row.copy_(part)
         self.workers.done_reading()
         return comm.completed(out), rows
+
+    def sum_to_owners(self, out: Tensor, tensor: Tensor) -> None:
+        parts = [p.view(self.world_size, -1)[self.rank] for p in self.workers.contributions(self.rank, tensor.reshape(-1))]
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        out.copy_(total)
+        self.workers.done_reading()
 
     def scatter_to_owners(self, out: Tensor, tensor: Tensor, splits: Sequence[int]) -> None:
         parts = self.workers.contributions(self.rank, tensor.reshape(-1))

@@ -159,7 +159,8 @@ class ShardedDiLoCoStrategy(OuterRounds, ShardedGradCompStrategy):
 
     @override
     def setup_environment(self) -> None:
-        replicas, shard = self._mesh_shape()  # a shard_size that does not divide the world fails here, first
+        # a shard_size that does not divide the world fails here, first
+        replicas, shard = self._mesh_shape(self.num_nodes * self.num_processes, self.num_processes)
         if replicas == 1:
             where = "it runs on one device" if shard == 1 else f"its {shard} ranks form one site (shard_size={shard})"
             warn_one_site(where, self.outer_optimizer_class, self.sync_every, "pass a smaller `shard_size`")

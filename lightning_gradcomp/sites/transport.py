@@ -89,6 +89,11 @@ class SiteLeadersTransport:
         self.fan_out(out)
         return comm.completed(out), out.view(self.world_size, -1)
 
+    def sum_to_owners(self, out: Tensor, tensor: Tensor) -> None:
+        if self.groups.leader_group is not None:
+            comm.sum_to_owners(out, tensor, self.groups.leader_group)
+        self.fan_out(out)
+
     def scatter_to_owners(self, out: Tensor, tensor: Tensor, splits: Sequence[int]) -> None:
         if self.groups.leader_group is not None:
             comm.scatter_to_owners(out, tensor, list(splits), self.groups.leader_group)

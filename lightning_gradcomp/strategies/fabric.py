@@ -52,7 +52,7 @@ from lightning_gradcomp.callbacks.momentum import MomentumCorrection
 from lightning_gradcomp.strategies._runtime import Runtime, RuntimeOptions
 from lightning_gradcomp.exchange.pipeline import LayerTransform
 from lightning_gradcomp.strategies.options import DDPOptions, ExchangeOptions, ShardedOptions, with_options
-from lightning_gradcomp.strategies.sharded import ShardedWiring, keyword_options, mesh_shape, new_mesh
+from lightning_gradcomp.strategies.sharded import ShardedWiring, keyword_options, new_mesh
 from lightning_gradcomp.strategies.wiring import HookWiring, check_backend
 
 if TYPE_CHECKING:
@@ -272,6 +272,12 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
             transformer's blocks), then on the root.
         options: every option of :class:`~lightning_gradcomp.strategies.options.ShardedOptions` (as
             :class:`~lightning_gradcomp.ShardedGradCompStrategy` takes them), each a named parameter.
+        compress_across_nodes: shard the model over every rank (one replica: ``shard_size`` ``None`` or the world
+            size) and compress FSDP2's gradient reduce-scatter between nodes with ``compressor``, dense inside a
+            node, as :class:`~lightning_gradcomp.ShardedGradCompStrategy` does
+            (:class:`~lightning_gradcomp.strategies.fsdp_collectives.CompressedReduceScatter`).
+        node_size: with ``compress_across_nodes``, the ranks of one node (consecutive ranks); ``None``: Fabric's
+            ``devices``. Must divide the world size into 2 nodes or more.
         **kwargs: refused with the option named (a misspelt option, or the DDP engine's ``site_size``), as a
             ``ValueError``.
     """
@@ -285,6 +291,8 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         parallelize_fn: Optional[Callable[[Any, "DeviceMesh"], Any]] = None,
         *,
         options: ShardedOptions,
+        compress_across_nodes: bool = False,
+        node_size: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         if parallelize_fn is not None and not callable(parallelize_fn):
@@ -297,6 +305,7 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         self._init_sharding(options.shard_size, kwargs, keyword_options(ShardedGradCompFabricStrategy))
         self._init_recovery(options)
         self._init_wiring(options)
+        self._init_across_nodes(compress_across_nodes, node_size)
         super().__init__(
             parallelize_fn=parallelize_fn or _shard_blocks,
             save_distributed_checkpoint=options.save_distributed_checkpoint,
@@ -308,7 +317,7 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
     def setup_environment(self) -> None:
         check_backend(self._process_group_backend, self.root_device)
         # before any process group exists
-        replicas, shard = mesh_shape(self.num_nodes * self.num_processes, self.shard_size, self.num_processes)
+        replicas, shard = self._mesh_shape(self.num_nodes * self.num_processes, self.num_processes)
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
         self._device_mesh = new_mesh(replicas, shard, self.global_rank, self.root_device.type, self._timeout)
@@ -329,6 +338,7 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         model = super().setup_module(module)  # parallelize_fn, then materialized on the device
         state = self._install_exchange(model, self.device_mesh, self.global_rank, self.root_device, "parallelize_fn",
                                        "device_mesh")
+        self._install_reduce_scatter(model, state, self.num_processes)
         self._attach_recovery(state, model)
         return model
 

@@ -8,19 +8,24 @@ equal size; rank ``n * L + l`` is local rank ``l`` of node ``n``):
 1. inside each node, a dense reduce-scatter: local rank ``l`` ends with its node's sum of the pieces of every rank
    whose local rank is ``l`` (one piece per node);
 2. between nodes, local rank ``l`` of every node (its *peers*) exchange those pieces: each rank sends piece ``m``
-   to the peer of node ``m`` and sums the pieces it receives for itself. Dense (``Identity``: a reduce-scatter over
-   the peers) or blockwise int8 (``Int8``: as ZeRO++'s qgZ, each block of ``block_size`` elements travels as int8
-   codes with its own fp32 scale, by an all-to-all; each piece is decoded and summed by its owner only, in peer
-   order), with error feedback on what this rank quantized.
+   to the peer of node ``m`` and sums the pieces it receives for itself. Every piece goes through the hook's group
+   step (:func:`~lightning_gradcomp.exchange.hook.group_steps`: error feedback kept per piece, the shared
+   statistics' max over the peers, compression, the residual update, the ledger's record), one group per piece so
+   that each piece decodes with its own context; then the packets travel on the peers'
+   :class:`~lightning_gradcomp.exchange.transport.Transport`: summed on the way where they are summable
+   (``Transport.sum_to_owners``: fp32, bf16, TernGrad's int8 ternaries), else each piece to its owner
+   (``Transport.scatter_to_owners``), which decodes and sums them in peer order (blockwise int8 as ZeRO++'s qgZ,
+   QSGD, 1-bit).
 
 Only the gradients' reduce-scatter is compressed here; FSDP2's all-gather of the weights stays FSDP2's own (dense).
-Every byte sent is recorded in a :class:`~lightning_gradcomp.exchange.ledger.Ledger`: between nodes as the unit's
-record (what :meth:`Ledger.bytes_per_step` reports), inside a node on the ``"lan"`` channel.
+Every byte sent is recorded in a :class:`~lightning_gradcomp.exchange.ledger.Ledger`: between nodes as the pieces'
+records (what :meth:`Ledger.bytes_per_step` reports; a rank's own piece is compressed but never sent, so it is not
+counted), inside a node on the ``"lan"`` channel.
 """
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -29,16 +34,19 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp.compressors.base import Aggregation, CollectiveChoice, Compressor
-from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.compressors.base import Aggregation, Compressor, SelectsElements
+from lightning_gradcomp.compressors.blockint8 import BlockInt8
 from lightning_gradcomp.compressors.int8 import Int8
-from lightning_gradcomp.exchange.ledger import LayerRecord, Ledger, tensor_bytes
+from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
+from lightning_gradcomp.exchange.groups import LayerGroup
+from lightning_gradcomp.exchange.hook import GroupState, group_steps
+from lightning_gradcomp.exchange.ledger import Ledger, tensor_bytes
+from lightning_gradcomp.exchange.transport import ProcessGroupTransport
+from lightning_gradcomp.flat import Segments
 from lightning_gradcomp.sites.layout import SiteLayout, new_group
 from lightning_gradcomp.strategies.shards import fsdp_units
 from lightning_gradcomp.validation import check_int
 
-#: the largest int8 code: a block's largest magnitude maps to it
-_INT8_MAX = 127
 #: the ledger's channel for the dense stage inside a node
 LAN = "lan"
 
@@ -58,70 +66,170 @@ def node_layout(world_size: int, node_size: int) -> SiteLayout:
     return SiteLayout((node_size,) * (world_size // node_size))
 
 
-def check_compressor(compressor: Union[Compressor, str]) -> Compressor:
+def check_compressor(compressor: Union[Compressor, str], block_size: int = 256,
+                     error_feedback: bool = True) -> Compressor:
     """The compressor of the stage between nodes, if it can serve a reduce-scatter.
 
-    A reduce-scatter sums each piece over the ranks: the compressor's packets must be summable (``Aggregation.SUM``).
-    ``Identity`` sends the pieces densely, ``Int8`` as blockwise int8 rounded to nearest (its shared scale and its
-    stochastic rounding, made for an all-reduce, play no part here).
+    A reduce-scatter delivers each piece to its owner, who decodes every peer's packet of it and sums them: the
+    packets must encode every element (not a sparse selection, whose point is a gather to every rank), have a size
+    known from the piece's alone, and be made in one round. ``Int8`` (the registered
+    ``"int8"``) runs as :class:`~lightning_gradcomp.compressors.blockint8.BlockInt8`: blockwise int8 rounded to
+    nearest with ``block_size`` elements per scale, as ZeRO++'s qgZ (its shared scale and stochastic rounding are
+    made for an all-reduce); every other compressor as it is.
 
     Raises:
-        ValueError: a compressor whose packets are gathered, or one this reduce-scatter does not run yet.
+        ValueError: a sparse compressor (TopK, Gradient Dropping, DeMo, ...) or a multi-round one (PowerSGD: its
+            rounds are all-reduces of the whole tensor).
     """
+    check_int("block_size", block_size, minimum=1, fix="use e.g. 256 elements per int8 scale")
     if isinstance(compressor, str):
         compressor = registry.make_compressor(compressor)
     name = type(compressor).__name__
-    variants = compressor.collectives(2) if isinstance(compressor, CollectiveChoice) else ()
-    if compressor.aggregation != Aggregation.SUM and not any(v.aggregation == Aggregation.SUM for v in variants):
+    if isinstance(compressor, MultiRoundCompressor):
         raise ValueError(
-            f"Expected a compressor whose packets can be summed (aggregation `sum`) for the compressed "
-            f"reduce-scatter, but got {name} (aggregation `{compressor.aggregation.value}`): its packets are "
-            f"gathered and decoded one by one, which a reduce-scatter cannot do. Fix: use `compressor='int8'` "
-            f"(blockwise int8) or `'fp32'` (dense)."
+            f"Expected a one-round compressor for the compressed reduce-scatter, but got {name}: its rounds are "
+            f"all-reduces of the whole tensor, and a reduce-scatter leaves each rank one piece of it. Fix: use "
+            f"`compressor='int8'` (blockwise int8), 'terngrad', 'qsgd' or 'fp32' across nodes, or {name} between "
+            f"replicas with `compress_across_nodes=False` (HSDP, a node per replica)."
         )
-    if type(compressor) not in (Identity, Int8):  # a subclass may travel otherwise
+    if isinstance(compressor, SelectsElements) or not compressor.fixed_size:
         raise ValueError(
-            f"Expected `compressor` to be 'int8' or 'fp32' for the compressed reduce-scatter, but got {name}. Fix: "
-            f"use `compressor='int8'` (blockwise int8 between nodes) or `'fp32'` (dense, as stock FSDP2)."
+            f"Expected a compressor that encodes every element of a piece for the compressed reduce-scatter, but got "
+            f"{name} (aggregation `{compressor.aggregation.value}`, sparse: its packets select elements, made to be "
+            f"gathered to every rank, where the owner of a piece would decode each peer's selection alone). Fix: use "
+            f"`compressor='int8'` (blockwise int8), 'terngrad', 'qsgd' or 'fp32' across nodes, or {name} between "
+            f"replicas with `compress_across_nodes=False` (HSDP, a node per replica)."
         )
+    if type(compressor) is Int8:  # a subclass may travel otherwise
+        return BlockInt8(block_size, error_feedback)
     return compressor
+
+
+def _as_bytes(payload: Tensor) -> Tensor:
+    return payload.contiguous().reshape(-1).view(torch.uint8)
+
+
+class PieceSteps:
+    """The stage between nodes for every unit: the group step's state over the peers (one residual per unit and
+    piece, the shared statistics' max, the ledger) and each unit's groups, one per piece.
+
+    Args:
+        compressor: the compressor between nodes (set up here for the peer group: this rank's node of ``nodes``).
+        layout: the nodes.
+        rank: this rank's global rank.
+        peer_group: the group of this rank's peers, in node order.
+        device: where the gradients live.
+    """
+
+    def __init__(self, compressor: Compressor, layout: SiteLayout, rank: int,
+                 peer_group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+        self.compressor = compressor
+        self.layout = layout
+        self.node = layout.site_of(rank)
+        nodes = layout.num_sites
+        compressor.setup(self.node, nodes, device)
+        self.state = GroupState(ProcessGroupTransport(peer_group, nodes))
+        self.summed = compressor.aggregation_for(nodes) is Aggregation.SUM
+        self._groups: dict[tuple[str, int], list[LayerGroup]] = {}
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.state.ledger
+
+    def groups(self, unit: str, piece: int) -> list[LayerGroup]:
+        """Unit ``unit``'s groups for pieces of ``piece`` elements, one per node (``"<unit>/node<m>"``: the piece
+        that node ``m``'s peer owns), made once."""
+        key = (unit, piece)
+        groups = self._groups.get(key)
+        if groups is None:
+            groups = self._groups[key] = [
+                LayerGroup(self.compressor, Segments([f"{unit}/node{m}"], [torch.Size([piece])]), (m,), 0, (m * piece,))
+                for m in range(self.layout.num_sites)
+            ]
+        return groups
+
+    def exchange(self, key: int, unit: str, output: Tensor, pieces: Tensor) -> None:
+        """Compress the ``[nodes * piece]`` pieces, send each to its owner, and write the sum of this rank's piece
+        (decoded) into ``output``."""
+        nodes, piece, own = self.layout.num_sites, output.numel(), self.node
+        groups = self.groups(unit, piece)
+        packets = group_steps(self.state, groups, pieces, key)
+        # this rank's own piece stays here: compressed like the others (its error kept), never sent
+        self.ledger.drop_group(groups[own].segments.names)
+        if self.compressor.uses_memory:
+            # a non-finite piece travels as such (as stock FSDP2 passes it on); its error is dropped so that one bad
+            # step does not poison the residual for good (the strategy's guard rolls a skipped step back anyway)
+            for group in groups:
+                residual = self.state.memory.residuals.get(group.segments.names[0])
+                if residual is not None:
+                    torch.nan_to_num_(residual, nan=0.0, posinf=0.0, neginf=0.0)
+        if self.summed:
+            payload = torch.cat([p.payload.reshape(-1) for p in packets])
+            total = payload.new_empty(payload.numel() // nodes)
+            self.state.transport.sum_to_owners(total, payload)
+            self.ledger.count("sum_to_owners")
+            decoded = self.compressor.decompress_flat(packets[own].with_payload(total))
+        else:
+            size = packets[own].payload.numel() * packets[own].payload.element_size()
+            received = pieces.new_empty(nodes * size, dtype=torch.uint8)
+            self.state.transport.scatter_to_owners(received, torch.cat([_as_bytes(p.payload) for p in packets]),
+                                                   [size] * nodes)
+            self.ledger.count("scatter_to_owners")
+            dtype = packets[own].payload.dtype
+            parts = []
+            for peer in range(nodes):
+                raw = received[peer * size : (peer + 1) * size]
+                parts.append(self.compressor.decompress_flat(packets[own].with_payload(
+                    raw if dtype == torch.uint8 else raw.clone().view(dtype))))
+            decoded = parts[0].clone()
+            for part in parts[1:]:  # in peer order: the owner alone sums its piece
+                decoded.add_(part)
+        output.copy_(decoded.reshape(-1).to(output.dtype))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every residual (this rank's pieces of every unit), the compressor's state and the bytes so far."""
+        return {"nodes": list(self.layout.sizes), "memory": self.state.memory.state_dict(),
+                "compressor": self.compressor.state_dict(), "bytes": self.ledger.run_state()}
+
+    def load_state_dict(self, saved: dict[str, Any], device: torch.device) -> None:
+        """Restore :meth:`state_dict`'s state.
+
+        Raises:
+            ValueError: it was written with other nodes (each residual is a node's sum of another piece).
+        """
+        nodes = list(self.layout.sizes)
+        if saved["nodes"] != nodes:
+            raise ValueError(
+                f"Expected the checkpoint's reduce-scatter state to come from nodes {nodes} (`node_size="
+                f"{nodes[0]}`) as this run, but got one written with nodes {saved['nodes']}: each residual is a "
+                f"node's sum of the piece another node owns. Fix: resume with `node_size={saved['nodes'][0]}`, or "
+                f"pass `resume_compression='reset'` to start the residuals afresh."
+            )
+        self.state.memory.load_state_dict(saved["memory"], device)
+        self.compressor.load_state_dict(saved["compressor"])
+        self.ledger.load_run_state(saved["bytes"])
 
 
 class HierarchicalReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter of one unit, dense inside a node and compressed between nodes (module docstring).
 
     Args:
-        name: the unit's name in the ledger.
+        name: the unit's name (its pieces' residuals and records are named after it).
+        key: the unit's index (its shared statistics' record in the ledger).
         layout: the nodes (equal sizes).
-        rank: this rank's global rank.
         node_group: this rank's node's group.
-        peer_group: the group of this rank's peers (its local rank in every node), in node order.
-        ledger: where the bytes go.
-        blocks: ``None``: dense between nodes; else the int8 block size.
-        error_feedback: with ``blocks``, keep what quantization dropped and add it back next step.
+        steps: the stage between nodes (shared by every unit).
         on_call: called first at every call (the ledger's step count: see :class:`CompressedReduceScatter`).
     """
 
-    def __init__(self, name: str, layout: SiteLayout, rank: int, node_group: Optional[dist.ProcessGroup],
-                 peer_group: Optional[dist.ProcessGroup], ledger: Ledger, blocks: Optional[int] = None,
-                 error_feedback: bool = True, on_call: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, name: str, key: int, layout: SiteLayout, node_group: Optional[dist.ProcessGroup],
+                 steps: PieceSteps, on_call: Optional[Callable[[], None]] = None) -> None:
         self.name = name
+        self.key = key
         self.layout = layout
-        self.rank = rank
         self.node_group = node_group
-        self.peer_group = peer_group
-        self.ledger = ledger
-        self.blocks = blocks
-        self.error_feedback = error_feedback
+        self.steps = steps
         self.on_call = on_call
-        self.residual: Optional[Tensor] = None
-        # the residual the latest call replaced, for :meth:`rollback` (a step skipped after the exchange)
-        self._previous: Optional[Tensor] = None
-
-    def rollback(self) -> None:
-        """Restore the residual from before the latest call: that step was skipped, so its gradient (and what the
-        residual added to it) never reached the optimizer, and is carried to the next step as if never sent."""
-        self.residual = self._previous
 
     @override
     def allocate(self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype,
@@ -150,54 +258,14 @@ class HierarchicalReduceScatter(ReduceScatter):
         mine = by_local[0].reshape(-1) if local == 1 else by_local.new_empty(nodes * piece)
         if local > 1:
             dist.reduce_scatter_single(mine, by_local.view(-1), op=dist.ReduceOp.SUM, group=self.node_group)
-            self.ledger.record_channel(LAN, tensor_bytes(by_local, (local - 1) * nodes * piece))
+            self.steps.ledger.record_channel(LAN, tensor_bytes(by_local, (local - 1) * nodes * piece))
         if nodes == 1:
             output_tensor.copy_(mine)
-            nbytes = 0
-        elif self.blocks is None:
-            dist.reduce_scatter_single(output_tensor, mine, op=dist.ReduceOp.SUM, group=self.peer_group)
-            nbytes = tensor_bytes(mine, (nodes - 1) * piece)
         else:
-            nbytes = self._int8_blocks(output_tensor, mine.view(nodes, piece), self.blocks)
-        # numel: the elements sent between nodes (their fp32 bytes are the ledger's dense reference)
-        self.ledger.record(self.name, LayerRecord(nbytes, (nodes - 1) * piece, Aggregation.SUM, {}))
+            self.steps.exchange(self.key, self.name, output_tensor, mine)
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(nodes * local)
         return None
-
-    def _int8_blocks(self, output: Tensor, pieces: Tensor, block: int) -> int:
-        """Blockwise int8 between nodes: quantize every piece (``[nodes, piece]``), send piece ``m`` to peer ``m``,
-        decode and sum what the peers sent for this rank. Returns the bytes this rank sent."""
-        nodes, piece = pieces.shape
-        block = min(block, piece)  # a piece smaller than a block is one block, unpadded
-        padded = -(-piece // block) * block
-        x = torch.zeros(nodes, padded, dtype=torch.float32, device=pieces.device)
-        x[:, :piece] = pieces
-        if self.error_feedback:
-            if self.residual is None or self.residual.shape != x.shape:
-                self.residual = torch.zeros_like(x)
-            x += self.residual
-        blocks = x.view(nodes, padded // block, block)
-        scales = blocks.abs().amax(dim=2)  # [nodes, blocks]
-        inverse = torch.where(scales > 0, _INT8_MAX / scales.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-        codes = torch.round(blocks * inverse.unsqueeze(2)).to(torch.int8)
-        if self.error_feedback:
-            assert self.residual is not None
-            sent = codes.float() * (scales / _INT8_MAX).unsqueeze(2)
-            # a non-finite block travels as NaN (its scale), as stock FSDP2 would pass it on; its error is dropped
-            # so that one bad step does not poison the residual for good
-            self._previous = self.residual
-            self.residual = torch.nan_to_num(blocks - sent, nan=0.0, posinf=0.0, neginf=0.0).view(nodes, padded)
-        got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
-        dist.all_to_all_single(got_codes, codes, group=self.peer_group)
-        dist.all_to_all_single(got_scales, scales, group=self.peer_group)
-        decoded = got_codes.float() * (got_scales / _INT8_MAX).unsqueeze(2)  # [peers, blocks, block]
-        total = decoded[0].reshape(-1)
-        for peer in range(1, nodes):  # in peer order: the owner alone sums its piece
-            total = total + decoded[peer].reshape(-1)
-        output.copy_(total[:piece].to(output.dtype))
-        own = self.layout.site_of(self.rank)
-        return (nodes - 1) * (tensor_bytes(codes[own]) + tensor_bytes(scales[own]))
 
 
 class CompressedReduceScatter:
@@ -208,10 +276,17 @@ class CompressedReduceScatter:
     Args:
         model: the model, already sharded by ``fully_shard`` over a 1-D mesh of every rank.
         node_size: ranks per node (consecutive ranks).
-        compressor: between nodes, ``"fp32"``/``Identity`` (dense) or ``"int8"``/``Int8`` (blockwise int8).
+        compressor: between nodes: a compressor or a registered name whose packets have a fixed size and are made in
+            one round (:func:`check_compressor`): ``"int8"`` (blockwise int8), ``"terngrad"``, ``"qsgd"``, ``"fp32"``
+            (dense), ``"bf16"``, ``"onebit"``, ...
         block_size: elements per int8 block (each block sends one fp32 scale).
-        error_feedback: keep each rank's quantization error and add it back at the next step (int8).
+        error_feedback: with ``"int8"``, keep each rank's quantization error and add it back at the next step (the
+            other compressors keep theirs as they do under DDP).
         timeout: the groups' collective timeout.
+
+    Attributes:
+        steps: the stage between nodes (:class:`PieceSteps`): its residuals, ledger and compressor.
+        ledger: where the bytes go (``steps.ledger``).
 
     Raises:
         ValueError: bad input (a compressor that cannot serve a reduce-scatter, a node size that does not divide the
@@ -220,8 +295,7 @@ class CompressedReduceScatter:
 
     def __init__(self, model: nn.Module, node_size: int, compressor: Union[Compressor, str] = "int8",
                  block_size: int = 256, error_feedback: bool = True, timeout: Optional[timedelta] = None) -> None:
-        check_int("block_size", block_size, minimum=1, fix="use e.g. 256 elements per int8 scale")
-        self.compressor = check_compressor(compressor)
+        self.compressor = check_compressor(compressor, block_size, error_feedback)
         world, rank = dist.get_world_size(), dist.get_rank()
         self.layout = node_layout(world, node_size)
         self.units = [u for u in fsdp_units(model)
@@ -247,7 +321,6 @@ class CompressedReduceScatter:
                     f"Expected the mesh of `fully_shard` to list the ranks in order (0 .. {world - 1}), so that the "
                     f"pieces of a node are its ranks', but got {order}. Fix: `init_device_mesh(device, ({world},))`."
                 )
-        self.ledger = Ledger()
         self._calls = 0
         node_group = peer_group = None
         for node in range(self.layout.num_sites):
@@ -258,14 +331,20 @@ class CompressedReduceScatter:
             group = new_group([start + local for start in self.layout.starts], timeout)
             if local == rank - self.layout.starts[self.layout.site_of(rank)]:
                 peer_group = group
-        blocks = block_size if isinstance(self.compressor, Int8) else None
+        device = next(p.device for p in model.parameters())
+        self.device = device
+        self.steps = PieceSteps(self.compressor, self.layout, rank, peer_group, device)
         names = {id(m): n or "<root>" for n, m in model.named_modules()}
         self.comms = []
-        for unit in self.units:
-            comm = HierarchicalReduceScatter(names[id(unit)], self.layout, rank, node_group, peer_group, self.ledger,
-                                             blocks, error_feedback, self._unit_called)
+        for key, unit in enumerate(self.units):
+            comm = HierarchicalReduceScatter(names[id(unit)], key, self.layout, node_group, self.steps,
+                                             self._unit_called)
             unit.set_custom_reduce_scatter(comm)  # type: ignore[operator]
             self.comms.append(comm)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.steps.ledger
 
     def _unit_called(self) -> None:
         # every backward reduce-scatters every unit once: the first of a backward opens a step in the ledger (the
@@ -273,11 +352,24 @@ class CompressedReduceScatter:
         first = self._calls == 0
         self._calls = (self._calls + 1) % len(self.comms)
         self.ledger.bucket_called(self._calls == 0, first=first)
+        if first:  # a step a non-finite gradient skips on every rank is rolled back (:meth:`rollback`)
+            self.steps.state.memory.begin_step()
 
     def rollback(self) -> None:
-        """The latest step was skipped (a non-finite gradient): every unit's residual as before that step."""
-        for comm in self.comms:
-            comm.rollback()
+        """The latest step was skipped (a non-finite gradient): every residual as before that step."""
+        self.steps.state.memory.rollback()
+
+    def residuals(self) -> dict[str, Tensor]:
+        """This rank's residuals by unit and piece (``"<unit>/node<m>"``), empty without error feedback."""
+        return dict(self.steps.state.memory.residuals)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state between nodes, for a checkpoint (:meth:`PieceSteps.state_dict`)."""
+        return self.steps.state_dict()
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the same model, node size and compressor)."""
+        self.steps.load_state_dict(saved, self.device)
 
     def bytes_per_step(self) -> int:
         """Bytes this rank sent to the other nodes per step, averaged over the steps so far (the ledger's

@@ -30,7 +30,6 @@ from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import OptimizerCheck
-from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.strategies.fsdp_collectives import CompressedReduceScatter, check_compressor, node_layout
 from lightning_gradcomp.strategies.options import ShardedOptions, with_options
 from lightning_gradcomp.strategies.resilience import ResilienceMixin
@@ -152,6 +151,8 @@ class ShardedWiring(HookWiring):
     exchange: Optional[ShardExchange]
     #: the strategy's ``("replicate", "shard")`` mesh (``ModelParallelStrategy``'s, set in ``setup_environment``)
     _device_mesh: Optional["DeviceMesh"]
+    #: the collective timeout (``ModelParallelStrategy``'s), also of the reduce-scatter's node and peer groups
+    _timeout: Optional[timedelta]
 
     def _init_sharding(self, shard_size: Optional[int], unknown: dict[str, Any], options: Sequence[str]) -> None:
         """Validate and keep ``shard_size``; refuse ``unknown`` keyword arguments (:func:`check_sharded_options`,
@@ -162,8 +163,95 @@ class ShardedWiring(HookWiring):
         self.shard_size = shard_size
         self.exchange = None
         self._agreed_hook_calls = 0
-        # the compressed reduce-scatter across nodes (set by a strategy that installs it, one replica only)
+        # the compressed reduce-scatter across nodes (:meth:`_init_across_nodes`)
         self._across_nodes = False
+        self.node_size: Optional[int] = None
+        self.reduce_scatter: Optional[CompressedReduceScatter] = None
+
+    def _init_across_nodes(self, compress_across_nodes: bool, node_size: Optional[int]) -> None:
+        """Check the options of the compressed reduce-scatter across nodes that need no process group.
+
+        Raises:
+            ValueError: ``node_size`` without ``compress_across_nodes``; a compressor that cannot serve the
+                reduce-scatter.
+        """
+        if not isinstance(compress_across_nodes, bool):
+            raise ValueError(f"Expected `compress_across_nodes` to be True or False, but got "
+                             f"{compress_across_nodes!r}. Fix: pass `compress_across_nodes=True` or leave it unset.")
+        if node_size is not None:
+            check_int("node_size", node_size, minimum=1, fix="pass the ranks of one node, e.g. 8")
+            if not compress_across_nodes:
+                raise ValueError(
+                    f"Expected `node_size` only with `compress_across_nodes=True` (it places the nodes of the "
+                    f"compressed reduce-scatter), but got `node_size={node_size}` without it. Fix: add "
+                    f"`compress_across_nodes=True`, or drop `node_size` (replicas are set with `shard_size`)."
+                )
+        self._across_nodes = compress_across_nodes
+        self.node_size = node_size
+        if compress_across_nodes:
+            self.compressor = check_compressor(self.compressor)
+
+    def _mesh_shape(self, world: int, ranks_per_node: int) -> tuple[int, int]:
+        """``(replicas, shard_size)`` of this run on ``world`` ranks of ``ranks_per_node`` each (a ``shard_size``
+        that does not divide the world fails here).
+
+        Raises:
+            ValueError: with ``compress_across_nodes``, a shard size other than the world or nodes that do not
+                divide it into 2 or more.
+        """
+        if not self._across_nodes:
+            return mesh_shape(world, self.shard_size, ranks_per_node)
+        if self.shard_size not in (None, world):
+            raise ValueError(
+                f"Expected `shard_size` to be the world size ({world} ranks) or None with "
+                f"`compress_across_nodes=True` (the model is sharded over every rank of every node), but got "
+                f"{self.shard_size}. Fix: drop `shard_size`, or drop `compress_across_nodes` to compress between "
+                f"replicas of {self.shard_size} ranks (HSDP)."
+            )
+        node = ranks_per_node if self.node_size is None else self.node_size
+        if node_layout(world, node).num_sites < 2:
+            raise ValueError(
+                f"Expected at least 2 nodes for the compressed reduce-scatter across nodes, but got one: "
+                f"`node_size={node}` on world_size={world} (devices x num_nodes), so nothing crosses a link between "
+                f"nodes. Fix: pass `node_size` the ranks of one node (a divisor of {world} below it), or drop "
+                f"`compress_across_nodes` on one node."
+            )
+        return 1, world
+
+    def _install_reduce_scatter(self, module: Module, state: "GradCompState", ranks_per_node: int) -> None:
+        """With ``compress_across_nodes``: the compressed reduce-scatter on every FSDP2 unit, its residuals in
+        every rank's checkpoint state (``state.extra``). After the replica exchange, whose hook (the non-finite
+        guard alone, one replica) then checks what this reduce-scatter delivered to each rank's shard."""
+        if not self._across_nodes:
+            return
+        node = ranks_per_node if self.node_size is None else self.node_size
+        self.reduce_scatter = CompressedReduceScatter(module, node, self.compressor, timeout=self._timeout)
+        state.attach("reduce_scatter", self.reduce_scatter)
+
+    def _rollback_skipped(self) -> None:
+        """After the agreement on a skipped step: the reduce-scatter's residuals carry that step's gradient on as if
+        it were never sent."""
+        state = self.comm_state
+        if self.reduce_scatter is not None and state is not None and state.guard.step_nonfinite:
+            self.reduce_scatter.rollback()
+
+    @override
+    def bytes_per_step(self) -> int:
+        if self.reduce_scatter is not None:  # between nodes (the replica exchange sends nothing with one replica)
+            return self.reduce_scatter.bytes_per_step()
+        return super().bytes_per_step()
+
+    @override
+    def last_step_bytes(self) -> int:
+        if self.reduce_scatter is not None:
+            return self.reduce_scatter.last_step_bytes()
+        return super().last_step_bytes()
+
+    @override
+    def dense_bytes_per_step(self) -> float:
+        if self.reduce_scatter is not None:  # the same exchange between nodes in fp32
+            return self.reduce_scatter.ledger.dense_bytes_per_step()
+        return super().dense_bytes_per_step()
 
     def _install_exchange(self, module: Module, mesh: "DeviceMesh", rank: int, device: torch.device, where: str,
                           mesh_name: str) -> "GradCompState":
@@ -234,9 +322,10 @@ class ShardedWiring(HookWiring):
 
     def _check_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """The compressor's check of the optimizers before the first step (e.g. DeMo's sign step, OneBit's
-        momentum), as the DDP engine runs it; not with one replica, where no compressor runs."""
+        momentum), as the DDP engine runs it; not with one replica, where no compressor runs, unless it runs in the
+        reduce-scatter across nodes."""
         assert self._device_mesh is not None, "the mesh exists from setup_environment on"
-        if self._device_mesh["replicate"].size() > 1 and isinstance(self.compressor, OptimizerCheck):
+        if (self._device_mesh["replicate"].size() > 1 or self._across_nodes) and isinstance(self.compressor, OptimizerCheck):
             self.compressor.check_optimizers(optimizers)
 
     def _shard_group_size(self) -> int:
@@ -268,6 +357,7 @@ class ShardedWiring(HookWiring):
             return
         self._agreed_hook_calls = state.ledger.hook_calls
         agree_on_skip(state, mesh.get_group("shard"), device)
+        self._rollback_skipped()
 
 
 class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrategy):
@@ -283,10 +373,10 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
             parameter (``ShardedGradCompStrategy(compressor="int8", shard_size=8)``).
         compress_across_nodes: shard the model over every rank (one replica: ``shard_size`` ``None`` or the world
             size) and compress FSDP2's gradient reduce-scatter between nodes with ``compressor`` (``"int8"``:
-            blockwise int8 with error feedback; ``"fp32"``: dense), dense inside a node
+            blockwise int8 with error feedback; ``"terngrad"``, ``"qsgd"``, ``"onebit"``, ``"bf16"``: as under DDP,
+            per piece; ``"fp32"``: dense), dense inside a node
             (:class:`~lightning_gradcomp.strategies.fsdp_collectives.CompressedReduceScatter`). The weights'
-            all-gather stays FSDP2's (dense). Its residuals are not checkpointed: with ``"int8"`` pass
-            ``resume_compression="reset"``.
+            all-gather stays FSDP2's (dense). Its residuals are in every rank's checkpoint state.
         node_size: with ``compress_across_nodes``, the ranks of one node (consecutive ranks); ``None``: the
             Trainer's ``devices``. Must divide the world size into 2 nodes or more.
         **kwargs: refused with the option named (a misspelt option, or the DDP engine's ``site_size``), as a
@@ -302,81 +392,17 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         self._init_resilience(options)
         self._init_wiring(options)
         self._init_across_nodes(compress_across_nodes, node_size)
-        self.reduce_scatter: Optional[CompressedReduceScatter] = None
         super().__init__(
             save_distributed_checkpoint=options.save_distributed_checkpoint,
             process_group_backend=options.process_group_backend,
             timeout=options.timeout,
         )
 
-    def _init_across_nodes(self, compress_across_nodes: bool, node_size: Optional[int]) -> None:
-        """Check the options of the compressed reduce-scatter across nodes that need no process group.
-
-        Raises:
-            ValueError: ``node_size`` without ``compress_across_nodes``; a compressor that cannot serve the
-                reduce-scatter; ``resume_compression="exact"`` with residuals that are not checkpointed.
-        """
-        if not isinstance(compress_across_nodes, bool):
-            raise ValueError(f"Expected `compress_across_nodes` to be True or False, but got "
-                             f"{compress_across_nodes!r}. Fix: pass `compress_across_nodes=True` or leave it unset.")
-        if node_size is not None:
-            check_int("node_size", node_size, minimum=1, fix="pass the ranks of one node, e.g. 8")
-            if not compress_across_nodes:
-                raise ValueError(
-                    f"Expected `node_size` only with `compress_across_nodes=True` (it places the nodes of the "
-                    f"compressed reduce-scatter), but got `node_size={node_size}` without it. Fix: add "
-                    f"`compress_across_nodes=True`, or drop `node_size` (replicas are set with `shard_size`)."
-                )
-        self._across_nodes = compress_across_nodes
-        self.node_size = node_size
-        if not compress_across_nodes:
-            return
-        self.compressor = check_compressor(self.compressor)
-        # fp32 keeps no residuals: an exact resume is exact there
-        if not isinstance(self.compressor, Identity) and self.resume_compression == "exact":
-            raise ValueError(
-                f"Expected `resume_compression='reset'` with `compress_across_nodes=True` and "
-                f"{type(self.compressor).__name__}, but got 'exact': the int8 error-feedback residuals of the "
-                f"reduce-scatter across nodes are not checkpointed, so a resume cannot restore them. Fix: pass "
-                f"`resume_compression='reset'` (a resume starts the residuals at zero), or `compressor='fp32'`."
-            )
-
-    def _mesh_shape(self) -> tuple[int, int]:
-        """``(replicas, shard_size)`` of this run (a ``shard_size`` that does not divide the world fails here).
-
-        Raises:
-            ValueError: with ``compress_across_nodes``, a shard size other than the world or nodes that do not
-                divide it into 2 or more.
-        """
-        world = self.num_nodes * self.num_processes
-        if not self._across_nodes:
-            return mesh_shape(world, self.shard_size, self.num_processes)
-        if self.shard_size not in (None, world):
-            raise ValueError(
-                f"Expected `shard_size` to be the world size ({world} ranks) or None with "
-                f"`compress_across_nodes=True` (the model is sharded over every rank of every node), but got "
-                f"{self.shard_size}. Fix: drop `shard_size`, or drop `compress_across_nodes` to compress between "
-                f"replicas of {self.shard_size} ranks (HSDP)."
-            )
-        node = self._node_size()
-        if node_layout(world, node).num_sites < 2:
-            raise ValueError(
-                f"Expected at least 2 nodes for the compressed reduce-scatter across nodes, but got one: "
-                f"`node_size={node}` on world_size={world} (devices x num_nodes), so nothing crosses a link between "
-                f"nodes. Fix: pass `node_size` the ranks of one node (a divisor of {world} below it), or drop "
-                f"`compress_across_nodes` on one node."
-            )
-        return 1, world
-
-    def _node_size(self) -> int:
-        """Ranks per node of the reduce-scatter across nodes: ``node_size``, else the Trainer's ``devices``."""
-        return self.num_processes if self.node_size is None else self.node_size
-
     @override
     def setup_environment(self) -> None:
         check_backend(self._process_group_backend, self.root_device)
         # before any process group exists
-        replicas, shard = self._mesh_shape()
+        replicas, shard = self._mesh_shape(self.num_nodes * self.num_processes, self.num_processes)
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
         self._device_mesh = new_mesh(replicas, shard, self.global_rank, self.root_device.type, self._timeout)
@@ -404,11 +430,7 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
         assert module is not None
         state = self._install_exchange(module, self.device_mesh, self.global_rank, self.root_device,
                                        "configure_model", "self.device_mesh")
-        if self._across_nodes:
-            # after the replica exchange, whose hook (the non-finite guard alone, one replica) then checks what
-            # this reduce-scatter delivered to each rank's shard
-            self.reduce_scatter = CompressedReduceScatter(module, self._node_size(), self.compressor,
-                                                          timeout=self._timeout)
+        self._install_reduce_scatter(module, state, self.num_processes)
         self._attach_resilience(state)
 
     @override
@@ -419,29 +441,7 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         self._agree_on_skip(self.device_mesh, self.root_device)
-        state = self.comm_state
-        if self.reduce_scatter is not None and state is not None and state.guard.step_nonfinite:
-            # the step is skipped on every rank: the residuals carry its gradient on as if it were never sent
-            self.reduce_scatter.rollback()
         super().post_backward(closure_loss)
-
-    @override
-    def bytes_per_step(self) -> int:
-        if self.reduce_scatter is not None:  # between nodes (the replica exchange sends nothing with one replica)
-            return self.reduce_scatter.bytes_per_step()
-        return super().bytes_per_step()
-
-    @override
-    def last_step_bytes(self) -> int:
-        if self.reduce_scatter is not None:
-            return self.reduce_scatter.last_step_bytes()
-        return super().last_step_bytes()
-
-    @override
-    def dense_bytes_per_step(self) -> float:
-        if self.reduce_scatter is not None:  # the same exchange between nodes in fp32
-            return self.reduce_scatter.ledger.dense_bytes_per_step()
-        return super().dense_bytes_per_step()
 
     @classmethod
     @override

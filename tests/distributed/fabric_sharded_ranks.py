@@ -186,3 +186,51 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]], path:
         except (ValueError, RuntimeError) as error:
             runs.append({"error": str(error)})
     return {"runs": runs, "resume": resume(rank, world_size, path)}
+
+
+def across_nodes(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """``compress_across_nodes=True`` under Fabric (the model sharded over all 4 ranks): FSDP2 alone (one replica,
+    the reference), fp32 between 4 nodes of 1, int8 between 2 nodes of 2 (every rank's gathered parameters and the
+    bytes), bad input; then int8 saved after 3 steps and loaded into a fresh Fabric for 3 more, against 6 straight."""
+    batches = _batches(rank, 6)
+    across: dict[str, Any] = {"shard_size": 4, "compress_across_nodes": True}
+    out: dict[str, Any] = {}
+    for name, options in (("fsdp2", {"compressor": "fp32", "shard_size": 4}),
+                          ("fp32_4x1", dict(across, compressor="fp32", node_size=1)),
+                          ("int8_2x2", dict(across, compressor="int8", node_size=2)),
+                          ("bad_nodes", dict(across, compressor="int8", node_size=3)),
+                          ("sparse", dict(across, compressor="graddrop", node_size=2))):
+        try:
+            fabric = _launch(world_size, ShardedGradCompFabricStrategy(shard_layers, **options))
+            _, model, optimizer = _setup(fabric, "adamw")
+        except ValueError as error:
+            out[name] = {"error": str(error)}
+            continue
+        record: dict[str, list] = {"shards": [], "bytes": [], "skipped": []}
+        _train(fabric, model, optimizer, batches, range(4), [0], record)
+        strategy: Any = fabric.strategy
+        out[name] = {"shards": record["shards"], "strategy_bytes": strategy.bytes_per_step(),
+                     "dense_bytes": strategy.dense_bytes_per_step(),
+                     "full": torch.cat([p.full_tensor().detach().reshape(-1) for p in model.parameters()])}
+
+    def fresh(resume_compression: ResumeCompression = "exact") -> tuple[Fabric, Any, Any]:
+        fabric = _launch(world_size, ShardedGradCompFabricStrategy(shard_layers, compressor="int8", node_size=2,
+                                                                   resume_compression=resume_compression, **across))
+        _, model, optimizer = _setup(fabric, "sgd")
+        return fabric, model, optimizer
+
+    fabric, model, optimizer = fresh()
+    _train(fabric, model, optimizer, batches, range(6), [0])
+    out["straight"] = _local(model)
+    out["path"] = path
+    fabric, model, optimizer = fresh()
+    _train(fabric, model, optimizer, batches, range(3), [0])
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})
+    for way in ("exact", "reset"):
+        fabric, model, optimizer = fresh(way)
+        state = {"model": model, "optimizer": optimizer, "step": 0}
+        fabric.load(path, state)
+        _train(fabric, model, optimizer, batches, range(3, 6), [0])
+        out[way] = _local(model)
+        out[f"{way}_step"] = state["step"]
+    return out

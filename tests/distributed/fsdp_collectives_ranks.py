@@ -78,10 +78,12 @@ def train(rank: int, world_size: int, config: dict[str, Any], steps: int = 3) ->
             wan.append(comm.bytes_per_step())
             dense.append(comm.ledger.dense_bytes_per_step())
             lan.append(comm.ledger.take_channel("lan"))
+    residuals = {} if comm is None else comm.residuals()
     return {"full": full, "local": local, "grads": grads, "wan": wan, "dense": dense, "lan": lan,
-            "units": None if comm is None else [c.residual is not None for c in comm.comms],
-            "residuals_finite": None if comm is None else all(
-                bool(torch.isfinite(c.residual).all()) for c in comm.comms if c.residual is not None)}
+            "units": None if comm is None else [any(k.startswith(f"{c.name}/") for k in residuals) for c in comm.comms],
+            "residual_numels": {k: r.numel() for k, r in residuals.items()},
+            "collectives": None if comm is None else dict(comm.ledger.collectives),
+            "residuals_finite": all(bool(torch.isfinite(r).all()) for r in residuals.values())}
 
 
 def run_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,6 +1,8 @@
 """Rank bodies for the sharded (FSDP2) strategy: several Trainer fits in one spawned world of 4 Gloo ranks."""
 
 import math
+import os
+import signal
 import time
 import warnings
 from datetime import timedelta
@@ -99,6 +101,7 @@ class Shards(Callback):
         self.skipped: list[int] = []
         self.strategy_bytes: list[int] = []
         self.across_residuals: list[torch.Tensor] = []
+        self.lan: list[int] = []
         self.batches: list[float] = []
 
     @override
@@ -111,8 +114,11 @@ class Shards(Callback):
         self.skipped.append(0 if state is None else state.guard.skipped_steps)
         self.strategy_bytes.append(trainer.strategy.last_step_bytes())  # type: ignore[attr-defined]
         across = getattr(trainer.strategy, "reduce_scatter", None)  # the compressed reduce-scatter across nodes
-        if across is not None and across.comms[0].residual is not None:
-            self.across_residuals.append(torch.cat([c.residual.reshape(-1).clone() for c in across.comms]))
+        if across is not None:
+            residuals = across.residuals()
+            if residuals:
+                self.across_residuals.append(torch.cat([residuals[k].reshape(-1).clone() for k in sorted(residuals)]))
+            self.lan.append(across.ledger.take_channel("lan"))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -166,6 +172,7 @@ def fit(world_size: int, strategy: Any, model: pl.LightningModule, steps: int = 
         "strategy_bytes": trainer.strategy.bytes_per_step(),  # type: ignore[attr-defined]
         "strategy_last": record.strategy_bytes,
         "across_residuals": record.across_residuals,
+        "lan": record.lan,
         "dense_bytes": trainer.strategy.dense_bytes_per_step(),  # type: ignore[attr-defined]
         # ``gather``: the whole parameters (a collective over the shard group: every rank of the world here)
         "full": _gathered(model) if gather else None,
@@ -198,26 +205,31 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]]) -> li
 
 
 class StallingRegressor(ShardedRegressor):
-    """Rank ``victim`` sleeps ``stall_s`` at the start of step 2 (alive, connections open); every rank records when
-    that step began."""
+    """Rank ``victim`` sleeps ``stall_s`` at the start of step 2 (alive, connections open), or with ``kill`` dies
+    there (SIGKILL); every rank records when that step began."""
 
-    def __init__(self, victim: int, stall_s: float) -> None:
+    def __init__(self, victim: int, stall_s: float, kill: bool = False) -> None:
         super().__init__()
-        self.victim, self.stall_s = victim, stall_s
+        self.victim, self.stall_s, self.kill = victim, stall_s, kill
         self.stalled_at: Optional[float] = None
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.global_step == 2 and self.stalled_at is None:
             self.stalled_at = time.perf_counter()
+            if self.global_rank == self.victim and self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
             if self.global_rank == self.victim:
                 time.sleep(self.stall_s)
 
 
-def stalled_run(rank: int, world_size: int, victim: int, timeout_s: float, stall_s: float) -> dict[str, Any]:
-    """Train until rank ``victim`` stalls at step 2; how this rank stopped, and how long after that step began."""
-    model = StallingRegressor(victim, stall_s)
-    strategy = ShardedGradCompStrategy(compressor="terngrad", shard_size=2, timeout=timedelta(seconds=timeout_s))
+def stalled_run(rank: int, world_size: int, victim: int, timeout_s: float, stall_s: float,
+                options: Optional[dict[str, Any]] = None, kill: bool = False) -> dict[str, Any]:
+    """Train until rank ``victim`` stalls (or, with ``kill``, dies) at step 2; how this rank stopped, and how long
+    after that step began. ``options``: the strategy's (default: TernGrad between 2 replicas of 2 shards)."""
+    model = StallingRegressor(victim, stall_s, kill)
+    strategy = ShardedGradCompStrategy(**(options or {"compressor": "terngrad", "shard_size": 2}),
+                                       timeout=timedelta(seconds=timeout_s))
     try:
         fit(world_size, strategy, model, steps=8)
         outcome: dict[str, Any] = {"raised": None}

@@ -23,10 +23,6 @@ pytestmark = pytest.mark.distributed
 OPTIMIZER = {"demo": "sign", "dgc": "sgd", "onebit": "sgd"}
 COMPRESSORS = compressor_names()
 
-#: the compressed reduce-scatter across 2 emulated nodes of 2 ranks (the harness runs every rank on one node)
-ACROSS: dict[str, Any] = {"shard_size": 4, "compress_across_nodes": True, "node_size": 2,
-                          "resume_compression": "reset"}
-
 CONFIGS: list[dict[str, Any]] = [
     {"kind": "native", "strategy": {"shard_size": 2}},
     *({"strategy": {"compressor": name, "shard_size": 2}, "optimizer": OPTIMIZER.get(name, "adamw")}
@@ -52,24 +48,11 @@ CONFIGS: list[dict[str, Any]] = [
     {"strategy": {"compressor": "demo", "shard_size": 2}, "optimizer": "sgd", "steps": 1},
     # one replica with a transform that only the exchange would run: refused before the first step
     {"strategy": {"compressor": "dgc"}, "momentum_correction": 0.9},
-    # the model sharded over both emulated nodes of 2 ranks, its reduce-scatter compressed between them
-    {"strategy": dict(ACROSS, compressor="int8"), "gather": True},
-    {"strategy": dict(ACROSS, compressor="fp32"), "gather": True},
-    # a NaN in rank 0's gradient at step 1: skipped on every rank, the int8 residuals rolled back
-    {"strategy": dict(ACROSS, compressor="int8"), "nan_at": 1},
-    # bad input, refused before the first step
-    {"strategy": dict(ACROSS, compressor="terngrad")},
-    {"strategy": dict(ACROSS, compressor="int8", resume_compression="exact")},
-    {"strategy": dict(ACROSS, compressor="int8", shard_size=2)},
-    {"strategy": dict(ACROSS, compressor="int8", node_size=3)},
-    {"strategy": dict(ACROSS, compressor="int8", node_size=4)},
 ]
 NATIVE, FIRST = 0, 1
 ONE_SHARD = FIRST + len(COMPRESSORS)
 NAN, BAD_SIZE, UNSHARDED, DDP, CHECKED, ONE_REPLICA, FSDP, ONE_REPLICA_NAN, DEMO_SGD, ONE_REPLICA_MOMENTUM = (
     ONE_SHARD + k for k in range(1, 11))
-ACROSS_INT8, ACROSS_FP32, ACROSS_NAN, ACROSS_TERNGRAD, ACROSS_EXACT, ACROSS_HSDP, ACROSS_BAD_NODES, ACROSS_ONE_NODE = (
-    ONE_REPLICA_MOMENTUM + k for k in range(1, 9))
 
 
 @pytest.fixture(scope="module")
@@ -245,80 +228,3 @@ def test_a_stalled_rank_stops_every_other_rank_within_the_timeout() -> None:
     library's message within 20 s instead of torch's 30-minute default."""
     reports = collect_reports(stalled_run, 4, (2, 3.0, 40.0), 3, context=_context())
     assert_the_others_stopped(reports, {0, 1, 3}, within_s=20.0)
-
-
-#: FSDP2's dim-0 pieces of the three Linear units over 4 ranks: 4 rows of 8 + 4 biases; 3 rows of 16 + 3; 1 (padded)
-#: row of 12 + 1; between 2 nodes each rank sends one piece per unit to its peer
-PIECES = (36, 51, 13)
-
-
-def test_compressed_reduce_scatter_across_nodes_trains_identical_replicas_and_counts_its_bytes(
-    results: list[list[dict[str, Any]]],
-) -> None:
-    """`compress_across_nodes=True` on 2 nodes of 2: the model trains, every rank gathers the same parameters, and
-    the strategy reports the bytes between nodes of its ledger: int8 1 byte an element plus a 4-byte scale per
-    piece (each piece is one block), fp32 4 bytes an element, both against the same fp32 reference."""
-    int8 = sum(p + 4 for p in PIECES)
-    fp32 = 4 * sum(PIECES)
-    for run, per_step in ((ACROSS_INT8, int8), (ACROSS_FP32, fp32)):
-        runs = _run(results, run)
-        for rank in range(4):
-            assert "error" not in runs[rank], runs[rank].get("error")
-            assert runs[rank]["strategy_last"] == [per_step] * 4, (run, rank)
-            assert runs[rank]["strategy_bytes"] == per_step and runs[rank]["dense_bytes"] == fp32, (run, rank)
-            assert runs[rank]["bytes"] == [0] * 4  # the replica exchange: one replica, nothing sent
-            assert not any("Expected at least 2 replicas" in w for w in runs[rank]["warnings"])
-            assert torch.equal(runs[rank]["full"], runs[0]["full"]), (run, rank)
-        assert not torch.equal(runs[0]["shards"][0], runs[0]["shards"][-1]), "nothing trained"
-    assert (int8, fp32) == (112, 400)  # 3.6x fewer bytes between nodes
-
-
-def test_compressed_reduce_scatter_in_fp32_equals_stock_fsdp2_to_rounding(
-    results: list[list[dict[str, Any]]],
-) -> None:
-    """Not bit for bit on 2 nodes of 2: the hierarchy sums a node first, Gloo's ring in another order. int8 is close
-    to it, and not equal (it quantizes)."""
-    stock, fp32, int8 = _run(results, FSDP), _run(results, ACROSS_FP32), _run(results, ACROSS_INT8)
-    for rank in range(4):
-        for step in range(4):
-            a, b = stock[rank]["shards"][step], fp32[rank]["shards"][step]
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (rank, step, (a - b).abs().max())
-        start, a, b = stock[rank]["shards"][0], stock[rank]["shards"][-1], int8[rank]["shards"][-1]
-        assert not torch.equal(a, b)
-        # AdamW steps by about lr per element whatever the gradient's size: int8's error flips the sign of a few
-        # small gradients, so the comparison is on the mean
-        assert (a - b).abs().mean() < 0.1 * (a - start).abs().mean(), rank
-
-
-def test_compressed_reduce_scatter_skips_a_nonfinite_step_on_every_rank(results: list[list[dict[str, Any]]]) -> None:
-    """Rank 0's NaN reaches one rank's shard through the int8 codes (its block's scale is NaN); the guard on that
-    shard skips the step on every rank, and training goes on finite (the residuals of the skipped step rolled back)."""
-    runs = _run(results, ACROSS_NAN)
-    for rank in range(4):
-        assert "error" not in runs[rank], runs[rank].get("error")
-        assert runs[rank]["skipped"] == [0, 1, 1, 1], rank
-        assert torch.equal(runs[rank]["shards"][0], runs[rank]["shards"][1]), f"rank {rank} stepped at the NaN step"
-        assert not torch.equal(runs[rank]["shards"][1], runs[rank]["shards"][3])
-        assert torch.isfinite(runs[rank]["shards"][3]).all()
-        residuals = runs[rank]["across_residuals"]
-        assert torch.equal(residuals[0], residuals[1]), f"rank {rank} kept the skipped step's residuals"
-        assert not torch.equal(residuals[1], residuals[2]) and torch.isfinite(residuals[3]).all()
-
-
-def test_compressed_reduce_scatter_refuses_bad_input_before_the_first_step(
-    results: list[list[dict[str, Any]]],
-) -> None:
-    expected = {
-        ACROSS_TERNGRAD: "Expected `compressor` to be 'int8' or 'fp32' for the compressed reduce-scatter, but got "
-                         "TernGrad",
-        ACROSS_EXACT: "Expected `resume_compression='reset'` with `compress_across_nodes=True` and Int8, but got "
-                      "'exact'",
-        ACROSS_HSDP: "Expected `shard_size` to be the world size (4 ranks) or None with `compress_across_nodes=True`",
-        ACROSS_BAD_NODES: "Expected `node_size` to divide the world size (4 ranks), but got 3",
-        ACROSS_ONE_NODE: "Expected at least 2 nodes for the compressed reduce-scatter across nodes, but got one",
-    }
-    for run, message in expected.items():
-        for rank in range(4):
-            result = results[rank][run]
-            assert result.get("steps_done") == 0, (run, rank, result)
-            assert message in result["error"] and "Fix:" in result["error"], (run, rank, result["error"])
