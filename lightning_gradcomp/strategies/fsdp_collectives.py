@@ -88,6 +88,69 @@ def check_compressor(compressor: Union[Compressor, str]) -> Compressor:
     return compressor
 
 
+def int8_blocks(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """Blockwise int8 rounded to nearest: ``blocks`` (``[..., block]``, fp32) as int8 codes and one fp32 scale per
+    block (its largest magnitude, which maps to 127; an all-zero block has scale 0). A non-finite block's scale is
+    NaN or Inf, so it decodes non-finite (:func:`decode_blocks`) instead of hiding the value."""
+    scales = blocks.abs().amax(dim=-1)
+    inverse = torch.where(scales > 0, _INT8_MAX / scales.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    return torch.round(blocks * inverse.unsqueeze(-1)).to(torch.int8), scales
+
+
+def decode_blocks(codes: Tensor, scales: Tensor) -> Tensor:
+    """What :func:`int8_blocks` sent, in fp32: the same bits on every rank that decodes the same codes and scales."""
+    return codes.float() * (scales / _INT8_MAX).unsqueeze(-1)
+
+
+def cross_node_units(model: nn.Module, world: int, collective: str) -> list[nn.Module]:
+    """The FSDP2 units of ``model`` that hold parameters, checked to be sharded over every rank in rank order (a
+    collective across nodes finds a node's pieces by global rank). ``collective`` names the caller in the errors.
+
+    Raises:
+        ValueError: no ``fully_shard`` unit, a unit sharded over fewer ranks (an HSDP mesh), or a mesh that does not
+            list the ranks in order.
+    """
+    units = [u for u in fsdp_units(model) if u._get_fsdp_state()._fsdp_param_group is not None]  # type: ignore[operator]
+    if not units:
+        raise ValueError(
+            f"Expected a model sharded with FSDP2, but got {type(model).__name__} with no `fully_shard` module. "
+            f"Fix: call `fully_shard(block, mesh=mesh)` for each block, then on the root, before this."
+        )
+    for unit in units:
+        group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        size = group.mesh_info.shard_mesh_size
+        if size != world or getattr(group.mesh_info, "replicate_mesh_size", 1) != 1:
+            raise ValueError(
+                f"Expected every unit sharded over all {world} ranks (a 1-D mesh) for the {collective} across "
+                f"nodes, but got {type(unit).__name__} sharded over {size}. Fix: pass a 1-D mesh of every rank "
+                f"to `fully_shard` (or use `ShardedGradCompStrategy` for HSDP with a node per replica)."
+            )
+        order = group.mesh_info.mesh.mesh.reshape(-1).tolist()
+        if order != list(range(world)):
+            # FSDP2 gives piece i to the mesh's i-th rank: the nodes' pieces are found by global rank
+            raise ValueError(
+                f"Expected the mesh of `fully_shard` to list the ranks in order (0 .. {world - 1}), so that the "
+                f"pieces of a node are its ranks', but got {order}. Fix: `init_device_mesh(device, ({world},))`."
+            )
+    return units
+
+
+def node_groups(layout: SiteLayout, rank: int, timeout: Optional[timedelta]
+                ) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """This rank's node group and peer group (its local rank in every node, in node order). Every rank makes every
+    group, in the same order."""
+    node_group = peer_group = None
+    for node in range(layout.num_sites):
+        group = new_group(layout.ranks(node), timeout)
+        if node == layout.site_of(rank):
+            node_group = group
+    for local in range(layout.sizes[0]):
+        group = new_group([start + local for start in layout.starts], timeout)
+        if local == rank - layout.starts[layout.site_of(rank)]:
+            peer_group = group
+    return node_group, peer_group
+
+
 class HierarchicalReduceScatter(ReduceScatter):
     """FSDP2's reduce-scatter of one unit, dense inside a node and compressed between nodes (module docstring).
 
@@ -179,12 +242,10 @@ class HierarchicalReduceScatter(ReduceScatter):
                 self.residual = torch.zeros_like(x)
             x += self.residual
         blocks = x.view(nodes, padded // block, block)
-        scales = blocks.abs().amax(dim=2)  # [nodes, blocks]
-        inverse = torch.where(scales > 0, _INT8_MAX / scales.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-        codes = torch.round(blocks * inverse.unsqueeze(2)).to(torch.int8)
+        codes, scales = int8_blocks(blocks)
         if self.error_feedback:
             assert self.residual is not None
-            sent = codes.float() * (scales / _INT8_MAX).unsqueeze(2)
+            sent = decode_blocks(codes, scales)
             # a non-finite block travels as NaN (its scale), as stock FSDP2 would pass it on; its error is dropped
             # so that one bad step does not poison the residual for good
             self._previous = self.residual
@@ -192,7 +253,7 @@ class HierarchicalReduceScatter(ReduceScatter):
         got_codes, got_scales = torch.empty_like(codes), torch.empty_like(scales)
         dist.all_to_all_single(got_codes, codes, group=self.peer_group)
         dist.all_to_all_single(got_scales, scales, group=self.peer_group)
-        decoded = got_codes.float() * (got_scales / _INT8_MAX).unsqueeze(2)  # [peers, blocks, block]
+        decoded = decode_blocks(got_codes, got_scales)  # [peers, blocks, block]
         total = decoded[0].reshape(-1)
         for peer in range(1, nodes):  # in peer order: the owner alone sums its piece
             total = total + decoded[peer].reshape(-1)
@@ -225,40 +286,12 @@ class CompressedReduceScatter:
         self.compressor = check_compressor(compressor)
         world, rank = dist.get_world_size(), dist.get_rank()
         self.layout = node_layout(world, node_size)
-        self.units = [u for u in fsdp_units(model)
-                      if u._get_fsdp_state()._fsdp_param_group is not None]  # type: ignore[operator]
-        if not self.units:
-            raise ValueError(
-                f"Expected a model sharded with FSDP2, but got {type(model).__name__} with no `fully_shard` module. "
-                f"Fix: call `fully_shard(block, mesh=mesh)` for each block, then on the root, before this."
-            )
-        for unit in self.units:
-            group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-            size = group.mesh_info.shard_mesh_size
-            if size != world or getattr(group.mesh_info, "replicate_mesh_size", 1) != 1:
-                raise ValueError(
-                    f"Expected every unit sharded over all {world} ranks (a 1-D mesh) for the reduce-scatter across "
-                    f"nodes, but got {type(unit).__name__} sharded over {size}. Fix: pass a 1-D mesh of every rank "
-                    f"to `fully_shard` (or use `ShardedGradCompStrategy` for HSDP with a node per replica)."
-                )
-            order = group.mesh_info.mesh.mesh.reshape(-1).tolist()
-            if order != list(range(world)):
-                # FSDP2 gives piece i to the mesh's i-th rank: the nodes' pieces are found by global rank
-                raise ValueError(
-                    f"Expected the mesh of `fully_shard` to list the ranks in order (0 .. {world - 1}), so that the "
-                    f"pieces of a node are its ranks', but got {order}. Fix: `init_device_mesh(device, ({world},))`."
-                )
+        self.units = cross_node_units(model, world, "reduce-scatter")
         self.ledger = Ledger()
         self._calls = 0
-        node_group = peer_group = None
-        for node in range(self.layout.num_sites):
-            group = new_group(self.layout.ranks(node), timeout)
-            if node == self.layout.site_of(rank):
-                node_group = group
-        for local in range(node_size):
-            group = new_group([start + local for start in self.layout.starts], timeout)
-            if local == rank - self.layout.starts[self.layout.site_of(rank)]:
-                peer_group = group
+        #: this rank's node group and peer group (:func:`node_groups`), for a quantized all-gather to share
+        self.groups = node_groups(self.layout, rank, timeout)
+        node_group, peer_group = self.groups
         blocks = block_size if isinstance(self.compressor, Int8) else None
         names = {id(m): n or "<root>" for n, m in model.named_modules()}
         self.comms = []

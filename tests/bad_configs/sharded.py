@@ -23,4 +23,11 @@ BAD_CONFIGS = [
               "compressor", "TopK (aggregation `gather`)"),
     BadConfig("sharded-across-nodes-exact-resume",
               lambda: ShardedGradCompStrategy("int8", compress_across_nodes=True), "resume_compression", "Int8, but got 'exact'"),
+    # the quantized weight all-gather across nodes
+    BadConfig("sharded-quantize-weights-alone", lambda: ShardedGradCompStrategy("int8", quantize_weights=True),
+              "quantize_weights", "but got it without"),
+    BadConfig("sharded-quantize-weights-not-bool",
+              lambda: ShardedGradCompStrategy("int8", compress_across_nodes=True, resume_compression="reset",
+                                              quantize_weights="yes"),  # type: ignore[arg-type]
+              "quantize_weights", "True or False, but got 'yes'"),
 ]
