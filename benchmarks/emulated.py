@@ -197,6 +197,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--wan", nargs="*", default=None, help="WAN rates (default: the grid's)")
     parser.add_argument("--target", type=float, default=1.0, help="validation loss to reach (nats per byte)")
     parser.add_argument("--force", action="store_true")
+    parser.add_argument("--set", action="append", default=[],
+                        help="override added to every run (repeatable; e.g. a smoke's --trainer.max_steps=6)")
     parser.add_argument("--saved", action="store_true", help="run nothing: the tables of the stored runs")
     args = parser.parse_args(argv)
     grid = GRIDS[args.grid]
@@ -207,7 +209,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             if args.only is not None and label not in args.only:
                 continue
             path = out / wan / f"{label}.json"
-            overrides = [*overrides, *grid.common]
+            overrides = [*overrides, *grid.common, *args.set]
             if not args.saved and (args.force or not path.exists()):
                 print(f"[emulated {wan}] {label}: {command_line(recipe, overrides)}", flush=True)
                 cmd = [sys.executable, "-m", "gradcomp_lab.emulate", "--nproc", "4", "--sites", "2",
