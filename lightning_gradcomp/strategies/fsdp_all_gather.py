@@ -170,6 +170,7 @@ class QuantizedAllGather:
         self.units = cross_node_units(model, world, "quantized all-gather")
         for unit in self.units:
             _check_dtypes(unit)
+            _check_reshard(unit, world)
         node_group, peer_group = node_groups(self.layout, rank, timeout) if groups is None else groups
         self.ledger = Ledger()
         self._counting = False
@@ -229,4 +230,20 @@ def _check_dtypes(unit: nn.Module) -> None:
             f"Expected the parameters of every `fully_shard` unit to share one floating dtype for the quantized "
             f"all-gather, but got {sorted(str(d) for d in dtypes)} in {type(unit).__name__}. Fix: cast the unit's "
             f"parameters to one dtype, or set `MixedPrecisionPolicy(param_dtype=...)` on its `fully_shard`."
+        )
+
+
+def _check_reshard(unit: nn.Module, world: int) -> None:
+    """Refuse a unit that reshards after forward to fewer ranks (``reshard_after_forward=<int>``): its backward
+    all-gather would run over a group inside a node, which this all-gather does not serve.
+
+    Raises:
+        ValueError: ``reshard_after_forward`` of fewer ranks than the world.
+    """
+    info = unit._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info  # type: ignore[operator]
+    if info is not None and info.shard_mesh_size != world:
+        raise ValueError(
+            f"Expected `reshard_after_forward` to be True or False on every `fully_shard` unit for the quantized "
+            f"all-gather, but got {type(unit).__name__} resharding to {info.shard_mesh_size} ranks. Fix: pass "
+            f"`reshard_after_forward=True` (or False) to `fully_shard`."
         )

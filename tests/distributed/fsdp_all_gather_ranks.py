@@ -42,7 +42,7 @@ def train(rank: int, world_size: int, config: dict[str, Any], steps: int = 3) ->
             if config.get("hsdp") else init_device_mesh("cpu", (world_size,)))
     layers = (model[0], model[2], model[4])
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=config.get("reshard", True))
     fully_shard(model, mesh=mesh)
     seen: list[list[torch.Tensor]] = []
 

@@ -27,13 +27,14 @@ CONFIGS: list[dict[str, Any]] = [
     {"node_size": 3, "ag": True},
     {"node_size": 2, "ag": True, "hsdp": True},
     {"node_size": 2, "ag": True, "mixed": True},
+    {"node_size": 2, "ag": True, "reshard": 2},
     # through the Trainer: the option on (long enough to see the loss fall), off, and unset
     {"strategy": dict(ACROSS, quantize_weights=True), "steps": 40},
     {"strategy": dict(ACROSS, quantize_weights=False)},
     {"strategy": ACROSS},
     {"strategy": dict(ACROSS, quantize_weights=True, node_size=4)},
 ]
-AG_2x2, AG_4x1, BOTH_2x2, STOCK, BAD_NODES, HSDP, MIXED, TRAINER_ON, TRAINER_OFF, TRAINER_UNSET, ONE_NODE = range(
+AG_2x2, AG_4x1, BOTH_2x2, STOCK, BAD_NODES, HSDP, MIXED, PARTIAL_RESHARD, TRAINER_ON, TRAINER_OFF, TRAINER_UNSET, ONE_NODE = range(
     len(CONFIGS))
 #: FSDP2's dim-0 pieces of the three Linear units over 4 ranks (4 rows of 8 + 4 biases; 3 rows of 16 + 3; one row of
 #: 12 + 1), the all-gather's input on every rank: 100 elements in all
@@ -110,6 +111,8 @@ def test_bad_input_is_refused_before_the_first_step(results: list[list[dict[str,
         error = results[rank][MIXED]["error"]
         assert "Expected the parameters of every `fully_shard` unit to share one floating dtype" in error
         assert "torch.float64" in error and "Fix:" in error
+        error = results[rank][PARTIAL_RESHARD]["error"]
+        assert "Expected `reshard_after_forward` to be True or False" in error and "resharding to 2 ranks" in error
         result = results[rank][ONE_NODE]
         assert result["steps_done"] == 0
         assert "Expected at least 2 nodes for the compressed reduce-scatter across nodes" in result["error"]
