@@ -13,7 +13,8 @@ equal size; rank ``n * L + l`` is local rank ``l`` of node ``n``):
    codes with its own fp32 scale, by an all-to-all; each piece is decoded and summed by its owner only, in peer
    order), with error feedback on what this rank quantized.
 
-Only the gradients' reduce-scatter is compressed here; FSDP2's all-gather of the weights stays FSDP2's own (dense).
+Only the gradients' reduce-scatter is compressed here; the weights' all-gather is
+:mod:`~lightning_gradcomp.strategies.fsdp_all_gather`'s (blockwise int8 maths and groups from here), else FSDP2's own.
 Every byte sent is recorded in a :class:`~lightning_gradcomp.exchange.ledger.Ledger`: between nodes as the unit's
 record (what :meth:`Ledger.bytes_per_step` reports), inside a node on the ``"lan"`` channel.
 """

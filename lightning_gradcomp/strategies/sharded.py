@@ -302,8 +302,8 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
             size) and compress FSDP2's gradient reduce-scatter between nodes with ``compressor`` (``"int8"``:
             blockwise int8 with error feedback; ``"fp32"``: dense), dense inside a node
             (:class:`~lightning_gradcomp.strategies.fsdp_collectives.CompressedReduceScatter`). The weights'
-            all-gather stays FSDP2's (dense). Its residuals are not checkpointed: with ``"int8"`` pass
-            ``resume_compression="reset"``.
+            all-gather stays FSDP2's (dense) unless ``quantize_weights``. Its residuals are not checkpointed: with
+            ``"int8"`` pass ``resume_compression="reset"``.
         node_size: with ``compress_across_nodes``, the ranks of one node (consecutive ranks); ``None``: the
             Trainer's ``devices``. Must divide the world size into 2 nodes or more.
         quantize_weights: with ``compress_across_nodes``, also replace FSDP2's weight all-gather: blockwise int8
