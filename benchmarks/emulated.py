@@ -29,7 +29,7 @@ bracket its first crossing. Needs root (network namespaces).
     python benchmarks/emulated.py --grid lm --saved --target 2.6
     sudo python benchmarks/emulated.py --grid sharded                   # both WAN rates
     python benchmarks/emulated.py --grid sharded --saved --target 2.45
-    sudo python benchmarks/emulated.py --grid fsdp_cross_node          # 1 and 10 Gbit/s (about 20 min on 2 cores)
+    sudo python benchmarks/emulated.py --grid fsdp_cross_node          # 1 and 10 Gbit/s (about 30 min on 2 cores)
     python benchmarks/emulated.py --grid fsdp_cross_node --saved --target 2.45
     sudo python benchmarks/emulated.py --grid lm_long                   # both WAN rates
     python benchmarks/emulated.py --grid lm_long --saved --target 0.8

@@ -20,7 +20,7 @@ The loss (deterministic, no emulation: plain Gloo on this machine), one JSON per
 
 The time to the target loss at 1 Gbit/s and 10 Gbit/s between the 2 nodes (10 Gbit/s inside each), with
 ``gradcomp-perf``'s prediction beside each row (``gradcomp_lab.perfmodel.cross_node_fsdp_comm_seconds``), needs root
-(network namespaces) and a quiet machine: 4 runs x 2 links, about 25 minutes on 2 cores:
+(network namespaces) and a quiet machine: 4 runs x 2 links, about 30 minutes on 2 cores (8 runs of 3 to 4 minutes):
 
     sudo python benchmarks/emulated.py --grid fsdp_cross_node
     python benchmarks/emulated.py --grid fsdp_cross_node --saved --target 2.45
