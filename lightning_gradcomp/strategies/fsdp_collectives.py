@@ -130,7 +130,7 @@ class PieceSteps:
         nodes = layout.num_sites
         compressor.setup(self.node, nodes, device)
         self.state = GroupState(ProcessGroupTransport(peer_group, nodes))
-        self.summed = compressor.aggregation_for(nodes) is Aggregation.SUM
+        self.summed = compressor.aggregation is Aggregation.SUM  # set up for the peers above
         self._groups: dict[tuple[str, int], list[LayerGroup]] = {}
 
     @property
