@@ -218,6 +218,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                 subprocess.run(cmd, check=True, cwd=ROOT)
             if path.exists():
                 results.setdefault(wan, []).append(json.loads(path.read_text()))
+    if not results:
+        raise SystemExit(f"Expected stored runs under {out} for --saved, but got none. Fix: run "
+                         f"`sudo python benchmarks/emulated.py --grid {args.grid}` first (the emulated links need root).")
     predicted = ({wan: predictions(out, wan, runs, grid.wans) for wan, runs in results.items()} if grid.predicted
                  else None)
     table = summarize(results, args.target, grid.baseline, predicted)
