@@ -9,6 +9,10 @@ site, the WAN rate between the sites' bridges.
   sites are the emulator's (``site_size=2``): inner DDP over the fast link, the outer round over the slow one.
 * ``--grid sharded``: the language-model benchmark's GPT sharded by FSDP2 inside each site (2 replicas of 2 shards):
   dense HSDP, HSDP with bf16, int8 and TernGrad shards between the sites, and DiLoCo over the shards.
+* ``--grid fsdp_cross_node``: the same GPT sharded over all 4 ranks of the 2 sites, at 1 Gbit/s and 10 Gbit/s
+  between them: stock FSDP2 over all ranks (``sharded_fp32`` with ``shard_size=4``), the compressed collectives
+  across nodes (``compress_across_nodes=True``: the int8 reduce-scatter, then also ``quantize_weights=True``), and
+  the HSDP engine (``shard_size=2``, int8 between the sites) for comparison.
 * ``--grid lm_long``: 1-bit Adam and 0/1 Adam at their measured settings on the 2000-step grid
   (``recipes/lm/gpt_small_onebit_adam_b64.yaml``, ``gpt_small_zero_one_adam_b64.yaml``), against DDP and bf16 DDP,
   validated every 100 steps.
@@ -25,10 +29,12 @@ bracket its first crossing. Needs root (network namespaces).
     python benchmarks/emulated.py --grid lm --saved --target 2.6
     sudo python benchmarks/emulated.py --grid sharded                   # both WAN rates
     python benchmarks/emulated.py --grid sharded --saved --target 2.45
+    sudo python benchmarks/emulated.py --grid fsdp_cross_node          # 1 and 10 Gbit/s (about 30 min on 2 cores)
+    python benchmarks/emulated.py --grid fsdp_cross_node --saved --target 2.45
     sudo python benchmarks/emulated.py --grid lm_long                   # both WAN rates
     python benchmarks/emulated.py --grid lm_long --saved --target 0.8
 
-The sharded grid's tables also give the performance model's prediction of each run's step
+The sharded and cross-node grids' tables also give the performance model's prediction of each run's step
 (``gradcomp_lab.perfmodel.predict_from_stored``): from the same run's measured step on the other WAN rate, with that
 link's communication swapped for this one's, and its error against the step measured here.
 """
@@ -53,6 +59,18 @@ _RANK = ["--trainer.strategy=lightning_gradcomp.GradCompStrategy",
 
 
 _SHARDED = "recipes/lm/gpt_stdlib_sharded_terngrad.yaml"
+#: the model sharded over all 4 ranks, its collectives compressed between the 2 sites (nodes of 2 ranks)
+_ACROSS = ["--trainer.strategy.init_args.compressor=int8", "--trainer.strategy.init_args.shard_size=4",
+           "--trainer.strategy.init_args.compress_across_nodes=true", "--trainer.strategy.init_args.node_size=2",
+           "--trainer.strategy.init_args.resume_compression=reset"]
+#: the cross-node grid's runs (``benchmarks/fsdp_cross_node.py`` runs the same for the loss over seeds)
+CROSS_NODE_RUNS: dict[str, tuple[str, list[str]]] = {
+    "fsdp_fp32": (_SHARDED, ["--trainer.strategy.init_args.compressor=fp32", "--trainer.strategy.init_args.shard_size=4"]),
+    "across_int8": (_SHARDED, _ACROSS),
+    "across_int8_weights": (_SHARDED, [*_ACROSS, "--trainer.strategy.init_args.quantize_weights=true"]),
+    "hsdp_int8": (_SHARDED, ["--trainer.strategy.init_args.compressor=int8"]),
+}
+WANS = ("1gbit", "100mbit")
 
 
 @dataclass(frozen=True)
@@ -65,6 +83,7 @@ class Grid:
     out: Path
     baseline: str = "ddp"
     predicted: bool = False
+    wans: tuple[str, ...] = WANS
 
 
 GRIDS = {
@@ -107,8 +126,11 @@ GRIDS = {
             "--trainer.strategy.init_args.outer_lr=0.7", "--trainer.strategy.init_args.outer_momentum=0.9",
             "--trainer.strategy.init_args.outer_nesterov=true"]),
     }, ["--trainer.val_check_interval=25"], ROOT / "benchmarks/results/sharded_emulated", "hsdp_fp32", True),
+    # the model sharded across the 2 sites (nodes): stock FSDP2 over all ranks against the compressed collectives
+    # across nodes and against HSDP (the model in each node's shards)
+    "fsdp_cross_node": Grid(CROSS_NODE_RUNS, ["--trainer.val_check_interval=25"],
+                            ROOT / "benchmarks/results/fsdp_cross_node_emulated", "fsdp_fp32", True, ("1gbit", "10gbit")),
 }
-WANS = ("1gbit", "100mbit")
 LAN = "10gbit"
 
 
@@ -123,14 +145,15 @@ def time_to(run: dict[str, Any], target: float) -> Optional[float]:
     return None
 
 
-def predictions(out: Path, wan: str, runs: list[dict[str, Any]]) -> dict[str, tuple[str, float]]:
+def predictions(out: Path, wan: str, runs: list[dict[str, Any]], wans: tuple[str, ...] = WANS
+                ) -> dict[str, tuple[str, float]]:
     """The performance model's step for each of ``runs`` (measured on ``wan``), by label: predicted from the same
     run stored under ``out`` for the other WAN rate (:func:`gradcomp_lab.perfmodel.predict_from_stored`), with
     that rate; a run not stored for another rate has none."""
     from gradcomp_lab.perfmodel import predict_from_stored
 
     found = {}
-    for other in (w for w in WANS if w != wan):
+    for other in (w for w in wans if w != wan):
         for r in runs:
             path = out / other / f"{r['label']}.json"
             if r["label"] not in found and path.exists():
@@ -171,20 +194,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--grid", choices=sorted(GRIDS), default="diloco", help="which runs (see the docstring)")
     parser.add_argument("--out", type=Path, default=None, help="where the JSONs go (default: the grid's own folder)")
     parser.add_argument("--only", nargs="*", default=None, help="labels of the grid")
-    parser.add_argument("--wan", nargs="*", default=list(WANS), help="WAN rates")
+    parser.add_argument("--wan", nargs="*", default=None, help="WAN rates (default: the grid's)")
     parser.add_argument("--target", type=float, default=1.0, help="validation loss to reach (nats per byte)")
     parser.add_argument("--force", action="store_true")
+    parser.add_argument("--set", action="append", default=[],
+                        help="override added to every run (repeatable; e.g. a smoke's --trainer.max_steps=6)")
     parser.add_argument("--saved", action="store_true", help="run nothing: the tables of the stored runs")
     args = parser.parse_args(argv)
     grid = GRIDS[args.grid]
     out = grid.out if args.out is None else args.out
     results: dict[str, list[dict[str, Any]]] = {}
-    for wan in args.wan:
+    for wan in grid.wans if args.wan is None else args.wan:
         for label, (recipe, overrides) in grid.runs.items():
             if args.only is not None and label not in args.only:
                 continue
             path = out / wan / f"{label}.json"
-            overrides = [*overrides, *grid.common]
+            overrides = [*overrides, *grid.common, *args.set]
             if not args.saved and (args.force or not path.exists()):
                 print(f"[emulated {wan}] {label}: {command_line(recipe, overrides)}", flush=True)
                 cmd = [sys.executable, "-m", "gradcomp_lab.emulate", "--nproc", "4", "--sites", "2",
@@ -193,7 +218,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                 subprocess.run(cmd, check=True, cwd=ROOT)
             if path.exists():
                 results.setdefault(wan, []).append(json.loads(path.read_text()))
-    predicted = {wan: predictions(out, wan, runs) for wan, runs in results.items()} if grid.predicted else None
+    if not results:
+        raise SystemExit(f"Expected stored runs under {out} for --saved, but got none. Fix: run "
+                         f"`sudo python benchmarks/emulated.py --grid {args.grid}` first (the emulated links need root).")
+    predicted = ({wan: predictions(out, wan, runs, grid.wans) for wan, runs in results.items()} if grid.predicted
+                 else None)
     table = summarize(results, args.target, grid.baseline, predicted)
     header = f"python benchmarks/emulated.py {' '.join(argv if argv is not None else sys.argv[1:])}"
     machine = next(iter(results.values()))[0]["machine"]

@@ -1,13 +1,18 @@
-"""Memory per rank: the sharded strategy (FSDP2, 2 replicas of 2 shards) against our DDP strategy on the same model.
+"""Memory per rank: the sharded strategy (FSDP2, 2 replicas of 2 shards) against our DDP strategy on the same model,
+and the model sharded across 2 nodes of 2 ranks (FSDP2 over all 4 ranks: stock, with the compressed reduce-scatter,
+and with the quantized weight all-gather too) against the HSDP engine with the same int8 compressor.
 
 A GPT where the parameters dominate (width 768, 6 blocks: 43M parameters, 2 sequences of 64 tokens per rank),
 AdamW, 4 Gloo ranks on the CPU, a few steps; Gradient Dropping (error feedback: a residual per parameter) under
-``GradCompStrategy`` (DDP) and ``ShardedGradCompStrategy(shard_size=2)``. Each run is its own
-process tree (``--worker``), one after the other. Per rank it measures:
+``GradCompStrategy`` (DDP) and ``ShardedGradCompStrategy(shard_size=2)``; int8 between nodes under
+``ShardedGradCompStrategy(shard_size=2)`` (HSDP) and ``ShardedGradCompStrategy(compress_across_nodes=True,
+node_size=2)`` (with and without ``quantize_weights``), and stock FSDP2 over the 4 ranks (``sharded_fp32`` with
+``shard_size=4``: one replica, plain FSDP2). Each run is its own process tree (``--worker``), one after the other. Per rank it measures:
 
 * **held**: the bytes of the tensors the rank holds at its last optimizer step, by kind: parameters (its shards
   under FSDP2), gradients, AdamW's state and the residuals of error feedback. Exact (elements x element size);
-  what the 16 bytes per parameter of AdamW in fp32 become per rank.
+  what the 16 bytes per parameter of AdamW in fp32 become per rank. Residuals: the replica exchange's, or the int8
+  reduce-scatter's across nodes (two pieces of the unit per rank, the rank's own and the other node's).
 * **peak**: what training adds to the process's resident memory: its high-water mark (``VmHWM``) over the training
   steps, minus its resident memory before the model was built (imports and data only). The mark is reset when
   training starts, after freed heap pages went back to the system (``malloc_trim``), so the full model that each
@@ -15,7 +20,7 @@ process tree (``--worker``), one after the other. Per rank it measures:
   buckets, FSDP2's unsharded parameters and gradients of the unit being computed, activations, the exchange's
   buffers, and the allocator's slack. Linux only.
 
-    python benchmarks/sharded_memory.py            # the 2 runs, then the table (a few minutes on 2 cores)
+    python benchmarks/sharded_memory.py            # the 6 runs, then the table (about 10 minutes on 2 cores)
     python benchmarks/sharded_memory.py --saved    # the table of the stored runs
 """
 
@@ -34,10 +39,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 OUT = ROOT / "benchmarks" / "results" / "sharded_memory"
-#: label -> (strategy, compressor)
-RUNS = {
-    "ddp_graddrop": ("ddp", "graddrop"),
-    "sharded_graddrop": ("sharded", "graddrop"),
+#: the cross-node runs' nodes: 2 of 2 ranks
+ACROSS = {"compress_across_nodes": True, "node_size": 2, "resume_compression": "reset"}
+#: label -> (strategy, compressor, the sharded strategy's options)
+RUNS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "ddp_graddrop": ("ddp", "graddrop", {}),
+    "sharded_graddrop": ("sharded", "graddrop", {"shard_size": 2}),
+    "fsdp_over_all_ranks": ("sharded", "fp32", {"shard_size": 4}),
+    "hsdp_int8": ("sharded", "int8", {"shard_size": 2}),
+    "across_int8": ("sharded", "int8", ACROSS),
+    "across_int8_quantized_weights": ("sharded", "int8", {**ACROSS, "quantize_weights": True}),
 }
 WIDTH, DEPTH, HEADS, CONTEXT, BATCH, STEPS, WORLD = 768, 6, 12, 64, 2, 4, 4
 MIB = 2**20
@@ -120,17 +131,19 @@ def worker(label: str, out: Path) -> None:
                 return
             params = [p for p in module.parameters() if p.requires_grad]
             state = getattr(trainer.strategy, "comm_state", None)
+            across = getattr(trainer.strategy, "reduce_scatter", None)
             self.held = {
                 "parameters": nbytes(local(p) for p in params),
                 "gradients": nbytes(local(p.grad) for p in params if p.grad is not None),
                 "optimizer": nbytes(local(v) for s in optimizer.state.values() for v in s.values()
                                     if isinstance(v, torch.Tensor) and v.dim() > 0),
-                "residuals": 0 if state is None else nbytes(state.memory.residuals.values()),
+                "residuals": (0 if state is None else nbytes(state.memory.residuals.values()))
+                + (0 if across is None else nbytes(c.residual for c in across.comms if c.residual is not None)),
             }
 
-    kind, compressor = RUNS[label]
+    kind, compressor, options = RUNS[label]
     strategy = (GradCompStrategy(compressor=compressor) if kind == "ddp"
-                else ShardedGradCompStrategy(compressor=compressor, shard_size=2))
+                else ShardedGradCompStrategy(compressor=compressor, **options))
     meter = Meter()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=WORLD, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -148,7 +161,8 @@ def worker(label: str, out: Path) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({
             "label": label, "strategy": type(strategy).__name__, "compressor": compressor, "world_size": WORLD,
-            "shard_size": 2 if kind == "sharded" else None, "parameters": numel,
+            "shard_size": options.get("shard_size", WORLD) if kind == "sharded" else None,
+            "options": options, "parameters": numel,
             "model": f"GPT width {WIDTH}, depth {DEPTH}, vocab 256, context {CONTEXT}; AdamW; {BATCH} x {CONTEXT} "
                      f"tokens per rank; {STEPS} steps",
             "ranks": sorted(everyone, key=lambda r: r["rank"]), "command": "python benchmarks/sharded_memory.py",

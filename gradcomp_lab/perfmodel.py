@@ -525,6 +525,43 @@ def sharded_comm_seconds(codec: Codec, dense_bytes: float, world_size: int, netw
     return inside + _between_sites_seconds(codec, network, fractions) / sync_every
 
 
+def cross_node_fsdp_comm_seconds(between_bytes: float, dense_bytes: float, world_size: int, network: Network,
+                                 units: Buckets = 1, reduce_scatter: bool = False, all_gather: bool = False,
+                                 regather: bool = True) -> float:
+    """Seconds per step of FSDP2 over every rank of ``network.sites`` nodes (a model sharded across nodes), unit by
+    unit, serial (FSDP2's prefetching hides some of it: an upper bound):
+
+    * stock (``reduce_scatter`` and ``all_gather`` False): each unit's reduce-scatter of its fp32 gradient and
+      all-gather of its parameters are flat rings over every rank, at the slowest link they cross (the WAN); with
+      ``regather`` every unit but the last (the root) all-gathers once more in backward;
+    * ``reduce_scatter`` (``compress_across_nodes=True``): the reduce-scatter is dense over the node's ranks on the
+      fast link, then between nodes; ``all_gather`` (``quantize_weights=True``): the all-gather is between nodes,
+      then dense over the node's ranks. What crosses between nodes is ``between_bytes`` per rank and step (the
+      ledgers' ``bytes_per_step``, measured), the node's ranks sharing its one WAN link, one message per
+      collective; a collective not compressed stays the stock flat ring.
+    """
+    k = world_size // _sites(network)
+    lan = Network(network.link)
+    fractions = bucket_fractions(units)
+    seconds, messages = 0.0, 0
+    for i, f in enumerate(fractions):
+        gathers = 1 + (regather and i < len(fractions) - 1)
+        if reduce_scatter:  # half a ring all-reduce over the node: the reduce-scatter
+            seconds += ring_allreduce_seconds(dense_bytes * f, k, lan) / 2
+            messages += 1
+        else:
+            seconds += ring_allreduce_seconds(dense_bytes * f, world_size, network) / 2
+        if all_gather:  # the node's pieces (one per node) of each rank, gathered over the node
+            seconds += gathers * ring_allgather_seconds(dense_bytes * f / k, k, lan)
+            messages += gathers
+        else:
+            seconds += gathers * ring_allgather_seconds(dense_bytes * f / world_size, world_size, network)
+    if messages:
+        assert network.wan is not None
+        seconds += messages * (_sites(network) - 1) * network.wan.latency + 8.0 * k * between_bytes / network.wan.bandwidth
+    return seconds
+
+
 def _timeline_seconds(compute: ComputeTime, encode_s: float, decode_s: float, codec: Codec, world_size: int,
                       network: Network, fractions: list[float]) -> float:
     """DDP's step, buckets filling over backward in proportion to their parameters (exact for fully connected
@@ -1064,11 +1101,25 @@ def _sharded_run_comm_seconds(run: dict[str, Any], network: Network) -> float:
     return sharded_comm_seconds(codec, 4.0 * numel, n, network, units)
 
 
+def _cross_node_run_comm_seconds(run: dict[str, Any], network: Network) -> float:
+    """:func:`cross_node_fsdp_comm_seconds` of a stored run of a model sharded over every rank: stock FSDP2
+    (``shard_size`` the world size), or ``compress_across_nodes`` (with ``quantize_weights``: the all-gather too),
+    its measured bytes between nodes per rank, over the FSDP2 units of its recipe's GPT."""
+    across = bool(_strategy_arg(run, "compress_across_nodes"))
+    return cross_node_fsdp_comm_seconds(
+        float(run["bytes_per_step"]) if across else 0.0, 4.0 * int(run["parameters"]), int(run["world_size"]),
+        network, fsdp_unit_fractions(_recipe_gpt_shapes(run["recipe"])), reduce_scatter=across,
+        all_gather=across and bool(_strategy_arg(run, "quantize_weights")))
+
+
 def stored_run_comm_seconds(run: dict[str, Any], network: Network, buckets: Buckets) -> float:
     """Seconds of communication per step of a stored run (its bytes, its compressor's collective) on ``network``,
     with Gloo's flat ring, as the emulated cluster runs it (a sharded run: FSDP2's units, not ``buckets``)."""
     import lightning_gradcomp.compressors as compressors
 
+    if run["strategy"] == "ShardedGradCompStrategy" and (
+            _strategy_arg(run, "compress_across_nodes") or _strategy_arg(run, "shard_size") == run["world_size"]):
+        return _cross_node_run_comm_seconds(run, network)
     if run["strategy"] in ("ShardedGradCompStrategy", "ShardedDiLoCoStrategy"):
         return _sharded_run_comm_seconds(run, network)
     n, numel = int(run["world_size"]), int(run["parameters"])

@@ -492,7 +492,8 @@ def _emulated(wan: str, target: float, grid: str = "") -> Callable[[list[dict[st
 
         spec = GRIDS[grid] if grid else None
         baseline = "ddp" if spec is None else spec.baseline
-        predicted = {wan: predictions(spec.out, wan, runs)} if spec is not None and spec.predicted else None
+        predicted = ({wan: predictions(spec.out, wan, runs, spec.wans)} if spec is not None and spec.predicted
+                     else None)
         table = summarize({wan: runs}, target, baseline, predicted)
         return table.strip("\n").split("\n", 2)[2]  # the table, without its heading line
 
@@ -533,6 +534,23 @@ def _sharded_stats_table(runs: list[dict[str, Any]]) -> str:
         lines.append(f"| {name} | {la:.4f} ({la / ddp - 1:+.1%}) | {lb:.4f} ({lb / ddp - 1:+.1%}) | {lb / la - 1:+.1%} | "
                      f"{a['bytes_per_step']:,.0f} | {b['bytes_per_step']:,.0f} |")
     return "\n".join(lines)
+
+
+def _cross_node_loss_files() -> list[Path]:
+    """The stored runs of ``benchmarks/fsdp_cross_node.py``, by run then seed."""
+    from benchmarks.fsdp_cross_node import LOSS_RUNS, OUT, SEEDS
+
+    return [p for label in LOSS_RUNS for p in (OUT / f"seed{s}" / f"{label}.json" for s in SEEDS) if p.exists()]
+
+
+def _cross_node_loss_table(runs: list[dict[str, Any]]) -> str:
+    from benchmarks.fsdp_cross_node import summarize
+
+    by: dict[str, dict[int, dict[str, Any]]] = {}
+    for run in runs:
+        seed = next(int(o.partition("=")[2]) for o in run["overrides"] if o.startswith("--seed_everything="))
+        by.setdefault(run["label"], {})[seed] = run
+    return summarize(by)
 
 
 def _sharded_memory_labels() -> list[str]:
@@ -747,8 +765,11 @@ TABLES = [
     Table("sharded-stats", lambda: [RESULTS / "sharded_stats" / f"{label}.json" for label in _sharded_stats_labels()],
           _sharded_stats_table, "python tools/results_tables.py --only sharded-stats",
           produced=f"python benchmarks/lm.py --out benchmarks/results/sharded_stats {' '.join(SHARDED_STATS_RUNS)}"),
-    Table("sharded-memory", lambda: [RESULTS / "sharded_memory" / f"{label}.json" for label in _sharded_memory_labels()],
+    Table("sharded-memory", lambda: [p for p in (RESULTS / "sharded_memory" / f"{label}.json"
+                                                 for label in _sharded_memory_labels()) if p.exists()],
           _sharded_memory_table, "python benchmarks/sharded_memory.py --saved"),
+    Table("fsdp-cross-node-loss", _cross_node_loss_files, _cross_node_loss_table,
+          "python benchmarks/fsdp_cross_node.py --saved"),
     Table("sharded-emulated-1gbit", _emulated_runs("sharded", "1gbit"), _emulated("1gbit", 2.45, "sharded"),
           "python benchmarks/emulated.py --grid sharded --saved --target 2.45 --wan 1gbit"),
     Table("sharded-emulated-100mbit", _emulated_runs("sharded", "100mbit"), _emulated("100mbit", 2.45, "sharded"),

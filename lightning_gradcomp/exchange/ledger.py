@@ -152,6 +152,16 @@ def _resolve(parts: Iterable[Union[int, Tensor]]) -> int:
     return sum(int(part.sum()) if isinstance(part, Tensor) else part for part in parts)
 
 
+def joint_bytes_per_step(ledgers: Iterable["Ledger"]) -> int:
+    """:meth:`Ledger.bytes_per_step` of exchanges recorded in several ledgers that step together (the reduce-scatter
+    and the weight all-gather across nodes): their runs' bytes, the latest step included, over their step count
+    (the largest, should one ledger have opened the next step already). Summing each ledger's floored mean instead
+    could be a byte short."""
+    states = [ledger.run_state() for ledger in ledgers]
+    steps = max((state["steps"] for state in states), default=0)
+    return sum(state["total"] for state in states) // steps if steps else 0
+
+
 @dataclass
 class LayerRecord:
     """What the hook last did for one parameter (tensors stay on device until someone logs them)."""

@@ -278,6 +278,9 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
             (:class:`~lightning_gradcomp.strategies.fsdp_collectives.CompressedReduceScatter`).
         node_size: with ``compress_across_nodes``, the ranks of one node (consecutive ranks); ``None``: Fabric's
             ``devices``. Must divide the world size into 2 nodes or more.
+        quantize_weights: with ``compress_across_nodes``, also replace FSDP2's weight all-gather with blockwise int8
+            between nodes, dense inside a node, as :class:`~lightning_gradcomp.ShardedGradCompStrategy` does
+            (:class:`~lightning_gradcomp.strategies.fsdp_all_gather.QuantizedAllGather`).
         **kwargs: refused with the option named (a misspelt option, or the DDP engine's ``site_size``), as a
             ``ValueError``.
     """
@@ -293,6 +296,7 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         options: ShardedOptions,
         compress_across_nodes: bool = False,
         node_size: Optional[int] = None,
+        quantize_weights: bool = False,
         **kwargs: Any,
     ) -> None:
         if parallelize_fn is not None and not callable(parallelize_fn):
@@ -305,7 +309,7 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         self._init_sharding(options.shard_size, kwargs, keyword_options(ShardedGradCompFabricStrategy))
         self._init_recovery(options)
         self._init_wiring(options)
-        self._init_across_nodes(compress_across_nodes, node_size)
+        self._init_across_nodes(compress_across_nodes, node_size, quantize_weights)
         super().__init__(
             parallelize_fn=parallelize_fn or _shard_blocks,
             save_distributed_checkpoint=options.save_distributed_checkpoint,

@@ -17,10 +17,11 @@ equal size; rank ``n * L + l`` is local rank ``l`` of node ``n``):
    (``Transport.scatter_to_owners``), which decodes and sums them in peer order (blockwise int8 as ZeRO++'s qgZ,
    QSGD, 1-bit).
 
-Only the gradients' reduce-scatter is compressed here; FSDP2's all-gather of the weights stays FSDP2's own (dense).
-Every byte sent is recorded in a :class:`~lightning_gradcomp.exchange.ledger.Ledger`: between nodes as the pieces'
-records (what :meth:`Ledger.bytes_per_step` reports; a rank's own piece is compressed but never sent, so it is not
-counted), inside a node on the ``"lan"`` channel.
+Only the gradients' reduce-scatter is compressed here; the weights' all-gather is
+:mod:`~lightning_gradcomp.strategies.fsdp_all_gather`'s (it shares the units' checks and the groups made here), else
+FSDP2's own. Every byte sent is recorded in a :class:`~lightning_gradcomp.exchange.ledger.Ledger`: between nodes as the
+pieces' records (what :meth:`Ledger.bytes_per_step` reports; a rank's own piece is compressed but never sent, so it is
+not counted), inside a node on the ``"lan"`` channel.
 """
 
 from collections.abc import Callable, Sequence
@@ -129,7 +130,7 @@ class PieceSteps:
         nodes = layout.num_sites
         compressor.setup(self.node, nodes, device)
         self.state = GroupState(ProcessGroupTransport(peer_group, nodes))
-        self.summed = compressor.aggregation_for(nodes) is Aggregation.SUM
+        self.summed = compressor.aggregation is Aggregation.SUM  # set up for the peers above
         self._groups: dict[tuple[str, int], list[LayerGroup]] = {}
 
     @property
@@ -208,6 +209,55 @@ class PieceSteps:
         self.state.memory.load_state_dict(saved["memory"], device)
         self.compressor.load_state_dict(saved["compressor"])
         self.ledger.load_run_state(saved["bytes"])
+
+
+def cross_node_units(model: nn.Module, world: int, collective: str) -> list[nn.Module]:
+    """The FSDP2 units of ``model`` that hold parameters, checked to be sharded over every rank in rank order (a
+    collective across nodes finds a node's pieces by global rank). ``collective`` names the caller in the errors.
+
+    Raises:
+        ValueError: no ``fully_shard`` unit, a unit sharded over fewer ranks (an HSDP mesh), or a mesh that does not
+            list the ranks in order.
+    """
+    units = [u for u in fsdp_units(model) if u._get_fsdp_state()._fsdp_param_group is not None]  # type: ignore[operator]
+    if not units:
+        raise ValueError(
+            f"Expected a model sharded with FSDP2, but got {type(model).__name__} with no `fully_shard` module. "
+            f"Fix: call `fully_shard(block, mesh=mesh)` for each block, then on the root, before this."
+        )
+    for unit in units:
+        group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+        size = group.mesh_info.shard_mesh_size
+        if size != world or getattr(group.mesh_info, "replicate_mesh_size", 1) != 1:
+            raise ValueError(
+                f"Expected every unit sharded over all {world} ranks (a 1-D mesh) for the {collective} across "
+                f"nodes, but got {type(unit).__name__} sharded over {size}. Fix: pass a 1-D mesh of every rank "
+                f"to `fully_shard` (or use `ShardedGradCompStrategy` for HSDP with a node per replica)."
+            )
+        order = group.mesh_info.mesh.mesh.reshape(-1).tolist()
+        if order != list(range(world)):
+            # FSDP2 gives piece i to the mesh's i-th rank: the nodes' pieces are found by global rank
+            raise ValueError(
+                f"Expected the mesh of `fully_shard` to list the ranks in order (0 .. {world - 1}), so that the "
+                f"pieces of a node are its ranks', but got {order}. Fix: `init_device_mesh(device, ({world},))`."
+            )
+    return units
+
+
+def node_groups(layout: SiteLayout, rank: int, timeout: Optional[timedelta]
+                ) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """This rank's node group and peer group (its local rank in every node, in node order). Every rank makes every
+    group, in the same order."""
+    node_group = peer_group = None
+    for node in range(layout.num_sites):
+        group = new_group(layout.ranks(node), timeout)
+        if node == layout.site_of(rank):
+            node_group = group
+    for local in range(layout.sizes[0]):
+        group = new_group([start + local for start in layout.starts], timeout)
+        if local == rank - layout.starts[layout.site_of(rank)]:
+            peer_group = group
+    return node_group, peer_group
 
 
 class HierarchicalReduceScatter(ReduceScatter):
@@ -298,39 +348,11 @@ class CompressedReduceScatter:
         self.compressor = check_compressor(compressor, block_size, error_feedback)
         world, rank = dist.get_world_size(), dist.get_rank()
         self.layout = node_layout(world, node_size)
-        self.units = [u for u in fsdp_units(model)
-                      if u._get_fsdp_state()._fsdp_param_group is not None]  # type: ignore[operator]
-        if not self.units:
-            raise ValueError(
-                f"Expected a model sharded with FSDP2, but got {type(model).__name__} with no `fully_shard` module. "
-                f"Fix: call `fully_shard(block, mesh=mesh)` for each block, then on the root, before this."
-            )
-        for unit in self.units:
-            group = unit._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-            size = group.mesh_info.shard_mesh_size
-            if size != world or getattr(group.mesh_info, "replicate_mesh_size", 1) != 1:
-                raise ValueError(
-                    f"Expected every unit sharded over all {world} ranks (a 1-D mesh) for the reduce-scatter across "
-                    f"nodes, but got {type(unit).__name__} sharded over {size}. Fix: pass a 1-D mesh of every rank "
-                    f"to `fully_shard` (or use `ShardedGradCompStrategy` for HSDP with a node per replica)."
-                )
-            order = group.mesh_info.mesh.mesh.reshape(-1).tolist()
-            if order != list(range(world)):
-                # FSDP2 gives piece i to the mesh's i-th rank: the nodes' pieces are found by global rank
-                raise ValueError(
-                    f"Expected the mesh of `fully_shard` to list the ranks in order (0 .. {world - 1}), so that the "
-                    f"pieces of a node are its ranks', but got {order}. Fix: `init_device_mesh(device, ({world},))`."
-                )
+        self.units = cross_node_units(model, world, "reduce-scatter")
         self._calls = 0
-        node_group = peer_group = None
-        for node in range(self.layout.num_sites):
-            group = new_group(self.layout.ranks(node), timeout)
-            if node == self.layout.site_of(rank):
-                node_group = group
-        for local in range(node_size):
-            group = new_group([start + local for start in self.layout.starts], timeout)
-            if local == rank - self.layout.starts[self.layout.site_of(rank)]:
-                peer_group = group
+        #: this rank's node group and peer group (:func:`node_groups`), for a quantized all-gather to share
+        self.groups = node_groups(self.layout, rank, timeout)
+        node_group, peer_group = self.groups
         device = next(p.device for p in model.parameters())
         self.device = device
         self.steps = PieceSteps(self.compressor, self.layout, rank, peer_group, device)

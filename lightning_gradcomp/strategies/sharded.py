@@ -30,6 +30,8 @@ from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import OptimizerCheck
+from lightning_gradcomp.exchange.ledger import Ledger, joint_bytes_per_step
+from lightning_gradcomp.strategies.fsdp_all_gather import QuantizedAllGather
 from lightning_gradcomp.strategies.fsdp_collectives import CompressedReduceScatter, check_compressor, node_layout
 from lightning_gradcomp.strategies.options import ShardedOptions, with_options
 from lightning_gradcomp.strategies.resilience import ResilienceMixin
@@ -166,18 +168,30 @@ class ShardedWiring(HookWiring):
         # the compressed reduce-scatter across nodes (:meth:`_init_across_nodes`)
         self._across_nodes = False
         self.node_size: Optional[int] = None
+        self.quantize_weights = False
         self.reduce_scatter: Optional[CompressedReduceScatter] = None
+        self.weight_all_gather: Optional[QuantizedAllGather] = None
 
-    def _init_across_nodes(self, compress_across_nodes: bool, node_size: Optional[int]) -> None:
-        """Check the options of the compressed reduce-scatter across nodes that need no process group.
+    def _init_across_nodes(self, compress_across_nodes: bool, node_size: Optional[int],
+                           quantize_weights: bool = False) -> None:
+        """Check the options of the compressed collectives across nodes that need no process group.
 
         Raises:
-            ValueError: ``node_size`` without ``compress_across_nodes``; a compressor that cannot serve the
-                reduce-scatter.
+            ValueError: ``node_size`` or ``quantize_weights`` without ``compress_across_nodes``; a compressor that
+                cannot serve the reduce-scatter.
         """
-        if not isinstance(compress_across_nodes, bool):
-            raise ValueError(f"Expected `compress_across_nodes` to be True or False, but got "
-                             f"{compress_across_nodes!r}. Fix: pass `compress_across_nodes=True` or leave it unset.")
+        for name, value in (("compress_across_nodes", compress_across_nodes), ("quantize_weights", quantize_weights)):
+            if not isinstance(value, bool):
+                raise ValueError(f"Expected `{name}` to be True or False, but got {value!r}. Fix: pass "
+                                 f"`{name}=True` or leave it unset.")
+        if quantize_weights and not compress_across_nodes:
+            raise ValueError(
+                "Expected `quantize_weights=True` only with `compress_across_nodes=True` (it quantizes FSDP2's weight "
+                "all-gather between nodes, for a model sharded across nodes), but got it without. Fix: add "
+                "`compress_across_nodes=True`, or drop `quantize_weights` (under HSDP the weights never cross "
+                "between nodes)."
+            )
+        self.quantize_weights = quantize_weights
         if node_size is not None:
             check_int("node_size", node_size, minimum=1, fix="pass the ranks of one node, e.g. 8")
             if not compress_across_nodes:
@@ -220,13 +234,17 @@ class ShardedWiring(HookWiring):
 
     def _install_reduce_scatter(self, module: Module, state: "GradCompState", ranks_per_node: int) -> None:
         """With ``compress_across_nodes``: the compressed reduce-scatter on every FSDP2 unit, its residuals in
-        every rank's checkpoint state (``state.extra``). After the replica exchange, whose hook (the non-finite
+        every rank's checkpoint state (``state.extra``); with ``quantize_weights`` too, the quantized weight
+        all-gather. After the replica exchange, whose hook (the non-finite
         guard alone, one replica) then checks what this reduce-scatter delivered to each rank's shard."""
         if not self._across_nodes:
             return
         node = ranks_per_node if self.node_size is None else self.node_size
         self.reduce_scatter = CompressedReduceScatter(module, node, self.compressor, timeout=self._timeout)
         state.attach("reduce_scatter", self.reduce_scatter)
+        if self.quantize_weights:  # over the reduce-scatter's node and peer groups
+            self.weight_all_gather = QuantizedAllGather(module, node, timeout=self._timeout,
+                                                        groups=self.reduce_scatter.groups)
 
     def _rollback_skipped(self) -> None:
         """After the agreement on a skipped step: the reduce-scatter's residuals carry that step's gradient on as if
@@ -235,22 +253,26 @@ class ShardedWiring(HookWiring):
         if self.reduce_scatter is not None and state is not None and state.guard.step_nonfinite:
             self.reduce_scatter.rollback()
 
+    def _node_ledgers(self) -> list[Ledger]:
+        """The ledgers of the collectives across nodes: the reduce-scatter's, and the weight all-gather's."""
+        return [c.ledger for c in (self.reduce_scatter, self.weight_all_gather) if c is not None]
+
     @override
     def bytes_per_step(self) -> int:
         if self.reduce_scatter is not None:  # between nodes (the replica exchange sends nothing with one replica)
-            return self.reduce_scatter.bytes_per_step()
+            return joint_bytes_per_step(self._node_ledgers())
         return super().bytes_per_step()
 
     @override
     def last_step_bytes(self) -> int:
         if self.reduce_scatter is not None:
-            return self.reduce_scatter.last_step_bytes()
+            return sum(ledger.last_step_bytes() for ledger in self._node_ledgers())
         return super().last_step_bytes()
 
     @override
     def dense_bytes_per_step(self) -> float:
-        if self.reduce_scatter is not None:  # the same exchange between nodes in fp32
-            return self.reduce_scatter.ledger.dense_bytes_per_step()
+        if self.reduce_scatter is not None:  # the same collectives between nodes in fp32
+            return sum(ledger.dense_bytes_per_step() for ledger in self._node_ledgers())
         return super().dense_bytes_per_step()
 
     def _install_exchange(self, module: Module, mesh: "DeviceMesh", rank: int, device: torch.device, where: str,
@@ -376,9 +398,15 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
             blockwise int8 with error feedback; ``"terngrad"``, ``"qsgd"``, ``"onebit"``, ``"bf16"``: as under DDP,
             per piece; ``"fp32"``: dense), dense inside a node
             (:class:`~lightning_gradcomp.strategies.fsdp_collectives.CompressedReduceScatter`). The weights'
-            all-gather stays FSDP2's (dense). Its residuals are in every rank's checkpoint state.
+            all-gather stays FSDP2's (dense) unless ``quantize_weights``. Its residuals are in every rank's
+            checkpoint state.
         node_size: with ``compress_across_nodes``, the ranks of one node (consecutive ranks); ``None``: the
             Trainer's ``devices``. Must divide the world size into 2 nodes or more.
+        quantize_weights: with ``compress_across_nodes``, also replace FSDP2's weight all-gather: blockwise int8
+            between nodes (256 elements per fp32 scale, as ZeRO++'s qwZ), dense inside a node
+            (:class:`~lightning_gradcomp.strategies.fsdp_all_gather.QuantizedAllGather`). Every rank computes with
+            the same quantized weights; the optimizer updates the full-precision shards. Its bytes between nodes
+            join ``bytes_per_step()``.
         **kwargs: refused with the option named (a misspelt option, or the DDP engine's ``site_size``), as a
             ``ValueError``.
     """
@@ -387,11 +415,11 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
 
     @with_options(ShardedOptions)
     def __init__(self, options: ShardedOptions, compress_across_nodes: bool = False, node_size: Optional[int] = None,
-                 **kwargs: Any) -> None:
+                 quantize_weights: bool = False, **kwargs: Any) -> None:
         self._init_sharding(options.shard_size, kwargs, keyword_options(ShardedGradCompStrategy))
         self._init_resilience(options)
         self._init_wiring(options)
-        self._init_across_nodes(compress_across_nodes, node_size)
+        self._init_across_nodes(compress_across_nodes, node_size, quantize_weights)
         super().__init__(
             save_distributed_checkpoint=options.save_distributed_checkpoint,
             process_group_backend=options.process_group_backend,

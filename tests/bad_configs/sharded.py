@@ -28,4 +28,13 @@ BAD_CONFIGS = [
     BadConfig("fabric-sharded-across-nodes-sparse",
               lambda: ShardedGradCompFabricStrategy(compressor="graddrop", compress_across_nodes=True), "compressor",
               "GradientDropping (aggregation `gather`, sparse"),
+    # the quantized weight all-gather across nodes
+    BadConfig("sharded-quantize-weights-alone", lambda: ShardedGradCompStrategy("int8", quantize_weights=True),
+              "quantize_weights", "but got it without"),
+    BadConfig("sharded-quantize-weights-not-bool",
+              lambda: ShardedGradCompStrategy("int8", compress_across_nodes=True, quantize_weights="yes"),
+              "quantize_weights", "True or False, but got 'yes'"),
+    BadConfig("fabric-sharded-quantize-weights-alone",
+              lambda: ShardedGradCompFabricStrategy(compressor="int8", quantize_weights=True), "quantize_weights",
+              "but got it without"),
 ]

@@ -43,6 +43,20 @@ def test_fabric_int8_across_two_nodes_trains_one_model_with_its_bytes(results: l
     assert not torch.equal(results[0]["int8_2x2"]["shards"][0], results[0]["int8_2x2"]["shards"][-1])
 
 
+def test_fabric_quantized_weights_train_one_model_and_join_the_bytes(results: list[dict[str, Any]]) -> None:
+    """``quantize_weights=True``: every rank gathers the same parameters, which differ from the int8 reduce-scatter
+    alone (the weights it computed with were int8-rounded); ``bytes_per_step()`` adds the all-gather's (each Linear
+    unit gathered in forward and again in backward: 2 x 112) to the reduce-scatter's 112."""
+    for rank in range(4):
+        run = results[rank]["int8_weights_2x2"]
+        assert "error" not in run, run.get("error")
+        assert torch.equal(run["full"], results[0]["int8_weights_2x2"]["full"]), rank
+        assert run["strategy_bytes"] == 112 + 2 * 112
+        assert run["dense_bytes"] == 4 * sum(PIECES) + 2 * 4 * sum(PIECES)
+    assert not torch.equal(results[0]["int8_weights_2x2"]["full"], results[0]["int8_2x2"]["full"])
+    assert not torch.equal(results[0]["int8_weights_2x2"]["shards"][0], results[0]["int8_weights_2x2"]["shards"][-1])
+
+
 def test_fabric_bad_input_is_refused_before_the_first_step(results: list[dict[str, Any]]) -> None:
     for rank in range(4):
         error = results[rank]["bad_nodes"].get("error", "")

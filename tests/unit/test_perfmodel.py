@@ -380,6 +380,26 @@ def test_sharded_exchange_seconds_by_hand() -> None:
         sharded_comm_seconds(dense, 8e6, 4, Network(Link(1e10)))
 
 
+def test_cross_node_fsdp_seconds_by_hand() -> None:
+    """FSDP2 over 4 ranks of 2 nodes, 2 units of 4 MB each (8 MB of fp32), the second the root (not regathered)."""
+    from gradcomp_lab.perfmodel import cross_node_fsdp_comm_seconds
+
+    net = Network(Link(1e10, 1e-4), sites=2, wan=Link(1e9, 1e-4))
+    # stock, flat rings over the 4 ranks at the WAN's rate: per unit a reduce-scatter of 4 MB (half a ring
+    # all-reduce: 3 x 1e-4 + 3/4 x 8 x 4e6 / 1e9 s) and all-gathers of its 1 MB pieces (3 x (1e-4 + 8 x 1e6 / 1e9))
+    # once, the first unit twice: both 0.0243 s
+    assert cross_node_fsdp_comm_seconds(0.0, 8e6, 4, net, [0.5, 0.5]) == pytest.approx(5 * 0.0243)
+    # compressed: inside a node of 2 on the fast link, a reduce-scatter of 4 MB (1e-4 + 8 x 2e6 / 1e10) and
+    # all-gathers of 2 MB (the same): 1.7e-3 s each; between nodes, the node's 2 ranks' 1 MB each on its one WAN link
+    # and one latency per collective
+    between = 8 * 2e6 / 1e9
+    assert cross_node_fsdp_comm_seconds(1e6, 8e6, 4, net, [0.5, 0.5], reduce_scatter=True, all_gather=True) == (
+        pytest.approx(5 * 1.7e-3 + 5 * 1e-4 + between))
+    # the reduce-scatter alone: the all-gathers stay stock's flat rings
+    assert cross_node_fsdp_comm_seconds(1e6, 8e6, 4, net, [0.5, 0.5], reduce_scatter=True) == pytest.approx(
+        2 * 1.7e-3 + 3 * 0.0243 + 2 * 1e-4 + between)
+
+
 def test_fsdp_units_are_the_blocks_last_first_then_the_root() -> None:
     from gradcomp_lab.perfmodel import fsdp_unit_fractions, gpt_shapes
 
