@@ -26,8 +26,8 @@ Prints, for one checkout of the library package (default: this repository's ``li
 * the compressor contract: public methods and class attributes of ``Compressor`` (the flags among them: those
   typed ``bool`` or ``Optional[bool]``), and the attributes the runtime reads off a compressor by name
   (``getattr(compressor, "...", default)``, ``hasattr``) that the contract does not declare; the contract's names
-  in all, less the kernel choice (:data:`KERNEL_CHOICE`, which the kernel provider takes off it), are held to
-  :data:`CONTRACT_LIMIT` (``tests/unit/test_architecture_counts.py``);
+  in all (the kernel choice is the kernel provider's, not the contract's) are held to :data:`CONTRACT_LIMIT`
+  (``tests/unit/test_architecture_counts.py``);
 * the strategy options written in both front ends of an engine (:data:`FRONT_END_PAIRS`: the parameter names both
   constructors spell out, of the larger one's), and the hook state's pass-through properties (a ``GradCompState``
   property whose body is ``return self.<owner>.<value>``);
@@ -83,9 +83,6 @@ LEDGER_CALLS = re.compile(r"^record")
 LEDGER_FORMULAS = frozenset({"dense_bytes", "tensor_bytes"})
 #: the most public names (methods and class attributes, flags included) the compressor contract may have
 CONTRACT_LIMIT = 12
-#: the contract's names that choose a group's kernels (torch ops, compiled CPU, Triton): the kernel provider's, not
-#: the contract's
-KERNEL_CHOICE = ("kernels", "uses_triton", "triton")
 #: the methods that change a ``RunBytes`` (``exchange/ledger.py``)
 RUN_BYTES_WRITERS = frozenset({"add", "end_step", "fold_into_last"})
 #: functions whose byte sizes are of layout, not of the wire (syntactically alike), with the reason
@@ -421,8 +418,8 @@ def _pass_through_properties(library: Path) -> list[str]:
                     found.append(item.name)
     return found
 def contract_names(counts: Counts) -> list[str]:
-    """The compressor contract's public names (methods, then class attributes), less :data:`KERNEL_CHOICE`."""
-    return [n for n in counts.contract_methods + counts.contract_attributes if n not in KERNEL_CHOICE]
+    """The compressor contract's public names: methods, then class attributes."""
+    return counts.contract_methods + counts.contract_attributes
 
 
 def _modules(places: list[str]) -> int:
@@ -452,8 +449,7 @@ def main() -> None:
     print(f"| Compressor's public methods | {len(counts.contract_methods)} |")
     print(f"| Compressor's public class attributes (flags among them) | "
           f"{len(counts.contract_attributes)} ({len(counts.contract_flags)}) |")
-    print(f"| Compressor's public names in all, less the kernel choice {', '.join(KERNEL_CHOICE)} | "
-          f"{len(contract_names(counts))} |")
+    print(f"| Compressor's public names in all (methods and class attributes) | {len(contract_names(counts))} |")
     print(f"| compressor attributes the runtime reads by name, undeclared by the contract | "
           f"{len(counts.undeclared_attributes)} |")
     print(f"| entries at the library's root (public modules, packages) | {len(counts.root_entries)} "
@@ -478,7 +474,7 @@ def main() -> None:
             ("contract methods", counts.contract_methods),
             ("contract attributes", counts.contract_attributes),
             ("contract flags", counts.contract_flags),
-            ("contract names, less the kernel choice", contract_names(counts)),
+            ("contract names", contract_names(counts)),
             ("undeclared attributes", counts.undeclared_attributes),
             ("root entries", counts.root_entries),
             ("backend branches", counts.backend_branches),
