@@ -494,6 +494,11 @@ class PresetFabricStrategy(GradCompFabricStrategy):
             names |= presets.embedding_names(self._preset_module, named)
         return names
 
+    @override
+    def _layer_compressors(self, named: dict[str, torch.nn.Parameter]) -> dict[str, Compressor]:
+        module = self._preset_module
+        return {} if module is None else self.preset.embedding_compressors(module, named)
+
 
 def fabric_alternatives() -> str:
     """What this package runs under Fabric, for an error's fix: the names from Fabric's registry (so a preset or a

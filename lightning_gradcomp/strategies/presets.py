@@ -110,6 +110,10 @@ class Preset:
         compressor_class: the compressor built with ``options``.
         options: the compressor's arguments.
         float_embeddings: send the parameters of every ``nn.Embedding`` in fp32 (uncompressed).
+        row_levels: compress the parameters of every ``nn.Embedding`` with QSGD at this many levels and one norm per
+            embedding row (QSGD's bucket, made a row: a scaler per row), instead of the preset's compressor; 0: the
+            preset's compressor compresses them too. With a tied output projection the embedding's gradient is
+            dense and, with a large vocabulary, most of the parameters.
         dense_steps: plain fp32 all-reduce for the first steps: a fraction of the run (``float`` in (0, 1), resolved
             from the Trainer's ``max_steps`` when training starts, so the warm-up keeps the share of the run it was
             measured with) or a number of steps (``int``)
@@ -126,9 +130,27 @@ class Preset:
     recipe: str
     float_embeddings: bool = False
     dense_steps: Union[int, float] = 0
+    row_levels: int = 0
 
     def __post_init__(self) -> None:
         check_dense_steps("dense_steps", self.dense_steps)
+        if self.row_levels and self.float_embeddings:
+            raise ValueError(f"Expected one way to send {self.name}'s embeddings, but got float_embeddings=True and "
+                             f"row_levels={self.row_levels}. Fix: drop one of them.")
+
+    def embedding_compressors(self, module: nn.Module, named: Mapping[str, nn.Parameter]) -> dict[str, Compressor]:
+        """The compressor of each embedding parameter of ``module`` (its name in ``named``) where ``row_levels``
+        says so, one per row width (not set up): QSGD with a norm per row. Empty otherwise."""
+        if not self.row_levels:
+            return {}
+        by_width: dict[int, Compressor] = {}
+        own: dict[str, Compressor] = {}
+        for name in sorted(embedding_names(module, named)):
+            width = named[name].shape[-1]
+            if width not in by_width:
+                by_width[width] = QSGD(levels=self.row_levels, bucket_size=width)
+            own[name] = by_width[width]
+        return own
 
     def make_compressor(self) -> Compressor:
         """A fresh compressor with this preset's options."""
@@ -140,6 +162,8 @@ class Preset:
         parts = [f"{self.compressor_class.__name__}({args})"]
         if self.float_embeddings:
             parts.append("embeddings in fp32")
+        if self.row_levels:
+            parts.append(f"embeddings by QSGD(levels={self.row_levels}) with a norm per row")
         if self.dense_steps:
             parts.append(self.describe_dense())
         return ", ".join(parts)
@@ -171,7 +195,7 @@ _DDP = ("ddp", "ddp_seed1", "ddp_seed2")
 _DDP300 = ("ddp_warm300", "ddp_warm300_seed1", "ddp_warm300_seed2", "ddp_warm300_seed3", "ddp_warm300_seed4")
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
-    Preset("terngrad_lm", "terngrad", TernGrad, {"clip_factor": 1.0, "bucket_size": 64}, float_embeddings=True,
+    Preset("terngrad_lm", "terngrad", TernGrad, {"clip_factor": 1.0, "bucket_size": 64}, row_levels=31,
            recipe="recipes/lm/gpt_small_terngrad_b64.yaml",
            measured=Measurement((("terngrad_fp32emb_clip1_b64", _DDP[0]), ("terngrad_fp32emb_clip1_b64_seed1", _DDP[1]),
                                  ("terngrad_fp32emb_clip1_b64_seed2", _DDP[2])), 1.1, 4.3,

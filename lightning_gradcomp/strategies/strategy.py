@@ -289,6 +289,11 @@ class PresetStrategy(GradCompStrategy):
         return names
 
     @override
+    def _layer_compressors(self, named: dict[str, torch.nn.Parameter]) -> dict[str, Compressor]:
+        module = self.lightning_module
+        return {} if module is None else self.preset.embedding_compressors(module, named)
+
+    @override
     def setup(self, trainer: "pl.Trainer") -> None:
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if self.preset.dense_steps:

@@ -1,6 +1,6 @@
 """The presets and the paper-default warning on real Gloo ranks: ``strategy="terngrad"`` with AdamW warns once on
 rank 0, naming the measured gap and the preset; the preset, SGD and a customised compressor do not; a preset sends
-the embeddings in fp32 and its dense steps as fp32 DDP."""
+its embedding's rows through a compressor of their own and its dense steps as fp32 DDP."""
 
 import pytest
 
@@ -42,10 +42,13 @@ def test_paper_default_with_adamw_warns_once_on_rank_0_and_presets_do_not() -> N
     (fabric_warning,) = _gap_warnings(fabric_paper)  # Fabric's setup warns alike
     assert "strategy='qsgd_lm'" in fabric_warning and "with Adam," in fabric_warning
     assert all(_gap_warnings(run) == [] for run in ranks[1])  # rank 0 speaks for the run
-    # the presets: their strategy class, the embedding in fp32, graddrop_lm's first step dense (as fp32 DDP)
+    # the presets: their strategy class, the embedding's rows by QSGD with a norm per row (the embedding is 8 wide),
+    # graddrop_lm's first step dense (as fp32 DDP)
     assert preset["strategy"] == "PresetStrategy" and fabric_preset["strategy"] == "PresetFabricStrategy"
-    assert preset["float_names"] == ["model.embedding.weight"] and fabric_preset["float_names"] == ["embedding.weight"]
-    assert paper["float_names"] == [] and graddrop["float_names"] == []
+    rows = {"compressor": "QSGD", "levels": PRESETS["terngrad_lm"].row_levels, "bucket_size": 8, "seed": 0}
+    assert preset["own"] == {"model.embedding.weight": rows} and fabric_preset["own"] == {"embedding.weight": rows}
+    assert preset["float_names"] == fabric_preset["float_names"] == paper["float_names"] == graddrop["float_names"] == []
+    assert paper["own"] == graddrop["own"] == {}
     assert graddrop["bytes"] == graddrop["dense_bytes"] > 0
     # its warm-up is 5 % of the run, resolved from the Trainer's max_steps=1: at least one step
     assert graddrop["dense_steps"] == 1 and preset["dense_steps"] is None

@@ -257,8 +257,11 @@ def test_a_presets_bytes_are_the_ratio_it_states(name: str) -> None:
     compressor = preset.make_compressor()
     compressor.setup(0, WORKLOAD.ranks, torch.device("cpu"))
     floats = embedding_names(model, named) if preset.float_embeddings else frozenset()
+    own = preset.embedding_compressors(model, named)
+    for row_compressor in own.values():
+        row_compressor.setup(0, WORKLOAD.ranks, torch.device("cpu"))
     codec = measure_exchange(compressor, names, [named[n].grad.detach() for n in names],  # type: ignore[union-attr]
-                             WORKLOAD.ranks, repeats=0, float_names=floats)
+                             WORKLOAD.ranks, repeats=0, float_names=floats, layer_compressors=own)
     fp32 = 4 * WORKLOAD.parameters
     step = codec.nbytes + codec.shared_nbytes  # the shared scalers travel too, as the stored runs count them
     run = {"steps": WORKLOAD.steps, "fp32_bytes_per_step": fp32, "bytes_per_step": step}
