@@ -48,6 +48,9 @@ CONFIGS: dict[str, list[str]] = {
     "ddp": [],
     "qsgd_lm": ["--trainer.strategy=qsgd_lm"],
     "terngrad_lm": ["--trainer.strategy=terngrad_lm"],
+    # terngrad_lm with its embeddings' rows by QSGD (31 levels, a norm per row) instead of fp32
+    "terngrad_rows": ["--trainer.strategy=lightning_gradcomp.PresetStrategy", "--trainer.strategy.init_args.preset=terngrad_lm",
+                      "--trainer.strategy.init_args.row_levels=31"],
     "graddrop_lm": ["--trainer.strategy=graddrop_lm"],
     "demo_lm": ["--trainer.strategy=demo_lm", "--model.init_args.optimizer=signsgd", f"--model.init_args.lr={_DEMO_LR}"],
     "onebit_adam": ["--trainer.strategy=onebit_adam", "--model.init_args.optimizer=onebit_adam"],
@@ -120,17 +123,22 @@ def rows(workload: str, runs: Optional[dict[str, dict[str, Any]]] = None) -> lis
     return [r for r in found if r is not None]
 
 
-def table(workload: str) -> str:
-    lines = [f"{workload}: {WORKLOADS[workload][0]} {' '.join(WORKLOADS[workload][1])}".rstrip(), "",
-             "| steps | setting | seeds | final val loss | final vs DDP | mean over the run vs DDP | fp32 DDP / bytes |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows(workload):
-        seeds = f"{r['seeds']}" + (f" ({r['failed']} failed)" if r["failed"] else "")
-        if "final_gap" not in r:
-            lines.append(f"| {r['steps']} | {r['config']} | {seeds} | failed | | | |")
-            continue
-        lines.append(f"| {r['steps']} | {r['config']} | {seeds} | {r['final_val_loss']:.4f} | {r['final_gap']:+.1f} % | "
-                     f"{r['mean_gap']:+.1f} % | {r['bytes_ratio']:.1f}x |")
+def table(runs: dict[str, dict[str, dict[str, Any]]], configs: Optional[list[str]] = None) -> str:
+    """The markdown table of stored runs (workload -> label -> run), the settings ``configs`` (default all) and DDP."""
+    lines = ["| workload | steps | setting | seeds | final val loss | final vs DDP | mean over the run vs DDP | "
+             "fp32 DDP / bytes over the run |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for workload, stored in runs.items():
+        for r in rows(workload, stored):
+            if configs is not None and r["config"] not in configs:
+                continue
+            seeds = f"{r['seeds']}" + (f" ({r['failed']} stopped)" if r["failed"] else "")
+            head = f"| {workload} | {r['steps']} | {r['config']} | {seeds}"
+            if "final_gap" not in r:
+                lines.append(f"{head} | stopped | | | |")
+                continue
+            lines.append(f"{head} | {r['final_val_loss']:.4f} | {r['final_gap']:+.1f} % | {r['mean_gap']:+.1f} % | "
+                         f"{r['bytes_ratio']:.1f}x |")
     return "\n".join(lines)
 
 
@@ -149,9 +157,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 for workload in args.workloads:
                     for config in args.configs:
                         run(workload, config, steps, seed)
-    print(f"python benchmarks/presets_generalise.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"python benchmarks/presets_generalise.py {' '.join(sys.argv[1:] if argv is None else argv)}\n")
     for workload in args.workloads:
-        print("\n" + table(workload))
+        print(f"{workload}: {' '.join([WORKLOADS[workload][0], *WORKLOADS[workload][1]])}")
+    print("\n" + table({w: load(w) for w in args.workloads}, args.configs))
 
 
 if __name__ == "__main__":

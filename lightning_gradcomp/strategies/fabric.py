@@ -463,13 +463,15 @@ class PresetFabricStrategy(GradCompFabricStrategy):
 
     Args:
         preset: a preset name without dense steps (:func:`lightning_gradcomp.strategies.presets.preset_names`).
+        row_levels: compress the embeddings by QSGD at this many levels with a norm per row instead of the preset's
+            way (``terngrad_lm``: fp32); ``None``: the preset's. Measured by ``benchmarks/presets_generalise.py``.
         **kwargs: :class:`GradCompFabricStrategy`'s options, except ``compressor``.
     """
 
-    def __init__(self, preset: str, **kwargs: Any) -> None:
+    def __init__(self, preset: str, row_levels: Optional[int] = None, **kwargs: Any) -> None:
         from lightning_gradcomp.strategies import presets
 
-        self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__)
+        self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__, row_levels)
         if self.preset.dense_steps:
             raise ValueError(
                 f"Expected a preset without dense steps under Fabric, but got {preset!r} "

@@ -22,13 +22,13 @@ measured with its own SignSGD, not AdamW; the suffix names where the numbers com
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from lightning_gradcomp.validation import check_dense_steps, resolve_dense_steps
+from lightning_gradcomp.validation import check_dense_steps, check_int, resolve_dense_steps
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.demo import DeMo
 from lightning_gradcomp.compressors.graddrop import GradientDropping
@@ -195,7 +195,7 @@ _DDP = ("ddp", "ddp_seed1", "ddp_seed2")
 _DDP300 = ("ddp_warm300", "ddp_warm300_seed1", "ddp_warm300_seed2", "ddp_warm300_seed3", "ddp_warm300_seed4")
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
-    Preset("terngrad_lm", "terngrad", TernGrad, {"clip_factor": 1.0, "bucket_size": 64}, row_levels=31,
+    Preset("terngrad_lm", "terngrad", TernGrad, {"clip_factor": 1.0, "bucket_size": 64}, float_embeddings=True,
            recipe="recipes/lm/gpt_small_terngrad_b64.yaml",
            measured=Measurement((("terngrad_fp32emb_clip1_b64", _DDP[0]), ("terngrad_fp32emb_clip1_b64_seed1", _DDP[1]),
                                  ("terngrad_fp32emb_clip1_b64_seed2", _DDP[2])), 1.1, 4.3,
@@ -343,13 +343,20 @@ def embedding_names(module: nn.Module, named: Mapping[str, nn.Parameter]) -> fro
     return frozenset(n for n, p in named.items() if id(p) in ids)
 
 
-def preset_compressor(preset: str, kwargs: Mapping[str, Any], strategy: str) -> tuple[Preset, Compressor]:
-    """The preset named ``preset`` and a fresh compressor of it, for a strategy built with ``kwargs``.
+def preset_compressor(preset: str, kwargs: Mapping[str, Any], strategy: str,
+                      row_levels: Optional[int] = None) -> tuple[Preset, Compressor]:
+    """The preset named ``preset`` and a fresh compressor of it, for a strategy built with ``kwargs``; with
+    ``row_levels``, its embeddings compressed by QSGD at that many levels with a norm per row instead
+    (:attr:`Preset.row_levels`; the preset's measurement is of its own setting).
 
     Raises:
-        ValueError: an unknown preset, or a ``compressor`` in ``kwargs`` (the preset's is the point).
+        ValueError: an unknown preset, a ``compressor`` in ``kwargs`` (the preset's is the point), or ``row_levels``
+            below 1.
     """
     chosen = get_preset(preset)
+    if row_levels is not None:
+        check_int("row_levels", row_levels, minimum=1, fix="use e.g. 31 (QSGD's levels per embedding row), or None")
+        chosen = replace(chosen, float_embeddings=False, row_levels=row_levels)
     if kwargs.get("compressor") is not None:
         raise ValueError(
             f"Expected `compressor` to be unset for {strategy}(preset={preset!r}), but got {kwargs['compressor']!r}. "

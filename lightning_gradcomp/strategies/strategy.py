@@ -271,13 +271,15 @@ class PresetStrategy(GradCompStrategy):
 
     Args:
         preset: a preset name (:func:`lightning_gradcomp.strategies.presets.preset_names`).
+        row_levels: compress the embeddings by QSGD at this many levels with a norm per row instead of the preset's
+            way (``terngrad_lm``: fp32); ``None``: the preset's. Measured by ``benchmarks/presets_generalise.py``.
         **kwargs: :class:`GradCompStrategy`'s options, except ``compressor``.
     """
 
     strategy_name = "gradcomp_preset"
 
-    def __init__(self, preset: str, **kwargs: Any) -> None:
-        self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__)
+    def __init__(self, preset: str, row_levels: Optional[int] = None, **kwargs: Any) -> None:
+        self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__, row_levels)
         super().__init__(**{**kwargs, "compressor": compressor})
 
     @override
