@@ -2,11 +2,12 @@
 256 bytes, lossless on any text, the same on every build, and cached."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from gradcomp_lab.data import PieceTokenizer, StdlibPieceDataModule, StdlibSourceDataModule
+from gradcomp_lab.data import PieceTokenizer, StdlibPieceDataModule, StdlibSourceDataModule, TokenWindows
 
 
 def test_pieces_are_the_most_frequent_and_every_text_round_trips() -> None:
@@ -32,15 +33,17 @@ def test_the_corpus_is_the_byte_corpus_split_tokenized_and_cached(tmp_path: Path
     src.mkdir()
     for i in range(4):
         (src / f"m{i}.py").write_text(f"def function_{i}(value):\n    return value + {i}\n" * 40)
-    kwargs = {"data_dir": str(src), "seq_len": 16, "max_bytes": None, "val_fraction": 0.25, "batch_size": 2}
+    kwargs: dict[str, Any] = {"data_dir": str(src), "seq_len": 16, "max_bytes": None, "val_fraction": 0.25, "batch_size": 2}
     dm = StdlibPieceDataModule(vocab_size=300, cache_dir=str(tmp_path / "cache"), **kwargs)
     dm.setup("fit")
-    train, val, _ = StdlibSourceDataModule(**kwargs)._split_text()  # type: ignore[arg-type]
+    train, val, _ = StdlibSourceDataModule(**kwargs)._split_text()
+    assert isinstance(dm.train_set, TokenWindows) and isinstance(dm.val_set, TokenWindows)
     assert dm.tokenizer.decode(dm.train_set.ids) == train and dm.tokenizer.decode(dm.val_set.ids) == val
     assert dm.vocab_size == 300 and int(dm.train_set.ids.max()) < 300
     (cached,) = (tmp_path / "cache").glob("pieces_*.pt")
     again = StdlibPieceDataModule(vocab_size=300, cache_dir=str(tmp_path / "cache"), **kwargs)
     again.setup("fit")  # from the cache: the same vocabulary and ids
+    assert isinstance(again.train_set, TokenWindows)
     assert again.tokenizer.pieces == dm.tokenizer.pieces and torch.equal(again.train_set.ids, dm.train_set.ids)
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])
