@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,6 +278,23 @@ def plot(results: list[dict[str, Any]], path: Path, reference: str = "ddp") -> P
     return path
 
 
+def run_grid(grid: dict[str, tuple[str, list[str]]], out_dir: Path, extra: Sequence[str] = (), rerun: bool = False,
+             run: bool = True) -> list[dict[str, Any]]:
+    """Each run of ``grid`` (label -> (recipe, overrides), ``extra`` added to every run) as its own process, unless
+    its JSON is in ``out_dir`` already (``rerun``: always; ``run=False``: never): the stored runs, in grid order."""
+    results = []
+    for label, (recipe, overrides) in grid.items():
+        overrides = [*overrides, *extra]
+        path = out_dir / f"{label}.json"
+        if run and (rerun or not path.exists()):
+            print(f"[lm] {label}: {command_line(recipe, overrides)}", flush=True)
+            # every rank runs the same worker command; separate "--worker" items keep overrides verbatim
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", label, str(path), recipe, *overrides]
+            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        results.append(json.loads(path.read_text()))
+    return results
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None,
@@ -312,16 +330,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     grid.update(parse_run(spec) for spec in args.run)
     extra = list(args.set) + (QUICK if args.quick else [])
     out_dir = args.out or (Path(tempfile.gettempdir()) / "lm_quick" if args.quick else default_out)
-    results = []
-    for label, (recipe, overrides) in grid.items():
-        overrides = [*overrides, *extra]
-        path = out_dir / f"{label}.json"
-        if not args.saved and (args.force or args.quick or not path.exists()):
-            print(f"[lm] {label}: {command_line(recipe, overrides)}", flush=True)
-            # every rank runs the same worker command; separate "--worker" items keep overrides verbatim
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", label, str(path), recipe, *overrides]
-            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        results.append(json.loads(path.read_text()))
+    results = run_grid(grid, out_dir, extra, rerun=not args.saved and (args.force or args.quick), run=not args.saved)
     table = summarize(results, args.reference)
     header = f"python benchmarks/lm.py {' '.join(argv)}\n{results[0]['machine']}"
     print(header + "\n\n" + table)

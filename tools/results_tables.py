@@ -695,6 +695,32 @@ def _frozen_adam_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _generalise_files(configs: tuple[str, ...] = ()) -> Callable[[], list[Path]]:
+    """The stored runs of ``benchmarks/presets_generalise.py`` (of ``configs`` and DDP, or all), workload by workload."""
+    def files() -> list[Path]:
+        from benchmarks.presets_generalise import OUT, WORKLOADS
+
+        return [p for w in WORKLOADS for p in sorted((OUT / w).glob("*.json"))
+                if not configs or re.sub(r"_s\d+_seed\d+$", "", p.stem) in ("ddp", *configs)]
+    return files
+
+
+def _generalise_table(configs: tuple[str, ...] = ()) -> Callable[[list[dict[str, Any]]], str]:
+    """``benchmarks/presets_generalise.py``'s table of the stored runs (those of ``configs``, or all)."""
+    def render(runs: list[dict[str, Any]]) -> str:
+        from benchmarks.presets_generalise import WORKLOADS, table
+
+        by_workload: dict[str, dict[str, dict[str, Any]]] = {w: {} for w in WORKLOADS}
+        for run in runs:
+            path = Path(run["_path"])
+            by_workload[path.parent.name][path.stem] = run
+        return table(by_workload, ["ddp", *configs] if configs else None)
+    return render
+
+
+#: the frozen-variance Adams of ``benchmarks/presets_generalise.py``
+FROZEN_ADAMS = ("onebit_adam", "zero_one_adam")
+
 LM_DEFAULTS = ["ddp", "adacomp", "bf16", "demo", "dgc", "fp16", "fp32", "graddrop", "onebit", "powersgd", "qsgd",
                "terngrad", "topk"]
 TARGET_RUNS = [f"step_time_target_default_{i}.json" for i in range(1, 9)] + \
@@ -709,6 +735,10 @@ TABLES = [
           "python tools/results_tables.py --only lm-long-best"),
     Table("lm-long-presets", lambda: [RESULTS / "lm_long" / f"{label}.json" for label in _preset_labels()],
           _preset_table, "python tools/results_tables.py --only lm-long-presets"),
+    Table("presets-generalise", _generalise_files(), _generalise_table(),
+          "python benchmarks/presets_generalise.py --saved"),
+    Table("onebit-adam-generalise", _generalise_files(FROZEN_ADAMS), _generalise_table(FROZEN_ADAMS),
+          "python benchmarks/presets_generalise.py --saved --configs ddp " + " ".join(FROZEN_ADAMS)),
     Table("onebit-adam-long", lambda: [RESULTS / "lm_long" / f"{label}.json" for label in _frozen_adam_labels()],
           _frozen_adam_table, "python tools/results_tables.py --only onebit-adam-long"),
     Table("lm-long-defaults", _lm("lm_long", [*LM_DEFAULTS[:8], "int8", *LM_DEFAULTS[8:]]), _lm_table,

@@ -8,6 +8,7 @@ from gradcomp_lab.data.idx import read_idx, write_idx
 from gradcomp_lab.data.imagefolder import ImageFolder, ImageFolderDataModule
 from gradcomp_lab.data.mnist import FashionMNISTDataModule, MNISTDataModule
 from gradcomp_lab.data.parallel_text import ParallelTextDataModule, Vocab
+from gradcomp_lab.data.pieces import PieceTokenizer, StdlibPieceDataModule
 from gradcomp_lab.data.shakespeare import TinyShakespeareDataModule
 from gradcomp_lab.data.text import ByteTokenizer, StdlibSourceDataModule, TokenWindows, WikiTextDataModule
 
@@ -22,7 +23,9 @@ __all__ = [
     "ImageFolderDataModule",
     "MNISTDataModule",
     "ParallelTextDataModule",
+    "PieceTokenizer",
     "SplitDataModule",
+    "StdlibPieceDataModule",
     "StdlibSourceDataModule",
     "TinyShakespeareDataModule",
     "TokenWindows",

@@ -10,7 +10,9 @@ training starts; the collective planner probes each bucket with :func:`measure_e
 
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -83,10 +85,12 @@ class _TimedLoopback(LoopbackTransport):
 
 
 def measure_exchange(compressor: Compressor, names: list[str], tensors: list[Tensor], world_size: int,
-                     repeats: int = _REPEATS, float_names: frozenset[str] = frozenset()) -> Codec:
+                     repeats: int = _REPEATS, float_names: frozenset[str] = frozenset(),
+                     layer_compressors: Optional[Mapping[str, Compressor]] = None) -> Codec:
     """One bucket of ``tensors`` (named ``names``) through the hook's exchange with ``compressor`` (already set up
     for ``world_size`` ranks), every rank's contribution being this rank's; the ``float_names`` among them are sent
-    in fp32, as a strategy's ``exclude`` or a preset's embeddings are.
+    in fp32, as a strategy's ``exclude`` or a preset's embeddings are; ``layer_compressors`` (set up) compress the
+    layers they name, as a preset's embedding rows are.
 
     The first exchange warms up and gives the bytes (from the ledger) and the collectives; ``repeats`` more are timed
     (medians): encoding until the last payload collective is launched, decoding after it. A multi-round compressor
@@ -94,7 +98,7 @@ def measure_exchange(compressor: Compressor, names: list[str], tensors: list[Ten
     """
     transport = _TimedLoopback(world_size, compressor.rank)
     state = GradCompState(compressor, {id(t): n for t, n in zip(tensors, names)}, float_names, world_size=world_size,
-                          nonfinite="ignore", transport=transport)
+                          nonfinite="ignore", transport=transport, layer_compressors=layer_compressors)
     flat = torch.cat([t.reshape(-1) for t in tensors])
     buffer = torch.empty_like(flat)
     bucket = TensorBucket(buffer, tensors)

@@ -23,7 +23,7 @@ measurement run this one exchange and differ only in the bucket they hand it and
 "One exchange").
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Union, cast
 
@@ -148,6 +148,7 @@ class GradCompState:
         hierarchy: see :class:`Peers`.
         transport: what carries the collectives (:mod:`lightning_gradcomp.exchange.transport`); ``None``: torch.distributed
             over ``process_group``.
+        layer_compressors: parameters with a compressor of their own (set up), by name (:class:`Router`).
 
     Attributes:
         names: as above.
@@ -183,9 +184,10 @@ class GradCompState:
         pipeline_bytes: Optional[int] = None,
         hierarchy: Optional[Any] = None,
         transport: Optional[Transport] = None,
+        layer_compressors: Optional[Mapping[str, Compressor]] = None,
     ) -> None:
         self.names = names
-        self.router = Router(compressor, float_names, identity, planner)
+        self.router = Router(compressor, float_names, identity, planner, layer_compressors)
         self.transforms: Sequence[LayerTransform] = tuple(transforms)
         self.peers = Peers(process_group, world_size, hierarchy)
         self.transport: Transport = ProcessGroupTransport(process_group, world_size) if transport is None else transport

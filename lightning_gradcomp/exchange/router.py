@@ -1,12 +1,13 @@
 """Which compressor each layer of a bucket uses this step: one decision per bucket, one owner.
 
-Three things send a layer uncompressed (fp32 through the identity compressor): the user's exclusions (``exclude``,
+A layer may have a compressor of its own (``layer_compressors``: a preset's embedding rows); every other layer has
+the configured one. Three things send a layer uncompressed (fp32 through the identity compressor): the user's exclusions (``exclude``,
 ``min_numel``: fixed at setup), the collective planner's choice for the bucket (compression would not pay on this
 link), and a dense warm-up (:class:`~lightning_gradcomp.callbacks.CompressionSchedule`). The router holds all
 three; the hook asks it once per bucket (:meth:`Router.route`) and uses the answer for every stage of that bucket.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional, Protocol
 
 from torch import Tensor
@@ -37,6 +38,8 @@ class Router:
         identity: the fp32 compressor (WeightGrad's serial aggregation swaps in a gathered one).
         planner: a :class:`~lightning_gradcomp.exchange.planner.CollectivePlanner` consulted at the top of each bucket
             (``None``: always compress).
+        layer_compressors: layers with a compressor of their own (already set up), by name; the planner's choice
+            does not apply to them, an fp32 exclusion and a dense warm-up do.
     """
 
     def __init__(
@@ -45,8 +48,10 @@ class Router:
         float_names: Iterable[str] = frozenset(),
         identity: Optional[Compressor] = None,
         planner: Optional[Planner] = None,
+        layer_compressors: Optional[Mapping[str, Compressor]] = None,
     ) -> None:
         self.compressor = compressor
+        self.layer_compressors: Mapping[str, Compressor] = dict(layer_compressors or {})
         self.float_names = frozenset(float_names)
         self.identity: Compressor = Identity() if identity is None else identity
         self.planner = planner
@@ -75,4 +80,5 @@ class Router:
         else what the plan chose for the bucket (the identity where compression would not pay, or the compressor
         travelling as the chosen collective variant)."""
         bucket = self.compressor if plan is None else plan.compressor_for(self.compressor, self.identity)
-        return [self.identity if self._dense or n in self.float_names else bucket for n in names]
+        own = self.layer_compressors
+        return [self.identity if self._dense or n in self.float_names else own.get(n, bucket) for n in names]

@@ -45,7 +45,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp.compressors.base import OptimizerCheck
+from lightning_gradcomp.compressors.base import Compressor, OptimizerCheck
 from lightning_gradcomp.strategies import checkpoint as ckpt
 from lightning_gradcomp.callbacks.base import PipelineCallback
 from lightning_gradcomp.callbacks.momentum import MomentumCorrection
@@ -379,13 +379,15 @@ class PresetFabricStrategy(GradCompFabricStrategy):
 
     Args:
         preset: a preset name without dense steps (:func:`lightning_gradcomp.strategies.presets.preset_names`).
+        row_levels: compress the embeddings by QSGD at this many levels with a norm per row instead of the preset's
+            way (``terngrad_lm``: fp32); ``None``: the preset's. Measured by ``benchmarks/presets_generalise.py``.
         **kwargs: :class:`GradCompFabricStrategy`'s options, except ``compressor``.
     """
 
-    def __init__(self, preset: str, **kwargs: Any) -> None:
+    def __init__(self, preset: str, row_levels: Optional[int] = None, **kwargs: Any) -> None:
         from lightning_gradcomp.strategies import presets
 
-        self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__)
+        self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__, row_levels)
         if self.preset.dense_steps:
             raise ValueError(
                 f"Expected a preset without dense steps under Fabric, but got {preset!r} "
@@ -409,6 +411,11 @@ class PresetFabricStrategy(GradCompFabricStrategy):
         if self.preset.float_embeddings and self._preset_module is not None:
             names |= presets.embedding_names(self._preset_module, named)
         return names
+
+    @override
+    def _layer_compressors(self, named: dict[str, torch.nn.Parameter]) -> dict[str, Compressor]:
+        module = self._preset_module
+        return {} if module is None else self.preset.embedding_compressors(module, named)
 
 
 def fabric_alternatives() -> str:

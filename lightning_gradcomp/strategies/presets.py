@@ -22,13 +22,13 @@ measured with its own SignSGD, not AdamW; the suffix names where the numbers com
 
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from lightning_gradcomp.validation import check_dense_steps, resolve_dense_steps
+from lightning_gradcomp.validation import check_dense_steps, check_int, resolve_dense_steps
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.demo import DeMo
 from lightning_gradcomp.compressors.graddrop import GradientDropping
@@ -110,6 +110,10 @@ class Preset:
         compressor_class: the compressor built with ``options``.
         options: the compressor's arguments.
         float_embeddings: send the parameters of every ``nn.Embedding`` in fp32 (uncompressed).
+        row_levels: compress the parameters of every ``nn.Embedding`` with QSGD at this many levels and one norm per
+            embedding row (QSGD's bucket, made a row: a scaler per row), instead of the preset's compressor; 0: the
+            preset's compressor compresses them too. With a tied output projection the embedding's gradient is
+            dense and, with a large vocabulary, most of the parameters.
         dense_steps: plain fp32 all-reduce for the first steps: a fraction of the run (``float`` in (0, 1), resolved
             from the Trainer's ``max_steps`` when training starts, so the warm-up keeps the share of the run it was
             measured with) or a number of steps (``int``)
@@ -126,9 +130,27 @@ class Preset:
     recipe: str
     float_embeddings: bool = False
     dense_steps: Union[int, float] = 0
+    row_levels: int = 0
 
     def __post_init__(self) -> None:
         check_dense_steps("dense_steps", self.dense_steps)
+        if self.row_levels and self.float_embeddings:
+            raise ValueError(f"Expected one way to send {self.name}'s embeddings, but got float_embeddings=True and "
+                             f"row_levels={self.row_levels}. Fix: drop one of them.")
+
+    def embedding_compressors(self, module: nn.Module, named: Mapping[str, nn.Parameter]) -> dict[str, Compressor]:
+        """The compressor of each embedding parameter of ``module`` (its name in ``named``) where ``row_levels``
+        says so, one per row width (not set up): QSGD with a norm per row. Empty otherwise."""
+        if not self.row_levels:
+            return {}
+        by_width: dict[int, Compressor] = {}
+        own: dict[str, Compressor] = {}
+        for name in sorted(embedding_names(module, named)):
+            width = named[name].shape[-1]
+            if width not in by_width:
+                by_width[width] = QSGD(levels=self.row_levels, bucket_size=width)
+            own[name] = by_width[width]
+        return own
 
     def make_compressor(self) -> Compressor:
         """A fresh compressor with this preset's options."""
@@ -140,6 +162,8 @@ class Preset:
         parts = [f"{self.compressor_class.__name__}({args})"]
         if self.float_embeddings:
             parts.append("embeddings in fp32")
+        if self.row_levels:
+            parts.append(f"embeddings by QSGD(levels={self.row_levels}) with a norm per row")
         if self.dense_steps:
             parts.append(self.describe_dense())
         return ", ".join(parts)
@@ -319,13 +343,20 @@ def embedding_names(module: nn.Module, named: Mapping[str, nn.Parameter]) -> fro
     return frozenset(n for n, p in named.items() if id(p) in ids)
 
 
-def preset_compressor(preset: str, kwargs: Mapping[str, Any], strategy: str) -> tuple[Preset, Compressor]:
-    """The preset named ``preset`` and a fresh compressor of it, for a strategy built with ``kwargs``.
+def preset_compressor(preset: str, kwargs: Mapping[str, Any], strategy: str,
+                      row_levels: Optional[int] = None) -> tuple[Preset, Compressor]:
+    """The preset named ``preset`` and a fresh compressor of it, for a strategy built with ``kwargs``; with
+    ``row_levels``, its embeddings compressed by QSGD at that many levels with a norm per row instead
+    (:attr:`Preset.row_levels`; the preset's measurement is of its own setting).
 
     Raises:
-        ValueError: an unknown preset, or a ``compressor`` in ``kwargs`` (the preset's is the point).
+        ValueError: an unknown preset, a ``compressor`` in ``kwargs`` (the preset's is the point), or ``row_levels``
+            below 1.
     """
     chosen = get_preset(preset)
+    if row_levels is not None:
+        check_int("row_levels", row_levels, minimum=1, fix="use e.g. 31 (QSGD's levels per embedding row), or None")
+        chosen = replace(chosen, float_embeddings=False, row_levels=row_levels)
     if kwargs.get("compressor") is not None:
         raise ValueError(
             f"Expected `compressor` to be unset for {strategy}(preset={preset!r}), but got {kwargs['compressor']!r}. "

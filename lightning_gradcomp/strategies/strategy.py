@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 import lightning_gradcomp.registry as registry
-from lightning_gradcomp.compressors.base import OptimizerCheck
+from lightning_gradcomp.compressors.base import Compressor, OptimizerCheck
 from lightning_gradcomp.strategies import presets
 from lightning_gradcomp.callbacks import CompressionMonitor, CompressionProgressBar, CompressionSchedule
 from lightning_gradcomp.strategies.options import DDPOptions, with_options
@@ -176,13 +176,15 @@ class PresetStrategy(GradCompStrategy):
 
     Args:
         preset: a preset name (:func:`lightning_gradcomp.strategies.presets.preset_names`).
+        row_levels: compress the embeddings by QSGD at this many levels with a norm per row instead of the preset's
+            way (``terngrad_lm``: fp32); ``None``: the preset's. Measured by ``benchmarks/presets_generalise.py``.
         **kwargs: :class:`GradCompStrategy`'s options, except ``compressor``.
     """
 
     strategy_name = "gradcomp_preset"
 
-    def __init__(self, preset: str, **kwargs: Any) -> None:
-        self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__)
+    def __init__(self, preset: str, row_levels: Optional[int] = None, **kwargs: Any) -> None:
+        self.preset, compressor = presets.preset_compressor(preset, kwargs, type(self).__name__, row_levels)
         super().__init__(**{**kwargs, "compressor": compressor})
 
     @override
@@ -192,6 +194,11 @@ class PresetStrategy(GradCompStrategy):
         if self.preset.float_embeddings and module is not None:
             names |= presets.embedding_names(module, named)
         return names
+
+    @override
+    def _layer_compressors(self, named: dict[str, torch.nn.Parameter]) -> dict[str, Compressor]:
+        module = self.lightning_module
+        return {} if module is None else self.preset.embedding_compressors(module, named)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:

@@ -219,6 +219,10 @@ class HookWiring:
     def _float_names(self, named: dict[str, torch.nn.Parameter]) -> frozenset[str]:
         return select_float_names(named, self.exclude, self.min_numel)
 
+    def _layer_compressors(self, named: dict[str, torch.nn.Parameter]) -> dict[str, Compressor]:
+        """Parameters with a compressor of their own, by name (a preset's embedding rows). Default: none."""
+        return {}
+
     def _new_comm_state(
         self,
         named: dict[str, torch.nn.Parameter],
@@ -245,12 +249,16 @@ class HookWiring:
             **fields: further :class:`~lightning_gradcomp.exchange.hook.GradCompState` fields, overriding the defaults.
         """
         self.compressor.setup(rank, world_size, device)
+        own = self._layer_compressors(named)
+        for compressor in {id(c): c for c in own.values()}.values():
+            compressor.setup(rank, world_size, device)
         for transform in self._transforms:
             transform.setup(sorted(named), rank if group_rank is None else group_rank, world_size)
         options: dict[str, Any] = dict(
             compressor=self.compressor,
             names={id(p): n for n, p in named.items()},
             float_names=self._float_names(named),
+            layer_compressors=own,
             transforms=tuple(self._transforms),
             process_group=process_group,
             world_size=world_size,

@@ -1,5 +1,5 @@
 """Rank bodies for the presets (``strategy="terngrad_lm"``) and the paper-default warning, under the Trainer and
-Fabric: what each setup warned, which parameters went in fp32, the hook's bytes of the first step and the dense
+Fabric: what each setup warned, which parameters went in fp32 or through a compressor of their own, the hook's bytes of the first step and the dense
 steps a preset's warm-up resolved to."""
 
 import warnings
@@ -74,6 +74,7 @@ def _run(rank: int, world_size: int, api: str, strategy: Any, optimizer: str) ->
     state = comm_state(used)
     return {"warnings": [str(w.message) for w in caught], "strategy": type(used).__name__,
             "float_names": sorted(state.float_names), "bytes": state.bytes_per_step(),
+            "own": {n: c.describe() for n, c in sorted(state.router.layer_compressors.items())},
             "dense_bytes": state.dense_bytes_per_step(), "dense_steps": dense}
 
 

@@ -257,11 +257,54 @@ def test_a_presets_bytes_are_the_ratio_it_states(name: str) -> None:
     compressor = preset.make_compressor()
     compressor.setup(0, WORKLOAD.ranks, torch.device("cpu"))
     floats = embedding_names(model, named) if preset.float_embeddings else frozenset()
+    own = preset.embedding_compressors(model, named)
+    for row_compressor in own.values():
+        row_compressor.setup(0, WORKLOAD.ranks, torch.device("cpu"))
     codec = measure_exchange(compressor, names, [named[n].grad.detach() for n in names],  # type: ignore[union-attr]
-                             WORKLOAD.ranks, repeats=0, float_names=floats)
+                             WORKLOAD.ranks, repeats=0, float_names=floats, layer_compressors=own)
     fp32 = 4 * WORKLOAD.parameters
     step = codec.nbytes + codec.shared_nbytes  # the shared scalers travel too, as the stored runs count them
     run = {"steps": WORKLOAD.steps, "fp32_bytes_per_step": fp32, "bytes_per_step": step}
     ratio = fp32 * WORKLOAD.steps / total_bytes(run, preset.dense_steps)
     assert round(ratio, 1) == preset.measured.bytes_ratio, (name, ratio, step)
     assert f"{preset.measured.bytes_ratio:.1f}x fewer bytes" in preset.measured.describe()
+
+
+def test_embedding_rows_by_their_own_compressor_send_qsgds_bytes_per_row() -> None:
+    """``row_levels``: the embeddings go through QSGD with a norm per row, the rest through the preset's compressor,
+    in one bucket: the exchange's bytes are exactly those of the two parts exchanged apart (both 4 ranks' loopback)."""
+    from lightning_gradcomp.compressors import QSGD
+    from lightning_gradcomp.exchange.codec import measure_exchange
+    from lightning_gradcomp.strategies.presets import preset_compressor
+
+    preset, compressor = preset_compressor("terngrad_lm", {}, "PresetStrategy", row_levels=31)
+    assert not preset.float_embeddings and "QSGD(levels=31) with a norm per row" in preset.describe()
+    torch.manual_seed(0)
+    model = _benchmark_gpt()
+    named = dict(model.named_parameters())
+    logits = model(torch.randint(0, 256, (2, 64)))
+    logits.square().mean().backward()
+    names = list(named)[::-1]
+    own = preset.embedding_compressors(model, named)
+    tokens, positions = named["token_embedding.weight"], named["position_embedding.weight"]
+    width = tokens.shape[1]
+    assert set(own) == {"token_embedding.weight", "position_embedding.weight"}
+    assert all(isinstance(c, QSGD) and c.levels == 31 and c.bucket_size == width for c in own.values())
+    for c in (compressor, *own.values()):
+        c.setup(0, WORKLOAD.ranks, torch.device("cpu"))
+    grads = {n: named[n].grad.detach() for n in names}  # type: ignore[union-attr]
+    both = measure_exchange(compressor, names, [grads[n] for n in names], WORKLOAD.ranks, repeats=0,
+                            layer_compressors=own)
+    rest = [n for n in names if n not in own]
+    alone = measure_exchange(compressor, rest, [grads[n] for n in rest], WORKLOAD.ranks, repeats=0)
+    rows = sum(c.payload_nbytes(named[n].numel()) for n, c in own.items() if isinstance(c, QSGD))
+    # 6 bits per element (a sign and 5 level bits) and a 4-byte norm per row of 64: 52 bytes a row
+    assert rows == 52 * (tokens.shape[0] + positions.shape[0])
+    assert both.nbytes + both.shared_nbytes == alone.nbytes + alone.shared_nbytes + rows
+
+
+def test_row_levels_below_one_are_refused_naming_the_value() -> None:
+    from lightning_gradcomp.strategies.presets import preset_compressor
+
+    with pytest.raises(ValueError, match="row_levels.*0"):
+        preset_compressor("terngrad_lm", {}, "PresetStrategy", row_levels=0)
