@@ -207,16 +207,7 @@ class PerTensor(LayerLoop):
         self.compressor.decompress_flat_mean_into([layer_group_packet(self.compressor, p) for p in packets], flat)
         return out if flat.data_ptr() == out.data_ptr() else out.copy_(flat.view(out.shape))
 
-    def decompress_sum(self, packets: Sequence[Packet]) -> Tensor:
-        """The sum of the decoded packets, in the given (rank) order."""
-        total = self.decompress(packets[0]).clone()
-        for packet in packets[1:]:
-            total.add_(self.decompress(packet))
-        return total
-
-    def decompress_sum_into(self, packets: Sequence[Packet], out: Tensor) -> Tensor:
-        """:meth:`decompress_sum` written into ``out``; returns ``out``."""
-        return out.copy_(self.decompress_sum(packets))
+    # decompress_sum and decompress_sum_into: LayerLoop's, over this class's decompress
 
 
 def per_tensor(compressor: Compressor) -> Union[PerTensor, LayerLoop]:

@@ -272,15 +272,6 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
             transformer's blocks), then on the root.
         options: every option of :class:`~lightning_gradcomp.strategies.options.ShardedOptions` (as
             :class:`~lightning_gradcomp.ShardedGradCompStrategy` takes them), each a named parameter.
-        compress_across_nodes: shard the model over every rank (one replica: ``shard_size`` ``None`` or the world
-            size) and compress FSDP2's gradient reduce-scatter between nodes with ``compressor``, dense inside a
-            node, as :class:`~lightning_gradcomp.ShardedGradCompStrategy` does
-            (:class:`~lightning_gradcomp.strategies.fsdp_collectives.CompressedReduceScatter`).
-        node_size: with ``compress_across_nodes``, the ranks of one node (consecutive ranks); ``None``: Fabric's
-            ``devices``. Must divide the world size into 2 nodes or more.
-        quantize_weights: with ``compress_across_nodes``, also replace FSDP2's weight all-gather with blockwise int8
-            between nodes, dense inside a node, as :class:`~lightning_gradcomp.ShardedGradCompStrategy` does
-            (:class:`~lightning_gradcomp.strategies.fsdp_all_gather.QuantizedAllGather`).
         **kwargs: refused with the option named (a misspelt option, or the DDP engine's ``site_size``), as a
             ``ValueError``.
     """
@@ -294,9 +285,6 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         parallelize_fn: Optional[Callable[[Any, "DeviceMesh"], Any]] = None,
         *,
         options: ShardedOptions,
-        compress_across_nodes: bool = False,
-        node_size: Optional[int] = None,
-        quantize_weights: bool = False,
         **kwargs: Any,
     ) -> None:
         if parallelize_fn is not None and not callable(parallelize_fn):
@@ -309,7 +297,7 @@ class ShardedGradCompFabricStrategy(FabricRecovery, ShardedWiring, ModelParallel
         self._init_sharding(options.shard_size, kwargs, keyword_options(ShardedGradCompFabricStrategy))
         self._init_recovery(options)
         self._init_wiring(options)
-        self._init_across_nodes(compress_across_nodes, node_size, quantize_weights)
+        self._init_across_nodes(options.compress_across_nodes, options.node_size, options.quantize_weights)
         super().__init__(
             parallelize_fn=parallelize_fn or _shard_blocks,
             save_distributed_checkpoint=options.save_distributed_checkpoint,

@@ -157,10 +157,27 @@ class ShardedOptions(ExchangeOptions):
             ``None``: the ranks of one node. Must divide the world size.
         save_distributed_checkpoint: as in Lightning's ``ModelParallelStrategy``: ``torch.distributed.checkpoint``
             shards, each rank writing its own (``True``), or one full file.
+        compress_across_nodes: shard the model over every rank (one replica: ``shard_size`` ``None`` or the world
+            size) and compress FSDP2's gradient reduce-scatter between nodes with ``compressor`` (``"int8"``:
+            blockwise int8 with error feedback; ``"terngrad"``, ``"qsgd"``, ``"onebit"``, ``"bf16"``: as under DDP,
+            per piece; ``"fp32"``: dense), dense inside a node
+            (:class:`~lightning_gradcomp.strategies.fsdp_collectives.CompressedReduceScatter`). The weights'
+            all-gather stays FSDP2's (dense) unless ``quantize_weights``. Its residuals are in every rank's
+            checkpoint state.
+        node_size: with ``compress_across_nodes``, the ranks of one node (consecutive ranks); ``None``: the
+            Trainer's or Fabric's ``devices``. Must divide the world size into 2 nodes or more.
+        quantize_weights: with ``compress_across_nodes``, also replace FSDP2's weight all-gather: blockwise int8
+            between nodes (256 elements per fp32 scale, as ZeRO++'s qwZ), dense inside a node
+            (:class:`~lightning_gradcomp.strategies.fsdp_all_gather.QuantizedAllGather`). Every rank computes with
+            the same quantized weights; the optimizer updates the full-precision shards. Its bytes between nodes
+            join ``bytes_per_step()``.
     """
 
     shard_size: Optional[int] = None
     save_distributed_checkpoint: bool = True
+    compress_across_nodes: bool = False
+    node_size: Optional[int] = None
+    quantize_weights: bool = False
 
 
 OptionsT = TypeVar("OptionsT", bound=ExchangeOptions)

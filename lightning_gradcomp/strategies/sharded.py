@@ -393,20 +393,6 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
     Args:
         options: every option of :class:`~lightning_gradcomp.strategies.options.ShardedOptions`, each a named
             parameter (``ShardedGradCompStrategy(compressor="int8", shard_size=8)``).
-        compress_across_nodes: shard the model over every rank (one replica: ``shard_size`` ``None`` or the world
-            size) and compress FSDP2's gradient reduce-scatter between nodes with ``compressor`` (``"int8"``:
-            blockwise int8 with error feedback; ``"terngrad"``, ``"qsgd"``, ``"onebit"``, ``"bf16"``: as under DDP,
-            per piece; ``"fp32"``: dense), dense inside a node
-            (:class:`~lightning_gradcomp.strategies.fsdp_collectives.CompressedReduceScatter`). The weights'
-            all-gather stays FSDP2's (dense) unless ``quantize_weights``. Its residuals are in every rank's
-            checkpoint state.
-        node_size: with ``compress_across_nodes``, the ranks of one node (consecutive ranks); ``None``: the
-            Trainer's ``devices``. Must divide the world size into 2 nodes or more.
-        quantize_weights: with ``compress_across_nodes``, also replace FSDP2's weight all-gather: blockwise int8
-            between nodes (256 elements per fp32 scale, as ZeRO++'s qwZ), dense inside a node
-            (:class:`~lightning_gradcomp.strategies.fsdp_all_gather.QuantizedAllGather`). Every rank computes with
-            the same quantized weights; the optimizer updates the full-precision shards. Its bytes between nodes
-            join ``bytes_per_step()``.
         **kwargs: refused with the option named (a misspelt option, or the DDP engine's ``site_size``), as a
             ``ValueError``.
     """
@@ -414,12 +400,11 @@ class ShardedGradCompStrategy(ResilienceMixin, ShardedWiring, ModelParallelStrat
     strategy_name = "sharded_gradcomp"
 
     @with_options(ShardedOptions)
-    def __init__(self, options: ShardedOptions, compress_across_nodes: bool = False, node_size: Optional[int] = None,
-                 quantize_weights: bool = False, **kwargs: Any) -> None:
+    def __init__(self, options: ShardedOptions, **kwargs: Any) -> None:
         self._init_sharding(options.shard_size, kwargs, keyword_options(ShardedGradCompStrategy))
         self._init_resilience(options)
         self._init_wiring(options)
-        self._init_across_nodes(compress_across_nodes, node_size, quantize_weights)
+        self._init_across_nodes(options.compress_across_nodes, options.node_size, options.quantize_weights)
         super().__init__(
             save_distributed_checkpoint=options.save_distributed_checkpoint,
             process_group_backend=options.process_group_backend,
