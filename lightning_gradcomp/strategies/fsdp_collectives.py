@@ -17,6 +17,10 @@ equal size; rank ``n * L + l`` is local rank ``l`` of node ``n``):
    (``Transport.scatter_to_owners``), which decodes and sums them in peer order (blockwise int8 as ZeRO++'s qgZ,
    QSGD, 1-bit).
 
+With the identity compressor (``"fp32"``) nothing is compressed: FSDP2's own reduce-scatter runs over every rank,
+so the shards are stock FSDP2's bit for bit at every step, while the ledger records the dense bytes of the two
+stages on each link (the fp32 reference the compressed runs are measured against).
+
 Only the gradients' reduce-scatter is compressed here; the weights' all-gather is
 :mod:`~lightning_gradcomp.strategies.fsdp_all_gather`'s (it shares the units' checks and the groups made here), else
 FSDP2's own. Every byte sent is recorded in a :class:`~lightning_gradcomp.exchange.ledger.Ledger`: between nodes as the
@@ -37,13 +41,14 @@ from typing_extensions import override
 import lightning_gradcomp.registry as registry
 from lightning_gradcomp.compressors.base import Aggregation, Compressor, SelectsElements
 from lightning_gradcomp.compressors.blockint8 import BlockInt8
+from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.int8 import Int8
 from lightning_gradcomp.compressors.multiround import MultiRoundCompressor
 from lightning_gradcomp.exchange.groups import LayerGroup
 from lightning_gradcomp.exchange.hook import GroupState, group_steps
 from lightning_gradcomp.exchange.ledger import Ledger, tensor_bytes
 from lightning_gradcomp.exchange.transport import ProcessGroupTransport
-from lightning_gradcomp.flat import Segments
+from lightning_gradcomp.flat import FlatPacket, Segments
 from lightning_gradcomp.sites.layout import SiteLayout, new_group
 from lightning_gradcomp.strategies.shards import fsdp_units
 from lightning_gradcomp.validation import check_int
@@ -131,6 +136,8 @@ class PieceSteps:
         compressor.setup(self.node, nodes, device)
         self.state = GroupState(ProcessGroupTransport(peer_group, nodes))
         self.summed = compressor.aggregation is Aggregation.SUM  # set up for the peers above
+        #: the identity compressor: FSDP2's own reduce-scatter runs (:meth:`HierarchicalReduceScatter._stock`)
+        self.dense = type(compressor) is Identity
         self._groups: dict[tuple[str, int], list[LayerGroup]] = {}
 
     @property
@@ -149,14 +156,19 @@ class PieceSteps:
             ]
         return groups
 
+    def step(self, key: int, unit: str, pieces: Tensor, piece: int) -> tuple[list[LayerGroup], list[FlatPacket]]:
+        """The group step of the ``[nodes * piece]`` pieces: their packets, each recorded in the ledger but this
+        rank's own (compressed like the others, its error kept, never sent)."""
+        groups = self.groups(unit, piece)
+        packets = group_steps(self.state, groups, pieces, key)
+        self.ledger.drop_group(groups[self.node].segments.names)
+        return groups, packets
+
     def exchange(self, key: int, unit: str, output: Tensor, pieces: Tensor) -> None:
         """Compress the ``[nodes * piece]`` pieces, send each to its owner, and write the sum of this rank's piece
         (decoded) into ``output``."""
         nodes, piece, own = self.layout.num_sites, output.numel(), self.node
-        groups = self.groups(unit, piece)
-        packets = group_steps(self.state, groups, pieces, key)
-        # this rank's own piece stays here: compressed like the others (its error kept), never sent
-        self.ledger.drop_group(groups[own].segments.names)
+        groups, packets = self.step(key, unit, pieces, piece)
         if self.compressor.uses_memory:
             # a non-finite piece travels as such (as stock FSDP2 passes it on); its error is dropped so that one bad
             # step does not poison the residual for good (the strategy's guard rolls a skipped step back anyway)
@@ -303,6 +315,8 @@ class HierarchicalReduceScatter(ReduceScatter):
         if self.on_call is not None:
             self.on_call()
         piece = output_tensor.numel()
+        if self.steps.dense:
+            return self._stock(output_tensor, input_tensor, group, op, async_op)
         # [node, local, piece] -> [local, node, piece]: local rank l's row holds the pieces of its peers
         by_local = input_tensor.view(nodes, local, piece).transpose(0, 1).contiguous()
         mine = by_local[0].reshape(-1) if local == 1 else by_local.new_empty(nodes * piece)
@@ -316,6 +330,19 @@ class HierarchicalReduceScatter(ReduceScatter):
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(nodes * local)
         return None
+
+
+    def _stock(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: object,
+               async_op: bool) -> Optional[dist.Work]:
+        """The identity between nodes: FSDP2's own reduce-scatter over every rank (its sums in its order, so stock
+        FSDP2's bits at every step), the ledger recording what the two stages send dense on each link."""
+        nodes, local, piece = self.layout.num_sites, self.layout.sizes[0], output_tensor.numel()
+        # the identity's packets are their input: only their sizes reach the ledger, so any piece-sized view serves
+        self.steps.step(self.key, self.name, input_tensor[: nodes * piece], piece)
+        if local > 1:
+            self.steps.ledger.record_channel(LAN, tensor_bytes(input_tensor, (local - 1) * nodes * piece))
+        return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,  # type: ignore[arg-type]
+                                          async_op=async_op)
 
 
 class CompressedReduceScatter:

@@ -60,27 +60,17 @@ def _run(results: list[list[dict[str, Any]]], i: int) -> list[dict[str, Any]]:
     return [results[r][i] for r in range(4)]
 
 
-def test_identity_on_four_nodes_of_one_equals_stock_fsdp2_bit_for_bit_every_step(
-    results: list[list[dict[str, Any]]],
-) -> None:
-    """With one rank per node the peers' reduce-scatter is the world's, summed in the order stock FSDP2's is: fp32
-    between nodes gives stock FSDP2's shards bit for bit at every step, on every rank."""
-    stock, ours = _run(results, STOCK), _run(results, FP32_4x1)
+@pytest.mark.parametrize("run", [FP32_2x2, FP32_4x1])
+def test_identity_equals_stock_fsdp2_bit_for_bit_every_step(results: list[list[dict[str, Any]]], run: int) -> None:
+    """fp32 between nodes runs FSDP2's own reduce-scatter: stock FSDP2's shards bit for bit at every step, on every
+    rank, on 2 nodes of 2 and 4 nodes of 1 (the ledger still records the dense bytes per link: below)."""
+    stock, ours = _run(results, STOCK), _run(results, run)
     for rank in range(4):
         assert "error" not in ours[rank], ours[rank].get("error")
         assert len(ours[rank]["shards"]) == 4
         for step in range(4):
-            assert torch.equal(stock[rank]["shards"][step], ours[rank]["shards"][step]), (rank, step)
+            assert torch.equal(stock[rank]["shards"][step], ours[rank]["shards"][step]), (run, rank, step)
     assert not torch.equal(ours[0]["shards"][0], ours[0]["shards"][-1]), "nothing trained"
-
-
-def test_identity_on_two_nodes_of_two_equals_stock_fsdp2_to_rounding(results: list[list[dict[str, Any]]]) -> None:
-    """Not bit for bit on 2 nodes of 2: the hierarchy sums a node first, Gloo's ring in another order."""
-    stock, ours = _run(results, STOCK), _run(results, FP32_2x2)
-    for rank in range(4):
-        for step in range(4):
-            a, b = stock[rank]["shards"][step], ours[rank]["shards"][step]
-            assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (rank, step, (a - b).abs().max())
 
 
 @pytest.mark.parametrize("run", [INT8_2x2, FP32_2x2, FP32_4x1, INT8_4x1, TERN_2x2, QSGD_4x1])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.compressors.blockint8 import INT8_MAX, BlockInt8
+from lightning_gradcomp.compressors.blockint8 import INT4_MAX, INT8_MAX, BlockInt8
 from lightning_gradcomp.compressors.terngrad import TernGrad
 from lightning_gradcomp.exchange.groups import LayerGroup
 from lightning_gradcomp.exchange.hook import GroupState, group_steps
@@ -45,6 +45,50 @@ def test_block_int8_keeps_what_it_did_not_send_and_counts_its_bytes(piece: int) 
             assert ((sent - x).abs() <= half_step * (1 + 1e-6)).all()
             assert torch.allclose(sent + state.memory.residuals[name], x, atol=1e-6)
     assert state.ledger.last_step_bytes() == nodes * (piece + 4 * -(-piece // 256))
+
+
+@pytest.mark.parametrize("piece", [1, 7, 100, 256, 601])
+def test_block_int4_packs_two_codes_a_byte_and_keeps_what_it_did_not_send(piece: int) -> None:
+    """int4 (qgZ's format): ceil(piece / 2) bytes of codes and a 4-byte scale per started block of 64; every code
+    within the symmetric levels -7 .. 7 and each element within half a step (scale / 7 / 2) of what it encodes; the
+    residual is exactly the input (gradient + old residual) minus the decoded packet, at every step."""
+    nodes, block = 2, 64
+    compressor = BlockInt8(block, bits=4)
+    state = GroupState(LoopbackTransport(nodes))
+    groups = _pieces(compressor, nodes, piece)
+    gen = torch.Generator().manual_seed(1)
+    nbytes = -(-piece // 2) + 4 * -(-piece // block)
+    for _ in range(3):
+        flat = torch.randn(nodes * piece, generator=gen)
+        before = {g.segments.names[0]: state.memory.residuals.get(g.segments.names[0]) for g in groups}
+        packets = group_steps(state, groups, flat)
+        for group, packet in zip(groups, packets):
+            name = group.segments.names[0]
+            assert packet.payload.dtype == torch.uint8 and packet.payload.numel() == nbytes
+            assert packet.layer_nbytes == (nbytes,)
+            old = before[name]
+            x = group.take(flat) if old is None else group.take(flat) + old
+            sent = compressor.decompress_flat(packet)
+            scales = torch.nn.functional.pad(x, (0, -piece % block)).view(-1, block).abs().amax(1)
+            step = (scales / INT4_MAX).repeat_interleave(block)[:piece]
+            assert ((sent / step).round().abs() <= INT4_MAX).all()
+            assert ((sent - x).abs() <= step / 2 * (1 + 1e-5)).all()
+            assert torch.equal(state.memory.residuals[name], x - sent)
+    assert state.ledger.last_step_bytes() == nodes * nbytes
+
+
+def test_block_int4_is_coarser_than_int8_and_refuses_other_widths() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    segments = Segments(["w"], [torch.Size([1000])])
+    errors = {}
+    for bits in (8, 4):
+        compressor = BlockInt8(256, bits=bits)
+        errors[bits] = (compressor.decompress_flat(compressor.compress_flat(x, segments)) - x).abs().max()
+        assert compressor.describe()["bits"] == bits
+    assert 0 < errors[8] < errors[4] < x.abs().max() / INT4_MAX
+    for bits in (2, 16, True):
+        with pytest.raises(ValueError, match=r"Expected `bits` to be 8 or 4 .* but got .*Fix: pass `bits=8`"):
+            BlockInt8(bits=bits)
 
 
 def test_several_groups_share_one_statistics_max() -> None:
