@@ -41,7 +41,8 @@ def _flat(tensors: Iterable[Optional[torch.Tensor]], gather: bool = False) -> to
 
 
 def train(rank: int, world_size: int, config: dict[str, Any], steps: int = 3) -> dict[str, Any]:
-    """``steps`` SGD steps; each step's full parameters (all-gathered), this rank's shard and the bytes recorded."""
+    """``steps`` SGD steps (``config["steps"]`` if given; ``config["fixed"]``: the first batch at every step); each
+    step's loss, full parameters (all-gathered), this rank's shard and the bytes recorded."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -62,13 +63,14 @@ def train(rank: int, world_size: int, config: dict[str, Any], steps: int = 3) ->
                                        timeout=timedelta(seconds=60))
     # exact runs: sign steps of 1/4 keep every weight on a grid of 1/4, so every gradient stays exact in fp32
     optimizer = SignSGD(model.parameters(), lr=0.25) if exact else torch.optim.SGD(model.parameters(), lr=0.05)
-    full, local, grads, lan, wan, dense = [], [], [], [], [], []
-    for step in range(steps):
-        x, y = _batch(rank, step, exact)
+    full, local, grads, lan, wan, dense, losses = [], [], [], [], [], [], []
+    for step in range(config.get("steps", steps)):
+        x, y = _batch(rank, 0 if config.get("fixed") else step, exact)
         if step == config.get("nan_at") and rank == 1:
             x[0, 0] = float("nan")
         loss = ((model(x) - y) ** 2).sum() * 2.0**-4
         loss.backward()
+        losses.append(loss.item())
         grads.append(_flat(p.grad for p in model.parameters()))
         optimizer.step()
         optimizer.zero_grad()
@@ -79,7 +81,7 @@ def train(rank: int, world_size: int, config: dict[str, Any], steps: int = 3) ->
             dense.append(comm.ledger.dense_bytes_per_step())
             lan.append(comm.ledger.take_channel("lan"))
     residuals = {} if comm is None else comm.residuals()
-    return {"full": full, "local": local, "grads": grads, "wan": wan, "dense": dense, "lan": lan,
+    return {"loss": losses, "full": full, "local": local, "grads": grads, "wan": wan, "dense": dense, "lan": lan,
             "units": None if comm is None else [any(k.startswith(f"{c.name}/") for k in residuals) for c in comm.comms],
             "residual_numels": {k: r.numel() for k, r in residuals.items()},
             "collectives": None if comm is None else dict(comm.ledger.collectives),

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_gradcomp.compressors.blockint8 import BlockInt8
 from tests.distributed.fsdp_collectives_ranks import run_configs
 from tests.harness import run_ranks
 
@@ -36,9 +37,11 @@ CONFIGS: list[dict[str, Any]] = [
     {"node_size": 2, "compressor": "qsgd"},
     {"node_size": 1, "compressor": "qsgd"},
     {"node_size": 2, "compressor": "onebit"},
+    # int4 with block scales (ZeRO++'s qgZ), one batch 8 times
+    {"node_size": 2, "compressor": BlockInt8(bits=4), "fixed": True, "steps": 8},
 ]
 (STOCK_EXACT, FP32_EXACT, STOCK, FP32_4x1, FP32_2x2, INT8_2x2, INT8_4x1, TOPK, POWERSGD, BAD_NODES, HSDP, PERMUTED, NAN,
- TERN_2x2, TERN_4x1, QSGD_2x2, QSGD_4x1, ONEBIT_2x2) = range(len(CONFIGS))
+ TERN_2x2, TERN_4x1, QSGD_2x2, QSGD_4x1, ONEBIT_2x2, INT4_2x2) = range(len(CONFIGS))
 #: the model's parameters: 8*16+16 + 16*12+12 + 12*4+4
 NUMEL = 400
 
@@ -67,7 +70,8 @@ def test_identity_equals_stock_fsdp2_bit_for_bit(results: list[list[dict[str, An
     assert not torch.equal(results[0][FP32_EXACT]["full"][0], results[0][FP32_EXACT]["full"][-1])
 
 
-@pytest.mark.parametrize("run", [FP32_2x2, INT8_2x2, INT8_4x1, TERN_2x2, TERN_4x1, QSGD_2x2, QSGD_4x1, ONEBIT_2x2])
+@pytest.mark.parametrize("run", [FP32_2x2, INT8_2x2, INT8_4x1, TERN_2x2, TERN_4x1, QSGD_2x2, QSGD_4x1, ONEBIT_2x2,
+                                 INT4_2x2])
 def test_every_rank_holds_the_same_model(results: list[list[dict[str, Any]]], run: int) -> None:
     runs = _run(results, run)
     for step in range(3):
@@ -102,6 +106,25 @@ def test_bytes_between_and_inside_nodes_are_recorded_exactly(results: list[list[
         assert runs[INT8_4x1]["dense"] == [4 * 3 * 100] * 3
         assert runs[INT8_4x1]["wan"] == [3 * int8] * 3
         assert runs[INT8_4x1]["lan"] == [0] * 3
+
+
+def test_int4_sends_half_a_byte_an_element_and_trains(results: list[list[dict[str, Any]]]) -> None:
+    """int4 with block scales between 2 nodes of 2: per rank and step, one piece per unit to the other node's peer,
+    two codes a byte plus one fp32 scale per started block of 256 (pieces 36, 51, 13: 18 + 26 + 7 + 3 * 4 bytes),
+    dense inside a node; every rank holds the same model; the loss of one batch falls at every one of 8 steps; a residual per
+    unit and piece (error feedback)."""
+    pieces = [36, 51, 13]
+    int4 = sum(-(-p // 2) + 4 * -(-p // 256) for p in pieces)
+    assert int4 == 63
+    for rank in range(4):
+        run = results[rank][INT4_2x2]
+        assert "error" not in run, run.get("error")
+        assert run["wan"] == [int4] * 8, (rank, run["wan"])
+        assert run["lan"] == [4 * 2 * 100] * 8
+        assert run["dense"] == [4 * 100] * 8
+        assert run["residual_numels"] == {f"{u}/node{m}": p for u, p in zip("024", pieces) for m in range(2)}
+    losses = [sum(results[rank][INT4_2x2]["loss"][step] for rank in range(4)) for step in range(8)]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.95 * losses[0], losses
 
 
 @pytest.mark.parametrize("run", [TERN_2x2, TERN_4x1, QSGD_2x2, QSGD_4x1, ONEBIT_2x2])
