@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import lightning_gradcomp  # noqa: F401  (registers the strategy names)
+from lightning_gradcomp.compressors.blockint8 import BlockInt8
 from tests.distributed.sharded_ranks import fit_configs, stalled_run
 from tests.distributed.test_faults import collect_reports
 from tests.distributed.test_site_faults import assert_the_others_stopped
@@ -32,6 +33,8 @@ CONFIGS: list[dict[str, Any]] = [
     {"strategy": dict(ACROSS_4x1, compressor="int8"), "gather": True},
     {"strategy": dict(ACROSS, compressor="terngrad"), "gather": True},
     {"strategy": dict(ACROSS_4x1, compressor="qsgd"), "gather": True},
+    # int4 with block scales (ZeRO++'s qgZ), passed as an instance
+    {"strategy": dict(ACROSS, compressor=BlockInt8(bits=4)), "gather": True},
     # a NaN in rank 0's gradient at step 1: skipped on every rank, the int8 residuals rolled back
     {"strategy": dict(ACROSS, compressor="int8"), "nan_at": 1},
     # bad input, refused before the first step
@@ -41,8 +44,8 @@ CONFIGS: list[dict[str, Any]] = [
     {"strategy": dict(ACROSS, compressor="int8", node_size=3)},
     {"strategy": dict(ACROSS, compressor="int8", node_size=4)},
 ]
-(STOCK, INT8_2x2, FP32_2x2, FP32_4x1, INT8_4x1, TERN_2x2, QSGD_4x1, NAN, SPARSE, MULTIROUND, HSDP, BAD_NODES,
- ONE_NODE) = range(len(CONFIGS))
+(STOCK, INT8_2x2, FP32_2x2, FP32_4x1, INT8_4x1, TERN_2x2, QSGD_4x1, INT4_2x2, NAN, SPARSE, MULTIROUND, HSDP,
+ BAD_NODES, ONE_NODE) = range(len(CONFIGS))
 
 #: FSDP2's dim-0 pieces of the three Linear units over 4 ranks: 4 rows of 8 + 4 biases; 3 rows of 16 + 3; 1 (padded)
 #: row of 12 + 1; between nodes each rank sends one piece per unit to each other node's peer
@@ -73,11 +76,11 @@ def test_identity_equals_stock_fsdp2_bit_for_bit_every_step(results: list[list[d
     assert not torch.equal(ours[0]["shards"][0], ours[0]["shards"][-1]), "nothing trained"
 
 
-@pytest.mark.parametrize("run", [INT8_2x2, FP32_2x2, FP32_4x1, INT8_4x1, TERN_2x2, QSGD_4x1])
+@pytest.mark.parametrize("run", [INT8_2x2, FP32_2x2, FP32_4x1, INT8_4x1, TERN_2x2, QSGD_4x1, INT4_2x2])
 def test_every_rank_holds_the_same_model(results: list[list[dict[str, Any]]], run: int) -> None:
     """Every rank gathers the same parameters (FSDP2 makes them identical: each shard is written by its owner alone)
     and the runs move the model the way stock FSDP2 does: the cosine of their updates after 4 steps above 0.9 for
-    fp32 and int8, above 0.2 for the stochastic TernGrad and QSGD (AdamW steps by about lr per element whatever a
+    fp32, int8 and int4, above 0.2 for the stochastic TernGrad and QSGD (AdamW steps by about lr per element whatever a
     gradient's size, so their random sign on small elements shows in full)."""
     runs, stock = _run(results, run), _run(results, STOCK)
     for rank in range(4):
@@ -93,12 +96,15 @@ def test_every_rank_holds_the_same_model(results: list[list[dict[str, Any]]], ru
 
 def test_bytes_per_link_are_recorded_exactly(results: list[list[dict[str, Any]]]) -> None:
     """Per rank and step, from the reduce-scatter's ledger: between nodes, one piece per unit to each other node
-    (int8: 1 byte an element plus a 4-byte scale per block, each piece one block here; fp32: 4 bytes an element;
+    (int8: 1 byte an element plus a 4-byte scale per block, each piece one block here; int4: half a byte an element,
+    rounded up, plus the scale; fp32: 4 bytes an element;
     a rank's own piece never leaves it), against the same exchange in fp32; inside a node of 2, the other local
     rank's piece of every node, fp32 (none with one rank per node). The replica exchange sends nothing."""
     int8 = sum(p + 4 for p in PIECES)
+    int4 = sum(-(-p // 2) + 4 for p in PIECES)
     fp32 = 4 * sum(PIECES)
-    expected = {INT8_2x2: (int8, fp32, 4 * 2 * sum(PIECES)), FP32_2x2: (fp32, fp32, 4 * 2 * sum(PIECES)),
+    expected = {INT8_2x2: (int8, fp32, 4 * 2 * sum(PIECES)), INT4_2x2: (int4, fp32, 4 * 2 * sum(PIECES)),
+                FP32_2x2: (fp32, fp32, 4 * 2 * sum(PIECES)),
                 INT8_4x1: (3 * int8, 3 * fp32, 0), FP32_4x1: (3 * fp32, 3 * fp32, 0)}
     for run, (wan, dense, lan) in expected.items():
         for rank, r in enumerate(_run(results, run)):
@@ -106,7 +112,7 @@ def test_bytes_per_link_are_recorded_exactly(results: list[list[dict[str, Any]]]
             assert r["strategy_bytes"] == wan and r["dense_bytes"] == dense, (run, rank)
             assert r["lan"] == [lan] * 4, (run, rank, r["lan"])
             assert r["bytes"] == [0] * 4
-    assert (int8, fp32, NUMEL) == (112, 400, 400)  # 3.6x fewer bytes between nodes
+    assert (int4, int8, fp32, NUMEL) == (63, 112, 400, 400)  # 6.3x and 3.6x fewer bytes between nodes
     # TernGrad's 2-bit (or summed int8) pieces and QSGD's 4-bit ones: well below fp32
     for run in (TERN_2x2, QSGD_4x1):
         for r in _run(results, run):
