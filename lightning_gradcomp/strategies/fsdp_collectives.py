@@ -341,8 +341,7 @@ class HierarchicalReduceScatter(ReduceScatter):
         self.steps.step(self.key, self.name, input_tensor[: nodes * piece], piece)
         if local > 1:
             self.steps.ledger.record_channel(LAN, tensor_bytes(input_tensor, (local - 1) * nodes * piece))
-        return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op,  # type: ignore[arg-type]
-                                          async_op=async_op)
+        return dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
 
 
 class CompressedReduceScatter:

@@ -159,8 +159,9 @@ class ShardedOptions(ExchangeOptions):
             shards, each rank writing its own (``True``), or one full file.
         compress_across_nodes: shard the model over every rank (one replica: ``shard_size`` ``None`` or the world
             size) and compress FSDP2's gradient reduce-scatter between nodes with ``compressor`` (``"int8"``:
-            blockwise int8 with error feedback; ``"terngrad"``, ``"qsgd"``, ``"onebit"``, ``"bf16"``: as under DDP,
-            per piece; ``"fp32"``: dense), dense inside a node
+            blockwise int8 with error feedback; ``BlockInt8(bits=4)``: int4 codes with block scales, as ZeRO++'s
+            qgZ; ``"terngrad"``, ``"qsgd"``, ``"onebit"``, ``"bf16"``: as under DDP, per piece; ``"fp32"``: FSDP2's
+            own reduce-scatter, stock FSDP2's bits), dense inside a node
             (:class:`~lightning_gradcomp.strategies.fsdp_collectives.CompressedReduceScatter`). The weights'
             all-gather stays FSDP2's (dense) unless ``quantize_weights``. Its residuals are in every rank's
             checkpoint state.

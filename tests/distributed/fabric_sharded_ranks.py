@@ -190,13 +190,14 @@ def fit_configs(rank: int, world_size: int, configs: list[dict[str, Any]], path:
 
 def across_nodes(rank: int, world_size: int, path: str) -> dict[str, Any]:
     """``compress_across_nodes=True`` under Fabric (the model sharded over all 4 ranks): FSDP2 alone (one replica,
-    the reference), fp32 between 4 nodes of 1, int8 between 2 nodes of 2 (every rank's gathered parameters and the
+    the reference), fp32 between 4 nodes of 1 and 2 nodes of 2, int8 between 2 nodes of 2 (every rank's gathered parameters and the
     bytes), the same with the quantized weight all-gather, bad input; then int8 saved after 3 steps and loaded into a fresh Fabric for 3 more, against 6 straight."""
     batches = _batches(rank, 6)
     across: dict[str, Any] = {"shard_size": 4, "compress_across_nodes": True}
     out: dict[str, Any] = {}
     for name, options in (("fsdp2", {"compressor": "fp32", "shard_size": 4}),
                           ("fp32_4x1", dict(across, compressor="fp32", node_size=1)),
+                          ("fp32_2x2", dict(across, compressor="fp32", node_size=2)),
                           ("int8_2x2", dict(across, compressor="int8", node_size=2)),
                           ("int8_weights_2x2", dict(across, compressor="int8", node_size=2, quantize_weights=True)),
                           ("bad_nodes", dict(across, compressor="int8", node_size=3)),
