@@ -260,6 +260,8 @@ class Ledger:
         # whether an exchange began (bucket 0) whose bytes are not in ``run`` yet: the latest step, read live from
         # the records until the next exchange begins (1-bit Adam records its step's exchange after the hook ran)
         self._step_open = False
+        # the names recorded by :meth:`record_more` in the exchange under way
+        self._more_this_exchange: set[str] = set()
 
     def bucket_called(self, is_last: bool, first: bool = False) -> None:
         """A bucket reached the hook (``first``: bucket 0, the start of a new exchange: the previous one's bytes,
@@ -270,6 +272,7 @@ class Ledger:
                     self.run.add(part)
                 self.run.end_step()
             self._step_open = True
+            self._more_this_exchange.clear()
         self.hook_calls += 1
         if is_last:
             self._last_bucket_seen = True
@@ -298,6 +301,17 @@ class Ledger:
         self._release(name)
         self._singles[name] = record
         self._records = None
+
+    def record_more(self, name: str, record: LayerRecord) -> None:
+        """One more record of ``name`` in the exchange under way, added to its earlier ones of the same exchange (an
+        FSDP2 unit all-gathers its weights twice a step, in forward and in backward); the first of an exchange
+        replaces the previous exchange's."""
+        earlier = self._singles.get(name) if name in self._more_this_exchange else None
+        self._more_this_exchange.add(name)
+        if earlier is not None:
+            record = LayerRecord(earlier.nbytes + record.nbytes, earlier.numel + record.numel, record.aggregation,
+                                 record.stats)
+        self.record(name, record)
 
     def record_group(self, group: GroupRecord) -> None:
         """A group's record; replaces the records of its names, and a stale group (an old bucket layout) that held any."""

@@ -76,9 +76,6 @@ class HierarchicalAllGather(AllGather):
         self.quantizer = quantizer
         self.counting = counting
         self._segments: dict[int, Segments] = {}
-        # this unit's bytes and elements between nodes in the step under way (a unit may gather twice a step)
-        self.step_bytes = 0
-        self.step_numel = 0
 
     @override
     def allocate(self, size: Sequence[Union[int, torch.SymInt]], *, dtype: torch.dtype,
@@ -129,9 +126,9 @@ class HierarchicalAllGather(AllGather):
         """This call's bytes: its own codes and scales to each of the ``nodes - 1`` other nodes, and its node's
         decoded pieces (``node_bytes``) to each of the other ranks of its node."""
         nodes, local = self.layout.num_sites, self.layout.sizes[0]
-        self.step_bytes += (nodes - 1) * own_bytes
-        self.step_numel += (nodes - 1) * piece  # the elements sent between nodes: their fp32 is the dense reference
-        self.ledger.record(self.name, LayerRecord(self.step_bytes, self.step_numel, Aggregation.GATHER, {}))
+        # the elements sent between nodes: their fp32 is the dense reference; a unit gathers twice a step
+        self.ledger.record_more(self.name, LayerRecord((nodes - 1) * own_bytes, (nodes - 1) * piece,
+                                                       Aggregation.GATHER, {}))
         if local > 1:
             self.ledger.record_channel(LAN, (local - 1) * node_bytes)
 
@@ -186,8 +183,6 @@ class QuantizedAllGather:
         # a forward with gradients is a training step's: its all-gathers and its backward's are that step's bytes
         self._counting = torch.is_grad_enabled()
         if self._counting:
-            for comm in self.comms:
-                comm.step_bytes = comm.step_numel = 0
             self.ledger.bucket_called(False, first=True)
 
     def bytes_per_step(self) -> int:

@@ -164,7 +164,7 @@ class PieceSteps:
         self.ledger.drop_group(groups[self.node].segments.names)
         return groups, packets
 
-    def exchange(self, key: int, unit: str, output: Tensor, pieces: Tensor) -> None:
+    def reduce_to_owners(self, key: int, unit: str, output: Tensor, pieces: Tensor) -> None:
         """Compress the ``[nodes * piece]`` pieces, send each to its owner, and write the sum of this rank's piece
         (decoded) into ``output``."""
         nodes, piece, own = self.layout.num_sites, output.numel(), self.node
@@ -326,7 +326,7 @@ class HierarchicalReduceScatter(ReduceScatter):
         if nodes == 1:
             output_tensor.copy_(mine)
         else:
-            self.steps.exchange(self.key, self.name, output_tensor, mine)
+            self.steps.reduce_to_owners(self.key, self.name, output_tensor, mine)
         if op == dist.ReduceOp.AVG:
             output_tensor.div_(nodes * local)
         return None
