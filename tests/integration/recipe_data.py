@@ -25,6 +25,7 @@ DATA_DIRS = {
     "gradcomp_lab.data.TinyShakespeareDataModule": "tinyshakespeare",
     "gradcomp_lab.data.ParallelTextDataModule": "parallel",
     "gradcomp_lab.data.StdlibSourceDataModule": "stdlib",
+    "gradcomp_lab.data.StdlibPieceDataModule": "stdlib",
 }
 
 
