@@ -28,7 +28,7 @@ its bin, plus a marker word wherever the bin cannot be inferred (:func:`~lightni
 bit per entry. A layer that sends nothing sends 0 bytes.
 
 The code is written once, for a group of layers in one flat tensor: the hook's group methods (``compress_flat``,
-``decompress_flat_mean_into``, ...) run every setting, and the per-layer methods (``compress(tensor, name)``,
+``decompress_flat_mean_into``, ...) run every setting, and the per-tensor calls (``per_tensor(compressor).compress(tensor, name)``,
 ``decompress(packet)``, ...) run them on a group of one. The adaptive selection with the paper's wire runs a fixed
 number of ops per group (:mod:`~lightning_gradcomp.compressors.adacomp_group`, the compiled group kernels on CPU, Triton
 on CUDA); the local selection picks per layer (:func:`local_send`, then the group's wire at once) and the index32 wire
@@ -133,8 +133,8 @@ class AdaComp(KernelBacked[AdaCompKernels], GradientObserver, SelectsElements):
             tensor; compiled on CPU, torch ops elsewhere) or ``"auto"`` (fused on CPU when the kernels compile
             here, else torch). Both send the same bytes; ``selection="local"`` always selects with torch ops.
 
-    Written at group level: the per-layer methods are the group methods on a group of one (a standalone per-layer
-    user calls :meth:`observe_gradient` with the fresh gradient before :meth:`compress`).
+    Written at group level: ``per_tensor(adacomp)`` runs the group methods on a group of one (a standalone per-tensor
+    user calls its ``observe_gradient`` with the fresh gradient before ``compress``).
     """
 
     aggregation = Aggregation.GATHER

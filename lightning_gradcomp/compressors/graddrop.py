@@ -28,7 +28,7 @@ distribution); the state is the per-name counters, and a checkpoint holding such
 :meth:`~GradientDropping.load_state_dict` (resume it with ``resume_compression='reset'``).
 
 The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.graddrop_group`);
-the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ...) run it on a group of one.
+the per-tensor calls (``per_tensor(compressor).compress(tensor, name)``, ``decompress(packet)``, ...) run it on a group of one.
 """
 
 import math

@@ -19,7 +19,7 @@ payloads; ``collective`` picks one, ``"auto"`` by the ring traffic of each (see 
 and a planner may pick either per bucket (:meth:`TernGrad.collectives`).
 
 The code is written once, for a group of layers in one flat tensor (:mod:`~lightning_gradcomp.compressors.terngrad_group`);
-the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ...) run it on a group of one.
+the per-tensor calls (``per_tensor(compressor).compress(tensor, name)``, ``decompress(packet)``, ...) run it on a group of one.
 """
 
 import copy

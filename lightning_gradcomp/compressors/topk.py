@@ -20,7 +20,7 @@ value plus one float32 scale per tensor; the rounding error stays in the residua
 ``dim() > 1``).
 
 The code is written once, for a group of layers in one flat tensor (the hook's pipeline, :meth:`TopK.compress_flat`);
-the per-layer methods (``compress(tensor, name)``, ``decompress(packet)``, ``sent``) run it on a group of one. The
+the per-tensor calls (``per_tensor(compressor).compress(tensor, name)``, ``decompress(packet)``, ``sent``) run it on a group of one. The
 group payload's layout is :mod:`~lightning_gradcomp.compressors.topk_group`'s; the selection, what differs by device
 (:attr:`TopK.selection`), is stated for one layer once (:func:`~lightning_gradcomp.compressors.topk_group.top_k_segment`,
 :func:`~lightning_gradcomp.compressors.dgc_group.select_segment`) and looped over the layers on a CPU, batched for all
